@@ -1,0 +1,156 @@
+"""Engine benchmark: the reference engine's continuous batching against HF `generate`, side by side.
+
+Rollout lengths in RL are long-tailed. Static batching (HF generate: one batch per prompt with
+num_return_sequences samples) keeps every row busy until the longest one is done, so short samples
+pay for the long one as padding; continuous batching retires each sample at its own length and
+refills the slot. Lengths are forced (ignore_eos / min_new_tokens) from a seeded lognormal so both
+engines do the same useful work.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from rich.table import Table
+
+from rollwise.engine.reference import ReferenceEngine
+from rollwise.engine.types import GenerationRequest, SamplingParams
+
+QUESTIONS = [
+    "What is 17 * 23? Answer with the number only.",
+    "Name three prime numbers greater than 50.",
+    "Sort these words alphabetically: pear, apple, fig, banana.",
+    "If a train travels 60 km in 45 minutes, what is its speed in km/h?",
+    "Write a haiku about gradient descent.",
+    "What is the capital of Australia?",
+    "Solve for x: 3x + 7 = 22.",
+    "Explain in one sentence why the sky is blue.",
+]
+SAMPLES_PER_PROMPT = 8
+MAX_NUM_SEQS = 32
+
+
+def _budgets(rng: np.random.Generator, count: int, median: int, sigma: float, cap: int) -> list[int]:
+    raw = rng.lognormal(mean=math.log(median), sigma=sigma, size=count)
+    return [int(b) for b in np.clip(np.round(raw), 1, cap)]
+
+
+def _prompt_ids(tokenizer: Any, question: str) -> list[int]:
+    out = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+    )
+    # transformers 5 returns a BatchEncoding here; older versions a plain list of ids.
+    return list(out["input_ids"] if isinstance(out, Mapping) else out)
+
+
+def _time_reference(model: Any, prompts: list[list[int]], budgets: list[list[int]], seed: int) -> float:
+    max_len = max(len(p) for p in prompts) + max(max(b) for b in budgets) + 1
+    engine = ReferenceEngine(model, max_num_seqs=MAX_NUM_SEQS, max_model_len=max_len, seed=seed)
+    # One sample per request: each sample has its own forced length.
+    requests = [
+        GenerationRequest(f"p{i}/s{j}", prompt, SamplingParams(max_tokens=b, temperature=1.0, ignore_eos=True))
+        for i, (prompt, prompt_budgets) in enumerate(zip(prompts, budgets))
+        for j, b in enumerate(prompt_budgets)
+    ]
+    engine.generate([GenerationRequest("warmup", prompts[0], SamplingParams(max_tokens=2, ignore_eos=True))])
+    start = time.perf_counter()
+    completions = engine.generate(requests)
+    seconds = time.perf_counter() - start
+    assert sum(len(c.token_ids) for c in completions) == sum(map(sum, budgets))
+    return seconds
+
+
+@torch.inference_mode()
+def _time_hf_generate(model: Any, prompts: list[list[int]], budgets: list[list[int]], pad_id: int) -> float:
+    def run(prompt: list[int], new_tokens: int, samples: int) -> None:
+        model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=True,
+            temperature=1.0,
+            top_k=None,
+            top_p=1.0,
+            num_return_sequences=samples,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,  # suppresses EOS: every row runs to the batch's longest budget
+            pad_token_id=pad_id,
+        )
+
+    run(prompts[0], 2, 1)  # warm-up
+    start = time.perf_counter()
+    for prompt, prompt_budgets in zip(prompts, budgets):
+        run(prompt, max(prompt_budgets), len(prompt_budgets))
+    return time.perf_counter() - start
+
+
+def run_engine_bench(model: Any, tokenizer: Any, *, quick: bool, seed: int = 0) -> dict:
+    """Same prompts and forced long-tailed lengths through the ReferenceEngine and HF generate.
+
+    quick: 4 prompts x 8 samples, budgets with median 24 capped at 64 (under a minute with
+    SmolLM2-135M on 2 CPU cores); full: 8 prompts, median 48 capped at 192.
+    """
+    num_prompts, median, cap = (4, 24, 64) if quick else (8, 48, 192)
+    rng = np.random.default_rng(seed)
+    prompts = [_prompt_ids(tokenizer, q) for q in QUESTIONS[:num_prompts]]
+    budgets = [_budgets(rng, SAMPLES_PER_PROMPT, median, sigma=0.8, cap=cap) for _ in prompts]
+    useful = sum(map(sum, budgets))
+    padded = sum(SAMPLES_PER_PROMPT * max(b) for b in budgets)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    torch.manual_seed(seed)
+    ref_seconds = _time_reference(model, prompts, budgets, seed)
+    hf_seconds = _time_hf_generate(model, prompts, budgets, pad_id)
+    reference = {"tokens": useful, "seconds": ref_seconds, "tok_per_s": useful / ref_seconds}
+    hf = {
+        "tokens": useful,
+        "tokens_incl_padding": padded,
+        "seconds": hf_seconds,
+        "tok_per_s": useful / hf_seconds,
+        "tok_per_s_incl_padding": padded / hf_seconds,
+    }
+    return {
+        "config": {
+            "quick": quick,
+            "seed": seed,
+            "prompts": num_prompts,
+            "samples_per_prompt": SAMPLES_PER_PROMPT,
+            "max_num_seqs": MAX_NUM_SEQS,
+            "budget_median": median,
+            "budget_cap": cap,
+            "budgets": budgets,
+            "torch_threads": torch.get_num_threads(),
+        },
+        "reference": reference,
+        "hf_generate": hf,
+        "speedup": reference["tok_per_s"] / hf["tok_per_s"],
+    }
+
+
+def format_engine_bench(result: dict) -> Table:
+    cfg = result["config"]
+    table = Table(
+        title=(
+            f"Engine benchmark: {cfg['prompts']} prompts x {cfg['samples_per_prompt']} samples, "
+            f"forced lengths median {cfg['budget_median']} / cap {cfg['budget_cap']}, "
+            f"{cfg['torch_threads']} threads"
+        )
+    )
+    for column in ("engine", "useful tokens", "tokens incl. padding", "seconds", "useful tok/s", "tok/s incl. padding"):
+        table.add_column(column, justify="left" if column == "engine" else "right")
+    ref, hf = result["reference"], result["hf_generate"]
+    rows = [
+        # continuous batching generates no padding: every generated token is useful
+        (f"reference ({cfg['max_num_seqs']} slots)", ref["tokens"], ref["tokens"], ref["seconds"]),
+        ("HF generate", hf["tokens"], hf["tokens_incl_padding"], hf["seconds"]),
+    ]
+    for name, useful, total, seconds in rows:
+        table.add_row(name, str(useful), str(total), f"{seconds:.2f}", f"{useful / seconds:.1f}", f"{total / seconds:.1f}")
+    table.caption = (
+        f"speedup in useful tok/s: {result['speedup']:.2f}x (continuous batching vs one static batch per prompt)"
+    )
+    return table

@@ -1,0 +1,192 @@
+"""Typed run configuration: YAML file + dotted command-line overrides (`train.lr=1e-5`).
+
+Every section forbids unknown keys, so a typo fails before any work starts, with the key named,
+the allowed keys listed and the closest match suggested.
+"""
+
+from __future__ import annotations
+
+import difflib
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rollwise.reward.scoring import RewardConfig
+from rollwise.tasks import TaskConfig
+from rollwise.tasks.prompts import PromptConfig
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RolloutConfig(_Section):
+    prompts_per_step: int = Field(8, ge=1, description="GRPO groups generated per training step")
+    group_size: int = Field(8, ge=2, description="samples per prompt (the GRPO group)")
+    max_tokens: int = Field(64, ge=1, description="generation budget per sample")
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+
+
+class EngineConfig(_Section):
+    kind: Literal["reference"] = "reference"  # vLLM/SGLang arrive with the engine-contract issue
+    max_num_seqs: int = Field(64, ge=1, description="the engine's concurrency (bubble-ratio capacity)")
+    max_model_len: int = Field(1024, ge=16)
+
+
+class TrainConfig(_Section):
+    steps: int = Field(40, ge=0)
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = Field(1.0, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    micro_batch_size: int = Field(16, ge=1, description="sequences per forward/backward; gradients accumulate")
+    advantage: Literal["mean_std", "mean"] = "mean_std"  # "mean" is Dr. GRPO's unscaled advantage
+    clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below 1 (1 - clip_low)")
+    clip_high: float = Field(0.28, ge=0, description="PPO ratio clip above 1 (DAPO clip-higher)")
+    kl_coef: float = Field(0.0, ge=0, description="k3 KL to the initial policy; 0 skips the reference model")
+    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
+    logprob_chunk_tokens: int = Field(1024, ge=1, description="LM-head rows computed at once (bounds fp32 logits)")
+    gradient_checkpointing: bool = False
+    updates_per_step: int = Field(1, ge=1, description="optimizer updates per rollout batch (PPO epochs)")
+
+
+class EvalConfig(_Section):
+    size: int = Field(100, ge=0, description="held-out problems scored before and after training")
+    every: int = Field(0, ge=0, description="also evaluate every N steps (0: only before and after)")
+    max_tokens: int | None = Field(None, ge=1, description="default: rollout.max_tokens")
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(0, ge=0, description="save every N steps (0: only at the end)")
+    resume: str | None = Field(None, description="checkpoint dir to resume from, or 'auto' (latest in output_dir)")
+    keep_last: int = Field(2, ge=1)
+
+
+class RunConfig(_Section):
+    model: str = "bundled:smollm2-135m-instruct"
+    seed: int = 0
+    output_dir: str = "runs/{model_name}-{task_name}-{timestamp}"
+    threads: int = Field(0, ge=0, description="torch CPU threads (0: all cores)")
+    task: TaskConfig
+    prompt: PromptConfig = PromptConfig()
+    reward: RewardConfig = RewardConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    engine: EngineConfig = EngineConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    tensorboard: bool = True
+
+
+# Short names people type most (`rollwise train lr=1e-5 steps=20`).
+ALIASES = {
+    "lr": "train.lr",
+    "steps": "train.steps",
+    "group_size": "rollout.group_size",
+    "prompts_per_step": "rollout.prompts_per_step",
+    "max_tokens": "rollout.max_tokens",
+    "resume": "checkpoint.resume",
+}
+
+
+class ConfigError(ValueError):
+    """A config problem, phrased for the person who wrote the config."""
+
+
+def default_config_path() -> Path:
+    return Path(str(resources.files("rollwise") / "configs" / "default.yaml"))
+
+
+def _section_keys(model_cls: type[BaseModel], path: list[str]) -> tuple[type[BaseModel] | None, list[str]]:
+    """Walk a dotted path through the pydantic models; return the model owning the last key."""
+    cls: type[BaseModel] | None = model_cls
+    for depth, key in enumerate(path[:-1]):
+        assert cls is not None
+        fields = cls.model_fields
+        if key not in fields:
+            return cls, path[: depth + 1]
+        annotation = fields[key].annotation
+        cls = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        if cls is None:  # a dict-valued field such as task.params: anything goes below it
+            return None, []
+    return cls, path
+
+
+def _check_override_key(dotted: str) -> None:
+    path = dotted.split(".")
+    cls, checked = _section_keys(RunConfig, path)
+    if cls is None:
+        return
+    key = checked[-1]
+    allowed = sorted(cls.model_fields)
+    if key not in allowed:
+        where = ".".join(checked[:-1]) or "top level"
+        close = difflib.get_close_matches(key, allowed + list(ALIASES), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"unknown config key {dotted!r}: {where} allows {allowed}.{hint}")
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` strings (values parsed as YAML: 1e-5, true, [1, 2], null)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value (e.g. train.lr=1e-5)")
+        key, value_text = item.split("=", 1)
+        key = ALIASES.get(key.strip(), key.strip())
+        _check_override_key(key)
+        try:
+            value = yaml.safe_load(value_text) if value_text != "" else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({exc})") from None
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                node[part] = child
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def _format_validation_error(exc: ValidationError) -> str:
+    lines = ["invalid config:"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+            cls, _ = _section_keys(RunConfig, [str(p) for p in err["loc"]])
+            if cls is not None:
+                allowed = sorted(cls.model_fields)
+                close = difflib.get_close_matches(str(err["loc"][-1]), allowed, n=1)
+                msg += f"; allowed here: {allowed}" + (f". Did you mean {close[0]!r}?" if close else "")
+        elif err["type"] == "literal_error":
+            msg = f"{msg} (got {err.get('input')!r})"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """The embedded default (or `path`), with dotted overrides applied, validated."""
+    path = Path(path) if path is not None else default_config_path()
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} not found") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(raw).__name__}")
+    raw = apply_overrides(raw, overrides or [])
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc)) from None

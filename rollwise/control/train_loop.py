@@ -1,0 +1,358 @@
+"""`rollwise train`: the synchronous GRPO loop, local placement (everything in one process).
+
+    problems -> rollout (engine) -> reward -> advantages -> trainer -> weight push -> engine
+
+Every step writes one line of metrics.jsonl; held-out evaluation runs before and after training;
+the run ends with summary.json, a curve PNG and a summary table.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from rollwise.config import RunConfig
+from rollwise.engine.reference import ReferenceEngine
+from rollwise.engine.types import SamplingParams
+from rollwise.model.loading import load_model, tokenizer_fingerprint
+from rollwise.observe.bubble import bubble_ratio
+from rollwise.observe.metrics import MetricsLogger, read_metrics
+from rollwise.observe.plots import plot_training_curve
+from rollwise.observe.summary import render_summary
+from rollwise.reward.batch import score_samples
+from rollwise.rollout.data import ProblemStream
+from rollwise.rollout.sync_rollout import PromptEncoder, RolloutPlan, group_samples, rollout, sampling_seed
+from rollwise.rollout.types import Sample
+from rollwise.sync.inprocess import push_weights
+from rollwise.tasks import Problem, Task, make_task
+from rollwise.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rollwise.train.grpo import group_advantages
+from rollwise.train.trainer import GRPOTrainer
+
+
+@dataclass
+class Run:
+    """Everything the loop's phases share."""
+
+    cfg: RunConfig
+    run_dir: Path
+    task: Task
+    problems: dict[str, Problem]
+    encoder: PromptEncoder
+    engine: ReferenceEngine
+    trainer: GRPOTrainer
+    progress: Progress
+    t0: float
+
+
+def _run_dir(cfg: RunConfig) -> Path:
+    model_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", cfg.model.split("/")[-1].replace("bundled:", ""))
+    task_name = cfg.task.name or Path(cfg.task.path or "task").stem
+    return Path(
+        cfg.output_dir.format(
+            model_name=model_name, task_name=task_name, timestamp=datetime.now().strftime("%Y%m%d-%H%M%S")
+        )
+    )
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def evaluate(run: Run, step: int, label: str) -> dict[str, Any]:
+    """Greedy decoding on the held-out split: strict accuracy = exactly one well-formed answer, correct."""
+    cfg = run.cfg
+    problems = run.task.problems("eval")[: cfg.eval.size]
+    if not problems:
+        return {}
+    params = SamplingParams(max_tokens=cfg.eval.max_tokens or cfg.rollout.max_tokens, temperature=0.0, n=1)
+    bar = run.progress.add_task(f"eval ({label})", total=len(problems))
+    t = time.monotonic()
+    samples = rollout(
+        run.engine, run.encoder, RolloutPlan(problems, params, f"eval{step}"),
+        progress=lambda n: run.progress.advance(bar, n),
+    )
+    score_samples(samples, run.problems, run.task, cfg.reward)
+    run.progress.remove_task(bar)
+    n = len(samples)
+    result = {
+        "step": step,
+        "label": label,
+        "elapsed_s": time.monotonic() - run.t0,
+        "eval_seconds": time.monotonic() - t,
+        "n": n,
+        "strict_accuracy": sum(s.strict_correct for s in samples) / n,
+        "lenient_accuracy": sum(s.lenient_correct for s in samples) / n,
+        "format_rate": sum(s.outcome != "unparseable" for s in samples) / n,
+        "response_len_mean": sum(len(s.response_ids) for s in samples) / n,
+    }
+    with (run.run_dir / "eval_samples.jsonl").open("a") as f:
+        for s in samples:
+            f.write(json.dumps({"step": step, "problem_id": s.problem_id, "response": s.response_text,
+                                "outcome": s.outcome, "answer": run.problems[s.problem_id].answer}) + "\n")
+    return result
+
+
+def _assign_advantages(samples: list[Sample], mode: str) -> float:
+    """Group-relative advantages in place; returns the fraction of groups with zero reward variance."""
+    groups = list(group_samples(samples).values())
+    rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)
+    adv = group_advantages(rewards, mode)
+    for g, row in zip(groups, adv):
+        for s, a in zip(g, row.tolist()):
+            s.advantage = a
+    return float((rewards.std(dim=1) == 0).float().mean())
+
+
+def _rollout_metrics(samples: list[Sample]) -> dict[str, float]:
+    n = len(samples)
+    lengths = [len(s.response_ids) for s in samples]
+    rewards = torch.tensor([s.reward for s in samples])
+    return {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if n > 1 else 0.0,
+        "strict_accuracy": sum(s.strict_correct for s in samples) / n,
+        "lenient_accuracy": sum(s.lenient_correct for s in samples) / n,
+        "format_rate": sum(s.outcome != "unparseable" for s in samples) / n,
+        "outcome_correct": sum(s.outcome == "correct" for s in samples) / n,
+        "outcome_formatted_wrong": sum(s.outcome == "formatted_wrong" for s in samples) / n,
+        "outcome_unparseable": sum(s.outcome == "unparseable" for s in samples) / n,
+        "truncated_fraction": sum(s.finish_reason == "length" for s in samples) / n,
+        "response_len_mean": sum(lengths) / n,
+        "response_len_max": max(lengths),
+        "reward_errors": sum("reward_error" in s.extra for s in samples),
+    }
+
+
+def train_step(run: Run, step: int, stream: ProblemStream, logger: MetricsLogger) -> dict[str, Any]:
+    cfg = run.cfg
+    t_step = time.monotonic()
+    run.engine.reset_timeline()
+
+    # 1. rollout
+    params = SamplingParams(
+        max_tokens=cfg.rollout.max_tokens,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        n=cfg.rollout.group_size,
+    )
+    problems = stream.batch(step, cfg.rollout.prompts_per_step)
+    seeds = [sampling_seed(cfg.seed, step, slot, params.n) for slot in range(len(problems))]
+    bar = run.progress.add_task(f"step {step + 1} generate", total=len(problems) * params.n)
+    samples = rollout(
+        run.engine, run.encoder, RolloutPlan(problems, params, f"step{step}", seeds),
+        progress=lambda n: run.progress.advance(bar, n),
+    )
+    run.progress.remove_task(bar)
+    t_gen_end = time.monotonic()
+    rollout_timeline = list(run.engine.timeline)
+
+    # 2. reward
+    score_samples(samples, run.problems, run.task, cfg.reward)
+    zero_var = _assign_advantages(samples, cfg.train.advantage)
+    t_reward_end = time.monotonic()
+
+    # 3. train
+    train_metrics = run.trainer.train_step(samples)
+    t_train_end = time.monotonic()
+
+    # 4. weight sync
+    push_weights(run.trainer.model, [run.engine], run.trainer.version)
+    t_sync_end = time.monotonic()
+
+    gen_s = t_gen_end - t_step
+    step_s = t_sync_end - t_step
+    generated = sum(len(s.response_ids) for s in samples)
+    prompt_tokens = sum(len(s.prompt_ids) for s in samples)
+    cached = sum(s.extra.get("cached_prompt_tokens", 0) for s in samples)
+    staleness = [st for s in samples for st in s.staleness(run.trainer.version - 1)]
+    record = {
+        "step": step + 1,
+        "elapsed_s": t_sync_end - run.t0,
+        "policy_version": run.trainer.version,
+        **_rollout_metrics(samples),
+        "zero_variance_groups": zero_var,
+        **train_metrics,
+        "time_generate_s": gen_s,
+        "time_reward_s": t_reward_end - t_gen_end,
+        "time_train_s": t_train_end - t_reward_end,
+        "time_weight_sync_s": t_sync_end - t_train_end,
+        "time_step_s": step_s,
+        "rollout_tokens_per_s": generated / max(gen_s, 1e-9),
+        "trained_tokens_per_s": train_metrics["trained_tokens"] / max(t_train_end - t_reward_end, 1e-9),
+        "samples_per_s": len(samples) / max(step_s, 1e-9),
+        "prefix_cache_hit_rate": cached / max(prompt_tokens, 1),
+        # Bubble ratio over the whole step (training included) and over the rollout phase alone.
+        "bubble_ratio": bubble_ratio([rollout_timeline], [run.engine.max_num_seqs], t_step, t_sync_end),
+        "bubble_ratio_rollout": bubble_ratio([rollout_timeline], [run.engine.max_num_seqs], t_step, t_gen_end),
+        # Versions that sampled the trained tokens vs. the version they were trained at (sync: 0).
+        "staleness_mean": sum(staleness) / max(len(staleness), 1),
+        "staleness_max": max(staleness, default=0),
+    }
+    logger.log(record)
+    with (run.run_dir / "samples.jsonl").open("a") as f:
+        for s in samples[: cfg.rollout.group_size]:  # one group per step, for reading what the model writes
+            f.write(json.dumps({"step": step + 1, "response": s.response_text, "reward": s.reward,
+                                "outcome": s.outcome}) + "\n")
+    return record
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("[bold blue]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
+    """Run GRPO as configured; returns the summary that is also written to summary.json."""
+    console = console or Console()
+    t0 = time.monotonic()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    _seed_everything(cfg.seed)
+
+    resume_dir: Path | None = None
+    if cfg.checkpoint.resume:
+        if cfg.checkpoint.resume == "auto":
+            run_dir = _run_dir(cfg)
+            resume_dir = latest_checkpoint(run_dir)
+        else:
+            resume_dir = Path(cfg.checkpoint.resume)
+            if not (resume_dir / "state.json").exists():
+                raise FileNotFoundError(f"checkpoint.resume={cfg.checkpoint.resume!r} is not a checkpoint directory")
+            run_dir = resume_dir.parent.parent
+    else:
+        run_dir = _run_dir(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(__import__("yaml").safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+    with console.status(f"loading model {cfg.model} and task {cfg.task.name or cfg.task.path}"):
+        model, tokenizer = load_model(cfg.model)
+        task = make_task(cfg.task)
+        train_problems = task.problems("train")
+        eval_problems = task.problems("eval")[: cfg.eval.size]
+    problems = {p.id: p for p in train_problems + eval_problems}
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    trainer = GRPOTrainer(model, cfg.train, pad_token_id=pad_id, temperature=cfg.rollout.temperature or 1.0)
+    start_step = 0
+    if resume_dir is not None:
+        state = load_checkpoint(resume_dir, trainer)
+        start_step = int(state["step"])
+        if state.get("tokenizer_fingerprint") not in (None, fingerprint):
+            raise ValueError("checkpoint was trained with a different tokenizer (fingerprint mismatch)")
+        console.print(f"[green]resumed[/] from {resume_dir} at step {start_step} (policy version {trainer.version})")
+
+    eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
+    engine = ReferenceEngine(
+        model, max_num_seqs=cfg.engine.max_num_seqs, max_model_len=cfg.engine.max_model_len,
+        eos_token_ids=eos_ids, policy_version=trainer.version,
+    )
+    # The engine and the trainer must tokenize identically (invariant 1); here they share one tokenizer.
+    engine_fingerprint = fingerprint
+    if engine_fingerprint != fingerprint:
+        raise RuntimeError("engine and trainer tokenizer fingerprints differ")
+
+    n_params = sum(p.numel() for p in model.parameters())
+    console.print(
+        f"[bold]rollwise train[/]  model={cfg.model} ({n_params / 1e6:.0f}M params)  engine=reference "
+        f"(max_num_seqs={cfg.engine.max_num_seqs})  task={task.name}  train={len(train_problems)} "
+        f"eval={len(eval_problems)}  steps={cfg.train.steps}  batch={cfg.rollout.prompts_per_step}x"
+        f"{cfg.rollout.group_size}  lr={cfg.train.lr}\n  run dir: {run_dir}\n"
+        f"  tokenizer fingerprint: {fingerprint[:16]}…"
+    )
+
+    logger = MetricsLogger(run_dir, tensorboard=cfg.tensorboard)
+    evals_path = run_dir / "evals.jsonl"
+    stream = ProblemStream(train_problems, cfg.seed)
+    with _progress(console) as progress:
+        run = Run(cfg, run_dir, task, problems, PromptEncoder(tokenizer, cfg.prompt, cfg.reward), engine,
+                  trainer, progress, t0)
+
+        def record_eval(step: int, label: str) -> dict[str, Any]:
+            result = evaluate(run, step, label)
+            if result:
+                with evals_path.open("a") as f:
+                    f.write(json.dumps(result) + "\n")
+                progress.console.print(
+                    f"[cyan]eval[/] {label:>6} step {step:>3}: strict accuracy {result['strict_accuracy']:.1%}  "
+                    f"format {result['format_rate']:.1%}  last-number {result['lenient_accuracy']:.1%}"
+                )
+            return result
+
+        if start_step == 0:
+            record_eval(0, "before")
+        steps_bar = progress.add_task("training steps", total=cfg.train.steps, completed=start_step)
+        for step in range(start_step, cfg.train.steps):
+            record = train_step(run, step, stream, logger)
+            progress.advance(steps_bar)
+            progress.console.print(
+                f"step {record['step']:>3}  reward {record['reward_mean']:.3f}  strict {record['strict_accuracy']:.1%}"
+                f"  format {record['format_rate']:.1%}  len {record['response_len_mean']:.0f}"
+                f"  zero-var {record['zero_variance_groups']:.0%}  gen {record['time_generate_s']:.1f}s"
+                f"  train {record['time_train_s']:.1f}s  bubble {record['bubble_ratio']:.2f}"
+            )
+            done = step + 1
+            if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.steps:
+                record_eval(done, "mid")
+            if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.train.steps:
+                save_checkpoint(run_dir, trainer, tokenizer, done,
+                                {"tokenizer_fingerprint": fingerprint, "problems_consumed": done * cfg.rollout.prompts_per_step},
+                                cfg.checkpoint.keep_last)
+        final_eval = record_eval(cfg.train.steps, "after")
+    logger.close()
+
+    records = read_metrics(run_dir / "metrics.jsonl")
+    evals = [json.loads(line) for line in evals_path.read_text().splitlines()] if evals_path.exists() else []
+    curve = plot_training_curve(records, evals, run_dir / "curve.png")
+    before = next((e for e in evals if e["label"] == "before"), None)
+    summary = {
+        "run_dir": str(run_dir),
+        "model": cfg.model,
+        "task": task.name,
+        "engine": "reference",
+        "steps": cfg.train.steps,
+        "policy_version": trainer.version,
+        "wall_time_s": time.monotonic() - t0,
+        "eval_before": before,
+        "eval_after": final_eval or None,
+        "strict_accuracy_gain": (final_eval["strict_accuracy"] - before["strict_accuracy"])
+        if before and final_eval else None,
+        "train_reward_first": records[0]["reward_mean"] if records else None,
+        "train_reward_last": records[-1]["reward_mean"] if records else None,
+        "mean_bubble_ratio": sum(r["bubble_ratio"] for r in records) / len(records) if records else None,
+        "peak_rss_gb": _peak_rss_gb(),
+        "tokenizer_fingerprint": fingerprint,
+        "artifacts": {"metrics": "metrics.jsonl", "evals": "evals.jsonl", "curve": curve.name,
+                      "tensorboard": "tensorboard/" if cfg.tensorboard else None, "checkpoints": "checkpoints/"},
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    console.print(render_summary(summary, records))
+    return summary
+
+
+def _peak_rss_gb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 / 1024  # Linux reports KiB

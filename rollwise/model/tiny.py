@@ -1,0 +1,76 @@
+"""Tiny random models and a character-level tokenizer, built in code, for tests and quick benchmarks.
+
+No hub access exists here, so tests never download anything: they build a Llama-architecture model
+with a few thousand parameters and a ChatML tokenizer whose vocabulary is printable ASCII.
+"""
+
+from __future__ import annotations
+
+import string
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import WordLevel
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML, the same shape as SmolLM2's template, so tiny models exercise the real prompt path.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: every printable ASCII character is one token."""
+    chars = list(dict.fromkeys(string.printable))
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars + ["<unk>"])}
+    backend = Tokenizer(WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<unk>",
+        bos_token=None,
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+def tiny_llama(
+    vocab_size: int | None = None,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    seed: int = 0,
+    tie_word_embeddings: bool = True,
+    max_position_embeddings: int = 1024,
+) -> LlamaForCausalLM:
+    """A randomly initialised Llama-architecture model (fp32) sized for unit tests."""
+    if vocab_size is None:
+        vocab_size = len(tiny_tokenizer())
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.eval()
+    return model

@@ -1,0 +1,40 @@
+"""PNG plots people would rather look at than read: the reward / accuracy curve of a run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: no display on training machines
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot_training_curve(records: list[dict[str, Any]], evals: list[dict[str, Any]], out: Path) -> Path:
+    """Left: train reward and strict accuracy per step vs. minutes. Right: held-out strict accuracy."""
+    steps = [r for r in records if "reward_mean" in r]
+    fig, (ax_train, ax_eval) = plt.subplots(1, 2, figsize=(11, 4))
+    if steps:
+        minutes = [r["elapsed_s"] / 60 for r in steps]
+        ax_train.plot(minutes, [r["reward_mean"] for r in steps], label="reward (mean)", color="tab:blue")
+        ax_train.plot(minutes, [r["strict_accuracy"] for r in steps], label="strict accuracy", color="tab:green")
+        ax_train.plot(minutes, [r["format_rate"] for r in steps], label="format ok", color="tab:orange", ls="--")
+    ax_train.set(title="training samples", xlabel="minutes since start", ylim=(-0.02, 1.02))
+    ax_train.grid(alpha=0.3)
+    ax_train.legend(loc="lower right")
+    if evals:
+        ax_eval.plot([e["elapsed_s"] / 60 for e in evals], [e["strict_accuracy"] for e in evals], "o-",
+                     color="tab:green", label="strict accuracy (greedy)")
+        ax_eval.plot([e["elapsed_s"] / 60 for e in evals], [e["lenient_accuracy"] for e in evals], "s--",
+                     color="tab:gray", label="last-number accuracy")
+        for e in evals:
+            ax_eval.annotate(f"step {e['step']}", (e["elapsed_s"] / 60, e["strict_accuracy"]),
+                             textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    ax_eval.set(title="held-out evaluation", xlabel="minutes since start", ylim=(-0.02, 1.02))
+    ax_eval.grid(alpha=0.3)
+    ax_eval.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,35 @@
+"""The closing summary table of a run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{x:.1%}"
+
+
+def render_summary(summary: dict[str, Any], records: list[dict[str, Any]]) -> Table:
+    table = Table(title=f"rollwise run summary — {summary['run_dir']}", show_header=True, header_style="bold")
+    table.add_column("metric")
+    table.add_column("before", justify="right")
+    table.add_column("after", justify="right")
+    before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
+    for key, label in [("strict_accuracy", "held-out strict accuracy"), ("format_rate", "held-out format ok"),
+                       ("lenient_accuracy", "held-out last-number accuracy")]:
+        table.add_row(label, _pct(before.get(key)), _pct(after.get(key)))
+    if records:
+        first, last = records[0], records[-1]
+        table.add_row("train reward (step)", f"{first['reward_mean']:.3f}", f"{last['reward_mean']:.3f}")
+        table.add_row("response length", f"{first['response_len_mean']:.0f}", f"{last['response_len_mean']:.0f}")
+        n = len(records)
+        time_split = {k: sum(r[f"time_{k}_s"] for r in records) for k in ("generate", "reward", "train", "weight_sync")}
+        total = sum(time_split.values()) or 1.0
+        table.add_row("time split", ", ".join(f"{k} {v / total:.0%}" for k, v in time_split.items()), "")
+        table.add_row("mean bubble ratio", f"{sum(r['bubble_ratio'] for r in records) / n:.2f}", "")
+        table.add_row("rollout tok/s (mean)", f"{sum(r['rollout_tokens_per_s'] for r in records) / n:.0f}", "")
+    table.add_row("wall time", f"{summary['wall_time_s'] / 60:.1f} min", "")
+    table.add_row("peak memory (RSS)", f"{summary['peak_rss_gb']:.1f} GB", "")
+    return table

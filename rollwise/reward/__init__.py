@@ -1,0 +1,28 @@
+"""Rewards: the strict answer format (answer_format) and per-response scoring (scoring)."""
+
+from rollwise.reward.answer_format import (
+    AnswerFormat,
+    ParsedResponse,
+    answers_match,
+    last_number,
+    normalize_text,
+    parse_number,
+    parse_response,
+)
+from rollwise.reward.scoring import OUTCOMES, Outcome, RewardConfig, RewardResult, lenient_match, score
+
+__all__ = [
+    "AnswerFormat",
+    "OUTCOMES",
+    "Outcome",
+    "ParsedResponse",
+    "RewardConfig",
+    "RewardResult",
+    "answers_match",
+    "last_number",
+    "lenient_match",
+    "normalize_text",
+    "parse_number",
+    "parse_response",
+    "score",
+]

@@ -1,0 +1,96 @@
+"""The synchronous rollout: generate every group of the batch, score it, hand it to the trainer.
+
+Sampling seeds derive from (run seed, step, prompt slot), not from a running RNG, so a resumed run
+samples exactly what the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from transformers import PreTrainedTokenizerBase
+
+from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.reward.scoring import RewardConfig
+from rollwise.rollout.types import Sample
+from rollwise.tasks import Problem, PromptConfig, build_messages, encode_prompt
+
+
+@dataclass
+class RolloutPlan:
+    """What one rollout asks of the engine: which problems, how many samples, how to sample."""
+
+    problems: list[Problem]
+    params: SamplingParams
+    request_prefix: str  # e.g. "step7": request ids are "<prefix>-<slot>"
+    seeds: list[int] | None = None  # one sampling seed per problem (sample i uses seed + i)
+
+
+class PromptEncoder:
+    """Problem -> prompt token ids through the chat template, memoised (the same eval prompts recur)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_cfg: PromptConfig, reward_cfg: RewardConfig):
+        self.tokenizer = tokenizer
+        self.prompt_cfg = prompt_cfg
+        self.reward_cfg = reward_cfg
+        self._cache: dict[str, list[int]] = {}
+
+    def __call__(self, problem: Problem) -> list[int]:
+        if problem.id not in self._cache:
+            messages = build_messages(problem, self.prompt_cfg, self.reward_cfg)
+            self._cache[problem.id] = encode_prompt(self.tokenizer, messages)
+        return self._cache[problem.id]
+
+
+def sampling_seed(run_seed: int, step: int, slot: int, group_size: int) -> int:
+    """Distinct, reproducible seeds: sample i of slot k at step s uses this + i."""
+    return (run_seed * 1_000_003 + step * 100_003 + slot * (group_size + 1)) % (2**31)
+
+
+def rollout(
+    engine,
+    encoder: PromptEncoder,
+    plan: RolloutPlan,
+    *,
+    progress: Callable[[int], None] | None = None,
+) -> list[Sample]:
+    """Generate plan.params.n samples per problem; decode the text that scoring will read.
+
+    All groups go to the engine together, so they share its running batch (continuous batching).
+    """
+    requests = []
+    for slot, problem in enumerate(plan.problems):
+        params = plan.params
+        if plan.seeds is not None:
+            params = replace(params, seed=plan.seeds[slot])
+        requests.append(
+            GenerationRequest(request_id=f"{plan.request_prefix}-{slot}", prompt_ids=encoder(problem), params=params)
+        )
+    problem_by_request = {req.request_id: problem for req, problem in zip(requests, plan.problems)}
+    completions = engine.generate(requests, progress=progress)
+    samples = []
+    for c in completions:
+        problem = problem_by_request[c.request_id]
+        samples.append(
+            Sample(
+                sample_id=c.sample_id,
+                group_id=c.request_id,
+                problem_id=problem.id,
+                prompt_ids=list(c.prompt_ids),
+                response_ids=list(c.token_ids),
+                behaviour_logprobs=list(c.logprobs),
+                versions=list(c.versions),
+                finish_reason=c.finish_reason,
+                response_text=encoder.tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                extra={"cached_prompt_tokens": c.cached_prompt_tokens},
+            )
+        )
+    return samples
+
+
+def group_samples(samples: list[Sample]) -> dict[str, list[Sample]]:
+    groups: dict[str, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group_id, []).append(s)
+    return groups

@@ -1,0 +1,115 @@
+"""Chat messages and prompt token ids for a problem.
+
+The system prompt states the answer format that rollwise.reward enforces, with the tags taken from
+the reward config, so the instruction and the checker can never disagree. Placeholders are filled
+with str.replace, not str.format, because questions and prompts may contain literal braces (JSON).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from rollwise.reward.answer_format import parse_response
+from rollwise.reward.scoring import RewardConfig
+from rollwise.tasks.base import Problem
+
+DEFAULT_SYSTEM_PROMPT = (
+    "Solve the problem. You may reason first. Then write the final answer exactly once, inside "
+    "{answer_open}{answer_close} tags, for example {answer_open}42{answer_close}, and write nothing after it."
+)
+
+
+class FewShotExample(BaseModel):
+    """One prior exchange shown before the real question: a user turn and an assistant turn."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    question: str
+    response: str
+
+
+class PromptConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # None sends no system message (some templates, e.g. SmolLM2's, then insert their own default).
+    # {answer_open} / {answer_close} are replaced by the reward config's tags.
+    system: str | None = DEFAULT_SYSTEM_PROMPT
+    template: str = "{question}"  # the user message; must contain {question}
+    few_shot: list[FewShotExample] = []
+
+    @field_validator("template")
+    @classmethod
+    def _template_has_question(cls, value: str) -> str:
+        if "{question}" not in value:
+            raise ValueError(f"prompt template must contain '{{question}}', got {value!r}")
+        return value
+
+
+def _fill(text: str, reward_cfg: RewardConfig, question: str | None = None) -> str:
+    text = text.replace("{answer_open}", reward_cfg.answer_open).replace("{answer_close}", reward_cfg.answer_close)
+    if question is not None:
+        # Last, so a question that happens to contain "{answer_open}" is left as written.
+        text = text.replace("{question}", question)
+    return text
+
+
+def build_messages(
+    problem: Problem,
+    prompt_cfg: PromptConfig | None = None,
+    reward_cfg: RewardConfig | None = None,
+) -> list[dict[str, str]]:
+    """[system?] + few-shot (user, assistant) pairs + the problem as the final user turn."""
+    prompt_cfg = prompt_cfg or PromptConfig()
+    reward_cfg = reward_cfg or RewardConfig()
+    fmt = reward_cfg.answer_format()
+    messages: list[dict[str, str]] = []
+    if prompt_cfg.system is not None:
+        messages.append({"role": "system", "content": _fill(prompt_cfg.system, reward_cfg)})
+    for i, example in enumerate(prompt_cfg.few_shot):
+        # A few-shot example in the wrong format would teach the policy to lose reward.
+        parsed = parse_response(example.response, fmt)
+        if parsed.status != "ok":
+            raise ValueError(f"few_shot[{i}].response does not follow the answer format: {parsed.reason}")
+        messages.append({"role": "user", "content": _fill(prompt_cfg.template, reward_cfg, example.question)})
+        messages.append({"role": "assistant", "content": example.response})
+    messages.append({"role": "user", "content": _fill(prompt_cfg.template, reward_cfg, problem.question)})
+    return messages
+
+
+def _check_chat_template(tokenizer: Any) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"tokenizer {type(tokenizer).__name__} has no chat_template; cannot build a chat prompt")
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """The prompt as text (for logs): chat template with the assistant generation prompt appended."""
+    _check_chat_template(tokenizer)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def encode_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Prompt token ids via the tokenizer's chat template, ending with the assistant generation prompt."""
+    _check_chat_template(tokenizer)
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    # transformers 5 returns a BatchEncoding (dict-like); older versions return a list of ids.
+    if not isinstance(out, list) and hasattr(out, "keys") and "input_ids" in out:
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):  # a tensor/array if a backend chose return_tensors
+        out = out.tolist()
+    if out and isinstance(out[0], list):  # a batch of one
+        if len(out) != 1:
+            raise ValueError(f"expected one encoded prompt, got a batch of {len(out)}")
+        out = out[0]
+    return [int(t) for t in out]
+
+
+__all__ = [
+    "DEFAULT_SYSTEM_PROMPT",
+    "FewShotExample",
+    "PromptConfig",
+    "build_messages",
+    "encode_prompt",
+    "render_prompt",
+]

@@ -1,0 +1,164 @@
+"""The GRPO trainer: micro-batched forward/backward on exact engine tokens, AdamW, clipping.
+
+It owns the Hugging Face model and the optimizer and knows nothing about engines or tasks: it is
+handed samples with advantages and returns metrics. Pushing the new weights out is `rollwise.sync`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from rollwise.config import TrainConfig
+from rollwise.rollout.types import Sample
+from rollwise.train.grpo import clipped_surrogate_loss, token_weights
+from rollwise.train.logprobs import sequence_logprobs
+
+
+@dataclass
+class MicroBatch:
+    input_ids: Tensor  # [B, T] right-padded prompt + response
+    attention_mask: Tensor  # [B, T]
+    target_mask: Tensor  # [B, T] True on response tokens (the loss mask)
+    behaviour_logp: Tensor  # [N] flattened over target positions, row-major
+    advantages: Tensor  # [N]
+    weights: Tensor  # [N] share of each token in the batch loss
+
+
+def collate(samples: list[Sample], weights: Tensor, pad_id: int) -> MicroBatch:
+    """Pack samples as prompt_ids + response_ids; only response tokens carry loss (mask 1)."""
+    length = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    input_ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(samples), length), dtype=torch.long)
+    target_mask = torch.zeros((len(samples), length), dtype=torch.bool)
+    behaviour, advantages = [], []
+    for row, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        input_ids[row, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
+        attention_mask[row, : p + r] = 1
+        target_mask[row, p : p + r] = True
+        behaviour.extend(s.behaviour_logprobs)
+        advantages.extend([s.advantage] * r)
+    return MicroBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        target_mask=target_mask,
+        behaviour_logp=torch.tensor(behaviour, dtype=torch.float32),
+        advantages=torch.tensor(advantages, dtype=torch.float32),
+        weights=weights,
+    )
+
+
+class GRPOTrainer:
+    def __init__(self, model: nn.Module, cfg: TrainConfig, *, pad_token_id: int, temperature: float = 1.0):
+        self.model = model
+        self.cfg = cfg
+        self.pad_token_id = pad_token_id
+        self.temperature = temperature
+        self.version = 0  # policy version: number of optimizer updates applied
+        self.model.train()
+        if cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.model.config.use_cache = False
+        # Frozen initial policy for the KL term; only built when it is used (it doubles model memory).
+        self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=cfg.lr,
+            betas=cfg.adam_betas,
+            weight_decay=cfg.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+        )
+
+    def _micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
+        samples = [s for s in samples if s.response_ids]
+        weights = token_weights([len(s.response_ids) for s in samples], self.cfg.loss_agg)
+        batches, offset = [], 0
+        for start in range(0, len(samples), self.cfg.micro_batch_size):
+            chunk = samples[start : start + self.cfg.micro_batch_size]
+            n_tokens = sum(len(s.response_ids) for s in chunk)
+            batches.append(collate(chunk, weights[offset : offset + n_tokens], self.pad_token_id))
+            offset += n_tokens
+        return batches
+
+    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        """One rollout batch -> `updates_per_step` optimizer updates. Returns metrics of the last update."""
+        batches = self._micro_batches(samples)
+        metrics: dict[str, float] = {}
+        for update in range(self.cfg.updates_per_step):
+            metrics = self._update(batches, record_mismatch=update == 0)
+        return metrics
+
+    def _update(self, batches: list[MicroBatch], record_mismatch: bool) -> dict[str, float]:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        n_tokens = sum(int(b.target_mask.sum()) for b in batches)
+        loss_total = 0.0
+        clipped = 0
+        kl_sum = 0.0
+        entropy_sum = 0.0
+        abs_diff_sum = 0.0
+        k3_sum = 0.0
+        for mb in batches:
+            logp, entropy = sequence_logprobs(
+                self.model,
+                mb.input_ids,
+                mb.attention_mask,
+                mb.target_mask,
+                temperature=self.temperature,
+                chunk_tokens=self.cfg.logprob_chunk_tokens,
+            )
+            ref_logp = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref_logp, _ = sequence_logprobs(
+                        self.ref_model, mb.input_ids, mb.attention_mask, mb.target_mask,
+                        temperature=self.temperature, chunk_tokens=self.cfg.logprob_chunk_tokens,
+                    )
+            terms = clipped_surrogate_loss(
+                logp,
+                mb.behaviour_logp,
+                mb.advantages,
+                clip_low=self.cfg.clip_low,
+                clip_high=self.cfg.clip_high,
+                token_weights=mb.weights,
+                ref_logp=ref_logp,
+                kl_coef=self.cfg.kl_coef,
+            )
+            terms.loss.backward()
+            loss_total += float(terms.loss.detach())
+            clipped += int(terms.clipped_tokens)
+            kl_sum += float(terms.kl_sum)
+            entropy_sum += float(entropy.sum())
+            if record_mismatch:
+                # Train-inference mismatch on the same tokens, before any update (DESIGN.md metric).
+                delta = (mb.behaviour_logp - logp.detach())  # log(p_engine / p_trainer)
+                abs_diff_sum += float(delta.abs().sum())
+                k3_sum += float((torch.exp(-delta) + delta - 1.0).sum())  # k3 of KL(engine || trainer)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.scheduler.step()
+            self.version += 1
+        skipped = not math.isfinite(grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = {
+            "loss": loss_total,
+            "grad_norm": grad_norm,
+            "update_skipped_nonfinite_grad": float(skipped),
+            "clip_fraction": clipped / max(n_tokens, 1),
+            "entropy": entropy_sum / max(n_tokens, 1),
+            "kl": kl_sum / max(n_tokens, 1),
+            "trained_tokens": float(n_tokens),
+            "lr": self.scheduler.get_last_lr()[0],
+        }
+        if record_mismatch:
+            metrics["mismatch_abs_logp"] = abs_diff_sum / max(n_tokens, 1)
+            metrics["mismatch_k3"] = k3_sum / max(n_tokens, 1)
+        return metrics
