@@ -75,10 +75,10 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
 def _cmd_config(args: argparse.Namespace, console: Console) -> int:
     import yaml
 
-    from rollwise.config import load_config
+    from rollwise.config import dump_config, load_config
 
     cfg = load_config(args.config, args.overrides)
-    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+    print(yaml.safe_dump(dump_config(cfg), sort_keys=False), end="")
     return 0
 
 

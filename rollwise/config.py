@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rollwise.reward.scoring import RewardConfig
 from rollwise.tasks import TaskConfig
@@ -53,6 +53,16 @@ class TrainConfig(_Section):
     loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
     logprob_chunk_tokens: int = Field(1024, ge=1, description="LM-head rows computed at once (bounds fp32 logits)")
     gradient_checkpointing: bool = False
+    share_prompt_prefix: bool = Field(True, description="compute each group's shared prompt once in the forward")
+
+    @model_validator(mode="after")
+    def _prefix_sharing_needs_cache(self) -> TrainConfig:
+        if self.share_prompt_prefix and self.gradient_checkpointing:
+            raise ValueError(
+                "share_prompt_prefix needs the KV cache, which gradient checkpointing disables: "
+                "set train.share_prompt_prefix=false to use train.gradient_checkpointing=true"
+            )
+        return self
     updates_per_step: int = Field(1, ge=1, description="optimizer updates per rollout batch (PPO epochs)")
 
 
@@ -190,3 +200,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         return RunConfig.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc)) from None
+
+
+def dump_config(cfg: RunConfig) -> dict[str, Any]:
+    """The resolved config as plain data that `load_config` accepts back (task fields of the other
+    kind are left out: TaskConfig rejects them when set)."""
+    data = cfg.model_dump(mode="json")
+    data["task"] = cfg.task.model_dump(mode="json", exclude_defaults=True)
+    data["task"]["kind"] = cfg.task.kind
+    return data

@@ -119,15 +119,41 @@ def test_trainer_step_changes_weights_and_counts_versions():
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def test_gradient_accumulation_equals_one_big_batch():
-    samples = [_sample([5, 6, 7], [8, 9], 1.0), _sample([5, 6], [10, 11, 12], -0.5), _sample([4], [3], 0.7)]
-    grads = []
-    for mbs in (1, 3):
+@pytest.mark.parametrize("share_prompt_prefix", [False, True])
+def test_gradient_accumulation_equals_one_big_batch(share_prompt_prefix):
+    """Micro-batch size and prompt sharing change the computation, never the gradient."""
+    samples = [_sample([5, 6, 7], [8, 9], 1.0), _sample([5, 6, 7], [10, 11, 12], -0.5), _sample([4], [3], 0.7),
+               _sample([5, 6, 7], [13], 0.2)]
+    reference = None
+    for mbs in (1, 4):
         model = tiny_llama(seed=4)
-        trainer = GRPOTrainer(model, TrainConfig(lr=1e-3, micro_batch_size=mbs, grad_clip=1e9), pad_token_id=0)
+        cfg = TrainConfig(lr=1e-3, micro_batch_size=mbs, grad_clip=1e9, share_prompt_prefix=share_prompt_prefix)
+        trainer = GRPOTrainer(model, cfg, pad_token_id=0)
         for mb in trainer._micro_batches(samples):
+            logp, _ = mb.logprobs(model, 1.0, 1024)
+            clipped_surrogate_loss(logp, mb.behaviour_logp, mb.advantages, clip_low=0.2, clip_high=0.2,
+                                   token_weights=mb.weights).loss.backward()
+        grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+        if reference is None:
+            # The plain padded forward with one big batch is the reference for every variant.
+            model = tiny_llama(seed=4)
+            mb = collate(samples, token_weights([len(s.response_ids) for s in samples], "token_mean"), pad_id=0)
             logp, _ = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.target_mask)
             clipped_surrogate_loss(logp, mb.behaviour_logp, mb.advantages, clip_low=0.2, clip_high=0.2,
                                    token_weights=mb.weights).loss.backward()
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+            reference = torch.cat([p.grad.flatten() for p in model.parameters()])
+        assert torch.allclose(grad, reference, atol=1e-6)
+
+
+def test_shared_prompt_logprobs_equal_full_forward():
+    from rollwise.train.logprobs import shared_prompt_logprobs
+    from rollwise.train.trainer import collate_group
+
+    model = tiny_llama(seed=5)
+    samples = [_sample([5, 6, 7, 9], [8, 9, 3], 1.0), _sample([5, 6, 7, 9], [10], 1.0), _sample([5, 6, 7, 9], [4, 4], 1.0)]
+    with torch.no_grad():
+        mb = collate(samples, torch.ones(6), pad_id=0)
+        expected, _ = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.target_mask)
+        g = collate_group(samples, torch.ones(6), pad_id=0)
+        got, _ = shared_prompt_logprobs(model, g.prompt_ids, g.responses, g.response_mask)
+    assert torch.allclose(got, expected, atol=1e-5)

@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from rollwise.config import RunConfig
+from rollwise.config import RunConfig, dump_config
 from rollwise.engine.reference import ReferenceEngine
 from rollwise.engine.types import SamplingParams
 from rollwise.model.loading import load_model, tokenizer_fingerprint
@@ -81,8 +82,9 @@ def evaluate(run: Run, step: int, label: str) -> dict[str, Any]:
     params = SamplingParams(max_tokens=cfg.eval.max_tokens or cfg.rollout.max_tokens, temperature=0.0, n=1)
     bar = run.progress.add_task(f"eval ({label})", total=len(problems))
     t = time.monotonic()
+    few_shot = [cfg.prompt.few_shot_in_eval] * len(problems)
     samples = rollout(
-        run.engine, run.encoder, RolloutPlan(problems, params, f"eval{step}"),
+        run.engine, run.encoder, RolloutPlan(problems, params, f"eval{step}", few_shot=few_shot),
         progress=lambda n: run.progress.advance(bar, n),
     )
     score_samples(samples, run.problems, run.task, cfg.reward)
@@ -152,9 +154,13 @@ def train_step(run: Run, step: int, stream: ProblemStream, logger: MetricsLogger
     )
     problems = stream.batch(step, cfg.rollout.prompts_per_step)
     seeds = [sampling_seed(cfg.seed, step, slot, params.n) for slot in range(len(problems))]
+    # Which groups see the few-shot examples: the first round(fraction * groups) slots (deterministic).
+    few_shot_fraction = cfg.prompt.few_shot_fraction(step)
+    n_hinted = round(few_shot_fraction * len(problems))
+    few_shot = [slot < n_hinted for slot in range(len(problems))]
     bar = run.progress.add_task(f"step {step + 1} generate", total=len(problems) * params.n)
     samples = rollout(
-        run.engine, run.encoder, RolloutPlan(problems, params, f"step{step}", seeds),
+        run.engine, run.encoder, RolloutPlan(problems, params, f"step{step}", seeds, few_shot),
         progress=lambda n: run.progress.advance(bar, n),
     )
     run.progress.remove_task(bar)
@@ -186,6 +192,7 @@ def train_step(run: Run, step: int, stream: ProblemStream, logger: MetricsLogger
         "policy_version": run.trainer.version,
         **_rollout_metrics(samples),
         "zero_variance_groups": zero_var,
+        "few_shot_fraction": n_hinted / len(problems),
         **train_metrics,
         "time_generate_s": gen_s,
         "time_reward_s": t_reward_end - t_gen_end,
@@ -244,7 +251,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
     else:
         run_dir = _run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(__import__("yaml").safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
 
     with console.status(f"loading model {cfg.model} and task {cfg.task.name or cfg.task.path}"):
         model, tokenizer = load_model(cfg.model)

@@ -25,6 +25,7 @@ class RolloutPlan:
     params: SamplingParams
     request_prefix: str  # e.g. "step7": request ids are "<prefix>-<slot>"
     seeds: list[int] | None = None  # one sampling seed per problem (sample i uses seed + i)
+    few_shot: list[bool] | None = None  # per problem: show the prompt's few-shot examples (default: yes)
 
 
 class PromptEncoder:
@@ -34,13 +35,14 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.prompt_cfg = prompt_cfg
         self.reward_cfg = reward_cfg
-        self._cache: dict[str, list[int]] = {}
+        self._cache: dict[tuple[str, bool], list[int]] = {}
 
-    def __call__(self, problem: Problem) -> list[int]:
-        if problem.id not in self._cache:
-            messages = build_messages(problem, self.prompt_cfg, self.reward_cfg)
-            self._cache[problem.id] = encode_prompt(self.tokenizer, messages)
-        return self._cache[problem.id]
+    def __call__(self, problem: Problem, with_few_shot: bool = True) -> list[int]:
+        key = (problem.id, with_few_shot)
+        if key not in self._cache:
+            messages = build_messages(problem, self.prompt_cfg, self.reward_cfg, with_few_shot)
+            self._cache[key] = encode_prompt(self.tokenizer, messages)
+        return self._cache[key]
 
 
 def sampling_seed(run_seed: int, step: int, slot: int, group_size: int) -> int:
@@ -64,8 +66,13 @@ def rollout(
         params = plan.params
         if plan.seeds is not None:
             params = replace(params, seed=plan.seeds[slot])
+        with_few_shot = plan.few_shot[slot] if plan.few_shot is not None else True
         requests.append(
-            GenerationRequest(request_id=f"{plan.request_prefix}-{slot}", prompt_ids=encoder(problem), params=params)
+            GenerationRequest(
+                request_id=f"{plan.request_prefix}-{slot}",
+                prompt_ids=encoder(problem, with_few_shot),
+                params=params,
+            )
         )
     problem_by_request = {req.request_id: problem for req, problem in zip(requests, plan.problems)}
     completions = engine.generate(requests, progress=progress)

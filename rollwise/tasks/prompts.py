@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollwise.reward.answer_format import parse_response
 from rollwise.reward.scoring import RewardConfig
@@ -38,6 +38,23 @@ class PromptConfig(BaseModel):
     system: str | None = DEFAULT_SYSTEM_PROMPT
     template: str = "{question}"  # the user message; must contain {question}
     few_shot: list[FewShotExample] = []
+    # A format hint that is taken away: the fraction of *training* groups whose prompt shows the
+    # few-shot examples goes linearly from few_shot_start to few_shot_end over few_shot_anneal_steps.
+    # With a small model that never produces the answer format unprompted, early groups need the
+    # examples to carry any reward signal; annealing them out teaches the format itself.
+    few_shot_start: float = Field(1.0, ge=0.0, le=1.0)
+    few_shot_end: float = Field(1.0, ge=0.0, le=1.0)
+    few_shot_anneal_steps: int = Field(0, ge=0)
+    few_shot_in_eval: bool = True  # held-out evaluation prompts show the examples too
+
+    def few_shot_fraction(self, step: int) -> float:
+        """Fraction of training groups at `step` (0-based) whose prompt includes the examples."""
+        if not self.few_shot:
+            return 0.0
+        if self.few_shot_anneal_steps == 0:
+            return self.few_shot_end
+        progress = min(step / self.few_shot_anneal_steps, 1.0)
+        return self.few_shot_start + (self.few_shot_end - self.few_shot_start) * progress
 
     @field_validator("template")
     @classmethod
@@ -59,6 +76,7 @@ def build_messages(
     problem: Problem,
     prompt_cfg: PromptConfig | None = None,
     reward_cfg: RewardConfig | None = None,
+    with_few_shot: bool = True,
 ) -> list[dict[str, str]]:
     """[system?] + few-shot (user, assistant) pairs + the problem as the final user turn."""
     prompt_cfg = prompt_cfg or PromptConfig()
@@ -67,7 +85,7 @@ def build_messages(
     messages: list[dict[str, str]] = []
     if prompt_cfg.system is not None:
         messages.append({"role": "system", "content": _fill(prompt_cfg.system, reward_cfg)})
-    for i, example in enumerate(prompt_cfg.few_shot):
+    for i, example in enumerate(prompt_cfg.few_shot if with_few_shot else []):
         # A few-shot example in the wrong format would teach the policy to lose reward.
         parsed = parse_response(example.response, fmt)
         if parsed.status != "ok":

@@ -70,3 +70,42 @@ def sequence_logprobs(
     return lm_head_logprobs(
         selected_hidden, model.get_output_embeddings(), targets, temperature=temperature, chunk_tokens=chunk_tokens
     )
+
+
+def shared_prompt_logprobs(
+    model: nn.Module,
+    prompt_ids: Tensor,
+    responses: Tensor,
+    response_mask: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+) -> tuple[Tensor, Tensor]:
+    """Log-probs of G responses that share one prompt, running the prompt through the model once.
+
+    A GRPO group is n samples of one prompt; the padded forward computes that prompt n times.
+    Here the prompt's keys/values are computed once (with grad) and repeated across the group, so
+    the trained forward/backward costs P + n*R tokens instead of n*(P + R). Gradients flowing into
+    the shared prompt KV are summed over the group, exactly as in the padded forward.
+
+    prompt_ids [P], responses [G, R] right-padded, response_mask [G, R] -> flattened over the mask.
+    """
+    backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    group, length = responses.shape
+    prompt_len = prompt_ids.shape[0]
+    prompt_out = backbone(input_ids=prompt_ids[None], use_cache=True)
+    cache = prompt_out.past_key_values
+    cache.batch_repeat_interleave(group)
+    attention_mask = torch.cat([torch.ones(group, prompt_len, dtype=torch.long), response_mask.long()], dim=1)
+    position_ids = (prompt_len + torch.arange(length)).expand(group, length)
+    response_hidden = backbone(
+        input_ids=responses, attention_mask=attention_mask, position_ids=position_ids,
+        past_key_values=cache, use_cache=True,
+    ).last_hidden_state
+    # The first response token is predicted by the prompt's last position, token j by response position j-1.
+    last_prompt = prompt_out.last_hidden_state[:, -1:].expand(group, 1, -1)
+    predictors = torch.cat([last_prompt, response_hidden[:, :-1]], dim=1)
+    return lm_head_logprobs(
+        predictors[response_mask], model.get_output_embeddings(), responses[response_mask],
+        temperature=temperature, chunk_tokens=chunk_tokens,
+    )

@@ -16,17 +16,64 @@ from torch import Tensor, nn
 from rollwise.config import TrainConfig
 from rollwise.rollout.types import Sample
 from rollwise.train.grpo import clipped_surrogate_loss, token_weights
-from rollwise.train.logprobs import sequence_logprobs
+from rollwise.train.logprobs import sequence_logprobs, shared_prompt_logprobs
 
 
 @dataclass
 class MicroBatch:
+    """Samples packed as right-padded prompt + response rows."""
+
     input_ids: Tensor  # [B, T] right-padded prompt + response
     attention_mask: Tensor  # [B, T]
     target_mask: Tensor  # [B, T] True on response tokens (the loss mask)
     behaviour_logp: Tensor  # [N] flattened over target positions, row-major
     advantages: Tensor  # [N]
     weights: Tensor  # [N] share of each token in the batch loss
+
+    def logprobs(self, model: nn.Module, temperature: float, chunk_tokens: int) -> tuple[Tensor, Tensor]:
+        return sequence_logprobs(model, self.input_ids, self.attention_mask, self.target_mask,
+                                 temperature=temperature, chunk_tokens=chunk_tokens)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.target_mask.sum())
+
+
+@dataclass
+class GroupMicroBatch:
+    """Samples of one GRPO group: one shared prompt, right-padded responses (prompt computed once)."""
+
+    prompt_ids: Tensor  # [P]
+    responses: Tensor  # [G, R]
+    response_mask: Tensor  # [G, R] the loss mask
+    behaviour_logp: Tensor  # [N]
+    advantages: Tensor  # [N]
+    weights: Tensor  # [N]
+
+    def logprobs(self, model: nn.Module, temperature: float, chunk_tokens: int) -> tuple[Tensor, Tensor]:
+        return shared_prompt_logprobs(model, self.prompt_ids, self.responses, self.response_mask,
+                                      temperature=temperature, chunk_tokens=chunk_tokens)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+
+def collate_group(samples: list[Sample], weights: Tensor, pad_id: int) -> GroupMicroBatch:
+    length = max(len(s.response_ids) for s in samples)
+    responses = torch.full((len(samples), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(samples), length), dtype=torch.bool)
+    for row, s in enumerate(samples):
+        responses[row, : len(s.response_ids)] = torch.tensor(s.response_ids)
+        mask[row, : len(s.response_ids)] = True
+    return GroupMicroBatch(
+        prompt_ids=torch.tensor(samples[0].prompt_ids),
+        responses=responses,
+        response_mask=mask,
+        behaviour_logp=torch.tensor([lp for s in samples for lp in s.behaviour_logprobs], dtype=torch.float32),
+        advantages=torch.tensor([s.advantage for s in samples for _ in s.response_ids], dtype=torch.float32),
+        weights=weights,
+    )
 
 
 def collate(samples: list[Sample], weights: Tensor, pad_id: int) -> MicroBatch:
@@ -76,14 +123,28 @@ class GRPOTrainer:
             self.optimizer, lambda step: min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
         )
 
-    def _micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
+    def _micro_batches(self, samples: list[Sample]) -> list[MicroBatch | GroupMicroBatch]:
         samples = [s for s in samples if s.response_ids]
+        if self.cfg.share_prompt_prefix:
+            # Samples with the same prompt (a GRPO group) go together: the prompt is computed once.
+            by_prompt: dict[tuple[int, ...], list[Sample]] = {}
+            for s in samples:
+                by_prompt.setdefault(tuple(s.prompt_ids), []).append(s)
+            samples = [s for group in by_prompt.values() for s in group]
         weights = token_weights([len(s.response_ids) for s in samples], self.cfg.loss_agg)
-        batches, offset = [], 0
-        for start in range(0, len(samples), self.cfg.micro_batch_size):
-            chunk = samples[start : start + self.cfg.micro_batch_size]
+        chunks: list[list[Sample]] = []
+        for s in samples:
+            same_prompt = chunks and chunks[-1][0].prompt_ids == s.prompt_ids
+            if chunks and len(chunks[-1]) < self.cfg.micro_batch_size and (same_prompt or not self.cfg.share_prompt_prefix):
+                chunks[-1].append(s)
+            else:
+                chunks.append([s])
+        batches: list[MicroBatch | GroupMicroBatch] = []
+        offset = 0
+        build = collate_group if self.cfg.share_prompt_prefix else collate
+        for chunk in chunks:
             n_tokens = sum(len(s.response_ids) for s in chunk)
-            batches.append(collate(chunk, weights[offset : offset + n_tokens], self.pad_token_id))
+            batches.append(build(chunk, weights[offset : offset + n_tokens], self.pad_token_id))
             offset += n_tokens
         return batches
 
@@ -98,7 +159,7 @@ class GRPOTrainer:
     def _update(self, batches: list[MicroBatch], record_mismatch: bool) -> dict[str, float]:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        n_tokens = sum(int(b.target_mask.sum()) for b in batches)
+        n_tokens = sum(b.n_tokens for b in batches)
         loss_total = 0.0
         clipped = 0
         kl_sum = 0.0
@@ -106,21 +167,11 @@ class GRPOTrainer:
         abs_diff_sum = 0.0
         k3_sum = 0.0
         for mb in batches:
-            logp, entropy = sequence_logprobs(
-                self.model,
-                mb.input_ids,
-                mb.attention_mask,
-                mb.target_mask,
-                temperature=self.temperature,
-                chunk_tokens=self.cfg.logprob_chunk_tokens,
-            )
+            logp, entropy = mb.logprobs(self.model, self.temperature, self.cfg.logprob_chunk_tokens)
             ref_logp = None
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref_logp, _ = sequence_logprobs(
-                        self.ref_model, mb.input_ids, mb.attention_mask, mb.target_mask,
-                        temperature=self.temperature, chunk_tokens=self.cfg.logprob_chunk_tokens,
-                    )
+                    ref_logp, _ = mb.logprobs(self.ref_model, self.temperature, self.cfg.logprob_chunk_tokens)
             terms = clipped_surrogate_loss(
                 logp,
                 mb.behaviour_logp,
