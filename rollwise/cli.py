@@ -65,9 +65,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from rollwise.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # before the heavy imports: config typos fail fast
     from rollwise.control.train_loop import train
 
-    cfg = load_config(args.config, args.overrides)
     train(cfg, console)
     return 0
 

@@ -94,6 +94,23 @@ class RunConfig(_Section):
     tensorboard: bool = True
 
 
+# Names other frameworks use, mapped to ours, for "did you mean" hints.
+COMMON_NAMES = {
+    "learning_rate": "lr",
+    "num_steps": "steps",
+    "max_steps": "steps",
+    "total_steps": "steps",
+    "batch_size": "prompts_per_step",
+    "num_generations": "group_size",
+    "n_samples": "group_size",
+    "max_new_tokens": "max_tokens",
+    "max_response_length": "max_tokens",
+    "kl_beta": "kl_coef",
+    "beta": "kl_coef",
+    "epsilon": "clip_low",
+    "epsilon_high": "clip_high",
+}
+
 # Short names people type most (`rollwise train lr=1e-5 steps=20`).
 ALIASES = {
     "lr": "train.lr",
@@ -128,6 +145,13 @@ def _section_keys(model_cls: type[BaseModel], path: list[str]) -> tuple[type[Bas
     return cls, path
 
 
+def _did_you_mean(key: str, allowed: list[str]) -> str:
+    if COMMON_NAMES.get(key) in allowed:
+        return f" Did you mean {COMMON_NAMES[key]!r}?"
+    close = difflib.get_close_matches(key, allowed, n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
 def _check_override_key(dotted: str) -> None:
     path = dotted.split(".")
     cls, checked = _section_keys(RunConfig, path)
@@ -137,8 +161,7 @@ def _check_override_key(dotted: str) -> None:
     allowed = sorted(cls.model_fields)
     if key not in allowed:
         where = ".".join(checked[:-1]) or "top level"
-        close = difflib.get_close_matches(key, allowed + list(ALIASES), n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
+        hint = _did_you_mean(key, allowed + list(ALIASES))
         raise ConfigError(f"unknown config key {dotted!r}: {where} allows {allowed}.{hint}")
 
 
@@ -176,8 +199,7 @@ def _format_validation_error(exc: ValidationError) -> str:
             cls, _ = _section_keys(RunConfig, [str(p) for p in err["loc"]])
             if cls is not None:
                 allowed = sorted(cls.model_fields)
-                close = difflib.get_close_matches(str(err["loc"][-1]), allowed, n=1)
-                msg += f"; allowed here: {allowed}" + (f". Did you mean {close[0]!r}?" if close else "")
+                msg += f"; allowed here: {allowed}." + _did_you_mean(str(err["loc"][-1]), allowed)
         elif err["type"] == "literal_error":
             msg = f"{msg} (got {err.get('input')!r})"
         lines.append(f"  {loc}: {msg}")

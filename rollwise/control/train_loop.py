@@ -23,7 +23,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from rollwise.config import RunConfig, dump_config
+from rollwise.config import ConfigError, RunConfig, dump_config
 from rollwise.engine.reference import ReferenceEngine
 from rollwise.engine.types import SamplingParams
 from rollwise.model.loading import load_model, tokenizer_fingerprint
@@ -65,6 +65,40 @@ def _run_dir(cfg: RunConfig) -> Path:
             model_name=model_name, task_name=task_name, timestamp=datetime.now().strftime("%Y%m%d-%H%M%S")
         )
     )
+
+
+def _resolve_run_dir(cfg: RunConfig) -> tuple[Path, Path | None]:
+    """(run directory, checkpoint to resume from or None)."""
+    resume = cfg.checkpoint.resume
+    if not resume:
+        return _run_dir(cfg), None
+    if resume == "auto":
+        # output_dir may hold {timestamp}: resume the newest run directory that matches the pattern.
+        pattern = cfg.output_dir.replace("{timestamp}", "*")
+        pattern = str(_run_dir(cfg.model_copy(update={"output_dir": pattern})))
+        candidates = sorted(Path().glob(pattern) if not Path(pattern).is_absolute()
+                            else Path("/").glob(pattern.lstrip("/")))
+        for run_dir in reversed(candidates):
+            ckpt = latest_checkpoint(run_dir)
+            if ckpt is not None:
+                return run_dir, ckpt
+        return _run_dir(cfg), None  # nothing to resume: a fresh run
+    ckpt = Path(resume)
+    if not (ckpt / "state.json").exists():
+        raise ConfigError(
+            f"checkpoint.resume={resume!r} is not a checkpoint directory (expected RUN_DIR/checkpoints/step_NNNNNN "
+            "holding state.json), or use checkpoint.resume=auto"
+        )
+    return ckpt.parent.parent, ckpt
+
+
+def _truncate_logs(run_dir: Path, step: int) -> None:
+    """Drop log records past the resumed step (written after the checkpoint, before a crash)."""
+    for name in ("metrics.jsonl", "samples.jsonl", "evals.jsonl", "eval_samples.jsonl"):
+        path = run_dir / name
+        if path.exists():
+            keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+            path.write_text("".join(line + "\n" for line in keep))
 
 
 def _seed_everything(seed: int) -> None:
@@ -238,18 +272,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         torch.set_num_threads(cfg.threads)
     _seed_everything(cfg.seed)
 
-    resume_dir: Path | None = None
-    if cfg.checkpoint.resume:
-        if cfg.checkpoint.resume == "auto":
-            run_dir = _run_dir(cfg)
-            resume_dir = latest_checkpoint(run_dir)
-        else:
-            resume_dir = Path(cfg.checkpoint.resume)
-            if not (resume_dir / "state.json").exists():
-                raise FileNotFoundError(f"checkpoint.resume={cfg.checkpoint.resume!r} is not a checkpoint directory")
-            run_dir = resume_dir.parent.parent
-    else:
-        run_dir = _run_dir(cfg)
+    run_dir, resume_dir = _resolve_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
 
@@ -268,7 +291,15 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         state = load_checkpoint(resume_dir, trainer)
         start_step = int(state["step"])
         if state.get("tokenizer_fingerprint") not in (None, fingerprint):
-            raise ValueError("checkpoint was trained with a different tokenizer (fingerprint mismatch)")
+            raise ConfigError(f"checkpoint {resume_dir} was trained with a different tokenizer (fingerprint mismatch)")
+        consumed = state.get("problems_consumed")
+        if consumed is not None and consumed != start_step * cfg.rollout.prompts_per_step:
+            raise ConfigError(
+                f"checkpoint consumed {consumed} problems in {start_step} steps, but rollout.prompts_per_step="
+                f"{cfg.rollout.prompts_per_step} would place it at {start_step * cfg.rollout.prompts_per_step}: "
+                "resume with the prompts_per_step the run was started with, or problems would be skipped or repeated"
+            )
+        _truncate_logs(run_dir, start_step)
         console.print(f"[green]resumed[/] from {resume_dir} at step {start_step} (policy version {trainer.version})")
 
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
@@ -276,10 +307,8 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         model, max_num_seqs=cfg.engine.max_num_seqs, max_model_len=cfg.engine.max_model_len,
         eos_token_ids=eos_ids, policy_version=trainer.version,
     )
-    # The engine and the trainer must tokenize identically (invariant 1); here they share one tokenizer.
-    engine_fingerprint = fingerprint
-    if engine_fingerprint != fingerprint:
-        raise RuntimeError("engine and trainer tokenizer fingerprints differ")
+    # Invariant 1 (engine and trainer tokenize identically) holds by construction here: with local
+    # placement both use this one tokenizer. Remote engines compare fingerprints (engine-contract issue).
 
     n_params = sum(p.numel() for p in model.parameters())
     console.print(
@@ -290,7 +319,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         f"  tokenizer fingerprint: {fingerprint[:16]}…"
     )
 
-    logger = MetricsLogger(run_dir, tensorboard=cfg.tensorboard)
+    logger = MetricsLogger(run_dir, tensorboard=cfg.tensorboard, purge_after_step=start_step if start_step else None)
     evals_path = run_dir / "evals.jsonl"
     stream = ProblemStream(train_problems, cfg.seed)
     with _progress(console) as progress:

@@ -9,7 +9,7 @@ from typing import Any
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, tensorboard: bool = True, purge_after_step: int | None = None):
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a")
         self._tb = None
@@ -17,7 +17,9 @@ class MetricsLogger:
             # Imported lazily: the TensorBoard writer pulls in protobuf and takes a second to import.
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            # On resume, purge events logged after the checkpoint so steps are not shown twice.
+            purge = purge_after_step + 1 if purge_after_step is not None else None
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
 
     def log(self, record: dict[str, Any]) -> None:
         """record must hold "step"; every numeric field also goes to TensorBoard under its name."""
