@@ -175,8 +175,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         _check_override_key(key)
         try:
             value = yaml.safe_load(value_text) if value_text != "" else ""
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"override {item!r}: value is not valid YAML ({exc})") from None
+        except yaml.YAMLError:
+            value = value_text  # not YAML (e.g. a prompt template with braces): take it as a string
         node = raw
         parts = key.split(".")
         for part in parts[:-1]:

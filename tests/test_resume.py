@@ -19,7 +19,7 @@ import yaml
 from rich.console import Console
 from safetensors.torch import load_file
 
-from rollwise.config import load_config
+from rollwise.config import ConfigError, load_config
 from rollwise.control.train_loop import train
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer
 from rollwise.reward.scoring import RewardConfig
@@ -208,15 +208,14 @@ def test_resume_matches_straight_run(setup, tmp_path, monkeypatch):
     state_b = json.loads((split / "checkpoints" / "step_000004" / "state.json").read_text())
     for key in ("step", "policy_version", "problems_consumed", "tokenizer_fingerprint"):
         assert state_a[key] == state_b[key], key
-    assert state_b["step"] == 4 and state_b["policy_version"] == 4
+    assert state_b["step"] == 4 and state_b["policy_version"] >= 1  # steps with no signal skip the update
     assert state_b["problems_consumed"] == 4 * PROMPTS_PER_STEP
 
     # The resumed run's summary still knows the accuracy before training (from the first call).
     assert summary_b["eval_before"] is not None and summary_b["eval_before"]["step"] == 0
-    assert summary_b["eval_after"]["step"] == 4 and summary_b["policy_version"] == 4
+    assert summary_b["eval_after"]["step"] == 4 and summary_b["policy_version"] == state_b["policy_version"]
 
 
-@pytest.mark.xfail(strict=True, reason="metrics.jsonl is appended on resume, not cut back to the checkpoint step")
 def test_resume_from_older_checkpoint_does_not_duplicate_metrics(setup, tmp_path):
     """Crash after step 3 was logged but before step 4's checkpoint, then resume from step 2:
     metrics.jsonl should hold each step once (the re-run step 3 replacing the lost one)."""
@@ -240,7 +239,8 @@ def test_resume_auto_picks_latest_checkpoint(setup, tmp_path):
     train(load_config(cfg, ["steps=2", "resume=auto"]), console)
     assert "resumed" in log.getvalue()
     assert sorted(_metrics(run_dir)) == [1, 2]
-    assert json.loads((run_dir / "checkpoints" / "step_000002" / "state.json").read_text())["policy_version"] == 2
+    last_version = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]["policy_version"]
+    assert json.loads((run_dir / "checkpoints" / "step_000002" / "state.json").read_text())["policy_version"] == last_version
 
 
 @pytest.mark.parametrize("target", ["missing", "empty_dir", "run_dir"])
@@ -259,7 +259,7 @@ def test_resume_from_non_checkpoint_fails_clearly(setup, tmp_path, target):
     # tiny:0: the check must come before anything is loaded or written.
     cfg = _write_config(tmp_path / "c.yaml", task_path, "tiny:0", tmp_path / "fresh", steps=2, every=1)
     console, _ = _quiet()
-    with pytest.raises(FileNotFoundError, match="is not a checkpoint directory") as exc:
+    with pytest.raises(ConfigError, match="is not a checkpoint directory") as exc:
         train(load_config(cfg, [f"checkpoint.resume={bogus}"]), console)
     assert str(bogus) in str(exc.value)
     assert not (tmp_path / "fresh").exists()

@@ -207,6 +207,7 @@ def train_step(run: Run, step: int, stream: ProblemStream, logger: MetricsLogger
     t_reward_end = time.monotonic()
 
     # 3. train
+    version_at_update = run.trainer.version  # the policy the gradient is taken on
     train_metrics = run.trainer.train_step(samples)
     t_train_end = time.monotonic()
 
@@ -219,7 +220,7 @@ def train_step(run: Run, step: int, stream: ProblemStream, logger: MetricsLogger
     generated = sum(len(s.response_ids) for s in samples)
     prompt_tokens = sum(len(s.prompt_ids) for s in samples)
     cached = sum(s.extra.get("cached_prompt_tokens", 0) for s in samples)
-    staleness = [st for s in samples for st in s.staleness(run.trainer.version - 1)]
+    staleness = [st for s in samples for st in s.staleness(version_at_update)]
     record = {
         "step": step + 1,
         "elapsed_s": t_sync_end - run.t0,

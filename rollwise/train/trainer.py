@@ -150,11 +150,38 @@ class GRPOTrainer:
 
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
         """One rollout batch -> `updates_per_step` optimizer updates. Returns metrics of the last update."""
-        batches = self._micro_batches(samples)
+        informative = samples
+        if self.ref_model is None:
+            # With no KL term, a sample with advantage 0 (every sample of a zero-variance group)
+            # adds exactly nothing to the gradient: skip its forward/backward. The token mean is then
+            # over informative tokens, as with DAPO's dynamic-sampling filter.
+            informative = [s for s in samples if s.advantage != 0.0]
+        if not informative:
+            # Nothing to learn from; still measure entropy and train-inference mismatch (no grad).
+            return {"loss": 0.0, "grad_norm": 0.0, "update_skipped_no_signal": 1.0,
+                    "update_skipped_nonfinite_grad": 0.0, "trained_tokens": 0.0,
+                    "trained_samples": 0.0, "clip_fraction": 0.0, "kl": 0.0,
+                    "lr": self.scheduler.get_last_lr()[0], **self._measure(self._micro_batches(samples)[:1])}
+        batches = self._micro_batches(informative)
         metrics: dict[str, float] = {}
         for update in range(self.cfg.updates_per_step):
             metrics = self._update(batches, record_mismatch=update == 0)
+        metrics["trained_samples"] = float(len(informative))
+        metrics["update_skipped_no_signal"] = 0.0
         return metrics
+
+    @torch.no_grad()
+    def _measure(self, batches: list[MicroBatch | GroupMicroBatch]) -> dict[str, float]:
+        n, entropy_sum, abs_diff_sum, k3_sum = 0, 0.0, 0.0, 0.0
+        for mb in batches:
+            logp, entropy = mb.logprobs(self.model, self.temperature, self.cfg.logprob_chunk_tokens)
+            delta = mb.behaviour_logp - logp
+            n += mb.n_tokens
+            entropy_sum += float(entropy.sum())
+            abs_diff_sum += float(delta.abs().sum())
+            k3_sum += float((torch.exp(-delta) + delta - 1.0).sum())
+        n = max(n, 1)
+        return {"entropy": entropy_sum / n, "mismatch_abs_logp": abs_diff_sum / n, "mismatch_k3": k3_sum / n}
 
     def _update(self, batches: list[MicroBatch], record_mismatch: bool) -> dict[str, float]:
         self.model.train()
