@@ -3,6 +3,7 @@
     rollwise train [--config FILE] [key=value ...]   GRPO end to end (default: the embedded config)
     rollwise config [--config FILE] [key=value ...]  print the resolved config as YAML
     rollwise bench engine [--quick] [--json PATH]     reference engine vs. HF generate, side by side
+    rollwise bench rollout [--quick] [--json PATH]    rollout modes sync / sorted / async, side by side
 """
 
 from __future__ import annotations
@@ -55,11 +56,17 @@ def _build_parser() -> argparse.ArgumentParser:
         help="run a benchmark: measured ratios side by side in one run",
         description="Benchmarks print a table; --json writes machine-readable results. --quick finishes in < 1 min.",
     )
-    bench.add_argument("name", choices=["engine"], help="engine: reference engine vs. HF generate (tokens/s)")
+    bench.add_argument(
+        "name", choices=["engine", "rollout"],
+        help="engine: reference engine vs. HF generate (tokens/s); rollout: sync vs sorted vs async rollout "
+        "(bubble ratio, samples/s, staleness) with a timeline PNG",
+    )
     bench.add_argument("--quick", action="store_true", help="small workload (< 1 minute on 2 CPU cores)")
     bench.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
     bench.add_argument("--model", default="bundled:smollm2-135m-instruct", help="model spec (default: bundled)")
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--plot", type=Path, metavar="PNG", default=Path("rollout_timeline.png"),
+                       help="rollout: where to write the timeline plot (default: rollout_timeline.png)")
     return parser
 
 
@@ -84,14 +91,25 @@ def _cmd_config(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
-    from rollwise.bench.engine import format_engine_bench, run_engine_bench
     from rollwise.model.loading import load_model
 
     with console.status(f"loading {args.model}"):
         model, tokenizer = load_model(args.model)
-    result = run_engine_bench(model, tokenizer, quick=args.quick, seed=args.seed)
+    if args.name == "rollout":
+        from rollwise.bench.rollout import format_rollout_bench, run_rollout_bench
+
+        with console.status("running sync, sorted and async (the same work in each)"):
+            result = run_rollout_bench(model, tokenizer, quick=args.quick, seed=args.seed, plot=args.plot)
+        table = format_rollout_bench(result)
+    else:
+        from rollwise.bench.engine import format_engine_bench, run_engine_bench
+
+        result = run_engine_bench(model, tokenizer, quick=args.quick, seed=args.seed)
+        table = format_engine_bench(result)
     result["command"] = " ".join(["rollwise"] + sys.argv[1:])
-    console.print(format_engine_bench(result))
+    console.print(table)
+    if result.get("timeline_png"):
+        console.print(f"timeline plot: {result['timeline_png']}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

@@ -30,6 +30,23 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k")
+    mode: Literal["sync", "sorted", "async"] = Field(
+        "sync",
+        description="sync: generate the batch, then train; sorted: saturated engine, complete groups "
+        "train in completion order (SortedRL); async: generation never waits, admission bounded by "
+        "max_staleness (AReaL)",
+    )
+    max_staleness: int = Field(
+        1, ge=0, description="eta: most policy versions between sampling a token and training on it"
+    )
+    partial_rollout: Literal["continue", "abort"] = Field(
+        "continue",
+        description="samples still running at a weight update: continue from their cached prefix under "
+        "the new weights, or abort and regenerate them",
+    )
+    oversubscription: float = Field(
+        4.0, ge=1.0, description="sorted: groups kept in flight = oversubscription x prompts_per_step"
+    )
 
 
 class EngineConfig(_Section):
@@ -45,6 +62,10 @@ class TrainConfig(_Section):
     adam_betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: float = Field(1.0, gt=0)
     warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="after warmup: keep lr, or decay it to lr * min_lr_ratio at the last step"
+    )
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
     micro_batch_size: int = Field(16, ge=1, description="sequences per forward/backward; gradients accumulate")
     advantage: Literal["mean_std", "mean"] = "mean_std"  # "mean" is Dr. GRPO's unscaled advantage
     clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below 1 (1 - clip_low)")
@@ -64,6 +85,12 @@ class TrainConfig(_Section):
             )
         return self
     updates_per_step: int = Field(1, ge=1, description="optimizer updates per rollout batch (PPO epochs)")
+    off_policy_correction: Literal["auto", "none", "decoupled", "tis"] = Field(
+        "auto",
+        description="for tokens sampled by an older policy: decoupled PPO (AReaL), truncated importance "
+        "sampling, or none; auto = none in rollout.mode=sync, tis otherwise",
+    )
+    is_cap: float = Field(2.0, gt=0, description="truncation of the importance weight pi_prox/pi_behav (tis)")
 
 
 class EvalConfig(_Section):
@@ -93,6 +120,13 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     tensorboard: bool = True
 
+    @model_validator(mode="after")
+    def _resolve_auto(self) -> RunConfig:
+        # Tokens sampled by an older policy need a correction; sync mode trains only on-policy tokens.
+        if self.train.off_policy_correction == "auto":
+            self.train.off_policy_correction = "none" if self.rollout.mode == "sync" else "tis"
+        return self
+
 
 # Names other frameworks use, mapped to ours, for "did you mean" hints.
 COMMON_NAMES = {
@@ -109,6 +143,9 @@ COMMON_NAMES = {
     "beta": "kl_coef",
     "epsilon": "clip_low",
     "epsilon_high": "clip_high",
+    "staleness": "max_staleness",
+    "max_head_offpolicyness": "max_staleness",
+    "rollout_mode": "mode",
 }
 
 # Short names people type most (`rollwise train lr=1e-5 steps=20`).
@@ -119,6 +156,8 @@ ALIASES = {
     "prompts_per_step": "rollout.prompts_per_step",
     "max_tokens": "rollout.max_tokens",
     "resume": "checkpoint.resume",
+    "mode": "rollout.mode",
+    "eta": "rollout.max_staleness",
 }
 
 

@@ -157,3 +157,37 @@ def test_shared_prompt_logprobs_equal_full_forward():
         g = collate_group(samples, torch.ones(6), pad_id=0)
         got, _ = shared_prompt_logprobs(model, g.prompt_ids, g.responses, g.response_mask)
     assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_off_policy_weights_match_hand_computed_values():
+    from rollwise.train.grpo import off_policy_weights
+
+    prox = torch.tensor([-1.0, -2.0, -0.5])
+    behav = torch.tensor([-1.5, -1.0, -0.5])
+    # exp(prox - behav) = exp(0.5), exp(-1), exp(0)
+    exact = torch.tensor([math.exp(0.5), math.exp(-1.0), 1.0])
+    assert torch.allclose(off_policy_weights(prox, behav, "decoupled"), exact)
+    assert torch.allclose(off_policy_weights(prox, behav, "tis", cap=1.5), torch.tensor([1.5, math.exp(-1.0), 1.0]))
+    assert torch.equal(off_policy_weights(prox, behav, "none"), torch.ones(3))
+    with pytest.raises(ValueError):
+        off_policy_weights(prox, behav, "tis")
+
+
+def test_decoupled_loss_clips_around_the_proximal_policy():
+    # One token, advantage +1: ratio to the proximal policy exp(0.3) is clipped at 1 + 0.2 = 1.2;
+    # the loss is -(clipped ratio) * is_weight, with is_weight = exp(prox - behav) = exp(0.4).
+    logp = torch.tensor([-0.7], requires_grad=True)
+    prox = torch.tensor([-1.0])
+    behav = torch.tensor([-1.4])
+    w = off_policy = torch.exp(prox - behav)
+    terms = clipped_surrogate_loss(logp, behav, torch.tensor([1.0]), clip_low=0.2, clip_high=0.2,
+                                   token_weights=torch.ones(1), proximal_logp=prox, is_weights=off_policy)
+    assert float(terms.loss.detach()) == pytest.approx(-1.2 * float(w))
+    terms.loss.backward()
+    assert float(logp.grad) == 0.0  # clipped: no gradient
+    # Unclipped case: ratio exp(0.1); d/dlogp of -ratio * w = -ratio * w.
+    logp = torch.tensor([-0.9], requires_grad=True)
+    terms = clipped_surrogate_loss(logp, behav, torch.tensor([1.0]), clip_low=0.2, clip_high=0.2,
+                                   token_weights=torch.ones(1), proximal_logp=prox, is_weights=off_policy)
+    terms.loss.backward()
+    assert float(logp.grad) == pytest.approx(-math.exp(0.1) * float(w), rel=1e-6)

@@ -113,7 +113,7 @@ class TrainedProblems:
         original = GRPOTrainer.train_step
 
         def recording(trainer, samples):
-            steps = {int(s.group_id.split("-")[0].removeprefix("step")) for s in samples}
+            steps = {s.extra["group_index"] // PROMPTS_PER_STEP for s in samples}
             assert len(steps) == 1, steps
             problems = list(dict.fromkeys(s.problem_id for s in samples))  # one per group, in slot order
             self.calls.append((steps.pop() + 1, problems))

@@ -1,6 +1,10 @@
-"""`rollwise train`: the synchronous GRPO loop, local placement (everything in one process).
+"""`rollwise train`: the GRPO loop, local placement (everything in one process).
 
-    problems -> rollout (engine) -> reward -> advantages -> trainer -> weight push -> engine
+    problems -> rollout controller (engine on its own thread) -> reward -> advantages -> trainer
+             -> weight push -> engine
+
+rollout.mode picks how generation and training interleave (rollwise.rollout.controller): sync
+generates a batch, then trains; sorted and async keep the engine generating while the trainer trains.
 
 Every step writes one line of metrics.jsonl; held-out evaluation runs before and after training;
 the run ends with summary.json, a curve PNG and a summary table.
@@ -33,7 +37,9 @@ from rollwise.observe.plots import plot_training_curve
 from rollwise.observe.summary import render_summary
 from rollwise.reward.batch import score_samples
 from rollwise.rollout.data import ProblemStream
-from rollwise.rollout.sync_rollout import PromptEncoder, RolloutPlan, group_samples, rollout, sampling_seed
+from rollwise.rollout.controller import RolloutController
+from rollwise.rollout.sync_rollout import PromptEncoder, RolloutPlan, build_requests, group_samples, to_samples
+from rollwise.rollout.worker import EngineWorker
 from rollwise.rollout.types import Sample
 from rollwise.sync.inprocess import push_weights
 from rollwise.tasks import Problem, Task, make_task
@@ -51,7 +57,9 @@ class Run:
     task: Task
     problems: dict[str, Problem]
     encoder: PromptEncoder
-    engine: ReferenceEngine
+    engine: ReferenceEngine  # owned by `worker`'s thread: only touched through worker / controller
+    worker: EngineWorker
+    controller: RolloutController
     trainer: GRPOTrainer
     progress: Progress
     t0: float
@@ -117,10 +125,9 @@ def evaluate(run: Run, step: int, label: str) -> dict[str, Any]:
     bar = run.progress.add_task(f"eval ({label})", total=len(problems))
     t = time.monotonic()
     few_shot = [cfg.prompt.few_shot_in_eval] * len(problems)
-    samples = rollout(
-        run.engine, run.encoder, RolloutPlan(problems, params, f"eval{step}", few_shot=few_shot),
-        progress=lambda n: run.progress.advance(bar, n),
-    )
+    requests = build_requests(run.encoder, RolloutPlan(problems, params, f"eval{step}", few_shot=few_shot))
+    completions = run.controller.run_requests(requests, progress=lambda n: run.progress.advance(bar, n))
+    samples = to_samples(completions, requests, problems, run.encoder.tokenizer)
     score_samples(samples, run.problems, run.task, cfg.reward)
     run.progress.remove_task(bar)
     n = len(samples)
@@ -173,46 +180,31 @@ def _rollout_metrics(samples: list[Sample]) -> dict[str, float]:
     }
 
 
-def train_step(run: Run, step: int, stream: ProblemStream, logger: MetricsLogger) -> dict[str, Any]:
+def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
     cfg = run.cfg
     t_step = time.monotonic()
-    run.engine.reset_timeline()
+    timeline = run.engine.timeline  # appended by the engine thread; read-only here
 
-    # 1. rollout
-    params = SamplingParams(
-        max_tokens=cfg.rollout.max_tokens,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
-        n=cfg.rollout.group_size,
-    )
-    problems = stream.batch(step, cfg.rollout.prompts_per_step)
-    seeds = [sampling_seed(cfg.seed, step, slot, params.n) for slot in range(len(problems))]
-    # Which groups see the few-shot examples: the first round(fraction * groups) slots (deterministic).
-    few_shot_fraction = cfg.prompt.few_shot_fraction(step)
-    n_hinted = round(few_shot_fraction * len(problems))
-    few_shot = [slot < n_hinted for slot in range(len(problems))]
-    bar = run.progress.add_task(f"step {step + 1} generate", total=len(problems) * params.n)
-    samples = rollout(
-        run.engine, run.encoder, RolloutPlan(problems, params, f"step{step}", seeds, few_shot),
-        progress=lambda n: run.progress.advance(bar, n),
-    )
+    # 1. rollout (+ reward: the controller scores each group as it completes)
+    bar = run.progress.add_task(f"step {step + 1} generate", total=cfg.rollout.prompts_per_step * cfg.rollout.group_size)
+    score_s0 = run.controller.score_seconds
+    samples = run.controller.next_batch(progress=lambda n: run.progress.update(bar, advance=n))
     run.progress.remove_task(bar)
     t_gen_end = time.monotonic()
-    rollout_timeline = list(run.engine.timeline)
-
-    # 2. reward
-    score_samples(samples, run.problems, run.task, cfg.reward)
+    reward_s = run.controller.score_seconds - score_s0
     zero_var = _assign_advantages(samples, cfg.train.advantage)
     t_reward_end = time.monotonic()
 
-    # 3. train
+    # 2. train
     version_at_update = run.trainer.version  # the policy the gradient is taken on
+    run.controller.before_update()
     train_metrics = run.trainer.train_step(samples)
+    run.controller.mark_trained(samples)
     t_train_end = time.monotonic()
 
-    # 4. weight sync
-    push_weights(run.trainer.model, [run.engine], run.trainer.version)
+    # 3. weight sync: lands between two engine steps; in-flight samples continue or are regenerated
+    push_weights(run.trainer.model, [run.worker], run.trainer.version)
+    run.controller.after_update(run.trainer.version)
     t_sync_end = time.monotonic()
 
     gen_s = t_gen_end - t_step
@@ -227,10 +219,10 @@ def train_step(run: Run, step: int, stream: ProblemStream, logger: MetricsLogger
         "policy_version": run.trainer.version,
         **_rollout_metrics(samples),
         "zero_variance_groups": zero_var,
-        "few_shot_fraction": n_hinted / len(problems),
+        "few_shot_fraction": round(cfg.prompt.few_shot_fraction(step) * cfg.rollout.prompts_per_step) / cfg.rollout.prompts_per_step,
         **train_metrics,
-        "time_generate_s": gen_s,
-        "time_reward_s": t_reward_end - t_gen_end,
+        "time_generate_s": gen_s - reward_s,
+        "time_reward_s": reward_s + (t_reward_end - t_gen_end),
         "time_train_s": t_train_end - t_reward_end,
         "time_weight_sync_s": t_sync_end - t_train_end,
         "time_step_s": step_s,
@@ -239,11 +231,13 @@ def train_step(run: Run, step: int, stream: ProblemStream, logger: MetricsLogger
         "samples_per_s": len(samples) / max(step_s, 1e-9),
         "prefix_cache_hit_rate": cached / max(prompt_tokens, 1),
         # Bubble ratio over the whole step (training included) and over the rollout phase alone.
-        "bubble_ratio": bubble_ratio([rollout_timeline], [run.engine.max_num_seqs], t_step, t_sync_end),
-        "bubble_ratio_rollout": bubble_ratio([rollout_timeline], [run.engine.max_num_seqs], t_step, t_gen_end),
+        "bubble_ratio": bubble_ratio([timeline], [run.engine.max_num_seqs], t_step, t_sync_end),
+        "bubble_ratio_rollout": bubble_ratio([timeline], [run.engine.max_num_seqs], t_step, t_gen_end),
         # Versions that sampled the trained tokens vs. the version they were trained at (sync: 0).
         "staleness_mean": sum(staleness) / max(len(staleness), 1),
         "staleness_max": max(staleness, default=0),
+        "groups_in_flight": run.controller.in_flight(),
+        "samples_regenerated": run.controller.ledger.regenerated(),
     }
     logger.log(record)
     with (run.run_dir / "samples.jsonl").open("a") as f:
@@ -288,13 +282,16 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
 
     trainer = GRPOTrainer(model, cfg.train, pad_token_id=pad_id, temperature=cfg.rollout.temperature or 1.0)
     start_step = 0
+    start_group, pending_groups = 0, []
     if resume_dir is not None:
         state = load_checkpoint(resume_dir, trainer)
         start_step = int(state["step"])
         if state.get("tokenizer_fingerprint") not in (None, fingerprint):
             raise ConfigError(f"checkpoint {resume_dir} was trained with a different tokenizer (fingerprint mismatch)")
         consumed = state.get("problems_consumed")
-        if consumed is not None and consumed != start_step * cfg.rollout.prompts_per_step:
+        start_group = int(state.get("next_group", start_step * cfg.rollout.prompts_per_step))
+        pending_groups = list(state.get("pending_groups", []))
+        if cfg.rollout.mode == "sync" and consumed is not None and consumed != start_step * cfg.rollout.prompts_per_step:
             raise ConfigError(
                 f"checkpoint consumed {consumed} problems in {start_step} steps, but rollout.prompts_per_step="
                 f"{cfg.rollout.prompts_per_step} would place it at {start_step * cfg.rollout.prompts_per_step}: "
@@ -310,11 +307,21 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
     )
     # Invariant 1 (engine and trainer tokenize identically) holds by construction here: with local
     # placement both use this one tokenizer. Remote engines compare fingerprints (engine-contract issue).
+    worker = EngineWorker(engine)
+    encoder = PromptEncoder(tokenizer, cfg.prompt, cfg.reward)
+    stream = ProblemStream(train_problems, cfg.seed)
+    controller = RolloutController(
+        cfg, worker, encoder, stream, lambda group: score_samples(group, problems, task, cfg.reward),
+        policy_version=trainer.version, start_group=start_group, pending_groups=pending_groups,
+    )
 
     n_params = sum(p.numel() for p in model.parameters())
     console.print(
         f"[bold]rollwise train[/]  model={cfg.model} ({n_params / 1e6:.0f}M params)  engine=reference "
-        f"(max_num_seqs={cfg.engine.max_num_seqs})  task={task.name}  train={len(train_problems)} "
+        f"(max_num_seqs={cfg.engine.max_num_seqs})  rollout={cfg.rollout.mode}"
+        + (f" (eta={cfg.rollout.max_staleness}, correction={cfg.train.off_policy_correction})"
+           if cfg.rollout.mode != "sync" else "")
+        + f"  task={task.name}  train={len(train_problems)} "
         f"eval={len(eval_problems)}  steps={cfg.train.steps}  batch={cfg.rollout.prompts_per_step}x"
         f"{cfg.rollout.group_size}  lr={cfg.train.lr}\n  run dir: {run_dir}\n"
         f"  tokenizer fingerprint: {fingerprint[:16]}…"
@@ -322,10 +329,8 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
 
     logger = MetricsLogger(run_dir, tensorboard=cfg.tensorboard, purge_after_step=start_step if start_step else None)
     evals_path = run_dir / "evals.jsonl"
-    stream = ProblemStream(train_problems, cfg.seed)
     with _progress(console) as progress:
-        run = Run(cfg, run_dir, task, problems, PromptEncoder(tokenizer, cfg.prompt, cfg.reward), engine,
-                  trainer, progress, t0)
+        run = Run(cfg, run_dir, task, problems, encoder, engine, worker, controller, trainer, progress, t0)
 
         def record_eval(step: int, label: str) -> dict[str, Any]:
             result = evaluate(run, step, label)
@@ -342,7 +347,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
             record_eval(0, "before")
         steps_bar = progress.add_task("training steps", total=cfg.train.steps, completed=start_step)
         for step in range(start_step, cfg.train.steps):
-            record = train_step(run, step, stream, logger)
+            record = train_step(run, step, logger)
             progress.advance(steps_bar)
             progress.console.print(
                 f"step {record['step']:>3}  reward {record['reward_mean']:.3f}  strict {record['strict_accuracy']:.1%}"
@@ -355,9 +360,13 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
                 record_eval(done, "mid")
             if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.train.steps:
                 save_checkpoint(run_dir, trainer, tokenizer, done,
-                                {"tokenizer_fingerprint": fingerprint, "problems_consumed": done * cfg.rollout.prompts_per_step},
+                                {"tokenizer_fingerprint": fingerprint, "problems_consumed": done * cfg.rollout.prompts_per_step,
+                                 # Started but untrained groups are generated again on resume: none lost.
+                                 "next_group": controller.next_group, "pending_groups": controller.pending_groups()},
                                 cfg.checkpoint.keep_last)
+        controller.close("the run ended")  # samples still in flight are recorded as dropped
         final_eval = record_eval(cfg.train.steps, "after")
+    worker.close()
     logger.close()
 
     records = read_metrics(run_dir / "metrics.jsonl")
@@ -378,7 +387,10 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         if before and final_eval else None,
         "train_reward_first": records[0]["reward_mean"] if records else None,
         "train_reward_last": records[-1]["reward_mean"] if records else None,
+        "rollout_mode": cfg.rollout.mode,
         "mean_bubble_ratio": sum(r["bubble_ratio"] for r in records) / len(records) if records else None,
+        "samples": controller.ledger.counts(),
+        "samples_regenerated": controller.ledger.regenerated(),
         "peak_rss_gb": _peak_rss_gb(),
         "tokenizer_fingerprint": fingerprint,
         "artifacts": {"metrics": "metrics.jsonl", "evals": "evals.jsonl", "curve": curve.name,

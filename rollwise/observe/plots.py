@@ -38,3 +38,27 @@ def plot_training_curve(records: list[dict[str, Any]], evals: list[dict[str, Any
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def plot_rollout_timelines(runs: dict[str, tuple[list[tuple[float, int]], list[float]]], capacity: int,
+                           out: Path) -> Path:
+    """One row per mode: running sequences over time (a step function), the engine's capacity as a
+    dashed line, and each weight update as a vertical red line. White space under the capacity
+    line is the bubble."""
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 2.4 * len(runs)), sharex=True, squeeze=False)
+    for ax, (mode, (timeline, updates)) in zip(axes[:, 0], runs.items()):
+        if timeline:
+            times, running = zip(*timeline)
+            ax.step(times, running, where="post", color="tab:blue", lw=0.8)
+            ax.fill_between(times, running, step="post", alpha=0.3, color="tab:blue")
+        ax.axhline(capacity, color="gray", ls="--", lw=0.8)
+        for i, t in enumerate(updates):
+            ax.axvline(t, color="tab:red", lw=0.8, label="weight update" if i == 0 else None)
+        ax.set(ylabel="running seqs", ylim=(0, capacity * 1.1), title=mode)
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(loc="upper right")
+    axes[-1, 0].set_xlabel("seconds")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

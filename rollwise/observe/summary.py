@@ -29,7 +29,14 @@ def render_summary(summary: dict[str, Any], records: list[dict[str, Any]]) -> Ta
         total = sum(time_split.values()) or 1.0
         table.add_row("time split", ", ".join(f"{k} {v / total:.0%}" for k, v in time_split.items()), "")
         table.add_row("mean bubble ratio", f"{sum(r['bubble_ratio'] for r in records) / n:.2f}", "")
+        table.add_row("staleness mean / max", f"{sum(r['staleness_mean'] for r in records) / n:.2f} / "
+                      f"{max(r['staleness_max'] for r in records)}", "")
         table.add_row("rollout tok/s (mean)", f"{sum(r['rollout_tokens_per_s'] for r in records) / n:.0f}", "")
+    if summary.get("samples"):
+        counts = summary["samples"]
+        table.add_row(f"samples ({summary.get('rollout_mode', 'sync')} rollout)",
+                      f"{counts['trained']} trained, {counts['dropped']} dropped at the end, "
+                      f"{summary.get('samples_regenerated', 0)} regenerated", "")
     table.add_row("wall time", f"{summary['wall_time_s'] / 60:.1f} min", "")
     table.add_row("peak memory (RSS)", f"{summary['peak_rss_gb']:.1f} GB", "")
     return table

@@ -1,4 +1,4 @@
-"""The synchronous rollout: generate every group of the batch, score it, hand it to the trainer.
+"""Prompts -> engine requests -> Samples; the synchronous rollout of a batch (evaluation uses it too).
 
 Sampling seeds derive from (run seed, step, prompt slot), not from a running RNG, so a resumed run
 samples exactly what the uninterrupted run would have.
@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
 from rollwise.reward.scoring import RewardConfig
 from rollwise.rollout.types import Sample
 from rollwise.tasks import Problem, PromptConfig, build_messages, encode_prompt
@@ -50,17 +50,8 @@ def sampling_seed(run_seed: int, step: int, slot: int, group_size: int) -> int:
     return (run_seed * 1_000_003 + step * 100_003 + slot * (group_size + 1)) % (2**31)
 
 
-def rollout(
-    engine,
-    encoder: PromptEncoder,
-    plan: RolloutPlan,
-    *,
-    progress: Callable[[int], None] | None = None,
-) -> list[Sample]:
-    """Generate plan.params.n samples per problem; decode the text that scoring will read.
-
-    All groups go to the engine together, so they share its running batch (continuous batching).
-    """
+def build_requests(encoder: PromptEncoder, plan: RolloutPlan) -> list[GenerationRequest]:
+    """One n-sample request per problem of the plan (request id "<prefix>-<slot>")."""
     requests = []
     for slot, problem in enumerate(plan.problems):
         params = plan.params
@@ -74,8 +65,13 @@ def rollout(
                 params=params,
             )
         )
-    problem_by_request = {req.request_id: problem for req, problem in zip(requests, plan.problems)}
-    completions = engine.generate(requests, progress=progress)
+    return requests
+
+
+def to_samples(completions: list[Completion], requests: list[GenerationRequest], problems: list[Problem],
+               tokenizer: PreTrainedTokenizerBase) -> list[Sample]:
+    """Engine completions -> Samples, with the text that scoring reads decoded from the exact ids."""
+    problem_by_request = {req.request_id: problem for req, problem in zip(requests, problems)}
     samples = []
     for c in completions:
         problem = problem_by_request[c.request_id]
@@ -89,11 +85,25 @@ def rollout(
                 behaviour_logprobs=list(c.logprobs),
                 versions=list(c.versions),
                 finish_reason=c.finish_reason,
-                response_text=encoder.tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                response_text=tokenizer.decode(c.token_ids, skip_special_tokens=True),
                 extra={"cached_prompt_tokens": c.cached_prompt_tokens},
             )
         )
     return samples
+
+
+def rollout(
+    engine,
+    encoder: PromptEncoder,
+    plan: RolloutPlan,
+    *,
+    progress: Callable[[int], None] | None = None,
+) -> list[Sample]:
+    """Generate plan.params.n samples per problem on an idle engine, all groups sharing its running
+    batch (continuous batching); samples come back in (problem, sample index) order."""
+    requests = build_requests(encoder, plan)
+    completions = engine.generate(requests, progress=progress)
+    return to_samples(completions, requests, plan.problems, encoder.tokenizer)
 
 
 def group_samples(samples: list[Sample]) -> dict[str, list[Sample]]:

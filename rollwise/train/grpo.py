@@ -36,6 +36,31 @@ class LossTerms:
     kl_sum: Tensor  # sum of k3 KL over tokens (0 when no reference)
 
 
+OffPolicyCorrection = Literal["none", "decoupled", "tis"]
+
+
+def off_policy_weights(
+    proximal_logp: Tensor, behaviour_logp: Tensor, mode: OffPolicyCorrection, cap: float | None = None
+) -> Tensor:
+    """Per-token importance weights pi_prox / pi_behav for tokens an older (or numerically different)
+    policy sampled. No gradient flows through them.
+
+    decoupled: AReaL's decoupled PPO weight, exact (optionally capped at `cap`).
+    tis:       truncated importance sampling (Yao et al. 2025): min(weight, cap), cap required.
+    none:      all ones (the on-policy spine).
+    """
+    if mode == "none":
+        return torch.ones_like(behaviour_logp)
+    weight = torch.exp((proximal_logp - behaviour_logp).detach())
+    if mode == "tis":
+        if cap is None:
+            raise ValueError("tis needs a cap (train.is_cap)")
+        return weight.clamp(max=cap)
+    if mode == "decoupled":
+        return weight if cap is None else weight.clamp(max=cap)
+    raise ValueError(f"off-policy correction must be 'none', 'decoupled' or 'tis', got {mode!r}")
+
+
 def clipped_surrogate_loss(
     logp: Tensor,
     behaviour_logp: Tensor,
@@ -46,6 +71,8 @@ def clipped_surrogate_loss(
     token_weights: Tensor,
     ref_logp: Tensor | None = None,
     kl_coef: float = 0.0,
+    proximal_logp: Tensor | None = None,
+    is_weights: Tensor | None = None,
 ) -> LossTerms:
     """Token-level PPO-clip loss over flattened trained tokens.
 
@@ -55,11 +82,19 @@ def clipped_surrogate_loss(
     token_weights   [N] how much each token counts in the batch mean, e.g. 1 / (trained tokens in the
                     whole batch) for token_mean. Passing weights rather than dividing per micro-batch
                     keeps gradient accumulation exactly equal to one big batch.
+    proximal_logp   [N] optional: the trainer's own log-probs before this update (no grad). With it,
+                    the clip is taken around the proximal policy instead of the behaviour policy
+                    (decoupled PPO), and `is_weights` (pi_prox / pi_behav, see off_policy_weights)
+                    carry the off-policy correction. Without it: the ratio is against the behaviour
+                    policy, the on-policy GRPO of the spine.
     """
-    ratio = torch.exp(logp - behaviour_logp)
+    old_logp = behaviour_logp if proximal_logp is None else proximal_logp.detach()
+    ratio = torch.exp(logp - old_logp)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach()
     kl_sum = torch.zeros((), dtype=logp.dtype)
     if ref_logp is not None and kl_coef > 0:
         # k3 estimator of KL(pi || ref): unbiased, always >= 0, low variance (Schulman 2020).

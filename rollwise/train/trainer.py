@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+from functools import partial
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,7 @@ from torch import Tensor, nn
 
 from rollwise.config import TrainConfig
 from rollwise.rollout.types import Sample
-from rollwise.train.grpo import clipped_surrogate_loss, token_weights
+from rollwise.train.grpo import clipped_surrogate_loss, off_policy_weights, token_weights
 from rollwise.train.logprobs import sequence_logprobs, shared_prompt_logprobs
 
 
@@ -100,6 +101,22 @@ def collate(samples: list[Sample], weights: Tensor, pad_id: int) -> MicroBatch:
     )
 
 
+def lr_factor(cfg: TrainConfig, update: int) -> float:
+    """Multiplier of cfg.lr at optimizer update `update` (0-based): linear warmup, then the schedule.
+    Decay runs over cfg.steps * cfg.updates_per_step updates and ends at cfg.min_lr_ratio."""
+    if update < cfg.warmup_steps:
+        return (update + 1) / cfg.warmup_steps
+    total = max(cfg.steps * cfg.updates_per_step - cfg.warmup_steps - 1, 1)
+    progress = min((update - cfg.warmup_steps) / total, 1.0)
+    if cfg.lr_schedule == "cosine":
+        decay = 0.5 * (1 + math.cos(math.pi * progress))
+    elif cfg.lr_schedule == "linear":
+        decay = 1 - progress
+    else:
+        return 1.0
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+
+
 class GRPOTrainer:
     def __init__(self, model: nn.Module, cfg: TrainConfig, *, pad_token_id: int, temperature: float = 1.0):
         self.model = model
@@ -119,9 +136,7 @@ class GRPOTrainer:
             betas=cfg.adam_betas,
             weight_decay=cfg.weight_decay,
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
-        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_factor, cfg))
 
     def _micro_batches(self, samples: list[Sample]) -> list[MicroBatch | GroupMicroBatch]:
         samples = [s for s in samples if s.response_ids]
@@ -164,8 +179,12 @@ class GRPOTrainer:
                     "lr": self.scheduler.get_last_lr()[0], **self._measure(self._micro_batches(samples)[:1])}
         batches = self._micro_batches(informative)
         metrics: dict[str, float] = {}
+        # The proximal policy of decoupled PPO is the trainer's policy before this step's first
+        # update. Its log-probs come free from the first update's forward (the weights only change
+        # at optimizer.step, after every micro-batch), and are reused by later updates.
+        proximal: list[Tensor] = []
         for update in range(self.cfg.updates_per_step):
-            metrics = self._update(batches, record_mismatch=update == 0)
+            metrics = self._update(batches, record_mismatch=update == 0, proximal=proximal)
         metrics["trained_samples"] = float(len(informative))
         metrics["update_skipped_no_signal"] = 0.0
         return metrics
@@ -183,7 +202,13 @@ class GRPOTrainer:
         n = max(n, 1)
         return {"entropy": entropy_sum / n, "mismatch_abs_logp": abs_diff_sum / n, "mismatch_k3": k3_sum / n}
 
-    def _update(self, batches: list[MicroBatch], record_mismatch: bool) -> dict[str, float]:
+    def _update(self, batches: list[MicroBatch], record_mismatch: bool, proximal: list[Tensor]) -> dict[str, float]:
+        """One optimizer update over all micro-batches. `proximal` is filled on the first update
+        (one tensor per micro-batch) when an off-policy correction is on, and read afterwards."""
+        correction = self.cfg.off_policy_correction
+        if correction == "auto":  # RunConfig resolves auto from rollout.mode; a bare TrainConfig is on-policy
+            correction = "none"
+        first = not proximal
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         n_tokens = sum(b.n_tokens for b in batches)
@@ -193,8 +218,16 @@ class GRPOTrainer:
         entropy_sum = 0.0
         abs_diff_sum = 0.0
         k3_sum = 0.0
-        for mb in batches:
+        is_weight_sum = 0.0
+        for i, mb in enumerate(batches):
             logp, entropy = mb.logprobs(self.model, self.temperature, self.cfg.logprob_chunk_tokens)
+            prox = is_weights = None
+            if correction != "none":
+                if first:
+                    proximal.append(logp.detach())
+                prox = proximal[i]
+                is_weights = off_policy_weights(prox, mb.behaviour_logp, correction, self.cfg.is_cap)
+                is_weight_sum += float(is_weights.sum())
             ref_logp = None
             if self.ref_model is not None:
                 with torch.no_grad():
@@ -208,6 +241,8 @@ class GRPOTrainer:
                 token_weights=mb.weights,
                 ref_logp=ref_logp,
                 kl_coef=self.cfg.kl_coef,
+                proximal_logp=prox,
+                is_weights=is_weights,
             )
             terms.loss.backward()
             loss_total += float(terms.loss.detach())
@@ -235,6 +270,7 @@ class GRPOTrainer:
             "kl": kl_sum / max(n_tokens, 1),
             "trained_tokens": float(n_tokens),
             "lr": self.scheduler.get_last_lr()[0],
+            "is_weight_mean": is_weight_sum / max(n_tokens, 1) if correction != "none" else 1.0,
         }
         if record_mismatch:
             metrics["mismatch_abs_logp"] = abs_diff_sum / max(n_tokens, 1)

@@ -105,6 +105,7 @@ class ReferenceEngine:
         self.scheduler = Scheduler(max_num_seqs)
         self._unfinished: dict[str, int] = {}  # request id -> samples not yet returned
         self.timeline: list[tuple[float, int]] = []
+        self._paused = False
         self.stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
 
     # ---------------------------------------------------------------- public state
@@ -126,6 +127,22 @@ class ReferenceEngine:
 
     def reset_timeline(self) -> None:
         self.timeline = []
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def pause(self) -> None:
+        """Stop generating; running sequences keep their KV and tokens and continue on resume().
+        The timeline records 0 running sequences while paused: a paused engine generates nothing."""
+        if not self._paused:
+            self._paused = True
+            self.timeline.append((time.monotonic(), 0))
+
+    def resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            self._mark_timeline()
 
     # ---------------------------------------------------------------- requests
 
@@ -169,7 +186,10 @@ class ReferenceEngine:
 
     def step(self) -> list[Completion]:
         """One scheduler iteration: prefill newly admitted requests (sampling their first tokens),
-        then one decode step for every running sequence. Returns the samples that finished."""
+        then one decode step for every running sequence. Returns the samples that finished.
+        A paused engine does nothing and returns []."""
+        if self._paused:
+            return []
         finished: list[Completion] = []
         # Requests admitted together with the same prompt (e.g. GRPO samples submitted one request
         # each) share a single prefill, exactly like the n samples of one request.
@@ -190,6 +210,8 @@ class ReferenceEngine:
     ) -> list[Completion]:
         """Run `requests` to completion; returns completions ordered by (request order, sample index).
         `progress`, if given, is called after each step with the number of samples that finished in it."""
+        if self._paused:
+            raise RuntimeError("generate() on a paused engine would never finish: resume() it first")
         if self.has_unfinished():
             raise RuntimeError("generate() needs an idle engine; drain or abort the streaming requests first")
         try:
@@ -284,7 +306,7 @@ class ReferenceEngine:
             del self._unfinished[request_id]
 
     def _mark_timeline(self) -> None:
-        self.timeline.append((time.monotonic(), self.num_running))
+        self.timeline.append((time.monotonic(), 0 if self._paused else self.num_running))
 
 
 def _default_eos(hf_model: nn.Module) -> list[int]:

@@ -1,0 +1,308 @@
+"""The rollout controller: which problems are generated when, and which finished groups train next.
+
+Three modes (rollout.mode), one code path:
+
+- sync:   submit one batch of groups, wait for all of them, train, repeat. The engine idles while
+          the trainer trains and while the batch's longest sample finishes: the baseline.
+- sorted: SortedRL. Keep `oversubscription x prompts_per_step` groups in flight so the engine stays
+          at its concurrency; a group is trainable once all its samples are done; update batches
+          are the first complete groups in completion order (short first). Generation continues
+          while the trainer trains (for max_staleness >= 1), and samples that are still running at
+          a weight update either continue from their cached prefix under the new weights or are
+          aborted and regenerated (rollout.partial_rollout).
+- async:  AReaL-style. Generation never waits for the trainer except for admission control: group
+          k may start only while k // prompts_per_step <= trainer version + max_staleness.
+
+In every mode the staleness bound eta = rollout.max_staleness holds for every trained token:
+after each weight update to version V, an in-flight sample that could only be trained with
+staleness > eta is regenerated (and recorded as such in the ledger), never trained.
+
+A group starts as one n-sample request (one shared prefill, sample i seeded with group seed + i,
+exactly the spine's requests). A sample that has to be generated again (aborted at a weight update,
+or too stale) goes back alone as an n=1 request with fresh randomness. Benchmarks that force each
+sample's length submit every sample as its own request (the engine still shares the prefill of
+identical prompts admitted in the same step).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rollwise.config import RunConfig
+from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
+from rollwise.rollout.data import ProblemStream
+from rollwise.rollout.ledger import RolloutLedger
+from rollwise.rollout.sync_rollout import PromptEncoder, sampling_seed
+from rollwise.rollout.types import Sample
+from rollwise.rollout.worker import EngineWorker
+from rollwise.tasks import Problem
+
+# Called with a complete group's samples, to score them (reward) in place.
+ScoreFn = Callable[[list[Sample]], None]
+# Forces a sample's generation length (benchmarks): (group index, sample index) -> max_tokens.
+LengthFn = Callable[[int, int], int]
+
+
+@dataclass
+class _Group:
+    index: int
+    problem: Problem
+    prompt_ids: list[int]
+    seed: int
+    finished: dict[int, Sample] = field(default_factory=dict)  # sample index -> finished sample
+    completed_at: float | None = None
+
+
+@dataclass
+class _Running:
+    group: int
+    samples: list[int]  # completion index -> sample index within the group
+    submitted_version: int  # the policy version when it was submitted (<= every token's version)
+    remaining: set[int] = field(default_factory=set)  # completion indices not yet returned
+
+
+class RolloutController:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        worker: EngineWorker,
+        encoder: PromptEncoder,
+        stream: ProblemStream,
+        score: ScoreFn,
+        *,
+        policy_version: int = 0,
+        start_group: int = 0,
+        pending_groups: list[int] | None = None,
+        length_fn: LengthFn | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.mode = cfg.rollout.mode
+        self.eta = cfg.rollout.max_staleness
+        self.batch_groups = cfg.rollout.prompts_per_step
+        self.group_size = cfg.rollout.group_size
+        self.max_in_flight = math.ceil(cfg.rollout.oversubscription * self.batch_groups)
+        self.worker = worker
+        self.encoder = encoder
+        self.stream = stream
+        self.score = score
+        self.length_fn = length_fn
+        self.version = policy_version
+        self.ledger = RolloutLedger()
+        self.groups: dict[int, _Group] = {}
+        self.running: dict[str, _Running] = {}  # request id -> what it is
+        self.ready: list[int] = []  # complete, scored groups in completion order
+        self.next_group = start_group
+        # Groups a checkpoint had in flight: generated again first, so none is lost on resume.
+        self._redo = sorted(pending_groups or [])
+        self.paused_for_update = False
+        self.score_seconds = 0.0  # time spent scoring groups inside next_batch (reported as reward time)
+
+    # ------------------------------------------------------------ public
+
+    def next_batch(self, progress: Callable[[int], None] | None = None) -> list[Sample]:
+        """Block until an update batch of complete groups is ready; return its samples (scored)."""
+        if self.mode == "sync":
+            for _ in range(self.batch_groups):
+                self._start_group()
+        while len(self.ready) < self.batch_groups:
+            self._top_up()
+            completion = self.worker.next_completion(timeout=0.05)
+            if completion is not None:
+                self._on_completion(completion, progress)
+        if self.mode == "sync":
+            self.ready.sort()  # group order, exactly as the spine's synchronous rollout
+        taken, self.ready = self.ready[: self.batch_groups], self.ready[self.batch_groups :]
+        samples = []
+        for g in taken:
+            group = self.groups.pop(g)
+            for i in range(self.group_size):
+                sample = group.finished[i]
+                staleness = self.version - min(sample.versions, default=self.version)
+                if staleness > self.eta:  # after_update guarantees this never happens
+                    raise RuntimeError(f"group {g} sample {i} has staleness {staleness} > eta={self.eta}")
+                self.ledger.move((g, i), "batched")
+                samples.append(sample)
+        return samples
+
+    def run_requests(self, requests: list[GenerationRequest], progress: Callable[[int], None] | None = None
+                     ) -> list[Completion]:
+        """Generate other requests (held-out evaluation) on the same engine, beside any rollout in
+        flight; returns their completions in (request order, sample index) order."""
+        wanted = {r.request_id: i for i, r in enumerate(requests)}
+        if wanted.keys() & self.running.keys():
+            raise ValueError("request ids collide with rollout requests in flight")
+        remaining = sum(r.params.n for r in requests)
+        self.worker.submit(requests)
+        done: list[Completion] = []
+        while remaining:
+            completion = self.worker.next_completion(timeout=0.05)
+            if completion is None:
+                continue
+            if completion.request_id in wanted:
+                done.append(completion)
+                remaining -= 1
+                if progress is not None:
+                    progress(1)
+            else:
+                self._on_completion(completion, None)
+        return sorted(done, key=lambda c: (wanted[c.request_id], c.index))
+
+    def before_update(self) -> None:
+        """The trainer is about to train on a batch taken at self.version. With eta = 0 nothing may be
+        sampled by the current policy and trained after the update, so generation pauses."""
+        if self.mode != "sync" and self.eta == 0:
+            self.worker.pause()
+            self.paused_for_update = True
+
+    def mark_trained(self, samples: list[Sample]) -> None:
+        for s in samples:
+            self.ledger.move(_slot(s), "trained")
+
+    def after_update(self, version: int) -> None:
+        """The engine now samples with `version`: regenerate whatever could not be trained within eta."""
+        self.version = version
+        if self.mode != "sync":
+            limit = version - self.eta  # oldest policy version a trainable token may have from now on
+            stale = [rid for rid, r in self.running.items() if r.submitted_version < limit]
+            if self.cfg.rollout.partial_rollout == "abort":
+                stale = list(self.running)
+            self._abort_and_requeue(stale, reason=f"in flight at weight update to v{version}")
+            for group in self.groups.values():
+                for i, sample in list(group.finished.items()):
+                    if min(sample.versions, default=version) < limit:
+                        self._regenerate(group, i, reason=f"stale at v{version} (eta={self.eta})")
+        if self.paused_for_update:
+            self.worker.resume()
+            self.paused_for_update = False
+
+    def pending_groups(self) -> list[int]:
+        """Groups started but not yet trained: a checkpoint stores them so resume regenerates them."""
+        return sorted(set(self.groups) | set(self._redo))
+
+    def close(self, reason: str = "the run ended") -> None:
+        """Abort everything in flight; what was never trained is recorded as dropped, with the reason."""
+        if self.running:
+            self.worker.abort(list(self.running))
+        self.running.clear()
+        for (g, i), record in self.ledger.slots.items():
+            if record.state not in ("trained", "dropped", "batched"):
+                self.ledger.move((g, i), "dropped", reason)
+
+    def in_flight(self) -> int:
+        return len(self.groups)
+
+    # ------------------------------------------------------------ admission
+
+    def _top_up(self) -> None:
+        if self.mode == "sync":
+            return
+        while self.in_flight() < self.max_in_flight:
+            next_index = self._redo[0] if self._redo else self.next_group
+            if self.mode == "async" and next_index // self.batch_groups > self.version + self.eta:
+                return  # AReaL admission control: generation may run at most eta versions ahead
+            self._start_group()
+
+    def _start_group(self) -> None:
+        if self._redo:
+            index = self._redo.pop(0)
+        else:
+            index = self.next_group
+            self.next_group += 1
+        step, slot = divmod(index, self.batch_groups)
+        problem = self.stream.batch(step, self.batch_groups)[slot]
+        # Few-shot annealing: the first round(fraction x groups) slots of each step show the examples.
+        with_few_shot = slot < round(self.cfg.prompt.few_shot_fraction(step) * self.batch_groups)
+        group = _Group(index, problem, self.encoder(problem, with_few_shot),
+                       sampling_seed(self.cfg.seed, step, slot, self.group_size))
+        self.groups[index] = group
+        self.ledger.add_group(index, self.group_size)
+        if self.length_fn is None:
+            self._submit_request(group, f"g{index}", list(range(self.group_size)), group.seed, self.cfg.rollout.max_tokens)
+        else:
+            for i in range(self.group_size):
+                self._submit_sample(group, i)
+
+    def _submit_sample(self, group: _Group, i: int) -> None:
+        attempt = self.ledger.slots[(group.index, i)].attempts
+        # Attempt 0 draws exactly what sample i of the group request would; a regeneration draws afresh.
+        seed = (group.seed + i + attempt * 1_000_033) % (2**31)
+        max_tokens = self.length_fn(group.index, i) if self.length_fn else self.cfg.rollout.max_tokens
+        self._submit_request(group, f"g{group.index}/{i}#{attempt}", [i], seed, max_tokens)
+
+    def _submit_request(self, group: _Group, request_id: str, samples: list[int], seed: int, max_tokens: int) -> None:
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=self.cfg.rollout.temperature, top_p=self.cfg.rollout.top_p,
+            top_k=self.cfg.rollout.top_k, n=len(samples), seed=seed, ignore_eos=self.length_fn is not None,
+        )
+        self.running[request_id] = _Running(group.index, samples, self.version, set(range(len(samples))))
+        for i in samples:
+            self.ledger.move((group.index, i), "running")
+        self.worker.submit([GenerationRequest(request_id, group.prompt_ids, params)])
+
+    # ------------------------------------------------------------ completions
+
+    def _on_completion(self, c: Completion, progress: Callable[[int], None] | None) -> None:
+        info = self.running.get(c.request_id)
+        if info is None or c.index not in info.remaining:
+            raise RuntimeError(f"completion for unknown request {c.request_id!r} sample {c.index}")
+        info.remaining.discard(c.index)
+        if not info.remaining:
+            del self.running[c.request_id]
+        index = info.samples[c.index]
+        group = self.groups[info.group]
+        sample = Sample(
+            sample_id=f"g{info.group}/{index}",
+            group_id=f"g{info.group}",
+            problem_id=group.problem.id,
+            prompt_ids=list(c.prompt_ids),
+            response_ids=list(c.token_ids),
+            behaviour_logprobs=list(c.logprobs),
+            versions=list(c.versions),
+            finish_reason=c.finish_reason,
+            response_text=self.encoder.tokenizer.decode(c.token_ids, skip_special_tokens=True),
+            extra={"cached_prompt_tokens": c.cached_prompt_tokens, "group_index": info.group,
+                   "sample_index": index, "request_id": c.request_id},
+        )
+        self.ledger.move((info.group, index), "finished")
+        group.finished[index] = sample
+        if progress is not None:
+            progress(1)
+        # It may have finished in the engine step just before a weight update's abort reached it.
+        if self.mode != "sync" and min(sample.versions, default=self.version) < self.version - self.eta:
+            self._regenerate(group, index, reason=f"stale on arrival at v{self.version}")
+            return
+        if len(group.finished) == self.group_size:
+            group.completed_at = time.monotonic()
+            self.score([group.finished[i] for i in range(self.group_size)])
+            self.score_seconds += time.monotonic() - group.completed_at
+            self.ready.append(group.index)
+
+    def _abort_and_requeue(self, request_ids: list[str], reason: str) -> None:
+        if not request_ids:
+            return
+        aborted = self.worker.abort(request_ids)
+        # A request with no abort completion finished just before the abort: it is in the completion
+        # queue and arrives through _on_completion, where its staleness is checked.
+        for c in aborted:
+            info = self.running[c.request_id]
+            info.remaining.discard(c.index)
+            if not info.remaining:
+                del self.running[c.request_id]
+            i = info.samples[c.index]
+            self.ledger.move((info.group, i), "queued", reason)
+            self._submit_sample(self.groups[info.group], i)
+
+    def _regenerate(self, group: _Group, i: int, reason: str) -> None:
+        del group.finished[i]
+        if group.index in self.ready:  # a complete group loses a sample: no longer trainable
+            self.ready.remove(group.index)
+            group.completed_at = None
+        self.ledger.move((group.index, i), "queued", reason)
+        self._submit_sample(group, i)
+
+
+def _slot(sample: Sample) -> tuple[int, int]:
+    return sample.extra["group_index"], sample.extra["sample_index"]

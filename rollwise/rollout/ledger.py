@@ -1,0 +1,80 @@
+"""Where every sample is: the bookkeeping that makes "nothing lost, nothing twice" checkable.
+
+A sample slot is (group index, sample index): group k is the k-th problem of the data stream, and
+its slots are the GRPO group's samples. Each slot is in exactly one state at any time; moves are
+checked against the allowed transitions, and every move back to `queued` (an abort or a stale
+sample being regenerated) carries its reason.
+
+    queued -> running -> finished -> batched -> trained
+       ^         |           |
+       +---------+-----------+   (aborted at a weight update / too stale: regenerate)
+    any state but trained -> dropped (with a reason: the run ended, ...)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Literal
+
+SlotState = Literal["queued", "running", "finished", "batched", "trained", "dropped"]
+Slot = tuple[int, int]  # (group index, sample index)
+
+_ALLOWED: dict[str, set[str]] = {
+    "queued": {"running", "dropped"},
+    "running": {"finished", "queued", "dropped"},
+    "finished": {"batched", "queued", "dropped"},
+    "batched": {"trained", "dropped"},
+    "trained": set(),
+    "dropped": set(),
+}
+
+
+class LedgerError(RuntimeError):
+    """A sample moved in a way that would lose it or train it twice: a bug, never silenced."""
+
+
+@dataclass
+class SlotRecord:
+    state: SlotState = "queued"
+    attempts: int = 0  # times it was submitted to an engine
+    reasons: list[str] = field(default_factory=list)  # why it went back to queued or was dropped
+
+
+class RolloutLedger:
+    def __init__(self) -> None:
+        self.slots: dict[Slot, SlotRecord] = {}
+
+    def add_group(self, group: int, size: int) -> None:
+        for i in range(size):
+            if (group, i) in self.slots:
+                raise LedgerError(f"group {group} sample {i} is already tracked")
+            self.slots[(group, i)] = SlotRecord()
+
+    def move(self, slot: Slot, to: SlotState, reason: str | None = None) -> None:
+        record = self.slots.get(slot)
+        if record is None:
+            raise LedgerError(f"sample {slot} was never queued")
+        if to not in _ALLOWED[record.state]:
+            raise LedgerError(f"sample {slot}: {record.state} -> {to} is not allowed")
+        if to in ("queued", "dropped"):
+            if not reason:
+                raise LedgerError(f"sample {slot}: moving to {to} needs a reason")
+            record.reasons.append(reason)
+        if to == "running":
+            record.attempts += 1
+        record.state = to
+
+    def state(self, slot: Slot) -> SlotState:
+        return self.slots[slot].state
+
+    def counts(self) -> dict[str, int]:
+        counts = Counter(record.state for record in self.slots.values())
+        return {state: counts.get(state, 0) for state in _ALLOWED}
+
+    def regenerated(self) -> int:
+        """Submissions beyond the first: samples generated again after an abort or for staleness."""
+        return sum(max(record.attempts - 1, 0) for record in self.slots.values())
+
+    def drop_reasons(self) -> dict[str, int]:
+        return dict(Counter(r.reasons[-1] for r in self.slots.values() if r.state == "dropped"))

@@ -1,0 +1,105 @@
+"""An engine on its own thread: it keeps stepping while the trainer trains.
+
+Why a thread and not a process: the reference engine and the trainer share one model process on
+CPU; torch releases the GIL inside its kernels, so generation and the train step really overlap.
+Every engine call (submit, abort, weight update, pause) runs *on the worker thread, between two
+engine steps*, so the engine is never touched by two threads and a weight update never lands in
+the middle of a step. Finished samples come out of `completions`, in finishing order.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from rollwise.engine.types import Completion, GenerationRequest
+
+T = TypeVar("T")
+
+
+class EngineWorker:
+    def __init__(self, engine: Any, name: str = "engine-0") -> None:
+        self.engine = engine
+        self.completions: queue.Queue[Completion] = queue.Queue()
+        self._commands: queue.Queue[tuple[Callable[[Any], Any], Future]] = queue.Queue()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ commands (any thread)
+
+    def call(self, fn: Callable[[Any], T], timeout: float | None = 600.0) -> T:
+        """Run fn(engine) on the worker thread between two steps and return its result."""
+        self._raise_if_failed()
+        future: Future = Future()
+        self._commands.put((fn, future))
+        return future.result(timeout=timeout)
+
+    def submit(self, requests: list[GenerationRequest]) -> None:
+        def add(engine: Any) -> None:
+            for request in requests:
+                engine.add_request(request)
+
+        self.call(add)
+
+    def abort(self, request_ids: list[str]) -> list[Completion]:
+        return self.call(lambda engine: [c for rid in request_ids for c in engine.abort(rid)])
+
+    def update_weights(self, state_dict: dict, version: int) -> None:
+        self.call(lambda engine: engine.update_weights(state_dict, version))
+
+    def pause(self) -> None:
+        self.call(lambda engine: engine.pause())
+
+    def resume(self) -> None:
+        self.call(lambda engine: engine.resume())
+
+    def next_completion(self, timeout: float) -> Completion | None:
+        self._raise_if_failed()
+        try:
+            return self.completions.get(timeout=timeout)
+        except queue.Empty:
+            self._raise_if_failed()
+            return None
+
+    def close(self) -> None:
+        self._stop.set()
+        self._commands.put((lambda engine: None, Future()))  # wake the loop
+        self._thread.join(timeout=60)
+
+    # ------------------------------------------------------------ the loop (worker thread)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"engine worker {self._thread.name} failed: {self._error!r}") from self._error
+
+    def _run_commands(self, block: bool) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get(block=block, timeout=0.05 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except BaseException as exc:  # the caller sees it; the engine keeps serving
+                    future.set_exception(exc)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                busy = self.engine.has_unfinished() and not self.engine.paused
+                self._run_commands(block=not busy)
+                if self.engine.has_unfinished() and not self.engine.paused:
+                    for completion in self.engine.step():
+                        self.completions.put(completion)
+        except BaseException as exc:  # surfaced to the controller on its next call
+            self._error = exc
+            while not self._commands.empty():
+                _, future = self._commands.get()
+                future.set_exception(RuntimeError(f"engine worker failed: {exc!r}"))
