@@ -45,7 +45,9 @@ class RolloutConfig(_Section):
         "the new weights, or abort and regenerate them",
     )
     oversubscription: float = Field(
-        4.0, ge=1.0, description="sorted: groups kept in flight = oversubscription x prompts_per_step"
+        2.0, ge=1.0,
+        description="sorted/async: groups kept in flight = oversubscription x prompts_per_step; beyond "
+        "max_staleness + 1, groups wait too many updates and get regenerated",
     )
 
 

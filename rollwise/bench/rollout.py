@@ -83,7 +83,7 @@ def _run_mode(mode: str, model: Any, tokenizer: Any, base_state: dict, w: Worklo
         "task": {"kind": "reasoning_gym", "name": "basic_arithmetic", "train_size": 64, "eval_size": 0,
                  "params": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}},
         "rollout": {"mode": mode, "prompts_per_step": w.prompts_per_step, "group_size": w.group_size,
-                    "max_tokens": w.max_tokens, "max_staleness": w.eta, "oversubscription": 4.0},
+                    "max_tokens": w.max_tokens, "max_staleness": w.eta, "oversubscription": w.eta + 1.0},
         "engine": {"max_num_seqs": w.max_num_seqs, "max_model_len": w.max_tokens + 128},
         "train": {"steps": w.updates, "lr": 1e-6, "micro_batch_size": 8},
     })

@@ -99,6 +99,9 @@ class RolloutController:
         self._redo = sorted(pending_groups or [])
         self.paused_for_update = False
         self.score_seconds = 0.0  # time spent scoring groups inside next_batch (reported as reward time)
+        # Requests are handed to the engine in one call per round: each call waits for the gap between
+        # two engine steps, and requests admitted in the same step share their prompt's prefill.
+        self._outbox: list[GenerationRequest] = []
 
     # ------------------------------------------------------------ public
 
@@ -109,6 +112,7 @@ class RolloutController:
                 self._start_group()
         while len(self.ready) < self.batch_groups:
             self._top_up()
+            self._flush()
             completion = self.worker.next_completion(timeout=0.05)
             if completion is not None:
                 self._on_completion(completion, progress)
@@ -125,6 +129,9 @@ class RolloutController:
                     raise RuntimeError(f"group {g} sample {i} has staleness {staleness} > eta={self.eta}")
                 self.ledger.move((g, i), "batched")
                 samples.append(sample)
+        # Refill now: the engine generates these groups while the trainer trains on this batch.
+        self._top_up()
+        self._flush()
         return samples
 
     def run_requests(self, requests: list[GenerationRequest], progress: Callable[[int], None] | None = None
@@ -138,6 +145,7 @@ class RolloutController:
         self.worker.submit(requests)
         done: list[Completion] = []
         while remaining:
+            self._flush()  # regenerations triggered by arriving rollout samples
             completion = self.worker.next_completion(timeout=0.05)
             if completion is None:
                 continue
@@ -174,6 +182,8 @@ class RolloutController:
                 for i, sample in list(group.finished.items()):
                     if min(sample.versions, default=version) < limit:
                         self._regenerate(group, i, reason=f"stale at v{version} (eta={self.eta})")
+            self._top_up()  # the new version may admit more groups (async)
+            self._flush()
         if self.paused_for_update:
             self.worker.resume()
             self.paused_for_update = False
@@ -184,6 +194,7 @@ class RolloutController:
 
     def close(self, reason: str = "the run ended") -> None:
         """Abort everything in flight; what was never trained is recorded as dropped, with the reason."""
+        self._flush()
         if self.running:
             self.worker.abort(list(self.running))
         self.running.clear()
@@ -240,7 +251,12 @@ class RolloutController:
         self.running[request_id] = _Running(group.index, samples, self.version, set(range(len(samples))))
         for i in samples:
             self.ledger.move((group.index, i), "running")
-        self.worker.submit([GenerationRequest(request_id, group.prompt_ids, params)])
+        self._outbox.append(GenerationRequest(request_id, group.prompt_ids, params))
+
+    def _flush(self) -> None:
+        if self._outbox:
+            requests, self._outbox = self._outbox, []
+            self.worker.submit(requests)
 
     # ------------------------------------------------------------ completions
 
