@@ -4,6 +4,10 @@
     rollwise config [--config FILE] [key=value ...]  print the resolved config as YAML
     rollwise bench engine [--quick] [--json PATH]     reference engine vs. HF generate, side by side
     rollwise bench rollout [--quick] [--json PATH]    rollout modes sync / sorted / async, side by side
+    rollwise compare RUN_DIR RUN_DIR ... [--out PNG]  reward vs wall time and vs samples, runs side by side
+    rollwise serve engine [--model SPEC] [--host 127.0.0.1] [--port 8000] [--max-num-seqs N] [--max-model-len N]
+                                                     the engine over HTTP: OpenAI-compatible completions,
+                                                     token-level /generate, weight updates, /metrics
 """
 
 from __future__ import annotations
@@ -67,7 +71,68 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--plot", type=Path, metavar="PNG", default=Path("rollout_timeline.png"),
                        help="rollout: where to write the timeline plot (default: rollout_timeline.png)")
+    compare = sub.add_parser(
+        "compare",
+        help="plot runs side by side: reward vs wall time and vs trained samples, held-out accuracy",
+        description="Reads metrics.jsonl and evals.jsonl of each run directory and writes one PNG.",
+    )
+    compare.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    compare.add_argument("--out", type=Path, default=Path("compare.png"), help="PNG to write (default: compare.png)")
+
+    serve = sub.add_parser(
+        "serve",
+        help="serve an engine over HTTP (OpenAI-compatible completions + token-level endpoints)",
+        description=(
+            "Serve the reference engine over HTTP until interrupted. Endpoints: POST /v1/completions and "
+            "/v1/chat/completions (OpenAI-compatible, stream=true for server-sent events; every choice also "
+            "carries token_ids, prompt_token_ids, per-token logprobs and policy_versions), POST /generate "
+            "(token ids in, token ids + logprobs + versions out), GET /model_info (incl. the tokenizer "
+            "fingerprint), /v1/models, /health, /metrics (Prometheus), POST /pause, /resume, /abort, "
+            "/update_weights_from_disk."
+        ),
+        epilog=(
+            "example: rollwise serve engine --model tiny:0 --port 8000, then "
+            "curl -s localhost:8000/v1/completions -H 'content-type: application/json' "
+            "-d '{\"prompt\": \"hi\", \"max_tokens\": 8}'"
+        ),
+    )
+    serve.add_argument("name", choices=["engine"], help="engine: the reference engine (the only server so far)")
+    serve.add_argument("--model", default="bundled:smollm2-135m-instruct", metavar="SPEC",
+                       help="model spec: bundled:NAME, a local Hugging Face directory, or tiny:SEED "
+                       "(a random test model) (default: %(default)s)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default: %(default)s; there is no authentication and "
+                       "/update_weights_from_disk reads server-side paths, so keep it on loopback)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    serve.add_argument("--max-num-seqs", type=int, default=16, metavar="N",
+                       help="KV-cache slots: sequences generated at once (default: %(default)s)")
+    serve.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                       help="prompt + generated tokens per sequence (default: the model's "
+                       "max_position_embeddings, at most 2048)")
+    serve.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the name clients send as `model` (default: the --model spec)")
+    serve.add_argument("--seed", type=int, default=None, help="seeds the samples of requests that bring no seed")
+    serve.add_argument("--log-level", default="info", metavar="LEVEL",
+                       choices=["critical", "error", "warning", "info", "debug"],
+                       help="uvicorn log level: critical, error, warning, info, debug (default: %(default)s)")
     return parser
+
+
+def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
+    from rollwise.observe.metrics import read_metrics
+    from rollwise.observe.plots import plot_run_comparison
+
+    runs = {}
+    for run_dir in args.run_dirs:
+        if not (run_dir / "metrics.jsonl").is_file():
+            console.print(f"[red]error:[/] {run_dir} has no metrics.jsonl (is it a rollwise run directory?)")
+            return 2
+        evals_path = run_dir / "evals.jsonl"
+        evals = [json.loads(line) for line in evals_path.read_text().splitlines()] if evals_path.exists() else []
+        runs[run_dir.name] = (read_metrics(run_dir / "metrics.jsonl"), evals)
+    out = plot_run_comparison(runs, args.out)
+    console.print(f"wrote {out}")
+    return 0
 
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
@@ -117,6 +182,21 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
+    from rollwise.engine.server import serve
+
+    try:
+        serve(
+            args.model, host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len, served_model_name=args.served_model_name, seed=args.seed,
+            log_level=args.log_level,
+        )
+    except ValueError as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
@@ -126,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from rollwise.config import ConfigError
 
-    handlers = {"train": _cmd_train, "config": _cmd_config, "bench": _cmd_bench}
+    handlers = {"train": _cmd_train, "config": _cmd_config, "bench": _cmd_bench, "compare": _cmd_compare,
+                "serve": _cmd_serve}
     try:
         return handlers[args.command](args, console)
     except ConfigError as exc:

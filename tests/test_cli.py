@@ -124,8 +124,9 @@ def test_train_tiny_run_writes_every_artifact(tmp_path):
     assert "reward_mean" in acc.Tags()["scalars"]
     assert [s.step for s in acc.Scalars("reward_mean")] == [1, 2]
 
-    # curve.png is a real PNG.
+    # curve.png and timeline.png are real PNGs.
     assert (run_dir / "curve.png").read_bytes()[:8] == PNG_MAGIC
+    assert (run_dir / "timeline.png").read_bytes()[:8] == PNG_MAGIC
 
     # summary.json: held-out accuracy before and after.
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -205,3 +206,27 @@ def test_config_output_round_trips(tmp_path, source):
     second = _run(["config", "--config", str(resolved)], tmp_path, timeout=60)
     assert second.returncode == 0, second.stdout + second.stderr
     assert second.stdout == first.stdout  # a fixed point: nothing lost or changed in the round trip
+
+
+def test_train_sorted_mode_accounts_for_every_sample(tmp_path):
+    config = _tiny_run_config(tmp_path, rollout={"prompts_per_step": 2, "group_size": 4, "max_tokens": 8,
+                                                 "mode": "sorted", "max_staleness": 1},
+                              train={"steps": 3, "lr": 1e-3}, checkpoint={"every": 0}, tensorboard=False)
+    proc = _run(["train", "--config", str(config)], tmp_path)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "rollout=sorted (eta=1, correction=tis)" in _output(proc)
+    run_dir = tmp_path / "run"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["staleness_max"] <= 1 for r in records)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    counts = summary["samples"]
+    assert summary["rollout_mode"] == "sorted"
+    assert counts["trained"] == 3 * 2 * 4  # steps x groups x samples, each trained once
+    # What was still generating when the run ended is recorded as dropped, nothing else is left over.
+    assert counts["queued"] == counts["running"] == counts["finished"] == counts["batched"] == 0
+    assert 0.0 <= summary["bubble_ratio_run"] <= 1.0
+    assert (run_dir / "timeline.png").read_bytes()[:8] == PNG_MAGIC
+    state = json.loads((run_dir / "checkpoints" / "step_000003" / "state.json").read_text())
+    # Groups in flight at the checkpoint are regenerated on resume: recorded, not lost.
+    assert state["next_group"] == 3 * 2 + len(state["pending_groups"])

@@ -51,8 +51,8 @@ class Workload:
 
 QUICK = Workload(updates=4, prompts_per_step=4, group_size=4, max_num_seqs=32, median_tokens=24, sigma=0.9,
                  max_tokens=160)
-FULL = Workload(updates=8, prompts_per_step=4, group_size=8, max_num_seqs=64, median_tokens=32, sigma=1.0,
-                max_tokens=320)
+FULL = Workload(updates=6, prompts_per_step=4, group_size=4, max_num_seqs=32, median_tokens=32, sigma=1.0,
+                max_tokens=256, eta=2)
 
 
 def _lengths(seed: int, w: Workload):

@@ -16,7 +16,7 @@ import json
 import random
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from rollwise.engine.types import SamplingParams
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.observe.bubble import bubble_ratio
 from rollwise.observe.metrics import MetricsLogger, read_metrics
-from rollwise.observe.plots import plot_training_curve
+from rollwise.observe.plots import plot_rollout_timelines, plot_training_curve
 from rollwise.observe.summary import render_summary
 from rollwise.reward.batch import score_samples
 from rollwise.rollout.data import ProblemStream
@@ -63,6 +63,7 @@ class Run:
     trainer: GRPOTrainer
     progress: Progress
     t0: float
+    update_times: list[float] = field(default_factory=list)  # when each weight update landed (timeline plot)
 
 
 def _run_dir(cfg: RunConfig) -> Path:
@@ -206,6 +207,7 @@ def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
     push_weights(run.trainer.model, [run.worker], run.trainer.version)
     run.controller.after_update(run.trainer.version)
     t_sync_end = time.monotonic()
+    run.update_times.append(t_sync_end)
 
     gen_s = t_gen_end - t_step
     step_s = t_sync_end - t_step
@@ -219,6 +221,7 @@ def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
         "policy_version": run.trainer.version,
         **_rollout_metrics(samples),
         "zero_variance_groups": zero_var,
+        "batch_samples": len(samples),
         "few_shot_fraction": round(cfg.prompt.few_shot_fraction(step) * cfg.rollout.prompts_per_step) / cfg.rollout.prompts_per_step,
         **train_metrics,
         "time_generate_s": gen_s - reward_s,
@@ -329,49 +332,58 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
 
     logger = MetricsLogger(run_dir, tensorboard=cfg.tensorboard, purge_after_step=start_step if start_step else None)
     evals_path = run_dir / "evals.jsonl"
-    with _progress(console) as progress:
-        run = Run(cfg, run_dir, task, problems, encoder, engine, worker, controller, trainer, progress, t0)
+    try:
+        with _progress(console) as progress:
+            run = Run(cfg, run_dir, task, problems, encoder, engine, worker, controller, trainer, progress, t0)
 
-        def record_eval(step: int, label: str) -> dict[str, Any]:
-            result = evaluate(run, step, label)
-            if result:
-                with evals_path.open("a") as f:
-                    f.write(json.dumps(result) + "\n")
+            def record_eval(step: int, label: str) -> dict[str, Any]:
+                result = evaluate(run, step, label)
+                if result:
+                    with evals_path.open("a") as f:
+                        f.write(json.dumps(result) + "\n")
+                    progress.console.print(
+                        f"[cyan]eval[/] {label:>6} step {step:>3}: strict accuracy {result['strict_accuracy']:.1%}  "
+                        f"format {result['format_rate']:.1%}  last-number {result['lenient_accuracy']:.1%}"
+                    )
+                return result
+
+            if start_step == 0:
+                record_eval(0, "before")
+            steps_bar = progress.add_task("training steps", total=cfg.train.steps, completed=start_step)
+            t_loop = time.monotonic()
+            for step in range(start_step, cfg.train.steps):
+                record = train_step(run, step, logger)
+                progress.advance(steps_bar)
                 progress.console.print(
-                    f"[cyan]eval[/] {label:>6} step {step:>3}: strict accuracy {result['strict_accuracy']:.1%}  "
-                    f"format {result['format_rate']:.1%}  last-number {result['lenient_accuracy']:.1%}"
+                    f"step {record['step']:>3}  reward {record['reward_mean']:.3f}  strict {record['strict_accuracy']:.1%}"
+                    f"  format {record['format_rate']:.1%}  len {record['response_len_mean']:.0f}"
+                    f"  zero-var {record['zero_variance_groups']:.0%}  gen {record['time_generate_s']:.1f}s"
+                    f"  train {record['time_train_s']:.1f}s  bubble {record['bubble_ratio']:.2f}"
                 )
-            return result
-
-        if start_step == 0:
-            record_eval(0, "before")
-        steps_bar = progress.add_task("training steps", total=cfg.train.steps, completed=start_step)
-        for step in range(start_step, cfg.train.steps):
-            record = train_step(run, step, logger)
-            progress.advance(steps_bar)
-            progress.console.print(
-                f"step {record['step']:>3}  reward {record['reward_mean']:.3f}  strict {record['strict_accuracy']:.1%}"
-                f"  format {record['format_rate']:.1%}  len {record['response_len_mean']:.0f}"
-                f"  zero-var {record['zero_variance_groups']:.0%}  gen {record['time_generate_s']:.1f}s"
-                f"  train {record['time_train_s']:.1f}s  bubble {record['bubble_ratio']:.2f}"
-            )
-            done = step + 1
-            if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.steps:
-                record_eval(done, "mid")
-            if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.train.steps:
-                save_checkpoint(run_dir, trainer, tokenizer, done,
-                                {"tokenizer_fingerprint": fingerprint, "problems_consumed": done * cfg.rollout.prompts_per_step,
-                                 # Started but untrained groups are generated again on resume: none lost.
-                                 "next_group": controller.next_group, "pending_groups": controller.pending_groups()},
-                                cfg.checkpoint.keep_last)
-        controller.close("the run ended")  # samples still in flight are recorded as dropped
-        final_eval = record_eval(cfg.train.steps, "after")
-    worker.close()
+                done = step + 1
+                if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.steps:
+                    record_eval(done, "mid")
+                if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.train.steps:
+                    save_checkpoint(run_dir, trainer, tokenizer, done,
+                                    {"tokenizer_fingerprint": fingerprint, "problems_consumed": done * cfg.rollout.prompts_per_step,
+                                     # Started but untrained groups are generated again on resume: none lost.
+                                     "next_group": controller.next_group, "pending_groups": controller.pending_groups()},
+                                    cfg.checkpoint.keep_last)
+            t_loop_end = time.monotonic()
+            controller.close("the run ended")  # samples still in flight are recorded as dropped
+            final_eval = record_eval(cfg.train.steps, "after")
+    finally:
+        worker.close()  # also on errors: a live engine thread at exit aborts the interpreter
     logger.close()
 
     records = read_metrics(run_dir / "metrics.jsonl")
     evals = [json.loads(line) for line in evals_path.read_text().splitlines()] if evals_path.exists() else []
     curve = plot_training_curve(records, evals, run_dir / "curve.png")
+    # The picture of the bubbles: running sequences over the training loop, weight updates marked.
+    loop_timeline = [(t - t_loop, n) for t, n in engine.timeline if t_loop <= t <= t_loop_end]
+    timeline_png = plot_rollout_timelines(
+        {f"engine-0 ({cfg.rollout.mode})": (loop_timeline, [t - t_loop for t in run.update_times])},
+        cfg.engine.max_num_seqs, run_dir / "timeline.png")
     before = next((e for e in evals if e["label"] == "before"), None)
     summary = {
         "run_dir": str(run_dir),
@@ -389,11 +401,13 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         "train_reward_last": records[-1]["reward_mean"] if records else None,
         "rollout_mode": cfg.rollout.mode,
         "mean_bubble_ratio": sum(r["bubble_ratio"] for r in records) / len(records) if records else None,
+        # Over the whole training loop (mid-run evaluations included: the engine serves them too).
+        "bubble_ratio_run": bubble_ratio([engine.timeline], [cfg.engine.max_num_seqs], t_loop, t_loop_end),
         "samples": controller.ledger.counts(),
         "samples_regenerated": controller.ledger.regenerated(),
         "peak_rss_gb": _peak_rss_gb(),
         "tokenizer_fingerprint": fingerprint,
-        "artifacts": {"metrics": "metrics.jsonl", "evals": "evals.jsonl", "curve": curve.name,
+        "artifacts": {"metrics": "metrics.jsonl", "evals": "evals.jsonl", "curve": curve.name, "timeline": timeline_png.name,
                       "tensorboard": "tensorboard/" if cfg.tensorboard else None, "checkpoints": "checkpoints/"},
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -62,3 +62,30 @@ def plot_rollout_timelines(runs: dict[str, tuple[list[tuple[float, int]], list[f
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def plot_run_comparison(runs: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]], out: Path) -> Path:
+    """Runs side by side: train reward against wall time and against trained samples, and held-out
+    strict accuracy against wall time. `runs` maps a label to (metrics records, eval records)."""
+    fig, (ax_time, ax_samples, ax_eval) = plt.subplots(1, 3, figsize=(15, 4))
+    for label, (records, evals) in runs.items():
+        steps = [r for r in records if "reward_mean" in r]
+        minutes = [r["elapsed_s"] / 60 for r in steps]
+        samples, total = [], 0
+        for r in steps:
+            total += r.get("batch_samples", 0) or 0
+            samples.append(total)
+        line = ax_time.plot(minutes, [r["reward_mean"] for r in steps], label=label)[0]
+        ax_samples.plot(samples, [r["reward_mean"] for r in steps], label=label, color=line.get_color())
+        ax_eval.plot([e["elapsed_s"] / 60 for e in evals], [e["strict_accuracy"] for e in evals], "o-",
+                     label=label, color=line.get_color())
+    ax_time.set(title="train reward vs wall time", xlabel="minutes since start", ylim=(-0.02, 1.02))
+    ax_samples.set(title="train reward vs trained samples", xlabel="samples", ylim=(-0.02, 1.02))
+    ax_eval.set(title="held-out strict accuracy", xlabel="minutes since start", ylim=(-0.02, 1.02))
+    for ax in (ax_time, ax_samples, ax_eval):
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -110,7 +110,7 @@ class RolloutController:
         if self.mode == "sync":
             for _ in range(self.batch_groups):
                 self._start_group()
-        while len(self.ready) < self.batch_groups:
+        while not self._batch_ready():
             self._top_up()
             self._flush()
             completion = self.worker.next_completion(timeout=0.05)
@@ -118,7 +118,12 @@ class RolloutController:
                 self._on_completion(completion, progress)
         if self.mode == "sync":
             self.ready.sort()  # group order, exactly as the spine's synchronous rollout
-        taken, self.ready = self.ready[: self.batch_groups], self.ready[self.batch_groups :]
+        # Groups that would exceed eta if they waited one more update go first (oldest first),
+        # then the rest in completion order: short groups train early.
+        urgent = sorted((g for g in self.ready if self._urgent(g)), key=self._oldest_version)
+        order = urgent + [g for g in self.ready if g not in urgent]
+        taken = order[: self.batch_groups]
+        self.ready = [g for g in self.ready if g not in taken]
         samples = []
         for g in taken:
             group = self.groups.pop(g)
@@ -133,6 +138,23 @@ class RolloutController:
         self._top_up()
         self._flush()
         return samples
+
+    def _oldest_version(self, g: int) -> int:
+        """The oldest policy version that sampled (or may sample) a token of group g."""
+        group = self.groups[g]
+        versions = [min(s.versions, default=self.version) for s in group.finished.values()]
+        versions += [r.submitted_version for r in self.running.values() if r.group == g]
+        return min(versions, default=self.version)
+
+    def _urgent(self, g: int) -> bool:
+        """Group g must be in the batch trained at the current version, or it will exceed eta."""
+        return self.mode != "sync" and self._oldest_version(g) <= self.version - self.eta
+
+    def _batch_ready(self) -> bool:
+        # Enough complete groups. Waiting for incomplete urgent groups instead (to avoid regenerating
+        # them) was measured slower: the trainer then idles on the longest sample, as in sync
+        # (docs/benchmarks.md, rollout bench).
+        return len(self.ready) >= self.batch_groups
 
     def run_requests(self, requests: list[GenerationRequest], progress: Callable[[int], None] | None = None
                      ) -> list[Completion]:
@@ -198,6 +220,12 @@ class RolloutController:
         if self.running:
             self.worker.abort(list(self.running))
         self.running.clear()
+        # Samples that finished just before the abort are already queued (the worker queues a step's
+        # completions before it runs the next command): discard them, they are recorded as dropped.
+        while self.worker.next_completion(timeout=0) is not None:
+            pass
+        self.groups.clear()
+        self.ready.clear()
         for (g, i), record in self.ledger.slots.items():
             if record.state not in ("trained", "dropped", "batched"):
                 self.ledger.move((g, i), "dropped", reason)

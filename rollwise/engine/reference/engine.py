@@ -107,6 +107,9 @@ class ReferenceEngine:
         self.timeline: list[tuple[float, int]] = []
         self._paused = False
         self.stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
+        # Optional streaming hook, called on the stepping thread for every sampled token as
+        # on_tokens(request_id, index, token, logprob, version); the HTTP server streams through it.
+        self.on_tokens: Callable[[str, int, int, float, int], None] | None = None
 
     # ---------------------------------------------------------------- public state
 
@@ -282,6 +285,8 @@ class ReferenceEngine:
             seq.token_ids.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(self._version)
+            if self.on_tokens is not None:
+                self.on_tokens(seq.request.request_id, seq.index, token, logprob, self._version)
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self.scheduler.release(seq.slot)
