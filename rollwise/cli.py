@@ -4,6 +4,7 @@
     rollwise config [--config FILE] [key=value ...]  print the resolved config as YAML
     rollwise bench engine [--quick] [--json PATH]     reference engine vs. HF generate, side by side
     rollwise bench rollout [--quick] [--json PATH]    rollout modes sync / sorted / async, side by side
+    rollwise bench sync [--quick] [--json PATH]       weight transports (in-process, files, gloo) vs memcpy
     rollwise compare RUN_DIR RUN_DIR ... [--out PNG]  reward vs wall time and vs samples, runs side by side
     rollwise serve engine [--model SPEC] [--host 127.0.0.1] [--port 8000] [--max-num-seqs N] [--max-model-len N]
                                                      the engine over HTTP: OpenAI-compatible completions,
@@ -61,9 +62,10 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Benchmarks print a table; --json writes machine-readable results. --quick finishes in < 1 min.",
     )
     bench.add_argument(
-        "name", choices=["engine", "rollout"],
+        "name", choices=["engine", "rollout", "sync"],
         help="engine: reference engine vs. HF generate (tokens/s); rollout: sync vs sorted vs async rollout "
-        "(bubble ratio, samples/s, staleness) with a timeline PNG",
+        "(bubble ratio, samples/s, staleness) with a timeline PNG; sync: weight transports (in-process, safetensors "
+        "files, gloo broadcast) in seconds and GB/s next to a memory copy of the same bytes",
     )
     bench.add_argument("--quick", action="store_true", help="small workload (< 1 minute on 2 CPU cores)")
     bench.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
@@ -166,6 +168,12 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         with console.status("running sync, sorted and async (the same work in each)"):
             result = run_rollout_bench(model, tokenizer, quick=args.quick, seed=args.seed, plot=args.plot)
         table = format_rollout_bench(result)
+    elif args.name == "sync":
+        from rollwise.bench.sync import format_sync_bench, run_sync_bench
+
+        with console.status("pushing the weights through memcpy, in-process, files and gloo (the same bytes)"):
+            result = run_sync_bench(model, tokenizer, model_spec=args.model, quick=args.quick, seed=args.seed)
+        table = format_sync_bench(result)
     else:
         from rollwise.bench.engine import format_engine_bench, run_engine_bench
 

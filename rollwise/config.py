@@ -46,8 +46,9 @@ class RolloutConfig(_Section):
     )
     oversubscription: float = Field(
         2.0, ge=1.0,
-        description="sorted/async: groups kept in flight = oversubscription x prompts_per_step; beyond "
-        "max_staleness + 1, groups wait too many updates and get regenerated",
+        description="sorted/async: groups started and not yet trained (the batch in training included) = "
+        "oversubscription x prompts_per_step; beyond max_staleness + 1 they wait too many updates and "
+        "get regenerated",
     )
 
 

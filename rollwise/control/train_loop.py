@@ -80,7 +80,14 @@ def _resolve_run_dir(cfg: RunConfig) -> tuple[Path, Path | None]:
     """(run directory, checkpoint to resume from or None)."""
     resume = cfg.checkpoint.resume
     if not resume:
-        return _run_dir(cfg), None
+        run_dir = _run_dir(cfg)
+        if (run_dir / "metrics.jsonl").exists():
+            # Appending a fresh run to an old run's logs would mix two curves in one file.
+            raise ConfigError(
+                f"run directory {run_dir} already holds a run: pass checkpoint.resume=auto to continue it, "
+                "or choose another output_dir (the default has a {timestamp})"
+            )
+        return run_dir, None
     if resume == "auto":
         # output_dir may hold {timestamp}: resume the newest run directory that matches the pattern.
         pattern = cfg.output_dir.replace("{timestamp}", "*")

@@ -102,6 +102,7 @@ class RolloutController:
         # Requests are handed to the engine in one call per round: each call waits for the gap between
         # two engine steps, and requests admitted in the same step share their prompt's prefill.
         self._outbox: list[GenerationRequest] = []
+        self._training_groups = 0  # groups of the batch handed out by next_batch, until it is trained
 
     # ------------------------------------------------------------ public
 
@@ -124,6 +125,7 @@ class RolloutController:
         order = urgent + [g for g in self.ready if g not in urgent]
         taken = order[: self.batch_groups]
         self.ready = [g for g in self.ready if g not in taken]
+        self._training_groups = len(taken)
         samples = []
         for g in taken:
             group = self.groups.pop(g)
@@ -190,6 +192,7 @@ class RolloutController:
     def mark_trained(self, samples: list[Sample]) -> None:
         for s in samples:
             self.ledger.move(_slot(s), "trained")
+        self._training_groups = 0
 
     def after_update(self, version: int) -> None:
         """The engine now samples with `version`: regenerate whatever could not be trained within eta."""
@@ -231,7 +234,10 @@ class RolloutController:
                 self.ledger.move((g, i), "dropped", reason)
 
     def in_flight(self) -> int:
-        return len(self.groups)
+        """Groups started and not yet trained, the batch being trained included: everything here
+        must be trainable within eta, so counting the training batch keeps admission from running
+        a batch further ahead than the staleness bound allows (which would only be regenerated)."""
+        return len(self.groups) + self._training_groups
 
     # ------------------------------------------------------------ admission
 

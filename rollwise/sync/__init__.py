@@ -1,0 +1,53 @@
+"""Weight transport from the trainer to the engines: versioned, verified, all-or-nothing.
+
+Three transports share one format (rollwise.sync.buckets: manifest, buckets, CRC32 checksums) and
+one receiving side (WeightReceiver: stage everything, verify, then apply the whole update):
+
+    in-process   InProcessTransport(receivers, fingerprint).push(state_dict, version)
+    broadcast    DistributedSender(fingerprint).push(...) on rank 0, DistributedReceiver(receiver).serve()
+                 on every engine rank (torch.distributed: gloo on CPU, NCCL on GPU)
+    files        FileTransport(root, fingerprint).push(...) writes <root>/v<version>/,
+                 FileReceiver(receiver).load(dir) / .load_latest(root) on the engine side
+
+rollwise.sync.inprocess.push_weights is the original unchecked in-process push, kept as is.
+"""
+
+from rollwise.sync.buckets import (
+    BucketSpec,
+    ExpectedWeights,
+    InProcessTransport,
+    StagedUpdate,
+    TensorSpec,
+    WeightManifest,
+    WeightReceiver,
+    WeightUpdateError,
+    build_manifest,
+    flatten_bucket,
+    plan_buckets,
+    unflatten_bucket,
+)
+from rollwise.sync.distributed import DistributedReceiver, DistributedSender, ReceiveResult, init_weight_group
+from rollwise.sync.files import FileReceiver, FileTransport, latest_version, version_dir
+
+__all__ = [
+    "BucketSpec",
+    "DistributedReceiver",
+    "DistributedSender",
+    "ExpectedWeights",
+    "FileReceiver",
+    "FileTransport",
+    "InProcessTransport",
+    "ReceiveResult",
+    "StagedUpdate",
+    "TensorSpec",
+    "WeightManifest",
+    "WeightReceiver",
+    "WeightUpdateError",
+    "build_manifest",
+    "flatten_bucket",
+    "init_weight_group",
+    "latest_version",
+    "plan_buckets",
+    "unflatten_bucket",
+    "version_dir",
+]

@@ -1,0 +1,177 @@
+"""Weight-sync benchmark: each transport pushing the same state dict, next to a plain memory copy.
+
+The memory copy (one torch copy of the same number of bytes into a preallocated buffer, measured in
+the same run) is the local limit: every transport moves at least those bytes once. Each transport is
+timed end to end, from `push` until the engine serves the new version (the manifest, the checksum
+pass, the copies, the verification and the apply included). A CRC32 pass over the same bytes is
+shown too, because the file and broadcast transports pay it once per side.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from rich.table import Table
+
+from rollwise.engine.reference import ReferenceEngine
+from rollwise.model.loading import load_model, tokenizer_fingerprint
+from rollwise.sync.buckets import (
+    InProcessTransport,
+    WeightManifest,
+    WeightReceiver,
+    bucket_crc32,
+    build_manifest,
+    flatten_bucket,
+)
+from rollwise.sync.distributed import DistributedReceiver, DistributedSender, init_weight_group, loopback_init_method
+from rollwise.sync.files import FileReceiver, FileTransport
+
+BUCKET_MB = 64
+ENGINE_KW = {"max_num_seqs": 1, "max_model_len": 8}  # the KV cache is irrelevant here: keep it tiny
+
+
+def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    fn()  # warm-up: first-touch page faults and allocator growth are not the steady state
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _engine_process(index: int, init_method: str, model_spec: str) -> None:
+    """Rank 1: a ReferenceEngine on its own copy of the model, applying broadcasts until closed."""
+    model, tokenizer = load_model(model_spec)
+    engine = ReferenceEngine(model, **ENGINE_KW)
+    del model
+    receiver = WeightReceiver(engine, tokenizer_fingerprint(tokenizer))
+    init_weight_group(index + 1, 2, init_method, timeout_s=600)
+    try:
+        DistributedReceiver(receiver).serve()
+    finally:
+        dist.destroy_process_group()
+
+
+def _time_gloo(state: dict, fingerprint: str, model_spec: str, repeats: int, bucket_mb: float) -> float:
+    init_method = loopback_init_method()
+    ctx = mp.spawn(_engine_process, args=(init_method, model_spec), nprocs=1, join=False)
+    done = False
+    try:
+        init_weight_group(0, 2, init_method, timeout_s=600)
+        sender = DistributedSender(fingerprint, bucket_mb=bucket_mb)
+        versions = iter(range(1, 10**6))
+        seconds = _median_seconds(lambda: sender.push(state, next(versions)), repeats)
+        sender.close()
+        done = True
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if not done:  # the engine process would wait for the next broadcast until the group times out
+            for process in ctx.processes:
+                process.terminate()
+    while not ctx.join(timeout=60):  # raises if the engine process failed
+        pass
+    return seconds
+
+
+def _time_memcpy(state: dict, layout: WeightManifest, repeats: int) -> float:
+    src = torch.cat([flatten_bucket(b, state) for b in layout.buckets])  # the same bytes, contiguous
+    dst = torch.empty_like(src)
+    return _median_seconds(lambda: dst.copy_(src), repeats)
+
+
+def _time_local_transports(model: Any, state: dict, fingerprint: str, repeats: int,
+                           bucket_mb: float) -> dict[str, float]:
+    """In-process and files, both into one ReferenceEngine in this process."""
+    engine = ReferenceEngine(model, **ENGINE_KW)
+    receiver = WeightReceiver(engine, fingerprint)
+    versions = iter(range(1, 10**6))
+    seconds: dict[str, float] = {}
+    in_process = InProcessTransport([receiver], fingerprint)
+    seconds["in-process"] = _median_seconds(lambda: in_process.push(state, next(versions)), repeats)
+
+    with tempfile.TemporaryDirectory(prefix="rollwise-sync-bench-") as root:
+        files = FileTransport(root, fingerprint, bucket_mb=bucket_mb)
+        loader = FileReceiver(receiver)
+        split: dict[str, list[float]] = {"write": [], "read": []}
+
+        def through_files() -> None:
+            start = time.perf_counter()
+            directory = files.push(state, next(versions))
+            written = time.perf_counter()
+            loader.load(directory)
+            split["write"].append(written - start)
+            split["read"].append(time.perf_counter() - written)
+            shutil.rmtree(directory)  # keep the disk footprint to one version
+
+        seconds["files"] = _median_seconds(through_files, repeats)
+        seconds["files: write"] = statistics.median(split["write"][1:])  # [0] is the warm-up
+        seconds["files: read + apply"] = statistics.median(split["read"][1:])
+    return seconds
+
+
+def run_sync_bench(model: Any, tokenizer: Any, *, model_spec: str, quick: bool, seed: int = 0,
+                   bucket_mb: float = BUCKET_MB) -> dict:
+    """Median seconds per push (quick: 2 timed repeats, full: 5, each after one warm-up)."""
+    torch.manual_seed(seed)
+    repeats = 2 if quick else 5
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    state = {name: t.detach() for name, t in model.state_dict().items()}
+    layout = build_manifest(state, 0, fingerprint, bucket_mb, checksum=False)
+    nbytes = layout.total_bytes
+    seconds: dict[str, float] = {}
+
+    seconds["memcpy"] = _time_memcpy(state, layout, repeats)
+    seconds["crc32"] = _median_seconds(lambda: [bucket_crc32(b, state) for b in layout.buckets], repeats)
+    seconds.update(_time_local_transports(model, state, fingerprint, repeats, bucket_mb))
+    seconds["gloo broadcast"] = _time_gloo(state, fingerprint, model_spec, repeats, bucket_mb)
+
+    memcpy = seconds["memcpy"]
+    rows = [
+        {"name": name, "seconds": s, "gb_per_s": nbytes / s / 1e9, "x_memcpy_time": s / memcpy}
+        for name, s in seconds.items()
+    ]
+    return {
+        "config": {
+            "model": model_spec, "quick": quick, "repeats": repeats, "bucket_mb": bucket_mb, "bytes": nbytes,
+            "tensors": sum(len(b.tensors) for b in layout.buckets), "tied_aliases": len(layout.aliases),
+            "buckets": len(layout.buckets), "torch_threads": torch.get_num_threads(),
+            "tmpdir": tempfile.gettempdir(),
+        },
+        "rows": rows,
+    }
+
+
+NOTES = {
+    "memcpy": "local limit: one torch copy into a preallocated buffer",
+    "crc32": "checksum pass (paid once per side by files and broadcast)",
+    "in-process": "manifest check + engine copy, no checksum",
+    "files": "write + read + verify + apply",
+    "files: write": "crc32 + safetensors buckets + manifest (page cache)",
+    "files: read + apply": "load + crc32 + verify + engine copy",
+    "gloo broadcast": "to 1 engine process over loopback TCP, until it acked",
+}
+
+
+def format_sync_bench(result: dict) -> Table:
+    cfg = result["config"]
+    table = Table(title=(
+        f"Weight sync: {cfg['model']}, {cfg['bytes'] / 1e6:.0f} MB in {cfg['tensors']} tensors "
+        f"({cfg['buckets']} buckets of <= {cfg['bucket_mb']} MiB), median of {cfg['repeats']}, "
+        f"{cfg['torch_threads']} threads"
+    ))
+    for column in ("transport", "seconds", "GB/s", "time vs memcpy", "what is timed"):
+        table.add_column(column, justify="left" if column in ("transport", "what is timed") else "right")
+    for row in result["rows"]:
+        table.add_row(row["name"], f"{row['seconds']:.3f}", f"{row['gb_per_s']:.2f}", f"{row['x_memcpy_time']:.1f}x",
+                      NOTES.get(row["name"], ""))
+    return table

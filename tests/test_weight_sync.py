@@ -1,0 +1,326 @@
+"""Weight transport: exact bucket round trips, manifest checks, and the three transports (in-process,
+gloo broadcast between real processes, safetensors files) applying updates whole or not at all."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rollwise.engine.reference import ReferenceEngine
+from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.model.loading import load_model, tokenizer_fingerprint
+from rollwise.model.tiny import tiny_llama, tiny_tokenizer
+from rollwise.rollout.worker import EngineWorker
+from rollwise.sync.buckets import (
+    MIB,
+    InProcessTransport,
+    StagedUpdate,
+    WeightReceiver,
+    WeightUpdateError,
+    bucket_crc32,
+    build_manifest,
+    flatten_bucket,
+    parse_manifest,
+    plan_buckets,
+    unflatten_bucket,
+)
+from rollwise.sync.distributed import (
+    DistributedReceiver,
+    DistributedSender,
+    init_weight_group,
+    loopback_init_method,
+)
+from rollwise.sync.files import MANIFEST, FileReceiver, FileTransport, bucket_file, latest_version, version_dir
+
+PROMPTS = [[5, 17, 30, 42, 11], [9, 8, 7]]
+SMALL_BUCKET_MB = 0.05  # ~52 KB: the tiny model (~330 KB) spreads over several buckets
+WRONG_SHAPE = "model.layers.0.mlp.up_proj.weight"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    # Tiny models: intra-op threads only add handoff cost, which explodes when the cores are busy.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def fingerprint() -> str:
+    return tokenizer_fingerprint(tiny_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def new_state() -> dict[str, torch.Tensor]:
+    """The 'trained' weights pushed in every test: another seed of the same architecture."""
+    return tiny_llama(seed=1).state_dict()
+
+
+def _engine(state: dict[str, torch.Tensor] | None = None) -> ReferenceEngine:
+    model, _ = load_model("tiny:0")
+    engine = ReferenceEngine(model, max_num_seqs=4, max_model_len=64, seed=0)
+    if state is not None:
+        engine.update_weights(state, 1)
+    return engine
+
+
+def _greedy(engine: ReferenceEngine) -> list[list[int]]:
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    done = engine.generate([GenerationRequest(f"g{i}", p, params) for i, p in enumerate(PROMPTS)])
+    return [c.token_ids for c in done]
+
+
+def _wrong_shape(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    bad = dict(state)
+    bad[WRONG_SHAPE] = torch.zeros(bad[WRONG_SHAPE].shape[0] + 1, bad[WRONG_SHAPE].shape[1])
+    return bad
+
+
+@pytest.fixture(scope="module")
+def expected_greedy(new_state) -> list[list[int]]:
+    """What an engine loaded locally with the new weights generates."""
+    return _greedy(_engine(new_state))
+
+
+# ---------------------------------------------------------------------------- buckets and manifest
+
+
+def _mixed_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 5, generator=g)
+    return {
+        "a": a,
+        "bf16": torch.randn(7, generator=g).to(torch.bfloat16),
+        "fp16": torch.randn(2, 3, generator=g).half(),
+        "ints": torch.arange(11, dtype=torch.int64),
+        "flags": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "transposed": torch.randn(6, 10, generator=g).t(),  # not contiguous
+        "big": torch.randn(4000, generator=g),  # 16,000 bytes: more than a whole bucket
+        "small_after_big": torch.randn(5, generator=g),
+        "tied": a,  # the same memory as "a": sent once, as an alias
+    }
+
+
+def test_bucket_round_trip_is_exact_and_honours_the_size_limit():
+    state = _mixed_state()
+    bucket_mb = 10_000 / MIB
+    buckets, aliases = plan_buckets(state, bucket_mb)
+    assert aliases == {"tied": "a"}
+    assert [t.name for b in buckets for t in b.tensors] == [n for n in state if n != "tied"]  # order kept
+    assert len(buckets) > 1
+    for bucket in buckets:
+        assert bucket.nbytes <= 10_000 or len(bucket.tensors) == 1
+    assert [b.tensors[0].name for b in buckets if b.nbytes > 10_000] == ["big"]  # alone in its bucket
+
+    dirty = torch.full((20_000,), 0xAB, dtype=torch.uint8)  # reused buffers: padding must still be zeroed
+    for bucket in buckets:
+        buf = flatten_bucket(bucket, state)
+        assert torch.equal(flatten_bucket(bucket, state, out=dirty), buf)
+        restored = unflatten_bucket(bucket, buf.clone())
+        assert list(restored) == [t.name for t in bucket.tensors]
+        for name, tensor in restored.items():
+            assert tensor.dtype == state[name].dtype and tensor.shape == state[name].shape
+            assert torch.equal(tensor, state[name]), name
+        # The checksum is layout-independent: the flat buffer's views and the originals agree.
+        assert bucket_crc32(bucket, restored) == bucket_crc32(bucket, state)
+
+    one, _ = plan_buckets(state, None)
+    assert len(one) == 1
+
+
+def test_manifest_round_trips_through_json_and_rejects_an_inconsistent_layout(fingerprint, new_state):
+    manifest = build_manifest(new_state, 3, fingerprint, SMALL_BUCKET_MB)
+    assert len(manifest.buckets) > 2 and all(b.crc32 is not None for b in manifest.buckets)
+    assert manifest.aliases == {"lm_head.weight": "model.embed_tokens.weight"}  # tiny:1 ties its embeddings
+    assert manifest.total_bytes == sum(t.numel() * t.element_size() for n, t in new_state.items()
+                                       if n != "lm_head.weight")
+    assert parse_manifest(manifest.model_dump_json(), "test") == manifest
+
+    overlapping = manifest.model_dump()
+    first = overlapping["buckets"][0]["tensors"]
+    first[1]["offset"] = first[0]["offset"]
+    with pytest.raises(WeightUpdateError, match="not a valid rollwise.weights/v1 manifest"):
+        parse_manifest(json.dumps(overlapping), "test")
+
+
+def test_staging_flags_damaged_bytes_and_missing_buckets(fingerprint, new_state):
+    manifest = build_manifest(new_state, 1, fingerprint, SMALL_BUCKET_MB)
+    staged = StagedUpdate(manifest)
+    buf = flatten_bucket(manifest.buckets[0], new_state)
+    buf[manifest.buckets[0].tensors[0].nbytes // 2] ^= 1  # one flipped bit inside the first tensor
+    staged.add_flat(0, buf)
+    assert any("checksum mismatch" in p for p in staged.problems)
+    assert staged.missing_buckets() == list(range(1, len(manifest.buckets)))
+
+    engine = _engine()
+    before = _greedy(engine)
+    with pytest.raises(WeightUpdateError, match="bucket 1 never arrived") as err:
+        WeightReceiver(engine, fingerprint).commit(staged)
+    assert "keeps serving version 0" in str(err.value) and "checksum mismatch" in str(err.value)
+    assert engine.policy_version == 0 and _greedy(engine) == before
+
+
+# ---------------------------------------------------------------------------- in-process
+
+
+def test_in_process_push_applies_and_rejects_mismatches_whole(fingerprint, new_state, expected_greedy):
+    engine = _engine()
+    transport = InProcessTransport([WeightReceiver(engine, fingerprint)], fingerprint)
+    transport.push(new_state, 1)
+    assert engine.policy_version == 1 and _greedy(engine) == expected_greedy
+
+    bad_dtype = {**new_state, "model.norm.weight": new_state["model.norm.weight"].to(torch.bfloat16)}
+    missing = {n: t for n, t in new_state.items() if n != "model.layers.1.self_attn.o_proj.weight"}
+    extra = {**new_state, "model.layers.9.mlp.up_proj.weight": torch.zeros(2, 2)}
+    cases = [
+        (bad_dtype, transport, "model.norm.weight: dtype bfloat16 != the engine's float32"),
+        (missing, transport, "missing weight 'model.layers.1.self_attn.o_proj.weight'"),
+        (extra, transport, "unexpected weight 'model.layers.9.mlp.up_proj.weight'"),
+        (_wrong_shape(new_state), transport, f"{WRONG_SHAPE}: shape (129, 64) != the engine's (128, 64)"),
+        (new_state, InProcessTransport(transport.receivers, "f" * 64), "tokenizer fingerprint"),
+    ]
+    for state, sender, message in cases:
+        with pytest.raises(WeightUpdateError, match="keeps serving version 1") as err:
+            sender.push(state, 2)
+        assert message in str(err.value)
+        assert engine.policy_version == 1 and _greedy(engine) == expected_greedy
+
+    with pytest.raises(WeightUpdateError, match="already at version 1"):
+        transport.push(new_state, 0)  # versions only move forward
+    transport.push(new_state, 1)  # a retry of the current version is fine
+
+
+def test_in_process_push_through_an_engine_worker(fingerprint, new_state, expected_greedy):
+    engine = _engine()
+    worker = EngineWorker(engine)
+    try:
+        InProcessTransport([WeightReceiver(worker, fingerprint)], fingerprint).push(new_state, 4)
+    finally:
+        worker.close()
+    assert engine.policy_version == 4 and _greedy(engine) == expected_greedy
+
+
+# ---------------------------------------------------------------------------- safetensors files
+
+
+def test_file_transport_applies_complete_versions_and_rejects_damaged_ones(tmp_path, fingerprint, new_state,
+                                                                          expected_greedy):
+    engine = _engine()
+    receiver = FileReceiver(WeightReceiver(engine, fingerprint))
+    transport = FileTransport(tmp_path, fingerprint, bucket_mb=SMALL_BUCKET_MB)
+
+    # A directory without a manifest is a push still in progress: invisible to readers.
+    version_dir(tmp_path, 7).mkdir()
+    (version_dir(tmp_path, 7) / "bucket_0.safetensors").write_bytes(b"half")
+    assert latest_version(tmp_path) is None
+    with pytest.raises(WeightUpdateError, match="no manifest.json"):
+        receiver.load(version_dir(tmp_path, 7))
+
+    directory = transport.push(new_state, 1)
+    assert (directory / MANIFEST).is_file()
+    assert not list(directory.glob("*.tmp"))
+    assert latest_version(tmp_path) == 1
+    assert receiver.load_latest(tmp_path).version == 1
+    assert receiver.load_latest(tmp_path) is None  # nothing newer
+    assert engine.policy_version == 1 and _greedy(engine) == expected_greedy
+    with pytest.raises(FileExistsError, match="immutable"):
+        transport.push(new_state, 1)
+
+    def truncate(d: Path) -> None:
+        file = bucket_file(d, 1)
+        file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+    def flip_a_byte(d: Path) -> None:
+        file = bucket_file(d, 2)
+        data = bytearray(file.read_bytes())
+        data[-5] ^= 0xFF  # inside the tensor data, past the safetensors header
+        file.write_bytes(bytes(data))
+
+    cases = [
+        (transport, new_state, truncate, "cannot read bucket_1.safetensors"),
+        (transport, new_state, flip_a_byte, "bucket_2.safetensors: checksum mismatch"),
+        (FileTransport(tmp_path, "0" * 64, bucket_mb=SMALL_BUCKET_MB), new_state, None, "tokenizer fingerprint"),
+        (transport, _wrong_shape(new_state), None, f"{WRONG_SHAPE}: shape (129, 64) != the engine's (128, 64)"),
+    ]
+    for version, (sender, state, damage, message) in enumerate(cases, start=2):
+        directory = sender.push(state, version)
+        if damage is not None:
+            damage(directory)
+        with pytest.raises(WeightUpdateError, match="keeps serving version 1") as err:
+            receiver.load(directory)
+        assert message in str(err.value)
+        assert engine.policy_version == 1 and _greedy(engine) == expected_greedy
+
+
+# ---------------------------------------------------------------------------- torch.distributed (gloo)
+
+
+def _engine_rank(index: int, init_method: str, world_size: int, device: str) -> None:
+    """An engine process: a ReferenceEngine on tiny:0 serving broadcasts from rank 0 until closed,
+    then reporting its version and greedy output to rank 0."""
+    torch.set_num_threads(1)
+    rank = index + 1
+    buffers = f"cuda:{rank}" if device == "cuda" else "cpu"
+    init_weight_group(rank, world_size, init_method, device=buffers, timeout_s=60)
+    try:
+        model, tokenizer = load_model("tiny:0")
+        engine = ReferenceEngine(model, max_num_seqs=4, max_model_len=64, seed=0)
+        DistributedReceiver(WeightReceiver(engine, tokenizer_fingerprint(tokenizer))).serve()
+        dist.gather_object({"version": engine.policy_version, "greedy": _greedy(engine)}, None, dst=0)
+    finally:
+        dist.destroy_process_group()
+
+
+def _broadcast_round(fingerprint, new_state, engines: int, device: str) -> tuple[list, list]:
+    """Rank 0 (this process) pushes a good version, then a bad one, then closes; returns the push
+    results and what each engine process reported at the end."""
+    init_method = loopback_init_method()
+    world = engines + 1
+    ctx = mp.spawn(_engine_rank, args=(init_method, world, device), nprocs=engines, join=False)
+    ok = False
+    try:
+        init_weight_group(0, world, init_method, device="cuda:0" if device == "cuda" else "cpu", timeout_s=60)
+        sender = DistributedSender(fingerprint, bucket_mb=SMALL_BUCKET_MB)
+        results = sender.push(new_state, 1)
+        with pytest.raises(WeightUpdateError, match=f"rejected by {engines} of {engines} engines") as err:
+            sender.push(_wrong_shape(new_state), 2)
+        assert f"{WRONG_SHAPE}: shape (129, 64) != the engine's (128, 64)" in str(err.value)
+        assert "keeps serving version 1" in str(err.value)
+        sender.close()
+        reports: list = [None] * world
+        dist.gather_object(None, reports, dst=0)
+        ok = True
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if not ok:
+            for process in ctx.processes:
+                process.terminate()
+    while not ctx.join(timeout=60):
+        pass
+    return results, reports[1:]
+
+
+def test_gloo_broadcast_to_two_engine_processes(fingerprint, new_state, expected_greedy):
+    results, reports = _broadcast_round(fingerprint, new_state, engines=2, device="cpu")
+    assert [(r.rank, r.version, r.ok) for r in results] == [(1, 1, True), (2, 1, True)]
+    # Each engine generates exactly what a local engine with the new weights generates, at version 1
+    # (the bad version 2 that followed was refused whole).
+    assert reports == [{"version": 1, "greedy": expected_greedy}] * 2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL broadcast needs two GPUs (trainer + engine)")
+def test_nccl_broadcast_to_an_engine_process(fingerprint, new_state, expected_greedy):
+    os.environ.setdefault("NCCL_DEBUG", "WARN")
+    results, reports = _broadcast_round(fingerprint, new_state, engines=1, device="cuda")
+    assert [r.ok for r in results] == [True]
+    assert reports == [{"version": 1, "greedy": expected_greedy}]
