@@ -71,10 +71,12 @@ def _engine(state: dict[str, torch.Tensor] | None = None) -> ReferenceEngine:
     return engine
 
 
-def _greedy(engine: ReferenceEngine) -> list[list[int]]:
+def _greedy(engine: ReferenceEngine) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their exact logprobs: random tiny models often repeat one token whatever their
+    weights, so the logprobs are what tell two weight sets apart."""
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     done = engine.generate([GenerationRequest(f"g{i}", p, params) for i, p in enumerate(PROMPTS)])
-    return [c.token_ids for c in done]
+    return [(c.token_ids, c.logprobs) for c in done]
 
 
 def _wrong_shape(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -84,9 +86,11 @@ def _wrong_shape(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def expected_greedy(new_state) -> list[list[int]]:
-    """What an engine loaded locally with the new weights generates."""
-    return _greedy(_engine(new_state))
+def expected_greedy(new_state) -> list[tuple[list[int], list[float]]]:
+    """What an engine loaded locally with the new weights generates (and the old weights do not)."""
+    expected = _greedy(_engine(new_state))
+    assert expected != _greedy(_engine())
+    return expected
 
 
 # ---------------------------------------------------------------------------- buckets and manifest

@@ -111,7 +111,7 @@ def _time_local_transports(model: Any, state: dict, fingerprint: str, repeats: i
             loader.load(directory)
             split["write"].append(written - start)
             split["read"].append(time.perf_counter() - written)
-            shutil.rmtree(directory)  # keep the disk footprint to one version
+            shutil.rmtree(directory)  # keep the disk footprint to one version (inside the "files" time)
 
         seconds["files"] = _median_seconds(through_files, repeats)
         seconds["files: write"] = statistics.median(split["write"][1:])  # [0] is the warm-up
@@ -155,7 +155,7 @@ NOTES = {
     "memcpy": "local limit: one torch copy into a preallocated buffer",
     "crc32": "checksum pass (paid once per side by files and broadcast)",
     "in-process": "manifest check + engine copy, no checksum",
-    "files": "write + read + verify + apply",
+    "files": "write + read + verify + apply (+ deleting the version dir)",
     "files: write": "crc32 + safetensors buckets + manifest (page cache)",
     "files: read + apply": "load + crc32 + verify + engine copy",
     "gloo broadcast": "to 1 engine process over loopback TCP, until it acked",
