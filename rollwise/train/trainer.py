@@ -101,6 +101,13 @@ def collate(samples: list[Sample], weights: Tensor, pad_id: int) -> MicroBatch:
     )
 
 
+def mismatch_sums(engine_logp: Tensor, trainer_logp: Tensor) -> tuple[float, float]:
+    """Train-inference mismatch on the same tokens (DESIGN.md): sums of |log p_engine - log p_trainer|
+    and of the k3 estimate of KL(engine || trainer); callers divide by their token count."""
+    delta = engine_logp - trainer_logp
+    return float(delta.abs().sum()), float((torch.exp(-delta) + delta - 1.0).sum())
+
+
 def lr_factor(cfg: TrainConfig, update: int) -> float:
     """Multiplier of cfg.lr at optimizer update `update` (0-based): linear warmup, then the schedule.
     Decay runs over cfg.steps * cfg.updates_per_step updates and ends at cfg.min_lr_ratio."""
@@ -194,11 +201,11 @@ class GRPOTrainer:
         n, entropy_sum, abs_diff_sum, k3_sum = 0, 0.0, 0.0, 0.0
         for mb in batches:
             logp, entropy = mb.logprobs(self.model, self.temperature, self.cfg.logprob_chunk_tokens)
-            delta = mb.behaviour_logp - logp
             n += mb.n_tokens
             entropy_sum += float(entropy.sum())
-            abs_diff_sum += float(delta.abs().sum())
-            k3_sum += float((torch.exp(-delta) + delta - 1.0).sum())
+            abs_diff, k3 = mismatch_sums(mb.behaviour_logp, logp)
+            abs_diff_sum += abs_diff
+            k3_sum += k3
         n = max(n, 1)
         return {"entropy": entropy_sum / n, "mismatch_abs_logp": abs_diff_sum / n, "mismatch_k3": k3_sum / n}
 
@@ -251,9 +258,9 @@ class GRPOTrainer:
             entropy_sum += float(entropy.sum())
             if record_mismatch:
                 # Train-inference mismatch on the same tokens, before any update (DESIGN.md metric).
-                delta = (mb.behaviour_logp - logp.detach())  # log(p_engine / p_trainer)
-                abs_diff_sum += float(delta.abs().sum())
-                k3_sum += float((torch.exp(-delta) + delta - 1.0).sum())  # k3 of KL(engine || trainer)
+                abs_diff, k3 = mismatch_sums(mb.behaviour_logp, logp.detach())
+                abs_diff_sum += abs_diff
+                k3_sum += k3
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
         if math.isfinite(grad_norm):
             self.optimizer.step()
