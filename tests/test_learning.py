@@ -8,6 +8,8 @@ the engine through `push_weights` after every update.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import time
 
 import pytest
@@ -29,13 +31,7 @@ PROMPTS = ["1+1=", "abc", "hello", "xyz?"]
 TARGET_CHAR = "7"
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    # Tiny models: extra intra-op threads only add handoff cost on busy cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def _run_grpo(*, lr: float, push: bool, model_seed: int = 0) -> tuple[list[float], list[dict[str, float]], float]:
@@ -69,17 +65,8 @@ def _run_grpo(*, lr: float, push: bool, model_seed: int = 0) -> tuple[list[float
         completions = engine.generate(requests)
         assert len(completions) == len(prompts) * GROUP_SIZE
         samples = [
-            Sample(
-                sample_id=c.sample_id,
-                group_id=c.request_id,
-                problem_id=c.request_id,
-                prompt_ids=list(c.prompt_ids),
-                response_ids=list(c.token_ids),
-                behaviour_logprobs=list(c.logprobs),
-                versions=list(c.versions),
-                finish_reason=c.finish_reason,
-                reward=sum(t == target for t in c.token_ids) / len(c.token_ids),
-            )
+            replace(Sample.from_completion(c, problem_id=c.request_id),
+                    reward=sum(t == target for t in c.token_ids) / len(c.token_ids))
             for c in completions
         ]
         # Synchronous loop: every token was sampled by the trainer's current version (staleness 0);

@@ -30,12 +30,7 @@ ANSWER_OPEN, ANSWER_CLOSE = "<a>", "</a>"  # short tags: the tiny model's answer
 PROMPTS_PER_STEP = 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def _write_addition_task(path: Path, n: int = 40) -> Path:

@@ -43,13 +43,7 @@ SMALL_BUCKET_MB = 0.05  # ~52 KB: the tiny model (~330 KB) spreads over several 
 WRONG_SHAPE = "model.layers.0.mlp.up_proj.weight"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    # Tiny models: intra-op threads only add handoff cost, which explodes when the cores are busy.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -26,12 +26,12 @@ from rollwise.observe.bubble import bubble_ratio
 from rollwise.observe.plots import plot_rollout_timelines
 from rollwise.rollout.controller import RolloutController
 from rollwise.rollout.data import ProblemStream
-from rollwise.rollout.sync_rollout import PromptEncoder, group_samples
+from rollwise.rollout.sync_rollout import PromptEncoder
 from rollwise.rollout.types import Sample
 from rollwise.rollout.worker import EngineWorker
 from rollwise.sync.inprocess import push_weights
 from rollwise.tasks import make_task
-from rollwise.train.grpo import group_advantages
+from rollwise.train.grpo import assign_advantages
 from rollwise.train.trainer import GRPOTrainer
 
 MODES = ("sync", "sorted", "async")
@@ -69,11 +69,7 @@ def _random_rewards(samples: list[Sample], seed: int) -> None:
     for s in samples:
         g, i = s.extra["group_index"], s.extra["sample_index"]
         s.reward = float(np.random.default_rng([seed, g, i, 7]).random())
-    groups = list(group_samples(samples).values())
-    adv = group_advantages(torch.tensor([[s.reward for s in g] for g in groups]), "mean_std")
-    for g, row in zip(groups, adv):
-        for s, a in zip(g, row.tolist()):
-            s.advantage = a
+    assign_advantages(samples, "mean_std")
 
 
 def _run_mode(mode: str, model: Any, tokenizer: Any, base_state: dict, w: Workload, seed: int) -> dict[str, Any]:

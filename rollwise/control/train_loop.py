@@ -38,13 +38,13 @@ from rollwise.observe.summary import render_summary
 from rollwise.reward.batch import score_samples
 from rollwise.rollout.data import ProblemStream
 from rollwise.rollout.controller import RolloutController
-from rollwise.rollout.sync_rollout import PromptEncoder, RolloutPlan, build_requests, group_samples, to_samples
+from rollwise.rollout.sync_rollout import PromptEncoder, RolloutPlan, build_requests, to_samples
 from rollwise.rollout.worker import EngineWorker
 from rollwise.rollout.types import Sample
 from rollwise.sync.inprocess import push_weights
 from rollwise.tasks import Problem, Task, make_task
 from rollwise.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from rollwise.train.grpo import group_advantages
+from rollwise.train.grpo import assign_advantages
 from rollwise.train.trainer import GRPOTrainer
 
 
@@ -157,17 +157,6 @@ def evaluate(run: Run, step: int, label: str) -> dict[str, Any]:
     return result
 
 
-def _assign_advantages(samples: list[Sample], mode: str) -> float:
-    """Group-relative advantages in place; returns the fraction of groups with zero reward variance."""
-    groups = list(group_samples(samples).values())
-    rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)
-    adv = group_advantages(rewards, mode)
-    for g, row in zip(groups, adv):
-        for s, a in zip(g, row.tolist()):
-            s.advantage = a
-    return float((rewards.std(dim=1) == 0).float().mean())
-
-
 def _rollout_metrics(samples: list[Sample]) -> dict[str, float]:
     n = len(samples)
     lengths = [len(s.response_ids) for s in samples]
@@ -200,7 +189,7 @@ def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
     run.progress.remove_task(bar)
     t_gen_end = time.monotonic()
     reward_s = run.controller.score_seconds - score_s0
-    zero_var = _assign_advantages(samples, cfg.train.advantage)
+    zero_var = assign_advantages(samples, cfg.train.advantage)
     t_reward_end = time.monotonic()
 
     # 2. train

@@ -303,18 +303,10 @@ class RolloutController:
             del self.running[c.request_id]
         index = info.samples[c.index]
         group = self.groups[info.group]
-        sample = Sample(
-            sample_id=f"g{info.group}/{index}",
-            group_id=f"g{info.group}",
-            problem_id=group.problem.id,
-            prompt_ids=list(c.prompt_ids),
-            response_ids=list(c.token_ids),
-            behaviour_logprobs=list(c.logprobs),
-            versions=list(c.versions),
-            finish_reason=c.finish_reason,
+        sample = Sample.from_completion(
+            c, problem_id=group.problem.id, sample_id=f"g{info.group}/{index}", group_id=f"g{info.group}",
             response_text=self.encoder.tokenizer.decode(c.token_ids, skip_special_tokens=True),
-            extra={"cached_prompt_tokens": c.cached_prompt_tokens, "group_index": info.group,
-                   "sample_index": index, "request_id": c.request_id},
+            group_index=info.group, sample_index=index, request_id=c.request_id,
         )
         self.ledger.move((info.group, index), "finished")
         group.finished[index] = sample

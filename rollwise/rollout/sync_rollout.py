@@ -72,24 +72,11 @@ def to_samples(completions: list[Completion], requests: list[GenerationRequest],
                tokenizer: PreTrainedTokenizerBase) -> list[Sample]:
     """Engine completions -> Samples, with the text that scoring reads decoded from the exact ids."""
     problem_by_request = {req.request_id: problem for req, problem in zip(requests, problems)}
-    samples = []
-    for c in completions:
-        problem = problem_by_request[c.request_id]
-        samples.append(
-            Sample(
-                sample_id=c.sample_id,
-                group_id=c.request_id,
-                problem_id=problem.id,
-                prompt_ids=list(c.prompt_ids),
-                response_ids=list(c.token_ids),
-                behaviour_logprobs=list(c.logprobs),
-                versions=list(c.versions),
-                finish_reason=c.finish_reason,
-                response_text=tokenizer.decode(c.token_ids, skip_special_tokens=True),
-                extra={"cached_prompt_tokens": c.cached_prompt_tokens},
-            )
-        )
-    return samples
+    return [
+        Sample.from_completion(c, problem_id=problem_by_request[c.request_id].id,
+                               response_text=tokenizer.decode(c.token_ids, skip_special_tokens=True))
+        for c in completions
+    ]
 
 
 def rollout(

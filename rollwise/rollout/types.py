@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rollwise.engine.types import Completion
+
 
 @dataclass
 class Sample:
@@ -22,6 +24,23 @@ class Sample:
     lenient_correct: bool = False
     advantage: float = 0.0
     extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_completion(cls, c: Completion, *, problem_id: str, response_text: str = "",
+                        sample_id: str | None = None, group_id: str | None = None, **extra) -> Sample:
+        """The engine's exact ids, logprobs and versions; ids default to the completion's own."""
+        return cls(
+            sample_id=sample_id or c.sample_id,
+            group_id=group_id or c.request_id,
+            problem_id=problem_id,
+            prompt_ids=list(c.prompt_ids),
+            response_ids=list(c.token_ids),
+            behaviour_logprobs=list(c.logprobs),
+            versions=list(c.versions),
+            finish_reason=c.finish_reason,
+            response_text=response_text,
+            extra={"cached_prompt_tokens": c.cached_prompt_tokens, **extra},
+        )
 
     def staleness(self, trainer_version: int) -> list[int]:
         return [trainer_version - v for v in self.versions]

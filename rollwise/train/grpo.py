@@ -1,6 +1,6 @@
 """GRPO: group-relative advantages and the token-level clipped surrogate (DAPO-style clip bounds).
 
-Pure functions on tensors, so each is tested against hand-computed values.
+Pure functions on tensors (plus writing advantages onto Samples), each tested against hand-computed values.
 """
 
 from __future__ import annotations
@@ -10,6 +10,9 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+
+from rollwise.rollout.sync_rollout import group_samples
+from rollwise.rollout.types import Sample
 
 
 def group_advantages(rewards: Tensor, mode: Literal["mean_std", "mean"] = "mean_std", eps: float = 1e-6) -> Tensor:
@@ -27,6 +30,18 @@ def group_advantages(rewards: Tensor, mode: Literal["mean_std", "mean"] = "mean_
     if mode == "mean_std":
         return centered / (rewards.std(dim=1, keepdim=True) + eps)
     raise ValueError(f"advantage mode must be 'mean_std' or 'mean', got {mode!r}")
+
+
+def assign_advantages(samples: list[Sample], mode: Literal["mean_std", "mean"]) -> float:
+    """Group-relative advantages of scored samples, in place; returns the fraction of groups with
+    zero reward variance (groups that teach nothing)."""
+    groups = list(group_samples(samples).values())
+    rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)
+    adv = group_advantages(rewards, mode)
+    for g, row in zip(groups, adv):
+        for s, a in zip(g, row.tolist()):
+            s.advantage = a
+    return float((rewards.std(dim=1) == 0).float().mean())
 
 
 @dataclass
