@@ -114,6 +114,9 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="the name clients send as `model` (default: the --model spec)")
     serve.add_argument("--seed", type=int, default=None, help="seeds the samples of requests that bring no seed")
+    serve.add_argument("--prefix-cache-tokens", type=int, default=16384, metavar="N",
+                       help="engine: KV of up to N recent prompt/history tokens reused across requests "
+                       "(0 disables) (default: %(default)s)")
     serve.add_argument("--log-level", default="info", metavar="LEVEL",
                        choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn log level: critical, error, warning, info, debug (default: %(default)s)")
@@ -197,7 +200,7 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
         serve(
             args.model, host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len, served_model_name=args.served_model_name, seed=args.seed,
-            log_level=args.log_level,
+            log_level=args.log_level, prefix_cache_tokens=args.prefix_cache_tokens,
         )
     except ValueError as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)

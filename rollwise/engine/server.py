@@ -16,6 +16,7 @@ Endpoints (JSON unless noted):
     POST /generate               token level: {prompt_ids, sampling params, n} -> token ids, logprobs, versions
     GET  /v1/models, /model_info (incl. the tokenizer fingerprint), /health, /metrics (Prometheus text)
     POST /pause, /resume, /abort {request_id}, /update_weights_from_disk {path, version}
+    POST /flush_cache            empty the prefix cache (benchmarks compare routing policies from a cold cache)
 
 Request ids: the engine only ever sees fresh uuid ids, so clients cannot collide. The public id
 (a response's `id` / `request_id`, or a client's own `request_id` while no other request in flight
@@ -556,8 +557,11 @@ class _EngineCollector:
             ("prompt_tokens", "prompt tokens of admitted samples (computed or reused)"),
             ("cached_prompt_tokens", "prompt tokens whose KV was reused, not recomputed"),
             ("steps", "engine steps"),
+            ("prefix_cache_hit_tokens", "prompt tokens reused from the cross-request prefix cache"),
         ):
-            yield CounterMetricFamily(f"rollwise_engine_{key}", doc, value=s[key])
+            yield CounterMetricFamily(f"rollwise_engine_{key}", doc, value=s.get(key, 0))
+        yield GaugeMetricFamily("rollwise_engine_prefix_cache_tokens", "tokens held by the prefix cache",
+                                value=s.get("prefix_cache_tokens", 0))
         finished = CounterMetricFamily("rollwise_engine_finished_samples", "samples returned, by finish reason",
                                        labels=["finish_reason"])
         for reason in ("stop", "length", "abort"):
@@ -874,8 +878,10 @@ class _Server:
 
     async def metrics(self) -> Response:
         def snapshot(engine: Any) -> dict[str, Any]:
+            cache = getattr(engine, "prefix_cache", None)
             return {"running": engine.num_running, "waiting": engine.num_waiting, "paused": engine.paused,
-                    "policy_version": engine.policy_version, **engine.stats}
+                    "policy_version": engine.policy_version, **engine.stats,
+                    "prefix_cache_tokens": cache.num_tokens if cache is not None else 0}
 
         self.collector.snapshot = await self.frontend.call(snapshot)
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
@@ -952,7 +958,10 @@ def create_app(engine: Any, tokenizer: Any, model_name: str) -> FastAPI:
     async def health() -> JSONResponse:
         if server.frontend.error is not None:
             return JSONResponse({"status": "error", "error": server.frontend.error}, status_code=503)
-        return JSONResponse({"status": "ok", "paused": engine.paused, "policy_version": engine.policy_version})
+        # running/waiting are read without stopping the engine thread: a load hint for routers, not exact.
+        return JSONResponse({"status": "ok", "paused": engine.paused, "policy_version": engine.policy_version,
+                             "running": engine.num_running, "waiting": engine.num_waiting,
+                             "max_num_seqs": engine.max_num_seqs})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -976,10 +985,22 @@ def create_app(engine: Any, tokenizer: Any, model_name: str) -> FastAPI:
     async def update_weights_from_disk(body: UpdateWeightsRequest) -> dict[str, Any]:
         return await server.update_weights_from_disk(body)
 
+    @app.post("/flush_cache")
+    async def flush_cache() -> dict[str, Any]:
+        def flush(e: Any) -> int:
+            cache = getattr(e, "prefix_cache", None)
+            held = cache.num_tokens if cache is not None else 0
+            if cache is not None:
+                cache.clear()
+            return held
+        return {"flushed_tokens": await server.frontend.call(flush)}
+
     return app
 
 
-def build_engine(model: str, max_num_seqs: int, max_model_len: int | None, seed: int | None = None):  # noqa: ANN201
+def build_engine(
+    model: str, max_num_seqs: int, max_model_len: int | None, seed: int | None = None, prefix_cache_tokens: int = 0,
+):
     """(engine, tokenizer) for a model spec, the way `rollwise train` builds its engine."""
     from rollwise.engine.reference import ReferenceEngine
     from rollwise.model.loading import load_model
@@ -989,14 +1010,14 @@ def build_engine(model: str, max_num_seqs: int, max_model_len: int | None, seed:
         max_model_len = min(2048, getattr(hf_model.config, "max_position_embeddings", None) or 2048)
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
     engine = ReferenceEngine(hf_model, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                             eos_token_ids=eos_ids, seed=seed)
+                             eos_token_ids=eos_ids, seed=seed, prefix_cache_tokens=prefix_cache_tokens)
     return engine, tokenizer
 
 
 def serve(
     model: str, host: str = "127.0.0.1", port: int = 8000, max_num_seqs: int = 16,
     max_model_len: int | None = None, served_model_name: str | None = None, seed: int | None = None,
-    log_level: str = "info",
+    log_level: str = "info", prefix_cache_tokens: int = 16384,
 ) -> None:
     import uvicorn
 
@@ -1006,6 +1027,8 @@ def serve(
         raise ValueError(f"--max-num-seqs must be >= 1, got {max_num_seqs}")
     if max_model_len is not None and max_model_len < 2:
         raise ValueError(f"--max-model-len must be >= 2, got {max_model_len}")
-    engine, tokenizer = build_engine(model, max_num_seqs, max_model_len, seed)
+    if prefix_cache_tokens < 0:
+        raise ValueError(f"--prefix-cache-tokens must be >= 0 (0 disables the cache), got {prefix_cache_tokens}")
+    engine, tokenizer = build_engine(model, max_num_seqs, max_model_len, seed, prefix_cache_tokens)
     app = create_app(engine, tokenizer, served_model_name or model)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

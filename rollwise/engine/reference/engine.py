@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from rollwise.engine.reference.model import LlamaFamilyModel
+from rollwise.engine.reference.prefix_cache import PrefixCache, prefill_with_prefix
 from rollwise.engine.reference.sampling import sample
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest
 
@@ -88,6 +89,7 @@ class ReferenceEngine:
         dtype: torch.dtype = torch.float32,
         policy_version: int = 0,
         seed: int | None = None,
+        prefix_cache_tokens: int = 0,
     ) -> None:
         # from_hf copies the weights: the trainer keeps training hf_model, the engine samples from its copy.
         self.model = LlamaFamilyModel.from_hf(hf_model, dtype=dtype)
@@ -106,7 +108,11 @@ class ReferenceEngine:
         self._unfinished: dict[str, int] = {}  # request id -> samples not yet returned
         self.timeline: list[tuple[float, int]] = []
         self._paused = False
-        self.stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
+        self.stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0, "steps": 0,
+                      "prefix_cache_hit_tokens": 0}
+        # Cross-request prefix cache (0 tokens: off). It holds KV of prompts and of finished sequences,
+        # so GRPO groups and multi-turn sessions skip recomputing the prefix they share.
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         # Optional streaming hook, called on the stepping thread for every sampled token as
         # on_tokens(request_id, index, token, logprob, version); the HTTP server streams through it.
         self.on_tokens: Callable[[str, int, int, float, int], None] | None = None
@@ -243,6 +249,8 @@ class ReferenceEngine:
         the old weights) and continue with the new ones; each token records the version sampling it."""
         self.model.load_weights(state_dict)
         self._version = version
+        if self.prefix_cache is not None:  # cached KV was computed by the old weights
+            self.prefix_cache.clear()
 
     # ---------------------------------------------------------------- internals
 
@@ -257,15 +265,23 @@ class ReferenceEngine:
         requests with this prompt), and sample each sample's first token from the shared logits."""
         prompt = group[0][0].prompt_ids
         all_slots = [slot for _, slots in group for slot in slots]
-        logits = self.model.prefill(self.cache, prompt, all_slots)
+        hit = self.prefix_cache.match(prompt) if self.prefix_cache is not None else None
+        if hit is None:
+            logits = self.model.prefill(self.cache, prompt, all_slots)
+        else:
+            logits = prefill_with_prefix(self.model, self.cache, prompt, all_slots, hit)
+        reused = hit.num_tokens if hit is not None else 0
         seqs = [
             Sequence(request, i, slot, self._generator_for(request, i), cached_prompt_tokens=len(prompt))
             for request, slots in group
             for i, slot in enumerate(slots)
         ]
-        seqs[0].cached_prompt_tokens = 0  # the one sample whose prompt was actually computed
+        seqs[0].cached_prompt_tokens = reused  # the one sample whose prompt was actually computed
         self.stats["prompt_tokens"] += len(prompt) * len(seqs)
-        self.stats["cached_prompt_tokens"] += len(prompt) * (len(seqs) - 1)
+        self.stats["cached_prompt_tokens"] += len(prompt) * (len(seqs) - 1) + reused
+        self.stats["prefix_cache_hit_tokens"] += reused
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(prompt, self.cache.k[:, all_slots[0]], self.cache.v[:, all_slots[0]])
         for seq in seqs:
             self.scheduler.start(seq)
         return self._append_tokens(seqs, logits.expand(len(seqs), -1))
@@ -289,6 +305,7 @@ class ReferenceEngine:
                 self.on_tokens(seq.request.request_id, seq.index, token, logprob, self._version)
             reason = self._finish_reason(seq, token)
             if reason is not None:
+                self._cache_history(seq)
                 self.scheduler.release(seq.slot)
                 self._retire(seq.request.request_id)
                 finished.append(seq.completion(reason))
@@ -304,6 +321,13 @@ class ReferenceEngine:
         if len(seq.request.prompt_ids) + len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
+
+    def _cache_history(self, seq: Sequence) -> None:
+        """A finished sequence's prompt + tokens (all but the last, which never got KV) into the prefix
+        cache: the next turn of a conversation starts with them. Only if the current weights made all of it."""
+        if self.prefix_cache is not None and all(v == self._version for v in seq.versions):
+            tokens = list(seq.request.prompt_ids) + seq.token_ids[:-1]
+            self.prefix_cache.insert(tokens, self.cache.k[:, seq.slot], self.cache.v[:, seq.slot])
 
     def _retire(self, request_id: str) -> None:
         self._unfinished[request_id] -= 1
