@@ -1,0 +1,42 @@
+"""Sandboxes: one isolated, persistent workspace per rollout (issue 6, "Sandbox runtime").
+
+    from rollwise.sandbox import SandboxPool, SandboxLimits
+
+    with SandboxPool(SandboxLimits(timeout_s=10), max_sandboxes=8, warm=2) as pool:
+        with pool.sandbox() as sb:
+            sb.write_file("main.py", "print(6 * 7)")
+            result = sb.run("python3 main.py")      # RunResult: exit code, output, wall time, limits hit
+            sibling = sb.fork()                     # same files, diverges from here
+
+Modules: types (the contract), launch (argv per isolation level), isolation (what this machine
+allows, said once at start-up), process (bounded run of one process tree), workspace (temp dirs,
+cleanup), files (host-side file access that never follows the sandbox's symlinks), local (the
+bubblewrap backend), pool (limits, warm sandboxes, cleanup), kubernetes (one pod per rollout),
+probes (`rollwise check sandbox`).
+"""
+
+from rollwise.sandbox.isolation import IsolationReport, detect_isolation
+from rollwise.sandbox.launch import IsolationLevel
+from rollwise.sandbox.local import LocalSandbox
+from rollwise.sandbox.pool import PooledSandbox, SandboxPool
+from rollwise.sandbox.types import (
+    FileInfo,
+    RunResult,
+    Sandbox,
+    SandboxError,
+    SandboxLimits,
+)
+
+__all__ = [
+    "FileInfo",
+    "IsolationLevel",
+    "IsolationReport",
+    "LocalSandbox",
+    "PooledSandbox",
+    "RunResult",
+    "Sandbox",
+    "SandboxError",
+    "SandboxLimits",
+    "SandboxPool",
+    "detect_isolation",
+]

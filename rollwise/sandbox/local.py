@@ -1,0 +1,212 @@
+"""The local sandbox backend: a workspace directory plus bubblewrap (or the strongest fallback).
+
+Each `run` launches a fresh isolated process tree over the same workspace directory, so files
+persist across a rollout's turns while no process does. `fork` copies the directory.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import uuid
+from pathlib import Path
+
+from typing_extensions import Self
+
+from rollwise.sandbox import files
+from rollwise.sandbox.isolation import IsolationReport, detect_isolation
+from rollwise.sandbox.launch import IsolationLevel, build_launch
+from rollwise.sandbox.process import ProcessOutcome, kill_group, run_bounded
+from rollwise.sandbox.types import (
+    FileInfo,
+    LimitName,
+    MiB,
+    RunResult,
+    SandboxError,
+    SandboxLimits,
+)
+from rollwise.sandbox.workspace import WorkspaceRoot, default_root
+
+# Error output that means an rlimit made a call fail (an rlimit refuses, it does not kill), checked
+# in this order. Best effort: the command's own messages, in the usual libc/Python/shell wording.
+_LIMIT_HINTS: list[tuple[LimitName, tuple[str, ...]]] = [
+    ("memory", ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory", "memory exhausted")),
+    ("file_size", ("File too large",)),
+    ("open_files", ("Too many open files",)),
+    ("processes", ("Resource temporarily unavailable", "Cannot fork", "can't fork", "fork: retry")),
+]
+
+
+class LocalSandbox:
+    """One rollout's workspace on this machine. See rollwise.sandbox.types.Sandbox for the contract."""
+
+    def __init__(
+        self,
+        limits: SandboxLimits | None = None,
+        *,
+        isolation: IsolationReport | None = None,
+        max_level: IsolationLevel | str | None = None,
+        root: WorkspaceRoot | None = None,
+        run_gate: threading.Semaphore | None = None,
+        _workspace: Path | None = None,
+    ) -> None:
+        self.limits = limits or SandboxLimits()
+        self.isolation = isolation or detect_isolation(max_level=max_level)
+        self._root = root or default_root()
+        self._gate = run_gate  # a pool's limit on commands running at once, shared by its sandboxes
+        self._id = uuid.uuid4().hex[:12]
+        self._lock = threading.Lock()  # one command / file op / fork at a time
+        self._running: subprocess.Popen | None = None
+        self._closed = False
+        self._ws = _workspace or self._root.new_workspace(self.isolation.mode.sandbox_uid)
+
+    # -- identity ---------------------------------------------------------------------------------
+    @property
+    def id(self) -> str:
+        return self._id
+
+    @property
+    def level(self) -> IsolationLevel:
+        return self.isolation.level
+
+    @property
+    def host_path(self) -> Path:
+        """The workspace on the host (for tests and debugging; tools should use the methods)."""
+        return self._ws
+
+    @property
+    def workdir(self) -> str:
+        return build_launch(self.isolation.mode, self._ws, "", self.limits).env["HOME"]
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        return f"LocalSandbox(id={self._id}, level={self.level.value}, closed={self._closed})"
+
+    # -- commands ---------------------------------------------------------------------------------
+    def run(self, command: str, timeout_s: float | None = None, *, stdin: bytes | None = None) -> RunResult:
+        timeout = float(timeout_s) if timeout_s is not None else self.limits.timeout_s
+        if timeout <= 0:
+            raise SandboxError(f"timeout_s must be > 0, got {timeout_s}")
+        gate = self._gate
+        if gate is not None:
+            gate.acquire()
+        try:
+            with self._lock:
+                self._check_open()
+                launch = build_launch(self.isolation.mode, self._ws, command, self.limits)
+                outcome = run_bounded(
+                    launch.argv, cwd=launch.cwd, env=launch.env, timeout_s=timeout,
+                    keep_bytes=self.limits.max_output_bytes, kill_bytes=self.limits.kill_output_bytes,
+                    stdin=stdin, user=launch.user, group=launch.group, preexec_fn=launch.preexec_fn,
+                    on_start=self._set_running,
+                )
+                self._running = None
+                return self._result(command, timeout, outcome)
+        finally:
+            if gate is not None:
+                gate.release()
+
+    def _set_running(self, proc: subprocess.Popen) -> None:
+        self._running = proc
+
+    def _result(self, command: str, timeout: float, o: ProcessOutcome) -> RunResult:
+        code = o.returncode
+        sig = None
+        if code is not None:
+            # Through bwrap/unshare/sh a signal death arrives as 128+n; directly, as -n.
+            n = -code if code < 0 else code - 128 if 128 < code < 128 + 65 else None
+            if n is not None:
+                try:
+                    sig = signal.Signals(n).name
+                except ValueError:
+                    sig = None
+        killed = o.killed_for is not None
+        limit: LimitName | None = None
+        reason: str | None = None
+        if o.killed_for == "timeout":
+            limit, reason = "timeout", f"killed: wall-clock timeout after {timeout:g} s"
+        elif o.killed_for == "output":
+            limit, reason = "output", f"killed: wrote more than {self.limits.kill_output_bytes} bytes of output"
+        elif self._closed:
+            killed, reason = True, "killed: the sandbox was closed while the command ran"
+        elif sig in ("SIGXCPU",) or (sig == "SIGKILL" and o.wall_s >= self.limits.cpu_s):
+            limit, reason = "cpu_time", f"CPU time limit ({self.limits.cpu_s} s) exceeded ({sig})"
+        elif sig == "SIGXFSZ":
+            limit, reason = "file_size", f"file size limit ({self.limits.max_file_bytes} bytes) exceeded"
+        elif code not in (0, None):
+            limit = _limit_hint(o.stderr.text() + o.stdout.text())
+            if limit is not None:
+                reason = f"hit the {limit} limit ({_limit_value(self.limits, limit)})"
+        return RunResult(
+            command=command, exit_code=code, signal=sig,
+            stdout=o.stdout.text(), stderr=o.stderr.text(),
+            stdout_bytes=o.stdout.total, stderr_bytes=o.stderr.total,
+            stdout_truncated=o.stdout.truncated, stderr_truncated=o.stderr.truncated,
+            wall_s=round(o.wall_s, 4), killed=killed, limit=limit, reason=reason,
+        )
+
+    # -- files --------------------------------------------------------------------------------------
+    def read_file(self, path: str, max_bytes: int = 1 * MiB) -> bytes:
+        with self._lock:
+            self._check_open()
+            return files.read_file(str(self._ws), path, self.workdir, max_bytes)
+
+    def write_file(self, path: str, data: bytes | str) -> None:
+        raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+        with self._lock:
+            self._check_open()
+            files.write_file(str(self._ws), path, self.workdir, raw, self.isolation.mode.sandbox_uid)
+
+    def list(self, path: str = ".") -> list[FileInfo]:
+        with self._lock:
+            self._check_open()
+            return files.list_dir(str(self._ws), path, self.workdir)
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def fork(self) -> LocalSandbox:
+        with self._lock:
+            self._check_open()
+            ws = self._root.copy_workspace(self._ws, self.isolation.mode.sandbox_uid)
+        return LocalSandbox(self.limits, isolation=self.isolation, root=self._root, run_gate=self._gate,
+                            _workspace=ws)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        running = self._running
+        if running is not None:  # a command hangs in another thread: kill it so the lock frees
+            kill_group(running.pid)
+        with self._lock:
+            if self._ws.exists():
+                self._root.remove(self._ws)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxError(f"sandbox {self._id} is closed")
+
+
+def _limit_hint(text: str) -> LimitName | None:
+    for name, needles in _LIMIT_HINTS:
+        if any(n in text for n in needles):
+            return name
+    return None
+
+
+def _limit_value(limits: SandboxLimits, name: LimitName) -> str:
+    return {
+        "memory": f"{limits.memory_bytes} bytes of address space",
+        "file_size": f"{limits.max_file_bytes} bytes per file",
+        "open_files": f"{limits.max_open_files} open files",
+        "processes": f"{limits.max_processes} processes",
+    }.get(name, "")

@@ -1,0 +1,180 @@
+"""Run one process tree with a wall-clock deadline and bounded output capture.
+
+Why not `subprocess.run(timeout=...)`: it buffers all output in memory (a command printing
+gigabytes would take the host down with it) and on timeout it kills only the direct child, not the
+grandchildren holding the pipes open. Here the child starts its own session (process group), the
+output is drained as it comes and only a head and a tail are kept, and any way out (deadline,
+too much output, normal exit) ends with SIGKILL to the whole group. Killing the group also kills
+the sandbox launcher (bwrap/unshare), whose pid-namespace init then takes every process inside
+the sandbox with it, including ones that started their own session.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+# After the main process exits, processes it left in the background may still hold the pipes
+# open; wait this long for EOF, then kill them (commands do not outlive their turn).
+_EXIT_GRACE_S = 0.2
+
+
+@dataclass
+class Capture:
+    """Keeps the first and last `keep // 2` bytes of a stream and counts all of them."""
+
+    keep: int
+    head: bytearray
+    tail: bytearray
+    total: int = 0
+
+    @classmethod
+    def new(cls, keep: int) -> Capture:
+        return cls(keep=keep, head=bytearray(), tail=bytearray())
+
+    def feed(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        room = self.keep // 2 - len(self.head)
+        if room > 0:
+            self.head += chunk[:room]
+            chunk = chunk[room:]
+        if chunk:
+            self.tail += chunk
+            excess = len(self.tail) - (self.keep - self.keep // 2)
+            if excess > 0:
+                del self.tail[:excess]
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > len(self.head) + len(self.tail)
+
+    def text(self) -> str:
+        head = self.head.decode("utf-8", errors="replace")
+        if not self.truncated:
+            return head + self.tail.decode("utf-8", errors="replace")
+        cut = self.total - len(self.head) - len(self.tail)
+        marker = f"\n[rollwise: output truncated: {cut} of {self.total} bytes cut from the middle]\n"
+        return head + marker + self.tail.decode("utf-8", errors="replace")
+
+
+@dataclass
+class ProcessOutcome:
+    returncode: int | None  # None when we killed it before it exited
+    stdout: Capture
+    stderr: Capture
+    wall_s: float
+    killed_for: str | None  # "timeout" | "output"
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL the process group led by `pid` (started with start_new_session=True)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_bounded(
+    argv: Sequence[str],
+    *,
+    cwd: str,
+    env: dict[str, str],
+    timeout_s: float,
+    keep_bytes: int,
+    kill_bytes: int,
+    stdin: bytes | None = None,
+    user: int | None = None,
+    group: int | None = None,
+    preexec_fn: Callable[[], None] | None = None,
+    on_start: Callable[[subprocess.Popen], None] | None = None,
+) -> ProcessOutcome:
+    """Run `argv`, return its exit status and captured output; never leaves a process behind.
+
+    `on_start` receives the Popen right after the spawn, so an owner can kill it from another
+    thread (sandbox close while a command hangs).
+    """
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        list(argv),
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its own process group: one killpg reaches every descendant
+        close_fds=True,
+        user=user,
+        group=group,
+        extra_groups=[] if user is not None else None,  # drop root's supplementary groups too
+        preexec_fn=preexec_fn,  # noqa: PLW1509 -- only without a prlimit binary (see launch.py)
+    )
+    if on_start is not None:
+        on_start(proc)
+    out, err = Capture.new(keep_bytes), Capture.new(keep_bytes)
+    killed_for: str | None = None
+    try:
+        if stdin is not None and proc.stdin is not None:
+            _write_stdin(proc.stdin, stdin)
+        killed_for = _pump(proc, out, err, deadline=start + timeout_s, kill_bytes=kill_bytes)
+    finally:
+        kill_group(proc.pid)  # whatever happened above: nothing of this command survives it
+        for stream in (proc.stdout, proc.stderr, proc.stdin):
+            if stream is not None:
+                stream.close()
+        proc.wait()
+    returncode = None if killed_for is not None else proc.returncode
+    return ProcessOutcome(returncode, out, err, time.monotonic() - start, killed_for)
+
+
+def _write_stdin(pipe, data: bytes) -> None:
+    # Small inputs (tool calls, test files) fit in the pipe buffer; a command that never reads its
+    # stdin must not block us, so a full pipe just ends the write.
+    os.set_blocking(pipe.fileno(), False)
+    try:
+        os.write(pipe.fileno(), data)
+    except (BlockingIOError, BrokenPipeError):
+        pass
+    finally:
+        pipe.close()
+
+
+def _pump(proc: subprocess.Popen, out: Capture, err: Capture, *, deadline: float, kill_bytes: int) -> str | None:
+    """Drain both pipes until EOF or a limit; returns why we killed it, or None."""
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ, out)
+    sel.register(proc.stderr, selectors.EVENT_READ, err)
+    exited_at: float | None = None
+    try:
+        while sel.get_map():
+            now = time.monotonic()
+            if now >= deadline:
+                kill_group(proc.pid)
+                return "timeout"
+            if exited_at is None and proc.poll() is not None:
+                exited_at = now
+            if exited_at is not None and now - exited_at > _EXIT_GRACE_S:
+                return None  # background leftovers hold the pipes; the caller's killpg ends them
+            wait = min(deadline - now, 0.05 if exited_at is not None else 0.5)
+            for key, _ in sel.select(timeout=wait):
+                chunk = os.read(key.fileobj.fileno(), 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                key.data.feed(chunk)
+                if out.total + err.total > kill_bytes:
+                    kill_group(proc.pid)
+                    return "output"
+        # Pipes closed: wait for the exit status, still under the deadline.
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            kill_group(proc.pid)
+            return "timeout"
+        return None
+    finally:
+        sel.close()

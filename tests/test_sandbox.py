@@ -1,0 +1,282 @@
+"""The sandbox runtime against real processes: real bubblewrap where installed, else the fallback
+it reports. Nothing of ours is mocked; each test checks what the sandboxed command could actually do.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import uuid
+
+import pytest
+
+from rollwise.sandbox import (
+    IsolationLevel,
+    LocalSandbox,
+    SandboxError,
+    SandboxLimits,
+    SandboxPool,
+    detect_isolation,
+)
+from rollwise.sandbox.launch import candidate_modes
+
+pytestmark = pytest.mark.timeout(120)
+
+REPORT = detect_isolation()
+# Every level this machine can run, strongest first (forced with max_level), to test the fallbacks too.
+LEVELS = [lvl for lvl in (IsolationLevel.BWRAP, IsolationLevel.UNSHARE, IsolationLevel.RLIMITS)
+          if detect_isolation(max_level=lvl).level is lvl]
+FAST = SandboxLimits(timeout_s=10, cpu_s=5, memory_bytes=512 * 2**20, max_processes=32)
+
+
+def _sandbox(level: IsolationLevel | None = None, limits: SandboxLimits = FAST) -> LocalSandbox:
+    return LocalSandbox(limits, max_level=level)
+
+
+def _need_python(sb: LocalSandbox) -> None:
+    if not sb.run("command -v python3").ok:
+        pytest.skip("no python3 inside the sandbox (Debian's python3 is what the sandbox sees)")
+
+
+def _leftovers(marker: str) -> list[str]:
+    """Host processes whose command line carries `marker`, other than pgrep itself."""
+    out = subprocess.run(["pgrep", "-af", marker], check=False, capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+def test_bwrap_is_the_level_tested_when_installed():
+    """CI installs bubblewrap, so there the tests must exercise bwrap, not a silent fallback."""
+    if shutil.which("bwrap"):
+        assert REPORT.level is IsolationLevel.BWRAP, REPORT.describe()
+        assert {"network", "filesystem", "pid"} <= REPORT.mode.features
+    else:
+        assert REPORT.level in (IsolationLevel.UNSHARE, IsolationLevel.RLIMITS)
+        assert "filesystem" in REPORT.missing
+        assert "MISSING filesystem" in REPORT.describe()
+    assert REPORT.mode.name.split()[0] == REPORT.level.value
+    assert len(candidate_modes()) >= 1
+
+
+@pytest.mark.parametrize("level", LEVELS, ids=lambda lvl: lvl.value)
+def test_network_is_blocked_or_reported_missing(level):
+    # A server on the host's loopback: from a network namespace, 127.0.0.1 is another machine's.
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    port = server.getsockname()[1]
+    try:
+        with _sandbox(level) as sb:
+            _need_python(sb)
+            assert sb.level is level
+            loopback = sb.run(f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), "
+                              "timeout=3); print('connected')\"")
+            outside = sb.run("python3 -c \"import socket; socket.create_connection(('1.1.1.1', 443), timeout=3)\"")
+            dns = sb.run("python3 -c \"import socket; print(socket.getaddrinfo('pypi.org', 443))\"")
+            if "network" in sb.isolation.mode.features:
+                assert not loopback.ok and "connected" not in loopback.stdout, loopback
+                assert not outside.ok, outside
+                assert not dns.ok and "gaierror" in dns.stderr, dns
+                devices = sb.run("cat /proc/net/dev").stdout.splitlines()[2:]  # after the two header lines
+                assert [d.split(":")[0].strip() for d in devices] == ["lo"]
+            else:  # the fallback reaches the host, and says so
+                assert loopback.ok and "connected" in loopback.stdout, loopback
+                assert "network" in sb.isolation.missing
+                assert "CAN REACH THE NETWORK" in sb.isolation.describe()
+    finally:
+        server.close()
+
+
+def test_memory_hog_is_stopped_and_reported():
+    with _sandbox(limits=FAST.model_copy(update={"memory_bytes": 256 * 2**20})) as sb:
+        _need_python(sb)
+        r = sb.run("python3 -c 'x = bytearray(1024**3); print(len(x))'")
+        assert not r.ok and r.exit_code != 0
+        assert r.limit == "memory", r
+        assert "memory limit" in r.reason and "MemoryError" in r.stderr
+
+
+def test_infinite_loop_hits_cpu_limit_and_sleep_hits_timeout():
+    with _sandbox(limits=FAST.model_copy(update={"cpu_s": 1})) as sb:
+        r = sb.run("while :; do :; done", timeout_s=20)
+        assert r.limit == "cpu_time" and r.signal in ("SIGXCPU", "SIGKILL"), r
+        assert not r.ok and r.wall_s < 15
+
+        start = time.monotonic()
+        r = sb.run("sleep 30", timeout_s=1)
+        assert r.killed and r.limit == "timeout" and r.exit_code is None, r
+        assert "timeout after 1 s" in r.reason
+        assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("level", LEVELS, ids=lambda lvl: lvl.value)
+def test_fork_bomb_is_contained(level):
+    marker = f"bomb{uuid.uuid4().hex[:8]}"
+    with _sandbox(level, FAST.model_copy(update={"max_processes": 16})) as sb:
+        # Too many children at once: the 17th fork fails, the shell says so and stops.
+        r = sb.run("for i in $(seq 60); do sleep 2 & done; wait")
+        assert r.limit == "processes" and not r.ok, r
+        # A real fork bomb: contained by RLIMIT_NPROC, ended by the timeout, nothing left behind.
+        r = sb.run(f"# {marker}\nb() {{ b | b & }}; b; sleep 30", timeout_s=1.5)
+        # Ended by the timeout, or refused its first fork (without a pid namespace, the dying
+        # processes of the previous command still count against this uid's RLIMIT_NPROC).
+        assert not r.ok and r.limit in ("timeout", "processes"), r
+        time.sleep(0.2)
+        assert _leftovers(marker) == []
+        with _sandbox(level) as other:  # the host and other sandboxes are unaffected
+            assert other.run("echo alive").stdout == "alive\n"
+
+
+def test_file_size_and_output_limits():
+    limits = FAST.model_copy(update={"max_file_bytes": 1 << 20, "max_output_bytes": 1024,
+                                     "kill_output_bytes": 1 << 20})
+    with _sandbox(limits=limits) as sb:
+        r = sb.run("head -c 5000000 /dev/zero > big.bin")
+        assert r.limit == "file_size" and r.signal == "SIGXFSZ", r
+        assert os.path.getsize(sb.host_path / "big.bin") <= 1 << 20
+
+        r = sb.run("seq 100000")  # more than we keep, less than the kill limit: head + tail + marker
+        assert r.ok and r.stdout_truncated and r.stdout_bytes == len("".join(f"{i}\n" for i in range(1, 100001)))
+        assert r.stdout.startswith("1\n2\n") and r.stdout.endswith("99999\n100000\n")
+        assert "[rollwise: output truncated" in r.stdout
+
+        r = sb.run("yes")  # gigabytes of output: killed at the limit, not buffered
+        assert r.killed and r.limit == "output" and r.stdout_bytes > 1 << 20, r
+        assert len(r.stdout) < 2048
+
+
+@pytest.mark.parametrize("level", LEVELS, ids=lambda lvl: lvl.value)
+def test_workspace_persists_across_turns(level):
+    with _sandbox(level) as sb:
+        assert sb.run("echo one > notes.txt && mkdir -p src && echo 'x = 1' > src/a.py").ok
+        r = sb.run("cat notes.txt src/a.py && pwd")
+        assert r.stdout == f"one\nx = 1\n{sb.workdir}\n"
+        sb.write_file("src/b.py", "y = 2\n")
+        sb.write_file(f"{sb.workdir}/deep/er/c.txt", b"bytes")
+        assert sb.run("cat src/b.py deep/er/c.txt").stdout == "y = 2\nbytes"
+        assert sb.read_file("notes.txt") == b"one\n"
+        assert [(f.path, f.kind) for f in sb.list()] == [("deep", "dir"), ("notes.txt", "file"), ("src", "dir")]
+        assert [f.path for f in sb.list("src")] == ["src/a.py", "src/b.py"]
+        r = sb.run("sleep 60 & echo started")  # processes do not outlive their command
+        assert r.ok and r.wall_s < 5
+
+
+def test_fork_copies_state_and_diverges():
+    with _sandbox() as parent:
+        parent.run("echo base > shared.txt && mkfifo pipe && ln -s shared.txt link && chmod 600 shared.txt")
+        child = parent.fork()
+        try:
+            assert child.id != parent.id and child.host_path != parent.host_path
+            assert child.read_file("shared.txt") == b"base\n"
+            assert child.run("cat link && stat -c %a shared.txt && test -p pipe").stdout == "base\n600\n"
+            child.run("echo child > shared.txt && touch only_child")
+            parent.run("echo parent > shared.txt")
+            assert parent.read_file("shared.txt") == b"parent\n"
+            assert child.read_file("shared.txt") == b"child\n"
+            assert "only_child" not in {f.path for f in parent.list()}
+        finally:
+            child.close()
+        assert parent.read_file("shared.txt") == b"parent\n"  # closing a fork leaves the parent alone
+
+
+def test_host_file_access_never_leaves_the_workspace():
+    with _sandbox() as sb, _sandbox() as neighbour:
+        sb.run("ln -s /etc/hostname host && ln -s / rootlink && mkfifo fifo")
+        for path in ("host", "rootlink/etc/hostname", "../x", "/etc/hostname", "fifo"):
+            with pytest.raises(SandboxError):
+                sb.read_file(path)
+        for path in ("rootlink/tmp/escape", "../escape", "/tmp/escape", "host"):
+            with pytest.raises(SandboxError):
+                sb.write_file(path, "x")
+        assert not os.path.exists("/tmp/escape")
+        if "filesystem" in sb.isolation.mode.features:
+            # The system is read-only, and a neighbour's workspace does not exist in this view.
+            assert not sb.run("touch /usr/escape || touch /etc/escape").ok
+            assert not os.path.exists("/usr/escape")
+            r = sb.run(f"ls {neighbour.host_path}")
+            assert not r.ok and "No such file" in r.stderr
+            assert sb.run("touch /tmp/private && ls /tmp").stdout == "private\n"
+            assert not os.path.exists("/tmp/private")
+        with pytest.raises(SandboxError, match="closed"):
+            neighbour.close()
+            neighbour.run("true")
+
+
+def test_close_kills_hanging_command_and_removes_everything():
+    marker = f"hang{uuid.uuid4().hex[:8]}"
+    pool = SandboxPool(FAST, max_sandboxes=4, warm=1)
+    root = pool._root.path
+    a = pool.acquire()
+    b = a.fork()
+    a.run(f"sleep 300 & # {marker}")
+    results = []
+    hang = threading.Thread(target=lambda: results.append(b.run(f"sleep 300 # {marker}", timeout_s=600)))
+    hang.start()
+    deadline = time.monotonic() + 10
+    while not _leftovers(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workspaces = [a.inner.host_path, b.inner.host_path]
+    assert all(p.exists() for p in workspaces)
+    pool.close()
+    hang.join(timeout=10)
+    assert not hang.is_alive()
+    assert results and results[0].killed and "closed" in results[0].reason
+    time.sleep(0.2)
+    assert _leftovers(marker) == []
+    assert not any(p.exists() for p in workspaces) and not root.exists()
+    with pytest.raises(SandboxError, match="closed"):
+        pool.acquire()
+
+
+def test_pool_limits_concurrency_and_sandboxes():
+    with SandboxPool(FAST, max_sandboxes=3, max_concurrent_runs=2, acquire_timeout_s=0.3) as pool:
+        boxes = [pool.acquire() for _ in range(3)]
+        with pytest.raises(SandboxError, match="exhausted"):
+            pool.acquire()
+        with pytest.raises(SandboxError, match="exhausted"):
+            boxes[0].fork()
+        threads = [threading.Thread(target=sb.run, args=("sleep 0.4",)) for sb in boxes for _ in range(2)]
+        start = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert pool.stats.peak_running == 2
+        assert time.monotonic() - start >= 3 * 0.4 * 0.9  # 6 runs, 2 at a time
+        boxes[0].close()
+        boxes[0].close()  # idempotent
+        with pool.sandbox() as sb:
+            assert sb.run("echo ok").stdout == "ok\n"
+        assert pool.stats.peak_live == 3 and pool.stats.live == 2
+
+
+def test_pool_warm_sandboxes_come_set_up():
+    def setup(sb):
+        sb.write_file("setup.txt", "prepared once")
+
+    with SandboxPool(FAST, max_sandboxes=4, warm=2, setup=setup) as pool:
+        assert pool.wait_warm(timeout_s=10)
+        assert pool.stats.warm == 2
+        with pool.sandbox() as sb:
+            assert sb.read_file("setup.txt") == b"prepared once"
+            sibling = sb.fork()  # GRPO siblings: the setup is copied, not re-run
+            assert sibling.run("cat setup.txt").stdout == "prepared once"
+            sibling.close()
+        assert pool.stats.created >= 2
+
+
+def test_bad_arguments_are_clear():
+    with pytest.raises(ValueError, match="kill_output_bytes"):
+        SandboxLimits(max_output_bytes=4096, kill_output_bytes=2048)
+    with pytest.raises(ValueError, match="warm"):
+        SandboxPool(FAST, max_sandboxes=2, warm=3)
+    with pytest.raises(SandboxError, match="weaker than the required"):
+        detect_isolation(max_level="rlimits", min_level="bwrap")
+    with _sandbox() as sb:
+        with pytest.raises(SandboxError, match="timeout_s"):
+            sb.run("true", timeout_s=0)
+        with pytest.raises(SandboxError, match="no such file"):
+            sb.read_file("missing.txt")
