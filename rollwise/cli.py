@@ -9,6 +9,11 @@
     rollwise serve engine [--model SPEC] [--host 127.0.0.1] [--port 8000] [--max-num-seqs N] [--max-model-len N]
                                                      the engine over HTTP: OpenAI-compatible completions,
                                                      token-level /generate, weight updates, /metrics
+    rollwise serve router --replica URL --replica URL ... [--policy prefix] [--port 8080]
+                                                     a gateway over engine replicas: prefix/session/load-aware
+                                                     routing, failover, rolling weight updates, /metrics
+    rollwise bench router [--quick] [--json PATH] [--plot PNG]
+                                                     routing policies side by side on real replicas + 64 simulated
 """
 
 from __future__ import annotations
@@ -62,8 +67,10 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Benchmarks print a table; --json writes machine-readable results. --quick finishes in < 1 min.",
     )
     bench.add_argument(
-        "name", choices=["engine", "rollout", "sync"],
-        help="engine: reference engine vs. HF generate (tokens/s); rollout: sync vs sorted vs async rollout "
+        "name", choices=["engine", "rollout", "sync", "router"],
+        help="router: routing policies (round robin ... prefix-aware) side by side on real tiny-model replicas and "
+        "64 simulated ones (prefix hit rate, prefill tokens, p50/p99 latency, load imbalance); "
+        "engine: reference engine vs. HF generate (tokens/s); rollout: sync vs sorted vs async rollout "
         "(bubble ratio, samples/s, staleness) with a timeline PNG; sync: weight transports (in-process, safetensors "
         "files, gloo broadcast) in seconds and GB/s next to a memory copy of the same bytes",
     )
@@ -83,7 +90,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser(
         "serve",
-        help="serve an engine over HTTP (OpenAI-compatible completions + token-level endpoints)",
+        help="serve an engine over HTTP (OpenAI-compatible completions + token-level endpoints), or a router "
+        "in front of several (`rollwise serve router --help`)",
         description=(
             "Serve the reference engine over HTTP until interrupted. Endpoints: POST /v1/completions and "
             "/v1/chat/completions (OpenAI-compatible, stream=true for server-sent events; every choice also "
@@ -98,7 +106,9 @@ def _build_parser() -> argparse.ArgumentParser:
             "-d '{\"prompt\": \"hi\", \"max_tokens\": 8}'"
         ),
     )
-    serve.add_argument("name", choices=["engine"], help="engine: the reference engine (the only server so far)")
+    serve.add_argument("name", choices=["engine", "router"],
+                       help="engine: the reference engine (the options below); router: a gateway over engine "
+                       "replicas with its own options, see `rollwise serve router --help`")
     serve.add_argument("--model", default="bundled:smollm2-135m-instruct", metavar="SPEC",
                        help="model spec: bundled:NAME, a local Hugging Face directory, or tiny:SEED "
                        "(a random test model) (default: %(default)s)")
@@ -161,6 +171,10 @@ def _cmd_config(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
+    if args.name == "router":  # tiny models built in code: no --model to load
+        from rollwise.bench.router import cli_bench_router
+
+        return cli_bench_router(args, console)
     from rollwise.model.loading import load_model
 
     with console.status(f"loading {args.model}"):
@@ -209,6 +223,11 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["serve", "router"]:  # the router has its own options: rollwise/router/cli.py
+        from rollwise.router.cli import main as serve_router
+
+        return serve_router(argv[2:])
     parser = _build_parser()
     args = parser.parse_args(argv)
     console = Console()

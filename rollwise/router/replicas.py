@@ -1,0 +1,191 @@
+"""The replicas behind the router: health, circuit breakers, in-flight caps and pending work.
+
+A replica takes new requests only while it is healthy (its last /health probe answered), its
+circuit breaker is closed (or half-open, letting one trial request through), it is not draining for
+a weight update, and it has fewer requests in flight than its cap. The router's own accounting of
+what it sent (prompt tokens not cached there, expected decode tokens) is the load the policies see:
+it is exact for what this router sent and needs no polling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from rollwise.router.policies import ReplicaLoad
+
+log = logging.getLogger("rollwise.router")
+
+
+@dataclass
+class CircuitBreaker:
+    """Closed -> open after `threshold` consecutive failures; open for `cooldown_s`, then half-open:
+    one trial request, whose success closes it again and whose failure re-opens it."""
+
+    threshold: int = 3
+    cooldown_s: float = 5.0
+    failures: int = 0
+    opened_at: float | None = None
+    trial_in_flight: bool = False
+
+    @property
+    def state(self) -> str:
+        if self.opened_at is None:
+            return "closed"
+        return "half_open" if time.monotonic() - self.opened_at >= self.cooldown_s else "open"
+
+    def allows(self) -> bool:
+        state = self.state
+        return state == "closed" or (state == "half_open" and not self.trial_in_flight)
+
+    def on_dispatch(self) -> None:
+        if self.state == "half_open":
+            self.trial_in_flight = True
+
+    def record_success(self) -> None:
+        self.failures, self.opened_at, self.trial_in_flight = 0, None, False
+
+    def record_failure(self) -> None:
+        self.failures += 1
+        self.trial_in_flight = False
+        if self.failures >= self.threshold or self.opened_at is not None:
+            self.opened_at = time.monotonic()
+
+
+@dataclass
+class Replica:
+    url: str
+    max_in_flight: int = 32
+    healthy: bool = False  # until the first probe answers
+    draining: bool = False  # a rolling weight update is waiting for it to empty
+    paused: bool = False
+    policy_version: int = 0
+    last_error: str | None = None
+    in_flight: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+
+    @property
+    def name(self) -> str:
+        return self.url
+
+    def routable(self) -> bool:
+        """Could take requests if it had room (in-flight caps aside)."""
+        return self.healthy and not self.draining and self.breaker.allows()
+
+    def has_room(self) -> bool:
+        return self.in_flight < self.max_in_flight
+
+    def load(self) -> ReplicaLoad:
+        return ReplicaLoad(self.name, self.in_flight, self.prefill_tokens, self.decode_tokens)
+
+    def start(self, prefill_tokens: int, decode_tokens: int) -> None:
+        self.in_flight += 1
+        self.prefill_tokens += prefill_tokens
+        self.decode_tokens += decode_tokens
+        self.breaker.on_dispatch()
+
+    def finish(self, prefill_tokens: int, decode_tokens: int) -> None:
+        self.in_flight -= 1
+        self.prefill_tokens -= prefill_tokens
+        self.decode_tokens -= decode_tokens
+
+    def mark_failed(self, error: str) -> None:
+        self.last_error = error
+        self.breaker.record_failure()
+
+    def describe(self) -> dict:
+        return {"url": self.url, "healthy": self.healthy, "breaker": self.breaker.state, "draining": self.draining,
+                "paused": self.paused, "policy_version": self.policy_version, "in_flight": self.in_flight,
+                "max_in_flight": self.max_in_flight, "pending_prefill_tokens": self.prefill_tokens,
+                "pending_decode_tokens": self.decode_tokens, "last_error": self.last_error}
+
+
+class ReplicaPool:
+    """The replicas and a background health prober. `on_down(replica)` runs when one stops answering
+    (the router then forgets its cached prefixes: a restarted engine's cache is empty)."""
+
+    def __init__(self, urls: list[str], max_in_flight: int | None, health_interval_s: float = 1.0,
+                 breaker_threshold: int = 3, breaker_cooldown_s: float = 5.0) -> None:
+        self.replicas = {
+            u.rstrip("/"): Replica(u.rstrip("/"), breaker=CircuitBreaker(breaker_threshold, breaker_cooldown_s))
+            for u in urls
+        }
+        self.fixed_cap = max_in_flight
+        self.health_interval_s = health_interval_s
+        self.on_down = lambda replica: None
+        self._waiters: list[asyncio.Future] = []  # requests waiting for capacity, health or a version
+        self._task: asyncio.Task | None = None
+
+    def __iter__(self):
+        return iter(self.replicas.values())
+
+    def get(self, name: str) -> Replica:
+        return self.replicas[name]
+
+    def notify(self) -> None:
+        """Capacity, health or versions may have changed: wake every waiting request to look again."""
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def wait(self, timeout: float) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    async def probe(self, http: httpx.AsyncClient, replica: Replica) -> None:
+        try:
+            response = await http.get(f"{replica.url}/health", timeout=max(2.0, self.health_interval_s * 2))
+            info = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as exc:
+            info, error = None, f"{type(exc).__name__}: {exc}"
+        else:
+            error = None if info is not None else f"/health answered HTTP {response.status_code}"
+        was_healthy = replica.healthy
+        if info is None:
+            replica.healthy, replica.last_error = False, error
+            if was_healthy:
+                log.warning("replica %s is down: %s", replica.url, error)
+                self.on_down(replica)
+        else:
+            replica.healthy = True
+            replica.paused = bool(info.get("paused", False))
+            replica.policy_version = int(info.get("policy_version", replica.policy_version))
+            if self.fixed_cap is None and info.get("max_num_seqs"):
+                # Queue up to one batch more than the engine runs at once: it never idles for lack of
+                # work, and what waits beyond that waits here, where it can still go elsewhere.
+                replica.max_in_flight = 2 * int(info["max_num_seqs"])
+            elif self.fixed_cap is not None:
+                replica.max_in_flight = self.fixed_cap
+            if not was_healthy:
+                log.info("replica %s is up (policy version %d)", replica.url, replica.policy_version)
+        self.notify()
+
+    async def probe_all(self, http: httpx.AsyncClient) -> None:
+        await asyncio.gather(*(self.probe(http, r) for r in self))
+
+    def start(self, http: httpx.AsyncClient) -> None:
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(self.health_interval_s)
+                await self.probe_all(http)
+
+        self._task = asyncio.get_running_loop().create_task(loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass

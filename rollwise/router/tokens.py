@@ -1,0 +1,72 @@
+"""Prompt token ids for routing: the router tokenizes exactly as the engines do, so the prefixes it
+tracks are the engines' cached prefixes. Routing only: the request body goes to the engine
+untouched, and the engine tokenizes it itself.
+
+Without a tokenizer (the replicas' model cannot be loaded here), prompts are routed by their UTF-8
+bytes: shared text prefixes are still shared byte prefixes, so prefix routing keeps working,
+only token counts (load costs) become byte counts.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def load_tokenizer(spec: str) -> Any:
+    """The tokenizer of a model spec (tiny:SEED, bundled:NAME or a local HF directory), without its weights."""
+    from rollwise.model.loading import TINY_PREFIX, resolve_model_path
+
+    if spec.startswith(TINY_PREFIX):
+        from rollwise.model.tiny import tiny_tokenizer
+
+        return tiny_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(spec))
+
+
+def _ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _chat_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    # The same call as the engine's encode_prompt (rollwise.tasks.prompts), without importing the task stack.
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if not isinstance(out, list) and hasattr(out, "keys") and "input_ids" in out:
+        out = out["input_ids"]
+    if out and isinstance(out[0], list):
+        out = out[0]
+    return [int(t) for t in out]
+
+
+def prompt_tokens(endpoint: str, body: dict[str, Any], tokenizer: Any | None) -> list[int]:
+    """Best effort: [] when the body is not well formed (the engine will name the problem)."""
+    try:
+        if endpoint == "/generate":
+            ids = body.get("prompt_ids")
+            return list(ids) if _ids(ids) else []
+        if endpoint == "/v1/completions":
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and not _ids(prompt):
+                prompt = prompt[0]  # several prompts in one request: route by the first
+            if _ids(prompt):
+                return list(prompt)
+            if isinstance(prompt, str):
+                return tokenizer.encode(prompt) if tokenizer is not None else list(prompt.encode())
+            return []
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return []
+        flat = [{"role": m["role"], "content": _text(m["content"])} for m in messages]
+        if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+            return _chat_ids(tokenizer, flat)
+        return list(json.dumps(flat).encode())[:-1]  # without the closing bracket: a prefix of the next turn
+    except Exception:  # noqa: BLE001 - malformed input: no tokens, the engine answers with the error
+        return []
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):  # OpenAI content parts
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return str(content)
