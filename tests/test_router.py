@@ -46,6 +46,7 @@ from rollwise.router.app import RouterConfig, bind_socket
 from rollwise.router.app import create_app as create_router_app
 from rollwise.router.app import serve as serve_router
 from rollwise.router.policies import (
+    POLICIES,
     ConsistentHash,
     GroupAffinity,
     LeastLoad,
@@ -53,8 +54,10 @@ from rollwise.router.policies import (
     ReplicaLoad,
     RoundRobin,
     RouteRequest,
+    make_policy,
 )
 from rollwise.router.radix import RadixTree
+from rollwise.router.sim import SimConfig, make_workload, simulate
 
 MODEL = "tiny:0"
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -124,6 +127,14 @@ def test_prefix_policy_exploits_explores_and_rebalances():
     # Unknown history but a pinned session (e.g. after a router restart): back to its replica.
     d = policy.choose(RouteRequest(tokens=prompt, session_key="s", pinned="b"), idle)
     assert (d.replica, d.reason) == ("b", "affinity")
+
+
+def test_simulated_replicas_lose_nothing_and_prefix_routing_saves_prefill():
+    workload = make_workload(0, groups=16, group_size=8, group_workers=4, sessions=8, turns=3, shared_tokens=64,
+                             question_tokens=128, opening_tokens=128, user_tokens=32, max_tokens=8)
+    results = {name: simulate(make_policy(name), workload, SimConfig(replicas=8)) for name in POLICIES}
+    assert {r["requests"] for r in results.values()} == {16 * 8 + 8 * 3}  # every request finished, once
+    assert results["prefix"]["prefill_tokens"] * 2 < results["round_robin"]["prefill_tokens"]
 
 
 def test_radix_tree_split_evict_and_persist():

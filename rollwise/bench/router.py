@@ -1,0 +1,370 @@
+"""Router benchmark: every routing policy side by side, on real engine replicas and on 64 simulated ones.
+
+Real: R reference-engine replicas (`rollwise serve engine`'s app over a random Llama-architecture
+model, sized so prefill costs real time: a 2-core CPU still runs them) in subprocesses, with their
+prefix caches on, and the router in this process. For each policy: a fresh router, the replicas'
+caches flushed, then the same closed-loop workload through the router's token-level /generate:
+
+- GRPO groups: `group_size` samples of one prompt, sent as separate concurrent requests (as rollout
+  workers send them, with X-Group-Id), `group_workers` groups in flight; all prompts share a
+  system/few-shot prefix and differ in their question;
+- multi-turn sessions (X-Session-Id): each turn's prompt is the previous prompt + its answer + a
+  new user message, run back to back.
+
+Measured: prefix-cache hit rate (cached / prompt tokens, as the engines report them), prompt tokens
+actually computed (prefill), client-side latency p50/p99 over all requests, load imbalance (max /
+mean of tokens computed per replica: prefill + generated). Ratios are against round robin, in the
+same run. Simulated: the same policies and workload shape on 64 cost-model replicas (router/sim.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich import box
+from rich.console import Group
+from rich.table import Table
+
+from rollwise.router.policies import POLICIES, make_policy
+from rollwise.router.sim import SimConfig, Workload, make_workload, simulate
+
+MODEL_SIZE = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    replicas: int
+    groups: int
+    group_size: int
+    group_workers: int
+    sessions: int
+    turns: int
+    shared_tokens: int
+    question_tokens: int
+    opening_tokens: int
+    user_tokens: int
+    max_tokens: int
+    max_num_seqs: int = 16
+    max_model_len: int = 1536
+
+
+QUICK = BenchShape(replicas=4, groups=6, group_size=8, group_workers=2, sessions=4, turns=3, shared_tokens=128,
+                   question_tokens=384, opening_tokens=384, user_tokens=48, max_tokens=8)
+FULL = BenchShape(replicas=4, groups=24, group_size=8, group_workers=3, sessions=8, turns=5, shared_tokens=128,
+                  question_tokens=384, opening_tokens=384, user_tokens=48, max_tokens=16)
+SIM_QUICK: dict[str, int] = {"groups": 128, "group_size": 8, "group_workers": 48, "sessions": 128, "turns": 5,
+                              "shared_tokens": 256, "question_tokens": 256, "opening_tokens": 512, "user_tokens": 64,
+                              "max_tokens": 64}
+SIM_FULL = {**SIM_QUICK, "groups": 512, "sessions": 256, "turns": 6}
+
+
+# ==================================================================== replica processes
+
+
+def _replica_main(argv: list[str]) -> None:
+    """One benchmark replica: `python -m rollwise.bench.router --replica-worker --port P`."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--replica-worker", action="store_true")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=1536)
+    p.add_argument("--prefix-cache-tokens", type=int, default=16384)
+    args = p.parse_args(argv)
+    import torch
+    import uvicorn
+
+    from rollwise.engine.reference import ReferenceEngine
+    from rollwise.engine.server import create_app
+    from rollwise.model.tiny import tiny_llama, tiny_tokenizer
+
+    torch.set_num_threads(1)  # several replicas share 2 cores
+    tokenizer = tiny_tokenizer()
+    model = tiny_llama(seed=0, max_position_embeddings=args.max_model_len, **MODEL_SIZE)
+    engine = ReferenceEngine(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                             eos_token_ids=[tokenizer.eos_token_id], seed=0,
+                             prefix_cache_tokens=args.prefix_cache_tokens)
+    uvicorn.run(create_app(engine, tokenizer, "bench-replica"), host="127.0.0.1", port=args.port,
+                log_level="warning")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _replicas(shape: BenchShape):
+    ports = [_free_port() for _ in range(shape.replicas)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "rollwise.bench.router", "--replica-worker", "--port", str(p),
+                               "--max-num-seqs", str(shape.max_num_seqs), "--max-model-len", str(shape.max_model_len)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for p in ports]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        deadline = time.monotonic() + 180
+        for url, proc in zip(urls, procs):
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"benchmark replica exited: {proc.stderr.read().decode()[-2000:]}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"benchmark replica {url} did not start in 180 s")
+                time.sleep(0.2)
+        yield urls
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@contextlib.contextmanager
+def _router(urls: list[str], policy: str):
+    import uvicorn
+
+    from rollwise.model.tiny import tiny_tokenizer
+    from rollwise.router.app import RouterConfig, bind_socket, create_app
+
+    config = RouterConfig(replicas=urls, policy=policy, health_interval_s=0.5, queue_timeout_s=300)
+    sock = bind_socket("127.0.0.1", 0, reuse_port=False)
+    server = uvicorn.Server(uvicorn.Config(create_app(config, tokenizer=tiny_tokenizer()), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the router did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+def _engine_counters(urls: list[str]) -> list[dict[str, float]]:
+    out = []
+    for url in urls:
+        counters: dict[str, float] = {}
+        for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("rollwise_engine_prompt_tokens_total", "rollwise_engine_cached_prompt_tokens_total",
+                        "rollwise_engine_generated_tokens_total"):
+                counters[name.removeprefix("rollwise_engine_").removesuffix("_total")] = float(value)
+        out.append(counters)
+    return out
+
+
+# ==================================================================== the workload over HTTP
+
+
+async def _run_workload(router: str, workload: Workload) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=router, timeout=600, limits=limits) as http:
+
+        async def one(prompt: list[int], headers: dict[str, str], kind: str) -> list[int]:
+            body = {"prompt_ids": prompt, "max_tokens": workload.max_tokens, "ignore_eos": True, "seed": len(records)}
+            started = time.monotonic()
+            r = await http.post("/generate", json=body, headers=headers)
+            r.raise_for_status()
+            choice = r.json()["choices"][0]
+            records.append({"kind": kind, "latency_s": time.monotonic() - started, "prompt_tokens": len(prompt),
+                            "cached_prompt_tokens": choice["cached_prompt_tokens"],
+                            "replica": r.headers.get("x-rollwise-replica")})
+            return choice["token_ids"]
+
+        groups = list(enumerate(workload.group_prompts))
+
+        async def group_worker() -> None:
+            while groups:
+                g, prompt = groups.pop(0)
+                headers = {"X-Group-Id": f"g{g}"}
+                await asyncio.gather(*(one(prompt, headers, "group") for _ in range(workload.group_size)))
+
+        async def session(s: int) -> None:
+            history: list[int] = []
+            for user in workload.session_turns[s]:
+                prompt = history + user
+                output = await one(prompt, {"X-Session-Id": f"s{s}"}, "session")
+                history = prompt + output
+
+        await asyncio.gather(*(group_worker() for _ in range(workload.group_workers)),
+                             *(session(s) for s in range(len(workload.session_turns))))
+    return records
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _summary(latencies: list[float], prompt: float, cached: float, work: list[float], wall_s: float) -> dict:
+    mean_work = sum(work) / len(work) if work else 0.0
+    return {
+        "requests": len(latencies),
+        "prefix_hit_rate": cached / prompt if prompt else 0.0,
+        "prompt_tokens": int(prompt),
+        "prefill_tokens": int(prompt - cached),
+        "p50_latency_s": _percentile(latencies, 0.5),
+        "p99_latency_s": _percentile(latencies, 0.99),
+        "load_imbalance": max(work) / mean_work if mean_work else 0.0,
+        "wall_s": wall_s,
+    }
+
+
+def _real_policy(urls: list[str], policy: str, workload: Workload) -> dict:
+    with _router(urls, policy) as router:
+        httpx.post(f"{router}/flush_cache", timeout=60).raise_for_status()  # every policy starts cold
+        before = _engine_counters(urls)
+        started = time.monotonic()
+        records = asyncio.run(_run_workload(router, workload))
+        wall = time.monotonic() - started
+        after = _engine_counters(urls)
+    delta = [{k: a[k] - b.get(k, 0.0) for k in a} for a, b in zip(after, before)]
+    prompt = sum(d["prompt_tokens"] for d in delta)
+    cached = sum(d["cached_prompt_tokens"] for d in delta)
+    work = [d["prompt_tokens"] - d["cached_prompt_tokens"] + d["generated_tokens"] for d in delta]
+    out = _summary([r["latency_s"] for r in records], prompt, cached, work, wall)
+    out["requests_per_replica"] = [sum(r["replica"] == u for r in records) for u in urls]
+    return out
+
+
+def _sim_policy(policy: str, workload: Workload, config: SimConfig) -> dict:
+    result = simulate(make_policy(policy), workload, config)
+    out = _summary(result["latencies"], result["prompt_tokens"], result["cached_prompt_tokens"],
+                   result["replica_work"], result["makespan_s"])
+    out["prefill_tokens"] = result["prefill_tokens"]
+    return out
+
+
+def _ratios(results: dict[str, dict]) -> None:
+    base = results["round_robin"]
+    for r in results.values():
+        r["p99_vs_round_robin"] = base["p99_latency_s"] / r["p99_latency_s"] if r["p99_latency_s"] else None
+        r["prefill_vs_round_robin"] = base["prefill_tokens"] / r["prefill_tokens"] if r["prefill_tokens"] else None
+
+
+def run_router_bench(quick: bool = False, seed: int = 0, plot: Path | None = None,
+                     policies: list[str] | None = None, progress: Any = None) -> dict:
+    policies = policies or list(POLICIES)
+    if "round_robin" not in policies:
+        policies = ["round_robin", *policies]
+    shape = QUICK if quick else FULL
+    fields = {k: v for k, v in asdict(shape).items() if k not in ("replicas", "max_num_seqs", "max_model_len")}
+    workload = make_workload(seed, **fields)
+    real: dict[str, dict] = {}
+    with _replicas(shape) as urls:
+        for name in policies:
+            if progress:
+                progress(f"real replicas: {name}")
+            real[name] = _real_policy(urls, name, workload)
+    _ratios(real)
+    sim_config = SimConfig()
+    sim_workload = make_workload(seed, **(SIM_QUICK if quick else SIM_FULL))
+    sim = {}
+    for name in policies:
+        if progress:
+            progress(f"{sim_config.replicas} simulated replicas: {name}")
+        sim[name] = _sim_policy(name, sim_workload, sim_config)
+    _ratios(sim)
+    result = {
+        "benchmark": "router",
+        "quick": quick,
+        "real": {"replicas": shape.replicas, "model": {**MODEL_SIZE, "note": "random Llama-architecture weights"},
+                 "workload": asdict(shape), "policies": real},
+        "simulated": {"config": asdict(sim_config), "workload": dict(SIM_QUICK if quick else SIM_FULL),
+                      "policies": sim},
+        "goal": {"p99_vs_round_robin": 1.5, "prefill_vs_round_robin": 2.0, "policy": "prefix"},
+    }
+    if plot is not None:
+        result["plot"] = str(_plot(result, plot))
+    return result
+
+
+def _plot(result: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    for row, (label, key) in enumerate((("real replicas", "real"), ("64 simulated replicas", "simulated"))):
+        policies = result[key]["policies"]
+        names = list(policies)
+        for ax, (metric, title) in zip(axes[row], (("p99_latency_s", "p99 latency (s)"),
+                                                   ("prefill_tokens", "prompt tokens computed"),
+                                                   ("prefix_hit_rate", "prefix-cache hit rate"))):
+            ax.bar(names, [policies[n][metric] for n in names],
+                   color=["tab:gray" if n == "round_robin" else "tab:blue" for n in names])
+            ax.set_title(f"{label}: {title}", fontsize=9)
+            ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def format_router_bench(result: dict) -> Group:
+    """Two tables (real replicas, simulated replicas), one row per policy."""
+    tables = []
+    for key, label in (("real", f"{result['real']['replicas']} real replicas"),
+                       ("simulated", f"{result['simulated']['config']['replicas']} simulated replicas")):
+        table = Table(title=f"rollwise bench router{' --quick' if result['quick'] else ''}: {label}", box=box.SIMPLE)
+        for col in ("policy", "hit", "prefill", "p50 s", "p99 s", "imbal", "p99÷", "prefill÷"):
+            table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+        for name, r in result[key]["policies"].items():
+            table.add_row(name, f"{r['prefix_hit_rate']:.0%}", f"{r['prefill_tokens']:,}",
+                          f"{r['p50_latency_s']:.3f}", f"{r['p99_latency_s']:.3f}", f"{r['load_imbalance']:.2f}",
+                          f"{r['p99_vs_round_robin']:.2f}x", f"{r['prefill_vs_round_robin']:.2f}x")
+        tables.append(table)
+    legend = ("hit: prefix-cache hit rate (engine-reported); prefill: prompt tokens computed; imbal: max/mean "
+              "tokens computed per replica; ÷: round robin's value / the policy's (higher is better)")
+    return Group(*tables, legend)
+
+
+def cli_bench_router(args: argparse.Namespace, console: Any) -> int:
+    import json
+
+    # --plot defaults to the rollout bench's file name; the router bench plots only when asked.
+    plot = args.plot if args.plot != Path("rollout_timeline.png") else None
+    with console.status("starting replicas") as status:
+        result = run_router_bench(quick=args.quick, seed=args.seed, plot=plot, progress=status.update)
+    result["command"] = " ".join(["rollwise"] + sys.argv[1:])
+    console.print(format_router_bench(result))
+    prefix = result["real"]["policies"]["prefix"]
+    console.print(f"prefix vs round robin on real replicas: p99 {prefix['p99_vs_round_robin']:.2f}x lower "
+                  f"(goal 1.5x), prefill tokens {prefix['prefill_vs_round_robin']:.2f}x fewer (goal 2x)")
+    if result.get("plot"):
+        console.print(f"plot: {result['plot']}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    if "--replica-worker" in sys.argv:
+        _replica_main(sys.argv[1:])

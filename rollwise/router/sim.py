@@ -1,0 +1,276 @@
+"""Many simulated replicas: a small cost-model engine to see how routing policies behave at scale
+(64 replicas) without 64 engines. It calls the same pure policies as the HTTP router.
+
+Each replica is a continuous-batching engine in simulated time: every step admits waiting requests
+into free slots (up to max_num_seqs), prefills their uncached prompt tokens (a block-granular LRU
+prefix cache, like the reference engine's; identical prompts admitted in one step share one
+prefill), and decodes one token for every running sequence. A step takes
+
+    step_s + prefill_s_per_token * prefill tokens + decode_s_per_seq * running sequences
+
+An illustrative cost model, not a calibrated one: the full simulator (`rollwise sim`) owns calibration.
+The router side mirrors app.py: in-flight caps, the same load accounting, a FIFO queue when full.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from rollwise.router.policies import Policy, ReplicaLoad, RouteRequest
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    replicas: int = 64
+    max_num_seqs: int = 16
+    cache_tokens: int = 16384  # per replica
+    block_size: int = 16
+    step_s: float = 0.004
+    prefill_s_per_token: float = 0.00005
+    decode_s_per_seq: float = 0.0004
+
+
+class BlockLRU:
+    """Which token-block prefixes a replica caches (no tensors: the sim only counts)."""
+
+    def __init__(self, max_tokens: int, block_size: int) -> None:
+        self.max_blocks, self.block_size = max(1, max_tokens // block_size), block_size
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def _keys(self, tokens: Sequence[int], limit: int) -> list[int]:
+        keys, h = [], 0
+        for start in range(0, limit - self.block_size + 1, self.block_size):
+            h = hash((h, tuple(tokens[start : start + self.block_size])))
+            keys.append(h)
+        return keys
+
+    def match(self, tokens: Sequence[int]) -> int:
+        hit = 0
+        for key in self._keys(tokens, len(tokens) - 1):  # the last prompt token is always computed
+            if key not in self._blocks:
+                break
+            self._blocks.move_to_end(key)
+            hit += self.block_size
+        return hit
+
+    def insert(self, tokens: Sequence[int]) -> None:
+        for key in self._keys(tokens, len(tokens)):
+            self._blocks[key] = None
+            self._blocks.move_to_end(key)
+        while len(self._blocks) > self.max_blocks:
+            self._blocks.popitem(last=False)
+
+
+@dataclass(eq=False)
+class SimRequest:
+    route: RouteRequest
+    output: list[int]  # the tokens this request will "generate"
+    on_done: Callable[[SimRequest, float], None]
+    sent_at: float = 0.0
+    replica: str | None = None
+    account: tuple[int, int] = (0, 0)
+    cached: int = 0
+    done_at: float = 0.0
+
+
+@dataclass(eq=False)
+class _Replica:
+    name: str
+    cache: BlockLRU
+    waiting: deque = field(default_factory=deque)
+    running: list = field(default_factory=list)  # [request, tokens still to generate]
+    stepping: bool = False
+    in_flight: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    computed_prefill: int = 0
+    generated: int = 0
+
+    def load(self) -> ReplicaLoad:
+        return ReplicaLoad(self.name, self.in_flight, self.prefill_tokens, self.decode_tokens)
+
+
+class Simulation:
+    def __init__(self, policy: Policy, config: SimConfig) -> None:
+        self.policy, self.cfg = policy, config
+        self.replicas = {f"sim{i:02d}": _Replica(f"sim{i:02d}", BlockLRU(config.cache_tokens, config.block_size))
+                         for i in range(config.replicas)}
+        self.now = 0.0
+        self._events: list = []
+        self._seq = itertools.count()
+        self._queue: deque[SimRequest] = deque()  # router queue: every replica at its cap
+        self.affinity: dict[str, str] = {}  # session/group key -> last replica (the router's AffinityTable)
+        self.done: list[SimRequest] = []
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn))
+
+    def run(self) -> None:
+        while self._events:
+            self.now, _, fn = heapq.heappop(self._events)
+            fn()
+
+    # ------------------------------------------------------------ the router
+
+    def submit(self, request: SimRequest) -> None:
+        request.sent_at = self.now
+        self._queue.append(request)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        cap = 2 * self.cfg.max_num_seqs
+        while self._queue:
+            room = [r.load() for r in self.replicas.values() if r.in_flight < cap]
+            if not room:
+                return
+            request = self._queue.popleft()
+            key = request.route.affinity_key
+            if key is not None:
+                request.route = replace(request.route, pinned=self.affinity.get(key))
+            decision = self.policy.choose(request.route, room)
+            if key is not None:
+                self.affinity[key] = decision.replica
+            replica = self.replicas[decision.replica]
+            request.replica = decision.replica
+            prefill = max(len(request.route.tokens) - decision.matched_tokens, 0)
+            request.account = (prefill, request.route.max_tokens)
+            replica.in_flight += 1
+            replica.prefill_tokens += prefill
+            replica.decode_tokens += request.route.max_tokens
+            self.policy.on_routed(request.route, decision, self.now)
+            replica.waiting.append(request)
+            if not replica.stepping:
+                replica.stepping = True
+                self.at(self.now, lambda r=replica: self._step(r))
+
+    # ------------------------------------------------------------ the engines
+
+    def _step(self, replica: _Replica) -> None:
+        cfg = self.cfg
+        prefilled: set[tuple[int, ...]] = set()
+        prefill = 0
+        while replica.waiting and len(replica.running) < cfg.max_num_seqs:
+            request = replica.waiting.popleft()
+            tokens = request.route.tokens
+            key = tuple(tokens)
+            request.cached = len(tokens) if key in prefilled else replica.cache.match(tokens)
+            prefilled.add(key)
+            prefill += len(tokens) - request.cached
+            replica.cache.insert(tokens)
+            replica.running.append([request, len(request.output)])
+        replica.computed_prefill += prefill
+        replica.generated += len(replica.running)
+        duration = cfg.step_s + cfg.prefill_s_per_token * prefill + cfg.decode_s_per_seq * len(replica.running)
+        self.at(self.now + duration, lambda: self._end_step(replica))
+
+    def _end_step(self, replica: _Replica) -> None:
+        still = []
+        for entry in replica.running:
+            entry[1] -= 1
+            if entry[1] > 0:
+                still.append(entry)
+                continue
+            request = entry[0]
+            replica.cache.insert(list(request.route.tokens) + request.output[:-1])
+            replica.in_flight -= 1
+            replica.prefill_tokens -= request.account[0]
+            replica.decode_tokens -= request.account[1]
+            request.done_at = self.now
+            self.done.append(request)
+            self.policy.on_finished(request.route, replica.name, [request.output], self.now)
+            request.on_done(request, self.now)
+        replica.running = still
+        if replica.running or replica.waiting:
+            self.at(self.now, lambda: self._step(replica))
+        else:
+            replica.stepping = False
+        self._dispatch()
+
+
+def simulate(policy: Policy, workload: Workload, config: SimConfig) -> dict:
+    """Run the closed-loop workload (GRPO group workers + multi-turn sessions) on simulated replicas."""
+    sim = Simulation(policy, config)
+    rng = random.Random(workload.seed)
+
+    def output(n: int) -> list[int]:
+        return [rng.randrange(5, 95) for _ in range(n)]
+
+    groups = deque(enumerate(workload.group_prompts))
+
+    def next_group() -> None:
+        if not groups:
+            return
+        g, prompt = groups.popleft()
+        pending = [workload.group_size]
+
+        def done(_: SimRequest, t: float) -> None:
+            pending[0] -= 1
+            if pending[0] == 0:
+                next_group()
+
+        for _ in range(workload.group_size):
+            route = RouteRequest(tokens=prompt, group_key=f"g{g}", max_tokens=workload.max_tokens)
+            sim.submit(SimRequest(route, output(workload.max_tokens), done))
+
+    def run_session(s: int, history: list[int], turn: int) -> None:
+        if turn == len(workload.session_turns[s]):
+            return
+        prompt = history + workload.session_turns[s][turn]
+
+        def done(request: SimRequest, t: float) -> None:
+            run_session(s, prompt + request.output, turn + 1)
+
+        route = RouteRequest(tokens=prompt, session_key=f"s{s}", max_tokens=workload.max_tokens)
+        sim.submit(SimRequest(route, output(workload.max_tokens), done))
+
+    for _ in range(workload.group_workers):
+        sim.at(0.0, next_group)
+    for s in range(len(workload.session_turns)):
+        sim.at(0.0, lambda s=s: run_session(s, [], 0))
+    sim.run()
+    prompt = sum(len(r.route.tokens) for r in sim.done)
+    cached = sum(r.cached for r in sim.done)
+    work = [r.computed_prefill + r.generated for r in sim.replicas.values()]  # tokens computed per replica
+    return {
+        "requests": len(sim.done),
+        "latencies": [r.done_at - r.sent_at for r in sim.done],
+        "prompt_tokens": prompt,
+        "cached_prompt_tokens": cached,
+        "prefill_tokens": sum(r.computed_prefill for r in sim.replicas.values()),
+        "replica_work": work,
+        "makespan_s": sim.now,
+    }
+
+
+@dataclass
+class Workload:
+    """Token-level GRPO groups (group_size samples of one prompt, sent as separate requests, as rollout
+    workers do) and multi-turn sessions (each turn: history + previous answer + a new user message)."""
+
+    group_prompts: list[list[int]]
+    group_size: int
+    group_workers: int  # groups in flight at once (closed loop)
+    session_turns: list[list[list[int]]]  # session -> turn -> new user tokens (the first holds the opening prompt)
+    max_tokens: int
+    seed: int = 0
+
+
+def make_workload(seed: int, groups: int, group_size: int, group_workers: int, sessions: int, turns: int,
+                  shared_tokens: int, question_tokens: int, opening_tokens: int, user_tokens: int,
+                  max_tokens: int) -> Workload:
+    """Group prompts share a system/few-shot prefix of `shared_tokens` and differ in their question."""
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(5, 95) for _ in range(n)]
+
+    shared = tokens(shared_tokens)
+    group_prompts = [shared + tokens(question_tokens) for _ in range(groups)]
+    session_turns = [[tokens(opening_tokens)] + [tokens(user_tokens) for _ in range(turns - 1)]
+                     for _ in range(sessions)]
+    return Workload(group_prompts, group_size, group_workers, session_turns, max_tokens, seed)
