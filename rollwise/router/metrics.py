@@ -45,7 +45,8 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter("rollwise_router_requests", "requests answered, by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=r)
-        self.latency = Histogram("rollwise_router_request_seconds", "request latency through the router",
+        self.latency = Histogram("rollwise_router_request_seconds",
+                                 "latency through the router until the response starts (streams: first event)",
                                  ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
         self.routed = Counter("rollwise_router_routed", "requests sent to a replica, by policy decision",
                               ["replica", "reason"], registry=r)
