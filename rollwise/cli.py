@@ -112,6 +112,9 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default="bundled:smollm2-135m-instruct", metavar="SPEC",
                        help="model spec: bundled:NAME, a local Hugging Face directory, or tiny:SEED "
                        "(a random test model) (default: %(default)s)")
+    serve.add_argument("--engine", default="auto", choices=["auto", "reference", "vllm"],
+                       help="backend: auto = vLLM when installed (except tiny: test models), else the reference "
+                       "engine (default: %(default)s)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default: %(default)s; there is no authentication and "
                        "/update_weights_from_disk reads server-side paths, so keep it on loopback)")
@@ -214,7 +217,7 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
         serve(
             args.model, host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len, served_model_name=args.served_model_name, seed=args.seed,
-            log_level=args.log_level, prefix_cache_tokens=args.prefix_cache_tokens,
+            log_level=args.log_level, prefix_cache_tokens=args.prefix_cache_tokens, engine_kind=args.engine,
         )
     except ValueError as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)

