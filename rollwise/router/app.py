@@ -189,7 +189,9 @@ class Router:
         self.pool = ReplicaPool(config.replicas, config.max_in_flight, config.health_interval_s,
                                 config.breaker_threshold, config.breaker_cooldown_s)
         self.pool.on_down = self._replica_down
+        self.pool.on_up = self._replica_up
         self.tokenizer = tokenizer
+        self._tokenizer_task: asyncio.Task | None = None
         self.affinity = AffinityTable()
         self.idempotency = IdempotencyCache()
         self.metrics = RouterMetrics(lambda: list(self.pool), lambda r: self.policy.load(r.load()))
@@ -209,8 +211,8 @@ class Router:
         if self.config.state_file is not None:
             self._load_state(self.config.state_file)
         await self.pool.probe_all(self.http)
-        if self.tokenizer is None:
-            self.tokenizer = await self._find_tokenizer()
+        if self._tokenizer_task is not None:  # a replica answered: its model tells the tokenizer
+            await self._tokenizer_task
         self.pool.start(self.http)
         if self.config.state_file is not None:
             self._state_task = asyncio.get_running_loop().create_task(self._save_periodically())
@@ -272,6 +274,20 @@ class Router:
                 self._save_state(self.config.state_file)
 
     # ------------------------------------------------------------ choosing a replica
+
+    def _replica_up(self, replica: Replica) -> None:
+        """The first replica to come up (replicas often start after the router) tells the tokenizer."""
+        if self.tokenizer is None and self._tokenizer_task is None and self.http is not None:
+            self._tokenizer_task = asyncio.get_running_loop().create_task(self._adopt_tokenizer())
+
+    async def _adopt_tokenizer(self) -> None:
+        tokenizer = await self._find_tokenizer()
+        if tokenizer is not None:
+            self.tokenizer = tokenizer
+            for replica in self.pool:  # prefixes learnt as bytes do not match token prefixes
+                self.policy.forget(replica.name)
+        else:
+            self._tokenizer_task = None  # try again when another replica comes up
 
     def _replica_down(self, replica: Replica) -> None:
         """Its engine cache is gone (dead or restarted): forget its prefixes; its sessions move."""

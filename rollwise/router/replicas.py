@@ -119,6 +119,7 @@ class ReplicaPool:
         self.fixed_cap = max_in_flight
         self.health_interval_s = health_interval_s
         self.on_down = lambda replica: None
+        self.on_up = lambda replica: None
         self._waiters: list[asyncio.Future] = []  # requests waiting for capacity, health or a version
         self._task: asyncio.Task | None = None
 
@@ -169,6 +170,7 @@ class ReplicaPool:
                 replica.max_in_flight = self.fixed_cap
             if not was_healthy:
                 log.info("replica %s is up (policy version %d)", replica.url, replica.policy_version)
+                self.on_up(replica)
         self.notify()
 
     async def probe_all(self, http: httpx.AsyncClient) -> None:
