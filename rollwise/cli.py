@@ -14,6 +14,9 @@
                                                      routing, failover, rolling weight updates, /metrics
     rollwise bench router [--quick] [--json PATH] [--plot PNG]
                                                      routing policies side by side on real replicas + 64 simulated
+    rollwise check sandbox [--level bwrap|unshare|rlimits] [--json PATH]
+                                                     the sandbox isolation this machine gives, and probes
+                                                     (network, filesystem, limits, fork) that try to break out
 """
 
 from __future__ import annotations
@@ -133,7 +136,25 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", metavar="LEVEL",
                        choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn log level: critical, error, warning, info, debug (default: %(default)s)")
+
+    check = sub.add_parser(
+        "check",
+        help="check a part of the system on this machine",
+        description="sandbox: print the isolation level available here (and what is missing), then run probes "
+        "that try to reach the network, write outside the workspace, exceed memory/CPU/process/file/output "
+        "limits and fork a workspace. Exit code 1 if any probe was not contained.",
+    )
+    check.add_argument("name", choices=["sandbox"], help="sandbox: isolation level and break-out probes")
+    check.add_argument("--level", choices=["bwrap", "unshare", "rlimits"], default=None,
+                       help="sandbox: probe at most this isolation level (default: the strongest available)")
+    check.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
     return parser
+
+
+def _cmd_check(args: argparse.Namespace, console: Console) -> int:
+    from rollwise.sandbox.probes import cli_check_sandbox
+
+    return cli_check_sandbox(args, console)
 
 
 def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
@@ -240,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     from rollwise.config import ConfigError
 
     handlers = {"train": _cmd_train, "config": _cmd_config, "bench": _cmd_bench, "compare": _cmd_compare,
-                "serve": _cmd_serve}
+                "serve": _cmd_serve, "check": _cmd_check}
     try:
         return handlers[args.command](args, console)
     except ConfigError as exc:

@@ -280,3 +280,24 @@ def test_bad_arguments_are_clear():
             sb.run("true", timeout_s=0)
         with pytest.raises(SandboxError, match="no such file"):
             sb.read_file("missing.txt")
+
+
+def test_cli_check_sandbox_prints_level_and_probes(tmp_path, capsys):
+    import json
+
+    from rollwise.cli import main
+
+    out_json = tmp_path / "check.json"
+    code = main(["check", "sandbox", "--json", str(out_json)])
+    printed = capsys.readouterr().out
+    result = json.loads(out_json.read_text())
+    assert f"sandbox isolation: {REPORT.mode.name}" in printed and "sandbox probes" in printed
+    assert result["level"] == REPORT.level.value
+    names = [p["name"] for p in result["probes"]]
+    assert names[:2] == ["network blocked", "filesystem confined"] and "fork workspace" in names
+    failed = [p for p in result["probes"] if p["passed"] is False]
+    if REPORT.full:
+        assert code == 0 and failed == [], failed
+    else:  # what the fallback lacks shows up as a failed probe, and in the exit code
+        assert ("network blocked" in [p["name"] for p in failed]) == ("network" in REPORT.missing)
+        assert code == (1 if failed else 0)

@@ -103,6 +103,9 @@ class LocalSandbox:
                     keep_bytes=self.limits.max_output_bytes, kill_bytes=self.limits.kill_output_bytes,
                     stdin=stdin, user=launch.user, group=launch.group, preexec_fn=launch.preexec_fn,
                     on_start=self._set_running,
+                    # Without namespaces, killed orphans count against the uid's RLIMIT_NPROC until
+                    # the host's init reaps them: give it a moment before the next command forks.
+                    reap_wait_s=2.5 if self.level is IsolationLevel.RLIMITS else 0.0,
                 )
                 self._running = None
                 return self._result(command, timeout, outcome)

@@ -79,6 +79,24 @@ def kill_group(pid: int) -> None:
         pass
 
 
+def wait_group_gone(pid: int, timeout_s: float = 2.0) -> bool:
+    """Wait until no process of the group exists, zombies included.
+
+    Without a pid namespace, killed orphans are reaped by the host's init whenever it gets to it;
+    until then they still count against the sandbox uid's RLIMIT_NPROC, and the next command
+    would fail to fork. Only worth it without namespaces (with them, RLIMIT_NPROC is counted per
+    sandbox and the next command starts in a fresh user namespace).
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return True
+        time.sleep(0.005)
+    return False
+
+
 def run_bounded(
     argv: Sequence[str],
     *,
@@ -92,11 +110,12 @@ def run_bounded(
     group: int | None = None,
     preexec_fn: Callable[[], None] | None = None,
     on_start: Callable[[subprocess.Popen], None] | None = None,
+    reap_wait_s: float = 0.0,
 ) -> ProcessOutcome:
     """Run `argv`, return its exit status and captured output; never leaves a process behind.
 
     `on_start` receives the Popen right after the spawn, so an owner can kill it from another
-    thread (sandbox close while a command hangs).
+    thread (sandbox close while a command hangs). `reap_wait_s`: see wait_group_gone.
     """
     start = time.monotonic()
     proc = subprocess.Popen(
@@ -127,6 +146,8 @@ def run_bounded(
             if stream is not None:
                 stream.close()
         proc.wait()
+        if reap_wait_s > 0:
+            wait_group_gone(proc.pid, reap_wait_s)
     returncode = None if killed_for is not None else proc.returncode
     return ProcessOutcome(returncode, out, err, time.monotonic() - start, killed_for)
 
