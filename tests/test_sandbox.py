@@ -199,6 +199,8 @@ def test_host_file_access_never_leaves_the_workspace():
             r = sb.run(f"ls {neighbour.host_path}")
             assert not r.ok and "No such file" in r.stderr
             assert sb.run("touch /tmp/private && ls /tmp").stdout == "private\n"
+            # Host paths outside the system dirs do not exist in the sandbox's view at all.
+            assert sb.run("ls /root /home /work /var 2>&1 | grep -c 'No such file'").stdout.strip() == "4"
             assert not os.path.exists("/tmp/private")
         with pytest.raises(SandboxError, match="closed"):
             neighbour.close()
@@ -301,3 +303,42 @@ def test_cli_check_sandbox_prints_level_and_probes(tmp_path, capsys):
     else:  # what the fallback lacks shows up as a failed probe, and in the exit code
         assert ("network blocked" in [p["name"] for p in failed]) == ("network" in REPORT.missing)
         assert code == (1 if failed else 0)
+
+
+def test_workspace_roots_are_removed_at_exit_and_swept_after_a_kill():
+    import sys
+
+    from rollwise.sandbox.workspace import sweep_stale_roots
+
+    script = ("import os, sys\nfrom rollwise.sandbox import LocalSandbox\n"
+              "sb = LocalSandbox()\nsb.run('echo x > f')\nprint(sb.host_path.parent, flush=True)\n"
+              "if sys.argv[1] == 'kill':\n    os.kill(os.getpid(), 9)\n")
+    exited = subprocess.run([sys.executable, "-c", script, "exit"], capture_output=True, text=True, check=True)
+    assert not os.path.exists(exited.stdout.strip())  # atexit removed it, unclosed sandbox included
+    killed = subprocess.run([sys.executable, "-c", script, "kill"], capture_output=True, text=True, check=False)
+    root = killed.stdout.strip()
+    assert killed.returncode == -9 and os.path.isdir(root)  # SIGKILL: no atexit
+    assert any(str(p) == root for p in sweep_stale_roots())  # the next process sweeps it
+    assert not os.path.exists(root)
+
+
+@pytest.mark.parametrize("mode", candidate_modes(), ids=lambda m: m.name)
+def test_every_launch_mode_has_the_features_it_claims(mode):
+    """Each fallback this machine can run is checked against its own feature list, both ways:
+    what it claims holds, and what it says is missing is really missing (the warning is honest)."""
+    from rollwise.sandbox.isolation import IsolationReport, probe_mode
+    from rollwise.sandbox.workspace import default_root
+
+    why = probe_mode(mode, default_root())
+    if why is not None:
+        pytest.skip(f"{mode.name} does not work on this machine: {why}")
+    limits = FAST.model_copy(update={"max_processes": 16})
+    with LocalSandbox(limits, isolation=IsolationReport(mode, ())) as sb:
+        devices = sb.run("cat /proc/net/dev").stdout.splitlines()[2:]
+        assert (len(devices) == 1) == ("network" in mode.features), devices
+        sees_host = sb.run(f"test -e {sb.host_path.parent}").ok
+        assert sees_host == ("filesystem" not in mode.features)
+        pids = sb.run("ls /proc | grep -c '^[0-9]'").stdout.strip()
+        assert (int(pids) < 10) == ("pid" in mode.features), pids
+        procs = sb.run("for i in $(seq 40); do sleep 0.3 & done; wait")
+        assert (procs.limit == "processes") == ("unprivileged_uid" in mode.features), procs
