@@ -171,25 +171,24 @@ class PrefixAware(Policy):
 
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> Decision:
         cfg, tokens = self.config, request.tokens
-        matches = self.tree.match(tokens) if tokens else {}
         names = {r.name for r in replicas}
-        matches = {name: m for name, m in matches.items() if name in names}
-        # A session whose history the tree does not know (e.g. after a router restart) goes back to
-        # the replica it last used: that replica's engine cache still holds the history.
-        if not matches and request.pinned in names:
-            return Decision(request.pinned, "affinity")
+        matches = {name: m for name, m in (self.tree.match(tokens) if tokens else {}).items() if name in names}
+        best_len = max(matches.values(), default=0)
         uncached = {r.name: self.cost.of(len(tokens) - matches.get(r.name, 0), 0) for r in replicas}
         lightest = self.least_loaded(replicas, uncached)
-        if matches:
-            best_len = max(matches.values())
-            if best_len >= cfg.min_match_tokens and best_len >= cfg.min_match_ratio * len(tokens):
-                holders = [r for r in replicas if matches.get(r.name) == best_len]
-                best = self.least_loaded(holders)
-                best_cost = self.load(best) + uncached[best.name]
-                light_cost = self.load(lightest) + uncached[lightest.name]
-                if best.name != lightest.name and best_cost > cfg.imbalance * light_cost + cfg.slack:
-                    return Decision(lightest.name, "rebalance", matches.get(lightest.name, 0))
-                return Decision(best.name, "exploit", best_len)
+        candidate: tuple[ReplicaLoad, str] | None = None
+        if best_len >= cfg.min_match_tokens and best_len >= cfg.min_match_ratio * len(tokens):
+            candidate = (self.least_loaded([r for r in replicas if matches.get(r.name) == best_len]), "exploit")
+        elif request.pinned in names and matches.get(request.pinned, 0) == best_len:
+            # A session whose replica holds as much of it as any other (the tree may know little of it,
+            # e.g. after a router restart) goes back there: that engine's cache holds its history.
+            candidate = (next(r for r in replicas if r.name == request.pinned), "affinity")
+        if candidate is not None:
+            chosen, reason = candidate
+            cost = self.load(chosen) + uncached[chosen.name]
+            if chosen.name != lightest.name and cost > cfg.imbalance * (self.load(lightest) + uncached[lightest.name]) + cfg.slack:
+                return Decision(lightest.name, "rebalance", matches.get(lightest.name, 0))
+            return Decision(chosen.name, reason, matches.get(chosen.name, 0))
         return Decision(lightest.name, "explore", matches.get(lightest.name, 0))
 
     def on_routed(self, request: RouteRequest, decision: Decision, now: float | None = None) -> None:

@@ -65,6 +65,7 @@ class Replica:
     paused: bool = False
     policy_version: int = 0
     last_error: str | None = None
+    probe_failures: int = 0  # consecutive failed /health probes
     in_flight: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
@@ -145,21 +146,29 @@ class ReplicaPool:
             pass
 
     async def probe(self, http: httpx.AsyncClient, replica: Replica) -> None:
+        refused = False
         try:
-            response = await http.get(f"{replica.url}/health", timeout=max(2.0, self.health_interval_s * 2))
+            response = await http.get(f"{replica.url}/health", timeout=max(5.0, self.health_interval_s * 2))
             info = response.json() if response.status_code == 200 else None
         except (httpx.HTTPError, ValueError) as exc:
             info, error = None, f"{type(exc).__name__}: {exc}"
+            refused = isinstance(exc, httpx.ConnectError)
         else:
             error = None if info is not None else f"/health answered HTTP {response.status_code}"
         was_healthy = replica.healthy
         if info is None:
-            replica.healthy, replica.last_error = False, error
+            replica.probe_failures += 1
+            replica.last_error = error
+            # A refused connection means the process is gone; a slow or failed answer from a busy engine
+            # must repeat before the replica is written off (that would drop its sessions and prefixes).
+            if not (refused or replica.probe_failures >= 3 or not was_healthy):
+                return
+            replica.healthy = False
             if was_healthy:
                 log.warning("replica %s is down: %s", replica.url, error)
                 self.on_down(replica)
         else:
-            replica.healthy = True
+            replica.healthy, replica.probe_failures = True, 0
             replica.paused = bool(info.get("paused", False))
             replica.policy_version = int(info.get("policy_version", replica.policy_version))
             if self.fixed_cap is None and info.get("max_num_seqs"):
