@@ -11,6 +11,9 @@ caches flushed, then the same closed-loop workload through the router's token-le
 - multi-turn sessions (X-Session-Id): each turn's prompt is the previous prompt + its answer + a
   new user message, run back to back.
 
+The workload runs in rounds; in each round every policy runs it (fresh router, caches flushed), in
+an order rotated from round to round, so the machine's noise falls on all policies alike.
+
 Measured: prefix-cache hit rate (cached / prompt tokens, as the engines report them), prompt tokens
 actually computed (prefill), client-side latency p50/p99 over all requests, load imbalance (max /
 mean of tokens computed per replica: prefill + generated). Ratios are against round robin, in the
@@ -56,14 +59,15 @@ class BenchShape:
     opening_tokens: int
     user_tokens: int
     max_tokens: int
+    rounds: int = 1  # the workload above runs once per round; every policy runs each round, in rotated order
     max_num_seqs: int = 16
     max_model_len: int = 1536
 
 
-QUICK = BenchShape(replicas=4, groups=6, group_size=8, group_workers=2, sessions=4, turns=3, shared_tokens=128,
-                   question_tokens=384, opening_tokens=384, user_tokens=48, max_tokens=8)
-FULL = BenchShape(replicas=4, groups=24, group_size=8, group_workers=3, sessions=8, turns=5, shared_tokens=128,
-                  question_tokens=384, opening_tokens=384, user_tokens=48, max_tokens=16)
+QUICK = BenchShape(replicas=4, groups=3, group_size=8, group_workers=2, sessions=3, turns=3, shared_tokens=128,
+                   question_tokens=384, opening_tokens=384, user_tokens=48, max_tokens=8, rounds=2)
+FULL = BenchShape(replicas=4, groups=6, group_size=8, group_workers=3, sessions=4, turns=5, shared_tokens=128,
+                  question_tokens=384, opening_tokens=384, user_tokens=48, max_tokens=16, rounds=4)
 SIM_QUICK: dict[str, int] = {"groups": 128, "group_size": 8, "group_workers": 48, "sessions": 128, "turns": 5,
                               "shared_tokens": 256, "question_tokens": 256, "opening_tokens": 512, "user_tokens": 64,
                               "max_tokens": 64}
@@ -233,7 +237,8 @@ def _summary(latencies: list[float], prompt: float, cached: float, work: list[fl
     }
 
 
-def _real_policy(urls: list[str], policy: str, workload: Workload) -> dict:
+def _real_round(urls: list[str], policy: str, workload: Workload) -> dict:
+    """One round of one policy: a fresh router, cold caches; latencies and per-replica engine counters."""
     with _router(urls, policy) as router:
         httpx.post(f"{router}/flush_cache", timeout=60).raise_for_status()  # every policy starts cold
         before = _engine_counters(urls)
@@ -241,12 +246,20 @@ def _real_policy(urls: list[str], policy: str, workload: Workload) -> dict:
         records = asyncio.run(_run_workload(router, workload))
         wall = time.monotonic() - started
         after = _engine_counters(urls)
-    delta = [{k: a[k] - b.get(k, 0.0) for k in a} for a, b in zip(after, before)]
+    return {"latencies": [r["latency_s"] for r in records], "wall_s": wall,
+            "delta": [{k: a[k] - b.get(k, 0.0) for k in a} for a, b in zip(after, before)],
+            "served": [sum(r["replica"] == u for r in records) for u in urls]}
+
+
+def _real_summary(rounds: list[dict]) -> dict:
+    delta = [{k: sum(r["delta"][i][k] for r in rounds) for k in rounds[0]["delta"][i]}
+             for i in range(len(rounds[0]["delta"]))]
     prompt = sum(d["prompt_tokens"] for d in delta)
     cached = sum(d["cached_prompt_tokens"] for d in delta)
     work = [d["prompt_tokens"] - d["cached_prompt_tokens"] + d["generated_tokens"] for d in delta]
-    out = _summary([r["latency_s"] for r in records], prompt, cached, work, wall)
-    out["requests_per_replica"] = [sum(r["replica"] == u for r in records) for u in urls]
+    out = _summary([x for r in rounds for x in r["latencies"]], prompt, cached, work, sum(r["wall_s"] for r in rounds))
+    out["requests_per_replica"] = [sum(r["served"][i] for r in rounds) for i in range(len(delta))]
+    out["p99_latency_s_per_round"] = [_percentile(r["latencies"], 0.99) for r in rounds]
     return out
 
 
@@ -271,14 +284,20 @@ def run_router_bench(quick: bool = False, seed: int = 0, plot: Path | None = Non
     if "round_robin" not in policies:
         policies = ["round_robin", *policies]
     shape = QUICK if quick else FULL
-    fields = {k: v for k, v in asdict(shape).items() if k not in ("replicas", "max_num_seqs", "max_model_len")}
-    workload = make_workload(seed, **fields)
-    real: dict[str, dict] = {}
+    fields = {k: v for k, v in asdict(shape).items()
+              if k not in ("replicas", "max_num_seqs", "max_model_len", "rounds")}
+    # The machine is shared and noisy: policies take turns in short rounds (rotated order), so slow
+    # phases hit every policy alike, instead of one policy running entirely in a slow phase.
+    rounds: dict[str, list[dict]] = {name: [] for name in policies}
     with _replicas(shape) as urls:
-        for name in policies:
-            if progress:
-                progress(f"real replicas: {name}")
-            real[name] = _real_policy(urls, name, workload)
+        for rnd in range(shape.rounds):
+            workload = make_workload(seed * 1000 + rnd, **fields)
+            shift = rnd % len(policies)
+            for name in policies[shift:] + policies[:shift]:
+                if progress:
+                    progress(f"real replicas, round {rnd + 1}/{shape.rounds}: {name}")
+                rounds[name].append(_real_round(urls, name, workload))
+    real = {name: _real_summary(rounds[name]) for name in policies}
     _ratios(real)
     sim_config = SimConfig()
     sim_workload = make_workload(seed, **(SIM_QUICK if quick else SIM_FULL))
