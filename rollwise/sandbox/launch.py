@@ -178,6 +178,10 @@ def build_launch(mode: LaunchMode, workspace: Path, command: str, limits: Sandbo
         if mode.user_namespace:
             argv += ["--user", "--map-root-user"]
         argv += ["--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--mount-proc", "--"]
+        # The first process of a pid namespace is its init, which ignores signals it has no handler
+        # for (SIGXCPU, SIGTERM...): a tiny sh init runs the command as pid 2 instead, passes stdin
+        # through (a background job's stdin would be /dev/null) and returns its status.
+        argv += ["/bin/sh", "-c", 'exec 3<&0; "$@" <&3 3<&- & wait $!', "sandbox-init"]
         argv += drop + rl + inner
         workdir = host_ws
     else:

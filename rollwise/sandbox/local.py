@@ -135,7 +135,7 @@ class LocalSandbox:
         elif o.killed_for == "output":
             limit, reason = "output", f"killed: wrote more than {self.limits.kill_output_bytes} bytes of output"
         elif self._closed:
-            killed, reason = True, "killed: the sandbox was closed while the command ran"
+            killed, code, reason = True, None, "killed: the sandbox was closed while the command ran"
         elif sig in ("SIGXCPU",) or (sig == "SIGKILL" and o.wall_s >= self.limits.cpu_s):
             limit, reason = "cpu_time", f"CPU time limit ({self.limits.cpu_s} s) exceeded ({sig})"
         elif sig == "SIGXFSZ":
