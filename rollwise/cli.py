@@ -100,7 +100,7 @@ def _build_parser() -> argparse.ArgumentParser:
             "/v1/chat/completions (OpenAI-compatible, stream=true for server-sent events; every choice also "
             "carries token_ids, prompt_token_ids, per-token logprobs and policy_versions), POST /generate "
             "(token ids in, token ids + logprobs + versions out), GET /model_info (incl. the tokenizer "
-            "fingerprint), /v1/models, /health, /metrics (Prometheus), POST /pause, /resume, /abort, "
+            "fingerprint), /v1/models, /health, /load, /metrics (Prometheus), POST /pause, /resume, /sleep, /wake, /abort, "
             "/update_weights_from_disk."
         ),
         epilog=(
@@ -203,11 +203,14 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
     with console.status(f"loading {args.model}"):
         model, tokenizer = load_model(args.model)
+    from rollwise.engine.factory import resolve_engine_kind
+
     if args.name == "rollout":
         from rollwise.bench.rollout import format_rollout_bench, run_rollout_bench
 
         with console.status("running sync, sorted and async (the same work in each)"):
-            result = run_rollout_bench(model, tokenizer, quick=args.quick, seed=args.seed, plot=args.plot)
+            result = run_rollout_bench(model, tokenizer, quick=args.quick, seed=args.seed, plot=args.plot,
+                                       engine_kind=resolve_engine_kind("auto", args.model))
         table = format_rollout_bench(result)
     elif args.name == "sync":
         from rollwise.bench.sync import format_sync_bench, run_sync_bench
@@ -218,7 +221,9 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     else:
         from rollwise.bench.engine import format_engine_bench, run_engine_bench
 
-        result = run_engine_bench(model, tokenizer, quick=args.quick, seed=args.seed)
+        with_vllm = resolve_engine_kind("auto", args.model) == "vllm"
+        with console.status("timing HF generate, the reference engine" + (" and vLLM" if with_vllm else "")):
+            result = run_engine_bench(model, tokenizer, quick=args.quick, seed=args.seed, with_vllm=with_vllm)
         table = format_engine_bench(result)
     result["command"] = " ".join(["rollwise"] + sys.argv[1:])
     console.print(table)

@@ -7,7 +7,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _readme_commands() -> list[str]:
-    return re.findall(r"```bash\n(python3 -m venv[^\n]*)\n```", (ROOT / "README.md").read_text())
+    return re.findall(r"```bash\n([^\n]*python3 -m venv[^\n]*)\n```", (ROOT / "README.md").read_text())
 
 
 def test_readme_has_exactly_two_setup_commands():

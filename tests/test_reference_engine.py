@@ -434,7 +434,7 @@ def test_engine_bench_runs_and_formats():
     from rollwise.bench.engine import format_engine_bench, run_engine_bench
     from rollwise.model.tiny import tiny_tokenizer
 
-    result = run_engine_bench(tiny_llama(num_layers=1), tiny_tokenizer(), quick=True, seed=1)
+    result = run_engine_bench(tiny_llama(num_layers=1), tiny_tokenizer(), quick=True, seed=1, with_vllm=False)
     ref, hf = result["reference"], result["hf_generate"]
     budgets = result["config"]["budgets"]
     assert ref["tokens"] == hf["tokens"] == sum(map(sum, budgets))

@@ -53,12 +53,21 @@ def engine(model):
 def _original_weights(engine, model):
     """Every test starts on the original weights, version 0, idle and awake."""
     yield
+    if engine._llm is None:  # closed by `sole_vllm`
+        return
     for rid in list(engine._children):
         engine.abort(rid)
     engine.resume()
     engine.wake()
     if engine.policy_version != 0:
         engine.update_weights(model.state_dict(), version=0)
+
+
+@pytest.fixture
+def sole_vllm(engine):
+    """For the tests (last in this module) that start a vLLM engine of their own: one in-process vLLM
+    engine at a time, so the shared one is closed first."""
+    engine.close()
 
 
 PROMPT = [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 2, 3]
@@ -73,6 +82,11 @@ def sampled(engine, max_tokens: int = 24):
     """Seeded sampling: the same tokens for the same weights (greedy on a random model repeats one token)."""
     return engine.generate([GenerationRequest("sampled", PROMPT, SamplingParams(max_tokens=max_tokens, seed=123,
                                                                                   ignore_eos=True))])[0]
+
+
+def test_a_second_vllm_engine_in_the_process_is_refused(engine, model):
+    with pytest.raises(RuntimeError, match="already running in this process"):
+        VLLMEngine(model, tiny_tokenizer(), max_num_seqs=2, max_model_len=64)
 
 
 def test_implements_the_engine_contract(engine):
@@ -159,6 +173,18 @@ def test_corrupt_weight_update_is_refused_and_the_engine_keeps_serving(engine, c
     assert after.token_ids == before.token_ids and after.logprobs == pytest.approx(before.logprobs, abs=1e-5)
 
 
+def test_prefix_cache_reuses_a_shared_prompt_and_forgets_it_at_a_weight_update(engine, model):
+    shared = [1] + [40 + i % 50 for i in range(80)]
+    params = SamplingParams(max_tokens=4, seed=0, ignore_eos=True)
+    first = engine.generate([GenerationRequest("first", shared + [5], params)])[0]
+    second = engine.generate([GenerationRequest("second", shared + [6], params)])[0]
+    assert first.cached_prompt_tokens == 0
+    assert second.cached_prompt_tokens >= 64  # whole 32-token KV blocks of the shared 81 tokens
+    engine.update_weights(vllm_tiny(seed=2).state_dict(), version=1)
+    third = engine.generate([GenerationRequest("third", shared + [7], params)])[0]
+    assert third.cached_prompt_tokens == 0  # KV computed by the old weights is never reused
+
+
 def test_abort_returns_the_tokens_so_far(engine):
     engine.add_request(GenerationRequest("long", PROMPT, SamplingParams(max_tokens=100, ignore_eos=True, n=2, seed=1)))
     for _ in range(5):
@@ -222,7 +248,7 @@ def test_weight_update_mid_generation_stamps_versions(engine, model):
     assert 0 < switch and versions == [0] * switch + [1] * (120 - switch)
 
 
-def test_train_runs_on_vllm(tmp_path, model):
+def test_train_runs_on_vllm(tmp_path, model, sole_vllm):
     """`rollwise train` with engine.kind=vllm on a local model directory: the loop trains, pushes
     weights to vLLM every step, and reports vLLM as its engine with a train-inference mismatch."""
     from rich.console import Console
@@ -256,3 +282,64 @@ def test_train_runs_on_vllm(tmp_path, model):
     assert all(r["mismatch_abs_logp"] < 1e-3 for r in records)
     counts = summary["samples"]
     assert counts["trained"] == 2 * 2 * 4
+
+
+def test_engine_server_on_vllm_with_the_openai_client(model, sole_vllm):
+    """`rollwise serve engine --engine vllm`: the same HTTP server over the vLLM backend."""
+    import socket
+    import threading
+    import time
+
+    import httpx
+    import openai
+    import uvicorn
+
+    from rollwise.engine.server import create_app
+
+    tokenizer = tiny_tokenizer()
+    engine = VLLMEngine(model, tokenizer, max_num_seqs=4, max_model_len=MAX_MODEL_LEN, seed=0, kv_cache_gib=1)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, tokenizer, "tiny-vllm"), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    try:
+        messages = [{"role": "user", "content": "What is 2+3?"}]
+        chat = client.chat.completions.create(model="tiny-vllm", messages=messages, max_tokens=12, seed=1)
+        choice = chat.choices[0]
+        extra = choice.model_extra
+        assert len(extra["token_ids"]) == len(extra["policy_versions"]) > 0
+        assert choice.message.content == tokenizer.decode(extra["token_ids"], skip_special_tokens=True)
+        stream = client.completions.create(model="tiny-vllm", prompt="2+3=", max_tokens=10, seed=4, stream=True)
+        streamed = "".join(chunk.choices[0].text for chunk in stream)
+        whole = client.completions.create(model="tiny-vllm", prompt="2+3=", max_tokens=10, seed=4)
+        assert streamed == whole.choices[0].text
+        info = httpx.get(f"{url}/model_info").json()
+        assert info["engine"] == "vllm"
+        assert httpx.post(f"{url}/sleep").json()["sleeping"] is True
+        assert httpx.get(f"{url}/load").json()["sleeping"] is True
+        assert httpx.post(f"{url}/wake").json() == {"sleeping": False}
+        bad = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": -1})
+        assert bad.status_code == 400 and "max_tokens" in bad.text
+    finally:
+        client.close()
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+        engine.close()
+
+
+def test_engine_bench_times_vllm_through_the_contract_and_natively(model, sole_vllm):
+    from rollwise.bench.engine import format_engine_bench, run_engine_bench
+
+    result = run_engine_bench(model, tiny_tokenizer(), quick=True, seed=0, with_vllm=True)
+    v = result["vllm"]
+    assert v["contract"]["tokens"] == v["native"]["tokens"] == result["reference"]["tokens"]
+    assert v["contract_vs_native"] > 0
+    assert "vLLM's own LLM.generate" in str(format_engine_bench(result).columns[0]._cells)

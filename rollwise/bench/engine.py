@@ -1,4 +1,5 @@
-"""Engine benchmark: the reference engine's continuous batching against HF `generate`, side by side.
+"""Engine benchmark: HF `generate`, the reference engine, and (when installed) vLLM through our engine
+contract and through its own `LLM.generate`, on the same requests, side by side.
 
 Rollout lengths in RL are long-tailed. Static batching (HF generate: one batch per prompt with
 num_return_sequences samples) keeps every row busy until the longest one is done, so short samples
@@ -10,6 +11,7 @@ engines do the same useful work.
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -20,6 +22,7 @@ from rich.table import Table
 
 from rollwise.engine.reference import ReferenceEngine
 from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.engine.vllm_backend import vllm_available
 
 QUESTIONS = [
     "What is 17 * 23? Answer with the number only.",
@@ -51,12 +54,7 @@ def _prompt_ids(tokenizer: Any, question: str) -> list[int]:
 def _time_reference(model: Any, prompts: list[list[int]], budgets: list[list[int]], seed: int) -> float:
     max_len = max(len(p) for p in prompts) + max(max(b) for b in budgets) + 1
     engine = ReferenceEngine(model, max_num_seqs=MAX_NUM_SEQS, max_model_len=max_len, seed=seed)
-    # One sample per request: each sample has its own forced length.
-    requests = [
-        GenerationRequest(f"p{i}/s{j}", prompt, SamplingParams(max_tokens=b, temperature=1.0, ignore_eos=True))
-        for i, (prompt, prompt_budgets) in enumerate(zip(prompts, budgets))
-        for j, b in enumerate(prompt_budgets)
-    ]
+    requests = _requests(prompts, budgets)
     engine.generate([GenerationRequest("warmup", prompts[0], SamplingParams(max_tokens=2, ignore_eos=True))])
     start = time.perf_counter()
     completions = engine.generate(requests)
@@ -88,11 +86,67 @@ def _time_hf_generate(model: Any, prompts: list[list[int]], budgets: list[list[i
     return time.perf_counter() - start
 
 
-def run_engine_bench(model: Any, tokenizer: Any, *, quick: bool, seed: int = 0) -> dict:
+def _requests(prompts: list[list[int]], budgets: list[list[int]]) -> list[GenerationRequest]:
+    # One sample per request: each sample has its own forced length.
+    return [
+        GenerationRequest(f"p{i}/s{j}", prompt, SamplingParams(max_tokens=b, temperature=1.0, ignore_eos=True, seed=j))
+        for i, (prompt, prompt_budgets) in enumerate(zip(prompts, budgets))
+        for j, b in enumerate(prompt_budgets)
+    ]
+
+
+def _time_vllm(model: Any, tokenizer: Any, prompts: list[list[int]], budgets: list[list[int]], seed: int) -> dict:
+    """The same requests through vLLM twice, in one process: our engine contract (VLLMEngine: one
+    vLLM request per sample, token ids in/out, per-token logprobs and versions) and vLLM's own
+    `LLM.generate` with the same engine settings. The ratio is what the contract costs."""
+    from rollwise.engine.vllm_backend import VLLMEngine
+
+    max_len = max(len(p) for p in prompts) + max(max(b) for b in budgets) + 1
+    ours = VLLMEngine(model, tokenizer, max_num_seqs=MAX_NUM_SEQS, max_model_len=max_len, seed=seed)
+    requests = _requests(prompts, budgets)
+    ours.generate([GenerationRequest("warmup", prompts[0], SamplingParams(max_tokens=2, ignore_eos=True))])
+    start = time.perf_counter()
+    completions = ours.generate(requests)
+    contract_seconds = time.perf_counter() - start
+    assert sum(len(c.token_ids) for c in completions) == sum(map(sum, budgets))
+    on_cpu = ours.device == "cpu"
+    ours.close()  # one in-process vLLM engine at a time
+    with tempfile.TemporaryDirectory(prefix="rollwise-vllm-bench-") as model_dir:
+        model.save_pretrained(model_dir)
+        native_seconds = _time_vllm_native(model_dir, requests, max_len, seed, on_cpu, sum(map(sum, budgets)))
+    return {"contract_seconds": contract_seconds, "native_seconds": native_seconds}
+
+
+def _time_vllm_native(model_dir: str, requests: list[GenerationRequest], max_len: int, seed: int, on_cpu: bool,
+                      expected_tokens: int) -> float:
+    from vllm import LLM
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, enable_prefix_caching=True,
+              max_num_seqs=MAX_NUM_SEQS, max_model_len=max_len, seed=seed, skip_tokenizer_init=True,
+              block_size=32 if on_cpu else None, use_tqdm_on_load=False, disable_log_stats=True)
+    native = [
+        (TokensPrompt(prompt_token_ids=r.prompt_ids),
+         VLLMSamplingParams(max_tokens=r.params.max_tokens, temperature=1.0, ignore_eos=True, seed=r.params.seed,
+                            logprobs=0, detokenize=False))
+        for r in requests
+    ]
+    llm.generate([native[0][0]], VLLMSamplingParams(max_tokens=2, ignore_eos=True, detokenize=False), use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate([p for p, _ in native], [sp for _, sp in native], use_tqdm=False)
+    native_seconds = time.perf_counter() - start
+    assert sum(len(o.outputs[0].token_ids) for o in outputs) == expected_tokens
+    llm.llm_engine.engine_core.shutdown()
+    return native_seconds
+
+
+def run_engine_bench(model: Any, tokenizer: Any, *, quick: bool, seed: int = 0, with_vllm: bool | None = None) -> dict:
     """Same prompts and forced long-tailed lengths through the ReferenceEngine and HF generate.
 
     quick: 4 prompts x 8 samples, budgets with median 24 capped at 64 (under a minute with
-    SmolLM2-135M on 2 CPU cores); full: 8 prompts, median 48 capped at 192.
+    SmolLM2-135M on 2 CPU cores); full: 8 prompts, median 48 capped at 192. with_vllm: also time vLLM
+    through our contract and natively (default: when vLLM is installed).
     """
     num_prompts, median, cap = (4, 24, 64) if quick else (8, 48, 192)
     rng = np.random.default_rng(seed)
@@ -106,6 +160,16 @@ def run_engine_bench(model: Any, tokenizer: Any, *, quick: bool, seed: int = 0) 
     ref_seconds = _time_reference(model, prompts, budgets, seed)
     hf_seconds = _time_hf_generate(model, prompts, budgets, pad_id)
     reference = {"tokens": useful, "seconds": ref_seconds, "tok_per_s": useful / ref_seconds}
+    vllm_result = None
+    if with_vllm if with_vllm is not None else vllm_available():
+        timed = _time_vllm(model, tokenizer, prompts, budgets, seed)
+        vllm_result = {
+            "contract": {"tokens": useful, "seconds": timed["contract_seconds"],
+                         "tok_per_s": useful / timed["contract_seconds"]},
+            "native": {"tokens": useful, "seconds": timed["native_seconds"],
+                       "tok_per_s": useful / timed["native_seconds"]},
+            "contract_vs_native": timed["native_seconds"] / timed["contract_seconds"],
+        }
     hf = {
         "tokens": useful,
         "tokens_incl_padding": padded,
@@ -127,6 +191,7 @@ def run_engine_bench(model: Any, tokenizer: Any, *, quick: bool, seed: int = 0) 
         },
         "reference": reference,
         "hf_generate": hf,
+        "vllm": vllm_result,
         "speedup": reference["tok_per_s"] / hf["tok_per_s"],
     }
 
@@ -148,9 +213,21 @@ def format_engine_bench(result: dict) -> Table:
         (f"reference ({cfg['max_num_seqs']} slots)", ref["tokens"], ref["tokens"], ref["seconds"]),
         ("HF generate", hf["tokens"], hf["tokens_incl_padding"], hf["seconds"]),
     ]
+    if result.get("vllm"):
+        v = result["vllm"]
+        rows += [
+            ("vLLM through our engine contract", v["contract"]["tokens"], v["contract"]["tokens"], v["contract"]["seconds"]),
+            ("vLLM's own LLM.generate", v["native"]["tokens"], v["native"]["tokens"], v["native"]["seconds"]),
+        ]
     for name, useful, total, seconds in rows:
         table.add_row(name, str(useful), str(total), f"{seconds:.2f}", f"{useful / seconds:.1f}", f"{total / seconds:.1f}")
     table.caption = (
-        f"speedup in useful tok/s: {result['speedup']:.2f}x (continuous batching vs one static batch per prompt)"
+        f"reference vs HF generate, useful tok/s: {result['speedup']:.2f}x (continuous batching vs one static "
+        "batch per prompt)"
     )
+    if result.get("vllm"):
+        table.caption += (f"; vLLM through our contract = {result['vllm']['contract_vs_native']:.0%} of vLLM's own "
+                          "LLM.generate throughput (goal >= 90%)")
+    else:
+        table.caption += "; vLLM not installed (pip install -e \".[cpu]\") so not measured"
     return table

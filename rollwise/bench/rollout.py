@@ -21,7 +21,7 @@ import torch
 from rich.table import Table
 
 from rollwise.config import RunConfig
-from rollwise.engine.reference import ReferenceEngine
+from rollwise.engine.factory import create_engine
 from rollwise.observe.bubble import bubble_ratio
 from rollwise.observe.plots import plot_rollout_timelines
 from rollwise.rollout.controller import RolloutController
@@ -72,7 +72,8 @@ def _random_rewards(samples: list[Sample], seed: int) -> None:
     assign_advantages(samples, "mean_std")
 
 
-def _run_mode(mode: str, model: Any, tokenizer: Any, base_state: dict, w: Workload, seed: int) -> dict[str, Any]:
+def _run_mode(mode: str, model: Any, tokenizer: Any, base_state: dict, w: Workload, seed: int,
+              engine_kind: str = "reference") -> dict[str, Any]:
     model.load_state_dict(base_state)  # every mode starts from the same weights
     cfg = RunConfig.model_validate({
         "model": "bench", "seed": seed,
@@ -86,7 +87,8 @@ def _run_mode(mode: str, model: Any, tokenizer: Any, base_state: dict, w: Worklo
     task = make_task(cfg.task)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = GRPOTrainer(model, cfg.train, pad_token_id=pad)
-    engine = ReferenceEngine(model, max_num_seqs=w.max_num_seqs, max_model_len=cfg.engine.max_model_len, seed=seed)
+    engine = create_engine(engine_kind, model, tokenizer, max_num_seqs=w.max_num_seqs,
+                           max_model_len=cfg.engine.max_model_len, seed=seed)
     worker = EngineWorker(engine)
     controller = RolloutController(cfg, worker, PromptEncoder(tokenizer, cfg.prompt, cfg.reward),
                                    ProblemStream(task.problems("train"), seed), lambda group: None,
@@ -110,6 +112,7 @@ def _run_mode(mode: str, model: Any, tokenizer: Any, base_state: dict, w: Worklo
     t1 = time.monotonic()
     controller.close("benchmark over")
     worker.close()
+    getattr(engine, "close", lambda: None)()
     timeline = list(engine.timeline)
     wall = t1 - t0
     n_samples = w.updates * w.prompts_per_step * w.group_size
@@ -130,10 +133,12 @@ def _run_mode(mode: str, model: Any, tokenizer: Any, base_state: dict, w: Worklo
 
 
 def run_rollout_bench(model: Any, tokenizer: Any, *, quick: bool = False, seed: int = 0,
-                      plot: Path | None = None, modes: tuple[str, ...] = MODES) -> dict[str, Any]:
+                      plot: Path | None = None, modes: tuple[str, ...] = MODES,
+                      engine_kind: str = "reference") -> dict[str, Any]:
+    """engine_kind: "reference" or "vllm" (the CLI passes vLLM when installed)."""
     w = QUICK if quick else FULL
     base_state = copy.deepcopy(model.state_dict())
-    results = [_run_mode(mode, model, tokenizer, base_state, w, seed) for mode in modes]
+    results = [_run_mode(mode, model, tokenizer, base_state, w, seed, engine_kind) for mode in modes]
     model.load_state_dict(base_state)
     sync = next((r for r in results if r["mode"] == "sync"), None)
     if sync is not None:
@@ -144,6 +149,7 @@ def run_rollout_bench(model: Any, tokenizer: Any, *, quick: bool = False, seed: 
     if plot is not None:
         plot_rollout_timelines({r["mode"]: (r["_timeline"], r["_updates"]) for r in results}, w.max_num_seqs, plot)
     return {
+        "engine": engine_kind,
         "workload": w.__dict__,
         "threads": torch.get_num_threads(),
         "modes": [{k: v for k, v in r.items() if not k.startswith("_")} for r in results],
@@ -155,7 +161,7 @@ def format_rollout_bench(result: dict[str, Any]) -> Table:
     w = result["workload"]
     table = Table(title=f"rollout modes: {w['updates']} updates x {w['prompts_per_step']} groups x "
                         f"{w['group_size']} samples, lognormal lengths (median {w['median_tokens']}, "
-                        f"cap {w['max_tokens']}), eta={w['eta']}")
+                        f"cap {w['max_tokens']}), eta={w['eta']}, engine={result.get('engine', 'reference')}")
     for col in ("mode", "wall s", "bubble", "bubble vs sync", "samples/s", "vs sync", "trained tok/s",
                 "staleness mean/max", "regenerated"):
         table.add_column(col, justify="right")

@@ -928,6 +928,7 @@ def create_app(engine: Any, tokenizer: Any, model_name: str) -> FastAPI:
             yield
         finally:
             await server.frontend.close()
+            getattr(engine, "close", lambda: None)()  # vLLM: remove its weight directory
 
     app = FastAPI(title="rollwise engine", summary="the rollwise engine contract over HTTP", lifespan=lifespan)
     app.state.server = server
@@ -977,6 +978,25 @@ def create_app(engine: Any, tokenizer: Any, model_name: str) -> FastAPI:
     async def resume() -> dict[str, Any]:
         await server.frontend.call(lambda e: e.resume())
         return {"paused": False}
+
+    @app.post("/sleep")
+    async def sleep() -> dict[str, Any]:
+        """Release the memory the backend can (vLLM on GPU: weights to host, KV freed; reference: KV)."""
+        try:
+            freed = await server.frontend.call(lambda e: e.sleep())
+        except RuntimeError as exc:  # requests in flight
+            raise APIError(409, str(exc), None, kind="conflict") from exc
+        return {"sleeping": True, "memory_released": freed}
+
+    @app.post("/wake")
+    async def wake() -> dict[str, Any]:
+        await server.frontend.call(lambda e: e.wake())
+        return {"sleeping": False}
+
+    @app.get("/load")
+    async def load() -> dict[str, Any]:
+        """The engine contract's load snapshot, read between two engine steps."""
+        return (await server.frontend.call(lambda e: e.load())).as_dict()
 
     @app.post("/abort")
     async def abort(body: AbortRequest) -> dict[str, Any]:

@@ -28,6 +28,8 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +61,9 @@ def configure_vllm_environment(kv_cache_gib: int) -> None:
     cores = sorted(os.sched_getaffinity(0))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0]))
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # vLLM warns at length about things that do not matter here (no triton-cpu, no libiomp preload,
+    # raw-prompt deprecation); our console says which engine runs and how it was set up.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 @dataclass
@@ -81,9 +85,15 @@ class _Sample:
 
 
 class VLLMEngine:
-    """The engine contract over an in-process vLLM `LLMEngine`."""
+    """The engine contract over an in-process vLLM `LLMEngine`.
+
+    One per process at a time: vLLM's in-process engine core keeps its parallel groups in module
+    globals and tears them down when it shuts down, which would break any other engine still running
+    in the process. A second engine is refused until the first is close()d. (More engines: more
+    processes, e.g. `rollwise serve engine` replicas.)"""
 
     name = "vllm"
+    _live: weakref.ref[VLLMEngine] | None = None
 
     def __init__(
         self,
@@ -101,10 +111,16 @@ class VLLMEngine:
         model_name: str = "model",
         tokenizer_fingerprint: str | None = None,
     ) -> None:
+        other = VLLMEngine._live() if VLLMEngine._live is not None else None
+        if other is not None and other._llm is not None:
+            raise RuntimeError("a vLLM engine is already running in this process: close() it before starting "
+                               "another (vLLM keeps its in-process engine state in globals)")
         configure_vllm_environment(kv_cache_gib)
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.platforms import current_platform
-        from vllm.v1.engine.llm_engine import LLMEngine
+        with warnings.catch_warnings():  # torch deprecation warnings raised inside vLLM's imports
+            warnings.simplefilter("ignore", FutureWarning)
+            from vllm.engine.arg_utils import EngineArgs
+            from vllm.platforms import current_platform
+            from vllm.v1.engine.llm_engine import LLMEngine
 
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -122,7 +138,13 @@ class VLLMEngine:
         # vLLM loads from a directory: the caller's current weights (a resumed run's included),
         # written once, removed at close().
         self._dir = Path(tempfile.mkdtemp(prefix="rollwise-vllm-"))
-        hf_model.save_pretrained(self._dir, safe_serialization=True)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # a 1 s write needs no progress bar in the trainer's console
+        try:
+            hf_model.save_pretrained(self._dir, safe_serialization=True)
+        finally:
+            hf_logging.enable_progress_bar()
         if tokenizer is not None:
             tokenizer.save_pretrained(self._dir)
         dtype = next(hf_model.parameters()).dtype
@@ -137,12 +159,15 @@ class VLLMEngine:
             enforce_eager=enforce_eager,
             logprobs_mode="processed_logprobs",
             skip_tokenizer_init=True,
+            use_tqdm_on_load=False,
+            disable_log_stats=True,
             # CPU defaults to 128-token KV blocks: prompts shorter than that would never hit the
             # prefix cache. 32 is the smallest size the CPU kernels are optimised for.
             **({"block_size": block_size} if on_cpu and block_size else {}),
         )
         t0 = time.monotonic()
         self._llm = LLMEngine.from_engine_args(args)
+        VLLMEngine._live = weakref.ref(self)
         self.start_seconds = time.monotonic() - t0
         self.device = "cpu" if on_cpu else str(current_platform.device_name)
         self.enforce_eager = enforce_eager
@@ -354,6 +379,13 @@ class VLLMEngine:
         self._sleeping = False
 
     def close(self) -> None:
+        """Shut vLLM down now (not whenever the garbage collector gets to it: a late shutdown would tear
+        down the globals of an engine started after this one) and remove the weight directory."""
+        if self._llm is not None:
+            self._llm.engine_core.shutdown()
+            self._llm = None
+            self._samples.clear()
+            self._children.clear()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
