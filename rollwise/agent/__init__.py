@@ -1,0 +1,32 @@
+"""The agent layer (issue 6): multi-turn episodes with tools, recorded as exact trajectories.
+
+Modules, one job each:
+
+    template     render a conversation to token ids through the chat template
+    trajectory   token ids + loss mask + behaviour logprobs + policy versions, built turn by turn (TITO)
+    messages     OpenAI-style messages: validation, the client's view vs the template's view
+    toolcalls    pluggable tool-call parsers (Hermes/Qwen <tool_call> JSON by default)
+    tools        tools (calculator, python/bash in a sandbox) and their registry
+    generator    where turns are generated: an in-process engine, or an engine/router over HTTP
+    session      one episode: limits, turns, reconciliation of OpenAI-style requests
+    client       an OpenAI-style client bound to one session, in process
+    episode      the `step` interface and the episode loop
+    proxy        the black-box proxy: an OpenAI-compatible endpoint per session over HTTP
+    verify       proof that the trajectory holds exactly what the engine sampled
+    check        `rollwise check tito`
+    toy          a tiny model taught to call the calculator (tests and checks)
+"""
+
+from rollwise.agent.client import SessionClient
+from rollwise.agent.episode import EpisodeResult, StepAgent, ToolAgent, run_episode
+from rollwise.agent.generator import HTTPGenerator, LocalGenerator
+from rollwise.agent.session import AgentSession, LimitReached, SessionLimits, TurnResult
+from rollwise.agent.tools import BashTool, CalculatorTool, PythonTool, Tool, ToolError, ToolRegistry
+from rollwise.agent.trajectory import Trajectory, TrajectoryBuilder, TrajectorySegment
+
+__all__ = [
+    "AgentSession", "BashTool", "CalculatorTool", "EpisodeResult", "HTTPGenerator", "LimitReached",
+    "LocalGenerator", "PythonTool", "SessionClient", "SessionLimits", "StepAgent", "Tool", "ToolAgent",
+    "ToolError", "ToolRegistry", "Trajectory", "TrajectoryBuilder", "TrajectorySegment", "TurnResult",
+    "run_episode",
+]
