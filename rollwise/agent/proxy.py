@@ -1,0 +1,281 @@
+"""The black-box proxy: an OpenAI-compatible endpoint per session, so any agent framework can be trained.
+
+Point the framework's OpenAI client at `http://HOST:PORT/sessions/<session id>/v1` and run it as is.
+Every chat completion becomes one engine turn of that session: the proxy renders the conversation
+through the chat template itself, sends *token ids* to the engine (or router) over `POST /generate`,
+and records the exact sampled ids, logprobs and policy versions (rollwise.agent.trajectory).
+
+    POST   /sessions/{id}/v1/chat/completions   OpenAI chat completions (tools, tool_calls); the session is
+                                                created on first use. Responses also carry token_ids and
+                                                policy_versions; stream, n > 1 and stop strings are refused
+    GET    /sessions/{id}/v1/models, /v1/models the served model
+    GET    /sessions/{id}/trajectory            the trajectory so far (segments: ids, mask, logprobs, versions)
+    POST   /sessions/{id}/finish {reward?}      close the session: no more turns; returns the trajectory
+    DELETE /sessions/{id}                       forget it (returns the trajectory one last time)
+    GET    /sessions                            ids, turns and state of the sessions held
+
+Errors are OpenAI's error JSON naming the field: 400 for a bad request, 404 for an unknown session,
+409 for a finished session, 429 with code max_turns / max_tokens / context when a session limit is
+reached, 502 when the engine fails. A failed turn leaves the trajectory as it was (nothing recorded
+twice: the retried request generates the turn once).
+
+Run it: `python -m rollwise.agent.proxy --upstream http://127.0.0.1:8000 --model tiny:0 --port 8100`
+(upstream: `rollwise serve engine` or `rollwise serve router`; the tokenizer fingerprints must match).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from rollwise.agent.client import chat_completion_dict, sampling_args
+from rollwise.agent.generator import Generator, UpstreamError
+from rollwise.agent.messages import MessageError
+from rollwise.agent.session import AgentSession, LimitReached, SessionLimits
+
+SESSION_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+
+
+class ProxyError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+class ChatRequest(BaseModel):
+    """The OpenAI fields an agent session serves; anything else is refused by name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    model: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=0)
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
+    stop: Any = None
+    stop_token_ids: list[int] | None = None
+    logprobs: bool | None = None  # accepted: the sampled tokens' logprobs are always returned
+    top_logprobs: int | None = Field(None, ge=0, le=0)
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> Any:
+        if value not in (None, "auto", "none"):
+            raise ValueError("only 'auto' and 'none' are supported (the model decides)")
+        return value
+
+
+class FinishRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reward: float | None = None
+
+
+class SessionStore:
+    """Sessions by id; created on first use with the proxy's defaults."""
+
+    def __init__(self, generator: Generator, tokenizer: Any, limits: SessionLimits, parser: str,
+                 temperature: float, max_sessions: int) -> None:
+        self.generator, self.tokenizer, self.limits, self.parser = generator, tokenizer, limits, parser
+        self.temperature, self.max_sessions = temperature, max_sessions
+        self.info = generator.info()
+        self.sessions: dict[str, AgentSession] = {}
+        self.finished: dict[str, float | None] = {}  # session id -> reward given at finish
+        self._lock = threading.Lock()
+
+    def get(self, session_id: str, create: bool = False) -> AgentSession:
+        if not SESSION_ID.match(session_id):
+            raise ProxyError(400, f"session id {session_id!r} must be 1-128 characters of A-Z a-z 0-9 _ . : -",
+                             "session_id")
+        with self._lock:
+            session = self.sessions.get(session_id)
+            if session is None:
+                if not create:
+                    raise ProxyError(404, f"no session {session_id!r}", "session_id", kind="not_found_error")
+                if len(self.sessions) >= self.max_sessions:
+                    raise ProxyError(429, f"the proxy holds max_sessions={self.max_sessions} sessions: finish and "
+                                     "DELETE old ones", kind="rate_limit_error")
+                session = AgentSession(self.generator, self.tokenizer, session_id=session_id, limits=self.limits,
+                                       parser=self.parser, temperature=self.temperature, info=self.info)
+                self.sessions[session_id] = session
+            return session
+
+
+async def _proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
+    return exc.response()
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    problems = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "request body"
+        msg = "is not a supported field" if err.get("type") == "extra_forbidden" else err.get("msg", "invalid")
+        problems.append(f"{loc}: {msg}")
+    first = exc.errors()[0].get("loc", ()) if exc.errors() else ()
+    param = ".".join(str(p) for p in first if p != "body") or None
+    return ProxyError(400, "; ".join(problems) or "invalid request", param).response()
+
+
+def _turn(store: SessionStore, session: AgentSession, body: ChatRequest, model: str) -> dict[str, Any]:
+    """Runs on a worker thread: one session turn, holding the session's lock."""
+    fields = body.model_dump(exclude={"messages", "tools", "tool_choice", "model", "parallel_tool_calls", "logprobs",
+                                      "top_logprobs", "user", "metadata", "store", "stream_options"})
+    try:
+        args = sampling_args(**fields)
+    except ValueError as exc:
+        raise ProxyError(400, str(exc), str(exc).split(":")[0]) from exc
+    with session.lock:
+        if session.id in store.finished:
+            raise ProxyError(409, f"session {session.id!r} is finished", "session_id", kind="conflict")
+        tools = body.tools if body.tool_choice != "none" else None
+        try:
+            turn = session.chat(body.messages, tools=tools, **args)
+        except MessageError as exc:
+            raise ProxyError(400, str(exc), "messages") from exc
+        except LimitReached as exc:
+            raise ProxyError(429, str(exc), None, kind="session_limit", code=exc.reason) from exc
+        except UpstreamError as exc:
+            raise ProxyError(502, f"the engine failed: {exc.message}", kind="server_error") from exc
+        except ValueError as exc:  # refused by the engine (e.g. a prompt past max_model_len)
+            raise ProxyError(400, f"the engine refused the turn: {exc}") from exc
+        return chat_completion_dict(session, turn, model)
+
+
+def create_proxy_app(generator: Generator, tokenizer: Any, *, model_name: str = "rollwise-policy",
+                     limits: SessionLimits | None = None, parser: str = "hermes", temperature: float = 1.0,
+                     max_sessions: int = 10_000, fingerprint: str | None = None) -> FastAPI:
+    """The proxy over `generator` (an HTTPGenerator to an engine/router, or a LocalGenerator).
+    `fingerprint`: this tokenizer's; refused when the engine reports a different one (invariant 1)."""
+    store = SessionStore(generator, tokenizer, limits or SessionLimits(), parser, temperature, max_sessions)
+    engine_fp = store.info.tokenizer_fingerprint
+    if fingerprint and engine_fp and fingerprint != engine_fp:
+        raise ValueError(f"the engine's tokenizer (fingerprint {engine_fp[:12]}…) differs from the proxy's "
+                         f"({fingerprint[:12]}…): token ids would mean different text; use the engine's model spec")
+    app = FastAPI(title="rollwise agent proxy", summary="OpenAI-compatible endpoint per session, exact trajectories")
+    app.state.store = store
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(ProxyError, _proxy_error)
+    created = int(time.time())
+
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "rollwise"}]}
+
+    @app.post("/sessions/{session_id}/v1/chat/completions")
+    async def chat_completions(session_id: str, body: ChatRequest) -> dict[str, Any]:
+        if body.model is not None and body.model != model_name:
+            raise ProxyError(404, f"model {body.model!r} is not served here; this proxy serves {model_name!r}",
+                             "model", kind="not_found_error")
+        session = store.get(session_id, create=True)
+        return await asyncio.to_thread(_turn, store, session, body, model_name)
+
+    @app.get("/sessions/{session_id}/v1/models")
+    async def session_models(session_id: str) -> dict[str, Any]:
+        return models()
+
+    @app.get("/v1/models")
+    async def all_models() -> dict[str, Any]:
+        return models()
+
+    def _trajectory(session: AgentSession) -> dict[str, Any]:
+        with session.lock:
+            traj = session.trajectory()
+        out = traj.to_dict()
+        out["finished"] = session.id in store.finished
+        if out["finished"]:
+            out["reward"] = store.finished[session.id]
+        return out
+
+    @app.get("/sessions/{session_id}/trajectory")
+    async def trajectory(session_id: str) -> dict[str, Any]:
+        return _trajectory(store.get(session_id))
+
+    @app.post("/sessions/{session_id}/finish")
+    async def finish(session_id: str, body: FinishRequest | None = None) -> dict[str, Any]:
+        session = store.get(session_id)
+        store.finished[session_id] = body.reward if body else None
+        if session.finish_reason is None:
+            session.finish_reason = "done"
+        return _trajectory(session)
+
+    @app.delete("/sessions/{session_id}")
+    async def delete(session_id: str) -> dict[str, Any]:
+        session = store.get(session_id)
+        out = _trajectory(session)
+        with store._lock:
+            store.sessions.pop(session_id, None)
+            store.finished.pop(session_id, None)
+        return out
+
+    @app.get("/sessions")
+    async def sessions() -> dict[str, Any]:
+        return {"sessions": [{"id": sid, "turns": s.builder.turns, "finished": sid in store.finished,
+                              "finish_reason": s.finish_reason} for sid, s in list(store.sessions.items())]}
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    import uvicorn
+
+    from rollwise.agent.generator import HTTPGenerator
+    from rollwise.model.loading import tokenizer_fingerprint
+
+    parser = argparse.ArgumentParser(prog="python -m rollwise.agent.proxy", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--upstream", required=True, help="engine or router URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--model", required=True, help="the engine's model spec (for the tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--max-turns", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=4096, help="sampled tokens per session")
+    args = parser.parse_args(argv)
+    tokenizer = load_tokenizer(args.model)
+    app = create_proxy_app(HTTPGenerator(args.upstream), tokenizer, model_name=args.model,
+                           limits=SessionLimits(max_turns=args.max_turns, max_tokens=args.max_tokens),
+                           fingerprint=tokenizer_fingerprint(tokenizer))
+    uvicorn.run(app, host=args.host, port=args.port)
+
+
+def load_tokenizer(spec: str) -> Any:
+    """The tokenizer of a model spec, without loading weights."""
+    if spec.startswith("tiny:"):
+        from rollwise.model.tiny import tiny_tokenizer
+
+        return tiny_tokenizer()
+    from transformers import AutoTokenizer
+
+    from rollwise.model.loading import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(spec))
+
+
+if __name__ == "__main__":
+    main()

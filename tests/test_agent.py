@@ -1,0 +1,384 @@
+"""The agent layer: tool calls (good, malformed, unknown), limits, agent-inserted turns, sandbox tools,
+the in-process OpenAI-style client, and the black-box proxy over real HTTP with the `openai` package.
+
+Engines are real (the reference engine with a tiny model taught to call the calculator).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from rollwise.agent.client import SessionClient
+from rollwise.agent.episode import ToolAgent, run_episode
+from rollwise.agent.generator import HTTPGenerator, LocalGenerator
+from rollwise.agent.proxy import create_proxy_app
+from rollwise.agent.session import AgentSession, LimitReached, SessionLimits
+from rollwise.agent.toolcalls import HermesToolParser, get_parser
+from rollwise.agent.tools import BashTool, CalculatorTool, PythonTool, ToolRegistry, evaluate_arithmetic
+from rollwise.agent.toy import toy_question, toy_tool_model
+from rollwise.agent.verify import RecordingGenerator, verify_trajectory
+from rollwise.engine.factory import create_engine
+from rollwise.engine.server import create_app
+from rollwise.model.loading import tokenizer_fingerprint
+from rollwise.model.tiny import tiny_tokenizer
+
+pytestmark = [pytest.mark.usefixtures("single_torch_thread"), pytest.mark.timeout(120)]
+
+CALC = CalculatorTool().spec()
+
+
+@pytest.fixture(scope="module")
+def toy():
+    model, tokenizer = toy_tool_model(seed=0)
+    engine = create_engine("reference", model, tokenizer, max_num_seqs=8, max_model_len=768,
+                           eos_token_ids=[tokenizer.eos_token_id], seed=0,
+                           tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
+    generator = LocalGenerator(engine)
+    yield model, tokenizer, generator, engine
+    generator.close()
+
+
+# ------------------------------------------------------------------ tool calls from untrusted text
+
+
+def test_parser_reads_good_calls_and_reports_bad_ones():
+    p = HermesToolParser()
+    good = p.parse('Let me add. <tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>')
+    assert good.content == "Let me add." and good.calls[0].name == "calculator"
+    assert good.calls[0].arguments == {"expression": "2+3"} and not good.errors
+    as_string = p.parse('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
+    assert as_string.calls[0].arguments == {"x": 1}
+    cases = {
+        '<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>': "not valid JSON",
+        '<tool_call>["calculator"]</tool_call>': "must be a JSON object",
+        '<tool_call>{"arguments": {}}</tool_call>': "no \"name\"",
+        '<tool_call>{"name": "f", "arguments": [1]}</tool_call>': "must be a JSON object",
+        '<tool_call>{"name": "calculator", "argu': "not closed",
+        "<tool_call>" + "x" * 20_000 + "</tool_call>": "the limit is",
+    }
+    for text, needle in cases.items():
+        parsed = p.parse(text)
+        assert not parsed.calls and len(parsed.errors) == 1 and needle in parsed.errors[0].message, text[:60]
+    with pytest.raises(ValueError, match="unknown tool-call parser 'nope'.*hermes"):
+        get_parser("nope")
+
+
+def test_registry_turns_every_failure_into_an_error_result():
+    reg = ToolRegistry([CalculatorTool()])
+    p = HermesToolParser()
+
+    def run(text):
+        parsed = p.parse(text)
+        return reg.execute((parsed.calls + parsed.errors)[0])
+
+    ok = run('<tool_call>{"name": "calculator", "arguments": {"expression": "(2+3)*4"}}</tool_call>')
+    assert not ok.error and ok.content == "20"
+    unknown = run('<tool_call>{"name": "search", "arguments": {"q": "x"}}</tool_call>')
+    assert unknown.error and "unknown tool 'search'" in unknown.content and "calculator" in unknown.content
+    missing = run('<tool_call>{"name": "calculator", "arguments": {}}</tool_call>')
+    assert missing.error and "missing required argument" in missing.content
+    wrong_type = run('<tool_call>{"name": "calculator", "arguments": {"expression": 5}}</tool_call>')
+    assert wrong_type.error and "must be of type string" in wrong_type.content
+    extra = run('<tool_call>{"name": "calculator", "arguments": {"expression": "1", "x": 2}}</tool_call>')
+    assert extra.error and "unknown argument" in extra.content
+    for expr, needle in [("__import__('os')", "only numbers"), ("1/0", "division by zero"), ("9**9**9", "too large"),
+                         ("2+", "not an arithmetic expression")]:
+        r = run(json.dumps({"name": "calculator", "arguments": {"expression": expr}}).join(["<tool_call>", "</tool_call>"]))
+        assert r.error and needle in r.content, (expr, r.content)
+    malformed = run("<tool_call>{nope</tool_call>")
+    assert malformed.error and malformed.message()["role"] == "tool"
+    assert evaluate_arithmetic("7 // 2 + 2 ** 3") == 11
+
+
+def test_malformed_and_unknown_calls_go_back_to_the_model(toy):
+    """In a real episode the model's broken calls come back as tool results and the episode goes on."""
+    model, tokenizer, generator, _ = toy
+    errors = 0
+    for seed in range(6):
+        recorder = RecordingGenerator(generator)
+        session = AgentSession(recorder, tokenizer, seed=seed, limits=SessionLimits(max_turns=3))
+        agent = ToolAgent(ToolRegistry([CalculatorTool()]))
+        result = run_episode(session, toy_question(random.Random(seed)), agent, max_tokens=120)
+        assert verify_trajectory(result.trajectory, recorder.calls).ok
+        for r in agent.results:
+            if r.error:
+                errors += 1
+                assert r.content.startswith("error:")
+                # the error text is in the conversation the model saw next
+                assert any(m["role"] == "tool" and m["content"] == r.content for m in result.trajectory.messages)
+    assert errors, "no malformed or unknown tool call in 6 episodes"
+
+
+# ------------------------------------------------------------------ limits and inserted turns
+
+
+def test_turn_limit(toy):
+    _, tokenizer, generator, _ = toy
+
+    class Chatty(ToolAgent):
+        def step(self, turn, session):
+            return [{"role": "user", "content": "more"}]
+
+    session = AgentSession(generator, tokenizer, seed=0, limits=SessionLimits(max_turns=2))
+    result = run_episode(session, [{"role": "user", "content": "hi"}], Chatty(ToolRegistry()), max_tokens=8)
+    assert result.finish_reason == "max_turns" and result.trajectory.turns == 2
+    assert result.trajectory.finish_reason == "max_turns"
+    with pytest.raises(LimitReached, match="max_turns=2"):
+        session.generate()
+
+
+def test_token_limit_caps_turns(toy):
+    _, tokenizer, generator, _ = toy
+    recorder = RecordingGenerator(generator)
+    session = AgentSession(recorder, tokenizer, seed=0, limits=SessionLimits(max_tokens=30, max_turns=10))
+
+    class Chatty(ToolAgent):
+        def step(self, turn, session):
+            return [{"role": "user", "content": "more"}]
+
+    result = run_episode(session, [{"role": "user", "content": "hi"}], Chatty(ToolRegistry()), max_tokens=12)
+    assert result.finish_reason == "max_tokens"
+    assert result.trajectory.sampled_tokens <= 30
+    assert [p.max_tokens for _, p, _ in recorder.calls][:2] == [12, 12]  # later turns get what is left
+    assert sum(len(c.token_ids) for _, _, c in recorder.calls) == result.trajectory.sampled_tokens
+
+
+def test_context_limit(toy):
+    _, tokenizer, generator, _ = toy
+    session = AgentSession(generator, tokenizer, seed=0)
+    session.start([{"role": "user", "content": "x" * 760}])
+    with pytest.raises(LimitReached, match="max_model_len=768") as info:
+        session.generate()
+    assert info.value.reason == "context"
+
+
+def test_agent_inserted_turns(toy):
+    model, tokenizer, generator, _ = toy
+
+    class Coach(ToolAgent):
+        """Adds a system note and a user nudge mid-episode, after the tool results."""
+
+        def step(self, turn, session):
+            follow = super().step(turn, session) or []
+            if session.builder.turns == 1:
+                follow += [{"role": "system", "content": "Note: be brief."}, {"role": "user", "content": "Answer?"}]
+            return follow
+
+    recorder = RecordingGenerator(generator)
+    session = AgentSession(recorder, tokenizer, seed=2, limits=SessionLimits(max_turns=3))
+    result = run_episode(session, toy_question(random.Random(2)), Coach(ToolRegistry([CalculatorTool()])),
+                         max_tokens=120)
+    traj = result.trajectory
+    assert verify_trajectory(traj, recorder.calls, model=model).ok
+    roles = [m["role"] for m in traj.messages]
+    assert roles[:3] == ["system", "user", "assistant"] and "Note: be brief." in [m["content"] for m in traj.messages]
+    text = tokenizer.decode(traj.segments[0].token_ids)
+    assert "<|im_start|>system\nNote: be brief.<|im_end|>\n<|im_start|>user\nAnswer?<|im_end|>\n" in text
+
+
+# ------------------------------------------------------------------ sandbox tools
+
+
+def test_python_and_bash_tools_share_the_rollout_sandbox():
+    from rollwise.sandbox import LocalSandbox, SandboxLimits
+
+    with LocalSandbox(SandboxLimits(timeout_s=10)) as sb:
+        if not sb.run("command -v python3").ok:
+            pytest.skip("no python3 inside the sandbox (Debian's python3 is what the sandbox sees)")
+        reg = ToolRegistry([PythonTool(sb), BashTool(sb), CalculatorTool()])
+        p = HermesToolParser()
+
+        def call(name, **arguments):
+            text = "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+            return reg.execute(p.parse(text).calls[0])
+
+        r = call("python", code="open('state.txt', 'w').write('42')\nprint(6 * 7)")
+        assert not r.error and r.content == "42"
+        assert call("bash", command="cat state.txt").content == "42"  # files persist across turns
+        failing = call("python", code="raise SystemExit('boom')")
+        assert "boom" in failing.content and "[exit code 1" in failing.content
+        slow = BashTool(sb, timeout_s=1).run({"command": "sleep 30"})
+        assert "exit code" in slow and "timeout" in slow.lower(), slow
+
+
+# ------------------------------------------------------------------ OpenAI-style client in process
+
+
+def test_session_client_speaks_openai_types(toy):
+    model, tokenizer, generator, _ = toy
+    recorder = RecordingGenerator(generator)
+    session = AgentSession(recorder, tokenizer, seed=1)
+    client = SessionClient(session)
+    reg = ToolRegistry([CalculatorTool()])
+    messages = toy_question(random.Random(1))
+    # agent code as written for OpenAI: call, run tool_calls, append, call again
+    for _ in range(3):
+        r = client.chat.completions.create(messages=messages, tools=[CALC], max_tokens=120)
+        msg = r.choices[0].message
+        assert r.object == "chat.completion" and r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        messages.append(msg.model_dump(exclude_none=True))
+        if not msg.tool_calls:
+            messages.append({"role": "user", "content": "check it"})
+            continue
+        for tc in msg.tool_calls:
+            parsed = HermesToolParser().parse(
+                "<tool_call>" + json.dumps({"name": tc.function.name,
+                                            "arguments": json.loads(tc.function.arguments)}) + "</tool_call>")
+            result = reg.execute(parsed.calls[0])
+            messages.append({"role": "tool", "tool_call_id": tc.id, "content": result.content})
+    traj = session.trajectory()
+    assert traj.turns == 3 and not traj.splits  # each request extended the last: one segment
+    assert verify_trajectory(traj, recorder.calls, model=model).ok
+    with pytest.raises(ValueError, match="n must be 1"):
+        client.chat.completions.create(messages=messages, n=2)
+    with pytest.raises(ValueError, match="stop strings"):
+        client.chat.completions.create(messages=messages, stop=["\n"])
+
+
+def test_client_rewriting_history_splits(toy):
+    _, tokenizer, generator, _ = toy
+    recorder = RecordingGenerator(generator)
+    session = AgentSession(recorder, tokenizer, seed=0)
+    client = SessionClient(session)
+    messages = [{"role": "user", "content": "1+1?"}]
+    r = client.chat.completions.create(messages=messages, max_tokens=10)
+    messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+    client.chat.completions.create(messages=messages, max_tokens=10)
+    messages[0] = {"role": "user", "content": "2+2?"}  # an agent framework that edits history
+    client.chat.completions.create(messages=messages[:1], max_tokens=10)
+    traj = session.trajectory()
+    assert len(traj.segments) == 2 and "changed the conversation at message 0" in traj.splits[0]
+    assert verify_trajectory(traj, recorder.calls).ok
+
+
+# ------------------------------------------------------------------ the black-box proxy over HTTP
+
+
+@contextlib.contextmanager
+def _serve(app):
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def proxy():
+    model, tokenizer = toy_tool_model(seed=0)
+    engine = create_engine("reference", model, tokenizer, max_num_seqs=8, max_model_len=768,
+                           eos_token_ids=[tokenizer.eos_token_id], seed=0)
+    with _serve(create_app(engine, tokenizer, "toy")) as engine_url:
+        upstream = HTTPGenerator(engine_url)
+        app = create_proxy_app(upstream, tokenizer, model_name="toy", limits=SessionLimits(max_turns=4),
+                               fingerprint=tokenizer_fingerprint(tokenizer))
+        with _serve(app) as url:
+            yield url, tokenizer
+        upstream.close()
+
+
+def test_proxy_captures_a_tool_using_session(proxy):
+    url, tokenizer = proxy
+    client = openai.OpenAI(base_url=f"{url}/sessions/ep-1/v1", api_key="unused", max_retries=0, timeout=60)
+    reg = ToolRegistry([CalculatorTool()])
+    messages = toy_question(random.Random(2))
+    responses = []
+    for _ in range(3):
+        r = client.chat.completions.create(model="toy", messages=messages, tools=[CALC], max_tokens=120,
+                                           temperature=1.0, seed=7)
+        responses.append(r)
+        msg = r.choices[0].message
+        messages.append(msg.model_dump(exclude_none=True))
+        if msg.tool_calls:
+            for tc in msg.tool_calls:
+                call = HermesToolParser().parse("<tool_call>" + json.dumps(
+                    {"name": tc.function.name, "arguments": json.loads(tc.function.arguments)}) + "</tool_call>")
+                messages.append({"role": "tool", "tool_call_id": tc.id,
+                                 "content": reg.execute(call.calls[0]).content})
+        else:
+            messages.append({"role": "user", "content": "and now?"})
+    client.close()
+    traj = httpx.get(f"{url}/sessions/ep-1/trajectory").json()
+    assert traj["turns"] == 3 and traj["splits"] == [] and not traj["finished"]
+    seg = traj["segments"][0]
+    # every turn's sampled ids and logprobs, as the client received them, sit in the trajectory with mask 1
+    for r, span in zip(responses, seg["spans"]):
+        choice = r.choices[0]
+        ids = choice.model_extra["token_ids"]
+        assert seg["token_ids"][span["start"]: span["end"]] == ids
+        assert seg["loss_mask"][span["start"]: span["end"]] == [1] * len(ids)
+        assert seg["logprobs"][span["start"]: span["end"]] == [t.logprob for t in choice.logprobs.content]
+        assert seg["versions"][span["start"]: span["end"]] == choice.model_extra["policy_versions"]
+        assert r.usage.prompt_tokens == span["start"]  # the engine's prompt was the trajectory so far
+    assert sum(seg["loss_mask"]) == sum(len(r.choices[0].model_extra["token_ids"]) for r in responses)
+    done = httpx.post(f"{url}/sessions/ep-1/finish", json={"reward": 1.0}).json()
+    assert done["finished"] and done["reward"] == 1.0
+    again = httpx.post(f"{url}/sessions/ep-1/v1/chat/completions", json={"messages": messages})
+    assert again.status_code == 409
+    assert "ep-1" in [s["id"] for s in httpx.get(f"{url}/sessions").json()["sessions"]]
+    assert httpx.delete(f"{url}/sessions/ep-1").status_code == 200
+    assert httpx.get(f"{url}/sessions/ep-1/trajectory").status_code == 404
+
+
+def test_proxy_bad_requests_name_the_field(proxy):
+    url, _ = proxy
+    post = lambda body, sid="bad-1": httpx.post(f"{url}/sessions/{sid}/v1/chat/completions", json=body)  # noqa: E731
+    user = [{"role": "user", "content": "hi"}]
+    cases = [
+        ({"messages": user, "n": 2}, "n must be 1"),
+        ({"messages": user, "stream": True}, "stream"),
+        ({"messages": user, "stop": ["x"]}, "stop strings"),
+        ({"messages": user, "frobnicate": 1}, "frobnicate: is not a supported field"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role must be one of"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text is supported"),
+        ({"messages": user, "tool_choice": "required"}, "only 'auto' and 'none'"),
+        ({"messages": user, "max_tokens": 0}, "max_tokens"),
+    ]
+    for body, needle in cases:
+        r = post(body)
+        assert r.status_code == 400, (body, r.text)
+        assert needle in r.json()["error"]["message"], (needle, r.json())
+    r = httpx.post(f"{url}/sessions/bad-1/v1/chat/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert post({"messages": user}, sid="bad id!").status_code in (400, 404)
+    assert post({"messages": user, "model": "other"}).status_code == 404
+    assert httpx.get(f"{url}/sessions/nobody/trajectory").status_code == 404
+    # the turn limit is a clear 429 with the reason, and the trajectory stays retrievable
+    messages = list(user)
+    for i in range(4):
+        r = post({"messages": messages, "max_tokens": 4}, sid="limit-1")
+        assert r.status_code == 200, r.text
+        messages += [r.json()["choices"][0]["message"], {"role": "user", "content": f"more {i}"}]
+    r = post({"messages": messages, "max_tokens": 4}, sid="limit-1")
+    assert r.status_code == 429 and r.json()["error"]["code"] == "max_turns"
+    assert httpx.get(f"{url}/sessions/limit-1/trajectory").json()["turns"] == 4
+
+
+def test_proxy_refuses_an_engine_with_another_tokenizer(toy):
+    _, tokenizer, generator, _ = toy
+    other = tiny_tokenizer()
+    other.chat_template = other.chat_template + " "
+    with pytest.raises(ValueError, match="tokenizer"):
+        create_proxy_app(generator, other, fingerprint=tokenizer_fingerprint(other))
