@@ -17,6 +17,9 @@
     rollwise check sandbox [--level bwrap|unshare|rlimits] [--json PATH]
                                                      the sandbox isolation this machine gives, and probes
                                                      (network, filesystem, limits, fork) that try to break out
+    rollwise check tito [--model SPEC] [--engine reference|vllm|auto] [--json PATH]
+                                                     multi-turn tool-calling conversations through a real engine:
+                                                     token-for-token equality of sampled ids and the trajectory
 """
 
 from __future__ import annotations
@@ -142,16 +145,31 @@ def _build_parser() -> argparse.ArgumentParser:
         help="check a part of the system on this machine",
         description="sandbox: print the isolation level available here (and what is missing), then run probes "
         "that try to reach the network, write outside the workspace, exceed memory/CPU/process/file/output "
-        "limits and fork a workspace. Exit code 1 if any probe was not contained.",
+        "limits and fork a workspace. Exit code 1 if any probe was not contained. tito: drive multi-turn "
+        "conversations with tool calls through a real engine and prove token-for-token equality between what the "
+        "engine sampled and the trajectory the trainer receives; report chat-template transitions that break the "
+        "prefix property. Exit code 1 on a violation.",
     )
-    check.add_argument("name", choices=["sandbox"], help="sandbox: isolation level and break-out probes")
+    check.add_argument("name", choices=["sandbox", "tito"],
+                       help="sandbox: isolation level and break-out probes; tito: token-in/token-out on an engine")
     check.add_argument("--level", choices=["bwrap", "unshare", "rlimits"], default=None,
                        help="sandbox: probe at most this isolation level (default: the strongest available)")
     check.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
+    check.add_argument("--model", default="tiny:0", metavar="SPEC",
+                       help="tito: model spec (default: %(default)s, a tiny model taught to call tools)")
+    check.add_argument("--engine", default="auto", choices=["auto", "reference", "vllm"],
+                       help="tito: engine backend (default: %(default)s)")
+    check.add_argument("--episodes", type=int, default=3, metavar="N", help="tito: conversations (default: 3)")
+    check.add_argument("--strict-prefix", action="store_true",
+                       help="tito: also exit 1 when the chat template breaks the prefix property (splits)")
     return parser
 
 
 def _cmd_check(args: argparse.Namespace, console: Console) -> int:
+    if args.name == "tito":
+        from rollwise.agent.check import cli_check_tito
+
+        return cli_check_tito(args, console)
     from rollwise.sandbox.probes import cli_check_sandbox
 
     return cli_check_sandbox(args, console)

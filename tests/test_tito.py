@@ -201,3 +201,43 @@ def test_non_bijective_tokenizer_keeps_sampled_ids():
         assert drift_seen, "no multi-character token sampled: the test did not exercise drift"
     finally:
         generator.close()
+
+
+# Qwen3/DeepSeek-R1 style: earlier assistant turns lose their <think>...</think> block.
+REASONING_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' and not loop.last and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1] %}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + content + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_template_probe_reports_breaking_transitions():
+    from rollwise.agent.check import probe_template
+    from rollwise.model.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    ok = probe_template(ChatRenderer(tok), [tok.eos_token_id])
+    assert all(p.keeps_prefix for p in ok), [p for p in ok if not p.keeps_prefix]
+    probes = {p.transition: p for p in probe_template(ChatRenderer(tok, REASONING_TEMPLATE), [tok.eos_token_id])}
+    assert not probes["assistant (reasoning) -> user"].keeps_prefix
+    assert "rewrites earlier turns" in probes["assistant (reasoning) -> user"].detail
+    assert probes["assistant -> tool"].keeps_prefix  # no reasoning block: nothing rewritten
+
+
+def test_check_tito_cli_exits_0_on_the_tiny_model(tmp_path, capsys):
+    import json
+
+    from rollwise.cli import main
+
+    out = tmp_path / "tito.json"
+    assert main(["check", "tito", "--model", "tiny:0", "--engine", "reference", "--episodes", "2",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["violations"] == [] and result["engine"] == "reference"
+    assert sum(len(ep["turns"]) for ep in result["episodes"]) >= 4
+    assert all(t["ids_equal"] and t["prompt_is_prefix"] for ep in result["episodes"] for t in ep["turns"])
+    assert "TITO holds" in capsys.readouterr().out
