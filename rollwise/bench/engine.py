@@ -96,32 +96,49 @@ def _requests(prompts: list[list[int]], budgets: list[list[int]]) -> list[Genera
 
 
 def _time_vllm(model: Any, tokenizer: Any, prompts: list[list[int]], budgets: list[list[int]], seed: int) -> dict:
-    """The same requests through vLLM twice, in one process: our engine contract (VLLMEngine: one
+    """The same requests through vLLM both ways, in one process: our engine contract (VLLMEngine: one
     vLLM request per sample, token ids in/out, per-token logprobs and versions) and vLLM's own
-    `LLM.generate` with the same engine settings. The ratio is what the contract costs."""
+    `LLM.generate` with the same engine settings. The ratio is what the contract costs.
+
+    Only one in-process vLLM engine can live at a time, so the two cannot run side by side; they run
+    in ABBA order (contract, native, native, contract), each on a fresh engine, and each side's two
+    times are averaged, so a drift in machine load falls on both alike."""
     from rollwise.engine.vllm_backend import VLLMEngine
 
     max_len = max(len(p) for p in prompts) + max(max(b) for b in budgets) + 1
-    ours = VLLMEngine(model, tokenizer, max_num_seqs=MAX_NUM_SEQS, max_model_len=max_len, seed=seed)
     requests = _requests(prompts, budgets)
-    ours.generate([GenerationRequest("warmup", prompts[0], SamplingParams(max_tokens=2, ignore_eos=True))])
-    start = time.perf_counter()
-    completions = ours.generate(requests)
-    contract_seconds = time.perf_counter() - start
-    assert sum(len(c.token_ids) for c in completions) == sum(map(sum, budgets))
-    on_cpu = ours.device == "cpu"
-    ours.close()  # one in-process vLLM engine at a time
+    expected = sum(map(sum, budgets))
+
+    def contract() -> float:
+        ours = VLLMEngine(model, tokenizer, max_num_seqs=MAX_NUM_SEQS, max_model_len=max_len, seed=seed)
+        try:
+            ours.generate([GenerationRequest("warmup", prompts[0], SamplingParams(max_tokens=2, ignore_eos=True))])
+            start = time.perf_counter()
+            completions = ours.generate(requests)
+            seconds = time.perf_counter() - start
+        finally:
+            ours.close()
+        assert sum(len(c.token_ids) for c in completions) == expected
+        return seconds
+
+    times: dict[str, list[float]] = {"contract": [], "native": []}
     with tempfile.TemporaryDirectory(prefix="rollwise-vllm-bench-") as model_dir:
         model.save_pretrained(model_dir)
-        native_seconds = _time_vllm_native(model_dir, requests, max_len, seed, on_cpu, sum(map(sum, budgets)))
-    return {"contract_seconds": contract_seconds, "native_seconds": native_seconds}
+        for side in ("contract", "native", "native", "contract"):
+            times[side].append(contract() if side == "contract"
+                               else _time_vllm_native(model_dir, requests, max_len, seed, expected))
+    return {"contract_seconds": sum(times["contract"]) / 2, "native_seconds": sum(times["native"]) / 2,
+            "contract_runs_s": times["contract"], "native_runs_s": times["native"]}
 
 
-def _time_vllm_native(model_dir: str, requests: list[GenerationRequest], max_len: int, seed: int, on_cpu: bool,
+def _time_vllm_native(model_dir: str, requests: list[GenerationRequest], max_len: int, seed: int,
                       expected_tokens: int) -> float:
     from vllm import LLM
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.platforms import current_platform
+
+    on_cpu = current_platform.is_cpu()
 
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, enable_prefix_caching=True,
               max_num_seqs=MAX_NUM_SEQS, max_model_len=max_len, seed=seed, skip_tokenizer_init=True,
@@ -169,6 +186,7 @@ def run_engine_bench(model: Any, tokenizer: Any, *, quick: bool, seed: int = 0, 
             "native": {"tokens": useful, "seconds": timed["native_seconds"],
                        "tok_per_s": useful / timed["native_seconds"]},
             "contract_vs_native": timed["native_seconds"] / timed["contract_seconds"],
+            "runs_s": {"contract": timed["contract_runs_s"], "native": timed["native_runs_s"]},
         }
     hf = {
         "tokens": useful,
