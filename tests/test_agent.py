@@ -7,6 +7,7 @@ Engines are real (the reference engine with a tiny model taught to call the calc
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import random
 import socket
@@ -382,3 +383,50 @@ def test_proxy_refuses_an_engine_with_another_tokenizer(toy):
     other.chat_template = other.chat_template + " "
     with pytest.raises(ValueError, match="tokenizer"):
         create_proxy_app(generator, other, fingerprint=tokenizer_fingerprint(other))
+
+
+# ------------------------------------------------------------------ multi-turn samples in the GRPO trainer
+
+
+def test_grpo_trains_on_sampled_tokens_only(toy):
+    from rollwise.agent.rollout import AgentConfig, run_agent_groups, score_episodes
+    from rollwise.agent.samples import assign_episode_advantages
+    from rollwise.config import TrainConfig
+    from rollwise.tasks.base import Problem
+    from rollwise.train.trainer import GRPOTrainer
+
+    model, tokenizer, generator, _ = toy
+    rng = random.Random(0)
+    problems = []
+    for i in range(2):
+        messages = toy_question(rng)
+        a, b = messages[1]["content"].rstrip("?").split("+")
+        problems.append(Problem(f"p{i}", messages[1]["content"], str(int(a) + int(b))))
+    system = toy_question(random.Random(0))[0]
+    cfg = AgentConfig(max_turns=3, max_tokens=200, max_tokens_per_turn=120, describe_tools=False)
+    outcomes = run_agent_groups(generator, tokenizer, problems, 4,
+                                lambda p: [system, {"role": "user", "content": p.question}], cfg, seed=1)
+    assert len(outcomes) == 8 and all(o.samples for o in outcomes)
+
+    def score(s):
+        s.reward = 1.0 if next(p for p in problems if p.id == s.problem_id).answer in s.response_text else 0.0
+
+    samples = score_episodes(outcomes, score)
+    multi = [s for s in samples if s.extra["turns"] > 1]
+    assert multi, "no episode with a tool call and a second turn"
+    for s in multi:
+        mask = s.loss_mask
+        assert len(mask) == len(s.response_ids) == len(s.behaviour_logprobs) == len(s.versions)
+        assert mask[0] == 1 and mask[-1] == 1 and 0 in mask  # tool turn inside carries no loss
+        assert all(v >= 0 for v, m in zip(s.versions, mask) if m) and s.staleness(0) == [0] * sum(mask)
+    for s in samples:  # rewards differ within groups so every sample carries signal
+        s.reward += 0.01 * int(s.extra["episode_id"].rsplit("-", 1)[1])
+    assign_episode_advantages(samples, "mean_std")
+    # the trainer owns a copy (the module's other tests compare the engine with the untouched model)
+    trainer = GRPOTrainer(copy.deepcopy(model), TrainConfig(lr=1e-4, micro_batch_size=4),
+                          pad_token_id=tokenizer.pad_token_id)
+    metrics = trainer.train_step(samples)
+    assert metrics["trained_tokens"] == sum(s.trained_tokens for s in samples) < sum(len(s.response_ids) for s in samples)
+    # the trainer's logprobs on the masked positions are the engine's: the mask is aligned token for token
+    assert metrics["mismatch_abs_logp"] < 1e-4
+    assert trainer.version == 1 and metrics["grad_norm"] > 0

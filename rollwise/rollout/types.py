@@ -24,6 +24,17 @@ class Sample:
     lenient_correct: bool = False
     advantage: float = 0.0
     extra: dict = field(default_factory=dict)
+    # Multi-turn (rollwise.agent): 1 on tokens the engine sampled, 0 on template / tool-result tokens
+    # between turns, which are in response_ids only as context. None: every response token is sampled.
+    loss_mask: list[int] | None = None
+
+    @property
+    def trained_mask(self) -> list[int]:
+        return self.loss_mask if self.loss_mask is not None else [1] * len(self.response_ids)
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(self.loss_mask) if self.loss_mask is not None else len(self.response_ids)
 
     @classmethod
     def from_completion(cls, c: Completion, *, problem_id: str, response_text: str = "",
@@ -43,4 +54,5 @@ class Sample:
         )
 
     def staleness(self, trainer_version: int) -> list[int]:
-        return [trainer_version - v for v in self.versions]
+        """Per trained token (tokens with loss mask 0 were sampled by no policy)."""
+        return [trainer_version - v for v, m in zip(self.versions, self.trained_mask) if m]

@@ -78,7 +78,8 @@ def collate_group(samples: list[Sample], weights: Tensor, pad_id: int) -> GroupM
 
 
 def collate(samples: list[Sample], weights: Tensor, pad_id: int) -> MicroBatch:
-    """Pack samples as prompt_ids + response_ids; only response tokens carry loss (mask 1)."""
+    """Pack samples as prompt_ids + response_ids; only response tokens carry loss (mask 1), and of a
+    multi-turn sample only those the engine sampled (its loss_mask), not template/tool tokens."""
     length = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     input_ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(samples), length), dtype=torch.long)
@@ -88,9 +89,9 @@ def collate(samples: list[Sample], weights: Tensor, pad_id: int) -> MicroBatch:
         p, r = len(s.prompt_ids), len(s.response_ids)
         input_ids[row, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
         attention_mask[row, : p + r] = 1
-        target_mask[row, p : p + r] = True
-        behaviour.extend(s.behaviour_logprobs)
-        advantages.extend([s.advantage] * r)
+        target_mask[row, p : p + r] = torch.tensor(s.trained_mask, dtype=torch.bool)
+        behaviour.extend(lp for lp, m in zip(s.behaviour_logprobs, s.trained_mask) if m)
+        advantages.extend([s.advantage] * s.trained_tokens)
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -146,26 +147,29 @@ class GRPOTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_factor, cfg))
 
     def _micro_batches(self, samples: list[Sample]) -> list[MicroBatch | GroupMicroBatch]:
-        samples = [s for s in samples if s.response_ids]
-        if self.cfg.share_prompt_prefix:
+        samples = [s for s in samples if s.trained_tokens]
+        # The shared-prompt forward uses the response mask as attention mask; multi-turn samples
+        # (loss mask 0 on tool/template tokens the model must still attend to) take the padded forward.
+        share = self.cfg.share_prompt_prefix and all(s.loss_mask is None for s in samples)
+        if share:
             # Samples with the same prompt (a GRPO group) go together: the prompt is computed once.
             by_prompt: dict[tuple[int, ...], list[Sample]] = {}
             for s in samples:
                 by_prompt.setdefault(tuple(s.prompt_ids), []).append(s)
             samples = [s for group in by_prompt.values() for s in group]
-        weights = token_weights([len(s.response_ids) for s in samples], self.cfg.loss_agg)
+        weights = token_weights([s.trained_tokens for s in samples], self.cfg.loss_agg)
         chunks: list[list[Sample]] = []
         for s in samples:
             same_prompt = chunks and chunks[-1][0].prompt_ids == s.prompt_ids
-            if chunks and len(chunks[-1]) < self.cfg.micro_batch_size and (same_prompt or not self.cfg.share_prompt_prefix):
+            if chunks and len(chunks[-1]) < self.cfg.micro_batch_size and (same_prompt or not share):
                 chunks[-1].append(s)
             else:
                 chunks.append([s])
         batches: list[MicroBatch | GroupMicroBatch] = []
         offset = 0
-        build = collate_group if self.cfg.share_prompt_prefix else collate
+        build = collate_group if share else collate
         for chunk in chunks:
-            n_tokens = sum(len(s.response_ids) for s in chunk)
+            n_tokens = sum(s.trained_tokens for s in chunk)
             batches.append(build(chunk, weights[offset : offset + n_tokens], self.pad_token_id))
             offset += n_tokens
         return batches
