@@ -108,7 +108,16 @@ class WeightGroup:
         return [obj if rank == dst else pickle.loads(self.store.get(f"gather/{self._round}/{rank}"))  # noqa: S301
                 for rank in range(self.world_size)]
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Leave the group. Rank 0 hosts the store, so it waits (up to timeout_s) until every rank has
+        left: dropping the store earlier would fail a receiver still reading the last header."""
+        if self.store is None:
+            return
+        left = self.store.add("left", 1)
+        deadline = time.monotonic() + timeout_s
+        while self.rank == 0 and left < self.world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+            left = self.store.add("left", 0)
         self.pg = None
         self.store = None
 
