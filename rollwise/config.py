@@ -14,6 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from rollwise.agent.config import AgentConfig
 from rollwise.reward.scoring import RewardConfig
 from rollwise.tasks import TaskConfig
 from rollwise.tasks.prompts import PromptConfig
@@ -126,6 +127,16 @@ class RunConfig(_Section):
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     tensorboard: bool = True
+    # Multi-turn, tool-using episodes instead of single completions (rollwise.agent); e.g.
+    # `rollwise train agent.tools=[calculator]`. None: the single-turn loop.
+    agent: AgentConfig | None = None
+
+    @model_validator(mode="after")
+    def _agent_needs_sync(self) -> RunConfig:
+        if self.agent is not None and self.rollout.mode != "sync":
+            raise ValueError(f"agent: episodes are rolled out in rollout.mode=sync only, got "
+                             f"rollout.mode={self.rollout.mode!r}; set rollout.mode=sync")
+        return self
 
     @model_validator(mode="after")
     def _resolve_auto(self) -> RunConfig:

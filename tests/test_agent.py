@@ -430,3 +430,38 @@ def test_grpo_trains_on_sampled_tokens_only(toy):
     # the trainer's logprobs on the masked positions are the engine's: the mask is aligned token for token
     assert metrics["mismatch_abs_logp"] < 1e-4
     assert trainer.version == 1 and metrics["grad_norm"] > 0
+
+
+def test_rollwise_train_runs_agent_episodes(tmp_path):
+    """`rollwise train` with an `agent:` override: episodes roll out, train, evaluate; tool metrics logged."""
+    from rich.console import Console
+
+    from rollwise.config import load_config
+    from rollwise.control.train_loop import train
+
+    cfg = load_config(None, [
+        "model=tiny:0", "agent={max_turns: 2, max_tokens_per_turn: 12}", "steps=1", "prompts_per_step=2",
+        "group_size=2", "eval.size=2", "eval.every=0", f"output_dir={tmp_path}/run", "engine.kind=reference",
+        "engine.max_model_len=1024", "tensorboard=false", "checkpoint.every=0",
+    ])
+    summary = train(cfg, Console(quiet=True))
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert summary["steps"] == 1 and record["batch_samples"] == 4
+    for key in ("agent_turns_mean", "agent_tool_calls_per_episode", "agent_tool_error_rate",
+                "agent_episodes_with_tool_result"):
+        assert key in record
+    assert 1 <= record["agent_turns_mean"] <= 2
+    evals = (tmp_path / "run" / "evals.jsonl").read_text().splitlines()
+    assert len(evals) == 2  # before and after, as greedy episodes
+
+
+def test_agent_config_errors_name_the_field():
+    from rollwise.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="rollout.mode=sync"):
+        load_config(None, ["agent={}", "rollout.mode=async"])
+    with pytest.raises(ConfigError, match="agent.tools.0"):
+        load_config(None, ["agent.tools=[browser]"])
+    with pytest.raises(ConfigError, match="agent.max_turns"):
+        load_config(None, ["agent.max_turns=0"])
+    assert load_config(None, ["agent={}"]).agent.tools == ["calculator"]

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -157,29 +158,37 @@ def run_check(model_spec: str = "tiny:0", engine_kind: str = "auto", episodes: i
 
 
 def _mark(ok: bool) -> str:
-    return "[green]yes[/]" if ok else "[red]NO[/]"
+    return "[green]✓[/]" if ok else "[red]✗ NO[/]"
 
 
 def render_report(result: dict[str, Any], console: Console) -> None:
     probe = Table(title=f"chat template of {result['model']}: prefix-extension property")
-    for col in ("transition", "keeps prefix", "detail"):
-        probe.add_column(col)
+    probe.add_column("transition", no_wrap=True)
+    probe.add_column("extends", no_wrap=True)
+    probe.add_column("template tokens appended / why it splits", overflow="fold")
     for p in result["probes"]:
-        probe.add_row(p["transition"], "[green]yes[/]" if p["keeps_prefix"] else "[yellow]no: split[/]", p["detail"])
+        detail = p["detail"].removeprefix("template tokens after the turn: ")
+        probe.add_row(p["transition"], "[green]yes[/]" if p["keeps_prefix"] else "[yellow]no: split[/]", detail)
     console.print(probe)
-    table = Table(title=f"engine turns vs trajectory ({result['engine']} engine)")
-    for col in ("ep", "turn", "seg", "prompt", "sampled", "finish", "prompt = prefix", "ids", "logprobs",
-                "versions", "trainer |Δlogp|", "re-encode drift"):
-        table.add_column(col, justify="right" if col in ("ep", "turn", "seg", "prompt", "sampled") else "left")
+    table = Table(title=f"engine turns vs trajectory ({result['engine']} engine)", box=box.SIMPLE_HEAD,
+                  pad_edge=False, collapse_padding=True)
+    # prefix: the engine's prompt was the trajectory so far; ids/logp/ver: the trajectory's span equals
+    # what the engine returned; Δlogp: trainer recompute vs engine; drift: decode->encode differs.
+    for col in ("ep", "turn", "seg", "prompt", "new", "finish", "prefix", "ids", "logp", "ver", "Δlogp", "drift"):
+        table.add_column(col, justify="right" if col in ("ep", "turn", "seg", "prompt", "new") else "left",
+                         no_wrap=True, min_width=len(col))
     for i, ep in enumerate(result["episodes"]):
         for t in ep["turns"]:
             diff = t["trainer_max_abs_logprob_diff"]
             table.add_row(str(i), str(t["turn"]), str(t["segment"]), str(t["prompt_tokens"]), str(t["sampled_tokens"]),
-                          t["finish_reason"], _mark(t["prompt_is_prefix"]), _mark(t["ids_equal"]),
+                          {"length": "len"}.get(t["finish_reason"], t["finish_reason"]), _mark(t["prompt_is_prefix"]), _mark(t["ids_equal"]),
                           _mark(t["logprobs_equal"]), _mark(t["versions_equal"]),
                           "-" if diff is None else f"{diff:.1e}",
-                          "[yellow]yes[/]" if t["retokenization_drift"] else "no")
+                          "[yellow]yes[/]" if t["retokenization_drift"] else "-")
     console.print(table)
+    console.print("prefix: the engine's prompt was the trajectory so far; ids/logp/ver: the trajectory holds "
+                  "exactly what the engine sampled; Δlogp: trainer recompute vs engine; drift: decode -> encode "
+                  "would give other ids")
     turns = sum(len(ep["turns"]) for ep in result["episodes"])
     console.print(f"{len(result['episodes'])} episodes, {turns} engine turns, tool calls: {result['tool_calls_ok']} run, "
                   f"{result['tool_call_errors']} answered with an error; {result['seconds']:.1f}s")

@@ -39,13 +39,25 @@ class Generator(Protocol):
         ...
 
 
-class LocalGenerator:
-    """An engine on an EngineWorker thread, shared by concurrent sessions."""
+@dataclass
+class _Waiting:
+    samples: int  # completions still to come (a request's n samples)
+    done: list[Completion]
+    future: Future
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.worker = EngineWorker(engine, name="agent-engine")
-        self._futures: dict[str, Future] = {}
+
+class LocalGenerator:
+    """An engine on an EngineWorker thread, shared by concurrent sessions. Pass `worker` to borrow
+    one that already drives the engine (the training loop's): this generator then takes over routing
+    its completions, so every request on that engine must go through here."""
+
+    def __init__(self, engine: Any = None, *, worker: EngineWorker | None = None) -> None:
+        if (engine is None) == (worker is None):
+            raise ValueError("LocalGenerator needs an engine or a worker (not both)")
+        self._owns_worker = worker is None
+        self.worker = worker or EngineWorker(engine, name="agent-engine")
+        self.engine = self.worker.engine
+        self._waiting: dict[str, _Waiting] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._drain = threading.Thread(target=self._route, name="agent-engine-drain", daemon=True)
@@ -57,39 +69,60 @@ class LocalGenerator:
                 completion = self.worker.next_completion(timeout=0.05)
             except RuntimeError as exc:  # the engine thread died: fail everyone waiting
                 with self._lock:
-                    for future in self._futures.values():
-                        future.set_exception(exc)
-                    self._futures.clear()
+                    for waiting in self._waiting.values():
+                        waiting.future.set_exception(exc)
+                    self._waiting.clear()
                 return
-            if completion is not None:
-                with self._lock:
-                    future = self._futures.pop(completion.request_id, None)
-                if future is not None:
-                    future.set_result(completion)
+            if completion is None:
+                if not self.worker._thread.is_alive():  # the worker was closed: nothing more will come
+                    return
+                continue
+            with self._lock:
+                waiting = self._waiting.get(completion.request_id)
+                if waiting is None:
+                    continue
+                waiting.done.append(completion)
+                waiting.samples -= 1
+                if waiting.samples == 0:
+                    del self._waiting[completion.request_id]
+                    waiting.future.set_result(sorted(waiting.done, key=lambda c: c.index))
 
     def info(self) -> GeneratorInfo:
         m = self.worker.call(lambda e: e.model_info())
         return GeneratorInfo(m.max_model_len, list(m.eos_token_ids), m.tokenizer_fingerprint, m.policy_version)
 
+    def submit(self, requests: list[GenerationRequest]) -> list[Future]:
+        """Queue requests; each future gives that request's completions (ordered by sample index)."""
+        futures = []
+        with self._lock:
+            for request in requests:
+                if request.request_id in self._waiting:
+                    raise ValueError(f"request id {request.request_id!r} is already in flight")
+            for request in requests:
+                future: Future = Future()
+                self._waiting[request.request_id] = _Waiting(request.params.n, [], future)
+                futures.append(future)
+        try:
+            self.worker.submit(requests)
+        except BaseException:
+            with self._lock:
+                for request in requests:
+                    self._waiting.pop(request.request_id, None)
+            raise
+        return futures
+
     def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None) -> Completion:
         if params.n != 1:
             raise ValueError("an agent turn is one sample: n must be 1")
         rid = f"{session_id or 'agent'}-{uuid.uuid4().hex[:12]}"
-        future: Future = Future()
-        with self._lock:
-            self._futures[rid] = future
-        try:
-            self.worker.call(lambda e: e.add_request(GenerationRequest(rid, list(prompt_ids), params)))
-        except BaseException:
-            with self._lock:
-                self._futures.pop(rid, None)
-            raise
-        return future.result()
+        [future] = self.submit([GenerationRequest(rid, list(prompt_ids), params)])
+        return future.result()[0]
 
     def close(self) -> None:
         self._stop.set()
         self._drain.join(timeout=5)
-        self.worker.close()
+        if self._owns_worker:
+            self.worker.close()
 
 
 class UpstreamError(RuntimeError):

@@ -13,10 +13,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from rollwise.agent.config import AgentConfig
 from rollwise.agent.episode import ToolAgent, run_episode
 from rollwise.agent.generator import Generator
 from rollwise.agent.samples import trajectory_samples
@@ -24,21 +23,6 @@ from rollwise.agent.session import AgentSession, SessionLimits
 from rollwise.agent.tools import BashTool, CalculatorTool, PythonTool, Tool, ToolRegistry
 from rollwise.rollout.types import Sample
 from rollwise.tasks.base import Problem
-
-ToolName = Literal["calculator", "python", "bash"]
-
-
-class AgentConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    tools: list[ToolName] = Field(default_factory=lambda: ["calculator"])
-    max_turns: int = Field(3, ge=1, description="engine turns per episode")
-    max_tokens: int = Field(256, ge=1, description="sampled tokens per episode (all turns)")
-    max_tokens_per_turn: int = Field(64, ge=1)
-    parser: str = "hermes"
-    describe_tools: bool = Field(True, description="tell the model about the tools in the system message")
-    concurrency: int = Field(32, ge=1, description="episodes running at once")
-
 
 @dataclass
 class EpisodeOutcome:
@@ -77,6 +61,7 @@ def run_agent_groups(
     top_p: float = 1.0,
     seed: int = 0,
     group_prefix: str = "agent",
+    group_ids: list[str] | None = None,
     sandbox_pool: Any = None,
 ) -> list[EpisodeOutcome]:
     """All episodes of the groups, in (problem, try) order. python/bash tools need `sandbox_pool`."""
@@ -86,8 +71,9 @@ def run_agent_groups(
     info = generator.info()
     limits = SessionLimits(max_turns=cfg.max_turns, max_tokens=cfg.max_tokens, max_tokens_per_turn=cfg.max_tokens_per_turn)
     rng = random.Random(seed)
-    jobs = [(p, f"{group_prefix}-{g}", f"{group_prefix}-{g}-{i}", rng.randrange(2**31))
-            for g, p in enumerate(problems) for i in range(group_size)]
+    group_ids = group_ids or [f"{group_prefix}-{g}" for g in range(len(problems))]
+    jobs = [(p, gid, f"{gid}-{i}", rng.randrange(2**31))
+            for gid, p in zip(group_ids, problems) for i in range(group_size)]
 
     def one(job: tuple[Problem, str, str, int]) -> EpisodeOutcome:
         problem, group_id, episode_id, episode_seed = job

@@ -40,18 +40,21 @@ def trajectory_samples(traj: Trajectory, *, problem_id: str, group_id: str, epis
 
 def assign_episode_advantages(samples: list[Sample], mode: Literal["mean_std", "mean"]) -> float:
     """GRPO advantages with one entry per episode (a split episode's segments share it), in place.
-    Returns the fraction of groups with zero reward variance."""
+    A group with fewer than two episodes that sampled anything teaches nothing (advantage 0).
+    Returns the fraction of groups with zero reward variance (such groups included)."""
     groups: dict[str, dict[str, list[Sample]]] = {}
     for s in samples:
         groups.setdefault(s.group_id, {}).setdefault(s.extra.get("episode_id", s.sample_id), []).append(s)
-    sizes = {len(g) for g in groups.values()}
-    if len(sizes) != 1:
-        raise ValueError(f"groups must have the same number of episodes, got sizes {sorted(sizes)}")
-    episodes = [list(g.values()) for g in groups.values()]
-    rewards = torch.tensor([[ep[0].reward for ep in g] for g in episodes], dtype=torch.float32)
-    adv = group_advantages(rewards, mode)
-    for g, row in zip(episodes, adv.tolist()):
-        for ep, a in zip(g, row):
+    flat = 0
+    for episodes in groups.values():
+        eps = list(episodes.values())
+        rewards = torch.tensor([[ep[0].reward for ep in eps]], dtype=torch.float32)
+        if len(eps) < 2 or float(rewards.std()) == 0.0:
+            flat += 1
+            advantages = [0.0] * len(eps)
+        else:
+            advantages = group_advantages(rewards, mode)[0].tolist()
+        for ep, a in zip(eps, advantages):
             for s in ep:
                 s.advantage = a
-    return float((rewards.std(dim=1) == 0).float().mean())
+    return flat / max(len(groups), 1)

@@ -133,10 +133,14 @@ def evaluate(run: Run, step: int, label: str) -> dict[str, Any]:
     params = SamplingParams(max_tokens=cfg.eval.max_tokens or cfg.rollout.max_tokens, temperature=0.0, n=1)
     bar = run.progress.add_task(f"eval ({label})", total=len(problems))
     t = time.monotonic()
-    few_shot = [cfg.prompt.few_shot_in_eval] * len(problems)
-    requests = build_requests(run.encoder, RolloutPlan(problems, params, f"eval{step}", few_shot=few_shot))
-    completions = run.controller.run_requests(requests, progress=lambda n: run.progress.advance(bar, n))
-    samples = to_samples(completions, requests, problems, run.encoder.tokenizer)
+    if hasattr(run.controller, "evaluate_problems"):  # agent: greedy episodes with the tools
+        samples = run.controller.evaluate_problems(problems, params, f"{step}",
+                                                   progress=lambda n: run.progress.advance(bar, n))
+    else:
+        few_shot = [cfg.prompt.few_shot_in_eval] * len(problems)
+        requests = build_requests(run.encoder, RolloutPlan(problems, params, f"eval{step}", few_shot=few_shot))
+        completions = run.controller.run_requests(requests, progress=lambda n: run.progress.advance(bar, n))
+        samples = to_samples(completions, requests, problems, run.encoder.tokenizer)
     score_samples(samples, run.problems, run.task, cfg.reward)
     run.progress.remove_task(bar)
     n = len(samples)
@@ -190,7 +194,8 @@ def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
     run.progress.remove_task(bar)
     t_gen_end = time.monotonic()
     reward_s = run.controller.score_seconds - score_s0
-    zero_var = assign_advantages(samples, cfg.train.advantage)
+    # agent: one advantage per episode (a split episode's segments share it)
+    zero_var = getattr(run.controller, "assign_advantages", assign_advantages)(samples, cfg.train.advantage)
     t_reward_end = time.monotonic()
 
     # 2. train
@@ -238,6 +243,7 @@ def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
         "staleness_max": max(staleness, default=0),
         "groups_in_flight": run.controller.in_flight(),
         "samples_regenerated": run.controller.ledger.regenerated(),
+        **(run.controller.step_metrics() if hasattr(run.controller, "step_metrics") else {}),
     }
     logger.log(record)
     with (run.run_dir / "samples.jsonl").open("a") as f:
@@ -313,10 +319,18 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
     worker = EngineWorker(engine)
     encoder = PromptEncoder(tokenizer, cfg.prompt, cfg.reward)
     stream = ProblemStream(train_problems, cfg.seed)
-    controller = RolloutController(
-        cfg, worker, encoder, stream, lambda group: score_samples(group, problems, task, cfg.reward),
-        policy_version=trainer.version, start_group=start_group, pending_groups=pending_groups,
-    )
+    if cfg.agent is not None:  # multi-turn, tool-using episodes (rollwise.agent)
+        from rollwise.agent.controller import AgentController
+
+        controller = AgentController(
+            cfg, worker, tokenizer, stream, lambda group: score_samples(group, problems, task, cfg.reward),
+            policy_version=trainer.version, start_group=start_group, pending_groups=pending_groups,
+        )
+    else:
+        controller = RolloutController(
+            cfg, worker, encoder, stream, lambda group: score_samples(group, problems, task, cfg.reward),
+            policy_version=trainer.version, start_group=start_group, pending_groups=pending_groups,
+        )
 
     n_params = sum(p.numel() for p in model.parameters())
     console.print(

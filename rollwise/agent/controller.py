@@ -1,0 +1,158 @@
+"""`rollwise train` with an `agent:` section: rollouts are multi-turn, tool-using episodes.
+
+AgentController offers the training loop the RolloutController's interface (next_batch, run_requests,
+before/after_update, checkpoint state) for rollout.mode=sync. Each step takes the same problems the
+single-turn loop would (ProblemStream), runs group_size episodes per problem concurrently on the
+loop's engine worker, scores each episode's final answer with the task's verifier, and returns one
+Sample per trajectory segment (loss mask on the sampled tokens only). Advantages are per episode.
+Held-out evaluation runs greedy episodes with the same tools.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rollwise.agent.config import AgentConfig
+from rollwise.agent.generator import LocalGenerator
+from rollwise.agent.rollout import EpisodeOutcome, run_agent_groups, score_episodes
+from rollwise.agent.samples import assign_episode_advantages
+from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
+from rollwise.rollout.data import ProblemStream
+from rollwise.rollout.ledger import RolloutLedger
+from rollwise.rollout.sync_rollout import sampling_seed
+from rollwise.rollout.types import Sample
+from rollwise.rollout.worker import EngineWorker
+from rollwise.tasks import Problem, build_messages
+
+
+class AgentController:
+    def __init__(self, cfg: Any, worker: EngineWorker, tokenizer: Any, stream: ProblemStream,
+                 score: Callable[[list[Sample]], None], *, policy_version: int = 0, start_group: int = 0,
+                 pending_groups: list[int] | None = None) -> None:
+        if cfg.rollout.mode != "sync":
+            raise ValueError("agent: training on episodes needs rollout.mode=sync (set rollout.mode=sync)")
+        self.cfg = cfg
+        self.agent_cfg: AgentConfig = cfg.agent
+        self.tokenizer = tokenizer
+        self.stream = stream
+        self.score = score
+        self.version = policy_version
+        self.generator = LocalGenerator(worker=worker)
+        self.ledger = RolloutLedger()  # the loop reads regenerated(): episodes are never regenerated
+        self.next_group = start_group
+        self._redo = sorted(pending_groups or [])
+        self.score_seconds = 0.0
+        self._metrics: dict[str, float] = {}
+        self._sandboxes = None
+        if any(t in ("python", "bash") for t in self.agent_cfg.tools):
+            from rollwise.sandbox import SandboxPool
+
+            self._sandboxes = SandboxPool(max_sandboxes=self.agent_cfg.concurrency, max_concurrent_runs=2)
+
+    def _messages(self, problem: Problem) -> list[dict[str, Any]]:
+        return build_messages(problem, self.cfg.prompt, self.cfg.reward, with_few_shot=True)
+
+    def _run(self, problems: list[Problem], group_ids: list[str], group_size: int, temperature: float,
+             seed: int, max_tokens_per_turn: int | None = None) -> list[EpisodeOutcome]:
+        agent_cfg = self.agent_cfg
+        if max_tokens_per_turn is not None:
+            agent_cfg = agent_cfg.model_copy(update={"max_tokens_per_turn": max_tokens_per_turn})
+        return run_agent_groups(self.generator, self.tokenizer, problems, group_size, self._messages, agent_cfg,
+                                temperature=temperature, top_p=self.cfg.rollout.top_p, seed=seed,
+                                group_ids=group_ids, sandbox_pool=self._sandboxes)
+
+    # ------------------------------------------------------------ the RolloutController interface
+
+    def next_batch(self, progress: Callable[[int], None] | None = None) -> list[Sample]:
+        batch = self.cfg.rollout.prompts_per_step
+        indices = []
+        for _ in range(batch):
+            if self._redo:
+                indices.append(self._redo.pop(0))
+            else:
+                indices.append(self.next_group)
+                self.next_group += 1
+        problems = []
+        for index in indices:
+            step, slot = divmod(index, batch)
+            problems.append(self.stream.batch(step, batch)[slot])
+        step = indices[0] // batch
+        outcomes = self._run(problems, [f"g{i}" for i in indices], self.cfg.rollout.group_size,
+                             self.cfg.rollout.temperature, sampling_seed(self.cfg.seed, step, 0, 1))
+        if progress is not None:
+            progress(len(outcomes))
+        if not any(o.samples for o in outcomes):
+            reasons = sorted({o.finish_reason for o in outcomes})
+            raise RuntimeError(f"no episode of this step sampled a single turn (ended by {reasons}); with "
+                               "'context' the opening prompt does not fit: raise engine.max_model_len")
+        t = time.monotonic()
+        samples = score_episodes(outcomes, lambda s: self.score([s]))
+        self.score_seconds += time.monotonic() - t
+        n = max(len(outcomes), 1)
+        calls = sum(o.tool_calls for o in outcomes)
+        self._metrics = {
+            "agent_turns_mean": sum(o.turns for o in outcomes) / n,
+            "agent_tool_calls_per_episode": calls / n,
+            "agent_tool_error_rate": sum(o.tool_errors for o in outcomes) / max(calls, 1),
+            "agent_episodes_with_tool_result": sum(o.tool_calls > o.tool_errors for o in outcomes) / n,
+            "agent_split_segments": sum(max(len(o.samples) - 1, 0) for o in outcomes),
+            # e.g. the opening prompt did not fit max_model_len: recorded here, nothing to train on
+            "agent_episodes_without_turns": sum(not o.samples for o in outcomes),
+        }
+        return samples
+
+    def assign_advantages(self, samples: list[Sample], mode: str) -> float:
+        return assign_episode_advantages(samples, mode)
+
+    def step_metrics(self) -> dict[str, float]:
+        return dict(self._metrics)
+
+    def evaluate_problems(self, problems: list[Problem], params: SamplingParams, label: str,
+                          progress: Callable[[int], None] | None = None) -> list[Sample]:
+        """Greedy episodes, one per problem; one sample each (its final answer in response_text)."""
+        outcomes = self._run(problems, [f"eval-{label}-{i}" for i in range(len(problems))], 1, params.temperature,
+                             0, max_tokens_per_turn=params.max_tokens)
+        if progress is not None:
+            progress(len(outcomes))
+        out = []
+        for o in outcomes:
+            if o.samples:
+                head = o.samples[0]
+            else:
+                head = Sample(o.episode_id, o.group_id, o.problem.id, [], [], [], [], o.finish_reason)
+            head.response_text = o.final_text
+            head.extra.update(tool_calls=o.tool_calls, tool_errors=o.tool_errors)
+            out.append(head)
+        return out
+
+    def run_requests(self, requests: list[GenerationRequest], progress: Callable[[int], None] | None = None
+                     ) -> list[Completion]:
+        futures = self.generator.submit(requests)
+        done: list[Completion] = []
+        for future in futures:
+            done += future.result()
+            if progress is not None:
+                progress(len(done))
+        return done
+
+    def before_update(self) -> None:
+        pass
+
+    def mark_trained(self, samples: list[Sample]) -> None:
+        pass
+
+    def after_update(self, version: int) -> None:
+        self.version = version
+
+    def pending_groups(self) -> list[int]:
+        return list(self._redo)
+
+    def in_flight(self) -> int:
+        return 0
+
+    def close(self, reason: str = "the run ended") -> None:
+        # The generator stays: the loop evaluates after close(); its router ends with the worker.
+        if self._sandboxes is not None:
+            self._sandboxes.close()
