@@ -14,6 +14,9 @@
                                                      routing, failover, rolling weight updates, /metrics
     rollwise bench router [--quick] [--json PATH] [--plot PNG]
                                                      routing policies side by side on real replicas + 64 simulated
+    rollwise sim CONFIG [--json PATH] [--plot PNG] | sim sweep CONFIG --sizes 8,64,512,4096 | sim calibrate | sim validate
+                                                     the cluster simulator: production controller and routing
+                                                     policies on simulated engines (virtual clock, cost model)
     rollwise check sandbox [--level bwrap|unshare|rlimits] [--json PATH]
                                                      the sandbox isolation this machine gives, and probes
                                                      (network, filesystem, limits, fork) that try to break out
@@ -73,10 +76,12 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Benchmarks print a table; --json writes machine-readable results. --quick finishes in < 1 min.",
     )
     bench.add_argument(
-        "name", choices=["engine", "rollout", "sync", "router"],
+        "name", choices=["engine", "rollout", "sync", "router", "sandbox"],
         help="router: routing policies (round robin ... prefix-aware) side by side on real tiny-model replicas and "
         "64 simulated ones (prefix hit rate, prefill tokens, p50/p99 latency, load imbalance); "
-        "engine: reference engine vs. HF generate (tokens/s); rollout: sync vs sorted vs async rollout "
+        "sandbox: create/exec/fork/destroy latency (p50/p99) and how many concurrent sandboxes this machine holds; "
+        "engine: HF generate, the reference engine and vLLM (through our contract and its own LLM.generate), "
+        "tokens/s; rollout: sync vs sorted vs async rollout "
         "(bubble ratio, samples/s, staleness) with a timeline PNG; sync: weight transports (in-process, safetensors "
         "files, gloo broadcast) in seconds and GB/s next to a memory copy of the same bytes",
     )
@@ -139,6 +144,12 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", metavar="LEVEL",
                        choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn log level: critical, error, warning, info, debug (default: %(default)s)")
+
+    sub.add_parser(
+        "sim", add_help=False,
+        help="cluster simulator: the production controller and routing policies on simulated engines, 8 to 4096 "
+        "GPUs (scenarios, sweeps, calibration, validation; `rollwise sim --help`)",
+    )
 
     check = sub.add_parser(
         "check",
@@ -213,6 +224,17 @@ def _cmd_config(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
+    if args.name == "sandbox":  # no model
+        from rollwise.bench.sandbox import format_sandbox_bench, run_sandbox_bench
+
+        with console.status("timing sandboxes (create / exec / fork / destroy, then concurrency)"):
+            result = run_sandbox_bench(quick=args.quick)
+        console.print(format_sandbox_bench(result))
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=2))
+            console.print(f"wrote {args.json}")
+        return 0
     if args.name == "router":  # tiny models built in code: no --model to load
         from rollwise.bench.router import cli_bench_router
 
@@ -275,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         from rollwise.router.cli import main as serve_router
 
         return serve_router(argv[2:])
+    if argv[:1] == ["sim"]:  # the simulator has its own subcommands: rollwise/sim/cli.py
+        from rollwise.sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
     parser = _build_parser()
     args = parser.parse_args(argv)
     console = Console()
