@@ -29,6 +29,7 @@ _ONLY_FOR: dict[str, str] = {
     "answer_key": "jsonl",
     "eval_path": "jsonl",
     "eval_fraction": "jsonl",
+    "verifier": "jsonl",
 }
 
 
@@ -47,6 +48,9 @@ class TaskConfig(BaseModel):
     eval_path: str | None = None  # JSONL eval file; else eval_fraction of `path` is held out
     eval_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
     strip_instructions: bool = False  # drop reasoning-gym's "give only the answer" sentences
+    verifier: Literal["exact", "math_verify"] = Field(
+        "exact", description="jsonl: normalized exact match, or math-verify equivalence (1/2 == 0.5 == \\frac{1}{2})"
+    )
 
     @model_validator(mode="after")
     def _check_kind_fields(self) -> TaskConfig:
@@ -85,6 +89,7 @@ def _build_jsonl(cfg: TaskConfig) -> Task:
         name=cfg.name,
         train_size=cfg.train_size,
         eval_size=cfg.eval_size,
+        verifier=cfg.verifier,
     )
 
 

@@ -1,7 +1,8 @@
 """Tasks from a JSONL file: one JSON object per line with a prompt and a reference answer.
 
 The verifier is a normalized exact match (rollwise.reward.answer_format.answers_match): surrounding
-whitespace and case are ignored, and two plain numbers compare by value ("5" == "5.0").
+whitespace and case are ignored, and two plain numbers compare by value ("5" == "5.0"); or, with
+`verifier: math_verify`, math-verify's equivalence (rollwise.reward.verifiers.math_equal).
 """
 
 from __future__ import annotations
@@ -63,7 +64,11 @@ class JsonlTask(Task):
         name: str | None = None,
         train_size: int | None = None,
         eval_size: int | None = None,
+        verifier: str = "exact",
     ) -> None:
+        if verifier not in ("exact", "math_verify"):
+            raise ValueError(f"verifier must be 'exact' or 'math_verify', got {verifier!r}")
+        self.verifier = verifier
         if not 0.0 <= eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
         self.path = Path(path)
@@ -120,6 +125,10 @@ class JsonlTask(Task):
         return list(self._splits[check_split(split)])
 
     def score_answer(self, problem: Problem, extracted_answer: str) -> float:
+        if self.verifier == "math_verify":
+            from rollwise.reward.verifiers import math_equal
+
+            return 1.0 if math_equal(extracted_answer, problem.answer) else 0.0
         return 1.0 if answers_match(extracted_answer, problem.answer) else 0.0
 
     def __repr__(self) -> str:
