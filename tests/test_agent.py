@@ -465,3 +465,40 @@ def test_agent_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="agent.max_turns"):
         load_config(None, ["agent.max_turns=0"])
     assert load_config(None, ["agent={}"]).agent.tools == ["calculator"]
+
+
+def test_retried_request_gets_the_same_turn_not_a_new_one(toy):
+    _, tokenizer, generator, _ = toy
+    recorder = RecordingGenerator(generator)
+    session = AgentSession(recorder, tokenizer, seed=0)
+    client = SessionClient(session)
+    messages = [{"role": "user", "content": "1+1?"}]
+    first = client.chat.completions.create(messages=messages, max_tokens=8)
+    again = client.chat.completions.create(messages=messages, max_tokens=8)  # the client never saw `first`
+    assert again.id == first.id and len(recorder.calls) == 1
+    assert session.trajectory().turns == 1 and verify_trajectory(session.trajectory(), recorder.calls).ok
+
+
+def test_proxy_serves_concurrent_sessions(proxy):
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, _ = proxy
+
+    def episode(k: int) -> tuple[list[list[int]], dict]:
+        client = openai.OpenAI(base_url=f"{url}/sessions/conc-{k}/v1", api_key="unused", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": f"{k}+{k}?"}]
+        sampled = []
+        for turn in range(2):
+            r = client.chat.completions.create(model="toy", messages=messages, max_tokens=10, seed=k)
+            sampled.append(r.choices[0].model_extra["token_ids"])
+            messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "and?"}]
+        client.close()
+        return sampled, httpx.get(f"{url}/sessions/conc-{k}/trajectory").json()
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(episode, range(8)))
+    for k, (sampled, traj) in enumerate(results):
+        seg = traj["segments"][0]
+        assert traj["session_id"] == f"conc-{k}" and traj["turns"] == 2
+        assert [seg["token_ids"][s["start"]: s["end"]] for s in seg["spans"]] == sampled
+        assert f"{k}+{k}?" in "".join(m["content"] for m in traj["messages"])

@@ -29,6 +29,7 @@ import asyncio
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -169,7 +170,8 @@ def _turn(store: SessionStore, session: AgentSession, body: ChatRequest, model: 
 
 def create_proxy_app(generator: Generator, tokenizer: Any, *, model_name: str = "rollwise-policy",
                      limits: SessionLimits | None = None, parser: str = "hermes", temperature: float = 1.0,
-                     max_sessions: int = 10_000, fingerprint: str | None = None) -> FastAPI:
+                     max_sessions: int = 10_000, max_concurrent_turns: int = 256,
+                     fingerprint: str | None = None) -> FastAPI:
     """The proxy over `generator` (an HTTPGenerator to an engine/router, or a LocalGenerator).
     `fingerprint`: this tokenizer's; refused when the engine reports a different one (invariant 1)."""
     store = SessionStore(generator, tokenizer, limits or SessionLimits(), parser, temperature, max_sessions)
@@ -182,6 +184,7 @@ def create_proxy_app(generator: Generator, tokenizer: Any, *, model_name: str = 
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(ProxyError, _proxy_error)
     created = int(time.time())
+    executor = ThreadPoolExecutor(max_workers=max_concurrent_turns, thread_name_prefix="proxy-turn")
 
     def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
@@ -193,7 +196,9 @@ def create_proxy_app(generator: Generator, tokenizer: Any, *, model_name: str = 
             raise ProxyError(404, f"model {body.model!r} is not served here; this proxy serves {model_name!r}",
                              "model", kind="not_found_error")
         session = store.get(session_id, create=True)
-        return await asyncio.to_thread(_turn, store, session, body, model_name)
+        # A turn blocks its thread for the whole generation: a pool sized for many sessions at once
+        # (asyncio's default pool has only cores + 4 threads).
+        return await asyncio.get_running_loop().run_in_executor(executor, _turn, store, session, body, model_name)
 
     @app.get("/sessions/{session_id}/v1/models")
     async def session_models(session_id: str) -> dict[str, Any]:

@@ -139,6 +139,11 @@ class AgentSession:
             sent = [client_key(m) for m in messages]
             if sent[: len(known)] == known and len(sent) > len(known):
                 self.add_messages(messages[len(known):])
+            elif self.turns and sent == known[:-1] and self.client_view[-1]["role"] == "assistant":
+                # The client repeats the request whose reply it never got (a timeout and a retry):
+                # answer with that reply again; generating anew would put a turn the client never
+                # saw into the trajectory (and the engine would sample twice for one turn).
+                return self.turns[-1]
             elif sent == known and self.client_view[-1]["role"] != "assistant":
                 pass  # a retry of the same request (e.g. after a failure): generate again from here
             elif sent == known:
