@@ -1,0 +1,207 @@
+"""`rollwise sim calibrate`: fit the cost model from timed runs of a real engine (and trainer) here.
+
+What is measured (about a minute on 2 CPU cores, plus engine start-up):
+1. engine steps at a few batch sizes and prompt lengths (distinct prompts, lengths forced with
+   ignore_eos), each `step()` timed on its own;
+2. decode: least squares over steps after the first two of each run, step = overhead + per-sequence x
+   batch + per-context-token x context (negative coefficients are dropped and the rest refitted);
+3. prefill: the first two steps' time beyond the fitted decode time, per prompt token prefilled
+   (two steps, because a chunked-prefill engine may split a prompt over them);
+4. a weight update (push of the trainer's full state dict), median of two;
+5. trainer steps (GRPO, fwd+bwd+AdamW) on two batch sizes: per-token time and overhead;
+6. contention: engine steps while a train step runs on another thread (both share the cores), as
+   in the rollout benchmark's sorted and async modes.
+
+Nothing here looks at the rollout benchmark's results: validation compares against them afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.sim.cost import CostModel, TrainerModel
+
+# (batch, prompt tokens): small and full batches, short and longer contexts. batch x prompt stays under
+# 2048 tokens: vLLM-CPU would chunk a larger prefill, and its seeded sampler fails on chunked prefills.
+SHAPES = ((1, 48), (8, 48), (32, 48), (8, 240), (32, 60))
+DECODE_STEPS = 14
+
+
+@dataclass
+class StepRecord:
+    run: int
+    step: int
+    seconds: float
+    batch: int
+    context: int
+    prefill: int
+
+
+def _prompts(rng: np.random.Generator, vocab: int, n: int, length: int) -> list[list[int]]:
+    return [rng.integers(100, vocab - 1, size=length).tolist() for _ in range(n)]
+
+
+def time_steps(engine: Any, vocab: int, seed: int = 0) -> list[StepRecord]:
+    rng = np.random.default_rng(seed)
+    records: list[StepRecord] = []
+    for run, (batch, plen) in enumerate(SHAPES):
+        reqs = [GenerationRequest(f"cal{run}-{i}", p, SamplingParams(max_tokens=DECODE_STEPS + 2, seed=seed + i,
+                                                                     ignore_eos=True))
+                for i, p in enumerate(_prompts(rng, vocab, batch, plen))]
+        for r in reqs:
+            engine.add_request(r)
+        step, generated = 0, 0
+        while engine.has_unfinished():
+            t = time.perf_counter()
+            done = engine.step()
+            seconds = time.perf_counter() - t
+            running = engine.num_running + len(done)
+            records.append(StepRecord(run, step, seconds, running, batch * plen + generated, batch * plen if step == 0 else 0))
+            generated += running
+            step += 1
+    return records
+
+
+def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients >= 0: drop the most negative one and refit until none is."""
+    active = list(range(x.shape[1]))
+    while True:
+        coef = np.zeros(x.shape[1])
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        coef[active] = sol
+        negative = [i for i in active if coef[i] < 0]
+        if not negative:
+            return coef
+        active.remove(min(negative, key=lambda i: coef[i]))
+
+
+def fit_steps(records: list[StepRecord]) -> dict[str, float]:
+    decode = [r for r in records if r.step >= 2]
+    x = np.array([[1.0, r.batch, r.context] for r in decode])
+    y = np.array([r.seconds for r in decode])
+    c0, c_seq, c_ctx = _nonneg_lstsq(x, y)
+    pred = x @ np.array([c0, c_seq, c_ctx])
+    r2 = 1 - float(((y - pred) ** 2).sum() / max(((y - y.mean()) ** 2).sum(), 1e-12))
+    excess = prefill = 0.0
+    for run in {r.run for r in records}:
+        first = [r for r in records if r.run == run and r.step < 2]
+        excess += sum(r.seconds - (c0 + c_seq * r.batch + c_ctx * r.context) for r in first)
+        prefill += sum(r.prefill for r in first)
+    return {"step_overhead_s": float(c0), "decode_s_per_seq": float(c_seq), "decode_s_per_ctx_token": float(c_ctx),
+            "prefill_s_per_token": max(excess / prefill, 0.0) if prefill else 0.0, "decode_r2": r2}
+
+
+def _train_batch(rng: np.random.Generator, vocab: int, n: int, plen: int, rlen: int) -> list:
+    from rollwise.rollout.types import Sample
+
+    samples = []
+    for i in range(n):
+        resp = rng.integers(100, vocab - 1, size=rlen).tolist()
+        samples.append(Sample(sample_id=f"s{i}", group_id=f"g{i // 4}", problem_id="p", prompt_ids=rng.integers(
+            100, vocab - 1, size=plen).tolist(), response_ids=resp, behaviour_logprobs=[-1.0] * rlen,
+            versions=[0] * rlen, finish_reason="length", advantage=1.0 if i % 2 else -1.0))
+    return samples
+
+
+def calibrate(model: Any, tokenizer: Any, engine_kind: str = "reference", seed: int = 0,
+              progress: Any = None) -> tuple[CostModel, TrainerModel, dict[str, Any]]:
+    from rollwise.config import TrainConfig
+    from rollwise.engine.factory import create_engine
+    from rollwise.sync.inprocess import push_weights
+    from rollwise.train.trainer import GRPOTrainer
+
+    say = progress or (lambda msg: None)
+    vocab = int(model.config.vocab_size)
+    base = copy.deepcopy(model.state_dict())
+    say(f"starting the {engine_kind} engine")
+    engine = create_engine(engine_kind, model, tokenizer, max_num_seqs=32, max_model_len=512, seed=seed)
+    try:
+        say("timing engine steps")
+        time_steps(engine, vocab, seed)  # warm-up (allocations, caches), discarded
+        records = time_steps(engine, vocab, seed + 1)
+        fit = fit_steps(records)
+        say("timing weight updates")
+        updates = []
+        for v in (1, 2):
+            t = time.perf_counter()
+            push_weights(model, [engine], v)
+            updates.append(time.perf_counter() - t)
+        say("timing trainer steps")
+        rng = np.random.default_rng(seed)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        trainer = GRPOTrainer(model, TrainConfig(lr=1e-6, micro_batch_size=8), pad_token_id=pad)
+        shapes = ((8, 160, 24), (16, 160, 24), (16, 160, 24))
+        train_times, train_tokens = [], []
+        for n, plen, rlen in shapes:
+            batch = _train_batch(rng, vocab, n, plen, rlen)
+            t = time.perf_counter()
+            trainer.train_step(batch)
+            train_times.append(time.perf_counter() - t)
+            train_tokens.append(n * (plen + rlen))
+        # first step includes warm-up: fit on the last two (same size), and the first only for the slope
+        alone = statistics.median(train_times[1:])
+        s_tok = max((alone - train_times[0]) / (train_tokens[1] - train_tokens[0]), 0.0)
+        if s_tok == 0.0:  # warm-up made the small step slower: fall back to no overhead
+            s_tok = alone / train_tokens[1]
+        overhead = max(alone - s_tok * train_tokens[1], 0.0)
+        say("timing contention (engine and trainer at once)")
+        reqs = [GenerationRequest(f"con{i}", p, SamplingParams(max_tokens=400, seed=i, ignore_eos=True))
+                for i, p in enumerate(_prompts(rng, vocab, 32, 48))]
+        for r in reqs:
+            engine.add_request(r)
+        engine.step()
+        concurrent_steps: list[tuple[float, int, int]] = []
+        stop = threading.Event()
+
+        def stepping() -> None:
+            while not stop.is_set() and engine.has_unfinished():
+                t = time.perf_counter()
+                engine.step()
+                concurrent_steps.append((time.perf_counter() - t, engine.num_running, 0))
+
+        thread = threading.Thread(target=stepping, daemon=True)
+        batch = _train_batch(rng, vocab, 16, 160, 24)
+        thread.start()
+        t = time.perf_counter()
+        trainer.train_step(batch)
+        train_concurrent = time.perf_counter() - t
+        stop.set()
+        thread.join()
+        for r in reqs:
+            engine.abort(r.request_id)
+        ctx = 32 * 48 + 32 * 10  # typical context during the contention window (not critical)
+        predicted = fit["step_overhead_s"] + fit["decode_s_per_seq"] * 32 + fit["decode_s_per_ctx_token"] * ctx
+        measured = statistics.median(s for s, _, _ in concurrent_steps) if concurrent_steps else predicted
+    finally:
+        getattr(engine, "close", lambda: None)()
+        model.load_state_dict(base)
+    cost = CostModel(
+        name=f"cpu-{engine_kind}-calibrated", step_overhead_s=fit["step_overhead_s"],
+        prefill_s_per_token=fit["prefill_s_per_token"], decode_s_per_seq=fit["decode_s_per_seq"],
+        decode_s_per_ctx_token=fit["decode_s_per_ctx_token"], max_num_seqs=32, max_model_len=512,
+        decode_after_prefill=engine_kind == "reference", weight_update_s=statistics.median(updates),
+        update_reprefill=engine_kind == "vllm",
+        train_contention=max(1.0, measured / predicted), gpus_per_engine=1,
+        sources=[f"rollwise sim calibrate --engine {engine_kind} on this machine ({torch.get_num_threads()} threads)"],
+        assumptions=["linear step-time model fitted by least squares (R^2 in the calibration JSON)",
+                     "contention measured once at batch 32; applied to every engine step while the trainer trains"],
+    )
+    trainer_model = TrainerModel(
+        step_overhead_s=overhead, s_per_token_gpu=s_tok, contention=max(1.0, train_concurrent / alone),
+        sources=["rollwise sim calibrate: GRPO train_step (fwd+bwd+AdamW) timed at 8 and 16 samples x 184 tokens"],
+        assumptions=["train time linear in trained tokens (prompt + response)"],
+    )
+    raw = {"fit": fit, "weight_update_s": updates, "train_s": train_times, "train_tokens": train_tokens,
+           "train_concurrent_s": train_concurrent, "engine_step_concurrent_s": measured,
+           "engine_step_predicted_s": predicted,
+           "steps": [r.__dict__ for r in records]}
+    return cost, trainer_model, raw

@@ -1,0 +1,239 @@
+"""`rollwise sim ...`: the cluster simulator's command line (rollwise/cli.py hands `sim` over here)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+DESCRIPTION = """\
+The cluster simulator: the production rollout controller and routing policies (unchanged code) drive
+simulated engines on a virtual clock, so scheduling and routing can be evaluated at 8 to 4096 GPUs on
+one CPU. Engines follow a cost model (prefill time per token; decode step time from batch size and
+context length; KV capacity; prefix cache; weight-update time): calibrated from real runs on this
+machine (`rollwise sim calibrate`) or derived from published GPU figures (rollwise/sim/configs/*.yaml,
+sources cited inside).
+
+  rollwise sim CONFIG [--json PATH] [--plot PNG] [--set key=value ...]
+      run a scenario (YAML: cluster, cost model, workload, rollout mode, routing policy) and report
+      bubble ratio, samples/s, staleness, prefix hit rate and engine-hours (DESIGN.md definitions)
+  rollwise sim sweep CONFIG --sizes 8,64,512,4096 --modes sync,sorted,async [--routing a,b]
+      the scenario at several cluster sizes (batch per GPU held constant) and policies: table + chart
+  rollwise sim calibrate [--engine reference|vllm] [--json PATH] [--out YAML]
+      time a real engine and trainer here (~1-2 min) and fit the cost model
+  rollwise sim validate [--cost YAML] [--json PATH]
+      run `rollwise bench rollout --quick` for real and in simulation, side by side
+
+Bundled scenarios: rollwise/sim/configs/scenarios/ (grpo-7b.yaml, agent-sessions.yaml); bundled cost
+models: h100-7b, h100-32b (roofline estimates), cpu-vllm-calibrated (measured here).
+"""
+
+
+def _scenario_path(name: str) -> Path:
+    from rollwise.sim.cost import CONFIG_DIR
+
+    p = Path(name)
+    for c in (p, CONFIG_DIR / "scenarios" / p, CONFIG_DIR / "scenarios" / f"{name}.yaml"):
+        if c.is_file():
+            return c
+    raise FileNotFoundError(f"no scenario file {name!r} (a path, or a name under {CONFIG_DIR / 'scenarios'})")
+
+
+def _overrides(items: list[str]) -> dict[str, Any]:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--set wants key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def _write_json(path: Path | None, data: Any, console: Console) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2, default=str))
+        console.print(f"wrote {path}")
+
+
+def _public(r: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in r.items() if not k.startswith("_")}
+
+
+def run_one(path: Path, overrides: dict[str, Any], progress: Any = None) -> tuple[dict[str, Any], Any]:
+    from rollwise.sim.run import build, simulate
+    from rollwise.sim.scenario import load_scenario
+    from rollwise.sim.sessions import simulate_sessions
+
+    s = load_scenario(path, overrides)
+    if s.sessions.count > 0:
+        return simulate_sessions(s), None
+    run = build(s)
+    return simulate(run, progress), run
+
+
+def cmd_run(args: argparse.Namespace, console: Console) -> int:
+    from rollwise.sim.report import plot_run, results_table
+    from rollwise.sim.run import cluster_timeline
+
+    result, run = run_one(_scenario_path(args.config), _overrides(args.set),
+                          progress=lambda m: console.log(m) if args.verbose else None)
+    result["command"] = " ".join(["rollwise"] + sys.argv[1:])
+    console.print(results_table([result], f"{result['scenario']} ({result.get('cost_model', '')})"))
+    if result["mode"] == "sessions":
+        console.print(f"turns {result['turns']}, turn latency p50 {result['turn_latency_p50_s']:.2f}s "
+                      f"p99 {result['turn_latency_p99_s']:.2f}s, prefill tokens {result['prefill_tokens']}")
+    if args.plot and run is not None:
+        plot_run(result, cluster_timeline(run.cluster.engines, result["_t0"], result["_t1"]), args.plot)
+        console.print(f"wrote {args.plot}")
+    _write_json(args.json, _public(result), console)
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
+    from rollwise.sim.report import plot_sweep, results_table
+    from rollwise.sim.scenario import load_scenario
+
+    path = _scenario_path(args.config)
+    base = load_scenario(path, _overrides(args.set))
+    sizes = [int(x) for x in args.sizes.split(",")]
+    modes = args.modes.split(",") if args.modes else [base.rollout.mode]
+    routings = args.routing.split(",") if args.routing else [base.cluster.routing]
+    rows = []
+    for gpus in sizes:
+        for routing in routings:
+            for mode in modes:
+                over = {**_overrides(args.set), "cluster.gpus": gpus, "cluster.routing": routing, "rollout.mode": mode}
+                if base.sessions.count == 0:  # weak scaling: the same batch per GPU as the scenario's
+                    over["workload.prompts_per_step"] = max(1, round(base.workload.prompts_per_step * gpus / base.cluster.gpus))
+                else:
+                    over["sessions.count"] = max(1, round(base.sessions.count * gpus / base.cluster.gpus))
+                t = time.perf_counter()
+                result, _ = run_one(path, over)
+                rows.append(_public(result))
+                console.log(f"{gpus} GPUs, {mode}, {routing}: bubble {result['bubble_ratio']:.2f}, "
+                            f"{result['samples_per_s']:.1f} samples/s ({time.perf_counter() - t:.1f}s)")
+    console.print(results_table(rows, f"sweep: {base.name}"))
+    if args.plot:
+        plot_sweep(rows, args.plot)
+        console.print(f"wrote {args.plot}")
+    _write_json(args.json, {"command": " ".join(["rollwise"] + sys.argv[1:]), "rows": rows}, console)
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
+    from rollwise.engine.factory import resolve_engine_kind
+    from rollwise.model.loading import load_model
+    from rollwise.sim.calibrate import calibrate
+
+    kind = resolve_engine_kind(args.engine, args.model)
+    t = time.perf_counter()
+    with console.status(f"loading {args.model}"):
+        model, tokenizer = load_model(args.model)
+    cost, trainer, raw = calibrate(model, tokenizer, kind, seed=args.seed, progress=console.log)
+    fit = raw["fit"]
+    table = Table(title=f"calibrated cost model: {kind} engine, {args.model} ({time.perf_counter() - t:.0f}s)")
+    table.add_column("parameter")
+    table.add_column("value", justify="right")
+    for key in ("step_overhead_s", "prefill_s_per_token", "decode_s_per_seq", "decode_s_per_ctx_token",
+                "weight_update_s", "train_contention"):
+        table.add_row(f"engine.{key}", f"{getattr(cost, key):.4g}")
+    table.add_row("decode fit R^2", f"{fit['decode_r2']:.3f}")
+    for key in ("step_overhead_s", "s_per_token_gpu", "contention"):
+        table.add_row(f"trainer.{key}", f"{getattr(trainer, key):.4g}")
+    console.print(table)
+    out = args.out or Path(f"sim-cost-{kind}.yaml")
+    doc = {"engine": cost.model_dump(), "trainer": trainer.model_dump()}
+    out.write_text(f"# written by: rollwise {' '.join(sys.argv[1:])}\n" + yaml.safe_dump(doc, sort_keys=False))
+    console.print(f"wrote {out}")
+    _write_json(args.json, {"command": " ".join(["rollwise"] + sys.argv[1:]), **doc, "raw": raw}, console)
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace, console: Console) -> int:
+    from rollwise.engine.factory import resolve_engine_kind
+    from rollwise.model.loading import load_model
+    from rollwise.sim.cost import load_cost_file
+    from rollwise.sim.validate import validate
+
+    cost, trainer = load_cost_file(args.cost)
+    if trainer is None:
+        console.print("[red]error:[/] the cost file has no trainer: section (run rollwise sim calibrate)")
+        return 2
+    with console.status(f"loading {args.model}"):
+        model, tokenizer = load_model(args.model)
+    kind = resolve_engine_kind(args.engine, args.model)
+    with console.status("measured run (rollwise bench rollout), then the simulation"):
+        result = validate(model, tokenizer, cost, trainer, engine_kind=kind, quick=not args.full, seed=args.seed)
+    table = Table(title=f"bench rollout {'full' if args.full else '--quick'}: measured ({kind}) vs simulated ({cost.name})")
+    for col in ("mode", "bubble meas.", "bubble sim", "error", "samples/s meas.", "samples/s sim", "error",
+                "wall meas.", "wall sim"):
+        table.add_column(col, justify="right")
+    for r in result["comparison"]:
+        table.add_row(r["mode"], f"{r['bubble_ratio_measured']:.3f}", f"{r['bubble_ratio_simulated']:.3f}",
+                      f"{r.get('bubble_ratio_error', 0):+.0%}", f"{r['samples_per_s_measured']:.2f}",
+                      f"{r['samples_per_s_simulated']:.2f}", f"{r.get('samples_per_s_error', 0):+.0%}",
+                      f"{r['wall_s_measured']:.1f}", f"{r['wall_s_simulated']:.1f}")
+    console.print(table)
+    result["command"] = " ".join(["rollwise"] + sys.argv[1:])
+    _write_json(args.json, result, console)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollwise sim", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="sim_command", metavar="{CONFIG,sweep,calibrate,validate}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
+    run = sub.add_parser("run", parents=[common], help="run a scenario (also: rollwise sim CONFIG)")
+    run.add_argument("config", help="scenario YAML (a path or a bundled name, e.g. grpo-7b)")
+    run.add_argument("--plot", type=Path, metavar="PNG", help="timeline of running sequences vs capacity")
+    run.add_argument("--set", nargs="*", default=[], metavar="key=value",
+                     help="override scenario fields, e.g. cluster.gpus=512 rollout.mode=async")
+    run.add_argument("-v", "--verbose", action="store_true", help="log every update")
+    sweep = sub.add_parser("sweep", parents=[common], help="cluster sizes x rollout modes x routing policies")
+    sweep.add_argument("config")
+    sweep.add_argument("--sizes", default="8,64,512", help="rollout GPU counts (default: %(default)s)")
+    sweep.add_argument("--modes", default="sync,sorted,async", help="rollout modes (default: %(default)s)")
+    sweep.add_argument("--routing", default=None, help="routing policies (default: the scenario's)")
+    sweep.add_argument("--plot", type=Path, metavar="PNG", default=Path("sim_sweep.png"),
+                       help="chart of bubble ratio and samples/s per GPU (default: %(default)s)")
+    sweep.add_argument("--set", nargs="*", default=[], metavar="key=value")
+    cal = sub.add_parser("calibrate", parents=[common], help="fit the cost model from a real engine here")
+    cal.add_argument("--engine", default="auto", choices=["auto", "reference", "vllm"],
+                     help="auto: vLLM when installed, as `rollwise bench rollout` (default: %(default)s)")
+    cal.add_argument("--model", default="bundled:smollm2-135m-instruct")
+    cal.add_argument("--out", type=Path, metavar="YAML", help="cost file to write (default: sim-cost-ENGINE.yaml)")
+    cal.add_argument("--seed", type=int, default=0)
+    val = sub.add_parser("validate", parents=[common], help="bench rollout measured vs simulated")
+    val.add_argument("--cost", default="cpu-vllm-calibrated", help="calibrated cost file (default: %(default)s)")
+    val.add_argument("--engine", default="auto", choices=["auto", "reference", "vllm"])
+    val.add_argument("--model", default="bundled:smollm2-135m-instruct")
+    val.add_argument("--full", action="store_true", help="the full benchmark workload instead of --quick")
+    val.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    if argv and argv[0] not in ("run", "sweep", "calibrate", "validate", "-h", "--help"):
+        argv = ["run", *argv]  # rollwise sim CONFIG ...
+    args = parser.parse_args(argv)
+    console = Console()
+    if args.sim_command is None:
+        parser.print_help()
+        return 0
+    handlers = {"run": cmd_run, "sweep": cmd_sweep, "calibrate": cmd_calibrate, "validate": cmd_validate}
+    try:
+        return handlers[args.sim_command](args, console)
+    except (FileNotFoundError, ValueError) as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        return 2

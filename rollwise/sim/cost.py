@@ -1,0 +1,103 @@
+"""The simulated engine's cost model: how long one scheduler iteration takes, and what fits.
+
+One engine step (continuous batching, as the reference engine and vLLM run it) prefills the newly
+admitted prompts and decodes one token for every running sequence:
+
+    step_s = step_overhead_s
+           + prefill_s_per_token * uncached prompt tokens prefilled in this step
+           + decode_s_per_seq    * running sequences
+           + decode_s_per_ctx_token * context tokens of the running sequences (KV read)
+
+Why this shape: decode is memory-bound on GPUs (every step reads the weights once: the overhead
+term, and every sequence's KV cache: the context term) and compute-bound per sequence on CPUs (the
+per-sequence term); prefill is compute-bound per token. `rollwise sim calibrate` fits the four
+numbers by least squares from timed steps of a real engine; the GPU-class files under
+rollwise/sim/configs/ derive them from published hardware and model figures (cited there).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class CostModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "unnamed"
+    step_overhead_s: float = Field(0.0, ge=0, description="fixed time per engine step (weights read, launch)")
+    prefill_s_per_token: float = Field(0.0, ge=0, description="per uncached prompt token prefilled")
+    decode_s_per_seq: float = Field(0.0, ge=0, description="per running sequence per step")
+    decode_s_per_ctx_token: float = Field(0.0, ge=0, description="per context token of running sequences per step")
+    max_num_seqs: int = Field(64, ge=1, description="concurrent sequences per engine (bubble-ratio capacity)")
+    max_model_len: int = Field(4096, ge=2, description="prompt + generated tokens per sequence")
+    kv_capacity_tokens: int = Field(1 << 30, ge=1, description="KV-cache tokens per engine; gates admission")
+    prefix_cache_tokens: int = Field(0, ge=0, description="cross-request prefix cache per engine (0: off)")
+    block_size: int = Field(16, ge=1, description="prefix-cache granularity in tokens")
+    # Reference engine: a newly admitted sequence samples its first token from the prefill and is decoded
+    # in the same step (2 tokens in its first step); vLLM's first step yields 1 token.
+    decode_after_prefill: bool = False
+    weight_update_s: float = Field(0.0, ge=0, description="engine blocked while loading new weights")
+    # vLLM resets its prefix cache with the running requests at a weight update: they re-prefill their
+    # whole context (prompt + tokens so far) under the new weights in the next step.
+    update_reprefill: bool = False
+    gpus_per_engine: int = Field(1, ge=1, description="tensor parallel degree: GPUs one engine occupies")
+    # Where generation and training share cores (this CPU machine), engine steps run slower while
+    # the trainer trains; 1.0 on disaggregated GPUs.
+    train_contention: float = Field(1.0, ge=1.0, description="engine step slowdown while the trainer trains")
+    sources: list[str] = Field(default_factory=list, description="where the numbers come from")
+    assumptions: list[str] = Field(default_factory=list)
+
+    def decode_s(self, batch: int, context_tokens: float) -> float:
+        return self.step_overhead_s + self.decode_s_per_seq * batch + self.decode_s_per_ctx_token * context_tokens
+
+    def steps_duration(self, k: int, batch: int, context0: float, prefill_tokens: int) -> float:
+        """k consecutive steps with a fixed batch whose context grows by `batch` tokens per step; the
+        first step also prefills. Closed form, so the simulator can jump over k steps at once."""
+        if k <= 0:
+            return 0.0
+        per = self.decode_s(batch, context0)
+        return (self.prefill_s_per_token * prefill_tokens + k * per
+                + self.decode_s_per_ctx_token * batch * k * (k - 1) / 2)
+
+
+class TrainerModel(BaseModel):
+    """The modelled trainer: one update = overhead + trained tokens (prompt + response) x time per token,
+    spread over the trainer's GPUs (assumes data-parallel scaling; state otherwise in the cost file)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step_overhead_s: float = Field(0.0, ge=0, description="per update: optimizer step, gradient sync")
+    s_per_token_gpu: float = Field(0.0, ge=0, description="seconds per trained token on one GPU (or this CPU)")
+    contention: float = Field(1.0, ge=1.0, description="train step slowdown while engines generate on shared cores")
+    sources: list[str] = Field(default_factory=list)
+    assumptions: list[str] = Field(default_factory=list)
+
+    def step_s(self, tokens: int, gpus: int = 1) -> float:
+        return self.step_overhead_s + self.s_per_token_gpu * tokens / max(gpus, 1)
+
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+def resolve_config_path(path: str | Path, base: Path | None = None) -> Path:
+    """A path as given, relative to a scenario file, or a bundled config by name (e.g. 'h100-7b')."""
+    p = Path(path)
+    candidates = [p]
+    if base is not None:
+        candidates.append(base / p)
+    candidates += [CONFIG_DIR / p, CONFIG_DIR / f"{p}.yaml"]
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise FileNotFoundError(f"no config file {path!r} (looked in {', '.join(str(c) for c in candidates)})")
+
+
+def load_cost_file(path: str | Path, base: Path | None = None) -> tuple[CostModel, TrainerModel | None]:
+    """A cost file holds `engine:` (a CostModel) and optionally `trainer:` (a TrainerModel)."""
+    raw: dict[str, Any] = yaml.safe_load(resolve_config_path(path, base).read_text()) or {}
+    trainer = raw.get("trainer")
+    return CostModel.model_validate(raw.get("engine", {})), (TrainerModel.model_validate(trainer) if trainer else None)

@@ -1,0 +1,214 @@
+"""Run a scenario: the production RolloutController (unchanged) drives a SimCluster in virtual time.
+
+The loop is the one `rollwise bench rollout` runs on a real engine (bench/rollout.py: next_batch,
+before_update, train, mark_trained, push weights, after_update); only the trainer's step is a
+modelled duration here, during which the engines keep generating.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rollwise.config import RunConfig
+from rollwise.observe.bubble import busy_integral
+from rollwise.rollout.controller import LengthFn, RolloutController
+from rollwise.router.policies import make_policy
+from rollwise.sim.cluster import SimCluster
+from rollwise.sim.cost import CostModel, TrainerModel
+from rollwise.sim.engine import SimEngine, VirtualClock
+from rollwise.sim.scenario import LengthModel, Scenario
+from rollwise.tasks import Problem
+
+
+class _NullTokenizer:
+    """The controller decodes responses for logging and scoring; simulated tokens mean nothing."""
+
+    def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+class SimEncoder:
+    """Synthetic prompts: a shared prefix (system prompt, few-shot examples) + per-problem tokens."""
+
+    def __init__(self, prompt_tokens: int, shared_prefix_tokens: int, vocab: int = 32000) -> None:
+        shared = min(shared_prefix_tokens, prompt_tokens - 1)
+        self.shared = [3 + (7919 * i) % (vocab - 3) for i in range(shared)]
+        self.own = prompt_tokens - shared
+        self.vocab = vocab
+        self.tokenizer = _NullTokenizer()
+
+    def __call__(self, problem: Problem, with_few_shot: bool = False) -> list[int]:
+        # Two leading tokens encode the problem number uniquely (no false prefix-cache hits), then a run.
+        k, v = int(problem.id[1:]), self.vocab - 3
+        head = [3 + k % v, 3 + (k // v) % v][: self.own]
+        start = 3 + (k * 104729) % (v - self.own)
+        return self.shared + head + list(range(start, start + self.own - len(head)))
+
+
+class _LazyBatch:
+    def __init__(self, start: int) -> None:
+        self.start = start
+
+    def __getitem__(self, slot: int) -> Problem:
+        return Problem(id=f"p{self.start + slot}", question="", answer="")
+
+
+class SimStream:
+    """ProblemStream's interface in O(1) per problem (the real one builds the whole step's list)."""
+
+    def batch(self, step: int, size: int) -> _LazyBatch:
+        return _LazyBatch(step * size)
+
+
+def run_config(s: Scenario, prompts_per_step: int) -> RunConfig:
+    eta = s.rollout.max_staleness
+    return RunConfig.model_validate({
+        "model": "sim", "seed": s.seed,
+        "task": {"kind": "reasoning_gym", "name": "basic_arithmetic"},  # never loaded: SimStream serves problems
+        "rollout": {"mode": s.rollout.mode, "prompts_per_step": prompts_per_step,
+                    "group_size": s.workload.group_size, "max_tokens": s.workload.output.max_tokens,
+                    "max_staleness": eta, "partial_rollout": s.rollout.partial_rollout,
+                    "oversubscription": s.rollout.oversubscription or eta + 1.0},
+    })
+
+
+@dataclass
+class SimRun:
+    scenario: Scenario
+    cost: CostModel
+    trainer: TrainerModel
+    cluster: SimCluster
+    controller: RolloutController
+    clock: VirtualClock
+
+
+def build(s: Scenario, *, cost: CostModel | None = None, trainer: TrainerModel | None = None,
+          prompts_per_step: int | None = None, length_fn: LengthFn | None = None, encoder: Any = None,
+          stream: Any = None, cfg: RunConfig | None = None, vocab_size: int = 32000, eos_token_id: int = 2) -> SimRun:
+    """The scenario's cluster and the production controller. Validation passes the real benchmark's
+    encoder, problem stream, config and forced lengths, so the controller sees exactly its inputs."""
+    if cost is None or trainer is None:
+        file_cost, file_trainer = s.cost()
+        cost, trainer = cost or file_cost, trainer or file_trainer
+    clock = VirtualClock()
+    lengths = LengthModel(s.workload.output, s.seed, s.base_dir)
+    engines = [SimEngine(cost, clock=clock, length_sampler=lengths.for_request, seed=s.seed * 7919 + i,
+                         engine_id=f"e{i:05d}", cache_history=s.sessions.count > 0, vocab_size=vocab_size,
+                         eos_token_id=eos_token_id)
+               for i in range(s.engines(cost))]
+    policy = make_policy(s.cluster.routing)
+    cluster = SimCluster(engines, clock, policy, shard_size=s.cluster.shard_size)
+    cfg = cfg or run_config(s, prompts_per_step or s.workload.prompts_per_step)
+    if length_fn is None and s.workload.force_lengths:
+        length_fn = lambda g, i: min(lengths.draw(g * 1009 + i), s.workload.output.max_tokens)  # noqa: E731
+    encoder = encoder or SimEncoder(s.workload.prompt_tokens, s.workload.shared_prefix_tokens, vocab_size)
+    controller = RolloutController(cfg, cluster, encoder, stream or SimStream(),  # type: ignore[arg-type]
+                                   lambda group: None, length_fn=length_fn)
+    return SimRun(s, cost, trainer, cluster, controller, clock)
+
+
+def simulate(run: SimRun, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The benchmark loop in virtual time. Returns the DESIGN.md metrics."""
+    s, cost, trainer, cluster, controller, clock = (run.scenario, run.cost, run.trainer, run.cluster,
+                                                    run.controller, run.clock)
+    wall0 = time.perf_counter()
+    t0 = clock.now
+    version = 0
+    staleness_sum = staleness_n = staleness_max = 0
+    trained_tokens = trained_samples = 0
+    rollout_phases: list[tuple[float, float]] = []
+    updates_at: list[float] = []
+    per_step: list[dict[str, Any]] = []
+    for step in range(s.workload.updates):
+        ta = clock.now
+        batch = controller.next_batch()
+        rollout_phases.append((ta, clock.now))
+        step_max = 0
+        for sample in batch:
+            for v in set(sample.versions):
+                k = sample.versions.count(v)
+                staleness_sum += (version - v) * k
+                staleness_n += k
+                step_max = max(step_max, version - v)
+        staleness_max = max(staleness_max, step_max)
+        controller.before_update()
+        tokens = sum(len(x.prompt_ids) + len(x.response_ids) for x in batch)
+        # Where trainer and engines share cores, each slows the other down (calibrated on this machine).
+        contended = any(e.has_unfinished() for e in cluster.engines)
+        train_s = trainer.step_s(tokens, s.trainer_gpus()) * (trainer.contention if contended else 1.0)
+        if cost.train_contention != 1.0:
+            cluster.set_slowdown(cost.train_contention)
+        cluster.advance_to(clock.now + train_s)
+        if cost.train_contention != 1.0:
+            cluster.set_slowdown(1.0)
+        controller.mark_trained(batch)
+        trained_tokens += sum(len(x.response_ids) for x in batch)
+        trained_samples += len(batch)
+        version += 1
+        cluster.advance_to(cluster.update_weights(None, version))
+        controller.after_update(version)
+        updates_at.append(clock.now)
+        per_step.append({"step": step, "t": clock.now - t0, "rollout_s": rollout_phases[-1][1] - ta,
+                         "train_s": train_s, "staleness_max": step_max})
+        if progress is not None:
+            progress(f"update {step + 1}/{s.workload.updates} at t={clock.now - t0:.1f}s (virtual)")
+    t1 = clock.now
+    regenerated = controller.ledger.regenerated()
+    controller.close("simulation over")
+    engines = cluster.engines
+    wall = t1 - t0
+    capacity = sum(e.max_num_seqs for e in engines)
+    busy = sum(busy_integral(e.timeline, t0, t1) for e in engines)
+    rollout_time = sum(b - a for a, b in rollout_phases)
+    busy_rollout = sum(busy_integral(e.timeline, a, b) for e in engines for a, b in rollout_phases)
+    prompt = sum(e.stats["prompt_tokens"] for e in engines)
+    cached = sum(e.stats["cached_prompt_tokens"] for e in engines)
+    n_eng = len(engines)
+    return {
+        "scenario": s.name, "mode": s.rollout.mode, "routing": s.cluster.routing, "gpus": s.cluster.gpus,
+        "engines": n_eng, "capacity": capacity, "cost_model": cost.name,
+        "prompts_per_step": controller.batch_groups, "group_size": controller.group_size,
+        "updates": len(per_step),
+        "virtual_s": wall,
+        "bubble_ratio": 1 - busy / (capacity * wall) if wall > 0 else 0.0,
+        "bubble_ratio_rollout": 1 - busy_rollout / (capacity * rollout_time) if rollout_time > 0 else 0.0,
+        "samples_per_s": trained_samples / wall if wall > 0 else 0.0,
+        "trained_tokens_per_s": trained_tokens / wall if wall > 0 else 0.0,
+        "rollout_tokens_per_s": sum(e.stats["generated_tokens"] for e in engines) / wall if wall > 0 else 0.0,
+        "trained_samples": trained_samples,
+        "staleness_mean": staleness_sum / staleness_n if staleness_n else 0.0,
+        "staleness_max": staleness_max,
+        "samples_regenerated": regenerated,
+        "prefix_hit_rate": cached / prompt if prompt else 0.0,
+        "engine_hours": n_eng * cost.gpus_per_engine * wall / 3600,
+        "gpu_hours_total": (n_eng * cost.gpus_per_engine + s.trainer_gpus()) * wall / 3600,
+        "sim_wall_s": time.perf_counter() - wall0,
+        "per_step": per_step,
+        "_updates": [t - t0 for t in updates_at],
+        "_t0": t0, "_t1": t1,
+    }
+
+
+def cluster_timeline(engines: list[SimEngine], t0: float, t1: float, max_points: int = 4000) -> list[tuple[float, int]]:
+    """Running sequences summed over engines (a step function), thinned for plotting."""
+    deltas: list[tuple[float, int]] = []
+    for e in engines:
+        prev = 0
+        for t, n in e.timeline:
+            if n != prev:
+                deltas.append((t, n - prev))
+                prev = n
+    deltas.sort()
+    out, total = [], 0
+    for t, d in deltas:
+        total += d
+        if t0 <= t <= t1:
+            out.append((t - t0, total))
+    if len(out) > max_points:
+        stride = math.ceil(len(out) / max_points)
+        out = out[::stride]
+    return out

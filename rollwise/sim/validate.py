@@ -1,0 +1,76 @@
+"""Validation: the rollout benchmark measured on the real engine, and simulated with a calibrated cost
+model, side by side. The simulation gets the benchmark's own controller inputs (config, prompts from
+the real tokenizer and task, forced lengths), so only the engine and trainer are modelled."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollwise.bench.rollout import FULL, MODES, QUICK, Workload, _lengths, run_rollout_bench
+from rollwise.config import RunConfig
+from rollwise.rollout.data import ProblemStream
+from rollwise.rollout.sync_rollout import PromptEncoder
+from rollwise.sim.cost import CostModel, TrainerModel
+from rollwise.sim.run import build, simulate
+from rollwise.sim.scenario import Scenario
+from rollwise.tasks import make_task
+
+
+def bench_config(mode: str, w: Workload, seed: int) -> RunConfig:
+    """The config bench/rollout.py's _run_mode builds (kept in step with it by test_sim)."""
+    return RunConfig.model_validate({
+        "model": "bench", "seed": seed,
+        "task": {"kind": "reasoning_gym", "name": "basic_arithmetic", "train_size": 64, "eval_size": 0,
+                 "params": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}},
+        "rollout": {"mode": mode, "prompts_per_step": w.prompts_per_step, "group_size": w.group_size,
+                    "max_tokens": w.max_tokens, "max_staleness": w.eta, "oversubscription": w.eta + 1.0},
+        "engine": {"max_num_seqs": w.max_num_seqs, "max_model_len": w.max_tokens + 128},
+        "train": {"steps": w.updates, "lr": 1e-6, "micro_batch_size": 8},
+    })
+
+
+def simulate_bench(tokenizer: Any, cost: CostModel, trainer: TrainerModel, *, quick: bool = True, seed: int = 0,
+                   modes: tuple[str, ...] = MODES) -> list[dict[str, Any]]:
+    w = QUICK if quick else FULL
+    out = []
+    for mode in modes:
+        cfg = bench_config(mode, w, seed)
+        task = make_task(cfg.task)
+        engine_cost = cost.model_copy(update={"max_num_seqs": w.max_num_seqs, "max_model_len": cfg.engine.max_model_len})
+        scenario = Scenario.model_validate({
+            "name": "bench-rollout-" + ("quick" if quick else "full"), "seed": seed,
+            "cluster": {"gpus": 1, "routing": "round_robin", "trainer_gpus_ratio": 1.0},
+            "workload": {"updates": w.updates, "prompts_per_step": w.prompts_per_step, "group_size": w.group_size,
+                         "output": {"max_tokens": w.max_tokens}},
+            "rollout": {"mode": mode, "max_staleness": w.eta, "oversubscription": w.eta + 1.0},
+        })
+        eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 2
+        run = build(scenario, cost=engine_cost, trainer=trainer, length_fn=_lengths(seed, w),
+                    encoder=PromptEncoder(tokenizer, cfg.prompt, cfg.reward),
+                    stream=ProblemStream(task.problems("train"), seed), cfg=cfg, vocab_size=len(tokenizer),
+                    eos_token_id=eos)
+        out.append(simulate(run))
+    return out
+
+
+def compare(measured: dict[str, Any], simulated: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for m, s in zip(measured["modes"], simulated):
+        row = {"mode": m["mode"]}
+        for key in ("bubble_ratio", "samples_per_s", "wall_s", "staleness_mean", "samples_regenerated"):
+            sim_key = "virtual_s" if key == "wall_s" else key
+            row[f"{key}_measured"] = m[key]
+            row[f"{key}_simulated"] = s[sim_key]
+            if key in ("bubble_ratio", "samples_per_s", "wall_s") and m[key]:
+                row[f"{key}_error"] = s[sim_key] / m[key] - 1
+        rows.append(row)
+    return rows
+
+
+def validate(model: Any, tokenizer: Any, cost: CostModel, trainer: TrainerModel, *, engine_kind: str,
+             quick: bool = True, seed: int = 0) -> dict[str, Any]:
+    measured = run_rollout_bench(model, tokenizer, quick=quick, seed=seed, engine_kind=engine_kind)
+    simulated = simulate_bench(tokenizer, cost, trainer, quick=quick, seed=seed)
+    return {"engine": engine_kind, "cost_model": cost.name, "measured": measured,
+            "simulated": [{k: v for k, v in r.items() if not k.startswith("_")} for r in simulated],
+            "comparison": compare(measured, simulated)}

@@ -1,0 +1,251 @@
+"""The cluster simulator: SimEngine obeys the engine contract, runs are deterministic, the production
+controller and routing policies are what it runs, and scale stays cheap."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from rollwise.engine.contract import Engine
+from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.sim.calibrate import StepRecord, fit_steps
+from rollwise.sim.cluster import SimCluster
+from rollwise.sim.cost import CostModel, load_cost_file
+from rollwise.sim.engine import SimEngine, VirtualClock
+from rollwise.sim.run import build, simulate
+from rollwise.sim.scenario import Scenario, load_scenario
+from rollwise.sim.sessions import simulate_sessions
+
+SCENARIOS = Path(__file__).parent.parent / "rollwise" / "sim" / "configs" / "scenarios"
+COST = CostModel(step_overhead_s=0.01, prefill_s_per_token=1e-4, decode_s_per_seq=1e-3, decode_s_per_ctx_token=1e-6,
+                 max_num_seqs=4, max_model_len=64, weight_update_s=0.25)
+
+
+def _req(rid: str, n: int = 1, max_tokens: int = 8, prompt: list[int] | None = None, seed: int = 0,
+         ignore_eos: bool = True) -> GenerationRequest:
+    return GenerationRequest(rid, [5, 6, 7] if prompt is None else prompt, SamplingParams(max_tokens=max_tokens, n=n, seed=seed,
+                                                                       ignore_eos=ignore_eos))
+
+
+def _small(**over) -> Scenario:
+    raw = {"name": "t", "seed": 3, "cluster": {"gpus": 4, "cost": "h100-7b", "routing": "least_load"},
+           "workload": {"updates": 3, "prompts_per_step": 8, "group_size": 8, "prompt_tokens": 64,
+                        "output": {"median": 200, "sigma": 1.0, "max_tokens": 2048}},
+           "rollout": {"mode": "sorted", "max_staleness": 1}}
+    for key, value in over.items():
+        node = raw
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    s = Scenario.model_validate(raw)
+    s.base_dir = SCENARIOS
+    return s
+
+
+def _metrics(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k != "sim_wall_s"}
+
+
+# ---------------------------------------------------------------- the engine contract
+
+
+def test_sim_engine_is_an_engine_and_generates_contract_shapes():
+    engine = SimEngine(COST, length_sampler=lambda req, i: 3 + i)
+    assert isinstance(engine, Engine)
+    out = engine.generate([_req("a", n=3, max_tokens=4, ignore_eos=False), _req("b", max_tokens=5)])
+    assert [(c.request_id, c.index) for c in out] == [("a", 0), ("a", 1), ("a", 2), ("b", 0)]
+    assert [len(c.token_ids) for c in out] == [3, 4, 4, 5]
+    assert [c.finish_reason for c in out] == ["stop", "stop", "length", "length"]
+    assert out[0].token_ids[-1] in engine.eos_token_ids
+    for c in out:
+        assert len(c.logprobs) == len(c.versions) == len(c.token_ids)
+        assert set(c.versions) == {0}
+    assert engine.clock.now > 0 and not engine.has_unfinished()
+    load = engine.load()
+    assert load.generated_tokens == 16 and load.running == 0 and load.prompt_tokens == 12
+    assert load.cached_prompt_tokens == 2 * 3 + 3  # a's 3 samples share a prefill; b (same prompt, same step) too
+
+
+def test_sim_engine_abort_pause_resume_and_versions():
+    engine = SimEngine(COST)
+    engine.add_request(_req("a", n=2, max_tokens=10))
+    engine.add_request(_req("w", n=4, max_tokens=10))  # does not fit next to a: waits
+    engine.step()
+    engine.step()
+    engine.update_weights(None, 1)
+    t = engine.clock.now
+    engine.step()  # the weight load (0.25 s) then a step
+    assert engine.clock.now >= t + 0.25
+    engine.pause()
+    assert engine.step() == [] and engine.paused
+    engine.resume()
+    engine.step()
+    aborted = engine.abort("a")
+    assert [c.finish_reason for c in aborted] == ["abort", "abort"]
+    assert aborted[0].versions == [0, 0, 1, 1]
+    waiting = engine.abort("w")
+    assert [len(c.token_ids) for c in waiting] == [0, 0, 0, 0]
+    assert not engine.has_unfinished() and engine.abort("a") == []
+
+
+def test_sim_engine_rejects_bad_input():
+    engine = SimEngine(COST)
+    for bad in (_req("x", prompt=[]), _req("x", prompt=[1] * 64), _req("x", prompt=[10**9]), _req("x", n=5)):
+        with pytest.raises(ValueError):
+            engine.add_request(bad)
+    engine.add_request(_req("dup"))
+    with pytest.raises(ValueError, match="already in flight"):
+        engine.add_request(_req("dup"))
+    with pytest.raises(ValueError):
+        engine.update_weights(None, "v2")  # type: ignore[arg-type]
+
+
+def test_planned_multi_step_ops_equal_step_by_step():
+    """The simulator's fast path (k steps planned at once, cut by commands) times exactly like step()."""
+    reqs = [_req(f"r{i}", max_tokens=5 + 3 * i, prompt=[5 + i] * (3 + i), seed=i) for i in range(6)]
+    slow = SimEngine(COST)
+    done_slow = {}
+    for r in reqs:
+        slow.add_request(r)
+    while slow.has_unfinished():
+        for c in slow.step():
+            done_slow[c.request_id] = (round(slow.clock.now, 9), len(c.token_ids))
+    clock = VirtualClock()
+    cluster = SimCluster([SimEngine(COST, clock=clock)], clock)
+    cluster.submit(reqs)
+    done_fast = {}
+    while (c := cluster.next_completion(0.05)) is not None:
+        done_fast[c.request_id] = (round(clock.now, 9), len(c.token_ids))
+    assert done_fast == done_slow
+
+
+def test_sim_engine_under_the_production_engine_worker():
+    """The real EngineWorker thread and RolloutController run on a SimEngine unchanged."""
+    from rollwise.rollout.controller import RolloutController
+    from rollwise.rollout.worker import EngineWorker
+    from rollwise.sim.run import SimEncoder, SimStream, run_config
+
+    s = _small()
+    engine = SimEngine(COST.model_copy(update={"max_num_seqs": 16, "max_model_len": 512}),
+                       length_sampler=lambda req, i: 3 + (req.params.seed + i) % 7)
+    worker = EngineWorker(engine)
+    controller = RolloutController(run_config(s, 2), worker, SimEncoder(16, 4), SimStream(), lambda g: None)
+    try:
+        for version in (1, 2):
+            batch = controller.next_batch()
+            assert len(batch) == 2 * s.workload.group_size
+            controller.before_update()
+            controller.mark_trained(batch)
+            worker.update_weights(None, version)
+            controller.after_update(version)
+    finally:
+        controller.close()
+        worker.close()
+
+
+# ---------------------------------------------------------------- the simulator
+
+
+def test_same_seed_same_result_different_seed_different():
+    a = simulate(build(_small()))
+    b = simulate(build(_small()))
+    assert _metrics(a) == _metrics(b)
+    c = simulate(build(_small(seed=4)))
+    assert c["virtual_s"] != a["virtual_s"]
+
+
+def test_modes_behave_as_designed():
+    results = {m: simulate(build(_small(**{"rollout.mode": m}))) for m in ("sync", "sorted", "async")}
+    assert results["sync"]["staleness_max"] == 0
+    for m in ("sorted", "async"):
+        assert results[m]["staleness_max"] <= 1
+        assert results[m]["bubble_ratio"] < results["sync"]["bubble_ratio"]
+        assert results[m]["samples_per_s"] > results["sync"]["samples_per_s"]
+    assert all(r["trained_samples"] == 3 * 8 * 8 for r in results.values())
+
+
+def test_a_controller_policy_change_shows_up_without_simulator_edits(monkeypatch):
+    """Patch the production controller's batching rule: the simulation changes with it."""
+    from rollwise.rollout.controller import RolloutController
+
+    before = simulate(build(_small()))
+    # A sorted controller that waits until nothing is in flight, like sync: more bubble, slower.
+    original = RolloutController._batch_ready
+    monkeypatch.setattr(RolloutController, "_batch_ready", lambda self: original(self) and not self.running)
+    after = simulate(build(_small()))
+    assert after["bubble_ratio"] > before["bubble_ratio"]
+    assert after["samples_per_s"] < before["samples_per_s"]
+
+
+def test_a_routing_policy_change_shows_up_without_simulator_edits(monkeypatch):
+    from rollwise.router import policies
+
+    spread = build(_small())
+    balanced = simulate(spread)
+    assert sum(e.stats["steps"] > 0 for e in spread.cluster.engines) == 4
+    # least_load that always picks the first replica: everything lands on one engine.
+    monkeypatch.setattr(policies.LeastLoad, "choose", lambda self, req, replicas: policies.Decision(
+        sorted(r.name for r in replicas)[0], "patched"))
+    piled = build(_small())
+    result = simulate(piled)
+    assert [e.stats["steps"] > 0 for e in piled.cluster.engines] == [True, False, False, False]
+    assert result["samples_per_s"] < balanced["samples_per_s"]
+
+
+def test_256_gpus_in_seconds():
+    s = _small(**{"cluster.gpus": 256, "workload.prompts_per_step": 256, "workload.group_size": 16,
+                  "workload.updates": 2, "workload.output.median": 150})
+    t = time.perf_counter()
+    result = simulate(build(s))
+    assert result["engines"] == 256 and result["trained_samples"] == 2 * 256 * 16
+    assert time.perf_counter() - t < 30
+
+
+def test_sessions_prefix_routing_reuses_history():
+    hits = {}
+    for policy in ("round_robin", "prefix"):
+        s = load_scenario(SCENARIOS / "agent-sessions.yaml", {"cluster.gpus": 4, "cluster.routing": policy,
+                                                               "sessions.count": 24, "sessions.turns": 3})
+        hits[policy] = simulate_sessions(s)["prefix_hit_rate"]
+    assert hits["prefix"] > hits["round_robin"] + 0.2
+
+
+def test_bundled_cost_files_load_and_cite_sources():
+    for name in ("h100-7b", "h100-32b"):
+        engine, trainer = load_cost_file(name)
+        assert engine.sources and engine.assumptions and trainer is not None and trainer.sources
+    assert load_cost_file("h100-32b")[0].gpus_per_engine == 2
+
+
+def test_calibration_fit_recovers_a_known_model():
+    true = {"c0": 0.02, "seq": 0.003, "ctx": 2e-5, "pre": 4e-4}
+    records, run = [], 0
+    for batch, plen in ((1, 40), (8, 40), (32, 40), (8, 200), (32, 60)):
+        for step in range(10):
+            ctx = batch * plen + batch * step
+            prefill = batch * plen if step == 0 else 0
+            t = true["c0"] + true["seq"] * batch + true["ctx"] * ctx + true["pre"] * prefill
+            records.append(StepRecord(run, step, t, batch, ctx, prefill))
+        run += 1
+    fit = fit_steps(records)
+    assert fit["step_overhead_s"] == pytest.approx(true["c0"], rel=1e-6)
+    assert fit["decode_s_per_seq"] == pytest.approx(true["seq"], rel=1e-6)
+    assert fit["decode_s_per_ctx_token"] == pytest.approx(true["ctx"], rel=1e-6)
+    assert fit["prefill_s_per_token"] == pytest.approx(true["pre"], rel=1e-6)
+
+
+def test_cli_help_and_a_scenario_run(tmp_path, capsys):
+    from rollwise.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["sim", "--help"])
+    assert exc.value.code == 0
+    assert "virtual clock" in capsys.readouterr().out
+    out = tmp_path / "r.json"
+    assert main(["sim", "grpo-7b", "--set", "cluster.gpus=8", "workload.prompts_per_step=8", "workload.updates=1",
+                 "--json", str(out)]) == 0
+    assert '"bubble_ratio"' in out.read_text()
+    assert main(["sim", "no-such-scenario"]) == 2
