@@ -440,7 +440,8 @@ def test_rollwise_train_runs_agent_episodes(tmp_path):
     from rollwise.control.train_loop import train
 
     cfg = load_config(None, [
-        "model=tiny:0", "agent={max_turns: 2, max_tokens_per_turn: 12}", "steps=1", "prompts_per_step=2",
+        "model=tiny:0", "agent={max_turns: 2, max_tokens_per_turn: 12, demo: [{role: user, content: '1+1'}, "
+        "{role: assistant, content: '{answer_open}2{answer_close}'}]}", "steps=1", "prompts_per_step=2",
         "group_size=2", "eval.size=2", "eval.every=0", f"output_dir={tmp_path}/run", "engine.kind=reference",
         "engine.max_model_len=1024", "tensorboard=false", "checkpoint.every=0",
     ])

@@ -14,6 +14,10 @@ Modules, one job each:
     proxy        the black-box proxy: an OpenAI-compatible endpoint per session over HTTP
     verify       proof that the trajectory holds exactly what the engine sampled
     check        `rollwise check tito`
+    samples      trajectories -> trainer Samples (loss mask), per-episode GRPO advantages
+    rollout      GRPO groups of tool-using episodes on threads
+    config       the `agent:` section of a run config
+    controller   `rollwise train` with an `agent:` section (the rollout controller's interface)
     toy          a tiny model taught to call the calculator (tests and checks)
 """
 

@@ -20,3 +20,8 @@ class AgentConfig(BaseModel):
     parser: str = Field("hermes", description="tool-call format (rollwise.agent.toolcalls)")
     describe_tools: bool = Field(True, description="tell the model about the tools in the system message")
     concurrency: int = Field(64, ge=1, description="episodes running at once")
+    demo: list[dict[str, str]] = Field(
+        default_factory=list,
+        description="a worked episode shown before the question (after the system message), as chat "
+        "messages, e.g. user -> assistant tool call -> tool -> assistant answer: a format hint for models "
+        "that never call tools unprompted; {answer_open}/{answer_close} are the reward's tags")

@@ -52,7 +52,18 @@ class AgentController:
             self._sandboxes = SandboxPool(max_sandboxes=self.agent_cfg.concurrency, max_concurrent_runs=2)
 
     def _messages(self, problem: Problem) -> list[dict[str, Any]]:
-        return build_messages(problem, self.cfg.prompt, self.cfg.reward, with_few_shot=True)
+        messages = build_messages(problem, self.cfg.prompt, self.cfg.reward, with_few_shot=True)
+        if self.agent_cfg.demo:
+            tags = {"{answer_open}": self.cfg.reward.answer_open, "{answer_close}": self.cfg.reward.answer_close}
+            demo = []
+            for m in self.agent_cfg.demo:
+                content = m.get("content", "")
+                for key, value in tags.items():
+                    content = content.replace(key, value)
+                demo.append({**m, "content": content})
+            at = 1 if messages and messages[0]["role"] == "system" else 0
+            messages = messages[:at] + demo + messages[at:]
+        return messages
 
     def _run(self, problems: list[Problem], group_ids: list[str], group_size: int, temperature: float,
              seed: int, max_tokens_per_turn: int | None = None) -> list[EpisodeOutcome]:

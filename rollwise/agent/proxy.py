@@ -217,9 +217,12 @@ def create_proxy_app(generator: Generator, tokenizer: Any, *, model_name: str = 
             out["reward"] = store.finished[session.id]
         return out
 
+    async def _off_loop(fn, *args):  # noqa: ANN001, ANN202 - waits for a running turn without blocking the loop
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
     @app.get("/sessions/{session_id}/trajectory")
     async def trajectory(session_id: str) -> dict[str, Any]:
-        return _trajectory(store.get(session_id))
+        return await _off_loop(_trajectory, store.get(session_id))
 
     @app.post("/sessions/{session_id}/finish")
     async def finish(session_id: str, body: FinishRequest | None = None) -> dict[str, Any]:
@@ -227,12 +230,12 @@ def create_proxy_app(generator: Generator, tokenizer: Any, *, model_name: str = 
         store.finished[session_id] = body.reward if body else None
         if session.finish_reason is None:
             session.finish_reason = "done"
-        return _trajectory(session)
+        return await _off_loop(_trajectory, session)
 
     @app.delete("/sessions/{session_id}")
     async def delete(session_id: str) -> dict[str, Any]:
         session = store.get(session_id)
-        out = _trajectory(session)
+        out = await _off_loop(_trajectory, session)
         with store._lock:
             store.sessions.pop(session_id, None)
             store.finished.pop(session_id, None)
