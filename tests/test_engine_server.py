@@ -29,7 +29,6 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_file
 
@@ -38,6 +37,7 @@ from rollwise.engine.client import EngineClient, EngineServerError
 from rollwise.engine.reference import ReferenceEngine
 from rollwise.engine.server import build_engine, create_app
 from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.local_server import serve_in_thread
 from rollwise.model.loading import tokenizer_fingerprint
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer
 from rollwise.tasks.prompts import encode_prompt
@@ -53,26 +53,12 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")
 @contextlib.contextmanager
 def _running_server(model: str = MODEL):
     engine, tokenizer = build_engine(model, max_num_seqs=8, max_model_len=MAX_MODEL_LEN, seed=0)
-    app = create_app(engine, tokenizer, model)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{port}"
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
-    try:
-        yield SimpleNamespace(url=url, engine=engine, tokenizer=tokenizer, openai=client)
-    finally:
-        client.close()
-        server.should_exit = True
-        thread.join(timeout=15)
-        sock.close()
+    with serve_in_thread(create_app(engine, tokenizer, model)) as (url, _server):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+        try:
+            yield SimpleNamespace(url=url, engine=engine, tokenizer=tokenizer, openai=client)
+        finally:
+            client.close()
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,6 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from safetensors.torch import save_file
@@ -42,6 +41,7 @@ from safetensors.torch import save_file
 from rollwise.cli import main
 from rollwise.engine.server import build_engine, create_app
 from rollwise.model.tiny import tiny_llama
+from rollwise.local_server import serve_in_thread
 from rollwise.router.app import RouterConfig, bind_socket
 from rollwise.router.app import create_app as create_router_app
 from rollwise.router.app import serve as serve_router
@@ -164,24 +164,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
 def _serving(app, sock: socket.socket | None = None):
     """Run an ASGI app with uvicorn in a thread on a loopback socket; yields (url, server)."""
-    if sock is None:
-        sock = bind_socket("127.0.0.1", 0, reuse_port=False)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
-    finally:
-        server.should_exit = True
-        thread.join(timeout=20)
-        sock.close()
+    return serve_in_thread(app, sock if sock is not None else bind_socket("127.0.0.1", 0, reuse_port=False))
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ serving. Then the HTTP server on vLLM with the official `openai` client, and `ro
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -286,30 +287,18 @@ def test_train_runs_on_vllm(tmp_path, model, sole_vllm):
 
 def test_engine_server_on_vllm_with_the_openai_client(model, sole_vllm):
     """`rollwise serve engine --engine vllm`: the same HTTP server over the vLLM backend."""
-    import socket
-    import threading
-    import time
-
     import httpx
     import openai
-    import uvicorn
 
     from rollwise.engine.server import create_app
+    from rollwise.local_server import serve_in_thread
 
     tokenizer = tiny_tokenizer()
     engine = VLLMEngine(model, tokenizer, max_num_seqs=4, max_model_len=MAX_MODEL_LEN, seed=0, kv_cache_gib=1)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, tokenizer, "tiny-vllm"), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(engine.close)
+        url, _server = stack.enter_context(serve_in_thread(create_app(engine, tokenizer, "tiny-vllm")))
+        client = stack.enter_context(openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60))
         messages = [{"role": "user", "content": "What is 2+3?"}]
         chat = client.chat.completions.create(model="tiny-vllm", messages=messages, max_tokens=12, seed=1)
         choice = chat.choices[0]
@@ -327,12 +316,6 @@ def test_engine_server_on_vllm_with_the_openai_client(model, sole_vllm):
         assert httpx.post(f"{url}/wake").json() == {"sleeping": False}
         bad = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": -1})
         assert bad.status_code == 400 and "max_tokens" in bad.text
-    finally:
-        client.close()
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
-        engine.close()
 
 
 def test_engine_bench_times_vllm_through_the_contract_and_natively(model, sole_vllm):

@@ -29,7 +29,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -142,26 +141,15 @@ def _replicas(shape: BenchShape):
 
 @contextlib.contextmanager
 def _router(urls: list[str], policy: str):
-    import uvicorn
 
     from rollwise.model.tiny import tiny_tokenizer
+    from rollwise.local_server import serve_in_thread
     from rollwise.router.app import RouterConfig, bind_socket, create_app
 
     config = RouterConfig(replicas=urls, policy=policy, health_interval_s=0.5, queue_timeout_s=300)
     sock = bind_socket("127.0.0.1", 0, reuse_port=False)
-    server = uvicorn.Server(uvicorn.Config(create_app(config, tokenizer=tiny_tokenizer()), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("the router did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
+    with serve_in_thread(create_app(config, tokenizer=tiny_tokenizer()), sock) as (url, _server):
+        yield url
 
 
 def _engine_counters(urls: list[str]) -> list[dict[str, float]]:
