@@ -103,6 +103,9 @@ def _load(model_spec: str, engine_kind: str, max_model_len: int, seed: int) -> t
     from rollwise.model.loading import load_model, tokenizer_fingerprint
 
     kind = resolve_engine_kind(engine_kind, model_spec)
+    if kind == "vllm" and model_spec.startswith("tiny:"):
+        raise ValueError("tiny: test models have a head size (16) that vLLM's CPU attention kernels refuse: "
+                         "use --engine reference, or a real model with --engine vllm")
     if model_spec.startswith("tiny:"):
         from rollwise.agent.toy import toy_tool_model
 
@@ -208,8 +211,17 @@ def render_report(result: dict[str, Any], console: Console) -> None:
 
 def cli_check_tito(args: argparse.Namespace, console: Console) -> int:
     model = getattr(args, "model", None) or "tiny:0"
-    result = run_check(model, getattr(args, "engine", None) or "auto", episodes=getattr(args, "episodes", None) or 3,
-                       seed=getattr(args, "seed", None) or 0, console=console)
+    episodes = getattr(args, "episodes", None)
+    episodes = 3 if episodes is None else episodes
+    if episodes < 1:
+        console.print(f"[red]error:[/] --episodes must be >= 1, got {episodes}")
+        return 2
+    try:
+        result = run_check(model, getattr(args, "engine", None) or "auto", episodes=episodes,
+                           seed=getattr(args, "seed", None) or 0, console=console)
+    except ValueError as exc:  # a model spec or engine choice that cannot work, said plainly
+        console.print(f"[red]error:[/] {exc}")
+        return 2
     render_report(result, console)
     if getattr(args, "json", None):
         Path(args.json).write_text(json.dumps(result, indent=2))
