@@ -28,11 +28,12 @@ sources cited inside).
       the scenario at several cluster sizes (batch per GPU held constant) and policies: table + chart
   rollwise sim calibrate [--engine reference|vllm] [--json PATH] [--out YAML]
       time a real engine and trainer here (~1-2 min) and fit the cost model
-  rollwise sim validate [--cost YAML] [--json PATH]
-      run `rollwise bench rollout --quick` for real and in simulation, side by side
+  rollwise sim validate [--cost YAML] [--rollout-only] [--json PATH]
+      run `rollwise bench rollout --quick` for real and in simulation, side by side (--rollout-only:
+      the trainer taken out on both sides, to check the engine cost model and the scheduling alone)
 
 Bundled scenarios: rollwise/sim/configs/scenarios/ (grpo-7b.yaml, agent-sessions.yaml); bundled cost
-models: h100-7b, h100-32b (roofline estimates), cpu-vllm-calibrated (measured here).
+models: h100-7b, h100-32b (roofline estimates), cpu-reference-calibrated (measured here).
 """
 
 
@@ -137,7 +138,8 @@ def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
     t = time.perf_counter()
     with console.status(f"loading {args.model}"):
         model, tokenizer = load_model(args.model)
-    cost, trainer, raw = calibrate(model, tokenizer, kind, seed=args.seed, progress=console.log)
+    cost, trainer, raw = calibrate(model, tokenizer, kind, seed=args.seed, progress=console.log,
+                                   with_trainer=not args.engine_only)
     fit = raw["fit"]
     table = Table(title=f"calibrated cost model: {kind} engine, {args.model} ({time.perf_counter() - t:.0f}s)")
     table.add_column("parameter")
@@ -145,7 +147,7 @@ def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
     for key in ("step_overhead_s", "prefill_s_per_token", "decode_s_per_seq", "decode_s_per_ctx_token",
                 "weight_update_s", "train_contention"):
         table.add_row(f"engine.{key}", f"{getattr(cost, key):.4g}")
-    table.add_row("decode fit R^2", f"{fit['decode_r2']:.3f}")
+    table.add_row("decode fit R^2 (all steps)", f"{fit['decode_r2_all_steps']:.3f}")
     for key in ("step_overhead_s", "s_per_token_gpu", "contention"):
         table.add_row(f"trainer.{key}", f"{getattr(trainer, key):.4g}")
     console.print(table)
@@ -164,15 +166,31 @@ def cmd_validate(args: argparse.Namespace, console: Console) -> int:
     from rollwise.sim.validate import validate
 
     cost, trainer = load_cost_file(args.cost)
-    if trainer is None:
-        console.print("[red]error:[/] the cost file has no trainer: section (run rollwise sim calibrate)")
+    if args.rollout_only:
+        from rollwise.sim.validate import validate_rollout_only
+
+        with console.status(f"loading {args.model}"):
+            model, tokenizer = load_model(args.model)
+        kind = resolve_engine_kind(args.engine, args.model)
+        with console.status("measured generation (trainer taken out), then the simulation"):
+            result = validate_rollout_only(model, tokenizer, cost, engine_kind=kind, quick=not args.full, seed=args.seed)
+        return _print_validation(result, kind, cost.name, args, console)
+    if trainer is None or trainer.s_per_token_gpu == 0:
+        console.print("[red]error:[/] the cost file has no calibrated trainer (run rollwise sim calibrate without "
+                      "--engine-only), or use --rollout-only")
         return 2
     with console.status(f"loading {args.model}"):
         model, tokenizer = load_model(args.model)
     kind = resolve_engine_kind(args.engine, args.model)
     with console.status("measured run (rollwise bench rollout), then the simulation"):
         result = validate(model, tokenizer, cost, trainer, engine_kind=kind, quick=not args.full, seed=args.seed)
-    table = Table(title=f"bench rollout {'full' if args.full else '--quick'}: measured ({kind}) vs simulated ({cost.name})")
+    return _print_validation(result, kind, cost.name, args, console)
+
+
+def _print_validation(result: dict[str, Any], kind: str, cost_name: str, args: argparse.Namespace,
+                      console: Console) -> int:
+    what = "generation only (no trainer)" if result.get("rollout_only") else "bench rollout"
+    table = Table(title=f"{what} {'full' if args.full else '--quick'}: measured ({kind}) vs simulated ({cost_name})")
     for col in ("mode", "bubble meas.", "bubble sim", "error", "samples/s meas.", "samples/s sim", "error",
                 "wall meas.", "wall sim"):
         table.add_column(col, justify="right")
@@ -213,12 +231,16 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--model", default="bundled:smollm2-135m-instruct")
     cal.add_argument("--out", type=Path, metavar="YAML", help="cost file to write (default: sim-cost-ENGINE.yaml)")
     cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--engine-only", action="store_true",
+                     help="skip the trainer timings (the slow part on a busy CPU); the trainer section is zero")
     val = sub.add_parser("validate", parents=[common], help="bench rollout measured vs simulated")
-    val.add_argument("--cost", default="cpu-vllm-calibrated", help="calibrated cost file (default: %(default)s)")
+    val.add_argument("--cost", default="cpu-reference-calibrated", help="calibrated cost file (default: %(default)s)")
     val.add_argument("--engine", default="auto", choices=["auto", "reference", "vllm"])
     val.add_argument("--model", default="bundled:smollm2-135m-instruct")
     val.add_argument("--full", action="store_true", help="the full benchmark workload instead of --quick")
     val.add_argument("--seed", type=int, default=0)
+    val.add_argument("--rollout-only", action="store_true",
+                     help="take the trainer out on both sides: validates the engine cost model and the scheduling")
     return parser
 
 

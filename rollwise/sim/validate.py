@@ -74,3 +74,84 @@ def validate(model: Any, tokenizer: Any, cost: CostModel, trainer: TrainerModel,
     return {"engine": engine_kind, "cost_model": cost.name, "measured": measured,
             "simulated": [{k: v for k, v in r.items() if not k.startswith("_")} for r in simulated],
             "comparison": compare(measured, simulated)}
+
+
+def measure_rollout_only(model: Any, tokenizer: Any, engine_kind: str, mode: str, *, quick: bool = True,
+                         seed: int = 0) -> dict[str, Any]:
+    """The benchmark's generation on the real engine with the trainer taken out (no train step; an empty
+    weight update only advances the version, reference engine): isolates the engine cost model and the controller's scheduling from the trainer's timing."""
+    import time
+
+    from rollwise.engine.factory import create_engine
+    from rollwise.observe.bubble import bubble_ratio
+    from rollwise.rollout.controller import RolloutController
+    from rollwise.rollout.worker import EngineWorker
+
+    w = QUICK if quick else FULL
+    cfg = bench_config(mode, w, seed)
+    task = make_task(cfg.task)
+    engine = create_engine(engine_kind, model, tokenizer, max_num_seqs=w.max_num_seqs,
+                           max_model_len=cfg.engine.max_model_len, seed=seed)
+    worker = EngineWorker(engine)
+    controller = RolloutController(cfg, worker, PromptEncoder(tokenizer, cfg.prompt, cfg.reward),
+                                   ProblemStream(task.problems("train"), seed), lambda group: None,
+                                   length_fn=_lengths(seed, w))
+    t0 = time.monotonic()
+    for version in range(1, w.updates + 1):
+        batch = controller.next_batch()
+        controller.before_update()
+        controller.mark_trained(batch)
+        worker.update_weights({}, version)  # an empty update: the version advances, no weights move
+        controller.after_update(version)
+    t1 = time.monotonic()
+    controller.close("validation over")
+    worker.close()
+    getattr(engine, "close", lambda: None)()
+    n = w.updates * w.prompts_per_step * w.group_size
+    return {"mode": mode, "wall_s": t1 - t0, "samples_per_s": n / (t1 - t0),
+            "bubble_ratio": bubble_ratio([engine.timeline], [w.max_num_seqs], t0, t1),
+            "staleness_mean": 0.0, "samples_regenerated": controller.ledger.regenerated()}
+
+
+def simulate_rollout_only(tokenizer: Any, cost: CostModel, mode: str, *, quick: bool = True,
+                          seed: int = 0) -> dict[str, Any]:
+    """The same loop in simulation: trainer time 0, no weight update on the engines."""
+    from rollwise.sim.run import build
+
+    w = QUICK if quick else FULL
+    cfg = bench_config(mode, w, seed)
+    task = make_task(cfg.task)
+    scenario = Scenario.model_validate({"name": "bench-rollout-only", "seed": seed,
+                                        "cluster": {"gpus": 1, "routing": "round_robin"},
+                                        "rollout": {"mode": mode, "max_staleness": w.eta}})
+    engine_cost = cost.model_copy(update={"max_num_seqs": w.max_num_seqs, "max_model_len": cfg.engine.max_model_len,
+                                          "weight_update_s": 0.0, "update_reprefill": False})
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 2
+    run = build(scenario, cost=engine_cost, trainer=TrainerModel(), length_fn=_lengths(seed, w),
+                encoder=PromptEncoder(tokenizer, cfg.prompt, cfg.reward),
+                stream=ProblemStream(task.problems("train"), seed), cfg=cfg, vocab_size=len(tokenizer), eos_token_id=eos)
+    c, clock, cluster = run.controller, run.clock, run.cluster
+    from rollwise.observe.bubble import busy_integral
+
+    t0 = clock.now
+    for version in range(1, w.updates + 1):
+        batch = c.next_batch()
+        c.before_update()
+        c.mark_trained(batch)
+        cluster.update_weights(None, version)
+        c.after_update(version)
+    t1 = clock.now
+    e = cluster.engines[0]
+    n = w.updates * w.prompts_per_step * w.group_size
+    return {"mode": mode, "virtual_s": t1 - t0, "samples_per_s": n / (t1 - t0),
+            "bubble_ratio": 1 - busy_integral(e.timeline, t0, t1) / (w.max_num_seqs * (t1 - t0)),
+            "staleness_mean": 0.0, "samples_regenerated": c.ledger.regenerated()}
+
+
+def validate_rollout_only(model: Any, tokenizer: Any, cost: CostModel, *, engine_kind: str, quick: bool = True,
+                          seed: int = 0, modes: tuple[str, ...] = ("sync", "sorted")) -> dict[str, Any]:
+    measured = {"modes": [measure_rollout_only(model, tokenizer, engine_kind, m, quick=quick, seed=seed)
+                          for m in modes]}
+    simulated = [simulate_rollout_only(tokenizer, cost, m, quick=quick, seed=seed) for m in modes]
+    return {"engine": engine_kind, "cost_model": cost.name, "rollout_only": True, "measured": measured,
+            "simulated": simulated, "comparison": compare(measured, simulated)}
