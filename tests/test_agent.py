@@ -10,14 +10,10 @@ import contextlib
 import copy
 import json
 import random
-import socket
-import threading
-import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from rollwise.agent.client import SessionClient
 from rollwise.agent.episode import ToolAgent, run_episode
@@ -30,6 +26,7 @@ from rollwise.agent.toy import toy_question, toy_tool_model
 from rollwise.agent.verify import RecordingGenerator, verify_trajectory
 from rollwise.engine.factory import create_engine
 from rollwise.engine.server import create_app
+from rollwise.local_server import serve_in_thread
 from rollwise.model.loading import tokenizer_fingerprint
 from rollwise.model.tiny import tiny_tokenizer
 
@@ -267,21 +264,8 @@ def test_client_rewriting_history_splits(toy):
 
 @contextlib.contextmanager
 def _serve(app):
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        sock.close()
+    with serve_in_thread(app) as (url, _):
+        yield url
 
 
 @pytest.fixture(scope="module")
