@@ -10,6 +10,7 @@ import contextlib
 import copy
 import json
 import random
+import time
 
 import httpx
 import openai
@@ -487,3 +488,39 @@ def test_proxy_serves_concurrent_sessions(proxy):
         assert traj["session_id"] == f"conc-{k}" and traj["turns"] == 2
         assert [seg["token_ids"][s["start"]: s["end"]] for s in seg["spans"]] == sampled
         assert f"{k}+{k}?" in "".join(m["content"] for m in traj["messages"])
+
+
+def test_proxy_through_the_router_keeps_sessions_on_one_replica():
+    """proxy -> router (X-Session-Id) -> two engine replicas: each session's turns stay on one replica."""
+    from rollwise.router.app import RouterConfig
+    from rollwise.router.app import create_app as create_router_app
+
+    model, tokenizer = toy_tool_model(seed=0)
+
+    def replica():
+        engine = create_engine("reference", model, tokenizer, max_num_seqs=4, max_model_len=768,
+                               eos_token_ids=[tokenizer.eos_token_id], seed=0, prefix_cache_tokens=4096)
+        return engine, serve_in_thread(create_app(engine, tokenizer, "toy"))
+
+    (engine_a, serve_a), (engine_b, serve_b) = replica(), replica()
+    with serve_a as (url_a, _), serve_b as (url_b, _):
+        config = RouterConfig(replicas=[url_a, url_b], policy="consistent_hash", health_interval_s=0.2)
+        with serve_in_thread(create_router_app(config, tokenizer)) as (router_url, _):
+            deadline = time.monotonic() + 20
+            while httpx.get(f"{router_url}/health").status_code != 200 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            upstream = HTTPGenerator(router_url)
+            with serve_in_thread(create_proxy_app(upstream, tokenizer, model_name="toy")) as (url, _):
+                for k in range(4):
+                    messages = [{"role": "user", "content": f"{k}+1?"}]
+                    for _ in range(3):
+                        r = httpx.post(f"{url}/sessions/routed-{k}/v1/chat/completions",
+                                       json={"messages": messages, "max_tokens": 6}, timeout=60).json()
+                        messages += [r["choices"][0]["message"], {"role": "user", "content": "more"}]
+                    traj = httpx.get(f"{url}/sessions/routed-{k}/trajectory").json()
+                    assert traj["turns"] == 3 and not traj["splits"]
+            # the router saw every session id (X-Session-Id) and pinned each to a replica
+            assert httpx.get(f"{router_url}/health").json()["sessions"] == 4
+            upstream.close()
+    # later turns found their history in the replica's prefix cache
+    assert engine_a.stats["cached_prompt_tokens"] + engine_b.stats["cached_prompt_tokens"] > 0
