@@ -249,7 +249,7 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] not in ("run", "sweep", "calibrate", "validate", "-h", "--help"):
         argv = ["run", *argv]  # rollwise sim CONFIG ...
     args = parser.parse_args(argv)
-    console = Console()
+    console = Console(width=max(Console().width, 160))  # the results tables are wide; pipes default to 80
     if args.sim_command is None:
         parser.print_help()
         return 0

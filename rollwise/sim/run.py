@@ -204,9 +204,10 @@ def cluster_timeline(engines: list[SimEngine], t0: float, t1: float, max_points:
                 prev = n
     deltas.sort()
     out, total = [], 0
-    for t, d in deltas:
+    for i, (t, d) in enumerate(deltas):
         total += d
-        if t0 <= t <= t1:
+        last_at_t = i + 1 == len(deltas) or deltas[i + 1][0] != t  # one point per instant, after all its changes
+        if last_at_t and t0 <= t <= t1:
             out.append((t - t0, total))
     if len(out) > max_points:
         stride = math.ceil(len(out) / max_points)
