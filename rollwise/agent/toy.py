@@ -108,3 +108,64 @@ def toy_tool_model(seed: int = 0, steps: int = 120, cache: bool = True) -> tuple
         save_file(state, str(tmp))
         tmp.replace(path)
     return model, tokenizer
+
+
+def toy_grpo_demo(steps: int = 30, lr: float = 3e-4, teach_steps: int = 90, seed: int = 1,
+                  log: Any = print) -> list[dict[str, float]]:
+    """GRPO on multi-turn tool-using episodes, end to end in process (a few seconds a step on a CPU):
+    a weakly taught tiny model (most of its tool calls malformed) is rewarded for a successful tool
+    call; the rate of successful calls rises. Measured (2 shared cores, ~65 s): mean of the first 5
+    steps 0.28 -> last 5 steps 0.43 successful-call rate; tool-call error rate 0.70 -> 0.53.
+
+        python -c "from rollwise.agent.toy import toy_grpo_demo; toy_grpo_demo()"
+    """
+    from rollwise.agent.config import AgentConfig
+    from rollwise.agent.generator import LocalGenerator
+    from rollwise.agent.rollout import run_agent_groups, score_episodes
+    from rollwise.agent.samples import assign_episode_advantages
+    from rollwise.config import TrainConfig
+    from rollwise.engine.factory import create_engine
+    from rollwise.tasks.base import Problem
+    from rollwise.train.trainer import GRPOTrainer
+
+    model, tokenizer = toy_tool_model(seed=seed, steps=teach_steps)
+    engine = create_engine("reference", model, tokenizer, max_num_seqs=64, max_model_len=768,
+                           eos_token_ids=[tokenizer.eos_token_id], seed=0)
+    generator = LocalGenerator(engine)
+    trainer = GRPOTrainer(model, TrainConfig(lr=lr, micro_batch_size=16, share_prompt_prefix=False),
+                          pad_token_id=tokenizer.pad_token_id)
+    cfg = AgentConfig(max_turns=2, max_tokens=200, max_tokens_per_turn=100, describe_tools=False)
+    rng = random.Random(0)
+    history = []
+    try:
+        for step in range(steps):
+            problems = []
+            for i in range(8):
+                question = toy_question(rng)[1]["content"]
+                a, b = question.rstrip("?").split("+")
+                problems.append(Problem(f"s{step}p{i}", question, str(int(a) + int(b))))
+            outcomes = run_agent_groups(generator, tokenizer, problems, 8,
+                                        lambda p: [{"role": "system", "content": TOY_SYSTEM},
+                                                   {"role": "user", "content": p.question}],
+                                        cfg, seed=step, group_prefix=f"s{step}")
+            by_head = {id(o.samples[0]): o for o in outcomes if o.samples}
+
+            def score(sample: Any) -> None:
+                episode = by_head[id(sample)]
+                sample.reward = 1.0 if episode.tool_calls > episode.tool_errors else 0.0
+
+            samples = score_episodes(outcomes, score)
+            assign_episode_advantages(samples, "mean_std")
+            metrics = trainer.train_step(samples)
+            generator.worker.update_weights({k: v.detach().clone() for k, v in model.state_dict().items()},
+                                            trainer.version)
+            calls = sum(o.tool_calls for o in outcomes)
+            row = {"step": step, "ok_call_rate": sum(o.tool_calls > o.tool_errors for o in outcomes) / len(outcomes),
+                   "tool_error_rate": sum(o.tool_errors for o in outcomes) / max(calls, 1),
+                   "mismatch_abs_logp": metrics.get("mismatch_abs_logp", 0.0)}
+            history.append(row)
+            log(f"step {step:>3}  successful-call rate {row['ok_call_rate']:.2f}  tool-call error rate "
+                f"{row['tool_error_rate']:.2f}  |logp engine - trainer| {row['mismatch_abs_logp']:.1e}")
+    finally:
+        generator.close()
+    return history
