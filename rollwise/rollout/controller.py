@@ -121,10 +121,14 @@ class RolloutController:
             self.ready.sort()  # group order, exactly as the spine's synchronous rollout
         # Groups that would exceed eta if they waited one more update go first (oldest first),
         # then the rest in completion order: short groups train early.
-        urgent = sorted((g for g in self.ready if self._urgent(g)), key=self._oldest_version)
-        order = urgent + [g for g in self.ready if g not in urgent]
+        running = self._running_versions()  # one pass, not one per ready group (linear at 1000s of engines)
+        oldest = {g: self._oldest_version(g, running) for g in self.ready}
+        urgent = sorted((g for g in self.ready if self._urgent(oldest[g])), key=oldest.__getitem__)
+        urgent_set = set(urgent)
+        order = urgent + [g for g in self.ready if g not in urgent_set]
         taken = order[: self.batch_groups]
-        self.ready = [g for g in self.ready if g not in taken]
+        taken_set = set(taken)
+        self.ready = [g for g in self.ready if g not in taken_set]
         self._training_groups = len(taken)
         samples = []
         for g in taken:
@@ -141,16 +145,23 @@ class RolloutController:
         self._flush()
         return samples
 
-    def _oldest_version(self, g: int) -> int:
+    def _running_versions(self) -> dict[int, int]:
+        """For each group with requests running: the oldest version any of them was submitted at."""
+        oldest: dict[int, int] = {}
+        for r in self.running.values():
+            oldest[r.group] = min(oldest.get(r.group, r.submitted_version), r.submitted_version)
+        return oldest
+
+    def _oldest_version(self, g: int, running: dict[int, int]) -> int:
         """The oldest policy version that sampled (or may sample) a token of group g."""
-        group = self.groups[g]
-        versions = [min(s.versions, default=self.version) for s in group.finished.values()]
-        versions += [r.submitted_version for r in self.running.values() if r.group == g]
+        versions = [min(s.versions, default=self.version) for s in self.groups[g].finished.values()]
+        if g in running:
+            versions.append(running[g])
         return min(versions, default=self.version)
 
-    def _urgent(self, g: int) -> bool:
-        """Group g must be in the batch trained at the current version, or it will exceed eta."""
-        return self.mode != "sync" and self._oldest_version(g) <= self.version - self.eta
+    def _urgent(self, oldest_version: int) -> bool:
+        """A group this old must be in the batch trained at the current version, or it will exceed eta."""
+        return self.mode != "sync" and oldest_version <= self.version - self.eta
 
     def _batch_ready(self) -> bool:
         # Enough complete groups. Waiting for incomplete urgent groups instead (to avoid regenerating
