@@ -72,10 +72,9 @@ def _random_rewards(samples: list[Sample], seed: int) -> None:
     assign_advantages(samples, "mean_std")
 
 
-def _run_mode(mode: str, model: Any, tokenizer: Any, base_state: dict, w: Workload, seed: int,
-              engine_kind: str = "reference") -> dict[str, Any]:
-    model.load_state_dict(base_state)  # every mode starts from the same weights
-    cfg = RunConfig.model_validate({
+def bench_config(mode: str, w: Workload, seed: int) -> RunConfig:
+    """The run config of one mode of this benchmark (the simulator's validation uses it too)."""
+    return RunConfig.model_validate({
         "model": "bench", "seed": seed,
         "task": {"kind": "reasoning_gym", "name": "basic_arithmetic", "train_size": 64, "eval_size": 0,
                  "params": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}},
@@ -84,6 +83,12 @@ def _run_mode(mode: str, model: Any, tokenizer: Any, base_state: dict, w: Worklo
         "engine": {"max_num_seqs": w.max_num_seqs, "max_model_len": w.max_tokens + 128},
         "train": {"steps": w.updates, "lr": 1e-6, "micro_batch_size": 8},
     })
+
+
+def _run_mode(mode: str, model: Any, tokenizer: Any, base_state: dict, w: Workload, seed: int,
+              engine_kind: str = "reference") -> dict[str, Any]:
+    model.load_state_dict(base_state)  # every mode starts from the same weights
+    cfg = bench_config(mode, w, seed)
     task = make_task(cfg.task)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = GRPOTrainer(model, cfg.train, pad_token_id=pad)

@@ -110,6 +110,20 @@ def run_to_completion(
         raise RuntimeError("generate() on a sleeping engine: wake() it first")
     if engine.has_unfinished():
         raise RuntimeError("generate() needs an idle engine; drain or abort the streaming requests first")
+    add_all(engine, requests)
+    done: list[Completion] = []
+    while engine.has_unfinished():
+        finished = engine.step()
+        done += finished
+        if progress is not None and finished:
+            progress(len(finished))
+    order = {req.request_id: i for i, req in enumerate(requests)}
+    return sorted(done, key=lambda c: (order[c.request_id], c.index))
+
+
+def add_all(engine: Engine, requests: list[GenerationRequest]) -> None:
+    """Queue every request or none: if the engine refuses one (ValueError), the ones queued before it
+    are withdrawn and the error is raised."""
     queued: list[str] = []
     try:
         for req in requests:
@@ -119,14 +133,31 @@ def run_to_completion(
         for request_id in queued:
             engine.abort(request_id)
         raise
-    done: list[Completion] = []
-    while engine.has_unfinished():
-        finished = engine.step()
-        done += finished
-        if progress is not None and finished:
-            progress(len(finished))
-    order = {req.request_id: i for i, req in enumerate(requests)}
-    return sorted(done, key=lambda c: (order[c.request_id], c.index))
+
+
+def check_request(req: GenerationRequest, *, max_model_len: int, vocab_size: int, in_flight: bool, sleeping: bool,
+                  max_num_seqs: int | None = None) -> None:
+    """What every engine refuses in add_request, with a ValueError naming the request and the problem.
+    max_num_seqs: for engines that run a request's n samples together (one shared prefill)."""
+    prompt = req.prompt_ids
+    if not prompt:
+        raise ValueError(f"request {req.request_id!r}: empty prompt")
+    if len(prompt) >= max_model_len:
+        raise ValueError(
+            f"request {req.request_id!r}: prompt has {len(prompt)} tokens, which leaves no room to "
+            f"generate within max_model_len={max_model_len}"
+        )
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise ValueError(f"request {req.request_id!r}: prompt token ids must lie in [0, {vocab_size})")
+    if max_num_seqs is not None and req.params.n > max_num_seqs:
+        raise ValueError(
+            f"request {req.request_id!r}: n={req.params.n} samples exceed max_num_seqs={max_num_seqs} "
+            "(a request's samples run together because they share one prefill)"
+        )
+    if in_flight:
+        raise ValueError(f"request id {req.request_id!r} is already in flight")
+    if sleeping:
+        raise ValueError("the engine is sleeping: wake() it before submitting requests")
 
 
 def check_weights(

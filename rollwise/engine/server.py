@@ -47,6 +47,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rollwise.engine.contract import add_all
 from rollwise.engine.factory import describe_engine
 from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
 from rollwise.model.loading import tokenizer_fingerprint
@@ -295,19 +296,6 @@ class _Generation:
     aborting: set[str] = field(default_factory=set)
 
 
-def _add_all(engine: Any, requests: list[GenerationRequest]) -> None:
-    """All or nothing: a request the engine rejects withdraws the ones added before it."""
-    added: list[str] = []
-    try:
-        for request in requests:
-            engine.add_request(request)
-            added.append(request.request_id)
-    except ValueError:
-        for rid in added:
-            engine.abort(rid)
-        raise
-
-
 class EngineFrontend:
     """Routes an EngineWorker's output to asyncio: finished samples by request id, and optionally
     each token as it is sampled. Everything but the two hand-offs runs on the event loop."""
@@ -402,7 +390,7 @@ class EngineFrontend:
                 self._token_routes[rid] = gen.queue
         requests = [GenerationRequest(rid, ids, params) for rid, (ids, params) in zip(gen.engine_ids, units)]
         try:
-            await self.call(lambda engine: _add_all(engine, requests))
+            await self.call(lambda engine: add_all(engine, requests))
         except ValueError as exc:  # the engine's own checks (the handlers check first, naming fields)
             self.release(gen, abort=False)
             raise APIError(400, str(exc)) from exc

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rollwise.engine.contract import EngineLoad, ModelInfo, check_weights, run_to_completion
+from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, check_weights, run_to_completion
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest, SamplingParams
 
 
@@ -240,20 +240,9 @@ class VLLMEngine:
     # ---------------------------------------------------------------- requests
 
     def add_request(self, req: GenerationRequest) -> None:
-        prompt = req.prompt_ids
-        if not prompt:
-            raise ValueError(f"request {req.request_id!r}: empty prompt")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(
-                f"request {req.request_id!r}: prompt has {len(prompt)} tokens, which leaves no room to "
-                f"generate within max_model_len={self.max_model_len}"
-            )
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise ValueError(f"request {req.request_id!r}: prompt token ids must lie in [0, {self.vocab_size})")
-        if req.request_id in self._children:
-            raise ValueError(f"request id {req.request_id!r} is already in flight")
-        if self._sleeping:
-            raise ValueError("the engine is sleeping: wake() it before submitting requests")
+        # No max_num_seqs check: the n samples are n independent vLLM requests, queued if need be.
+        check_request(req, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                      in_flight=req.request_id in self._children, sleeping=self._sleeping)
         from vllm.inputs import TokensPrompt
 
         base_seed = req.params.seed
@@ -262,7 +251,7 @@ class VLLMEngine:
         vids = []
         for index in range(req.params.n):
             vid = f"{req.request_id}#{index}"
-            self._llm.add_request(vid, TokensPrompt(prompt_token_ids=list(prompt)), self._vllm_params(req.params, base_seed + index))
+            self._llm.add_request(vid, TokensPrompt(prompt_token_ids=list(req.prompt_ids)), self._vllm_params(req.params, base_seed + index))
             self._samples[vid] = _Sample(req, index)
             vids.append(vid)
         self._children[req.request_id] = vids

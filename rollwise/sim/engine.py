@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rollwise.engine.contract import EngineLoad, ModelInfo, run_to_completion
+from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, run_to_completion
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest
 from rollwise.router.sim import BlockLRU
 from rollwise.sim.cost import CostModel
@@ -175,21 +175,9 @@ class SimEngine:
     # ------------------------------------------------------------ commands (between steps)
 
     def add_request(self, req: GenerationRequest) -> None:
-        prompt = req.prompt_ids
-        if not prompt:
-            raise ValueError(f"request {req.request_id!r}: empty prompt")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"request {req.request_id!r}: prompt has {len(prompt)} tokens, which leaves no room "
-                             f"to generate within max_model_len={self.max_model_len}")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise ValueError(f"request {req.request_id!r}: prompt token ids must lie in [0, {self.vocab_size})")
-        if req.params.n > self.max_num_seqs:
-            raise ValueError(f"request {req.request_id!r}: n={req.params.n} samples exceed "
-                             f"max_num_seqs={self.max_num_seqs}")
-        if req.request_id in self._unfinished:
-            raise ValueError(f"request id {req.request_id!r} is already in flight")
-        if self._sleeping:
-            raise ValueError("the engine is sleeping: wake() it before submitting requests")
+        check_request(req, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                      in_flight=req.request_id in self._unfinished, sleeping=self._sleeping,
+                      max_num_seqs=self.max_num_seqs)
         self.waiting.append(req)
         self._unfinished[req.request_id] = req.params.n
         self._n_of[req.request_id] = req.params.n

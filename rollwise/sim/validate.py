@@ -6,27 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollwise.bench.rollout import FULL, MODES, QUICK, Workload, _lengths, run_rollout_bench
-from rollwise.config import RunConfig
+from rollwise.bench.rollout import FULL, MODES, QUICK, _lengths, bench_config, run_rollout_bench
 from rollwise.rollout.data import ProblemStream
 from rollwise.rollout.sync_rollout import PromptEncoder
 from rollwise.sim.cost import CostModel, TrainerModel
 from rollwise.sim.run import build, simulate
 from rollwise.sim.scenario import Scenario
 from rollwise.tasks import make_task
-
-
-def bench_config(mode: str, w: Workload, seed: int) -> RunConfig:
-    """The config bench/rollout.py's _run_mode builds (kept in step with it by test_sim)."""
-    return RunConfig.model_validate({
-        "model": "bench", "seed": seed,
-        "task": {"kind": "reasoning_gym", "name": "basic_arithmetic", "train_size": 64, "eval_size": 0,
-                 "params": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}},
-        "rollout": {"mode": mode, "prompts_per_step": w.prompts_per_step, "group_size": w.group_size,
-                    "max_tokens": w.max_tokens, "max_staleness": w.eta, "oversubscription": w.eta + 1.0},
-        "engine": {"max_num_seqs": w.max_num_seqs, "max_model_len": w.max_tokens + 128},
-        "train": {"steps": w.updates, "lr": 1e-6, "micro_batch_size": 8},
-    })
 
 
 def simulate_bench(tokenizer: Any, cost: CostModel, trainer: TrainerModel, *, quick: bool = True, seed: int = 0,

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from rollwise.engine.reference.model import LlamaFamilyModel
 from rollwise.engine.reference.prefix_cache import PrefixCache, prefill_with_prefix
 from rollwise.engine.reference.sampling import sample
-from rollwise.engine.contract import EngineLoad, ModelInfo, run_to_completion
+from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, run_to_completion
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest
 
 
@@ -200,26 +200,9 @@ class ReferenceEngine:
     # ---------------------------------------------------------------- requests
 
     def add_request(self, req: GenerationRequest) -> None:
-        prompt = req.prompt_ids
-        if not prompt:
-            raise ValueError(f"request {req.request_id!r}: empty prompt")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(
-                f"request {req.request_id!r}: prompt has {len(prompt)} tokens, which leaves no room to "
-                f"generate within max_model_len={self.max_model_len}"
-            )
-        vocab = self.model.config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"request {req.request_id!r}: prompt token ids must lie in [0, {vocab})")
-        if req.params.n > self.max_num_seqs:
-            raise ValueError(
-                f"request {req.request_id!r}: n={req.params.n} samples exceed max_num_seqs={self.max_num_seqs} "
-                "(a request's samples run together because they share one prefill)"
-            )
-        if req.request_id in self._unfinished:
-            raise ValueError(f"request id {req.request_id!r} is already in flight")
-        if self._sleeping:
-            raise ValueError("the engine is sleeping: wake() it before submitting requests")
+        check_request(req, max_model_len=self.max_model_len, vocab_size=self.model.config.vocab_size,
+                      in_flight=req.request_id in self._unfinished, sleeping=self._sleeping,
+                      max_num_seqs=self.max_num_seqs)
         self.scheduler.waiting.append(req)
         self._unfinished[req.request_id] = req.params.n
 
