@@ -186,6 +186,25 @@ def test_prefix_cache_reuses_a_shared_prompt_and_forgets_it_at_a_weight_update(e
     assert third.cached_prompt_tokens == 0  # KV computed by the old weights is never reused
 
 
+def test_checked_weight_transport_targets_vllm(engine):
+    """The manifest-checked transports (in-process here; files and broadcast use the same receiver)
+    apply to vLLM by HF names, and refuse a mismatched model whole."""
+    from rollwise.sync.buckets import InProcessTransport, WeightReceiver, WeightUpdateError
+
+    fingerprint = "test-tokenizer"
+    transport = InProcessTransport([WeightReceiver(engine, fingerprint)], fingerprint)
+    before = sampled(engine)
+    new_state = vllm_tiny(seed=6).state_dict()
+    transport.push(new_state, 1)
+    assert engine.policy_version == 1 and sampled(engine).versions == [1] * 24
+    bad = {**new_state, "model.norm.weight": torch.ones(7)}
+    with pytest.raises(WeightUpdateError):
+        transport.push(bad, 2)
+    assert engine.policy_version == 1
+    engine.update_weights(vllm_tiny(0).state_dict(), version=0)
+    assert sampled(engine).token_ids == before.token_ids
+
+
 def test_abort_returns_the_tokens_so_far(engine):
     engine.add_request(GenerationRequest("long", PROMPT, SamplingParams(max_tokens=100, ignore_eos=True, n=2, seed=1)))
     for _ in range(5):

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, check_weights, run_to_completion
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest, SamplingParams
+from rollwise.sync.buckets import ExpectedWeights
 
 
 def vllm_available() -> bool:
@@ -133,7 +134,9 @@ class VLLMEngine:
         # What a weight update may contain (every HF name, tied aliases included) and must contain.
         self._shapes = {name: tuple(t.shape) for name, t in hf_model.state_dict().items()}
         self._required = {name for name, _ in hf_model.named_parameters()}
-        self.weights_module = hf_model  # read-only: the shapes/ties a weight receiver checks against
+        # What a WeightReceiver (files / broadcast transports) checks a manifest against: vLLM's own
+        # module uses fused, repacked parameters, so the HF model's names, shapes and ties are the contract.
+        self.expected_weights = ExpectedWeights.of_module(hf_model)
 
         # vLLM loads from a directory: the caller's current weights (a resumed run's included),
         # written once, removed at close().
@@ -174,7 +177,6 @@ class VLLMEngine:
         self.start_seconds = time.monotonic() - t0
         self.device = "cpu" if on_cpu else str(current_platform.device_name)
         self.enforce_eager = enforce_eager
-        self._seed = seed
         self._seed_source = torch.Generator()
         if seed is None:
             self._seed_source.seed()

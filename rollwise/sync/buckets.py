@@ -279,8 +279,12 @@ class ExpectedWeights:
 
     @classmethod
     def of_engine(cls, engine: Any) -> ExpectedWeights:
-        """From a ReferenceEngine, or an EngineWorker wrapping one (`.engine`)."""
+        """From an engine that declares them (`expected_weights`: the vLLM backend) or holds its model
+        (`model`: the reference engine), or an EngineWorker wrapping one (`.engine`)."""
         inner = getattr(engine, "engine", engine)
+        declared = getattr(inner, "expected_weights", None)
+        if isinstance(declared, ExpectedWeights):
+            return declared
         model = getattr(inner, "model", None)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"cannot read the expected weights of {type(engine).__name__}: pass expected= explicitly")
