@@ -63,6 +63,28 @@ class EngineConfig(_Section):
     enforce_eager: bool = Field(True, description="vLLM: skip torch.compile (starts ~4x faster on CPU)")
 
 
+class RayConfig(_Section):
+    """placement: ray — engines, the trainer and reward workers as Ray actors (rollwise.control.ray_placement)."""
+
+    address: str = Field("auto", description="Ray cluster to join: 'auto' (a running `ray start` cluster, else a "
+                         "local one started for this run) or HOST:PORT")
+    num_engines: int = Field(1, ge=1, description="engine actors; a GRPO group stays on one engine")
+    engine_cpus: float = Field(1.0, ge=0, description="CPUs reserved per engine actor")
+    engine_gpus: float = Field(0.0, ge=0, description="GPUs reserved per engine actor")
+    trainer_cpus: float = Field(1.0, ge=0, description="CPUs reserved for the trainer actor")
+    trainer_gpus: float = Field(0.0, ge=0, description="GPUs reserved for the trainer actor")
+    reward_workers: int = Field(1, ge=1, description="reward actors scoring finished groups")
+    max_restarts: int = Field(3, ge=0, description="times Ray restarts a dead actor (engines re-sync to the current policy)")
+
+
+class PoolConfig(_Section):
+    """Attach to a shared engine pool (`rollwise serve pool`) instead of starting engines (rollwise.pool)."""
+
+    url: str | None = Field(None, description="the pool's URL, e.g. http://127.0.0.1:8300; None: own engines")
+    job: str | None = Field(None, description="this job's name in the pool (default: the run directory's name)")
+    priority: float = Field(1.0, gt=0, description="share of engine time relative to other jobs")
+
+
 class TrainConfig(_Section):
     steps: int = Field(40, ge=0)
     lr: float = Field(1e-5, gt=0)
@@ -126,6 +148,11 @@ class RunConfig(_Section):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    # Where engines, trainer and reward workers run: `local` (one process, the default) or `ray`
+    # (actors on a Ray cluster, same config otherwise). pool.url attaches to a shared engine pool.
+    placement: Literal["local", "ray"] = "local"
+    ray: RayConfig = RayConfig()
+    pool: PoolConfig = PoolConfig()
     tensorboard: bool = True
     # Multi-turn, tool-using episodes instead of single completions (rollwise.agent); e.g.
     # `rollwise train agent.tools=[calculator]`. None: the single-turn loop.
@@ -136,6 +163,13 @@ class RunConfig(_Section):
         if self.agent is not None and self.rollout.mode != "sync":
             raise ValueError(f"agent: episodes are rolled out in rollout.mode=sync only, got "
                              f"rollout.mode={self.rollout.mode!r}; set rollout.mode=sync")
+        return self
+
+    @model_validator(mode="after")
+    def _one_engine_source(self) -> RunConfig:
+        if self.pool.url and self.placement == "ray":
+            raise ValueError("pool.url attaches to a shared engine pool, placement=ray starts engine actors: "
+                             "choose one (unset pool.url, or use placement=local)")
         return self
 
     @model_validator(mode="after")

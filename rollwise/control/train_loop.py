@@ -1,4 +1,4 @@
-"""`rollwise train`: the GRPO loop, local placement (everything in one process).
+"""`rollwise train`: the GRPO loop (engines placed by rollwise.control.placement: local, Ray or a shared pool).
 
     problems -> rollout controller (engine on its own thread) -> reward -> advantages -> trainer
              -> weight push -> engine
@@ -28,8 +28,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from rollwise.config import ConfigError, RunConfig, dump_config
-from rollwise.engine.contract import Engine
-from rollwise.engine.factory import create_engine, describe_engine
+from rollwise.control.placement import EngineView, place_engines
 from rollwise.engine.types import SamplingParams
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.observe.bubble import bubble_ratio
@@ -40,7 +39,6 @@ from rollwise.reward.batch import score_samples
 from rollwise.rollout.data import ProblemStream
 from rollwise.rollout.controller import RolloutController
 from rollwise.rollout.sync_rollout import PromptEncoder, RolloutPlan, build_requests, to_samples
-from rollwise.rollout.worker import EngineWorker
 from rollwise.rollout.types import Sample
 from rollwise.sync.inprocess import push_weights
 from rollwise.tasks import Problem, Task, make_task
@@ -58,8 +56,8 @@ class Run:
     task: Task
     problems: dict[str, Problem]
     encoder: PromptEncoder
-    engine: Engine  # owned by `worker`'s thread: only touched through worker / controller
-    worker: EngineWorker
+    engine: EngineView  # owned by `worker`'s thread: only read here (name, timeline)
+    worker: Any  # EngineWorker interface (rollwise.rollout.worker)
     controller: RolloutController
     trainer: GRPOTrainer
     progress: Progress
@@ -307,16 +305,11 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         console.print(f"[green]resumed[/] from {resume_dir} at step {start_step} (policy version {trainer.version})")
 
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
-    # The engine starts from the trainer's current weights (a resumed run's included).
-    engine = create_engine(
-        cfg.engine.kind, model, tokenizer, max_num_seqs=cfg.engine.max_num_seqs,
-        max_model_len=cfg.engine.max_model_len, eos_token_ids=eos_ids, policy_version=trainer.version,
-        seed=cfg.seed, model_name=cfg.model, tokenizer_fingerprint=fingerprint,
-        kv_cache_gib=cfg.engine.kv_cache_gib, enforce_eager=cfg.engine.enforce_eager,
-    )
-    # Invariant 1 (engine and trainer tokenize identically) holds by construction here: with local
-    # placement both use this one tokenizer. Remote engines compare fingerprints (engine-contract issue).
-    worker = EngineWorker(engine)
+    # The engine starts from the trainer's current weights (a resumed run's included); placement says
+    # where it runs (this process, Ray actors, or a shared pool).
+    placement = place_engines(cfg, model, tokenizer, fingerprint=fingerprint, policy_version=trainer.version,
+                              eos_ids=eos_ids)
+    engine, worker = placement.engine, placement.worker
     encoder = PromptEncoder(tokenizer, cfg.prompt, cfg.reward)
     stream = ProblemStream(train_problems, cfg.seed)
     if cfg.agent is not None:  # multi-turn, tool-using episodes (rollwise.agent)
@@ -334,7 +327,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
 
     n_params = sum(p.numel() for p in model.parameters())
     console.print(
-        f"[bold]rollwise train[/]  model={cfg.model} ({n_params / 1e6:.0f}M params)  engine={describe_engine(engine)} "
+        f"[bold]rollwise train[/]  model={cfg.model} ({n_params / 1e6:.0f}M params)  engine={placement.description} "
         f"(max_num_seqs={cfg.engine.max_num_seqs})  rollout={cfg.rollout.mode}"
         + (f" (eta={cfg.rollout.max_staleness}, correction={cfg.train.off_policy_correction})"
            if cfg.rollout.mode != "sync" else "")
@@ -387,8 +380,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
             controller.close("the run ended")  # samples still in flight are recorded as dropped
             final_eval = record_eval(cfg.train.steps, "after")
     finally:
-        worker.close()  # also on errors: a live engine thread at exit aborts the interpreter
-        getattr(engine, "close", lambda: None)()  # vLLM: its weight directory
+        placement.close()  # also on errors: a live engine thread at exit aborts the interpreter
     logger.close()
 
     records = read_metrics(run_dir / "metrics.jsonl")
