@@ -75,6 +75,11 @@ class RayConfig(_Section):
     trainer_gpus: float = Field(0.0, ge=0, description="GPUs reserved for the trainer actor")
     reward_workers: int = Field(1, ge=1, description="reward actors scoring finished groups")
     max_restarts: int = Field(3, ge=0, description="times Ray restarts a dead actor (engines re-sync to the current policy)")
+    reward_cpus: float = Field(0.25, ge=0, description="CPUs reserved per reward actor")
+    placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement-group strategy for the run's bundles (engines, trainer, reward workers)")
+    start_timeout_s: float = Field(300.0, gt=0, description="wait this long for the placement group and the actors")
+    restart_timeout_s: float = Field(300.0, gt=0, description="wait this long for Ray to bring a dead engine back")
 
 
 class PoolConfig(_Section):

@@ -59,7 +59,7 @@ class Run:
     engine: EngineView  # owned by `worker`'s thread: only read here (name, timeline)
     worker: Any  # EngineWorker interface (rollwise.rollout.worker)
     controller: RolloutController
-    trainer: GRPOTrainer
+    trainer: Any  # GRPOTrainer, or with placement: ray a proxy to the trainer actor (same train_step / version)
     progress: Progress
     t0: float
     update_times: list[float] = field(default_factory=list)  # when each weight update landed (timeline plot)
@@ -204,7 +204,10 @@ def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
     t_train_end = time.monotonic()
 
     # 3. weight sync: lands between two engine steps; in-flight samples continue or are regenerated
-    push_weights(run.trainer.model, [run.worker], run.trainer.version)
+    if isinstance(run.trainer, GRPOTrainer):
+        push_weights(run.trainer.model, [run.worker], run.trainer.version)
+    else:  # the trainer actor's weights go to the engine actors through Ray's object store
+        run.trainer.push_weights([run.worker])
     run.controller.after_update(run.trainer.version)
     t_sync_end = time.monotonic()
     run.update_times.append(t_sync_end)
@@ -234,7 +237,7 @@ def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
         "samples_per_s": len(samples) / max(step_s, 1e-9),
         "prefix_cache_hit_rate": cached / max(prompt_tokens, 1),
         # Bubble ratio over the whole step (training included) and over the rollout phase alone.
-        "bubble_ratio": bubble_ratio([timeline], [run.engine.max_num_seqs], t_step, t_sync_end),
+        "bubble_ratio": bubble_ratio([run.engine.timeline], [run.engine.max_num_seqs], t_step, t_sync_end),
         "bubble_ratio_rollout": bubble_ratio([timeline], [run.engine.max_num_seqs], t_step, t_gen_end),
         # Versions that sampled the trained tokens vs. the version they were trained at (sync: 0).
         "staleness_mean": sum(staleness) / max(len(staleness), 1),
@@ -242,6 +245,7 @@ def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
         "groups_in_flight": run.controller.in_flight(),
         "samples_regenerated": run.controller.ledger.regenerated(),
         **(run.controller.step_metrics() if hasattr(run.controller, "step_metrics") else {}),
+        **(run.worker.placement_metrics() if hasattr(run.worker, "placement_metrics") else {}),  # ray: engine_restarts
     }
     logger.log(record)
     with (run.run_dir / "samples.jsonl").open("a") as f:
@@ -284,11 +288,16 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
     fingerprint = tokenizer_fingerprint(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    trainer = GRPOTrainer(model, cfg.train, pad_token_id=pad_id, temperature=cfg.rollout.temperature or 1.0)
+    if cfg.placement == "ray":  # the trainer in an actor; the loop drives a proxy
+        from rollwise.control.ray_placement import start_trainer
+
+        trainer = start_trainer(cfg, fingerprint=fingerprint)
+    else:
+        trainer = GRPOTrainer(model, cfg.train, pad_token_id=pad_id, temperature=cfg.rollout.temperature or 1.0)
     start_step = 0
     start_group, pending_groups = 0, []
     if resume_dir is not None:
-        state = load_checkpoint(resume_dir, trainer)
+        state = load_checkpoint(resume_dir, trainer) if isinstance(trainer, GRPOTrainer) else trainer.load_checkpoint(resume_dir)
         start_step = int(state["step"])
         if state.get("tokenizer_fingerprint") not in (None, fingerprint):
             raise ConfigError(f"checkpoint {resume_dir} was trained with a different tokenizer (fingerprint mismatch)")
@@ -312,16 +321,23 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
     engine, worker = placement.engine, placement.worker
     encoder = PromptEncoder(tokenizer, cfg.prompt, cfg.reward)
     stream = ProblemStream(train_problems, cfg.seed)
+    if cfg.placement == "ray":  # finished groups are scored on reward actors
+        from rollwise.control.ray_placement import start_reward_workers
+
+        score = start_reward_workers(cfg)
+    else:
+        def score(group: list[Sample]) -> None:
+            score_samples(group, problems, task, cfg.reward)
     if cfg.agent is not None:  # multi-turn, tool-using episodes (rollwise.agent)
         from rollwise.agent.controller import AgentController
 
         controller = AgentController(
-            cfg, worker, tokenizer, stream, lambda group: score_samples(group, problems, task, cfg.reward),
+            cfg, worker, tokenizer, stream, score,
             policy_version=trainer.version, start_group=start_group, pending_groups=pending_groups,
         )
     else:
         controller = RolloutController(
-            cfg, worker, encoder, stream, lambda group: score_samples(group, problems, task, cfg.reward),
+            cfg, worker, encoder, stream, score,
             policy_version=trainer.version, start_group=start_group, pending_groups=pending_groups,
         )
 
@@ -371,11 +387,13 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
                 if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.steps:
                     record_eval(done, "mid")
                 if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.train.steps:
-                    save_checkpoint(run_dir, trainer, tokenizer, done,
-                                    {"tokenizer_fingerprint": fingerprint, "problems_consumed": done * cfg.rollout.prompts_per_step,
-                                     # Started but untrained groups are generated again on resume: none lost.
-                                     "next_group": controller.next_group, "pending_groups": controller.pending_groups()},
-                                    cfg.checkpoint.keep_last)
+                    extra = {"tokenizer_fingerprint": fingerprint, "problems_consumed": done * cfg.rollout.prompts_per_step,
+                             # Started but untrained groups are generated again on resume: none lost.
+                             "next_group": controller.next_group, "pending_groups": controller.pending_groups()}
+                    if isinstance(trainer, GRPOTrainer):
+                        save_checkpoint(run_dir, trainer, tokenizer, done, extra, cfg.checkpoint.keep_last)
+                    else:  # written by the trainer actor (run_dir on a filesystem it shares with this process)
+                        trainer.save_checkpoint(run_dir, done, extra, cfg.checkpoint.keep_last)
             t_loop_end = time.monotonic()
             controller.close("the run ended")  # samples still in flight are recorded as dropped
             final_eval = record_eval(cfg.train.steps, "after")
@@ -390,7 +408,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
     loop_timeline = [(t - t_loop, n) for t, n in engine.timeline if t_loop <= t <= t_loop_end]
     timeline_png = plot_rollout_timelines(
         {f"engine-0 ({cfg.rollout.mode})": (loop_timeline, [t - t_loop for t in run.update_times])},
-        cfg.engine.max_num_seqs, run_dir / "timeline.png")
+        engine.max_num_seqs, run_dir / "timeline.png")
     before = next((e for e in evals if e["label"] == "before"), None)
     summary = {
         "run_dir": str(run_dir),
@@ -409,9 +427,10 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         "rollout_mode": cfg.rollout.mode,
         "mean_bubble_ratio": sum(r["bubble_ratio"] for r in records) / len(records) if records else None,
         # Over the whole training loop (mid-run evaluations included: the engine serves them too).
-        "bubble_ratio_run": bubble_ratio([engine.timeline], [cfg.engine.max_num_seqs], t_loop, t_loop_end),
+        "bubble_ratio_run": bubble_ratio([engine.timeline], [engine.max_num_seqs], t_loop, t_loop_end),
         "samples": controller.ledger.counts(),
         "samples_regenerated": controller.ledger.regenerated(),
+        **(worker.placement_metrics() if hasattr(worker, "placement_metrics") else {}),  # ray: engine_restarts
         "peak_rss_gb": _peak_rss_gb(),
         "tokenizer_fingerprint": fingerprint,
         "artifacts": {"metrics": "metrics.jsonl", "evals": "evals.jsonl", "curve": curve.name, "timeline": timeline_png.name,

@@ -1,0 +1,523 @@
+"""Engines as Ray actors, and the fleet that drives them through the EngineWorker interface.
+
+`EngineActor` builds its own engine (rollwise.engine.factory) inside the actor and runs it on an
+`EngineWorker` thread, exactly as local placement does in the trainer's process. `RayEngineFleet`
+is what the rollout controller drives: submit / next_completion / abort / pause / resume /
+update_weights over `ray.num_engines` actors.
+
+Nothing lost, nothing twice (DESIGN.md invariant 3), through actor deaths:
+
+- the fleet remembers every request it was given until each of its samples came back;
+- completions leave an actor only when the fleet acknowledges them (`drain(ack, timeout)` returns
+  everything after sequence number `ack` and forgets what is <= `ack`), so a reply lost in transit
+  is sent again, and a completion is delivered at most once per (request id, sample index);
+- when an actor dies, Ray restarts it (`max_restarts`); the fleet waits for the new incarnation,
+  loads the *current* weights and policy version into it, pauses it if the fleet is paused, and
+  submits its outstanding requests again: they regenerate from scratch under the current policy,
+  so their tokens carry the current version. Samples of a resubmitted request that had already come
+  back are generated again and discarded (counted in `discarded`), never delivered twice.
+- an actor Ray cannot bring back (restarts exhausted) hands its requests to the surviving actors.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from rollwise.engine.types import Completion, GenerationRequest
+
+DRAIN_WAIT_S = 0.25  # how long one drain call waits on an idle actor before it answers []
+TIMELINE_REFRESH_S = 2.0
+
+
+def _log(message: str) -> None:
+    print(f"[ray] {message}", file=sys.stderr, flush=True)
+
+
+def _group_key(request_id: str) -> str:
+    """Requests of one GRPO group share the part before '/' (the controller names a group's request
+    `g12` and a regenerated sample of it `g12/3#1`): they go to the same engine (shared prefix)."""
+    return request_id.split("/", 1)[0]
+
+
+class EngineActor:
+    """One engine in its own process (wrapped with ray.remote by `engine_actor_class`)."""
+
+    def __init__(self, cfg_data: dict, index: int, fingerprint: str, eos_ids: list[int] | None,
+                 policy_version: int) -> None:
+        self.token = uuid.uuid4().hex  # this incarnation: a restarted actor gets a new one
+        self.index = index
+        self._outbox: list[tuple[int, Completion]] = []
+        self._seq = 0
+        self._drain_lock = threading.Lock()
+        self.worker = None
+        self.error: str | None = None
+        try:
+            self._start(cfg_data, fingerprint, eos_ids, policy_version)
+        except Exception as exc:  # reported on the first call, not retried by restarts
+            self.error = f"engine actor {index} failed to start: {exc!r}"
+
+    def _start(self, cfg_data: dict, fingerprint: str, eos_ids: list[int] | None, policy_version: int) -> None:
+        import torch
+
+        from rollwise.config import RunConfig
+        from rollwise.engine.factory import create_engine
+        from rollwise.model.loading import load_model, tokenizer_fingerprint
+        from rollwise.rollout.worker import EngineWorker
+
+        cfg = RunConfig.model_validate(cfg_data)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        model, tokenizer = load_model(cfg.model)
+        mine = tokenizer_fingerprint(tokenizer)
+        if mine != fingerprint:  # invariant 1: engine and trainer tokenize identically
+            raise ValueError(
+                f"tokenizer fingerprint mismatch: the engine actor's tokenizer for {cfg.model!r} hashes to "
+                f"{mine[:16]}…, the trainer's to {fingerprint[:16]}…; every node must load the same model files"
+            )
+        engine = create_engine(
+            cfg.engine.kind, model, tokenizer, max_num_seqs=cfg.engine.max_num_seqs,
+            max_model_len=cfg.engine.max_model_len, eos_token_ids=eos_ids, policy_version=policy_version,
+            seed=cfg.seed + self.index, model_name=cfg.model, tokenizer_fingerprint=mine,
+            kv_cache_gib=cfg.engine.kv_cache_gib, enforce_eager=cfg.engine.enforce_eager,
+        )
+        self.engine = engine
+        self.worker = EngineWorker(engine, name=f"engine-{self.index}")
+
+    def _check(self) -> Any:
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        return self.worker
+
+    # ------------------------------------------------------------ commands
+
+    def info(self) -> dict[str, Any]:
+        worker = self._check()
+        m = worker.call(lambda e: e.model_info())
+        return {"token": self.token, "pid": os.getpid(), "host": socket.gethostname(),
+                "node_ip": ray.util.get_node_ip_address(), "name": m.engine, "max_num_seqs": m.max_num_seqs,
+                "policy_version": m.policy_version, "wall_minus_monotonic": time.time() - time.monotonic()}
+
+    def submit(self, requests: list[GenerationRequest]) -> None:
+        from rollwise.engine.contract import add_all
+
+        self._check().call(lambda e: add_all(e, requests))  # all or none
+
+    def abort(self, request_ids: list[str]) -> list[Completion]:
+        return self._check().abort(request_ids)
+
+    def pause(self) -> None:
+        self._check().pause()
+
+    def resume(self) -> None:
+        self._check().resume()
+
+    def update_weights(self, state_dict: dict, version: int) -> int:
+        self._check().update_weights(state_dict, version)
+        return version
+
+    def call(self, fn: Callable[[Any], Any]) -> Any:
+        return self._check().call(fn)
+
+    def drain(self, ack: int, timeout: float) -> list[tuple[int, Completion]]:
+        """Completions after sequence number `ack` (those <= ack were received: forgotten). Waits up
+        to `timeout` for the first one; one drain at a time (the fleet keeps one in flight)."""
+        worker = self._check()
+        with self._drain_lock:
+            self._outbox = [(s, c) for s, c in self._outbox if s > ack]
+            deadline = time.monotonic() + timeout
+            while True:
+                wait = 0.0 if self._outbox else max(deadline - time.monotonic(), 0.0)
+                c = worker.next_completion(timeout=wait) if wait > 0 else _get_nowait(worker)
+                if c is None:
+                    if self._outbox or time.monotonic() >= deadline:
+                        return list(self._outbox)
+                    continue
+                self._seq += 1
+                self._outbox.append((self._seq, c))
+
+    def timeline_since(self, cursor: int) -> tuple[list[tuple[float, int]], float]:
+        """Timeline points from index `cursor` on, and this process's wall - monotonic clock offset."""
+        tl = self._check().engine.timeline
+        return list(tl[cursor:]), time.time() - time.monotonic()
+
+
+def _get_nowait(worker: Any) -> Completion | None:
+    return worker.next_completion(timeout=0) if not worker.completions.empty() else None
+
+
+def engine_actor_class() -> Any:
+    return ray.remote(EngineActor)
+
+
+@dataclass
+class _Slot:
+    index: int
+    actor: Any
+    bundle: int
+    info: dict = field(default_factory=dict)
+    ack: int = 0
+    drain_ref: Any = None
+    alive: bool = True
+    restarts: int = 0
+    timeline_cursor: int = 0
+    timeline: list[tuple[float, int]] = field(default_factory=list)  # in this process's monotonic clock
+    load: int = 0  # samples submitted and not yet back
+
+    @property
+    def clock_shift(self) -> float:
+        """Add to the actor's monotonic time to get this process's (same node: ~0)."""
+        return self.info.get("wall_minus_monotonic", 0.0) - (time.time() - time.monotonic())
+
+
+@dataclass
+class _Outstanding:
+    request: GenerationRequest
+    slot: int
+    pending: set[int]  # sample indices not yet back
+
+
+class FleetView:
+    """What the loop reads from 'the engine': the fleet's merged timeline (running sequences summed over
+    engines, in this process's monotonic clock) and its capacity (engines x max_num_seqs)."""
+
+    def __init__(self, fleet: RayEngineFleet, name: str, max_num_seqs: int) -> None:
+        self._fleet = fleet
+        self.name = name
+        self.max_num_seqs = max_num_seqs
+        self._timeline: list[tuple[float, int]] = []
+
+    @property
+    def timeline(self) -> list[tuple[float, int]]:
+        self._fleet.refresh_timeline()
+        return self._timeline
+
+
+class RayEngineFleet:
+    """The EngineWorker interface over engine actors (see the module docstring for the guarantees)."""
+
+    def __init__(self, actors: list[Any], bundles: list[int], *, state_ref: Any, policy_version: int,
+                 max_restarts: int, restart_timeout_s: float, start_timeout_s: float) -> None:
+        self.slots = [_Slot(i, a, b) for i, (a, b) in enumerate(zip(actors, bundles))]
+        self.max_restarts = max_restarts
+        self.restart_timeout_s = restart_timeout_s
+        self._state_ref = state_ref  # the weights engines must hold now (ObjectRef), and their version
+        self._version = policy_version
+        self._paused = False
+        self._closed = False
+        self._requests: dict[str, _Outstanding] = {}
+        self._home: dict[str, int] = {}  # group key -> slot
+        self._home_count: collections.Counter[str] = collections.Counter()
+        self._buffer: collections.deque[tuple[int, Completion]] = collections.deque()
+        self._last_refresh = 0.0
+        self.restarts = 0
+        self.restart_log: list[dict[str, Any]] = []
+        self.discarded = 0  # samples generated again after a restart that had already come back
+        self.delivered = 0
+        # Tests and debugging: every delivery as (slot, incarnation token, completion), when a list.
+        self.deliveries: list[tuple[int, str, Completion]] | None = None
+        self.on_deliver: Callable[[RayEngineFleet, int, Completion], None] | None = None
+        self.view: FleetView | None = None
+        infos = _get_all([a.info.remote() for a in actors], start_timeout_s, "engine actors to start")
+        for slot, info in zip(self.slots, infos):
+            slot.info = info
+        # Every engine starts from the trainer's current weights (a resumed run's included).
+        ray.get([s.actor.update_weights.remote(state_ref, policy_version) for s in self.slots])
+        self.view = FleetView(self, infos[0]["name"], sum(i["max_num_seqs"] for i in infos))
+
+    # ------------------------------------------------------------ EngineWorker interface
+
+    def submit(self, requests: list[GenerationRequest]) -> None:
+        by_slot: dict[int, list[GenerationRequest]] = collections.defaultdict(list)
+        for r in requests:
+            if r.request_id in self._requests:
+                raise ValueError(f"request id {r.request_id!r} is already in flight")
+            by_slot[self._route(r.request_id)].append(r)
+        for s, reqs in by_slot.items():  # recorded first: a death during submit resubmits them
+            for r in reqs:
+                self._track(r, s)
+        calls = {s: self.slots[s].actor.submit.remote(reqs) for s, reqs in by_slot.items()}
+        for s, ref in calls.items():
+            try:
+                ray.get(ref)
+            except RayActorError as exc:
+                self._recover(s, exc)
+            except Exception:
+                for r in by_slot[s]:  # refused (bad request): nothing of it is in the engine
+                    self._untrack(r.request_id)
+                raise
+
+    def next_completion(self, timeout: float) -> Completion | None:
+        if not self._buffer:
+            self._poll(timeout)
+        if not self._buffer:
+            return None
+        s, c = self._buffer.popleft()
+        self.delivered += 1
+        if self.deliveries is not None:
+            self.deliveries.append((s, self.slots[s].info.get("token", ""), c))
+        if self.on_deliver is not None:
+            self.on_deliver(self, s, c)
+        return c
+
+    def abort(self, request_ids: list[str]) -> list[Completion]:
+        out: list[Completion] = []
+        todo = [rid for rid in dict.fromkeys(request_ids) if rid in self._requests]
+        while todo:
+            by_slot: dict[int, list[str]] = collections.defaultdict(list)
+            for rid in todo:
+                if rid in self._requests:
+                    by_slot[self._requests[rid].slot].append(rid)
+            todo = []
+            calls = {s: self.slots[s].actor.abort.remote(rids) for s, rids in by_slot.items()}
+            for s, ref in calls.items():
+                try:
+                    aborted = ray.get(ref)
+                except RayActorError as exc:
+                    self._recover(s, exc)  # resubmitted (possibly elsewhere): abort them there
+                    todo += by_slot[s]
+                    continue
+                out += [c for c in aborted if self._receive(s, c)]
+        return out
+
+    def update_weights(self, state_dict: Any, version: int) -> None:
+        """state_dict: a mapping of tensors, or an ObjectRef to one (from the trainer actor)."""
+        ref = state_dict if isinstance(state_dict, ray.ObjectRef) else ray.put(dict(state_dict))
+        self._state_ref, self._version = ref, version
+        self._broadcast(lambda a: a.update_weights.remote(ref, version))
+        self.refresh_timeline(force=True)
+
+    def pause(self) -> None:
+        self._paused = True
+        self._broadcast(lambda a: a.pause.remote())
+
+    def resume(self) -> None:
+        self._paused = False
+        self._broadcast(lambda a: a.resume.remote())
+
+    def call(self, fn: Callable[[Any], Any]) -> Any:
+        """fn(engine) on the first live engine (model_info and the like: every engine answers alike)."""
+        slot = next(s for s in self.slots if s.alive)
+        return ray.get(slot.actor.call.remote(fn))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.refresh_timeline(force=True)
+        except Exception:  # teardown must not fail on a dying cluster
+            pass
+        self._closed = True
+        for slot in self.slots:
+            try:
+                ray.kill(slot.actor, no_restart=True)
+            except Exception:
+                pass
+
+    # ------------------------------------------------------------ metrics
+
+    def placement_metrics(self) -> dict[str, float]:
+        return {"engine_restarts": float(self.restarts), "engines_alive": float(sum(s.alive for s in self.slots)),
+                "engine_restart_discarded": float(self.discarded)}
+
+    def pending_samples(self, slot: int) -> int:
+        return self.slots[slot].load
+
+    def refresh_timeline(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self._closed or self.view is None or (not force and now - self._last_refresh < TIMELINE_REFRESH_S):
+            return
+        self._last_refresh = now
+        live = [s for s in self.slots if s.alive]
+        refs = [s.actor.timeline_since.remote(s.timeline_cursor) for s in live]
+        for slot, ref in zip(live, refs):
+            try:
+                points, offset = ray.get(ref, timeout=30)
+            except (RayActorError, GetTimeoutError):
+                continue  # a dead actor is noticed (and restarted) by the calls that drive it
+            shift = offset - (time.time() - time.monotonic())
+            slot.timeline_cursor += len(points)
+            slot.timeline += [(t + shift, n) for t, n in points]
+        self.view._timeline[:] = _merge_timelines([s.timeline for s in self.slots])
+
+    # ------------------------------------------------------------ internals
+
+    def _route(self, request_id: str) -> int:
+        key = _group_key(request_id)
+        s = self._home.get(key)
+        if s is None or not self.slots[s].alive:
+            s = min((slot for slot in self.slots if slot.alive), key=lambda slot: slot.load).index
+            self._home[key] = s
+        return s
+
+    def _track(self, r: GenerationRequest, s: int, pending: set[int] | None = None) -> None:
+        pending = set(range(r.params.n)) if pending is None else pending
+        self._requests[r.request_id] = _Outstanding(r, s, pending)
+        self._home_count[_group_key(r.request_id)] += 1
+        self.slots[s].load += len(pending)
+
+    def _untrack(self, request_id: str) -> None:
+        o = self._requests.pop(request_id)
+        self.slots[o.slot].load -= len(o.pending)
+        key = _group_key(request_id)
+        self._home_count[key] -= 1
+        if self._home_count[key] <= 0:
+            del self._home_count[key]
+            self._home.pop(key, None)
+
+    def _receive(self, s: int, c: Completion) -> bool:
+        """Account for a completion from slot s; False if it is not owed (already delivered)."""
+        o = self._requests.get(c.request_id)
+        if o is None or o.slot != s or c.index not in o.pending:
+            self.discarded += 1
+            return False
+        o.pending.discard(c.index)
+        self.slots[s].load -= 1
+        if not o.pending:
+            self._untrack(c.request_id)
+        return True
+
+    def _poll(self, timeout: float) -> None:
+        live = [s for s in self.slots if s.alive]
+        for slot in live:
+            if slot.drain_ref is None:
+                slot.drain_ref = slot.actor.drain.remote(slot.ack, DRAIN_WAIT_S)
+        refs = {slot.drain_ref: slot for slot in live}
+        ready, _ = ray.wait(list(refs), num_returns=1, timeout=timeout)
+        if ready:  # take whatever else is ready too
+            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        for ref in ready:
+            slot = refs[ref]
+            slot.drain_ref = None
+            try:
+                items = ray.get(ref)
+            except RayActorError as exc:
+                self._recover(slot.index, exc)
+                continue
+            for seq, c in items:
+                slot.ack = max(slot.ack, seq)
+                if self._receive(slot.index, c):
+                    self._buffer.append((slot.index, c))
+        self.refresh_timeline()
+
+    def _broadcast(self, call: Callable[[Any], Any]) -> None:
+        """Run a state-setting call on every live engine; an engine that died gets the current state
+        (weights, version, paused) when it comes back, which covers the call."""
+        calls = [(s, call(s.actor)) for s in self.slots if s.alive]
+        for slot, ref in calls:
+            try:
+                ray.get(ref)
+            except RayActorError as exc:
+                self._recover(slot.index, exc)
+
+    def _recover(self, s: int, exc: BaseException) -> None:
+        slot = self.slots[s]
+        slot.drain_ref = None
+        t0 = time.monotonic()
+        while True:
+            info = self._await_restart(slot)
+            if info is None:
+                self._give_up(slot, exc)
+                return
+            if info["token"] == slot.info.get("token"):
+                return  # the same incarnation answered: a transient error, its state is intact
+            t_up = time.monotonic()
+            slot.timeline.append((t0, 0))  # nothing ran between the death and now
+            old = slot.info
+            slot.info, slot.ack, slot.timeline_cursor = info, 0, 0
+            slot.restarts += 1
+            self.restarts += 1
+            outstanding = [o for o in self._requests.values() if o.slot == s]
+            try:
+                ray.get(slot.actor.update_weights.remote(self._state_ref, self._version))
+                t_sync = time.monotonic()
+                if self._paused:
+                    ray.get(slot.actor.pause.remote())
+                if outstanding:
+                    ray.get(slot.actor.submit.remote([o.request for o in outstanding]))
+            except RayActorError as again:
+                exc = again
+                continue  # died again before it was back in service
+            entry = {
+                "engine": s, "old_pid": old.get("pid"), "new_pid": info["pid"], "node_ip": info["node_ip"],
+                "policy_version": self._version, "restart_s": t_up - t0, "resync_s": t_sync - t_up,
+                "requests_resubmitted": len(outstanding), "samples_resubmitted": sum(len(o.pending) for o in outstanding),
+                "at": t0, "error": type(exc).__name__,
+            }
+            self.restart_log.append(entry)
+            _log(f"engine actor {s} died ({type(exc).__name__}); Ray restarted it in {entry['restart_s']:.1f}s "
+                 f"(pid {entry['old_pid']} -> {entry['new_pid']} on {info['node_ip']}), re-synced to policy "
+                 f"v{self._version} in {entry['resync_s']:.2f}s, resubmitted {len(outstanding)} requests "
+                 f"({entry['samples_resubmitted']} samples)")
+            return
+
+    def _await_restart(self, slot: _Slot) -> dict | None:
+        """The actor's info once Ray has it running again; None if it will not come back."""
+        # Calls already in flight at the death fail too: retry until the new incarnation answers. With
+        # its restarts used up Ray will not bring it back: a short grace period, then give up.
+        limit = self.restart_timeout_s if slot.restarts < self.max_restarts else min(self.restart_timeout_s, 10.0)
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            try:
+                return ray.get(slot.actor.info.remote(), timeout=max(deadline - time.monotonic(), 1.0))
+            except GetTimeoutError:
+                break
+            except RayActorError:
+                time.sleep(0.2)
+        return None
+
+    def _give_up(self, slot: _Slot, exc: BaseException) -> None:
+        slot.alive = False
+        slot.drain_ref = None
+        slot.timeline.append((time.monotonic(), 0))
+        survivors = [s for s in self.slots if s.alive]
+        orphans = [o for o in self._requests.values() if o.slot == slot.index]
+        if not survivors:
+            raise RuntimeError(f"every engine actor is dead (engine {slot.index}: {exc!r}, {slot.restarts} restarts "
+                               f"of ray.max_restarts={self.max_restarts}); {len(orphans)} requests were in flight") from exc
+        _log(f"engine actor {slot.index} is gone for good after {slot.restarts} restarts ({type(exc).__name__}); "
+             f"its {len(orphans)} requests move to the {len(survivors)} other engines")
+        for o in orphans:
+            self._untrack(o.request.request_id)
+        for key in [k for k, v in self._home.items() if v == slot.index]:
+            del self._home[key]
+        by_slot: dict[int, list[GenerationRequest]] = collections.defaultdict(list)
+        for o in orphans:  # same request, same samples still owed
+            s = self._route(o.request.request_id)
+            self._track(o.request, s, o.pending)
+            by_slot[s].append(o.request)
+        for s, reqs in by_slot.items():
+            try:
+                ray.get(self.slots[s].actor.submit.remote(reqs))
+            except RayActorError as again:
+                self._recover(s, again)
+
+
+def _get_all(refs: list[Any], timeout: float, what: str) -> list[Any]:
+    try:
+        return ray.get(refs, timeout=timeout)
+    except GetTimeoutError:
+        raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what} (is the cluster out of "
+                           "resources? see `ray status`)") from None
+
+
+def _merge_timelines(timelines: list[list[tuple[float, int]]]) -> list[tuple[float, int]]:
+    """Sum step functions: at each point in time, the running sequences of all engines together."""
+    events = sorted((t, i, n) for i, tl in enumerate(timelines) for t, n in tl)
+    current = [0] * len(timelines)
+    merged: list[tuple[float, int]] = []
+    for t, i, n in events:
+        current[i] = n
+        merged.append((t, sum(current)))
+    return merged

@@ -1,0 +1,320 @@
+"""`placement: ray`: engines, the trainer and reward workers as Ray actors, in one placement group.
+
+The training loop (rollwise.control.train_loop) runs unchanged; what it holds are stand-ins:
+
+- the engines: a `RayEngineFleet` (rollwise.control.ray_engines) speaking the EngineWorker interface,
+  over `ray.num_engines` engine actors; a dead engine actor is restarted by Ray, re-synced to the
+  current weights and policy version, and its outstanding requests are generated again;
+- the trainer: `RayTrainer`, a proxy to a `TrainerActor` that holds the model, the optimizer and the
+  GRPOTrainer, and runs train steps and checkpoint save/load; weights go from the trainer actor to
+  the engine actors through Ray's object store, never through the driver;
+- the reward: `RayScorer`, which scores each finished group on one of `ray.reward_workers` actors
+  (round robin; Ray retries a call on a restarted actor: scoring is idempotent).
+
+`ray.address`: 'auto' joins the cluster `ray start` runs on this machine, or starts a local one for
+the run (shut down at the end); HOST:PORT joins that cluster. If this process is already connected
+(ray.init called before), that connection is used. Every actor runs in `rollwise`'s own Python
+environment: install rollwise on every node (and keep model files and the task's files at the same
+paths: actors load the model and the task themselves).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rollwise.config import ConfigError, RunConfig, dump_config
+from rollwise.control.placement import Placement
+from rollwise.control.ray_engines import RayEngineFleet, _get_all, _log, engine_actor_class
+from rollwise.rollout.types import Sample
+
+# Called with every fleet place_on_ray creates (tests use it to kill actors mid-rollout).
+FLEET_HOOKS: list[Any] = []
+
+_SESSION: RaySession | None = None
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _bundle(cpus: float, gpus: float) -> dict[str, float]:
+    bundle = {k: v for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0}
+    return bundle or {"CPU": 0.001}  # Ray refuses empty bundles
+
+
+class RaySession:
+    """The run's connection to the cluster, its placement group and its actors (one per process)."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        rc = cfg.ray
+        self.owns_ray = False
+        if not ray.is_initialized():
+            env = {k: v for k, v in os.environ.items() if k.startswith("ROLLWISE_")}
+            kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "configure_logging": True}
+            if env:
+                kwargs["runtime_env"] = {"env_vars": env}
+            if rc.address == "auto":
+                try:
+                    ray.init(address="auto", **kwargs)
+                except ConnectionError:
+                    _log("no running Ray cluster found (ray.address=auto): starting a local one for this run")
+                    ray.init(include_dashboard=False, **kwargs)
+            else:
+                ray.init(address=rc.address, **kwargs)
+            self.owns_ray = True
+        # Bundles: engines first (index i = engine i), then the trainer, then the reward workers.
+        self.engine_bundles = list(range(rc.num_engines))
+        self.trainer_bundle = rc.num_engines
+        self.reward_bundles = [rc.num_engines + 1 + i for i in range(rc.reward_workers)]
+        bundles = ([_bundle(rc.engine_cpus, rc.engine_gpus)] * rc.num_engines
+                   + [_bundle(rc.trainer_cpus, rc.trainer_gpus)] + [_bundle(rc.reward_cpus, 0)] * rc.reward_workers)
+        self.pg = placement_group(bundles, strategy=rc.placement_strategy, name="")
+        try:
+            ray.get(self.pg.ready(), timeout=rc.start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.pg)
+            raise ConfigError(
+                f"the Ray cluster cannot hold this run's placement group ({rc.placement_strategy}: {bundles}) within "
+                f"{rc.start_timeout_s:.0f}s; available: {ray.available_resources()}. Lower ray.engine_cpus / "
+                "ray.trainer_cpus / ray.reward_cpus / ray.num_engines, or add nodes"
+            ) from None
+        self.actors: list[Any] = []
+        self.trainer: RayTrainer | None = None
+        self.closed = False
+
+    def strategy(self, bundle: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
+
+    def close(self) -> None:
+        global _SESSION
+        if self.closed:
+            return
+        self.closed = True
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        try:
+            remove_placement_group(self.pg)
+        except Exception:
+            pass
+        if self.owns_ray:
+            ray.shutdown()
+        if _SESSION is self:
+            _SESSION = None
+
+
+def session(cfg: RunConfig) -> RaySession:
+    """This process's Ray session for the run, started on first use."""
+    global _SESSION
+    if _SESSION is None or _SESSION.closed:
+        _SESSION = RaySession(cfg)
+    return _SESSION
+
+
+def _where(info: dict) -> str:
+    return f"{info['node_ip']} pid {info['pid']}"
+
+
+# ---------------------------------------------------------------- trainer
+
+
+class TrainerActor:
+    """GRPOTrainer in its own process: train steps, the weights to push, checkpoints."""
+
+    def __init__(self, cfg_data: dict, fingerprint: str) -> None:
+        from rollwise.model.loading import load_model, tokenizer_fingerprint
+        from rollwise.train.trainer import GRPOTrainer
+
+        cfg = RunConfig.model_validate(cfg_data)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        _seed(cfg.seed)
+        model, self.tokenizer = load_model(cfg.model)
+        mine = tokenizer_fingerprint(self.tokenizer)
+        self.error = None if mine == fingerprint else (
+            f"tokenizer fingerprint mismatch: the trainer actor's tokenizer for {cfg.model!r} hashes to {mine[:16]}…, "
+            f"the driver's to {fingerprint[:16]}…; every node must load the same model files")
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.trainer = GRPOTrainer(model, cfg.train, pad_token_id=pad_id, temperature=cfg.rollout.temperature or 1.0)
+
+    def info(self) -> dict[str, Any]:
+        if self.error:
+            raise RuntimeError(self.error)
+        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "version": self.trainer.version,
+                "n_params": sum(p.numel() for p in self.trainer.model.parameters())}
+
+    def train_step(self, samples: list[Sample]) -> tuple[dict[str, float], int]:
+        return self.trainer.train_step(samples), self.trainer.version
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: t.detach() for name, t in self.trainer.model.state_dict().items()}
+
+    def save_checkpoint(self, run_dir: str, step: int, extra: dict[str, Any], keep_last: int) -> str:
+        from rollwise.train.checkpoint import save_checkpoint
+
+        return str(save_checkpoint(Path(run_dir), self.trainer, self.tokenizer, step, extra, keep_last))
+
+    def load_checkpoint(self, ckpt: str) -> tuple[dict[str, Any], int]:
+        from rollwise.train.checkpoint import load_checkpoint
+
+        return load_checkpoint(Path(ckpt), self.trainer), self.trainer.version
+
+
+class RayTrainer:
+    """What the loop calls on a trainer (train_step, version), run by the trainer actor."""
+
+    remote = True
+
+    def __init__(self, actor: Any, info: dict) -> None:
+        self.actor = actor
+        self.info = info
+        self.version = int(info["version"])
+
+    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        metrics, self.version = ray.get(self.actor.train_step.remote(samples))
+        return metrics
+
+    def weights(self) -> Any:
+        """An ObjectRef to the current weights, for the engines to fetch from the object store."""
+        return self.actor.state_dict.remote()
+
+    def push_weights(self, workers: list[Any]) -> None:
+        ref = self.weights()
+        for worker in workers:
+            worker.update_weights(ref, self.version)
+
+    def save_checkpoint(self, run_dir: Path, step: int, extra: dict[str, Any], keep_last: int) -> Path:
+        return Path(ray.get(self.actor.save_checkpoint.remote(str(run_dir), step, extra, keep_last)))
+
+    def load_checkpoint(self, ckpt: Path) -> dict[str, Any]:
+        state, self.version = ray.get(self.actor.load_checkpoint.remote(str(ckpt)))
+        return state
+
+
+def start_trainer(cfg: RunConfig, *, fingerprint: str) -> RayTrainer:
+    """The trainer actor (in the run's placement group), behind a proxy the loop drives like GRPOTrainer."""
+    s = session(cfg)
+    actor = ray.remote(TrainerActor).options(
+        num_cpus=cfg.ray.trainer_cpus, num_gpus=cfg.ray.trainer_gpus, max_restarts=0,
+        scheduling_strategy=s.strategy(s.trainer_bundle),
+    ).remote(dump_config(cfg), fingerprint)
+    s.actors.append(actor)
+    info = _get_all([actor.info.remote()], cfg.ray.start_timeout_s, "the trainer actor to start")[0]
+    _log(f"trainer actor on {_where(info)} ({cfg.ray.trainer_cpus:g} CPU, {cfg.ray.trainer_gpus:g} GPU)")
+    s.trainer = RayTrainer(actor, info)
+    return s.trainer
+
+
+# ---------------------------------------------------------------- reward
+
+
+class RewardActor:
+    """Scores finished groups with the task's verifier (rollwise.reward.batch.score_samples)."""
+
+    def __init__(self, cfg_data: dict) -> None:
+        from rollwise.tasks import make_task
+
+        self.cfg = RunConfig.model_validate(cfg_data)
+        self.task = make_task(self.cfg.task)
+        # The same problems the driver holds (tasks are deterministic: resume relies on it too); built
+        # here, not shipped, so a restarted actor needs nothing from the object store.
+        self.problems = {p.id: p for p in self.task.problems("train") + self.task.problems("eval")[: self.cfg.eval.size]}
+
+    def info(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address()}
+
+    def score(self, samples: list[Sample]) -> list[dict[str, Any]]:
+        from rollwise.reward.batch import score_samples
+
+        score_samples(samples, self.problems, self.task, self.cfg.reward)
+        return [{"reward": s.reward, "outcome": s.outcome, "strict_correct": s.strict_correct,
+                 "lenient_correct": s.lenient_correct, "reward_error": s.extra.get("reward_error")} for s in samples]
+
+
+class RayScorer:
+    """The controller's score function: a finished group is scored on a reward actor, in place."""
+
+    def __init__(self, actors: list[Any]) -> None:
+        self.actors = actors
+        self._next = 0
+
+    def __call__(self, group: list[Sample]) -> None:
+        actor = self.actors[self._next % len(self.actors)]
+        self._next += 1
+        for s, r in zip(group, ray.get(actor.score.remote(group))):
+            s.reward, s.outcome = r["reward"], r["outcome"]
+            s.strict_correct, s.lenient_correct = r["strict_correct"], r["lenient_correct"]
+            if r["reward_error"]:
+                s.extra["reward_error"] = r["reward_error"]
+
+
+def start_reward_workers(cfg: RunConfig) -> RayScorer:
+    s = session(cfg)
+    actors = [
+        ray.remote(RewardActor).options(
+            num_cpus=cfg.ray.reward_cpus, max_restarts=cfg.ray.max_restarts, max_task_retries=cfg.ray.max_restarts,
+            scheduling_strategy=s.strategy(bundle),
+        ).remote(dump_config(cfg))
+        for bundle in s.reward_bundles
+    ]
+    s.actors += actors
+    infos = _get_all([a.info.remote() for a in actors], cfg.ray.start_timeout_s, "the reward actors to start")
+    _log(f"{len(actors)} reward actor(s) on " + ", ".join(_where(i) for i in infos))
+    return RayScorer(actors)
+
+
+# ---------------------------------------------------------------- engines
+
+
+def place_on_ray(cfg: RunConfig, model: Any, tokenizer: Any, *, fingerprint: str, policy_version: int,
+                 eos_ids: list[int] | None) -> Placement:
+    """Start `ray.num_engines` engine actors holding the trainer's current weights (rollwise.control.placement)."""
+    s = session(cfg)
+    rc = cfg.ray
+    if s.trainer is not None:  # the trainer actor's weights (a resumed run's included)
+        state_ref, policy_version = s.trainer.weights(), s.trainer.version
+    else:
+        state_ref = ray.put({name: t.detach() for name, t in model.state_dict().items()})
+    cls = engine_actor_class()
+    cfg_data = dump_config(cfg)
+    actors = [
+        cls.options(
+            num_cpus=rc.engine_cpus, num_gpus=rc.engine_gpus, max_restarts=rc.max_restarts, max_task_retries=0,
+            max_concurrency=8, scheduling_strategy=s.strategy(bundle),
+        ).remote(cfg_data, i, fingerprint, eos_ids, policy_version)
+        for i, bundle in enumerate(s.engine_bundles)
+    ]
+    s.actors += actors
+    try:
+        fleet = RayEngineFleet(actors, s.engine_bundles, state_ref=state_ref, policy_version=policy_version,
+                               max_restarts=rc.max_restarts, restart_timeout_s=rc.restart_timeout_s,
+                               start_timeout_s=rc.start_timeout_s)
+    except ray.exceptions.RayTaskError as exc:  # e.g. a tokenizer fingerprint mismatch, said plainly
+        s.close()
+        raise RuntimeError(str(exc.cause if getattr(exc, "cause", None) is not None else exc)) from None
+    except BaseException:
+        s.close()
+        raise
+    where = ", ".join(f"engine {sl.index}: {_where(sl.info)}" for sl in fleet.slots)
+    _log(f"{rc.num_engines} engine actor(s) ({fleet.view.name}, {rc.engine_cpus:g} CPU / {rc.engine_gpus:g} GPU each, "
+         f"placement group {rc.placement_strategy}, max_restarts={rc.max_restarts}): {where}")
+    for hook in FLEET_HOOKS:
+        hook(fleet)
+    description = (f"ray: {rc.num_engines} x {fleet.view.name} engine actor(s) "
+                   f"(cluster {ray.get_runtime_context().gcs_address})")
+    return Placement(fleet, fleet.view, description, on_close=[s.close])
