@@ -114,8 +114,18 @@ class EngineActor:
 
         self._check().call(lambda e: add_all(e, requests))  # all or none
 
-    def abort(self, request_ids: list[str]) -> list[Completion]:
-        return self._check().abort(request_ids)
+    def abort(self, request_ids: list[str], ack: int) -> tuple[list[Completion], list[tuple[int, Completion]]]:
+        """(abort completions, unacknowledged completions). As with a local EngineWorker, a sample that
+        finished before the abort must be receivable right after it: the worker queued it before running
+        the abort, so it is in the second list (with everything else not yet acknowledged)."""
+        worker = self._check()
+        aborted = worker.abort(request_ids)
+        with self._drain_lock:
+            self._outbox = [(s, c) for s, c in self._outbox if s > ack]
+            while (c := _get_nowait(worker)) is not None:
+                self._seq += 1
+                self._outbox.append((self._seq, c))
+            return aborted, list(self._outbox)
 
     def pause(self) -> None:
         self._check().pause()
@@ -280,14 +290,15 @@ class RayEngineFleet:
                 if rid in self._requests:
                     by_slot[self._requests[rid].slot].append(rid)
             todo = []
-            calls = {s: self.slots[s].actor.abort.remote(rids) for s, rids in by_slot.items()}
+            calls = {s: self.slots[s].actor.abort.remote(rids, self.slots[s].ack) for s, rids in by_slot.items()}
             for s, ref in calls.items():
                 try:
-                    aborted = ray.get(ref)
+                    aborted, unacked = ray.get(ref)
                 except RayActorError as exc:
                     self._recover(s, exc)  # resubmitted (possibly elsewhere): abort them there
                     todo += by_slot[s]
                     continue
+                self._take(self.slots[s], unacked)  # finished before the abort: next_completion has them
                 out += [c for c in aborted if self._receive(s, c)]
         return out
 
@@ -405,11 +416,17 @@ class RayEngineFleet:
             except RayActorError as exc:
                 self._recover(slot.index, exc)
                 continue
-            for seq, c in items:
-                slot.ack = max(slot.ack, seq)
-                if self._receive(slot.index, c):
-                    self._buffer.append((slot.index, c))
+            self._take(slot, items)
         self.refresh_timeline()
+
+    def _take(self, slot: _Slot, items: list[tuple[int, Completion]]) -> None:
+        """Completions an actor sent (each reply: everything after the ack it was given, in order)."""
+        for seq, c in items:
+            if seq <= slot.ack:
+                continue  # already taken from an earlier reply
+            slot.ack = seq
+            if self._receive(slot.index, c):
+                self._buffer.append((slot.index, c))
 
     def _broadcast(self, call: Callable[[Any], Any]) -> None:
         """Run a state-setting call on every live engine; an engine that died gets the current state

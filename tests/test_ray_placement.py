@@ -1,0 +1,208 @@
+"""`placement: ray` on a real local Ray cluster (CPU only), with real engines and the tiny model.
+
+- a short `rollwise train placement=ray` run (the CLI, as a user runs it) against a cluster started
+  here with `ray start --head`: it finishes, writes summary.json, and its sample ledger accounts for
+  every sample (trained, or dropped at the end with a reason), with engines, trainer and reward
+  workers as actors;
+- an engine actor is killed mid-rollout: Ray restarts it, the fleet re-syncs it to the current policy
+  version and resubmits its requests; the run finishes, every request id / sample is delivered
+  exactly once, and the samples generated after the restart carry the trainer's current version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ray = pytest.importorskip("ray", reason="placement: ray needs Ray: pip install -e '.[ray]'")
+
+from rollwise.config import load_config  # noqa: E402
+from rollwise.control import ray_placement  # noqa: E402
+from rollwise.control.train_loop import train  # noqa: E402
+
+STEPS, PROMPTS, GROUP = 3, 4, 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A one-node Ray cluster (`ray start --head --block`) in its own process group and temp dir; killed
+    by that process group at the end (never `ray stop`, which would stop every cluster on the machine)."""
+    temp = tempfile.mkdtemp(prefix="rwray-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    port = _free_port()
+    ports = {flag: _free_port() for flag in ("--ray-client-server-port", "--dashboard-agent-listen-port",
+                                             "--dashboard-agent-grpc-port", "--metrics-export-port",
+                                             "--runtime-env-agent-port", "--node-manager-port",
+                                             "--object-manager-port")}
+    ray_bin = Path(sys.executable).parent / "ray"
+    cmd = [str(ray_bin) if ray_bin.exists() else "ray", "start", "--head", "--block", f"--port={port}",
+           "--num-cpus=2", "--object-store-memory=200000000", "--include-dashboard=false",
+           f"--temp-dir={temp}", "--disable-usage-stats", *(f"{k}={v}" for k, v in ports.items())]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "RAY_USAGE_STATS_ENABLED": "0", "ROLLWISE_CACHE": os.path.join(temp, "rollwise-cache")}
+    log = open(os.path.join(temp, "ray-start.log"), "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    address = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while "Ray runtime started" not in Path(log.name).read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"ray start failed:\n{Path(log.name).read_text()[-3000:]}")
+            time.sleep(0.3)
+        yield address
+    finally:
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)  # the process group we started: ray start, GCS, raylet, workers
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        log.close()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _write_task(path: Path, n: int = 40) -> Path:
+    with path.open("w") as f:
+        for i in range(n):
+            a, b = i % 10, (i * 7 // 10) % 10
+            f.write(json.dumps({"prompt": f"What is {a} + {b}?", "answer": a + b}) + "\n")
+    return path
+
+
+def _config(tmp_path: Path, address: str, mode: str) -> Path:
+    cfg = {
+        "model": "tiny:0",
+        "seed": 0,
+        "output_dir": str(tmp_path / "run"),
+        "threads": 1,
+        "task": {"kind": "jsonl", "path": str(_write_task(tmp_path / "add.jsonl"))},
+        "prompt": {"system": "Reply with {answer_open}N{answer_close}.", "few_shot": []},
+        "rollout": {"prompts_per_step": PROMPTS, "group_size": GROUP, "max_tokens": 32, "mode": mode},
+        "engine": {"kind": "reference", "max_num_seqs": 8, "max_model_len": 256},
+        # kl_coef > 0: every step updates the weights (the tiny random model earns no reward signal),
+        # so policy versions move and the re-sync after a restart is to a version > 0.
+        "train": {"steps": STEPS, "lr": 1e-3, "kl_coef": 0.01},
+        "eval": {"size": 2},
+        "checkpoint": {"every": 1},
+        "tensorboard": False,
+        "placement": "ray",
+        "ray": {"address": address, "num_engines": 2, "engine_cpus": 0.5, "trainer_cpus": 0.5,
+                "reward_workers": 1, "reward_cpus": 0.25, "max_restarts": 2},
+    }
+    path = tmp_path / "ray.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def _check_ledger(summary: dict) -> None:
+    counts = summary["samples"]
+    total = sum(counts.values())
+    assert counts["trained"] == STEPS * PROMPTS * GROUP, counts
+    # Nothing left in between: every sample was trained or dropped at the end of the run (with a reason).
+    assert counts["queued"] == counts["running"] == counts["finished"] == counts["batched"] == 0, counts
+    assert counts["trained"] + counts["dropped"] == total, counts
+
+
+def test_train_on_ray_cluster_end_to_end(ray_cluster, tmp_path):
+    """The CLI run, async rollout (pause/abort/continue across updates all go through the fleet)."""
+    config = _config(tmp_path, ray_cluster, mode="async")
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "ROLLWISE_CACHE": str(tmp_path / "rollwise-cache")}
+    script = Path(sys.executable).parent / "rollwise"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "rollwise.cli"]
+    proc = subprocess.run(cmd + ["train", "--config", str(config)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "Traceback" not in proc.stderr, out[-6000:]
+    # Where the actors run is printed.
+    assert "trainer actor on" in out and "2 engine actor(s)" in out and "reward actor(s) on" in out, out[-4000:]
+    run_dir = tmp_path / "run"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["policy_version"] for r in records] == [1, 2, 3]
+    assert summary["policy_version"] == 3 and summary["engine_restarts"] == 0
+    assert all(r["staleness_max"] <= 1 for r in records)  # eta = 1 holds across engine actors
+    _check_ledger(summary)
+    # Checkpoints are written by the trainer actor.
+    state = json.loads((run_dir / "checkpoints" / "step_000003" / "state.json").read_text())
+    assert state["policy_version"] == 3 and (run_dir / "checkpoints" / "step_000003" / "model").is_dir()
+    assert 0.0 <= summary["bubble_ratio_run"] <= 1.0
+
+
+def test_engine_actor_killed_mid_rollout_is_restarted_and_resynced(ray_cluster, tmp_path, monkeypatch):
+    """Sync rollout (each group is one request, so the ledger counts are exact); the kill lands in step 2,
+    after the first weight update, while the killed engine still has samples to generate."""
+    cfg = load_config(_config(tmp_path, ray_cluster, mode="sync"))
+    seen: dict = {}
+
+    def kill_mid_rollout(fleet, slot, completion):
+        if "killed" in seen or fleet._version < 1 or not completion.request_id.startswith("g"):
+            return
+        busy = [s for s in fleet.slots if s.alive and fleet.pending_samples(s.index) > 0]
+        if busy:  # mid-rollout: that engine still owes samples
+            victim = busy[0]
+            seen["killed"] = (victim.index, victim.info["token"], fleet._version, fleet.pending_samples(victim.index))
+            ray.kill(victim.actor, no_restart=False)
+
+    def hook(fleet):
+        seen["fleet"] = fleet
+        fleet.deliveries = []
+        fleet.on_deliver = kill_mid_rollout
+
+    monkeypatch.setattr(ray_placement, "FLEET_HOOKS", [hook])
+    monkeypatch.chdir(tmp_path)
+    summary = train(cfg)
+
+    fleet = seen["fleet"]
+    assert "killed" in seen, "no engine had samples in flight in steps 2-3 to kill"
+    victim, old_token, version_at_kill, _ = seen["killed"]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in records] == [1, 2, 3]
+
+    # Restarted once, re-synced to the trainer's version at that moment, its requests resubmitted.
+    assert fleet.restarts == 1 and len(fleet.restart_log) == 1, fleet.restart_log
+    entry = fleet.restart_log[0]
+    assert entry["engine"] == victim and entry["requests_resubmitted"] >= 1
+    assert entry["policy_version"] == version_at_kill
+    assert entry["policy_version"] in [r["policy_version"] for r in records[:-1]]  # a version the trainer pushed
+    new_token = fleet.slots[victim].info["token"]
+    assert new_token != old_token
+    after = [c for s, token, c in fleet.deliveries if s == victim and token == new_token
+             and c.request_id.startswith("g") and c.token_ids]
+    step_of_kill = version_at_kill  # sync: step k+1 generates with version k
+    resubmitted = [c for c in after if int(c.request_id[1:].split("/")[0]) // PROMPTS == step_of_kill]
+    assert resubmitted, "nothing generated by the restarted engine in the step it died"
+    for c in resubmitted:
+        assert set(c.versions) == {version_at_kill}, (c.request_id, c.versions)
+
+    # Nothing lost, nothing twice: every training sample delivered exactly once, nothing owed at the end.
+    keys = [(c.request_id, c.index) for _, _, c in fleet.deliveries]
+    assert len(keys) == len(set(keys)), "a completion was delivered twice"
+    train_keys = {k for k in keys if k[0].startswith("g")}
+    assert train_keys == {(f"g{g}", i) for g in range(STEPS * PROMPTS) for i in range(GROUP)}
+    assert not fleet._requests
+    _check_ledger(summary)
+    assert summary["samples"]["dropped"] == 0
+    assert summary["engine_restarts"] == 1 and records[-1]["engine_restarts"] == 1
