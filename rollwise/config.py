@@ -86,7 +86,7 @@ class PoolConfig(_Section):
     """Attach to a shared engine pool (`rollwise serve pool`) instead of starting engines (rollwise.pool)."""
 
     url: str | None = Field(None, description="the pool's URL, e.g. http://127.0.0.1:8300; None: own engines")
-    job: str | None = Field(None, description="this job's name in the pool (default: the run directory's name)")
+    job: str | None = Field(None, description="this job's name in the pool (default: MODEL-PID)")
     priority: float = Field(1.0, gt=0, description="share of engine time relative to other jobs")
 
 

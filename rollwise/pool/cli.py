@@ -1,0 +1,64 @@
+"""`rollwise serve pool ...`: its own argument parser (rollwise/cli.py hands the arguments over)."""
+
+from __future__ import annotations
+
+import argparse
+
+DESCRIPTION = (
+    "A shared engine pool: owns N reference engines and time-slices them across the `rollwise train` jobs that "
+    "attach to it (`rollwise train pool.url=http://127.0.0.1:PORT pool.job=NAME pool.priority=P`). Each job brings "
+    "its own model and policy versions; the pool places the job's engine on a slot and moves it through active / "
+    "sleeping (KV freed, weights in host memory) / evicted (weights only in the pool's per-job store), timing every "
+    "transition. A slot switches when its job has no work and another has (one job's generation fills another's "
+    "training gap), and after --min-slice seconds when a job with less engine time per unit of priority waits. "
+    "Every request and weight update carries its job's token: jobs never see each other's weights or samples. "
+    "GET /state shows slots, states, queues, per-job engine-hours and measured transition costs; /metrics is "
+    "Prometheus text."
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rollwise serve pool", description=DESCRIPTION,
+        epilog="example: rollwise serve pool --engines 1 --port 8300 & rollwise train model=tiny:0 "
+               "pool.url=http://127.0.0.1:8300 pool.job=a & rollwise train model=tiny:1 "
+               "pool.url=http://127.0.0.1:8300 pool.job=b pool.priority=2",
+    )
+    p.add_argument("--engines", type=int, default=1, metavar="N", help="engine slots (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: %(default)s; job tokens separate jobs but are no network "
+                   "authentication: keep it on loopback)")
+    p.add_argument("--port", type=int, default=8300, help="TCP port (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=16, metavar="N",
+                   help="sequences each engine generates at once (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=1024, metavar="N",
+                   help="prompt + generated tokens per sequence (at most the model's positions) (default: %(default)s)")
+    p.add_argument("--min-slice", type=float, default=5.0, metavar="S",
+                   help="seconds a job with work keeps a slot before a more deserving job may take it "
+                   "(default: %(default)s)")
+    p.add_argument("--max-sleeping", type=int, default=4, metavar="N",
+                   help="sleeping engines kept per slot (host memory); more are evicted, least recently used "
+                   "first (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=0, metavar="N",
+                   help="torch CPU threads for the engines (0: torch's default) (default: %(default)s)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   metavar="LEVEL", help="uvicorn log level (default: %(default)s)")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from rollwise.pool.server import serve
+
+    try:
+        serve(args.engines, host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
+              max_model_len=args.max_model_len, min_slice_s=args.min_slice, max_sleeping=args.max_sleeping,
+              log_level=args.log_level)
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 2
+    return 0
