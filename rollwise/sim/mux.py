@@ -1,0 +1,209 @@
+"""Several RL jobs sharing one engine pool, on a virtual clock: the pool's own scheduler
+(rollwise.pool.scheduler.plan, the function `rollwise serve pool` calls) decides which job each engine
+slot serves; engines are SimEngines (cost model); each job is a sync GRPO loop (generate a batch, train,
+push weights). Compared with the same jobs each on dedicated engines, as `rollwise bench mux` measures.
+
+What is modelled, and what is not:
+- a slot admits whole requests of its active job while they fit (as EnginePool._decide_and_admit);
+  switching a slot costs the measured transition time (wake for a sleeping engine, load for one never
+  built there), charged to the job switched to, as the pool charges it;
+- the job's step: generation until its last sample is back, then `train_s(tokens)`, then `push_s`
+  (the weight push to the pool), then the next batch is submitted;
+- not modelled: the HTTP hops, CPU contention between a job's trainer and another job's generation
+  (on this 2-core machine each gets one core; see `contention`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.pool.scheduler import JobView, Policy, SlotView, plan
+from rollwise.sim.cost import CostModel
+from rollwise.sim.engine import SimEngine, VirtualClock
+
+
+@dataclass(frozen=True)
+class MuxJob:
+    name: str
+    steps: int
+    prompts_per_step: int
+    group_size: int
+    prompt_tokens: int
+    max_tokens: int
+    train_s: Callable[[int], float]  # trained tokens (prompt + response) -> seconds of one train step
+    push_s: float = 0.0  # trainer -> pool weight push, after each step
+    priority: float = 1.0
+    mean_response_tokens: float = 0.0  # 0: every sample runs to max_tokens
+    start_s: float = 0.0  # when the job attaches (jobs rarely start at the same instant)
+
+
+@dataclass(frozen=True)
+class Transitions:
+    """Seconds a slot spends switching to a job (the pool's measured transition costs)."""
+
+    load_s: float = 0.0  # build an engine + load weights (first time on this slot, or after eviction)
+    wake_s: float = 0.0  # a sleeping engine back to active (+ the job's newer weights)
+    sleep_s: float = 0.0  # the outgoing job's engine to sleep
+
+
+@dataclass
+class _JobState:
+    spec: MuxJob
+    queue: deque = field(default_factory=deque)  # GenerationRequests not yet on a slot
+    outstanding: int = 0  # samples of this step not back yet
+    tokens: int = 0  # trained tokens of this step
+    step: int = 0
+    busy_s: float = 0.0  # engine time charged (running + transitions)
+    finished_at: float | None = None
+    started_at: float = 0.0
+
+
+@dataclass
+class _SlotState:
+    engine: SimEngine
+    job: str | None = None
+    since: float = 0.0
+    switching_until: float | None = None
+    built: set[str] = field(default_factory=set)
+    accounted_at: float = 0.0
+
+
+def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions: Transitions = Transitions(),
+                 policy: Policy = Policy(), seed: int = 0) -> dict[str, Any]:
+    """Run the jobs to their last step on `engines` shared slots; per-job wall time and engine-hours."""
+    clock = VirtualClock()
+    rng = random.Random(seed)
+    by_name = {j.name: j for j in jobs}
+
+    def length(req: GenerationRequest, i: int) -> int:
+        spec = by_name[req.request_id.split(":", 1)[0]]
+        if not spec.mean_response_tokens:
+            return spec.max_tokens
+        return max(1, min(spec.max_tokens, round(rng.expovariate(1 / spec.mean_response_tokens))))
+
+    slots = [_SlotState(SimEngine(cost, clock=clock, length_sampler=length, engine_id=f"slot-{i}", seed=seed + i,
+                                  cache_history=False)) for i in range(engines)]
+    state = {j.name: _JobState(j, started_at=j.start_s) for j in jobs}
+    events: list[tuple[float, int, str, Any]] = []  # (time, tiebreak, kind, payload)
+    serial = [0]
+
+    def at(t: float, kind: str, payload: Any) -> None:
+        serial[0] += 1
+        heapq.heappush(events, (t, serial[0], kind, payload))
+
+    def submit_step(js: _JobState) -> None:
+        spec = js.spec
+        params = SamplingParams(max_tokens=spec.max_tokens, temperature=1.0, n=spec.group_size, seed=js.step)
+        for g in range(spec.prompts_per_step):
+            prompt = [3 + (g * 7919 + k) % 1000 for k in range(spec.prompt_tokens)]
+            js.queue.append(GenerationRequest(f"{spec.name}:{js.step}:g{g}", prompt, params))
+        js.outstanding = spec.prompts_per_step * spec.group_size
+        js.tokens = 0
+
+    def account(s: _SlotState) -> None:
+        now = clock.now
+        if s.job is not None and (s.engine.has_unfinished() or s.switching_until is not None):
+            state[s.job].busy_s += now - s.accounted_at
+        s.accounted_at = now
+
+    def schedule() -> None:
+        now = clock.now
+        for s in slots:
+            account(s)
+        views = [SlotView(i, s.job, s.since, sum(s.engine._unfinished.values()), cost.max_num_seqs)
+                 for i, s in enumerate(slots)]
+        job_views = [JobView(n, js.spec.priority, sum(r.params.n for r in js.queue), js.busy_s)
+                     for n, js in state.items() if js.finished_at is None and js.started_at <= now]
+        for decision in plan(views, job_views, now, policy):
+            s = slots[decision.slot]
+            if s.switching_until is not None:
+                continue  # mid-switch: the pool's slot loop is busy switching too
+            if decision.action == "switch":
+                cost_s = (transitions.sleep_s if s.job is not None else 0.0) + (
+                    transitions.wake_s if decision.job in s.built else transitions.load_s)
+                s.job, s.since = decision.job, now
+                s.built.add(decision.job)
+                s.switching_until = now + cost_s
+                at(now + cost_s, "switched", decision.slot)
+            elif decision.action == "serve":
+                js = state[decision.job]
+                room = cost.max_num_seqs - sum(s.engine._unfinished.values())
+                added = False
+                while js.queue and js.queue[0].params.n <= room:
+                    req = js.queue.popleft()
+                    room -= req.params.n
+                    s.engine.add_request(req)
+                    added = True
+                if added or (s.engine.op is None and s.engine.has_unfinished()):
+                    start(decision.slot)
+
+    def start(i: int) -> None:
+        e = slots[i].engine
+        if e.op is None and e.has_unfinished():
+            e.start_op()
+        if e.op is not None:
+            at(e.op.end, "op", (i, e.op_serial))
+
+    for js in state.values():
+        at(js.started_at, "start", js.spec.name)
+    while events:
+        t, _, kind, payload = heapq.heappop(events)
+        if kind == "op":
+            i, op_serial = payload
+            e = slots[i].engine
+            if e.op is not None and e.op_serial == op_serial:  # else superseded: the op was cut and rescheduled
+                clock.now = max(clock.now, t)
+                for c in e.finish_op():
+                    js = state[c.request_id.split(":", 1)[0]]
+                    js.outstanding -= 1
+                    js.tokens += len(c.prompt_ids) + len(c.token_ids)
+                    if js.outstanding == 0:
+                        at(clock.now + js.spec.train_s(js.tokens) + js.spec.push_s, "trained", js.spec.name)
+                start(i)
+        else:
+            clock.now = max(clock.now, t)
+            if kind == "switched":
+                slots[payload].switching_until = None
+            elif kind == "start":
+                submit_step(state[payload])
+            elif kind == "trained":
+                js = state[payload]
+                js.step += 1
+                if js.step >= js.spec.steps:
+                    js.finished_at = clock.now
+                else:
+                    submit_step(js)
+        if not events or events[0][0] > clock.now:  # everything due now has happened: decide once
+            schedule()
+
+    makespan = max(js.finished_at or 0.0 for js in state.values())
+    return {
+        "engines": engines,
+        "makespan_s": makespan,
+        "engine_hours": engines * makespan / 3600,
+        "jobs": {n: {"wall_s": (js.finished_at or 0.0) - js.started_at, "engine_busy_s": js.busy_s}
+                 for n, js in state.items()},
+    }
+
+
+def compare_shared_vs_dedicated(jobs: list[MuxJob], shared_engines: int, cost: CostModel,
+                                transitions: Transitions = Transitions(), policy: Policy = Policy(),
+                                seed: int = 0) -> dict[str, Any]:
+    """`rollwise bench mux` in simulation: each job alone on one dedicated engine (no switching), then all
+    jobs on `shared_engines`; engine-hours saved and per-job slowdown."""
+    dedicated = {j.name: simulate_mux([j], 1, cost, Transitions(load_s=transitions.load_s), policy, seed)
+                 for j in jobs}
+    shared = simulate_mux(jobs, shared_engines, cost, transitions, policy, seed)
+    dedicated_hours = sum(d["engine_hours"] for d in dedicated.values())
+    per_job = {n: {"dedicated_wall_s": dedicated[n]["jobs"][n]["wall_s"], "shared_wall_s": s["wall_s"],
+                   "slowdown": s["wall_s"] / dedicated[n]["jobs"][n]["wall_s"] - 1}
+               for n, s in shared["jobs"].items()}
+    return {"jobs": per_job, "dedicated_engine_hours": dedicated_hours, "shared_engine_hours": shared["engine_hours"],
+            "engine_hours_saved": 1 - shared["engine_hours"] / dedicated_hours,
+            "max_slowdown": max(p["slowdown"] for p in per_job.values())}
