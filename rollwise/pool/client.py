@@ -124,7 +124,7 @@ def completion_of(entry: dict[str, Any]) -> Completion:
 class PoolWorker:
     """The EngineWorker interface for one pool job, over HTTP."""
 
-    def __init__(self, client: PoolClient, tokenizer_fingerprint: str, poll_s: float = 0.5) -> None:
+    def __init__(self, client: PoolClient, tokenizer_fingerprint: str, poll_s: float = 0.25) -> None:
         self.client = client
         self.fingerprint = tokenizer_fingerprint
         self.poll_s = poll_s
@@ -181,8 +181,8 @@ class PoolWorker:
         self.policy_version = version
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=self.poll_s + 35)
+        self._stop.set()  # the receiver ends after its current long poll (at most poll_s)
+        self._thread.join(timeout=self.poll_s + 5)
         self._poller.close()
 
     # ------------------------------------------------------------ the receiver thread

@@ -61,7 +61,8 @@ from rollwise.pool.states import ACTIVE, EVICTED, SLEEPING, StateMachine
 from rollwise.rollout.worker import EngineWorker
 from rollwise.sync.buckets import ExpectedWeights, StagedUpdate, WeightReceiver, WeightUpdateError, parse_manifest
 
-TICK_S = 0.005  # a slot's control loop: how long it waits for a finished sample before re-planning
+TICK_S = 0.005  # a busy slot's control loop: how long it waits for a finished sample before re-planning
+IDLE_TICK_S = 0.05  # an idle slot re-plans at least this often (time slices expire, jobs finish training)
 
 
 class _NoEngine:
@@ -215,6 +216,8 @@ class EnginePool:
         self._threads = [threading.Thread(target=self._slot_loop, args=(s,), name=f"pool-slot-{s.index}",
                                           daemon=True) for s in self.slots]
         self._started = False
+        self._kick = threading.Condition()
+        self._kicks = 0
 
     # ------------------------------------------------------------ lifecycle
 
@@ -383,6 +386,7 @@ class EnginePool:
                 job.requests[rid] = req
                 self._by_internal[internal] = req
                 made.append(req)
+        self.kick()
         return made
 
     def abort(self, job: _Job, public_ids: list[str]) -> tuple[list[dict[str, Any]], int]:
@@ -444,14 +448,30 @@ class EnginePool:
                 inst = slot.instances.get(job.name)
                 if inst is not None and self.states.state(slot.index, job.name) is ACTIVE:
                     slot.worker.call(lambda _e, inst=inst: inst.pause() if paused else inst.resume())
+        self.kick()
 
     # ------------------------------------------------------------ the slot loops
 
+    def kick(self) -> None:
+        """New work (or a resumed job): idle slot loops re-plan now instead of at their next idle tick."""
+        with self._kick:
+            self._kicks += 1
+            self._kick.notify_all()
+
     def _slot_loop(self, slot: _Slot) -> None:
+        seen = 0
         while not self._stop.is_set():
             try:
-                with slot.route_lock:
-                    self._drain(slot, timeout=TICK_S)
+                if slot.running > 0:  # samples running here: wait for the next one to finish
+                    with slot.route_lock:
+                        self._drain(slot, timeout=TICK_S)
+                else:  # idle: sleep until kicked (submit, resume), re-planning at least every IDLE_TICK_S
+                    with self._kick:
+                        if self._kicks == seen:
+                            self._kick.wait(IDLE_TICK_S)
+                        seen = self._kicks
+                    with slot.route_lock:
+                        self._drain(slot)
                 self._tick(slot)
             except Exception as exc:  # noqa: BLE001 - keep serving the other jobs; /state shows it
                 slot.errors.append(f"{time.strftime('%H:%M:%S')} {exc!r}")
