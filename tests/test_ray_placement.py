@@ -67,7 +67,7 @@ def ray_cluster():
             time.sleep(0.3)
         yield address
     finally:
-        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
             try:
                 os.killpg(proc.pid, sig)  # the process group we started: ray start, GCS, raylet, workers
             except ProcessLookupError:
@@ -89,7 +89,7 @@ def _write_task(path: Path, n: int = 40) -> Path:
     return path
 
 
-def _config(tmp_path: Path, address: str, mode: str) -> Path:
+def _config(tmp_path: Path, address: str, mode: str, steps: int = STEPS) -> Path:
     cfg = {
         "model": "tiny:0",
         "seed": 0,
@@ -101,7 +101,7 @@ def _config(tmp_path: Path, address: str, mode: str) -> Path:
         "engine": {"kind": "reference", "max_num_seqs": 8, "max_model_len": 256},
         # kl_coef > 0: every step updates the weights (the tiny random model earns no reward signal),
         # so policy versions move and the re-sync after a restart is to a version > 0.
-        "train": {"steps": STEPS, "lr": 1e-3, "kl_coef": 0.01},
+        "train": {"steps": steps, "lr": 1e-3, "kl_coef": 0.01},
         "eval": {"size": 2},
         "checkpoint": {"every": 1},
         "tensorboard": False,
@@ -114,10 +114,10 @@ def _config(tmp_path: Path, address: str, mode: str) -> Path:
     return path
 
 
-def _check_ledger(summary: dict) -> None:
+def _check_ledger(summary: dict, steps: int = STEPS) -> None:
     counts = summary["samples"]
     total = sum(counts.values())
-    assert counts["trained"] == STEPS * PROMPTS * GROUP, counts
+    assert counts["trained"] == steps * PROMPTS * GROUP, counts
     # Nothing left in between: every sample was trained or dropped at the end of the run (with a reason).
     assert counts["queued"] == counts["running"] == counts["finished"] == counts["batched"] == 0, counts
     assert counts["trained"] + counts["dropped"] == total, counts
@@ -125,7 +125,7 @@ def _check_ledger(summary: dict) -> None:
 
 def test_train_on_ray_cluster_end_to_end(ray_cluster, tmp_path):
     """The CLI run, async rollout (pause/abort/continue across updates all go through the fleet)."""
-    config = _config(tmp_path, ray_cluster, mode="async")
+    config = _config(tmp_path, ray_cluster, mode="async", steps=2)
     env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "ROLLWISE_CACHE": str(tmp_path / "rollwise-cache")}
     script = Path(sys.executable).parent / "rollwise"
@@ -140,14 +140,14 @@ def test_train_on_ray_cluster_end_to_end(ray_cluster, tmp_path):
     run_dir = tmp_path / "run"
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3]
-    assert [r["policy_version"] for r in records] == [1, 2, 3]
-    assert summary["policy_version"] == 3 and summary["engine_restarts"] == 0
+    assert [r["step"] for r in records] == [1, 2]
+    assert [r["policy_version"] for r in records] == [1, 2]
+    assert summary["policy_version"] == 2 and summary["engine_restarts"] == 0
     assert all(r["staleness_max"] <= 1 for r in records)  # eta = 1 holds across engine actors
-    _check_ledger(summary)
+    _check_ledger(summary, steps=2)
     # Checkpoints are written by the trainer actor.
-    state = json.loads((run_dir / "checkpoints" / "step_000003" / "state.json").read_text())
-    assert state["policy_version"] == 3 and (run_dir / "checkpoints" / "step_000003" / "model").is_dir()
+    state = json.loads((run_dir / "checkpoints" / "step_000002" / "state.json").read_text())
+    assert state["policy_version"] == 2 and (run_dir / "checkpoints" / "step_000002" / "model").is_dir()
     assert 0.0 <= summary["bubble_ratio_run"] <= 1.0
 
 
@@ -184,6 +184,7 @@ def test_engine_actor_killed_mid_rollout_is_restarted_and_resynced(ray_cluster, 
     # Restarted once, re-synced to the trainer's version at that moment, its requests resubmitted.
     assert fleet.restarts == 1 and len(fleet.restart_log) == 1, fleet.restart_log
     entry = fleet.restart_log[0]
+    print(f"restart: {entry}")
     assert entry["engine"] == victim and entry["requests_resubmitted"] >= 1
     assert entry["policy_version"] == version_at_kill
     assert entry["policy_version"] in [r["policy_version"] for r in records[:-1]]  # a version the trainer pushed

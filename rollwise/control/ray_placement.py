@@ -8,8 +8,9 @@ The training loop (rollwise.control.train_loop) runs unchanged; what it holds ar
 - the trainer: `RayTrainer`, a proxy to a `TrainerActor` that holds the model, the optimizer and the
   GRPOTrainer, and runs train steps and checkpoint save/load; weights go from the trainer actor to
   the engine actors through Ray's object store, never through the driver;
-- the reward: `RayScorer`, which scores each finished group on one of `ray.reward_workers` actors
-  (round robin; Ray retries a call on a restarted actor: scoring is idempotent).
+- the reward: `RayScorer` (rollwise.control.ray_reward), which scores each finished group on one of
+  `ray.reward_workers` actors (round robin; Ray retries a call on a restarted actor: scoring is idempotent).
+  Held-out evaluation is still scored in the driver.
 
 `ray.address`: 'auto' joins the cluster `ray start` runs on this machine, or starts a local one for
 the run (shut down at the end); HOST:PORT joins that cluster. If this process is already connected
@@ -23,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,20 @@ def _seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _check_reachable(address: str) -> None:
+    """Fail fast with the fix named (ray.init would retry for a minute on a wrong address)."""
+    host, _, port = address.rpartition(":")
+    if address.startswith(("ray://", "http")) or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"ray.address={address!r}: no Ray cluster answers there ({exc.strerror or exc}); start one with "
+            f"`ray start --head --port {port}`, or set ray.address=auto (joins a local cluster or starts one)"
+        ) from None
+
+
 def _bundle(cpus: float, gpus: float) -> dict[str, float]:
     bundle = {k: v for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0}
     return bundle or {"CPU": 0.001}  # Ray refuses empty bundles
@@ -73,6 +89,7 @@ class RaySession:
                     _log("no running Ray cluster found (ray.address=auto): starting a local one for this run")
                     ray.init(include_dashboard=False, **kwargs)
             else:
+                _check_reachable(rc.address)
                 ray.init(address=rc.address, **kwargs)
             self.owns_ray = True
         # Bundles: engines first (index i = engine i), then the trainer, then the reward workers.
@@ -93,6 +110,7 @@ class RaySession:
             ) from None
         self.actors: list[Any] = []
         self.trainer: RayTrainer | None = None
+        self.scorer: Any = None  # rollwise.control.ray_reward.RayScorer
         self.closed = False
 
     def strategy(self, bundle: int) -> PlacementGroupSchedulingStrategy:
@@ -178,12 +196,10 @@ class TrainerActor:
 class RayTrainer:
     """What the loop calls on a trainer (train_step, version), run by the trainer actor."""
 
-    remote = True
-
-    def __init__(self, actor: Any, info: dict) -> None:
+    def __init__(self, actor: Any) -> None:
         self.actor = actor
-        self.info = info
-        self.version = int(info["version"])
+        self.info_ref = actor.info.remote()  # answered once it started (awaited with the engines)
+        self.version = 0  # a fresh trainer; load_checkpoint sets a resumed one's
 
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
         metrics, self.version = ray.get(self.actor.train_step.remote(samples))
@@ -207,75 +223,16 @@ class RayTrainer:
 
 
 def start_trainer(cfg: RunConfig, *, fingerprint: str) -> RayTrainer:
-    """The trainer actor (in the run's placement group), behind a proxy the loop drives like GRPOTrainer."""
+    """The trainer actor (in the run's placement group), behind a proxy the loop drives like GRPOTrainer.
+    Not awaited here: it starts while the reward and engine actors start (place_on_ray waits for all)."""
     s = session(cfg)
     actor = ray.remote(TrainerActor).options(
         num_cpus=cfg.ray.trainer_cpus, num_gpus=cfg.ray.trainer_gpus, max_restarts=0,
         scheduling_strategy=s.strategy(s.trainer_bundle),
     ).remote(dump_config(cfg), fingerprint)
     s.actors.append(actor)
-    info = _get_all([actor.info.remote()], cfg.ray.start_timeout_s, "the trainer actor to start")[0]
-    _log(f"trainer actor on {_where(info)} ({cfg.ray.trainer_cpus:g} CPU, {cfg.ray.trainer_gpus:g} GPU)")
-    s.trainer = RayTrainer(actor, info)
+    s.trainer = RayTrainer(actor)
     return s.trainer
-
-
-# ---------------------------------------------------------------- reward
-
-
-class RewardActor:
-    """Scores finished groups with the task's verifier (rollwise.reward.batch.score_samples)."""
-
-    def __init__(self, cfg_data: dict) -> None:
-        from rollwise.tasks import make_task
-
-        self.cfg = RunConfig.model_validate(cfg_data)
-        self.task = make_task(self.cfg.task)
-        # The same problems the driver holds (tasks are deterministic: resume relies on it too); built
-        # here, not shipped, so a restarted actor needs nothing from the object store.
-        self.problems = {p.id: p for p in self.task.problems("train") + self.task.problems("eval")[: self.cfg.eval.size]}
-
-    def info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address()}
-
-    def score(self, samples: list[Sample]) -> list[dict[str, Any]]:
-        from rollwise.reward.batch import score_samples
-
-        score_samples(samples, self.problems, self.task, self.cfg.reward)
-        return [{"reward": s.reward, "outcome": s.outcome, "strict_correct": s.strict_correct,
-                 "lenient_correct": s.lenient_correct, "reward_error": s.extra.get("reward_error")} for s in samples]
-
-
-class RayScorer:
-    """The controller's score function: a finished group is scored on a reward actor, in place."""
-
-    def __init__(self, actors: list[Any]) -> None:
-        self.actors = actors
-        self._next = 0
-
-    def __call__(self, group: list[Sample]) -> None:
-        actor = self.actors[self._next % len(self.actors)]
-        self._next += 1
-        for s, r in zip(group, ray.get(actor.score.remote(group))):
-            s.reward, s.outcome = r["reward"], r["outcome"]
-            s.strict_correct, s.lenient_correct = r["strict_correct"], r["lenient_correct"]
-            if r["reward_error"]:
-                s.extra["reward_error"] = r["reward_error"]
-
-
-def start_reward_workers(cfg: RunConfig) -> RayScorer:
-    s = session(cfg)
-    actors = [
-        ray.remote(RewardActor).options(
-            num_cpus=cfg.ray.reward_cpus, max_restarts=cfg.ray.max_restarts, max_task_retries=cfg.ray.max_restarts,
-            scheduling_strategy=s.strategy(bundle),
-        ).remote(dump_config(cfg))
-        for bundle in s.reward_bundles
-    ]
-    s.actors += actors
-    infos = _get_all([a.info.remote() for a in actors], cfg.ray.start_timeout_s, "the reward actors to start")
-    _log(f"{len(actors)} reward actor(s) on " + ", ".join(_where(i) for i in infos))
-    return RayScorer(actors)
 
 
 # ---------------------------------------------------------------- engines
@@ -304,6 +261,12 @@ def place_on_ray(cfg: RunConfig, model: Any, tokenizer: Any, *, fingerprint: str
         fleet = RayEngineFleet(actors, s.engine_bundles, state_ref=state_ref, policy_version=policy_version,
                                max_restarts=rc.max_restarts, restart_timeout_s=rc.restart_timeout_s,
                                start_timeout_s=rc.start_timeout_s)
+        if s.trainer is not None:
+            info = _get_all([s.trainer.info_ref], rc.start_timeout_s, "the trainer actor to start")[0]
+            _log(f"trainer actor on {_where(info)} ({rc.trainer_cpus:g} CPU, {rc.trainer_gpus:g} GPU)")
+        if s.scorer is not None:
+            infos = _get_all(s.scorer.info_refs, rc.start_timeout_s, "the reward actors to start")
+            _log(f"{len(infos)} reward actor(s) on " + ", ".join(_where(i) for i in infos))
     except ray.exceptions.RayTaskError as exc:  # e.g. a tokenizer fingerprint mismatch, said plainly
         s.close()
         raise RuntimeError(str(exc.cause if getattr(exc, "cause", None) is not None else exc)) from None

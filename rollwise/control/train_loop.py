@@ -313,6 +313,13 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         _truncate_logs(run_dir, start_step)
         console.print(f"[green]resumed[/] from {resume_dir} at step {start_step} (policy version {trainer.version})")
 
+    if cfg.placement == "ray":  # finished groups are scored on reward actors
+        from rollwise.control.ray_reward import start_reward_workers
+
+        score = start_reward_workers(cfg)
+    else:
+        def score(group: list[Sample]) -> None:
+            score_samples(group, problems, task, cfg.reward)
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
     # The engine starts from the trainer's current weights (a resumed run's included); placement says
     # where it runs (this process, Ray actors, or a shared pool).
@@ -321,13 +328,6 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
     engine, worker = placement.engine, placement.worker
     encoder = PromptEncoder(tokenizer, cfg.prompt, cfg.reward)
     stream = ProblemStream(train_problems, cfg.seed)
-    if cfg.placement == "ray":  # finished groups are scored on reward actors
-        from rollwise.control.ray_placement import start_reward_workers
-
-        score = start_reward_workers(cfg)
-    else:
-        def score(group: list[Sample]) -> None:
-            score_samples(group, problems, task, cfg.reward)
     if cfg.agent is not None:  # multi-turn, tool-using episodes (rollwise.agent)
         from rollwise.agent.controller import AgentController
 
