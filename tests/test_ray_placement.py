@@ -207,3 +207,54 @@ def test_engine_actor_killed_mid_rollout_is_restarted_and_resynced(ray_cluster, 
     _check_ledger(summary)
     assert summary["samples"]["dropped"] == 0
     assert summary["engine_restarts"] == 1 and records[-1]["engine_restarts"] == 1
+
+
+# ---------------------------------------------------------------- the engine actor's own class, no cluster
+
+
+def _actor_cfg() -> dict:
+    from rollwise.config import dump_config
+    from rollwise.config import load_config as load
+
+    cfg = load(None, ["model=tiny:0", "engine.kind=reference", "engine.max_num_seqs=4", "engine.max_model_len=64",
+                      "threads=1", "task.name=basic_arithmetic"])
+    return dump_config(cfg)
+
+
+def test_engine_actor_refuses_a_different_tokenizer():
+    """Invariant 1: an engine whose tokenizer differs from the trainer's says so on its first call."""
+    from rollwise.control.ray_engines import EngineActor
+
+    actor = EngineActor(_actor_cfg(), 0, "0" * 64, None, 0)
+    with pytest.raises(RuntimeError, match="tokenizer fingerprint mismatch"):
+        actor.info()
+
+
+def test_engine_actor_resends_until_acknowledged():
+    """A drain reply lost in transit is sent again; what the fleet acknowledged is never sent twice; an
+    abort hands back the samples that finished before it."""
+    from rollwise.control.ray_engines import EngineActor
+    from rollwise.engine.types import GenerationRequest, SamplingParams
+    from rollwise.model.loading import load_model, tokenizer_fingerprint
+
+    _, tokenizer = load_model("tiny:0")
+    actor = EngineActor(_actor_cfg(), 0, tokenizer_fingerprint(tokenizer), None, 0)
+    try:
+        assert actor.info()["policy_version"] == 0
+        actor.submit([GenerationRequest("a", [5, 6, 7], SamplingParams(max_tokens=4, n=2, seed=1))])
+        got: list = []
+        deadline = time.monotonic() + 30
+        while len(got) < 2 and time.monotonic() < deadline:
+            got = actor.drain(0, 1.0)  # never acknowledged: everything comes back every time
+        assert sorted((c.request_id, c.index) for _, c in got) == [("a", 0), ("a", 1)]
+        assert [s for s, _ in actor.drain(0, 0.1)] == [s for s, _ in got]
+        assert actor.drain(max(s for s, _ in got), 0.1) == []  # acknowledged: gone
+        # Finished before the abort: not an abort completion, but in the unacknowledged list.
+        actor.submit([GenerationRequest("b", [5, 6], SamplingParams(max_tokens=2, n=1, seed=2))])
+        deadline = time.monotonic() + 30
+        while actor.worker.completions.empty() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        aborted, unacked = actor.abort(["b"], max(s for s, _ in got))
+        assert aborted == [] and [(c.request_id, c.finish_reason) for _, c in unacked] == [("b", "length")]
+    finally:
+        actor.worker.close()
