@@ -22,6 +22,7 @@ paths: actors load the model and the task themselves).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import socket
@@ -77,6 +78,13 @@ class RaySession:
         self.cfg = cfg
         rc = cfg.ray
         self.owns_ray = False
+        # Bundles: engines first (index i = engine i), then the trainer, then the reward workers.
+        self.engine_bundles = list(range(rc.num_engines))
+        self.trainer_bundle = rc.num_engines
+        self.reward_bundles = [rc.num_engines + 1 + i for i in range(rc.reward_workers)]
+        bundles = ([_bundle(rc.engine_cpus, rc.engine_gpus)] * rc.num_engines
+                   + [_bundle(rc.trainer_cpus, rc.trainer_gpus)] + [_bundle(rc.reward_cpus, 0)] * rc.reward_workers)
+        demand = {k: sum(b.get(k, 0.0) for b in bundles) for k in ("CPU", "GPU")}
         if not ray.is_initialized():
             env = {k: v for k, v in os.environ.items() if k.startswith("ROLLWISE_")}
             kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "configure_logging": True}
@@ -86,23 +94,32 @@ class RaySession:
                 try:
                     ray.init(address="auto", **kwargs)
                 except ConnectionError:
-                    _log("no running Ray cluster found (ray.address=auto): starting a local one for this run")
-                    ray.init(include_dashboard=False, **kwargs)
+                    # One machine: logical CPUs enough for every bundle (local placement shares the cores too).
+                    cpus = max(os.cpu_count() or 1, math.ceil(demand["CPU"]))
+                    _log(f"no running Ray cluster found (ray.address=auto): starting a local one ({cpus} CPUs) for this run")
+                    ray.init(include_dashboard=False, num_cpus=cpus, **kwargs)
             else:
                 _check_reachable(rc.address)
                 ray.init(address=rc.address, **kwargs)
             self.owns_ray = True
-        # Bundles: engines first (index i = engine i), then the trainer, then the reward workers.
-        self.engine_bundles = list(range(rc.num_engines))
-        self.trainer_bundle = rc.num_engines
-        self.reward_bundles = [rc.num_engines + 1 + i for i in range(rc.reward_workers)]
-        bundles = ([_bundle(rc.engine_cpus, rc.engine_gpus)] * rc.num_engines
-                   + [_bundle(rc.trainer_cpus, rc.trainer_gpus)] + [_bundle(rc.reward_cpus, 0)] * rc.reward_workers)
+        total = ray.cluster_resources()
+        short = {k: (v, total.get(k, 0.0)) for k, v in demand.items() if v > total.get(k, 0.0) + 1e-9}
+        if short:
+            self.close_ray()
+            raise ConfigError(
+                "the Ray cluster is too small for this run: it needs " + ", ".join(
+                    f"{need:g} {k} (the cluster has {have:g})" for k, (need, have) in short.items())
+                + f" for {rc.num_engines} engines x ({rc.engine_cpus:g} CPU, {rc.engine_gpus:g} GPU), the trainer "
+                f"({rc.trainer_cpus:g} CPU, {rc.trainer_gpus:g} GPU) and {rc.reward_workers} reward workers x "
+                f"{rc.reward_cpus:g} CPU: lower ray.engine_cpus / ray.trainer_cpus / ray.reward_cpus / ray.num_engines "
+                "(fractions are fine), or add nodes"
+            )
         self.pg = placement_group(bundles, strategy=rc.placement_strategy, name="")
         try:
             ray.get(self.pg.ready(), timeout=rc.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(self.pg)
+            self.close_ray()
             raise ConfigError(
                 f"the Ray cluster cannot hold this run's placement group ({rc.placement_strategy}: {bundles}) within "
                 f"{rc.start_timeout_s:.0f}s; available: {ray.available_resources()}. Lower ray.engine_cpus / "
@@ -130,10 +147,13 @@ class RaySession:
             remove_placement_group(self.pg)
         except Exception:
             pass
-        if self.owns_ray:
-            ray.shutdown()
+        self.close_ray()
         if _SESSION is self:
             _SESSION = None
+
+    def close_ray(self) -> None:
+        if self.owns_ray and ray.is_initialized():
+            ray.shutdown()
 
 
 def session(cfg: RunConfig) -> RaySession:
