@@ -12,6 +12,11 @@
     rollwise serve router --replica URL --replica URL ... [--policy prefix] [--port 8080]
                                                      a gateway over engine replicas: prefix/session/load-aware
                                                      routing, failover, rolling weight updates, /metrics
+    rollwise serve pool [--engines N] [--port 8300] [--host 127.0.0.1] [--max-num-seqs N] [--max-model-len N]
+                                                     engines shared by several `rollwise train pool.url=...` jobs:
+                                                     time-sliced, per-job weights/tokens/engine-hours, /state
+    rollwise bench mux [--quick] [--json PATH]        jobs sharing one pool vs. each on dedicated engines:
+                                                     engine-hours, wall time per job, slowdown
     rollwise bench router [--quick] [--json PATH] [--plot PNG]
                                                      routing policies side by side on real replicas + 64 simulated
     rollwise sim CONFIG [--json PATH] [--plot PNG] | sim sweep CONFIG --sizes 8,64,512,4096 | sim calibrate | sim validate
@@ -76,14 +81,16 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Benchmarks print a table; --json writes machine-readable results. --quick finishes in < 1 min.",
     )
     bench.add_argument(
-        "name", choices=["engine", "rollout", "sync", "router", "sandbox"],
+        "name", choices=["engine", "rollout", "sync", "router", "sandbox", "mux"],
         help="router: routing policies (round robin ... prefix-aware) side by side on real tiny-model replicas and "
         "64 simulated ones (prefix hit rate, prefill tokens, p50/p99 latency, load imbalance); "
         "sandbox: create/exec/fork/destroy latency (p50/p99) and how many concurrent sandboxes this machine holds; "
         "engine: HF generate, the reference engine and vLLM (through our contract and its own LLM.generate), "
         "tokens/s; rollout: sync vs sorted vs async rollout "
         "(bubble ratio, samples/s, staleness) with a timeline PNG; sync: weight transports (in-process, safetensors "
-        "files, gloo broadcast) in seconds and GB/s next to a memory copy of the same bytes",
+        "files, gloo broadcast) in seconds and GB/s next to a memory copy of the same bytes; mux: `rollwise train` "
+        "jobs sharing one engine pool vs. each on a dedicated engine (engine-hours, wall time per job, slowdown; "
+        "--quick: 2 tiny jobs on 1 engine, full: also 4 jobs on 2 engines, --model for the 2-job scenario)",
     )
     bench.add_argument("--quick", action="store_true", help="small workload (< 1 minute on 2 CPU cores)")
     bench.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
@@ -117,9 +124,10 @@ def _build_parser() -> argparse.ArgumentParser:
             "-d '{\"prompt\": \"hi\", \"max_tokens\": 8}'"
         ),
     )
-    serve.add_argument("name", choices=["engine", "router"],
+    serve.add_argument("name", choices=["engine", "router", "pool"],
                        help="engine: the reference engine (the options below); router: a gateway over engine "
-                       "replicas with its own options, see `rollwise serve router --help`")
+                       "replicas with its own options, see `rollwise serve router --help`; pool: engines shared "
+                       "by several training jobs, see `rollwise serve pool --help`")
     serve.add_argument("--model", default="bundled:smollm2-135m-instruct", metavar="SPEC",
                        help="model spec: bundled:NAME, a local Hugging Face directory, or tiny:SEED "
                        "(a random test model) (default: %(default)s)")
@@ -235,6 +243,18 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
             args.json.write_text(json.dumps(result, indent=2))
             console.print(f"wrote {args.json}")
         return 0
+    if args.name == "mux":  # each job loads its own model in its own process
+        from rollwise.bench.mux import format_mux_bench, run_mux_bench
+
+        with console.status("running the jobs on dedicated engines, then sharing one pool (same steps)"):
+            result = run_mux_bench(quick=args.quick, model=None if args.quick else args.model)
+        result["command"] = " ".join(["rollwise"] + sys.argv[1:])
+        console.print(format_mux_bench(result))
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=2))
+            console.print(f"wrote {args.json}")
+        return 0
     if args.name == "router":  # tiny models built in code: no --model to load
         from rollwise.bench.router import cli_bench_router
 
@@ -297,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
         from rollwise.router.cli import main as serve_router
 
         return serve_router(argv[2:])
+    if argv[:2] == ["serve", "pool"]:  # the shared engine pool has its own options: rollwise/pool/cli.py
+        from rollwise.pool.cli import main as serve_pool
+
+        return serve_pool(argv[2:])
     if argv[:1] == ["sim"]:  # the simulator has its own subcommands: rollwise/sim/cli.py
         from rollwise.sim.cli import main as sim_main
 

@@ -97,11 +97,13 @@ def test_two_jobs_keep_weights_and_data_apart():
         attached = {name: _attach(url, name, spec, version=v0) for name, (spec, v0) in jobs.items()}
         rounds: dict[str, list] = {name: [] for name in jobs}
         errors: list[BaseException] = []
+        barrier = threading.Barrier(len(jobs), timeout=60)  # every round, both jobs want the one engine
 
         def run(name: str) -> None:
             worker, model, _ = attached[name]
             try:
                 for rnd in range(3):
+                    barrier.wait()
                     version = jobs[name][1] + rnd
                     if rnd:  # a new policy version, pushed while the other job generates
                         _perturb(model, seed=hash((name, rnd)) % 2**31)
@@ -113,6 +115,7 @@ def test_two_jobs_keep_weights_and_data_apart():
                     rounds[name].append((version, reqs, got, weights))
             except BaseException as exc:  # noqa: BLE001 - reported below
                 errors.append(exc)
+                barrier.abort()
 
         threads = [threading.Thread(target=run, args=(name,)) for name in jobs]
         for t in threads:

@@ -951,4 +951,7 @@ def serve(engines: int = 1, host: str = "127.0.0.1", port: int = 8300, max_num_s
                       policy=Policy(min_slice_s=min_slice_s), max_sleeping=max_sleeping)
     if on_start is not None:
         on_start(pool)
+    print(f"rollwise serve pool: {engines} reference engine(s), max_num_seqs={max_num_seqs}, max_model_len="
+          f"{max_model_len}, min slice {min_slice_s:g}s, up to {max_sleeping} sleeping engines per slot; "
+          f"http://{host}:{port}/state", flush=True)
     uvicorn.run(create_app(pool), host=host, port=port, log_level=log_level)

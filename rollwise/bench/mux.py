@@ -1,0 +1,302 @@
+"""`rollwise bench mux`: training jobs sharing one engine pool vs. each on its own dedicated engine.
+
+Every job is a real `rollwise train` run (its own process, one torch thread) on its own model
+(tiny:0, tiny:1, ... : different weights), to the same number of steps in both arms:
+
+    dedicated  each job alone with its own engine (a 1-engine pool serving only that job), one job after
+               another, so each has the machine to itself; engines held = 1 per job, for its wall time
+    shared     all jobs at once, attached to one `rollwise serve pool` with fewer engines than jobs
+               (2 jobs / 1 engine; the full run adds 4 jobs / 2 engines); engines held = the pool's
+               engines, from the first job's start to the last job's end
+
+Reported per scenario: engine-hours of each arm (Σ engines × time held, DESIGN.md), the saving
+(1 - shared / dedicated), each job's wall time in both arms and its slowdown (shared / dedicated - 1),
+and the pool's own per-job accounting (engine-seconds allocated and busy, transition costs).
+Goal (issue 7): >= 40% fewer engine-hours with <= 15% slowdown per job. Wall time of a job is its
+`train()` call (model load, evaluations before/after, the training loop), measured inside its process.
+
+Both arms attach through the same pool code (HTTP, token-level), so the comparison isolates sharing.
+torch runs one thread per process: a dedicated job keeps one core busy at a time (its engine or its
+trainer), two jobs on one shared engine keep two (one job's engine phase beside the other's training).
+
+The workload is GRPO in rollout.mode=sync with a small KL term (every step trains on every sample, so
+training takes real time even when rewards are flat): generation and training alternate within a
+job, which is the gap the pool fills with the other jobs' generation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+GOAL_SAVING = 0.40
+GOAL_SLOWDOWN = 0.15
+
+
+def _write_task(path: Path, n: int = 64) -> Path:
+    with path.open("w") as f:
+        for i in range(n):
+            a, b = i % 8, i // 8
+            f.write(json.dumps({"prompt": f"{a}+{b}=?", "answer": a + b}) + "\n")
+    return path
+
+
+def _job_config(root: Path, name: str, model: str, task: Path, steps: int, workload: dict[str, Any]) -> Path:
+    cfg = {
+        "model": model, "seed": 0, "output_dir": str(root / "runs" / name), "threads": 1,
+        "task": {"kind": "jsonl", "path": str(task)},
+        "prompt": {"system": None, "few_shot": []},
+        "rollout": {"mode": "sync", "prompts_per_step": workload["prompts_per_step"],
+                    "group_size": workload["group_size"], "max_tokens": workload["max_tokens"], "temperature": 1.0},
+        "engine": {"kind": "reference", "max_num_seqs": workload["max_num_seqs"],
+                   "max_model_len": workload["max_model_len"]},
+        "train": {"steps": steps, "lr": 1e-4, "kl_coef": 0.01, "updates_per_step": workload["updates_per_step"],
+                  "micro_batch_size": workload["micro_batch_size"]},
+        "eval": {"size": workload["eval_size"]},
+        "tensorboard": False,
+    }
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def _job_main(config: str, out: str, *overrides: str) -> None:
+    """One job, in its own process: `rollwise train`'s loop, timed from inside (start/end wall clock)."""
+    import io
+
+    from rich.console import Console
+
+    from rollwise.config import load_config
+    from rollwise.control.train_loop import train
+
+    cfg = load_config(Path(config), list(overrides))
+    t0 = time.time()
+    summary = train(cfg, Console(file=io.StringIO(), width=160))
+    t1 = time.time()
+    records = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    Path(out).write_text(json.dumps({"start": t0, "end": t1, "wall_s": t1 - t0, "steps": summary["steps"],
+                                     "generate_s": sum(r["time_generate_s"] for r in records),
+                                     "train_s": sum(r["time_train_s"] for r in records),
+                                     "weight_sync_s": sum(r["time_weight_sync_s"] for r in records),
+                                     "policy_version": summary["policy_version"], "run_dir": summary["run_dir"],
+                                     "engine": summary["engine"]}))
+
+
+def _spawn_job(config: Path, out: Path, overrides: list[str], log: Path) -> subprocess.Popen:
+    code = "import sys, rollwise.bench.mux as m; m._job_main(*sys.argv[1:])"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.Popen([sys.executable, "-c", code, str(config), str(out), *overrides],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+
+
+def _wait(procs: list[tuple[str, subprocess.Popen, Path]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for name, proc, log in procs:
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise RuntimeError(f"job {name} did not finish within {timeout:.0f}s; log: {log}") from None
+        if proc.returncode != 0:
+            tail = log.read_text()[-2000:] if log.exists() else ""
+            raise RuntimeError(f"job {name} failed (exit {proc.returncode}); log {log}:\n{tail}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_pool(engines: int, workload: dict[str, Any], min_slice_s: float, log: Path) -> tuple[subprocess.Popen, str]:
+    import httpx
+
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollwise.cli", "serve", "pool", "--engines", str(engines), "--port", str(port),
+         "--max-num-seqs", str(workload["max_num_seqs"]), "--max-model-len", str(workload["max_model_len"]),
+         "--min-slice", str(min_slice_s), "--max-sleeping", "4", "--threads", "1", "--log-level", "warning"],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the pool exited (code {proc.returncode}); log {log}:\n{log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"the pool did not start within 120 s; log {log}")
+
+
+def run_scenario(root: Path, jobs: int, engines: int, models: list[str], steps: int, workload: dict[str, Any],
+                 min_slice_s: float = 5.0, timeout: float = 1800.0) -> dict[str, Any]:
+    """Both arms of one scenario: `jobs` jobs, dedicated (one engine each, in turn) vs. shared (`engines`)."""
+    tag = f"{jobs}x{engines}"
+    base = root / tag
+    base.mkdir(parents=True, exist_ok=True)
+    task = _write_task(base / "add.jsonl")
+    names = [f"job{i}" for i in range(jobs)]
+    configs = {n: _job_config(base, n, models[i % len(models)], task, steps, workload) for i, n in enumerate(names)}
+
+    def stop(pool: subprocess.Popen) -> None:
+        pool.terminate()
+        try:
+            pool.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pool.kill()
+
+    # Dedicated: one job at a time on a 1-engine pool of its own (the pool serves nobody else meanwhile), so
+    # both arms run the same code path and differ only in sharing.
+    dedicated: dict[str, dict[str, Any]] = {}
+    pool, url = _start_pool(1, workload, min_slice_s, base / "pool-dedicated.log")
+    try:
+        for n in names:  # one after another: each has the machine (and its engine) to itself
+            out, log = base / f"dedicated-{n}.json", base / f"dedicated-{n}.log"
+            overrides = [f"pool.url={url}", f"pool.job={n}", f"output_dir={base / 'runs' / ('dedicated-' + n)}"]
+            _wait([(n, _spawn_job(configs[n], out, overrides, log), log)], timeout)
+            dedicated[n] = json.loads(out.read_text())
+    finally:
+        stop(pool)
+
+    pool, url = _start_pool(engines, workload, min_slice_s, base / "pool.log")
+    try:
+        procs = []
+        for n in names:
+            out, log = base / f"shared-{n}.json", base / f"shared-{n}.log"
+            overrides = [f"pool.url={url}", f"pool.job={n}", f"output_dir={base / 'runs' / ('shared-' + n)}"]
+            procs.append((n, _spawn_job(configs[n], out, overrides, log), log))
+        _wait(procs, timeout)
+        import httpx
+
+        pool_state = httpx.get(f"{url}/state", timeout=30).json()
+    finally:
+        stop(pool)
+    shared = {n: json.loads((base / f"shared-{n}.json").read_text()) for n in names}
+
+    dedicated_eh = sum(r["wall_s"] for r in dedicated.values()) / 3600  # one engine per job, for its run
+    span = max(r["end"] for r in shared.values()) - min(r["start"] for r in shared.values())
+    shared_eh = engines * span / 3600  # the pool's engines, while any job runs
+    per_job = {}
+    for n in names:
+        acct = pool_state["detached_jobs"].get(n) or pool_state["jobs"].get(n) or {}
+        per_job[n] = {
+            "model": models[names.index(n) % len(models)],
+            "wall_dedicated_s": dedicated[n]["wall_s"], "wall_shared_s": shared[n]["wall_s"],
+            "slowdown": shared[n]["wall_s"] / dedicated[n]["wall_s"] - 1,
+            "pool_engine_s_allocated": acct.get("engine_seconds_allocated"),
+            "pool_engine_s_busy": acct.get("engine_seconds_busy"),
+            "pool_engine_s_transitions": acct.get("engine_seconds_transitions"),
+            "policy_version_dedicated": dedicated[n]["policy_version"], "policy_version_shared": shared[n]["policy_version"],
+            # where the time went (sums over the steps): generation includes waiting for a shared engine;
+            # training never waits on the pool, so a slower train phase is CPU contention on this machine
+            "generate_s_dedicated": dedicated[n]["generate_s"], "generate_s_shared": shared[n]["generate_s"],
+            "train_s_dedicated": dedicated[n]["train_s"], "train_s_shared": shared[n]["train_s"],
+            "weight_sync_s_dedicated": dedicated[n]["weight_sync_s"], "weight_sync_s_shared": shared[n]["weight_sync_s"],
+        }
+    saving = 1 - shared_eh / dedicated_eh
+    worst = max(j["slowdown"] for j in per_job.values())
+    return {
+        "scenario": tag, "jobs": jobs, "engines_shared": engines, "steps": steps,
+        "engine_hours_dedicated": dedicated_eh, "engine_hours_shared": shared_eh, "engine_hours_saving": saving,
+        "shared_span_s": span, "dedicated_total_s": dedicated_eh * 3600,
+        "max_slowdown": worst, "mean_slowdown": sum(j["slowdown"] for j in per_job.values()) / jobs,
+        "meets_goal": saving >= GOAL_SAVING and worst <= GOAL_SLOWDOWN,
+        "per_job": per_job,
+        "transition_costs": pool_state.get("transition_costs", {}),
+        "isolation": {"checked_admissions": pool_state["isolation"]["checked_admissions"],
+                      "violations": len(pool_state["isolation"]["violations"])},
+        "pool_engine_hours_unallocated": pool_state.get("engine_hours_unallocated"),
+    }
+
+
+# A sync GRPO step whose training (2 PPO updates over 32 samples) takes somewhat longer than its generation
+# (32 samples x <= 96 tokens): measured on one core, ~0.25 s generate, ~0.4 s train on the tiny models.
+# The engine idles for the training part of every step: the gap the pool fills.
+def _cpu_busy(seconds: float = 1.0) -> float | None:
+    """Cores kept busy by everything on the machine over `seconds` (/proc/stat), before the bench starts:
+    what other jobs leave to this one."""
+    def read() -> tuple[int, int] | None:
+        try:
+            fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+        return sum(fields), idle
+
+    a = read()
+    time.sleep(seconds)
+    b = read()
+    if a is None or b is None or b[0] == a[0]:
+        return None
+    total, idle = b[0] - a[0], b[1] - a[1]
+    return (total - idle) / total * (os.cpu_count() or 1)
+
+
+QUICK = {"prompts_per_step": 4, "group_size": 8, "max_tokens": 96, "max_num_seqs": 32, "max_model_len": 192,
+         "updates_per_step": 2, "micro_batch_size": 16, "eval_size": 4}
+FULL = QUICK
+
+
+def run_mux_bench(quick: bool = False, model: str | None = None, root: Path | None = None) -> dict[str, Any]:
+    """quick: 2 tiny jobs on 1 engine (< 1 min). Full: 2 jobs / 1 engine on `model` (tiny:0/tiny:1 when
+    None), then 4 tiny jobs / 2 engines."""
+    root = Path(tempfile.mkdtemp(prefix="rollwise-mux-")) if root is None else root
+    t0 = time.monotonic()
+    busy_before = _cpu_busy()
+    scenarios = []
+    if quick:
+        scenarios.append(run_scenario(root, 2, 1, ["tiny:0", "tiny:1"], steps=16, workload=QUICK, min_slice_s=5.0))
+    else:
+        models = [model] if model and not model.startswith("tiny:") else ["tiny:0", "tiny:1"]
+        scenarios.append(run_scenario(root, 2, 1, models, steps=24, workload=FULL, min_slice_s=5.0))
+        scenarios.append(run_scenario(root, 4, 2, ["tiny:0", "tiny:1", "tiny:2", "tiny:3"], steps=24, workload=FULL,
+                                      min_slice_s=5.0))
+    return {"bench": "mux", "quick": quick, "scenarios": scenarios, "workdir": str(root),
+            "cpu_busy_before_start": busy_before,
+            "goal": {"engine_hours_saving_min": GOAL_SAVING, "slowdown_max": GOAL_SLOWDOWN},
+            "bench_seconds": time.monotonic() - t0, "cpu_count": os.cpu_count(),
+            "load_average_1m_at_end": os.getloadavg()[0]}
+
+
+def format_mux_bench(result: dict[str, Any]):
+    from rich.table import Table
+
+    table = Table(title="shared engine pool vs. dedicated engines (same jobs, same steps, one run)")
+    for col in ("scenario", "job", "wall ded. -> shared", "slowdown", "generate ded. -> shared",
+                "train ded. -> shared", "pool engine-s (busy)", "engine-s ded. -> shared", "saving"):
+        table.add_column(col, justify="left" if col in ("scenario", "job") else "right")
+    for s in result["scenarios"]:
+        first = True
+        for name, j in s["per_job"].items():
+            table.add_row(
+                f"{s['jobs']} jobs / {s['engines_shared']} engine(s)" if first else "", f"{name} ({j['model']})",
+                f"{j['wall_dedicated_s']:.1f} -> {j['wall_shared_s']:.1f}s", f"{j['slowdown']:+.0%}",
+                f"{j['generate_s_dedicated']:.1f} -> {j['generate_s_shared']:.1f}s",
+                f"{j['train_s_dedicated']:.1f} -> {j['train_s_shared']:.1f}s",
+                f"{(j['pool_engine_s_allocated'] or 0):.1f} ({(j['pool_engine_s_busy'] or 0):.1f})",
+                f"{s['engine_hours_dedicated'] * 3600:.0f} -> {s['engine_hours_shared'] * 3600:.0f}" if first else "",
+                (f"{s['engine_hours_saving']:.0%}" + (" (goal met)" if s["meets_goal"] else "")) if first else "",
+            )
+            first = False
+        costs = ", ".join(f"{k} {v['count']}x {v['mean_s'] * 1000:.0f} ms" for k, v in s["transition_costs"].items())
+        table.add_row("", "", "max", f"{s['max_slowdown']:+.0%}", "", "", "", "", "", end_section=True)
+        table.caption = (table.caption or "") + f"{s['scenario']} transitions: {costs}. "
+    busy = result.get("cpu_busy_before_start")
+    table.caption = (table.caption or "") + (
+        f"Goal: >= {GOAL_SAVING:.0%} fewer engine-hours, <= {GOAL_SLOWDOWN:.0%} slowdown per job. "
+        + (f"Other load before the bench: {busy:.1f} of {result['cpu_count']} cores busy." if busy is not None else ""))
+    return table
