@@ -221,6 +221,11 @@ def test_tokens_guard_each_job_and_bad_input_names_the_field():
             w.close()
         metrics = http.get("/metrics").text
         assert 'rollwise_pool_job_engine_seconds{job="a"}' in metrics
+        # a trainer that dies without detaching is detached once it has been silent for job_timeout_s
+        assert pool.reap() == []
+        assert sorted(pool.reap(now=time.monotonic() + pool.job_timeout_s + 1)) == ["a", "e"]
+        assert http.post("/jobs/a/pause", headers=as_a).status_code == 404
+        assert "no call for" in pool.state()["detached_jobs"]["a"]["detached_because"]
 
 
 # ==================================================================== state transitions

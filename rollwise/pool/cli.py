@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sleeping", type=int, default=4, metavar="N",
                    help="sleeping engines kept per slot (host memory); more are evicted, least recently used "
                    "first (default: %(default)s)")
+    p.add_argument("--job-timeout", type=float, default=120.0, metavar="S",
+                   help="detach a job that made no call for S seconds (its trainer died without detaching; an "
+                   "attached trainer polls several times a second) (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, metavar="N",
                    help="torch CPU threads for the engines (0: torch's default) (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -57,7 +60,7 @@ def main(argv: list[str]) -> int:
     try:
         serve(args.engines, host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, min_slice_s=args.min_slice, max_sleeping=args.max_sleeping,
-              log_level=args.log_level)
+              log_level=args.log_level, job_timeout_s=args.job_timeout)
     except ValueError as exc:
         print(f"error: {exc}")
         return 2

@@ -132,6 +132,7 @@ class _Job:
     tokens: int = 0
     requests_admitted: int = 0
     attached_at: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)  # last authenticated call (the receiver polls)
 
     def queued_samples(self) -> int:
         return sum(r.remaining for r in self.queue)
@@ -187,7 +188,7 @@ class EnginePool:
 
     def __init__(self, num_engines: int = 1, *, max_num_seqs: int = 16, max_model_len: int = 1024,
                  policy: Policy | None = None, max_sleeping: int = 4, seed: int | None = 0,
-                 prefix_cache_tokens: int = 0) -> None:
+                 prefix_cache_tokens: int = 0, job_timeout_s: float = 120.0) -> None:
         if num_engines < 1:
             raise ValueError(f"--engines must be >= 1, got {num_engines}")
         if max_num_seqs < 1:
@@ -196,6 +197,9 @@ class EnginePool:
             raise ValueError(f"--max-model-len must be >= 16, got {max_model_len}")
         if max_sleeping < 0:
             raise ValueError(f"--max-sleeping must be >= 0, got {max_sleeping}")
+        if job_timeout_s <= 0:
+            raise ValueError(f"--job-timeout must be > 0 seconds, got {job_timeout_s}")
+        self.job_timeout_s = job_timeout_s
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.policy = policy or Policy()
@@ -215,6 +219,7 @@ class EnginePool:
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._slot_loop, args=(s,), name=f"pool-slot-{s.index}",
                                           daemon=True) for s in self.slots]
+        self._threads.append(threading.Thread(target=self._reaper, name="pool-reaper", daemon=True))
         self._started = False
         self._kick = threading.Condition()
         self._kicks = 0
@@ -276,7 +281,29 @@ class EnginePool:
         if token is None or not secrets.compare_digest(token, job.token):
             raise PoolError(403, f"this token does not belong to job {name!r}: every call for a job must carry "
                                  "the token its attach returned (Authorization: Bearer TOKEN)", "authorization")
+        job.last_seen = time.monotonic()
         return job
+
+    def reap(self, now: float | None = None) -> list[str]:
+        """Detach jobs that made no call for job_timeout_s (their trainer died without detaching): their
+        queued work is dropped and their engines evicted, so they stop holding slots and host memory."""
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            dead = [j for j in self.jobs.values() if now - j.last_seen > self.job_timeout_s]
+        for job in dead:
+            try:
+                report = self.detach(job)
+            except PoolError:
+                continue
+            report["detached_because"] = f"no call for {now - job.last_seen:.0f}s (> {self.job_timeout_s:g}s)"
+        return [j.name for j in dead]
+
+    def _reaper(self) -> None:
+        while not self._stop.wait(min(5.0, self.job_timeout_s / 4)):
+            try:
+                self.reap()
+            except Exception as exc:  # noqa: BLE001 - never take the pool down
+                self.slots[0].errors.append(f"reaper: {exc!r}")
 
     def detach(self, job: _Job) -> dict[str, Any]:
         with self.lock:
@@ -940,7 +967,7 @@ def create_app(pool: EnginePool) -> FastAPI:
 
 def serve(engines: int = 1, host: str = "127.0.0.1", port: int = 8300, max_num_seqs: int = 16,
           max_model_len: int = 1024, min_slice_s: float = 5.0, max_sleeping: int = 4, log_level: str = "info",
-          on_start: Callable[[EnginePool], None] | None = None) -> None:
+          job_timeout_s: float = 120.0, on_start: Callable[[EnginePool], None] | None = None) -> None:
     import uvicorn
 
     if not 0 <= port <= 65535:
@@ -948,7 +975,7 @@ def serve(engines: int = 1, host: str = "127.0.0.1", port: int = 8300, max_num_s
     if min_slice_s < 0:
         raise ValueError(f"--min-slice must be >= 0 seconds, got {min_slice_s}")
     pool = EnginePool(engines, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                      policy=Policy(min_slice_s=min_slice_s), max_sleeping=max_sleeping)
+                      policy=Policy(min_slice_s=min_slice_s), max_sleeping=max_sleeping, job_timeout_s=job_timeout_s)
     if on_start is not None:
         on_start(pool)
     print(f"rollwise serve pool: {engines} reference engine(s), max_num_seqs={max_num_seqs}, max_model_len="
