@@ -90,7 +90,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "(bubble ratio, samples/s, staleness) with a timeline PNG; sync: weight transports (in-process, safetensors "
         "files, gloo broadcast) in seconds and GB/s next to a memory copy of the same bytes; mux: `rollwise train` "
         "jobs sharing one engine pool vs. each on a dedicated engine (engine-hours, wall time per job, slowdown; "
-        "--quick: 2 tiny jobs on 1 engine, full: also 4 jobs on 2 engines, --model for the 2-job scenario)",
+        "tiny models; --quick: 2 jobs on 1 engine, full: also 4 jobs on 2 engines; --model is not used)",
     )
     bench.add_argument("--quick", action="store_true", help="small workload (< 1 minute on 2 CPU cores)")
     bench.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
@@ -247,7 +247,7 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         from rollwise.bench.mux import format_mux_bench, run_mux_bench
 
         with console.status("running the jobs on dedicated engines, then sharing one pool (same steps)"):
-            result = run_mux_bench(quick=args.quick, model=None if args.quick else args.model)
+            result = run_mux_bench(quick=args.quick)
         result["command"] = " ".join(["rollwise"] + sys.argv[1:])
         console.print(format_mux_bench(result))
         if args.json:

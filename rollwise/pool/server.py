@@ -405,6 +405,10 @@ class EnginePool:
         with self.lock:
             if job.detached:
                 raise PoolError(404, f"job {job.name!r} detached")
+            taken = next((i for i, (rid, _, _) in enumerate(requests) if rid in job.requests), None)
+            if taken is not None:  # submitted meanwhile by another call of this job
+                raise PoolError(409, f"requests[{taken}].request_id {requests[taken][0]!r} is already in flight "
+                                     "for this job; use another", f"requests[{taken}].request_id")
             for rid, prompt, params in requests:
                 internal = uuid.uuid4().hex
                 req = _Request(internal, rid, job.name, GenerationRequest(internal, list(prompt), params), params.n,
