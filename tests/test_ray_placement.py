@@ -54,6 +54,10 @@ def ray_cluster():
     cmd = [str(ray_bin) if ray_bin.exists() else "ray", "start", "--head", "--block", f"--port={port}",
            "--num-cpus=2", "--object-store-memory=200000000", "--include-dashboard=false",
            f"--temp-dir={temp}", "--disable-usage-stats", *(f"{k}={v}" for k, v in ports.items())]
+    # A private cluster for the test: no token auth (a ~/.ray/auth_token left by another local cluster
+    # would otherwise switch one side to token mode); drivers here and in subprocesses inherit this.
+    saved_auth = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "RAY_USAGE_STATS_ENABLED": "0", "ROLLWISE_CACHE": os.path.join(temp, "rollwise-cache")}
     log = open(os.path.join(temp, "ray-start.log"), "w")
@@ -79,6 +83,10 @@ def ray_cluster():
                 continue
         log.close()
         shutil.rmtree(temp, ignore_errors=True)
+        if saved_auth is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved_auth
 
 
 def _write_task(path: Path, n: int = 40) -> Path:
