@@ -31,6 +31,7 @@ from rollwise.engine.types import GenerationRequest, SamplingParams
 from rollwise.local_server import serve_in_thread
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.pool.client import PoolClient, PoolServerError, PoolWorker, attach_to_pool
+from rollwise.pool.projection import PhaseJob, project
 from rollwise.pool.scheduler import JobView, Policy, SlotView, plan
 from rollwise.pool.server import EnginePool, create_app
 from rollwise.pool.states import ACTIVE, EVICTED, SLEEPING, StateError, StateMachine, check_log
@@ -363,6 +364,17 @@ def test_scheduler_decisions():
     two = [SlotView(0, None, 0.0, 0, 8), SlotView(1, None, 0.0, 0, 8)]
     assert [d.job for d in plan(two, [job("a", 20)], now=0.0)] == ["a", "a"]
     assert [d.job for d in plan(two, [job("a", 20), job("b", 1, used=1)], now=0.0)] == ["a", "b"]
+
+
+def test_projection_through_the_scheduler():
+    """Training longer than generation: two jobs fill each other's gaps on one engine (the issue's goal);
+    generation-bound jobs queue for the engine and slow down."""
+    fits = project([PhaseJob("a", 12, 0.25, 0.35, 1.0), PhaseJob("b", 12, 0.25, 0.35, 1.0)], 1, switch_s=0.005)
+    assert fits["engine_hours_saving"] >= 0.40 and max(fits["slowdown"].values()) <= 0.15, fits
+    four = project([PhaseJob(f"j{i}", 12, 0.25, 0.35, 1.0) for i in range(4)], 2, switch_s=0.005)
+    assert four["engine_hours_saving"] >= 0.40 and max(four["slowdown"].values()) <= 0.15, four
+    bound = project([PhaseJob("a", 12, 0.5, 0.2), PhaseJob("b", 12, 0.5, 0.2)], 1)
+    assert max(bound["slowdown"].values()) > 0.3, bound
 
 
 # ==================================================================== a training run attached to the pool
