@@ -264,5 +264,11 @@ def test_engine_actor_resends_until_acknowledged():
             time.sleep(0.05)
         aborted, unacked = actor.abort(["b"], max(s for s, _ in got))
         assert aborted == [] and [(c.request_id, c.finish_reason) for _, c in unacked] == [("b", "length")]
+        # A call meant for a previous incarnation (the actor died and was restarted) does nothing.
+        from rollwise.control.ray_engines import IncarnationChanged
+
+        with pytest.raises(IncarnationChanged):
+            actor.submit([GenerationRequest("c", [5], SamplingParams(max_tokens=2))], "an-older-incarnation")
+        assert actor.worker.call(lambda e: e.has_unfinished()) is False
     finally:
         actor.worker.close()

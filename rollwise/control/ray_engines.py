@@ -51,6 +51,14 @@ def _group_key(request_id: str) -> str:
     return request_id.split("/", 1)[0]
 
 
+class IncarnationChanged(RuntimeError):
+    """A call meant for an engine actor's previous incarnation (it died and Ray restarted it)."""
+
+
+# What a call to an engine actor raises when the actor it meant is gone: recover (restart + re-sync).
+_GONE = (RayActorError, IncarnationChanged)
+
+
 class EngineActor:
     """One engine in its own process (wrapped with ray.remote by `engine_actor_class`)."""
 
@@ -95,9 +103,13 @@ class EngineActor:
         self.engine = engine
         self.worker = EngineWorker(engine, name=f"engine-{self.index}")
 
-    def _check(self) -> Any:
+    def _check(self, token: str | None = None) -> Any:
         if self.error is not None:
             raise RuntimeError(self.error)
+        if token is not None and token != self.token:
+            # The fleet addressed the incarnation that died: nothing runs here until it has re-synced
+            # this one (current weights and version first, then its requests).
+            raise IncarnationChanged(f"engine actor {self.index} was restarted (incarnation {self.token[:8]})")
         return self.worker
 
     # ------------------------------------------------------------ commands
@@ -109,16 +121,17 @@ class EngineActor:
                 "node_ip": ray.util.get_node_ip_address(), "name": m.engine, "max_num_seqs": m.max_num_seqs,
                 "policy_version": m.policy_version, "wall_minus_monotonic": time.time() - time.monotonic()}
 
-    def submit(self, requests: list[GenerationRequest]) -> None:
+    def submit(self, requests: list[GenerationRequest], token: str | None = None) -> None:
         from rollwise.engine.contract import add_all
 
-        self._check().call(lambda e: add_all(e, requests))  # all or none
+        self._check(token).call(lambda e: add_all(e, requests))  # all or none
 
-    def abort(self, request_ids: list[str], ack: int) -> tuple[list[Completion], list[tuple[int, Completion]]]:
+    def abort(self, request_ids: list[str], ack: int, token: str | None = None
+              ) -> tuple[list[Completion], list[tuple[int, Completion]]]:
         """(abort completions, unacknowledged completions). As with a local EngineWorker, a sample that
         finished before the abort must be receivable right after it: the worker queued it before running
         the abort, so it is in the second list (with everything else not yet acknowledged)."""
-        worker = self._check()
+        worker = self._check(token)
         aborted = worker.abort(request_ids)
         with self._drain_lock:
             self._outbox = [(s, c) for s, c in self._outbox if s > ack]
@@ -127,23 +140,23 @@ class EngineActor:
                 self._outbox.append((self._seq, c))
             return aborted, list(self._outbox)
 
-    def pause(self) -> None:
-        self._check().pause()
+    def pause(self, token: str | None = None) -> None:
+        self._check(token).pause()
 
-    def resume(self) -> None:
-        self._check().resume()
+    def resume(self, token: str | None = None) -> None:
+        self._check(token).resume()
 
-    def update_weights(self, state_dict: dict, version: int) -> int:
-        self._check().update_weights(state_dict, version)
+    def update_weights(self, state_dict: dict, version: int, token: str | None = None) -> int:
+        self._check(token).update_weights(state_dict, version)
         return version
 
     def call(self, fn: Callable[[Any], Any]) -> Any:
         return self._check().call(fn)
 
-    def drain(self, ack: int, timeout: float) -> list[tuple[int, Completion]]:
+    def drain(self, ack: int, timeout: float, token: str | None = None) -> list[tuple[int, Completion]]:
         """Completions after sequence number `ack` (those <= ack were received: forgotten). Waits up
         to `timeout` for the first one; one drain at a time (the fleet keeps one in flight)."""
-        worker = self._check()
+        worker = self._check(token)
         with self._drain_lock:
             self._outbox = [(s, c) for s, c in self._outbox if s > ack]
             deadline = time.monotonic() + timeout
@@ -157,9 +170,9 @@ class EngineActor:
                 self._seq += 1
                 self._outbox.append((self._seq, c))
 
-    def timeline_since(self, cursor: int) -> tuple[list[tuple[float, int]], float]:
+    def timeline_since(self, cursor: int, token: str | None = None) -> tuple[list[tuple[float, int]], float]:
         """Timeline points from index `cursor` on, and this process's wall - monotonic clock offset."""
-        tl = self._check().engine.timeline
+        tl = self._check(token).engine.timeline
         return list(tl[cursor:]), time.time() - time.monotonic()
 
 
@@ -186,9 +199,8 @@ class _Slot:
     load: int = 0  # samples submitted and not yet back
 
     @property
-    def clock_shift(self) -> float:
-        """Add to the actor's monotonic time to get this process's (same node: ~0)."""
-        return self.info.get("wall_minus_monotonic", 0.0) - (time.time() - time.monotonic())
+    def token(self) -> str:
+        return self.info.get("token", "")
 
 
 @dataclass
@@ -243,7 +255,7 @@ class RayEngineFleet:
         for slot, info in zip(self.slots, infos):
             slot.info = info
         # Every engine starts from the trainer's current weights (a resumed run's included).
-        ray.get([s.actor.update_weights.remote(state_ref, policy_version) for s in self.slots])
+        ray.get([s.actor.update_weights.remote(state_ref, policy_version, s.token) for s in self.slots])
         self.view = FleetView(self, infos[0]["name"], sum(i["max_num_seqs"] for i in infos))
 
     # ------------------------------------------------------------ EngineWorker interface
@@ -257,11 +269,11 @@ class RayEngineFleet:
         for s, reqs in by_slot.items():  # recorded first: a death during submit resubmits them
             for r in reqs:
                 self._track(r, s)
-        calls = {s: self.slots[s].actor.submit.remote(reqs) for s, reqs in by_slot.items()}
+        calls = {s: self.slots[s].actor.submit.remote(reqs, self.slots[s].token) for s, reqs in by_slot.items()}
         for s, ref in calls.items():
             try:
                 ray.get(ref)
-            except RayActorError as exc:
+            except _GONE as exc:
                 self._recover(s, exc)
             except Exception:
                 for r in by_slot[s]:  # refused (bad request): nothing of it is in the engine
@@ -276,7 +288,7 @@ class RayEngineFleet:
         s, c = self._buffer.popleft()
         self.delivered += 1
         if self.deliveries is not None:
-            self.deliveries.append((s, self.slots[s].info.get("token", ""), c))
+            self.deliveries.append((s, self.slots[s].token, c))
         if self.on_deliver is not None:
             self.on_deliver(self, s, c)
         return c
@@ -290,11 +302,12 @@ class RayEngineFleet:
                 if rid in self._requests:
                     by_slot[self._requests[rid].slot].append(rid)
             todo = []
-            calls = {s: self.slots[s].actor.abort.remote(rids, self.slots[s].ack) for s, rids in by_slot.items()}
+            calls = {s: self.slots[s].actor.abort.remote(rids, self.slots[s].ack, self.slots[s].token)
+                     for s, rids in by_slot.items()}
             for s, ref in calls.items():
                 try:
                     aborted, unacked = ray.get(ref)
-                except RayActorError as exc:
+                except _GONE as exc:
                     self._recover(s, exc)  # resubmitted (possibly elsewhere): abort them there
                     todo += by_slot[s]
                     continue
@@ -306,16 +319,16 @@ class RayEngineFleet:
         """state_dict: a mapping of tensors, or an ObjectRef to one (from the trainer actor)."""
         ref = state_dict if isinstance(state_dict, ray.ObjectRef) else ray.put(dict(state_dict))
         self._state_ref, self._version = ref, version
-        self._broadcast(lambda a: a.update_weights.remote(ref, version))
+        self._broadcast(lambda slot: slot.actor.update_weights.remote(ref, version, slot.token))
         self.refresh_timeline(force=True)
 
     def pause(self) -> None:
         self._paused = True
-        self._broadcast(lambda a: a.pause.remote())
+        self._broadcast(lambda slot: slot.actor.pause.remote(slot.token))
 
     def resume(self) -> None:
         self._paused = False
-        self._broadcast(lambda a: a.resume.remote())
+        self._broadcast(lambda slot: slot.actor.resume.remote(slot.token))
 
     def call(self, fn: Callable[[Any], Any]) -> Any:
         """fn(engine) on the first live engine (model_info and the like: every engine answers alike)."""
@@ -351,11 +364,11 @@ class RayEngineFleet:
             return
         self._last_refresh = now
         live = [s for s in self.slots if s.alive]
-        refs = [s.actor.timeline_since.remote(s.timeline_cursor) for s in live]
+        refs = [s.actor.timeline_since.remote(s.timeline_cursor, s.token) for s in live]
         for slot, ref in zip(live, refs):
             try:
                 points, offset = ray.get(ref, timeout=30)
-            except (RayActorError, GetTimeoutError):
+            except (*_GONE, GetTimeoutError):
                 continue  # a dead actor is noticed (and restarted) by the calls that drive it
             shift = offset - (time.time() - time.monotonic())
             slot.timeline_cursor += len(points)
@@ -403,7 +416,7 @@ class RayEngineFleet:
         live = [s for s in self.slots if s.alive]
         for slot in live:
             if slot.drain_ref is None:
-                slot.drain_ref = slot.actor.drain.remote(slot.ack, DRAIN_WAIT_S)
+                slot.drain_ref = slot.actor.drain.remote(slot.ack, DRAIN_WAIT_S, slot.token)
         refs = {slot.drain_ref: slot for slot in live}
         ready, _ = ray.wait(list(refs), num_returns=1, timeout=timeout)
         if ready:  # take whatever else is ready too
@@ -413,7 +426,7 @@ class RayEngineFleet:
             slot.drain_ref = None
             try:
                 items = ray.get(ref)
-            except RayActorError as exc:
+            except _GONE as exc:
                 self._recover(slot.index, exc)
                 continue
             self._take(slot, items)
@@ -428,14 +441,14 @@ class RayEngineFleet:
             if self._receive(slot.index, c):
                 self._buffer.append((slot.index, c))
 
-    def _broadcast(self, call: Callable[[Any], Any]) -> None:
+    def _broadcast(self, call: Callable[[_Slot], Any]) -> None:
         """Run a state-setting call on every live engine; an engine that died gets the current state
         (weights, version, paused) when it comes back, which covers the call."""
-        calls = [(s, call(s.actor)) for s in self.slots if s.alive]
+        calls = [(s, call(s)) for s in self.slots if s.alive]
         for slot, ref in calls:
             try:
                 ray.get(ref)
-            except RayActorError as exc:
+            except _GONE as exc:
                 self._recover(slot.index, exc)
 
     def _recover(self, s: int, exc: BaseException) -> None:
@@ -447,7 +460,7 @@ class RayEngineFleet:
             if info is None:
                 self._give_up(slot, exc)
                 return
-            if info["token"] == slot.info.get("token"):
+            if info["token"] == slot.token:
                 return  # the same incarnation answered: a transient error, its state is intact
             t_up = time.monotonic()
             slot.timeline.append((t0, 0))  # nothing ran between the death and now
@@ -457,13 +470,13 @@ class RayEngineFleet:
             self.restarts += 1
             outstanding = [o for o in self._requests.values() if o.slot == s]
             try:
-                ray.get(slot.actor.update_weights.remote(self._state_ref, self._version))
+                ray.get(slot.actor.update_weights.remote(self._state_ref, self._version, slot.token))
                 t_sync = time.monotonic()
                 if self._paused:
-                    ray.get(slot.actor.pause.remote())
+                    ray.get(slot.actor.pause.remote(slot.token))
                 if outstanding:
-                    ray.get(slot.actor.submit.remote([o.request for o in outstanding]))
-            except RayActorError as again:
+                    ray.get(slot.actor.submit.remote([o.request for o in outstanding], slot.token))
+            except _GONE as again:
                 exc = again
                 continue  # died again before it was back in service
             entry = {
@@ -516,8 +529,8 @@ class RayEngineFleet:
             by_slot[s].append(o.request)
         for s, reqs in by_slot.items():
             try:
-                ray.get(self.slots[s].actor.submit.remote(reqs))
-            except RayActorError as again:
+                ray.get(self.slots[s].actor.submit.remote(reqs, self.slots[s].token))
+            except _GONE as again:
                 self._recover(s, again)
 
 
