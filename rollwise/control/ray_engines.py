@@ -21,7 +21,9 @@ Nothing lost, nothing twice (DESIGN.md invariant 3), through actor deaths:
 
 from __future__ import annotations
 
+import bisect
 import collections
+import math
 import os
 import socket
 import sys
@@ -243,6 +245,7 @@ class RayEngineFleet:
         self._home_count: collections.Counter[str] = collections.Counter()
         self._buffer: collections.deque[tuple[int, Completion]] = collections.deque()
         self._last_refresh = 0.0
+        self._dirty_since = math.inf  # merged timeline is stale from this time on
         self.restarts = 0
         self.restart_log: list[dict[str, Any]] = []
         self.discarded = 0  # samples generated again after a restart that had already come back
@@ -365,15 +368,25 @@ class RayEngineFleet:
         self._last_refresh = now
         live = [s for s in self.slots if s.alive]
         refs = [s.actor.timeline_since.remote(s.timeline_cursor, s.token) for s in live]
+        since, self._dirty_since = self._dirty_since, math.inf
         for slot, ref in zip(live, refs):
             try:
                 points, offset = ray.get(ref, timeout=30)
             except (*_GONE, GetTimeoutError):
                 continue  # a dead actor is noticed (and restarted) by the calls that drive it
+            if not points:
+                continue
+            # Same node: the shift is ~0 (one CLOCK_MONOTONIC); across nodes, via the wall clocks.
             shift = offset - (time.time() - time.monotonic())
             slot.timeline_cursor += len(points)
-            slot.timeline += [(t + shift, n) for t, n in points]
-        self.view._timeline[:] = _merge_timelines([s.timeline for s in self.slots])
+            new = [(t + shift, n) for t, n in points]
+            since = min(since, new[0][0])
+            if slot.timeline and new[0] < slot.timeline[-1]:
+                slot.timeline = sorted(slot.timeline + new)
+            else:
+                slot.timeline += new
+        if since < math.inf:
+            _merge_from(self.view._timeline, [s.timeline for s in self.slots], since)
 
     # ------------------------------------------------------------ internals
 
@@ -463,7 +476,8 @@ class RayEngineFleet:
             if info["token"] == slot.token:
                 return  # the same incarnation answered: a transient error, its state is intact
             t_up = time.monotonic()
-            slot.timeline.append((t0, 0))  # nothing ran between the death and now
+            bisect.insort(slot.timeline, (t0, 0))  # nothing ran between the death and now
+            self._dirty_since = min(self._dirty_since, t0)
             old = slot.info
             slot.info, slot.ack, slot.timeline_cursor = info, 0, 0
             slot.restarts += 1
@@ -510,7 +524,9 @@ class RayEngineFleet:
     def _give_up(self, slot: _Slot, exc: BaseException) -> None:
         slot.alive = False
         slot.drain_ref = None
-        slot.timeline.append((time.monotonic(), 0))
+        now = time.monotonic()
+        bisect.insort(slot.timeline, (now, 0))
+        self._dirty_since = min(self._dirty_since, now)
         survivors = [s for s in self.slots if s.alive]
         orphans = [o for o in self._requests.values() if o.slot == slot.index]
         if not survivors:
@@ -542,12 +558,20 @@ def _get_all(refs: list[Any], timeout: float, what: str) -> list[Any]:
                            "resources? see `ray status`)") from None
 
 
-def _merge_timelines(timelines: list[list[tuple[float, int]]]) -> list[tuple[float, int]]:
-    """Sum step functions: at each point in time, the running sequences of all engines together."""
-    events = sorted((t, i, n) for i, tl in enumerate(timelines) for t, n in tl)
-    current = [0] * len(timelines)
-    merged: list[tuple[float, int]] = []
+def _merge_from(merged: list[tuple[float, int]], timelines: list[list[tuple[float, int]]], since: float) -> None:
+    """Sum step functions (each sorted): at each point in time, the running sequences of all engines
+    together. `merged` is recomputed in place from time `since` on; what lies before stays (incremental:
+    a refresh costs the new points, not the whole run's)."""
+    key = (since, -1)  # sorts before every point at `since`
+    del merged[bisect.bisect_left(merged, key):]
+    current, events = [], []
+    for i, tl in enumerate(timelines):
+        k = bisect.bisect_left(tl, key)
+        current.append(tl[k - 1][1] if k else 0)
+        events += [(t, i, n) for t, n in tl[k:]]
+    events.sort()
+    total = sum(current)
     for t, i, n in events:
+        total += n - current[i]
         current[i] = n
-        merged.append((t, sum(current)))
-    return merged
+        merged.append((t, total))
