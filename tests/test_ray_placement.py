@@ -231,7 +231,7 @@ def _actor_cfg() -> dict:
 
 def test_engine_actor_refuses_a_different_tokenizer():
     """Invariant 1: an engine whose tokenizer differs from the trainer's says so on its first call."""
-    from rollwise.control.ray_engines import EngineActor
+    from rollwise.control.ray_engine_actor import EngineActor
 
     actor = EngineActor(_actor_cfg(), 0, "0" * 64, None, 0)
     with pytest.raises(RuntimeError, match="tokenizer fingerprint mismatch"):
@@ -241,7 +241,7 @@ def test_engine_actor_refuses_a_different_tokenizer():
 def test_engine_actor_resends_until_acknowledged():
     """A drain reply lost in transit is sent again; what the fleet acknowledged is never sent twice; an
     abort hands back the samples that finished before it."""
-    from rollwise.control.ray_engines import EngineActor
+    from rollwise.control.ray_engine_actor import EngineActor
     from rollwise.engine.types import GenerationRequest, SamplingParams
     from rollwise.model.loading import load_model, tokenizer_fingerprint
 
@@ -265,7 +265,7 @@ def test_engine_actor_resends_until_acknowledged():
         aborted, unacked = actor.abort(["b"], max(s for s, _ in got))
         assert aborted == [] and [(c.request_id, c.finish_reason) for _, c in unacked] == [("b", "length")]
         # A call meant for a previous incarnation (the actor died and was restarted) does nothing.
-        from rollwise.control.ray_engines import IncarnationChanged
+        from rollwise.control.ray_engine_actor import IncarnationChanged
 
         with pytest.raises(IncarnationChanged):
             actor.submit([GenerationRequest("c", [5], SamplingParams(max_tokens=2))], "an-older-incarnation")

@@ -2,7 +2,7 @@
 
 The training loop (rollwise.control.train_loop) runs unchanged; what it holds are stand-ins:
 
-- the engines: a `RayEngineFleet` (rollwise.control.ray_engines) speaking the EngineWorker interface,
+- the engines: a `RayEngineFleet` (rollwise.control.ray_fleet) speaking the EngineWorker interface,
   over `ray.num_engines` engine actors; a dead engine actor is restarted by Ray, re-synced to the
   current weights and policy version, and its outstanding requests are generated again;
 - the trainer: `RayTrainer`, a proxy to a `TrainerActor` that holds the model, the optimizer and the
@@ -37,7 +37,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rollwise.config import ConfigError, RunConfig, dump_config
 from rollwise.control.placement import Placement
-from rollwise.control.ray_engines import RayEngineFleet, _get_all, _log, engine_actor_class
+from rollwise.control.ray_engine_actor import engine_actor_class
+from rollwise.control.ray_fleet import RayEngineFleet, _get_all, _log
 from rollwise.rollout.types import Sample
 
 # Called with every fleet place_on_ray creates (tests use it to kill actors mid-rollout).

@@ -1,4 +1,4 @@
-"""Engines as Ray actors, and the fleet that drives them through the EngineWorker interface.
+"""The fleet: the EngineWorker interface over engine actors (rollwise.control.ray_engine_actor).
 
 `EngineActor` builds its own engine (rollwise.engine.factory) inside the actor and runs it on an
 `EngineWorker` thread, exactly as local placement does in the trainer's process. `RayEngineFleet`
@@ -24,12 +24,8 @@ from __future__ import annotations
 import bisect
 import collections
 import math
-import os
-import socket
 import sys
-import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +33,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from rollwise.control.ray_engine_actor import _GONE
 from rollwise.engine.types import Completion, GenerationRequest
 
 DRAIN_WAIT_S = 0.25  # how long one drain call waits on an idle actor before it answers []
@@ -51,139 +48,6 @@ def _group_key(request_id: str) -> str:
     """Requests of one GRPO group share the part before '/' (the controller names a group's request
     `g12` and a regenerated sample of it `g12/3#1`): they go to the same engine (shared prefix)."""
     return request_id.split("/", 1)[0]
-
-
-class IncarnationChanged(RuntimeError):
-    """A call meant for an engine actor's previous incarnation (it died and Ray restarted it)."""
-
-
-# What a call to an engine actor raises when the actor it meant is gone: recover (restart + re-sync).
-_GONE = (RayActorError, IncarnationChanged)
-
-
-class EngineActor:
-    """One engine in its own process (wrapped with ray.remote by `engine_actor_class`)."""
-
-    def __init__(self, cfg_data: dict, index: int, fingerprint: str, eos_ids: list[int] | None,
-                 policy_version: int) -> None:
-        self.token = uuid.uuid4().hex  # this incarnation: a restarted actor gets a new one
-        self.index = index
-        self._outbox: list[tuple[int, Completion]] = []
-        self._seq = 0
-        self._drain_lock = threading.Lock()
-        self.worker = None
-        self.error: str | None = None
-        try:
-            self._start(cfg_data, fingerprint, eos_ids, policy_version)
-        except Exception as exc:  # reported on the first call, not retried by restarts
-            self.error = f"engine actor {index} failed to start: {exc!r}"
-
-    def _start(self, cfg_data: dict, fingerprint: str, eos_ids: list[int] | None, policy_version: int) -> None:
-        import torch
-
-        from rollwise.config import RunConfig
-        from rollwise.engine.factory import create_engine
-        from rollwise.model.loading import load_model, tokenizer_fingerprint
-        from rollwise.rollout.worker import EngineWorker
-
-        cfg = RunConfig.model_validate(cfg_data)
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        model, tokenizer = load_model(cfg.model)
-        mine = tokenizer_fingerprint(tokenizer)
-        if mine != fingerprint:  # invariant 1: engine and trainer tokenize identically
-            raise ValueError(
-                f"tokenizer fingerprint mismatch: the engine actor's tokenizer for {cfg.model!r} hashes to "
-                f"{mine[:16]}…, the trainer's to {fingerprint[:16]}…; every node must load the same model files"
-            )
-        engine = create_engine(
-            cfg.engine.kind, model, tokenizer, max_num_seqs=cfg.engine.max_num_seqs,
-            max_model_len=cfg.engine.max_model_len, eos_token_ids=eos_ids, policy_version=policy_version,
-            seed=cfg.seed + self.index, model_name=cfg.model, tokenizer_fingerprint=mine,
-            kv_cache_gib=cfg.engine.kv_cache_gib, enforce_eager=cfg.engine.enforce_eager,
-        )
-        self.engine = engine
-        self.worker = EngineWorker(engine, name=f"engine-{self.index}")
-
-    def _check(self, token: str | None = None) -> Any:
-        if self.error is not None:
-            raise RuntimeError(self.error)
-        if token is not None and token != self.token:
-            # The fleet addressed the incarnation that died: nothing runs here until it has re-synced
-            # this one (current weights and version first, then its requests).
-            raise IncarnationChanged(f"engine actor {self.index} was restarted (incarnation {self.token[:8]})")
-        return self.worker
-
-    # ------------------------------------------------------------ commands
-
-    def info(self) -> dict[str, Any]:
-        worker = self._check()
-        m = worker.call(lambda e: e.model_info())
-        return {"token": self.token, "pid": os.getpid(), "host": socket.gethostname(),
-                "node_ip": ray.util.get_node_ip_address(), "name": m.engine, "max_num_seqs": m.max_num_seqs,
-                "policy_version": m.policy_version, "wall_minus_monotonic": time.time() - time.monotonic()}
-
-    def submit(self, requests: list[GenerationRequest], token: str | None = None) -> None:
-        from rollwise.engine.contract import add_all
-
-        self._check(token).call(lambda e: add_all(e, requests))  # all or none
-
-    def abort(self, request_ids: list[str], ack: int, token: str | None = None
-              ) -> tuple[list[Completion], list[tuple[int, Completion]]]:
-        """(abort completions, unacknowledged completions). As with a local EngineWorker, a sample that
-        finished before the abort must be receivable right after it: the worker queued it before running
-        the abort, so it is in the second list (with everything else not yet acknowledged)."""
-        worker = self._check(token)
-        aborted = worker.abort(request_ids)
-        with self._drain_lock:
-            self._outbox = [(s, c) for s, c in self._outbox if s > ack]
-            while (c := _get_nowait(worker)) is not None:
-                self._seq += 1
-                self._outbox.append((self._seq, c))
-            return aborted, list(self._outbox)
-
-    def pause(self, token: str | None = None) -> None:
-        self._check(token).pause()
-
-    def resume(self, token: str | None = None) -> None:
-        self._check(token).resume()
-
-    def update_weights(self, state_dict: dict, version: int, token: str | None = None) -> int:
-        self._check(token).update_weights(state_dict, version)
-        return version
-
-    def call(self, fn: Callable[[Any], Any]) -> Any:
-        return self._check().call(fn)
-
-    def drain(self, ack: int, timeout: float, token: str | None = None) -> list[tuple[int, Completion]]:
-        """Completions after sequence number `ack` (those <= ack were received: forgotten). Waits up
-        to `timeout` for the first one; one drain at a time (the fleet keeps one in flight)."""
-        worker = self._check(token)
-        with self._drain_lock:
-            self._outbox = [(s, c) for s, c in self._outbox if s > ack]
-            deadline = time.monotonic() + timeout
-            while True:
-                wait = 0.0 if self._outbox else max(deadline - time.monotonic(), 0.0)
-                c = worker.next_completion(timeout=wait) if wait > 0 else _get_nowait(worker)
-                if c is None:
-                    if self._outbox or time.monotonic() >= deadline:
-                        return list(self._outbox)
-                    continue
-                self._seq += 1
-                self._outbox.append((self._seq, c))
-
-    def timeline_since(self, cursor: int, token: str | None = None) -> tuple[list[tuple[float, int]], float]:
-        """Timeline points from index `cursor` on, and this process's wall - monotonic clock offset."""
-        tl = self._check(token).engine.timeline
-        return list(tl[cursor:]), time.time() - time.monotonic()
-
-
-def _get_nowait(worker: Any) -> Completion | None:
-    return worker.next_completion(timeout=0) if not worker.completions.empty() else None
-
-
-def engine_actor_class() -> Any:
-    return ray.remote(EngineActor)
 
 
 @dataclass
