@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
 from rollwise.control.ray_engine_actor import _GONE
 from rollwise.engine.types import Completion, GenerationRequest
@@ -373,14 +373,19 @@ class RayEngineFleet:
     def _await_restart(self, slot: _Slot) -> dict | None:
         """The actor's info once Ray has it running again; None if it will not come back."""
         # Calls already in flight at the death fail too: retry until the new incarnation answers. With
-        # its restarts used up Ray will not bring it back: a short grace period, then give up.
-        limit = self.restart_timeout_s if slot.restarts < self.max_restarts else min(self.restart_timeout_s, 10.0)
-        deadline = time.monotonic() + limit
+        # its restarts used up Ray will not bring it back: dead (ActorDiedError) means gone; unavailable
+        # (a network blip) gets a short grace period.
+        exhausted = slot.restarts >= self.max_restarts
+        deadline = time.monotonic() + (min(self.restart_timeout_s, 10.0) if exhausted else self.restart_timeout_s)
         while time.monotonic() < deadline:
             try:
                 return ray.get(slot.actor.info.remote(), timeout=max(deadline - time.monotonic(), 1.0))
             except GetTimeoutError:
                 break
+            except ActorDiedError:
+                if exhausted:
+                    return None
+                time.sleep(0.2)
             except RayActorError:
                 time.sleep(0.2)
         return None
