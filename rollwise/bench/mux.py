@@ -243,9 +243,6 @@ def run_scenario(root: Path, jobs: int, engines: int, models: list[str], steps: 
     }
 
 
-# A sync GRPO step whose training (2 PPO updates over 32 samples) takes somewhat longer than its generation
-# (32 samples x <= 96 tokens): measured on one core, ~0.25 s generate, ~0.4 s train on the tiny models.
-# The engine idles for the training part of every step: the gap the pool fills.
 def _cpu_busy(seconds: float = 1.0) -> float | None:
     """Cores kept busy by everything on the machine over `seconds` (/proc/stat), before the bench starts:
     what other jobs leave to this one."""
@@ -266,6 +263,9 @@ def _cpu_busy(seconds: float = 1.0) -> float | None:
     return (total - idle) / total * (os.cpu_count() or 1)
 
 
+# A sync GRPO step whose training (2 PPO updates over 32 samples) takes somewhat longer than its generation
+# (32 samples x <= 96 tokens): measured on one core, ~0.25 s generate, ~0.4 s train on the tiny models.
+# The engine idles for the training part of every step: the gap the pool fills.
 QUICK = {"prompts_per_step": 4, "group_size": 8, "max_tokens": 96, "max_num_seqs": 32, "max_model_len": 192,
          "updates_per_step": 2, "micro_batch_size": 16, "eval_size": 4}
 FULL = QUICK
