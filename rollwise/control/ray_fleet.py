@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import bisect
 import collections
+import functools
 import math
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -76,6 +78,28 @@ class _Outstanding:
     pending: set[int]  # sample indices not yet back
 
 
+def _locked(method: Callable) -> Callable:
+    """One caller at a time: the agent layer drives a worker from several threads (sessions submit
+    while a drain thread takes completions), as a local EngineWorker allows."""
+
+    @functools.wraps(method)
+    def wrapper(self: RayEngineFleet, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+class _Running:
+    """`worker._thread.is_alive()`, which rollwise.agent.generator asks a local EngineWorker."""
+
+    def __init__(self, fleet: RayEngineFleet) -> None:
+        self._fleet = fleet
+
+    def is_alive(self) -> bool:
+        return not self._fleet._closed
+
+
 class FleetView:
     """What the loop reads from 'the engine': the fleet's merged timeline (running sequences summed over
     engines, in this process's monotonic clock) and its capacity (engines x max_num_seqs)."""
@@ -118,15 +142,19 @@ class RayEngineFleet:
         self.deliveries: list[tuple[int, str, Completion]] | None = None
         self.on_deliver: Callable[[RayEngineFleet, int, Completion], None] | None = None
         self.view: FleetView | None = None
+        self._lock = threading.RLock()
+        self._thread = _Running(self)
         infos = _get_all([a.info.remote() for a in actors], start_timeout_s, "engine actors to start")
         for slot, info in zip(self.slots, infos):
             slot.info = info
         # Every engine starts from the trainer's current weights (a resumed run's included).
         ray.get([s.actor.update_weights.remote(state_ref, policy_version, s.token) for s in self.slots])
         self.view = FleetView(self, infos[0]["name"], sum(i["max_num_seqs"] for i in infos))
+        self.engine = self.view  # what a local EngineWorker calls its engine (read-only here)
 
     # ------------------------------------------------------------ EngineWorker interface
 
+    @_locked
     def submit(self, requests: list[GenerationRequest]) -> None:
         by_slot: dict[int, list[GenerationRequest]] = collections.defaultdict(list)
         for r in requests:
@@ -147,7 +175,10 @@ class RayEngineFleet:
                     self._untrack(r.request_id)
                 raise
 
+    @_locked
     def next_completion(self, timeout: float) -> Completion | None:
+        if self._closed:  # actors gone: nothing more will come (a drain thread may still ask once)
+            return self._buffer.popleft()[1] if self._buffer else None
         if not self._buffer:
             self._poll(timeout)
         if not self._buffer:
@@ -160,6 +191,7 @@ class RayEngineFleet:
             self.on_deliver(self, s, c)
         return c
 
+    @_locked
     def abort(self, request_ids: list[str]) -> list[Completion]:
         out: list[Completion] = []
         todo = [rid for rid in dict.fromkeys(request_ids) if rid in self._requests]
@@ -182,6 +214,7 @@ class RayEngineFleet:
                 out += [c for c in aborted if self._receive(s, c)]
         return out
 
+    @_locked
     def update_weights(self, state_dict: Any, version: int) -> None:
         """state_dict: a mapping of tensors, or an ObjectRef to one (from the trainer actor)."""
         ref = state_dict if isinstance(state_dict, ray.ObjectRef) else ray.put(dict(state_dict))
@@ -189,19 +222,23 @@ class RayEngineFleet:
         self._broadcast(lambda slot: slot.actor.update_weights.remote(ref, version, slot.token))
         self.refresh_timeline(force=True)
 
+    @_locked
     def pause(self) -> None:
         self._paused = True
         self._broadcast(lambda slot: slot.actor.pause.remote(slot.token))
 
+    @_locked
     def resume(self) -> None:
         self._paused = False
         self._broadcast(lambda slot: slot.actor.resume.remote(slot.token))
 
+    @_locked
     def call(self, fn: Callable[[Any], Any]) -> Any:
         """fn(engine) on the first live engine (model_info and the like: every engine answers alike)."""
         slot = next(s for s in self.slots if s.alive)
         return ray.get(slot.actor.call.remote(fn))
 
+    @_locked
     def close(self) -> None:
         if self._closed:
             return
@@ -225,6 +262,7 @@ class RayEngineFleet:
     def pending_samples(self, slot: int) -> int:
         return self.slots[slot].load
 
+    @_locked
     def refresh_timeline(self, force: bool = False) -> None:
         now = time.monotonic()
         if self._closed or self.view is None or (not force and now - self._last_refresh < TIMELINE_REFRESH_S):
