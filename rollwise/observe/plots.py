@@ -20,6 +20,11 @@ def plot_training_curve(records: list[dict[str, Any]], evals: list[dict[str, Any
         ax_train.plot(minutes, [r["reward_mean"] for r in steps], label="reward (mean)", color="tab:blue")
         ax_train.plot(minutes, [r["strict_accuracy"] for r in steps], label="strict accuracy", color="tab:green")
         ax_train.plot(minutes, [r["format_rate"] for r in steps], label="format ok", color="tab:orange", ls="--")
+        if "agent_episodes_with_tool_result" in steps[0]:  # agentic runs: is the tool used, and used right?
+            ax_train.plot(minutes, [r["agent_episodes_with_tool_result"] for r in steps],
+                          label="episodes with a tool result", color="tab:purple", ls="-.")
+            ax_train.plot(minutes, [r["agent_tool_error_rate"] for r in steps], label="tool-call error rate",
+                          color="tab:red", ls=":")
     ax_train.set(title="training samples", xlabel="minutes since start", ylim=(-0.02, 1.02))
     ax_train.grid(alpha=0.3)
     ax_train.legend(loc="lower right")
