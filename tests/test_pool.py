@@ -229,6 +229,24 @@ def test_tokens_guard_each_job_and_bad_input_names_the_field():
         assert "no call for" in pool.state()["detached_jobs"]["a"]["detached_because"]
 
 
+def test_agent_generator_drives_a_pool_job():
+    """The agent layer's generator (multi-turn sessions) runs on a pool job's worker like on a local one."""
+    from rollwise.agent.generator import LocalGenerator
+
+    pool = _pool(1)
+    with serve_in_thread(create_app(pool)) as (url, _):
+        worker, model, fp = _attach(url, "agent", "tiny:0", version=4)
+        generator = LocalGenerator(worker=worker)
+        info = generator.info()
+        assert (info.max_model_len, info.tokenizer_fingerprint, info.policy_version) == (MAX_LEN, fp, 4)
+        params = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+        turn = generator.generate([5, 6, 7], params, session_id="s1")
+        expected = _standalone(model, "tiny:0", [GenerationRequest("x", [5, 6, 7], params)], 4)[("x", 0)]
+        assert turn.token_ids == expected.token_ids and set(turn.versions) == {4}
+        worker.close()
+        worker.client.detach()
+
+
 # ==================================================================== state transitions
 
 

@@ -153,8 +153,14 @@ class PoolWorker:
         # Its own connection: a long poll must not queue behind (or in front of) the trainer's calls.
         self._poller = PoolClient(client.base_url)
         self._poller.job, self._poller.token = client.job, client.token
+        self.engine: Any = None  # the engine view (attach_to_pool sets it); the agent layer reads worker.engine
         self._thread = threading.Thread(target=self._receive, name=f"pool-receiver-{client.job}", daemon=True)
         self._thread.start()
+
+    def call(self, fn: Any, timeout: float | None = None) -> Any:
+        """EngineWorker.call for the read-only questions asked of a remote engine: fn gets an object whose
+        model_info() describes the job's engines in the pool."""
+        return fn(_RemoteEngine(self))
 
     # ------------------------------------------------------------ the EngineWorker interface
 
@@ -232,6 +238,26 @@ class PoolWorker:
                 self._cond.notify_all()
 
 
+class _RemoteEngine:
+    """What PoolWorker.call hands to fn: the engine contract's model_info(), from the attach answer."""
+
+    def __init__(self, worker: PoolWorker) -> None:
+        self._worker = worker
+
+    def model_info(self) -> Any:
+        from rollwise.engine.contract import ModelInfo
+
+        info = self._worker.client.info
+        return ModelInfo(engine=info.get("engine", "reference"), model=info.get("model", ""),
+                         vocab_size=int(info["vocab_size"]), max_model_len=int(info["max_model_len"]),
+                         max_num_seqs=int(info["max_num_seqs"]), eos_token_ids=list(info.get("eos_token_ids", [])),
+                         tokenizer_fingerprint=info.get("tokenizer_fingerprint"),
+                         policy_version=self._worker.policy_version or 0)
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"{name}: a pool job's engine runs in the pool; only model_info() is answered here")
+
+
 @dataclass
 class PoolEngineView:
     """What the training loop reads from 'the engine' (rollwise.control.placement.EngineView)."""
@@ -277,6 +303,7 @@ def attach_to_pool(cfg: Any, model: Any, tokenizer: Any, *, fingerprint: str, po
         client.close()
         raise
     view = PoolEngineView(f"pool/{info.get('engine', 'reference')}", int(info["max_num_seqs"]), worker.timeline)
+    worker.engine = view
 
     def detach() -> None:
         try:

@@ -895,7 +895,8 @@ def create_app(pool: EnginePool) -> FastAPI:
         job = pool.attach(body.job, body.model, body.priority, body.tokenizer_fingerprint)
         return {"job": job.name, "token": job.token, "model": job.model, "engines": len(pool.slots),
                 "max_num_seqs": pool.max_num_seqs, "max_model_len": job.max_model_len,
-                "vocab_size": job.vocab_size, "tokenizer_fingerprint": job.fingerprint, "engine": "reference"}
+                "vocab_size": job.vocab_size, "tokenizer_fingerprint": job.fingerprint, "engine": "reference",
+                "eos_token_ids": list(job.eos_ids or [])}
 
     @app.put("/jobs/{job}/weights")
     async def weights(job: str, request: Request, authorization: str | None = Header(None)) -> dict[str, Any]:
