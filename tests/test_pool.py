@@ -425,3 +425,12 @@ def test_train_attached_to_pool(tmp_path: Path):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(0 <= r["bubble_ratio"] < 1 for r in records)  # the job's timeline came back from the pool
     assert state["isolation"]["violations"] == []
+
+
+def test_serve_pool_cli_refuses_bad_options(capsys):
+    from rollwise.cli import main
+
+    assert main(["serve", "pool", "--engines", "0"]) == 2
+    assert "--engines must be >= 1" in capsys.readouterr().out
+    assert main(["serve", "pool", "--min-slice", "-1"]) == 2
+    assert "--min-slice must be >= 0" in capsys.readouterr().out
