@@ -31,7 +31,6 @@ from rollwise.engine.types import GenerationRequest, SamplingParams
 from rollwise.local_server import serve_in_thread
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.pool.client import PoolClient, PoolServerError, PoolWorker, attach_to_pool
-from rollwise.pool.projection import PhaseJob, project
 from rollwise.pool.scheduler import JobView, Policy, SlotView, plan
 from rollwise.pool.server import EnginePool, create_app
 from rollwise.pool.states import ACTIVE, EVICTED, SLEEPING, StateError, StateMachine, check_log
@@ -384,14 +383,22 @@ def test_scheduler_decisions():
     assert [d.job for d in plan(two, [job("a", 20), job("b", 1, used=1)], now=0.0)] == ["a", "b"]
 
 
-def test_projection_through_the_scheduler():
-    """Training longer than generation: two jobs fill each other's gaps on one engine (the issue's goal);
-    generation-bound jobs queue for the engine and slow down."""
-    fits = project([PhaseJob("a", 12, 0.25, 0.35, 1.0), PhaseJob("b", 12, 0.25, 0.35, 1.0)], 1, switch_s=0.005)
+def test_projection_through_the_simulator():
+    """bench mux's projection (rollwise.sim.mux: the pool's scheduler on simulated engines, calibrated on
+    the dedicated arm): training longer than generation, two jobs fill each other's gaps on one engine (the
+    issue's goal); generation-bound jobs queue for the engine and slow down."""
+    from rollwise.bench.mux import QUICK, project_from_dedicated
+
+    def alone(generate_s: float, train_s: float, startup_s: float = 1.0, steps: int = 12) -> dict:
+        return {"steps": steps, "generate_s": generate_s * steps, "train_s": train_s * steps, "weight_sync_s": 0.0,
+                "wall_s": startup_s + (generate_s + train_s) * steps}
+
+    costs = {"sleep": {"mean_s": 0.002}, "wake": {"mean_s": 0.003}, "load": {"mean_s": 0.02}}
+    fits = project_from_dedicated({"a": alone(0.25, 0.35), "b": alone(0.25, 0.35)}, 1, QUICK, costs)
     assert fits["engine_hours_saving"] >= 0.40 and max(fits["slowdown"].values()) <= 0.15, fits
-    four = project([PhaseJob(f"j{i}", 12, 0.25, 0.35, 1.0) for i in range(4)], 2, switch_s=0.005)
+    four = project_from_dedicated({f"j{i}": alone(0.25, 0.35) for i in range(4)}, 2, QUICK, costs)
     assert four["engine_hours_saving"] >= 0.40 and max(four["slowdown"].values()) <= 0.15, four
-    bound = project([PhaseJob("a", 12, 0.5, 0.2), PhaseJob("b", 12, 0.5, 0.2)], 1)
+    bound = project_from_dedicated({"a": alone(0.5, 0.2, 0.0), "b": alone(0.5, 0.2, 0.0)}, 1, QUICK, costs)
     assert max(bound["slowdown"].values()) > 0.3, bound
 
 

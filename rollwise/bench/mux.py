@@ -211,21 +211,10 @@ def run_scenario(root: Path, jobs: int, engines: int, models: list[str], steps: 
         }
     saving = 1 - shared_eh / dedicated_eh
     worst = max(j["slowdown"] for j in per_job.values())
-    # The same jobs replayed through the pool's scheduler on a virtual clock, with the phase times measured
-    # in the dedicated arm: what sharing gives when trainers do not compete with engines for cores.
-    from rollwise.pool.projection import PhaseJob, project
-
-    costs = pool_state.get("transition_costs", {})
-    switch_s = sum(costs.get(k, {}).get("mean_s", 0.0) for k in ("sleep", "wake"))
-    phase_jobs = []
-    for n in names:
-        d = dedicated[n]
-        steps_n = max(d["steps"], 1)
-        train = d["train_s"] + d["weight_sync_s"]
-        phase_jobs.append(PhaseJob(n, d["steps"], d["generate_s"] / steps_n, train / steps_n,
-                                   max(d["wall_s"] - d["generate_s"] - train, 0.0)))
-    projection = project(phase_jobs, engines, switch_s=switch_s)
-    projection["switch_s"] = switch_s
+    # The same jobs in the cluster simulator (rollwise.sim.mux: the pool's own scheduler, simulated engines),
+    # with phase times measured in the dedicated arm: what sharing gives when trainers do not compete with
+    # engines for cores (GPU engines).
+    projection = project_from_dedicated(dedicated, engines, workload, pool_state.get("transition_costs", {}))
     return {
         "scenario": tag, "jobs": jobs, "engines_shared": engines, "steps": steps,
         "engine_hours_dedicated": dedicated_eh, "engine_hours_shared": shared_eh, "engine_hours_saving": saving,
@@ -241,6 +230,39 @@ def run_scenario(root: Path, jobs: int, engines: int, models: list[str], steps: 
                       "violations": len(pool_state["isolation"]["violations"])},
         "pool_engine_hours_unallocated": pool_state.get("engine_hours_unallocated"),
     }
+
+
+def project_from_dedicated(dedicated: dict[str, dict[str, Any]], engines: int, workload: dict[str, Any],
+                           transition_costs: dict[str, Any], min_slice_s: float = 5.0) -> dict[str, Any]:
+    """The scenario in simulation, calibrated on its dedicated arm: each job's generation, train (+ weight
+    sync) and start-up times per step as measured alone; an engine cost model whose decode step makes the
+    slowest job's measured generation (every sample runs to max_tokens: the tiny models rarely stop);
+    the pool's measured switch costs."""
+    from rollwise.pool.scheduler import Policy
+    from rollwise.sim.cost import CostModel
+    from rollwise.sim.mux import MuxJob, Transitions, compare_shared_vs_dedicated
+
+    max_tokens = workload["max_tokens"]
+    per_step = {n: d["generate_s"] / max(d["steps"], 1) for n, d in dedicated.items()}
+    step_s = max(per_step.values()) / max_tokens
+    cost = CostModel(name="fitted to bench mux's dedicated arm", step_overhead_s=step_s,
+                     max_num_seqs=workload["max_num_seqs"], max_model_len=workload["max_model_len"])
+    jobs = []
+    for n, d in dedicated.items():
+        steps = max(d["steps"], 1)
+        train = d["train_s"] + d["weight_sync_s"]
+        jobs.append(MuxJob(n, steps, workload["prompts_per_step"], workload["group_size"], prompt_tokens=8,
+                           max_tokens=max_tokens, train_s=lambda _tokens, t=train / steps: t,
+                           response_tokens=max(1, round(per_step[n] / step_s)),
+                           startup_s=max(d["wall_s"] - d["generate_s"] - train, 0.0)))
+    mean = {k: transition_costs.get(k, {}).get("mean_s", 0.0) for k in ("load", "wake", "sleep")}
+    r = compare_shared_vs_dedicated(jobs, engines, cost, Transitions(mean["load"], mean["wake"], mean["sleep"]),
+                                    Policy(min_slice_s=min_slice_s))
+    return {"wall_shared_s": {n: j["shared_wall_s"] for n, j in r["jobs"].items()},
+            "wall_dedicated_s": {n: j["dedicated_wall_s"] for n, j in r["jobs"].items()},
+            "slowdown": {n: j["slowdown"] for n, j in r["jobs"].items()},
+            "engine_s_dedicated": r["dedicated_engine_hours"] * 3600, "engine_s_shared": r["shared_engine_hours"] * 3600,
+            "engine_hours_saving": r["engine_hours_saved"], "transitions_s": mean}
 
 
 def _cpu_busy(seconds: float = 1.0) -> float | None:
@@ -319,9 +341,9 @@ def format_mux_bench(result: dict[str, Any]):
                       f"{p['engine_hours_saving']:.0%}" + (" (goal met)" if p["meets_goal"] else ""), end_section=True)
         table.caption = (table.caption or "") + f"{s['scenario']} transitions: {costs}. "
     table.caption = (table.caption or "") + (
-        "*projected: the same jobs replayed through the pool's scheduler on a virtual clock with the phase times "
-        "measured in the dedicated arm and the measured switch cost (trainers not competing with engines for "
-        "cores, as with GPU engines). ")
+        "*projected: the same jobs in the cluster simulator (rollwise.sim.mux: the pool's own scheduler on "
+        "simulated engines) with the phase times measured in the dedicated arm and the measured switch costs "
+        "(trainers not competing with engines for cores, as with GPU engines). ")
     busy = result.get("cpu_busy_before_start")
     table.caption = (table.caption or "") + (
         f"Goal: >= {GOAL_SAVING:.0%} fewer engine-hours, <= {GOAL_SLOWDOWN:.0%} slowdown per job. "

@@ -5,5 +5,5 @@ scheduler.py  the pure time-slicing policy (weighted fair share, minimum slice, 
 server.py     the pool: engines on EngineWorker threads, per-job queues, tokens, weights, accounting; HTTP API
 client.py     a training job's side: attach_to_pool (used by rollwise.control.placement) and the HTTP worker
 cli.py        `rollwise serve pool` options
-projection.py the same scheduler on a virtual clock: what sharing gives jobs with known phase times
+(rollwise.sim.mux drives scheduler.py on simulated engines: what sharing gives at scale, without CPU contention)
 """

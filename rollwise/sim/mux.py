@@ -39,8 +39,10 @@ class MuxJob:
     train_s: Callable[[int], float]  # trained tokens (prompt + response) -> seconds of one train step
     push_s: float = 0.0  # trainer -> pool weight push, after each step
     priority: float = 1.0
-    mean_response_tokens: float = 0.0  # 0: every sample runs to max_tokens
-    start_s: float = 0.0  # when the job attaches (jobs rarely start at the same instant)
+    mean_response_tokens: float = 0.0  # exponential lengths with this mean; 0: every sample runs to max_tokens
+    response_tokens: int | None = None  # every sample exactly this long (overrides the mean)
+    start_s: float = 0.0  # when the job is launched
+    startup_s: float = 0.0  # launch to first batch (model load, first evaluation): no engine needed
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,8 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
 
     def length(req: GenerationRequest, i: int) -> int:
         spec = by_name[req.request_id.split(":", 1)[0]]
+        if spec.response_tokens is not None:
+            return spec.response_tokens
         if not spec.mean_response_tokens:
             return spec.max_tokens
         return max(1, min(spec.max_tokens, round(rng.expovariate(1 / spec.mean_response_tokens))))
@@ -151,7 +155,7 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
             at(e.op.end, "op", (i, e.op_serial))
 
     for js in state.values():
-        at(js.started_at, "start", js.spec.name)
+        at(js.started_at + js.spec.startup_s, "start", js.spec.name)
     while events:
         t, _, kind, payload = heapq.heappop(events)
         if kind == "op":
