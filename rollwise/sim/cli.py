@@ -33,7 +33,7 @@ sources cited inside).
       the trainer taken out on both sides, to check the engine cost model and the scheduling alone)
 
 Bundled scenarios: rollwise/sim/configs/scenarios/ (grpo-7b.yaml, agent-sessions.yaml); bundled cost
-models: h100-7b, h100-32b (roofline estimates), cpu-reference-calibrated (measured here).
+models: h100-7b, h100-32b (roofline estimates), cpu-reference-full (engine + trainer) and cpu-reference-calibrated (engine only), measured here.
 """
 
 
@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--engine-only", action="store_true",
                      help="skip the trainer timings (the slow part on a busy CPU); the trainer section is zero")
     val = sub.add_parser("validate", parents=[common], help="bench rollout measured vs simulated")
-    val.add_argument("--cost", default="cpu-reference-calibrated", help="calibrated cost file (default: %(default)s)")
+    val.add_argument("--cost", default="cpu-reference-full", help="calibrated cost file (default: %(default)s)")
     val.add_argument("--engine", default="auto", choices=["auto", "reference", "vllm"])
     val.add_argument("--model", default="bundled:smollm2-135m-instruct")
     val.add_argument("--full", action="store_true", help="the full benchmark workload instead of --quick")
