@@ -147,6 +147,44 @@ class _EngineOnly(Exception):
     pass
 
 
+# Running batches at which contention is measured: in overlapped rollout modes the engine mostly runs
+# small batches while the trainer trains (small steps are mostly Python and contend less than full ones).
+CONTENTION_BATCHES = (4, 32)
+
+
+def _contention_window(engine: Any, trainer: Any, rng: np.random.Generator, vocab: int, batch: int,
+                       fit: dict[str, float]) -> tuple[float, float, float]:
+    """One train step while the engine keeps `batch` sequences running on another thread:
+    (median engine step time, the fit's prediction for that step alone, the train step's time)."""
+    reqs = [GenerationRequest(f"con{batch}-{i}", p, SamplingParams(max_tokens=400, seed=i, ignore_eos=True))
+            for i, p in enumerate(_prompts(rng, vocab, batch, 48))]
+    for r in reqs:
+        engine.add_request(r)
+    engine.step()
+    steps: list[float] = []
+    stop = threading.Event()
+
+    def stepping() -> None:
+        while not stop.is_set() and engine.has_unfinished():
+            t = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - t)
+
+    thread = threading.Thread(target=stepping, daemon=True)
+    train_batch = _train_batch(rng, vocab, 8, 160, 24)
+    thread.start()
+    t = time.perf_counter()
+    trainer.train_step(train_batch)
+    train_s = time.perf_counter() - t
+    stop.set()
+    thread.join()
+    for r in reqs:
+        engine.abort(r.request_id)
+    ctx = batch * 48 + batch * 10  # typical context during the window (not critical)
+    predicted = fit["step_overhead_s"] + fit["decode_s_per_seq"] * batch + fit["decode_s_per_ctx_token"] * ctx
+    return (statistics.median(steps) if steps else predicted), predicted, train_s
+
+
 def calibrate(model: Any, tokenizer: Any, engine_kind: str = "reference", seed: int = 0,
               progress: Any = None, with_trainer: bool = True) -> tuple[CostModel, TrainerModel, dict[str, Any]]:
     """with_trainer=False: engine only (train-step timing and contention are the slow part on a busy CPU)."""
@@ -191,35 +229,11 @@ def calibrate(model: Any, tokenizer: Any, engine_kind: str = "reference", seed: 
         if s_tok == 0.0:  # warm-up made the small step slower: fall back to no overhead
             s_tok = alone / train_tokens[1]
         overhead = max(alone - s_tok * train_tokens[1], 0.0)
-        say("timing contention (engine and trainer at once)")
-        reqs = [GenerationRequest(f"con{i}", p, SamplingParams(max_tokens=400, seed=i, ignore_eos=True))
-                for i, p in enumerate(_prompts(rng, vocab, 32, 48))]
-        for r in reqs:
-            engine.add_request(r)
-        engine.step()
-        concurrent_steps: list[tuple[float, int, int]] = []
-        stop = threading.Event()
-
-        def stepping() -> None:
-            while not stop.is_set() and engine.has_unfinished():
-                t = time.perf_counter()
-                engine.step()
-                concurrent_steps.append((time.perf_counter() - t, engine.num_running, 0))
-
-        thread = threading.Thread(target=stepping, daemon=True)
-        batch = _train_batch(rng, vocab, 8, 160, 24)
-        thread.start()
-        t = time.perf_counter()
-        trainer.train_step(batch)
-        train_concurrent = time.perf_counter() - t
-        stop.set()
-        thread.join()
-        for r in reqs:
-            engine.abort(r.request_id)
-        ctx = 32 * 48 + 32 * 10  # typical context during the contention window (not critical)
-        predicted = fit["step_overhead_s"] + fit["decode_s_per_seq"] * 32 + fit["decode_s_per_ctx_token"] * ctx
-        measured = statistics.median(s for s, _, _ in concurrent_steps) if concurrent_steps else predicted
+        say("timing contention (engine and trainer at once), at a small and a full batch")
+        contention = {b: _contention_window(engine, trainer, rng, vocab, b, fit) for b in CONTENTION_BATCHES}
+        measured, predicted, train_concurrent = contention[max(CONTENTION_BATCHES)]
     except _EngineOnly:
+        contention = {}
         predicted = measured = 1.0
         overhead = s_tok = 0.0
         alone = train_concurrent = 1.0
@@ -234,17 +248,22 @@ def calibrate(model: Any, tokenizer: Any, engine_kind: str = "reference", seed: 
         decode_after_prefill=engine_kind == "reference", weight_update_s=statistics.median(updates),
         update_reprefill=engine_kind == "vllm",
         train_contention=max(1.0, measured / predicted), gpus_per_engine=1,
+        train_contention_by_batch={b: max(1.0, m / p) for b, (m, p, _) in contention.items()},
         sources=[f"rollwise sim calibrate --engine {engine_kind} on this machine ({torch.get_num_threads()} threads)"],
         assumptions=["linear step-time model fitted by least squares (R^2 in the calibration JSON)",
-                     "contention measured once at batch 32; applied to every engine step while the trainer trains"],
+                     f"contention measured at running batches {list(CONTENTION_BATCHES)} (linear between): "
+                     "engine steps while the trainer trains, the train step while an engine step runs"],
     )
     trainer_model = TrainerModel() if not with_trainer else TrainerModel(
         step_overhead_s=overhead, s_per_token_gpu=s_tok, contention=max(1.0, train_concurrent / alone),
+        contention_by_batch={b: max(1.0, t / alone) for b, (_, _, t) in contention.items()},
         sources=["rollwise sim calibrate: GRPO train_step (fwd+bwd+AdamW) timed at 4 and 8 samples x 184 tokens"],
         assumptions=["train time linear in trained tokens (prompt + response)"],
     )
     raw = {"fit": fit, "weight_update_s": updates, "train_s": train_times, "train_tokens": train_tokens,
            "train_concurrent_s": train_concurrent, "engine_step_concurrent_s": measured,
+           "contention_by_batch": {b: {"engine_step_s": m, "engine_step_predicted_s": p, "train_s": t}
+                                   for b, (m, p, t) in contention.items()},
            "engine_step_predicted_s": predicted,
            "steps": [r.__dict__ for r in records]}
     return cost, trainer_model, raw

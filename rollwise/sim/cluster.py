@@ -141,6 +141,11 @@ class SimCluster:
             e.set_slowdown(factor)
             self._sync(i)
 
+    def set_engine_slowdown(self, i: int, factor: float) -> None:
+        if self.engines[i].slowdown != factor:
+            self.engines[i].set_slowdown(factor)
+            self._sync(i)
+
     # ------------------------------------------------------------ internals
 
     def _drop_stale(self) -> None:

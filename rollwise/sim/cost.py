@@ -48,8 +48,14 @@ class CostModel(BaseModel):
     # Where generation and training share cores (this CPU machine), engine steps run slower while
     # the trainer trains; 1.0 on disaggregated GPUs.
     train_contention: float = Field(1.0, ge=1.0, description="engine step slowdown while the trainer trains")
+    # Measured at a few running batch sizes (small batches are mostly Python and contend less); empty:
+    # train_contention at every batch size. Linear between the measured sizes, flat beyond them.
+    train_contention_by_batch: dict[int, float] = Field(default_factory=dict)
     sources: list[str] = Field(default_factory=list, description="where the numbers come from")
     assumptions: list[str] = Field(default_factory=list)
+
+    def engine_contention(self, batch: int) -> float:
+        return interpolate(self.train_contention_by_batch, batch, self.train_contention)
 
     def decode_s(self, batch: int, context_tokens: float) -> float:
         return self.step_overhead_s + self.decode_s_per_seq * batch + self.decode_s_per_ctx_token * context_tokens
@@ -73,11 +79,28 @@ class TrainerModel(BaseModel):
     step_overhead_s: float = Field(0.0, ge=0, description="per update: optimizer step, gradient sync")
     s_per_token_gpu: float = Field(0.0, ge=0, description="seconds per trained token on one GPU (or this CPU)")
     contention: float = Field(1.0, ge=1.0, description="train step slowdown while engines generate on shared cores")
+    contention_by_batch: dict[int, float] = Field(default_factory=dict, description="by the engine's running batch")
     sources: list[str] = Field(default_factory=list)
     assumptions: list[str] = Field(default_factory=list)
 
+    def contention_at(self, engine_batch: int) -> float:
+        return interpolate(self.contention_by_batch, engine_batch, self.contention)
+
     def step_s(self, tokens: int, gpus: int = 1) -> float:
         return self.step_overhead_s + self.s_per_token_gpu * tokens / max(gpus, 1)
+
+
+def interpolate(points: dict[int, float], x: int, default: float) -> float:
+    """Piecewise linear through `points` (x -> y), flat outside them; `default` when there are none."""
+    if not points:
+        return default
+    xs = sorted(points)
+    if x <= xs[0]:
+        return points[xs[0]]
+    for lo, hi in zip(xs, xs[1:]):
+        if x <= hi:
+            return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+    return points[xs[-1]]
 
 
 CONFIG_DIR = Path(__file__).parent / "configs"

@@ -138,8 +138,7 @@ def simulate(run: SimRun, progress: Callable[[str], None] | None = None) -> dict
         controller.before_update()
         tokens = sum(len(x.prompt_ids) + len(x.response_ids) for x in batch)
         t_train = clock.now
-        train_through_contention(cluster, clock, trainer.step_s(tokens, s.trainer_gpus()), trainer.contention,
-                                 cost.train_contention)
+        train_through_contention(cluster, clock, trainer.step_s(tokens, s.trainer_gpus()), trainer, cost)
         train_s = clock.now - t_train
         controller.mark_trained(batch)
         trained_tokens += sum(len(x.response_ids) for x in batch)
@@ -189,20 +188,23 @@ def simulate(run: SimRun, progress: Callable[[str], None] | None = None) -> dict
     }
 
 
-def train_through_contention(cluster: SimCluster, clock: VirtualClock, work_s: float, trainer_contention: float,
-                             engine_contention: float) -> None:
+def train_through_contention(cluster: SimCluster, clock: VirtualClock, work_s: float, trainer: TrainerModel,
+                             cost: CostModel) -> None:
     """Let one train step of `work_s` uncontended seconds run. Where trainer and engines share cores
-    (calibrated on this machine), the trainer runs `trainer_contention` times slower while an engine
-    has work and at full speed once the engines are idle, and engine steps run `engine_contention` times
-    slower while the trainer trains. (Charging the whole step as contended whenever an engine had work
-    at its start made overlapped modes look no faster than sync: off by 20-28% against bench rollout.)"""
-    if engine_contention != 1.0:
-        cluster.set_slowdown(engine_contention)
+    (calibrated on this machine), the trainer runs slower while an engine step runs and at full speed once
+    the engines are idle, and each engine's steps run slower while the trainer trains; both slowdowns
+    depend on the engine's running batch (cost.engine_contention, trainer.contention_at). The batch only
+    changes at engine events, so the rates are set afresh at each. (Charging the whole step at the
+    full-batch contention whenever an engine had work at its start made overlapped modes look no faster
+    than sync: 20-28% off against bench rollout.)"""
     while work_s > 1e-9:
-        if not any(e.busy() for e in cluster.engines):  # busy: an engine step (or weight load) is running
+        busy = [e for e in cluster.engines if e.busy()]  # an engine step (or weight load) is running
+        for i, e in enumerate(cluster.engines):
+            cluster.set_engine_slowdown(i, cost.engine_contention(e.num_running))
+        if not busy:
             cluster.advance_to(clock.now + work_s)
             break
-        rate = 1.0 / trainer_contention
+        rate = 1.0 / trainer.contention_at(max(e.num_running for e in busy))
         t = clock.now
         until = t + work_s / rate
         nxt = cluster.next_event_time()
@@ -210,8 +212,7 @@ def train_through_contention(cluster: SimCluster, clock: VirtualClock, work_s: f
             until = max(nxt, t)
         cluster.advance_to(until)
         work_s -= (clock.now - t) * rate
-    if engine_contention != 1.0:
-        cluster.set_slowdown(1.0)
+    cluster.set_slowdown(1.0)
 
 
 def cluster_timeline(engines: list[SimEngine], t0: float, t1: float, max_points: int = 4000) -> list[tuple[float, int]]:
