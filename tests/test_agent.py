@@ -439,6 +439,8 @@ def test_rollwise_train_runs_agent_episodes(tmp_path):
     assert 1 <= record["agent_turns_mean"] <= 2
     evals = (tmp_path / "run" / "evals.jsonl").read_text().splitlines()
     assert len(evals) == 2  # before and after, as greedy episodes
+    # every episode of the step is accounted for in the sample ledger (one slot per episode)
+    assert summary["samples"]["trained"] + summary["samples"]["dropped"] == 4, summary["samples"]
 
 
 def test_agent_config_errors_name_the_field():

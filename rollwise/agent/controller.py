@@ -40,7 +40,7 @@ class AgentController:
         self.score = score
         self.version = policy_version
         self.generator = LocalGenerator(worker=worker)
-        self.ledger = RolloutLedger()  # the loop reads regenerated(): episodes are never regenerated
+        self.ledger = RolloutLedger()  # one slot per episode; episodes are never regenerated
         self.next_group = start_group
         self._redo = sorted(pending_groups or [])
         self.score_seconds = 0.0
@@ -94,6 +94,16 @@ class AgentController:
                              self.cfg.rollout.temperature, sampling_seed(self.cfg.seed, step, 0, 1))
         if progress is not None:
             progress(len(outcomes))
+        for index in indices:  # one ledger slot per episode: (group index, episode index)
+            self.ledger.add_group(index, self.cfg.rollout.group_size)
+        for o in outcomes:
+            slot = _episode_slot(o.episode_id)
+            self.ledger.move(slot, "running")
+            if o.samples:
+                self.ledger.move(slot, "finished")
+                self.ledger.move(slot, "batched")
+            else:
+                self.ledger.move(slot, "dropped", f"no turn sampled (ended by {o.finish_reason})")
         if not any(o.samples for o in outcomes):
             reasons = sorted({o.finish_reason for o in outcomes})
             raise RuntimeError(f"no episode of this step sampled a single turn (ended by {reasons}); with "
@@ -152,7 +162,8 @@ class AgentController:
         pass
 
     def mark_trained(self, samples: list[Sample]) -> None:
-        pass
+        for episode_id in dict.fromkeys(s.extra.get("episode_id", s.sample_id) for s in samples):
+            self.ledger.move(_episode_slot(episode_id), "trained")
 
     def after_update(self, version: int) -> None:
         self.version = version
@@ -167,3 +178,9 @@ class AgentController:
         # The generator stays: the loop evaluates after close(); its router ends with the worker.
         if self._sandboxes is not None:
             self._sandboxes.close()
+
+
+def _episode_slot(episode_id: str) -> tuple[int, int]:
+    """Ledger slot of a training episode: `g12-3` (group 12, episode 3) -> (12, 3)."""
+    group, episode = episode_id.removeprefix("g").rsplit("-", 1)
+    return int(group), int(episode)
