@@ -108,8 +108,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser(
         "serve",
-        help="serve an engine over HTTP (OpenAI-compatible completions + token-level endpoints), or a router "
-        "in front of several (`rollwise serve router --help`)",
+        help="serve an engine over HTTP (OpenAI-compatible completions + token-level endpoints), a router "
+        "in front of several (`rollwise serve router --help`), or an engine pool shared by several training "
+        "jobs (`rollwise serve pool --help`)",
         description=(
             "Serve the reference engine over HTTP until interrupted. Endpoints: POST /v1/completions and "
             "/v1/chat/completions (OpenAI-compatible, stream=true for server-sent events; every choice also "
