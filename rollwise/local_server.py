@@ -14,6 +14,13 @@ from collections.abc import Iterator
 from typing import Any
 
 
+def free_port() -> int:
+    """A loopback port free right now (for a server started in another process, which binds it itself)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @contextlib.contextmanager
 def serve_in_thread(app: Any, sock: socket.socket | None = None, *, start_timeout_s: float = 60.0,
                     stop_timeout_s: float = 30.0) -> Iterator[tuple[str, Any]]:

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,14 +29,9 @@ ray = pytest.importorskip("ray", reason="placement: ray needs Ray: pip install -
 from rollwise.config import load_config  # noqa: E402
 from rollwise.control import ray_placement  # noqa: E402
 from rollwise.control.train_loop import train  # noqa: E402
+from rollwise.local_server import free_port  # noqa: E402
 
 STEPS, PROMPTS, GROUP = 3, 4, 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +39,8 @@ def ray_cluster():
     """A one-node Ray cluster (`ray start --head --block`) in its own process group and temp dir; killed
     by that process group at the end (never `ray stop`, which would stop every cluster on the machine)."""
     temp = tempfile.mkdtemp(prefix="rwray-", dir="/tmp")  # short: Ray's socket paths have a length limit
-    port = _free_port()
-    ports = {flag: _free_port() for flag in ("--ray-client-server-port", "--dashboard-agent-listen-port",
+    port = free_port()
+    ports = {flag: free_port() for flag in ("--ray-client-server-port", "--dashboard-agent-listen-port",
                                              "--dashboard-agent-grpc-port", "--metrics-export-port",
                                              "--runtime-env-agent-port", "--node-manager-port",
                                              "--object-manager-port")}

@@ -41,7 +41,7 @@ from safetensors.torch import save_file
 from rollwise.cli import main
 from rollwise.engine.server import build_engine, create_app
 from rollwise.model.tiny import tiny_llama
-from rollwise.local_server import serve_in_thread
+from rollwise.local_server import free_port, serve_in_thread
 from rollwise.router.app import RouterConfig, bind_socket
 from rollwise.router.app import create_app as create_router_app
 from rollwise.router.app import serve as serve_router
@@ -156,12 +156,6 @@ def test_radix_tree_split_evict_and_persist():
 
 
 # ================================================================== servers on loopback
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serving(app, sock: socket.socket | None = None):
@@ -386,7 +380,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90) -> None
 
 
 def test_sigkill_a_replica_mid_stream_loses_and_duplicates_nothing():
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     procs = [_engine_subprocess(p) for p in ports]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
@@ -453,7 +447,7 @@ def test_router_restart_under_live_sessions(cluster, tmp_path: Path):
     """A new router takes over the port (SO_REUSEPORT), the old one drains; agents running multi-turn
     sessions with the stock openai client (its default retries) see no error."""
     urls = [r.url for r in cluster.replicas]
-    port = _free_port()
+    port = free_port()
     state = tmp_path / "router-state.json"
 
     def router_app():

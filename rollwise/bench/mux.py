@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from rollwise.local_server import free_port
 
 GOAL_SAVING = 0.40
 GOAL_SLOWDOWN = 0.15
@@ -113,16 +114,10 @@ def _wait(procs: list[tuple[str, subprocess.Popen, Path]], timeout: float) -> No
             raise RuntimeError(f"job {name} failed (exit {proc.returncode}); log {log}:\n{tail}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_pool(engines: int, workload: dict[str, Any], min_slice_s: float, log: Path) -> tuple[subprocess.Popen, str]:
     import httpx
 
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "rollwise.cli", "serve", "pool", "--engines", str(engines), "--port", str(port),

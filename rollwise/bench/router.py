@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ from rich import box
 from rich.console import Group
 from rich.table import Table
 
+from rollwise.local_server import free_port
 from rollwise.router.policies import POLICIES, make_policy
 from rollwise.router.sim import SimConfig, Workload, make_workload, simulate
 
@@ -102,15 +102,9 @@ def _replica_main(argv: list[str]) -> None:
                 log_level="warning")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _replicas(shape: BenchShape):
-    ports = [_free_port() for _ in range(shape.replicas)]
+    ports = [free_port() for _ in range(shape.replicas)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-m", "rollwise.bench.router", "--replica-worker", "--port", str(p),
                                "--max-num-seqs", str(shape.max_num_seqs), "--max-model-len", str(shape.max_model_len)],

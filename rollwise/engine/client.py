@@ -24,6 +24,18 @@ class EngineServerError(RuntimeError):
         self.message = message
 
 
+def read_response(response: httpx.Response, error: type[EngineServerError] = EngineServerError) -> Any:
+    """The body of a rollwise server's answer (JSON, else text); an HTTP error raises `error` with the
+    server's message (our servers answer errors as {"error": {"message": ...}})."""
+    if response.status_code >= 400:
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text
+        raise error(response.status_code, message)
+    return response.json() if "json" in response.headers.get("content-type", "") else response.text
+
+
 class EngineClient:
     def __init__(self, base_url: str, timeout: float = 600.0) -> None:
         self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
@@ -38,14 +50,7 @@ class EngineClient:
         self.close()
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        response = self._http.request(method, path, json=body)
-        if response.status_code >= 400:
-            try:
-                message = response.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = response.text
-            raise EngineServerError(response.status_code, message)
-        return response.json() if "json" in response.headers.get("content-type", "") else response.text
+        return read_response(self._http.request(method, path, json=body))
 
     def generate(
         self, prompt_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import torch
 
+from rollwise.engine.client import EngineServerError, read_response
 from rollwise.engine.types import Completion, GenerationRequest
 from rollwise.sync.buckets import build_manifest, flatten_bucket
 
@@ -33,12 +34,8 @@ from rollwise.sync.buckets import build_manifest, flatten_bucket
 CHUNK_BYTES = 8 * 2**20
 
 
-class PoolServerError(RuntimeError):
+class PoolServerError(EngineServerError):
     """The pool answered with an error; `message` names the offending field where there is one."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"HTTP {status}: {message}")
-        self.status, self.message = status, message
 
 
 class PoolClient:
@@ -58,14 +55,7 @@ class PoolClient:
         headers = dict(kwargs.pop("headers", {}) or {})
         if self.token is not None:
             headers["Authorization"] = f"Bearer {self.token}"
-        response = self._http.request(method, path, headers=headers, **kwargs)
-        if response.status_code >= 400:
-            try:
-                message = response.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = response.text
-            raise PoolServerError(response.status_code, message)
-        return response.json() if "json" in response.headers.get("content-type", "") else response.text
+        return read_response(self._http.request(method, path, headers=headers, **kwargs), PoolServerError)
 
     def _job_path(self, suffix: str = "") -> str:
         if self.job is None:
