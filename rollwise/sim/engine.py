@@ -144,6 +144,11 @@ class SimEngine:
     def has_unfinished(self) -> bool:
         return bool(self._unfinished)
 
+    @property
+    def unfinished_samples(self) -> int:
+        """Samples submitted and not finished yet (running or waiting)."""
+        return sum(self._unfinished.values())
+
     def busy(self) -> bool:
         return self.op is not None
 

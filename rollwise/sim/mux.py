@@ -120,7 +120,7 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
         now = clock.now
         for s in slots:
             account(s)
-        views = [SlotView(i, s.job, s.since, sum(s.engine._unfinished.values()), cost.max_num_seqs)
+        views = [SlotView(i, s.job, s.since, s.engine.unfinished_samples, cost.max_num_seqs)
                  for i, s in enumerate(slots)]
         job_views = [JobView(n, js.spec.priority, sum(r.params.n for r in js.queue), js.busy_s)
                      for n, js in state.items() if js.finished_at is None and js.started_at <= now]
@@ -137,7 +137,7 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
                 at(now + cost_s, "switched", decision.slot)
             elif decision.action == "serve":
                 js = state[decision.job]
-                room = cost.max_num_seqs - sum(s.engine._unfinished.values())
+                room = cost.max_num_seqs - s.engine.unfinished_samples
                 added = False
                 while js.queue and js.queue[0].params.n <= room:
                     req = js.queue.popleft()
