@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -135,6 +136,23 @@ def test_simulated_replicas_lose_nothing_and_prefix_routing_saves_prefill():
     results = {name: simulate(make_policy(name), workload, SimConfig(replicas=8)) for name in POLICIES}
     assert {r["requests"] for r in results.values()} == {16 * 8 + 8 * 3}  # every request finished, once
     assert results["prefix"]["prefill_tokens"] * 2 < results["round_robin"]["prefill_tokens"]
+
+
+def test_simulated_replicas_sharing_cores():
+    """Processor sharing: with as many cores as replicas nothing changes; with fewer, every step
+    stretches while others run, and no request is lost."""
+    workload = make_workload(1, groups=8, group_size=4, group_workers=4, sessions=4, turns=2, shared_tokens=32,
+                             question_tokens=64, opening_tokens=64, user_tokens=16, max_tokens=6)
+    base = SimConfig(replicas=4, step_s=0.01, prefill_s_per_token=1e-4, decode_s_per_seq=1e-3,
+                     decode_s_per_ctx_token=1e-6)
+    alone = simulate(make_policy("round_robin"), workload, base)
+    enough = simulate(make_policy("round_robin"), workload, replace(base, cores=4))
+    assert enough["makespan_s"] == pytest.approx(alone["makespan_s"])
+    assert sorted(enough["latencies"]) == pytest.approx(sorted(alone["latencies"]))
+    one = simulate(make_policy("round_robin"), workload, replace(base, cores=1))
+    assert one["requests"] == alone["requests"] == 8 * 4 + 4 * 2
+    assert alone["makespan_s"] * 1.5 < one["makespan_s"] <= alone["makespan_s"] * 4 + 1e-9
+    assert one["prefill_tokens"] == alone["prefill_tokens"]  # same routing, same cache: only time stretches
 
 
 def test_radix_tree_split_evict_and_persist():

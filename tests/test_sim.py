@@ -238,6 +238,74 @@ def test_calibration_fit_recovers_a_known_model():
     assert fit["prefill_s_per_token"] == pytest.approx(true["pre"], rel=1e-6)
 
 
+def test_calibration_table_follows_a_step_cost_that_is_not_linear_in_batch():
+    # As measured on this CPU: a batch of 1 steps fast (matrix-vector), 2..16 barely differ.
+    truth = {1: 0.06, 2: 0.10, 4: 0.11, 8: 0.09, 16: 0.11, 32: 0.14}
+    records = [StepRecord(run, step, truth[batch] + (0.2 if step == 0 else 0.0), batch, batch * 48 + batch * step,
+                          batch * 48 if step == 0 else 0)
+               for run, batch in enumerate(truth) for step in range(10)]
+    fit = fit_steps(records)
+    cost = CostModel(decode_s_per_ctx_token=fit["decode_s_per_ctx_token"], decode_s_by_batch=fit["decode_s_by_batch"])
+    for r in records:
+        if r.step >= 2:
+            assert cost.decode_s(r.batch, r.context) == pytest.approx(r.seconds, rel=0.05)
+    linear = CostModel(step_overhead_s=fit["step_overhead_s"], decode_s_per_seq=fit["decode_s_per_seq"],
+                       decode_s_per_ctx_token=fit["decode_s_per_ctx_token"])
+    assert abs(linear.decode_s(1, 52) / truth[1] - 1) > 0.25  # what the table is for
+    assert cost.decode_s(3, 0) == pytest.approx((fit["decode_s_by_batch"][2] + fit["decode_s_by_batch"][4]) / 2)
+
+
+def test_trainer_model_counts_the_tokens_the_trainer_computes():
+    from rollwise.config import TrainConfig
+    from rollwise.rollout.types import Sample
+    from rollwise.sim.cost import TrainerModel
+    from rollwise.train.trainer import computed_tokens
+
+    def group(g: int, lengths: list[int]) -> list[Sample]:
+        return [Sample(f"{g}/{i}", f"g{g}", "p", [100 + g] * 10, [5] * n, [0.0] * n, [0] * n, "stop", advantage=1.0)
+                for i, n in enumerate(lengths)]
+
+    cfg = TrainConfig(micro_batch_size=8)
+    even, long_tail = group(0, [4, 4, 4, 4]), group(1, [1, 1, 1, 40])
+    # a shared-prompt micro-batch: the prompt once + rows x the longest response
+    assert computed_tokens(even, cfg) == 10 + 4 * 4
+    assert computed_tokens(long_tail, cfg) == 10 + 4 * 40
+    assert computed_tokens(even + long_tail, cfg) == 26 + 170  # one micro-batch per prompt
+    padded = cfg.model_copy(update={"share_prompt_prefix": False})
+    assert computed_tokens(long_tail, padded) == 4 * 50
+    per_token = TrainerModel(step_overhead_s=1.0, s_per_token_gpu=0.01, tokens="micro_batches")
+    assert per_token.batch_tokens(long_tail, cfg) == 170
+    assert per_token.model_copy(update={"tokens": "packed"}).batch_tokens(long_tail, cfg) == 4 * 10 + 43
+
+
+def test_router_validation_on_real_replicas():
+    """`rollwise sim validate-router`'s parts on two real replica processes: the serving costs and the
+    busy-time metric they rest on, the same rounds measured and simulated, caches that agree."""
+    from rollwise.bench.router import BenchShape, measure_real, replicas
+    from rollwise.sim.router_validate import calibrate_replica, compare, measure_serving, sim_config, simulate_bench
+
+    shape = BenchShape(replicas=2, groups=4, group_size=4, group_workers=2, sessions=2, turns=3, shared_tokens=64,
+                       question_tokens=128, opening_tokens=128, user_tokens=16, max_tokens=4, rounds=1,
+                       max_num_seqs=8, max_model_len=512)
+    fit = calibrate_replica(shape, shapes=((1, 64), (4, 64), (8, 128), (2, 192)))
+    assert fit["prefill_s_per_token"] > 0
+    policies = ["round_robin", "prefix"]
+    with replicas(shape) as urls:
+        serving = measure_serving(urls, fit, prompt_tokens=192, n=5)
+        real = measure_real(shape, 0, policies, urls=urls)
+    assert 0 < serving["request_s"] < 1.0 and serving["served_step_s"] > 0
+    simulated = simulate_bench(shape, sim_config(shape, fit, cores=2, serving=serving), 0, policies)
+    rows = {r["policy"]: r for r in compare(real, simulated)}
+    for name in policies:
+        assert real[name]["requests"] == simulated[name]["requests"] == 4 * 4 + 2 * 3
+        assert real[name]["engine_busy_s"] > 0  # rollwise_engine_step_seconds_total moved
+        assert rows[name]["requests_per_s_simulated"] > 0
+    # the simulated prefix cache and routing agree with the engines' own counts
+    assert abs(rows["prefix"]["prefix_hit_rate_measured"] - rows["prefix"]["prefix_hit_rate_simulated"]) < 0.1
+    for side in (real, simulated):
+        assert side["prefix"]["prefill_tokens"] < side["round_robin"]["prefill_tokens"]
+
+
 def test_cli_help_and_a_scenario_run(tmp_path, capsys):
     from rollwise.cli import main
 

@@ -32,7 +32,7 @@ from rollwise.rollout.worker import EngineWorker
 from rollwise.sync.inprocess import push_weights
 from rollwise.tasks import make_task
 from rollwise.train.grpo import assign_advantages
-from rollwise.train.trainer import GRPOTrainer
+from rollwise.train.trainer import GRPOTrainer, computed_tokens
 
 MODES = ("sync", "sorted", "async")
 
@@ -101,14 +101,19 @@ def _run_mode(mode: str, model: Any, tokenizer: Any, base_state: dict, w: Worklo
     staleness: list[int] = []
     trained_tokens = 0
     updates_at: list[float] = []
+    per_step: list[dict[str, float]] = []  # where the time goes: waiting for the batch, training on it
     t0 = time.monotonic()
     for _ in range(w.updates):
+        ta = time.monotonic()
         batch = controller.next_batch()
         _random_rewards(batch, seed)
         version = trainer.version
         staleness += [version - v for s in batch for v in s.versions]
         controller.before_update()
+        tb = time.monotonic()
         trainer.train_step(batch)
+        per_step.append({"rollout_s": tb - ta, "train_s": time.monotonic() - tb,
+                         "train_tokens": computed_tokens(batch, cfg.train)})
         controller.mark_trained(batch)
         trained_tokens += sum(len(s.response_ids) for s in batch)
         push_weights(trainer.model, [worker], trainer.version)
@@ -132,6 +137,7 @@ def _run_mode(mode: str, model: Any, tokenizer: Any, base_state: dict, w: Worklo
         "staleness_max": int(max(staleness)),
         "samples_regenerated": controller.ledger.regenerated(),
         "generated_tokens": engine.stats["generated_tokens"],
+        "per_step": per_step,
         "_timeline": [(t - t0, n) for t, n in timeline if t0 <= t <= t1],
         "_updates": [t - t0 for t in updates_at],
     }

@@ -103,7 +103,7 @@ def _replica_main(argv: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def _replicas(shape: BenchShape):
+def replicas(shape: BenchShape):
     ports = [free_port() for _ in range(shape.replicas)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-m", "rollwise.bench.router", "--replica-worker", "--port", str(p),
@@ -134,7 +134,7 @@ def _replicas(shape: BenchShape):
 
 
 @contextlib.contextmanager
-def _router(urls: list[str], policy: str):
+def router(urls: list[str], policy: str):
 
     from rollwise.model.tiny import tiny_tokenizer
     from rollwise.local_server import serve_in_thread
@@ -146,14 +146,14 @@ def _router(urls: list[str], policy: str):
         yield url
 
 
-def _engine_counters(urls: list[str]) -> list[dict[str, float]]:
+def engine_counters(urls: list[str]) -> list[dict[str, float]]:
     out = []
     for url in urls:
         counters: dict[str, float] = {}
         for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
             name, _, value = line.partition(" ")
             if name in ("rollwise_engine_prompt_tokens_total", "rollwise_engine_cached_prompt_tokens_total",
-                        "rollwise_engine_generated_tokens_total"):
+                        "rollwise_engine_generated_tokens_total", "rollwise_engine_step_seconds_total"):
                 counters[name.removeprefix("rollwise_engine_").removesuffix("_total")] = float(value)
         out.append(counters)
     return out
@@ -221,13 +221,13 @@ def _summary(latencies: list[float], prompt: float, cached: float, work: list[fl
 
 def _real_round(urls: list[str], policy: str, workload: Workload) -> dict:
     """One round of one policy: a fresh router, cold caches; latencies and per-replica engine counters."""
-    with _router(urls, policy) as router:
-        httpx.post(f"{router}/flush_cache", timeout=60).raise_for_status()  # every policy starts cold
-        before = _engine_counters(urls)
+    with router(urls, policy) as router_url:
+        httpx.post(f"{router_url}/flush_cache", timeout=60).raise_for_status()  # every policy starts cold
+        before = engine_counters(urls)
         started = time.monotonic()
-        records = asyncio.run(_run_workload(router, workload))
+        records = asyncio.run(_run_workload(router_url, workload))
         wall = time.monotonic() - started
-        after = _engine_counters(urls)
+        after = engine_counters(urls)
     return {"latencies": [r["latency_s"] for r in records], "wall_s": wall,
             "delta": [{k: a[k] - b.get(k, 0.0) for k in a} for a, b in zip(after, before)],
             "served": [sum(r["replica"] == u for r in records) for u in urls]}
@@ -241,6 +241,7 @@ def _real_summary(rounds: list[dict]) -> dict:
     work = [d["prompt_tokens"] - d["cached_prompt_tokens"] + d["generated_tokens"] for d in delta]
     out = _summary([x for r in rounds for x in r["latencies"]], prompt, cached, work, sum(r["wall_s"] for r in rounds))
     out["requests_per_replica"] = [sum(r["served"][i] for r in rounds) for i in range(len(delta))]
+    out["engine_busy_s"] = sum(d.get("step_seconds", 0.0) for d in delta)  # summed over replicas
     out["p99_latency_s_per_round"] = [_percentile(r["latencies"], 0.99) for r in rounds]
     return out
 
@@ -260,20 +261,23 @@ def _ratios(results: dict[str, dict]) -> None:
         r["prefill_vs_round_robin"] = base["prefill_tokens"] / r["prefill_tokens"] if r["prefill_tokens"] else None
 
 
-def run_router_bench(quick: bool = False, seed: int = 0, plot: Path | None = None,
-                     policies: list[str] | None = None, progress: Any = None) -> dict:
-    policies = policies or list(POLICIES)
-    if "round_robin" not in policies:
-        policies = ["round_robin", *policies]
-    shape = QUICK if quick else FULL
+def round_workload(shape: BenchShape, seed: int, rnd: int) -> Workload:
+    """The workload of one round (the simulator's validation replays exactly these)."""
     fields = {k: v for k, v in asdict(shape).items()
               if k not in ("replicas", "max_num_seqs", "max_model_len", "rounds")}
+    return make_workload(seed * 1000 + rnd, **fields)
+
+
+def measure_real(shape: BenchShape, seed: int, policies: list[str], progress: Any = None,
+                 urls: list[str] | None = None) -> dict[str, dict]:
+    """Every policy on real replicas (started here, or `urls` already running): per-policy summaries
+    (rounds summed), ratios against round robin."""
     # The machine is shared and noisy: policies take turns in short rounds (rotated order), so slow
     # phases hit every policy alike, instead of one policy running entirely in a slow phase.
     rounds: dict[str, list[dict]] = {name: [] for name in policies}
-    with _replicas(shape) as urls:
+    with contextlib.nullcontext(urls) if urls else replicas(shape) as urls:
         for rnd in range(shape.rounds):
-            workload = make_workload(seed * 1000 + rnd, **fields)
+            workload = round_workload(shape, seed, rnd)
             shift = rnd % len(policies)
             for name in policies[shift:] + policies[:shift]:
                 if progress:
@@ -281,6 +285,16 @@ def run_router_bench(quick: bool = False, seed: int = 0, plot: Path | None = Non
                 rounds[name].append(_real_round(urls, name, workload))
     real = {name: _real_summary(rounds[name]) for name in policies}
     _ratios(real)
+    return real
+
+
+def run_router_bench(quick: bool = False, seed: int = 0, plot: Path | None = None,
+                     policies: list[str] | None = None, progress: Any = None) -> dict:
+    policies = policies or list(POLICIES)
+    if "round_robin" not in policies:
+        policies = ["round_robin", *policies]
+    shape = QUICK if quick else FULL
+    real = measure_real(shape, seed, policies, progress)
     sim_config = SimConfig()
     sim_workload = make_workload(seed, **(SIM_QUICK if quick else SIM_FULL))
     sim = {}

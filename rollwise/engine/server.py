@@ -546,6 +546,7 @@ class _EngineCollector:
             ("prompt_tokens", "prompt tokens of admitted samples (computed or reused)"),
             ("cached_prompt_tokens", "prompt tokens whose KV was reused, not recomputed"),
             ("steps", "engine steps"),
+            ("step_seconds", "seconds spent in engine steps (busy time)"),
             ("prefix_cache_hit_tokens", "prompt tokens reused from the cross-request prefix cache"),
         ):
             yield CounterMetricFamily(f"rollwise_engine_{key}", doc, value=s.get(key, 0))
@@ -872,7 +873,9 @@ class _Server:
                     "policy_version": engine.policy_version, **engine.stats,
                     "prefix_cache_tokens": cache.num_tokens if cache is not None else 0}
 
-        self.collector.snapshot = await self.frontend.call(snapshot)
+        snap = await self.frontend.call(snapshot)
+        snap["step_seconds"] = self.frontend.worker.step_seconds if self.frontend.worker is not None else 0.0
+        self.collector.snapshot = snap
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -27,6 +28,7 @@ class EngineWorker:
         self._commands: queue.Queue[tuple[Callable[[Any], Any], Future]] = queue.Queue()
         self._stop = threading.Event()
         self._error: BaseException | None = None
+        self.step_seconds = 0.0  # time spent inside engine.step(): the engine's busy time
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -96,7 +98,10 @@ class EngineWorker:
                 busy = self.engine.has_unfinished() and not self.engine.paused
                 self._run_commands(block=not busy)
                 if self.engine.has_unfinished() and not self.engine.paused:
-                    for completion in self.engine.step():
+                    started = time.perf_counter()
+                    finished = self.engine.step()
+                    self.step_seconds += time.perf_counter() - started
+                    for completion in finished:
                         self.completions.put(completion)
         except BaseException as exc:  # surfaced to the controller on its next call
             self._error = exc

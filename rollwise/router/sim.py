@@ -7,8 +7,16 @@ prefix cache, like the reference engine's; identical prompts admitted in one ste
 prefill), and decodes one token for every running sequence. A step takes
 
     step_s + prefill_s_per_token * prefill tokens + decode_s_per_seq * running sequences
+           + decode_s_per_ctx_token * context tokens of the running sequences
 
-An illustrative cost model, not a calibrated one: the full simulator (`rollwise sim`) owns calibration.
+of its own device, plus `request_s` of serving work per request (HTTP hops, router, JSON) before it
+reaches a replica, done by a serving process of `serving_cores` cores (requests in it share them). With
+`cores` set, the replicas are single-threaded processes sharing that many CPU cores with the serving
+process (bench router: 4 replicas and the router on 2 cores): processor sharing, every task advances
+at min(1, cores / demand) of its own speed.
+
+The defaults are an illustrative cost model; `rollwise sim validate-router` fills one in from a
+calibration of the benchmark's replica engine (rollwise/sim/router_validate.py).
 The router side mirrors app.py: in-flight caps, the same load accounting, a FIFO queue when full.
 """
 
@@ -33,6 +41,15 @@ class SimConfig:
     step_s: float = 0.004
     prefill_s_per_token: float = 0.00005
     decode_s_per_seq: float = 0.0004
+    decode_s_per_ctx_token: float = 0.0
+    cores: float = 0.0  # 0: every replica has its own device; > 0: replicas share this many cores
+    padded_context: bool = False  # decode attends over batch x longest context (the reference engine)
+    # Per request, outside the engine step: client, router and replica HTTP handling, JSON (CPU time;
+    # on the shared cores when `cores` is set).
+    request_s: float = 0.0
+    # Cores the serving work can use at once: bench router's client and router are one Python process,
+    # whose threads take turns under one interpreter lock.
+    serving_cores: float = 1.0
 
 
 class BlockLRU:
@@ -85,6 +102,8 @@ class _Replica:
     waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)  # [request, tokens still to generate]
     stepping: bool = False
+    step_started: float = 0.0
+    busy_s: float = 0.0  # wall time inside steps (stretched where cores are shared)
     in_flight: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
@@ -93,6 +112,13 @@ class _Replica:
 
     def load(self) -> ReplicaLoad:
         return ReplicaLoad(self.name, self.in_flight, self.prefill_tokens, self.decode_tokens)
+
+
+@dataclass(eq=False)
+class _Task:
+    work_s: float  # remaining, in seconds at full speed
+    on_done: Callable[[], None]
+    serving: bool = False  # a request's serving work, not an engine step
 
 
 class Simulation:
@@ -106,6 +132,9 @@ class Simulation:
         self._queue: deque[SimRequest] = deque()  # router queue: every replica at its cap
         self.affinity: dict[str, str] = {}  # session/group key -> last replica (the router's AffinityTable)
         self.done: list[SimRequest] = []
+        self._sharing: list[_Task] = []  # work in progress on the shared cores
+        self._shared_since = 0.0
+        self._share_event = 0  # invalidates the scheduled step end when the sharing set changes
 
     def at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn))
@@ -119,6 +148,12 @@ class Simulation:
 
     def submit(self, request: SimRequest) -> None:
         request.sent_at = self.now
+        if self.cfg.request_s > 0:  # the request's serving work (HTTP hops, router, JSON) comes first
+            self._share(self.cfg.request_s, lambda: self._enqueue(request), serving=True)
+        else:
+            self._enqueue(request)
+
+    def _enqueue(self, request: SimRequest) -> None:
         self._queue.append(request)
         self._dispatch()
 
@@ -164,11 +199,69 @@ class Simulation:
             replica.cache.insert(tokens)
             replica.running.append([request, len(request.output)])
         replica.computed_prefill += prefill
+        replica.step_started = self.now
         replica.generated += len(replica.running)
-        duration = cfg.step_s + cfg.prefill_s_per_token * prefill + cfg.decode_s_per_seq * len(replica.running)
-        self.at(self.now + duration, lambda: self._end_step(replica))
+        lengths = [len(request.route.tokens) + len(request.output) - left for request, left in replica.running]
+        # padded: every running sequence attends over the longest one's context (the reference engine's
+        # batched decode); otherwise each over its own (paged attention, as vLLM).
+        context = len(lengths) * max(lengths, default=0) if cfg.padded_context else sum(lengths)
+        duration = (cfg.step_s + cfg.prefill_s_per_token * prefill + cfg.decode_s_per_seq * len(replica.running)
+                    + cfg.decode_s_per_ctx_token * context)
+        if cfg.cores > 0:
+            self._share(duration, lambda: self._end_step(replica))
+        else:
+            self.at(self.now + duration, lambda: self._end_step(replica))
+
+    # Processor sharing. Engine steps (when replicas share `cores`) and requests' serving work (always:
+    # the serving process runs one request's work at a time per `serving_cores`) are tasks that drain at
+    # a rate fixed between events: serving tasks split the serving cores, and when the machine's cores
+    # are shared, everything slows alike once engines + serving ask for more than there is. Every change
+    # of the set re-plans the next task end; an event planned before a change is ignored.
+
+    def _share(self, work_s: float, on_done: Callable[[], None], serving: bool = False) -> None:
+        self._share_advance()
+        self._sharing.append(_Task(work_s, on_done, serving))
+        self._share_schedule()
+
+    def _share_rates(self) -> tuple[float, float]:
+        """(rate of an engine step, rate of one request's serving work)."""
+        n_serving = sum(t.serving for t in self._sharing)
+        serving_demand = min(float(n_serving), self.cfg.serving_cores)
+        n_engine = len(self._sharing) - n_serving
+        machine = 1.0
+        if self.cfg.cores > 0 and n_engine + serving_demand > 0:
+            machine = min(1.0, self.cfg.cores / (n_engine + serving_demand))
+        return machine, (machine * serving_demand / n_serving if n_serving else 1.0)
+
+    def _rate(self, task: _Task, rates: tuple[float, float]) -> float:
+        return rates[1] if task.serving else rates[0]
+
+    def _share_advance(self) -> None:
+        rates, elapsed = self._share_rates(), self.now - self._shared_since
+        for task in self._sharing:
+            task.work_s -= elapsed * self._rate(task, rates)
+        self._shared_since = self.now
+
+    def _share_schedule(self) -> None:
+        self._share_event += 1
+        if not self._sharing:
+            return
+        event, rates = self._share_event, self._share_rates()
+        first = min(max(t.work_s, 0.0) / self._rate(t, rates) for t in self._sharing)
+        self.at(self.now + first, lambda: self._share_tick(event))
+
+    def _share_tick(self, event: int) -> None:
+        if event != self._share_event:
+            return
+        self._share_advance()
+        ended = [t for t in self._sharing if t.work_s <= 1e-12]
+        self._sharing = [t for t in self._sharing if t.work_s > 1e-12]
+        self._share_schedule()
+        for task in ended:
+            task.on_done()
 
     def _end_step(self, replica: _Replica) -> None:
+        replica.busy_s += self.now - replica.step_started
         still = []
         for entry in replica.running:
             entry[1] -= 1
@@ -244,6 +337,7 @@ def simulate(policy: Policy, workload: Workload, config: SimConfig) -> dict:
         "prefill_tokens": sum(r.computed_prefill for r in sim.replicas.values()),
         "replica_work": work,
         "makespan_s": sim.now,
+        "engine_busy_s": sum(r.busy_s for r in sim.replicas.values()),
     }
 
 

@@ -4,11 +4,13 @@ What is measured (about a minute on 2 CPU cores, plus engine start-up):
 1. engine steps at a few batch sizes and prompt lengths (distinct prompts, lengths forced with
    ignore_eos), each `step()` timed on its own;
 2. decode: least squares over steps after the first two of each run, step = overhead + per-sequence x
-   batch + per-context-token x context (negative coefficients are dropped and the rest refitted);
+   batch + per-context-token x context (negative coefficients are dropped and the rest refitted), and
+   the step time at each measured batch size (a table: CPU step time is not linear in small batches);
 3. prefill: the first two steps' time beyond the fitted decode time, per prompt token prefilled
    (two steps, because a chunked-prefill engine may split a prompt over them);
 4. a weight update (push of the trainer's full state dict), median of two;
-5. trainer steps (GRPO, fwd+bwd+AdamW) on two batch sizes: per-token time and overhead;
+5. trainer steps (GRPO, fwd+bwd+AdamW) on GRPO-shaped batches with short and long responses: time per
+   computed token (padding included, as the trainer computes it) and overhead;
 6. contention: engine steps while a train step runs on another thread (both share the cores), as
    in the rollout benchmark's sorted and async modes.
 
@@ -28,11 +30,12 @@ import numpy as np
 import torch
 
 from rollwise.engine.types import GenerationRequest, SamplingParams
-from rollwise.sim.cost import CostModel, TrainerModel
+from rollwise.sim.cost import CostModel, TrainerModel, interpolate
 
 # (batch, prompt tokens): small and full batches, short and longer contexts. batch x prompt stays under
 # 2048 tokens: vLLM-CPU would chunk a larger prefill, and its seeded sampler fails on chunked prefills.
-SHAPES = ((1, 48), (8, 48), (32, 48), (8, 240), (32, 60))
+# The batch sweep at 48 tokens also gives the step-time table by batch (CostModel.decode_s_by_batch).
+SHAPES = ((1, 48), (2, 48), (4, 48), (8, 48), (16, 48), (32, 48), (8, 240), (32, 60))
 DECODE_STEPS = 10
 
 
@@ -110,14 +113,25 @@ def fit_steps(records: list[StepRecord], robust: bool = True) -> dict[str, float
             break
         x, y = np.delete(x, worst, axis=0), np.delete(y, worst)
         c0, c_seq, c_ctx = _nonneg_lstsq(x, y)
+    # Step time by batch: each run's robust decode step, less the context term; the fastest run per batch.
+    by_batch: dict[int, float] = {}
+    for r in decode:
+        t = max(r.seconds - c_ctx * r.context, 0.0)
+        by_batch[r.batch] = min(t, by_batch.get(r.batch, t))
+
+    def decode_pred(r: StepRecord) -> float:
+        if robust and by_batch:
+            return interpolate(by_batch, r.batch, 0.0) + c_ctx * r.context
+        return c0 + c_seq * r.batch + c_ctx * r.context
+
     every = [r for r in records if r.step >= 2]
-    xe, ye = np.array([[1.0, r.batch, r.context] for r in every]), np.array([r.seconds for r in every])
-    pred = xe @ np.array([c0, c_seq, c_ctx])
+    ye = np.array([r.seconds for r in every])
+    pred = np.array([decode_pred(r) for r in every])
     r2 = 1 - float(((ye - pred) ** 2).sum() / max(((ye - ye.mean()) ** 2).sum(), 1e-12))
     rates, excess, prefill = [], 0.0, 0.0
     for run in runs:
         first = [r for r in records if r.run == run and r.step < 2]
-        run_excess = sum(r.seconds - (c0 + c_seq * r.batch + c_ctx * r.context) for r in first)
+        run_excess = sum(r.seconds - decode_pred(r) for r in first)
         run_prefill = sum(r.prefill for r in first)
         if run_prefill:
             rates.append(max(run_excess / run_prefill, 0.0))
@@ -128,19 +142,69 @@ def fit_steps(records: list[StepRecord], robust: bool = True) -> dict[str, float
     else:
         prefill_rate = max(excess / prefill, 0.0) if prefill else 0.0
     return {"step_overhead_s": float(c0), "decode_s_per_seq": float(c_seq), "decode_s_per_ctx_token": float(c_ctx),
-            "prefill_s_per_token": prefill_rate, "decode_r2_all_steps": r2, "robust": robust}
+            "prefill_s_per_token": prefill_rate, "decode_r2_all_steps": r2, "robust": robust,
+            "decode_s_by_batch": dict(sorted(by_batch.items())) if robust else {}}
 
 
-def _train_batch(rng: np.random.Generator, vocab: int, n: int, plen: int, rlen: int) -> list:
+def _train_batch(rng: np.random.Generator, vocab: int, groups: int, group_size: int, plen: int, rlen: int) -> list:
+    """GRPO-shaped: groups sharing a prompt, response lengths spread up to `rlen` (padded to it)."""
     from rollwise.rollout.types import Sample
 
     samples = []
-    for i in range(n):
-        resp = rng.integers(100, vocab - 1, size=rlen).tolist()
-        samples.append(Sample(sample_id=f"s{i}", group_id=f"g{i // 4}", problem_id="p", prompt_ids=rng.integers(
-            100, vocab - 1, size=plen).tolist(), response_ids=resp, behaviour_logprobs=[-1.0] * rlen,
-            versions=[0] * rlen, finish_reason="length", advantage=1.0 if i % 2 else -1.0))
+    for g in range(groups):
+        prompt = rng.integers(100, vocab - 1, size=plen).tolist()
+        for i in range(group_size):
+            n = rlen if i == 0 else int(rng.integers(max(1, rlen // 4), rlen + 1))
+            samples.append(Sample(sample_id=f"s{g}-{i}", group_id=f"g{g}", problem_id=f"p{g}", prompt_ids=prompt,
+                                  response_ids=rng.integers(100, vocab - 1, size=n).tolist(),
+                                  behaviour_logprobs=[-1.0] * n, versions=[0] * n, finish_reason="length",
+                                  advantage=1.0 if i % 2 else -1.0))
     return samples
+
+
+# Train-step shapes (groups, group size, prompt tokens, longest response): a warm-up, then short and long
+# batches, every one a shape not seen before. The step time is fitted against the tokens the trainer
+# computes, padding included (rollwise.train.trainer.computed_tokens), which is what differs between
+# rollout modes. Distinct shapes, because a rollout's batches never repeat one: on this CPU the same
+# batch shape trained a second time took 6.8 s instead of 15.9 s (kernels and buffers made for it).
+TRAIN_WARMUP = (2, 4, 96, 16)
+TRAIN_SHAPES = ((4, 4, 96, 16), (4, 4, 96, 96), (4, 4, 96, 24), (4, 4, 96, 88))
+CONTENTION_TRAIN = (4, 4, 96, 48)
+
+
+# Engines are timed and trainers are timed as the rollout loop runs them: engine steps on a thread of
+# their own (the loop's EngineWorker), and each train step after a generation phase and a weight push.
+# Timed straight after each other on the main thread, both came out 20-40% faster here than inside
+# `bench rollout` (and a train step repeated on the same batch up to 1.6x faster).
+
+
+def _on_a_thread(fn: Any) -> Any:
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(fn()), name="calibrate-engine")
+    thread.start()
+    thread.join()
+    if not out:
+        raise RuntimeError("engine timing failed on its thread (see the traceback above)")
+    return out[0]
+
+
+def _generation_phase(engine: Any, rng: np.random.Generator, vocab: int, tag: int) -> None:
+    """What the loop's engine does between two updates: a few groups generated to completion."""
+    reqs = [GenerationRequest(f"gen{tag}-{i}", p, SamplingParams(max_tokens=24, n=4, seed=i, ignore_eos=True))
+            for i, p in enumerate(_prompts(rng, vocab, 4, 48))]
+
+    def run() -> None:
+        for r in reqs:
+            engine.add_request(r)
+        while engine.has_unfinished():
+            engine.step()
+
+    _on_a_thread(lambda: run() or True)
+
+
+def _fitted_cost(fit: dict[str, Any]) -> CostModel:
+    return CostModel(step_overhead_s=fit["step_overhead_s"], decode_s_per_seq=fit["decode_s_per_seq"],
+                     decode_s_per_ctx_token=fit["decode_s_per_ctx_token"], decode_s_by_batch=fit["decode_s_by_batch"])
 
 
 class _EngineOnly(Exception):
@@ -153,9 +217,9 @@ CONTENTION_BATCHES = (4, 32)
 
 
 def _contention_window(engine: Any, trainer: Any, rng: np.random.Generator, vocab: int, batch: int,
-                       fit: dict[str, float]) -> tuple[float, float, float]:
+                       fit: dict[str, float]) -> tuple[float, float, float, list]:
     """One train step while the engine keeps `batch` sequences running on another thread:
-    (median engine step time, the fit's prediction for that step alone, the train step's time)."""
+    (median engine step time, the fit's prediction for that step alone, the train step's time, its batch)."""
     reqs = [GenerationRequest(f"con{batch}-{i}", p, SamplingParams(max_tokens=400, seed=i, ignore_eos=True))
             for i, p in enumerate(_prompts(rng, vocab, batch, 48))]
     for r in reqs:
@@ -171,7 +235,7 @@ def _contention_window(engine: Any, trainer: Any, rng: np.random.Generator, voca
             steps.append(time.perf_counter() - t)
 
     thread = threading.Thread(target=stepping, daemon=True)
-    train_batch = _train_batch(rng, vocab, 8, 160, 24)
+    train_batch = _train_batch(rng, vocab, *CONTENTION_TRAIN)
     thread.start()
     t = time.perf_counter()
     trainer.train_step(train_batch)
@@ -181,8 +245,8 @@ def _contention_window(engine: Any, trainer: Any, rng: np.random.Generator, voca
     for r in reqs:
         engine.abort(r.request_id)
     ctx = batch * 48 + batch * 10  # typical context during the window (not critical)
-    predicted = fit["step_overhead_s"] + fit["decode_s_per_seq"] * batch + fit["decode_s_per_ctx_token"] * ctx
-    return (statistics.median(steps) if steps else predicted), predicted, train_s
+    predicted = _fitted_cost(fit).decode_s(batch, ctx)
+    return (statistics.median(steps) if steps else predicted), predicted, train_s, train_batch
 
 
 def calibrate(model: Any, tokenizer: Any, engine_kind: str = "reference", seed: int = 0,
@@ -191,7 +255,7 @@ def calibrate(model: Any, tokenizer: Any, engine_kind: str = "reference", seed: 
     from rollwise.config import TrainConfig
     from rollwise.engine.factory import create_engine
     from rollwise.sync.inprocess import push_weights
-    from rollwise.train.trainer import GRPOTrainer
+    from rollwise.train.trainer import GRPOTrainer, computed_tokens
 
     say = progress or (lambda msg: None)
     vocab = int(model.config.vocab_size)
@@ -200,8 +264,8 @@ def calibrate(model: Any, tokenizer: Any, engine_kind: str = "reference", seed: 
     engine = create_engine(engine_kind, model, tokenizer, max_num_seqs=32, max_model_len=512, seed=seed)
     try:
         say("timing engine steps")
-        time_steps(engine, vocab, seed, shapes=((32, 48),))  # warm-up (allocations, caches), discarded
-        records = time_steps(engine, vocab, seed + 1)
+        _on_a_thread(lambda: time_steps(engine, vocab, seed, shapes=((32, 48),)))  # warm-up, discarded
+        records = _on_a_thread(lambda: time_steps(engine, vocab, seed + 1))
         fit = fit_steps(records)
         say("timing weight updates")
         updates = []
@@ -214,29 +278,31 @@ def calibrate(model: Any, tokenizer: Any, engine_kind: str = "reference", seed: 
         say("timing trainer steps")
         rng = np.random.default_rng(seed)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        trainer = GRPOTrainer(model, TrainConfig(lr=1e-6, micro_batch_size=8), pad_token_id=pad)
-        shapes = ((4, 160, 24), (8, 160, 24), (8, 160, 24))
+        train_cfg = TrainConfig(lr=1e-6, micro_batch_size=8)
+        trainer = GRPOTrainer(model, train_cfg, pad_token_id=pad)
+        trainer.train_step(_train_batch(rng, vocab, *TRAIN_WARMUP))  # allocations, optimizer state: discarded
         train_times, train_tokens = [], []
-        for n, plen, rlen in shapes:
-            batch = _train_batch(rng, vocab, n, plen, rlen)
+        for version, shape in enumerate(TRAIN_SHAPES, start=3):
+            batch = _train_batch(rng, vocab, *shape)
+            _generation_phase(engine, rng, vocab, version)
+            push_weights(model, [engine], version)
             t = time.perf_counter()
             trainer.train_step(batch)
             train_times.append(time.perf_counter() - t)
-            train_tokens.append(n * (plen + rlen))
-        # first step includes warm-up: fit on the last two (same size), and the first only for the slope
-        alone = statistics.median(train_times[1:])
-        s_tok = max((alone - train_times[0]) / (train_tokens[1] - train_tokens[0]), 0.0)
-        if s_tok == 0.0:  # warm-up made the small step slower: fall back to no overhead
-            s_tok = alone / train_tokens[1]
-        overhead = max(alone - s_tok * train_tokens[1], 0.0)
+            train_tokens.append(computed_tokens(batch, train_cfg))
+        x = np.array([[1.0, n] for n in train_tokens])
+        overhead, s_tok = (float(c) for c in _nonneg_lstsq(x, np.array(train_times)))
+        def alone(samples: list) -> float:  # a train step's fitted time without contention
+            return overhead + s_tok * computed_tokens(samples, train_cfg)
         say("timing contention (engine and trainer at once), at a small and a full batch")
         contention = {b: _contention_window(engine, trainer, rng, vocab, b, fit) for b in CONTENTION_BATCHES}
-        measured, predicted, train_concurrent = contention[max(CONTENTION_BATCHES)]
+        # train step slowdown per window: its time over the fitted time of the same batch alone
+        train_slowdown = {b: max(1.0, t / alone(samples)) for b, (_, _, t, samples) in contention.items()}
+        measured, predicted, train_concurrent, _ = contention[max(CONTENTION_BATCHES)]
     except _EngineOnly:
-        contention = {}
+        contention, train_slowdown = {}, {}
         predicted = measured = 1.0
-        overhead = s_tok = 0.0
-        alone = train_concurrent = 1.0
+        overhead = s_tok = train_concurrent = 0.0
         train_times, train_tokens = [], []
     finally:
         getattr(engine, "close", lambda: None)()
@@ -244,26 +310,28 @@ def calibrate(model: Any, tokenizer: Any, engine_kind: str = "reference", seed: 
     cost = CostModel(
         name=f"cpu-{engine_kind}-calibrated", step_overhead_s=fit["step_overhead_s"],
         prefill_s_per_token=fit["prefill_s_per_token"], decode_s_per_seq=fit["decode_s_per_seq"],
-        decode_s_per_ctx_token=fit["decode_s_per_ctx_token"], max_num_seqs=32, max_model_len=512,
+        decode_s_per_ctx_token=fit["decode_s_per_ctx_token"], decode_s_by_batch=fit["decode_s_by_batch"],
+        max_num_seqs=32, max_model_len=512,
         decode_after_prefill=engine_kind == "reference", weight_update_s=statistics.median(updates),
         update_reprefill=engine_kind == "vllm",
         train_contention=max(1.0, measured / predicted), gpus_per_engine=1,
-        train_contention_by_batch={b: max(1.0, m / p) for b, (m, p, _) in contention.items()},
+        train_contention_by_batch={b: max(1.0, m / p) for b, (m, p, _, _) in contention.items()},
         sources=[f"rollwise sim calibrate --engine {engine_kind} on this machine ({torch.get_num_threads()} threads)"],
         assumptions=["linear step-time model fitted by least squares (R^2 in the calibration JSON)",
                      f"contention measured at running batches {list(CONTENTION_BATCHES)} (linear between): "
                      "engine steps while the trainer trains, the train step while an engine step runs"],
     )
     trainer_model = TrainerModel() if not with_trainer else TrainerModel(
-        step_overhead_s=overhead, s_per_token_gpu=s_tok, contention=max(1.0, train_concurrent / alone),
-        contention_by_batch={b: max(1.0, t / alone) for b, (_, _, t) in contention.items()},
-        sources=["rollwise sim calibrate: GRPO train_step (fwd+bwd+AdamW) timed at 4 and 8 samples x 184 tokens"],
-        assumptions=["train time linear in trained tokens (prompt + response)"],
+        step_overhead_s=overhead, s_per_token_gpu=s_tok, tokens="micro_batches",
+        contention=train_slowdown.get(max(CONTENTION_BATCHES), 1.0), contention_by_batch=train_slowdown,
+        sources=["rollwise sim calibrate: GRPO train_step (fwd+bwd+AdamW), 4 groups x 4 samples, "
+                 "responses up to 16 and 96 tokens"],
+        assumptions=["train time linear in the tokens the trainer computes, padding included"],
     )
     raw = {"fit": fit, "weight_update_s": updates, "train_s": train_times, "train_tokens": train_tokens,
            "train_concurrent_s": train_concurrent, "engine_step_concurrent_s": measured,
            "contention_by_batch": {b: {"engine_step_s": m, "engine_step_predicted_s": p, "train_s": t}
-                                   for b, (m, p, t) in contention.items()},
+                                   for b, (m, p, t, _) in contention.items()},
            "engine_step_predicted_s": predicted,
            "steps": [r.__dict__ for r in records]}
     return cost, trainer_model, raw

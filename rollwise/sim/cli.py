@@ -31,6 +31,9 @@ sources cited inside).
   rollwise sim validate [--cost YAML] [--rollout-only] [--json PATH]
       run `rollwise bench rollout --quick` for real and in simulation, side by side (--rollout-only:
       the trainer taken out on both sides, to check the engine cost model and the scheduling alone)
+  rollwise sim validate-router [--full] [--json PATH]
+      run `rollwise bench router --quick` on real replicas and in simulation (router/sim.py with the
+      replica engine calibrated here and the replicas sharing this machine's cores), side by side
 
 Bundled scenarios: rollwise/sim/configs/scenarios/ (grpo-7b.yaml, agent-sessions.yaml); bundled cost
 models: h100-7b, h100-32b (roofline estimates), cpu-reference-full (engine + trainer) and cpu-reference-calibrated (engine only), measured here.
@@ -165,6 +168,8 @@ def cmd_validate(args: argparse.Namespace, console: Console) -> int:
     from rollwise.sim.cost import load_cost_file
     from rollwise.sim.validate import validate
 
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
     cost, trainer = load_cost_file(args.cost)
     if args.rollout_only:
         from rollwise.sim.validate import validate_rollout_only
@@ -182,8 +187,9 @@ def cmd_validate(args: argparse.Namespace, console: Console) -> int:
     with console.status(f"loading {args.model}"):
         model, tokenizer = load_model(args.model)
     kind = resolve_engine_kind(args.engine, args.model)
-    with console.status("measured run (rollwise bench rollout), then the simulation"):
-        result = validate(model, tokenizer, cost, trainer, engine_kind=kind, quick=not args.full, seed=args.seed)
+    with console.status(f"measured runs (rollwise bench rollout, {args.rounds} round(s)), then the simulation"):
+        result = validate(model, tokenizer, cost, trainer, engine_kind=kind, quick=not args.full, seed=args.seed,
+                          rounds=args.rounds)
     return _print_validation(result, kind, cost.name, args, console)
 
 
@@ -192,13 +198,39 @@ def _print_validation(result: dict[str, Any], kind: str, cost_name: str, args: a
     what = "generation only (no trainer)" if result.get("rollout_only") else "bench rollout"
     table = Table(title=f"{what} {'full' if args.full else '--quick'}: measured ({kind}) vs simulated ({cost_name})")
     for col in ("mode", "bubble meas.", "bubble sim", "error", "samples/s meas.", "samples/s sim", "error",
-                "wall meas.", "wall sim"):
+                "meas. runs", "wall meas.", "wall sim"):
         table.add_column(col, justify="right")
     for r in result["comparison"]:
+        runs = r.get("samples_per_s_measured_runs", [])
         table.add_row(r["mode"], f"{r['bubble_ratio_measured']:.3f}", f"{r['bubble_ratio_simulated']:.3f}",
                       f"{r.get('bubble_ratio_error', 0):+.0%}", f"{r['samples_per_s_measured']:.2f}",
                       f"{r['samples_per_s_simulated']:.2f}", f"{r.get('samples_per_s_error', 0):+.0%}",
+                      " ".join(f"{x:.2f}" for x in runs) if len(runs) > 1 else "-",
                       f"{r['wall_s_measured']:.1f}", f"{r['wall_s_simulated']:.1f}")
+    console.print(table)
+    result["command"] = " ".join(["rollwise"] + sys.argv[1:])
+    _write_json(args.json, result, console)
+    return 0
+
+
+def cmd_validate_router(args: argparse.Namespace, console: Console) -> int:
+    from rollwise.sim.router_validate import validate_router
+
+    with console.status("calibrating the replica engine") as status:
+        result = validate_router(quick=not args.full, seed=args.seed, cores=args.cores, progress=status.update)
+    table = Table(title=f"bench router {'full' if args.full else '--quick'}: {result['replicas']} real replicas "
+                        f"vs simulated (calibrated here, sharing {result['cores']:g} cores)")
+    for col in ("policy", "req/s meas.", "req/s sim", "error", "hit meas.", "hit sim", "prefill meas.",
+                "prefill sim", "busy meas.", "busy sim", "p50 meas.", "p50 sim", "p99 meas.", "p99 sim"):
+        table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+    for r in result["comparison"]:
+        table.add_row(r["policy"], f"{r['requests_per_s_measured']:.2f}", f"{r['requests_per_s_simulated']:.2f}",
+                      f"{r['requests_per_s_error']:+.0%}", f"{r['prefix_hit_rate_measured']:.0%}",
+                      f"{r['prefix_hit_rate_simulated']:.0%}", f"{r['prefill_tokens_measured']:,}",
+                      f"{r['prefill_tokens_simulated']:,}", f"{r['engine_busy_s_measured']:.1f}",
+                      f"{r['engine_busy_s_simulated']:.1f}", f"{r['p50_latency_s_measured']:.2f}",
+                      f"{r['p50_latency_s_simulated']:.2f}", f"{r['p99_latency_s_measured']:.2f}",
+                      f"{r['p99_latency_s_simulated']:.2f}")
     console.print(table)
     result["command"] = " ".join(["rollwise"] + sys.argv[1:])
     _write_json(args.json, result, console)
@@ -208,7 +240,7 @@ def _print_validation(result: dict[str, Any], kind: str, cost_name: str, args: a
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollwise sim", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="sim_command", metavar="{CONFIG,sweep,calibrate,validate}")
+    sub = parser.add_subparsers(dest="sim_command", metavar="{CONFIG,sweep,calibrate,validate,validate-router}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
     run = sub.add_parser("run", parents=[common], help="run a scenario (also: rollwise sim CONFIG)")
@@ -239,21 +271,29 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--model", default="bundled:smollm2-135m-instruct")
     val.add_argument("--full", action="store_true", help="the full benchmark workload instead of --quick")
     val.add_argument("--seed", type=int, default=0)
+    val.add_argument("--rounds", type=int, default=1,
+                     help="measure every mode this many times (rotated order) and compare medians (default: 1)")
     val.add_argument("--rollout-only", action="store_true",
                      help="take the trainer out on both sides: validates the engine cost model and the scheduling")
+    vr = sub.add_parser("validate-router", parents=[common], help="bench router measured vs simulated")
+    vr.add_argument("--full", action="store_true", help="the full benchmark workload instead of --quick")
+    vr.add_argument("--seed", type=int, default=0)
+    vr.add_argument("--cores", type=float, default=None,
+                    help="cores the simulated replicas share (default: the cores this process may use)")
     return parser
 
 
 def main(argv: list[str]) -> int:
     parser = build_parser()
-    if argv and argv[0] not in ("run", "sweep", "calibrate", "validate", "-h", "--help"):
+    if argv and argv[0] not in ("run", "sweep", "calibrate", "validate", "validate-router", "-h", "--help"):
         argv = ["run", *argv]  # rollwise sim CONFIG ...
     args = parser.parse_args(argv)
     console = Console(width=max(Console().width, 160))  # the results tables are wide; pipes default to 80
     if args.sim_command is None:
         parser.print_help()
         return 0
-    handlers = {"run": cmd_run, "sweep": cmd_sweep, "calibrate": cmd_calibrate, "validate": cmd_validate}
+    handlers = {"run": cmd_run, "sweep": cmd_sweep, "calibrate": cmd_calibrate, "validate": cmd_validate,
+                "validate-router": cmd_validate_router}
     try:
         return handlers[args.sim_command](args, console)
     except (FileNotFoundError, ValueError) as exc:

@@ -18,7 +18,7 @@ rollwise/sim/configs/ derive them from published hardware and model figures (cit
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -32,6 +32,11 @@ class CostModel(BaseModel):
     prefill_s_per_token: float = Field(0.0, ge=0, description="per uncached prompt token prefilled")
     decode_s_per_seq: float = Field(0.0, ge=0, description="per running sequence per step")
     decode_s_per_ctx_token: float = Field(0.0, ge=0, description="per context token of running sequences per step")
+    # Measured step time by running batch, context excluded (linear between the sizes, flat beyond): where
+    # set, it replaces overhead + per-sequence. Small CPU batches are not linear: the reference engine
+    # here steps a batch of 2 about 1.7x slower than a batch of 1 and barely slower than a batch of 8
+    # (matrix-vector vs matrix-matrix kernels), and a rollout's long tail runs at exactly those sizes.
+    decode_s_by_batch: dict[int, float] = Field(default_factory=dict)
     max_num_seqs: int = Field(64, ge=1, description="concurrent sequences per engine (bubble-ratio capacity)")
     max_model_len: int = Field(4096, ge=2, description="prompt + generated tokens per sequence")
     kv_capacity_tokens: int = Field(1 << 30, ge=1, description="KV-cache tokens per engine; gates admission")
@@ -58,6 +63,8 @@ class CostModel(BaseModel):
         return interpolate(self.train_contention_by_batch, batch, self.train_contention)
 
     def decode_s(self, batch: int, context_tokens: float) -> float:
+        if self.decode_s_by_batch:
+            return interpolate(self.decode_s_by_batch, batch, 0.0) + self.decode_s_per_ctx_token * context_tokens
         return self.step_overhead_s + self.decode_s_per_seq * batch + self.decode_s_per_ctx_token * context_tokens
 
     def steps_duration(self, k: int, batch: int, context0: float, prefill_tokens: int) -> float:
@@ -71,13 +78,17 @@ class CostModel(BaseModel):
 
 
 class TrainerModel(BaseModel):
-    """The modelled trainer: one update = overhead + trained tokens (prompt + response) x time per token,
-    spread over the trainer's GPUs (assumes data-parallel scaling; state otherwise in the cost file)."""
+    """The modelled trainer: one update = overhead + trained tokens x time per token, spread over the
+    trainer's GPUs (assumes data-parallel scaling; state otherwise in the cost file). What a trained
+    token is: `packed` counts prompt + response of every sample (sequence packing, as GPU trainers do);
+    `micro_batches` counts what rollwise's own trainer computes, padding included
+    (rollwise.train.trainer.computed_tokens: a group's prompt once + rows x its longest response)."""
 
     model_config = ConfigDict(extra="forbid")
 
     step_overhead_s: float = Field(0.0, ge=0, description="per update: optimizer step, gradient sync")
     s_per_token_gpu: float = Field(0.0, ge=0, description="seconds per trained token on one GPU (or this CPU)")
+    tokens: Literal["packed", "micro_batches"] = Field("packed", description="what counts as a trained token")
     contention: float = Field(1.0, ge=1.0, description="train step slowdown while engines generate on shared cores")
     contention_by_batch: dict[int, float] = Field(default_factory=dict, description="by the engine's running batch")
     sources: list[str] = Field(default_factory=list)
@@ -88,6 +99,14 @@ class TrainerModel(BaseModel):
 
     def step_s(self, tokens: int, gpus: int = 1) -> float:
         return self.step_overhead_s + self.s_per_token_gpu * tokens / max(gpus, 1)
+
+    def batch_tokens(self, samples: list[Any], train: Any) -> int:
+        """Trained tokens of one update's samples, as `tokens` counts them (train: the run's TrainConfig)."""
+        if self.tokens == "micro_batches":
+            from rollwise.train.trainer import computed_tokens  # torch: only where a calibrated CPU model is used
+
+            return computed_tokens(samples, train)
+        return sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
 
 
 def interpolate(points: dict[int, float], x: int, default: float) -> float:

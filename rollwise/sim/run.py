@@ -136,7 +136,7 @@ def simulate(run: SimRun, progress: Callable[[str], None] | None = None) -> dict
                 step_max = max(step_max, version - v)
         staleness_max = max(staleness_max, step_max)
         controller.before_update()
-        tokens = sum(len(x.prompt_ids) + len(x.response_ids) for x in batch)
+        tokens = trainer.batch_tokens(batch, controller.cfg.train)
         t_train = clock.now
         train_through_contention(cluster, clock, trainer.step_s(tokens, s.trainer_gpus()), trainer, cost)
         train_s = clock.now - t_train
@@ -148,7 +148,7 @@ def simulate(run: SimRun, progress: Callable[[str], None] | None = None) -> dict
         controller.after_update(version)
         updates_at.append(clock.now)
         per_step.append({"step": step, "t": clock.now - t0, "rollout_s": rollout_phases[-1][1] - ta,
-                         "train_s": train_s, "staleness_max": step_max})
+                         "train_s": train_s, "train_tokens": tokens, "staleness_max": step_max})
         if progress is not None:
             progress(f"update {step + 1}/{s.workload.updates} at t={clock.now - t0:.1f}s (virtual)")
     t1 = clock.now

@@ -42,7 +42,9 @@ def simulate_bench(tokenizer: Any, cost: CostModel, trainer: TrainerModel, *, qu
 def compare(measured: dict[str, Any], simulated: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for m, s in zip(measured["modes"], simulated):
-        row = {"mode": m["mode"]}
+        row: dict[str, Any] = {"mode": m["mode"]}
+        if "samples_per_s_runs" in m:  # several rounds: the measured spread, against which the error reads
+            row["samples_per_s_measured_runs"] = m["samples_per_s_runs"]
         for key in ("bubble_ratio", "samples_per_s", "wall_s", "staleness_mean", "samples_regenerated"):
             sim_key = "virtual_s" if key == "wall_s" else key
             row[f"{key}_measured"] = m[key]
@@ -53,9 +55,31 @@ def compare(measured: dict[str, Any], simulated: list[dict[str, Any]]) -> list[d
     return rows
 
 
+def measure_rounds(model: Any, tokenizer: Any, *, engine_kind: str, quick: bool = True, seed: int = 0,
+                   rounds: int = 1) -> dict[str, Any]:
+    """The benchmark `rounds` times, the modes in an order rotated each round (the machine's slow
+    phases fall on every mode alike). Per mode: the median run by wall time, with every run's wall
+    time and bubble ratio beside it (on this shared 2-core machine the same run varies by 10-30%)."""
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    result: dict[str, Any] = {}
+    for r in range(rounds):
+        order = MODES[r % len(MODES):] + MODES[: r % len(MODES)]
+        result = run_rollout_bench(model, tokenizer, quick=quick, seed=seed, engine_kind=engine_kind, modes=order)
+        for m in result["modes"]:
+            runs[m["mode"]].append(m)
+    modes = []
+    for mode in MODES:
+        ordered = sorted(runs[mode], key=lambda m: m["wall_s"])
+        median = ordered[(len(ordered) - 1) // 2]
+        modes.append({**median, "wall_s_runs": [m["wall_s"] for m in runs[mode]],
+                      "samples_per_s_runs": [m["samples_per_s"] for m in runs[mode]],
+                      "bubble_ratio_runs": [m["bubble_ratio"] for m in runs[mode]]})
+    return {**result, "rounds": rounds, "modes": modes}
+
+
 def validate(model: Any, tokenizer: Any, cost: CostModel, trainer: TrainerModel, *, engine_kind: str,
-             quick: bool = True, seed: int = 0) -> dict[str, Any]:
-    measured = run_rollout_bench(model, tokenizer, quick=quick, seed=seed, engine_kind=engine_kind)
+             quick: bool = True, seed: int = 0, rounds: int = 1) -> dict[str, Any]:
+    measured = measure_rounds(model, tokenizer, quick=quick, seed=seed, engine_kind=engine_kind, rounds=rounds)
     simulated = simulate_bench(tokenizer, cost, trainer, quick=quick, seed=seed)
     return {"engine": engine_kind, "cost_model": cost.name, "measured": measured,
             "simulated": [{k: v for k, v in r.items() if not k.startswith("_")} for r in simulated],

@@ -1,0 +1,165 @@
+"""Validation of the router simulation against `rollwise bench router`, side by side in one run.
+
+1. Calibrate the benchmark's replica engine here: its model and engine (rollwise.bench.router: a random
+   256-wide, 4-layer Llama, the reference engine), on one thread as each replica runs, timed with the
+   same step fit as `rollwise sim calibrate` (rollwise.sim.calibrate.time_steps / fit_steps).
+2. Measure, on the benchmark's real replicas (4 subprocesses on this machine's cores): their serving
+   costs (sequential requests through a router: work per request, step time behind the server), then
+   every policy.
+3. Simulate: the same rounds (the same token workloads) through router/sim.py with the calibrated
+   costs, the replicas and the serving work sharing the machine's cores (processor sharing).
+
+Compared per policy: throughput (requests per second of workload wall time), prefix-cache hit rate,
+prompt tokens computed, latency p50/p99.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from rollwise.bench.router import (FULL, MODEL_SIZE, QUICK, BenchShape, engine_counters, measure_real, replicas,
+                                   round_workload)
+from rollwise.router.policies import POLICIES, make_policy
+from rollwise.router.sim import SimConfig, simulate
+
+# (batch, prompt tokens): the benchmark's prompts are 512+ tokens (a shared 128-token prefix + a
+# 384-token question; sessions grow past 700); GRPO groups run up to 16 sequences per replica.
+REPLICA_SHAPES = ((1, 64), (1, 512), (2, 256), (4, 128), (4, 512), (8, 64), (8, 512), (16, 64), (16, 384))
+
+
+def calibrate_replica(shape: BenchShape, seed: int = 0, progress: Any = None,
+                      shapes: tuple[tuple[int, int], ...] = REPLICA_SHAPES) -> dict[str, Any]:
+    """The replica engine's step costs on one thread (how bench router's replicas run)."""
+    from rollwise.engine.reference import ReferenceEngine
+    from rollwise.model.tiny import tiny_llama, tiny_tokenizer
+    from rollwise.sim.calibrate import fit_steps, time_steps
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tokenizer = tiny_tokenizer()
+        model = tiny_llama(seed=0, max_position_embeddings=shape.max_model_len, **MODEL_SIZE)
+        engine = ReferenceEngine(model, max_num_seqs=shape.max_num_seqs, max_model_len=shape.max_model_len,
+                                 eos_token_ids=[tokenizer.eos_token_id], seed=seed)
+        vocab = int(model.config.vocab_size)
+        if progress:
+            progress("calibrating the replica engine (one thread)")
+        time_steps(engine, vocab, seed, shapes=((16, 64),))  # warm-up, discarded
+        fit = fit_steps(time_steps(engine, vocab, seed + 1, shapes=shapes))
+    finally:
+        torch.set_num_threads(threads)
+    return fit
+
+
+def measure_serving(urls: list[str], fit: dict[str, Any], prompt_tokens: int, n: int = 30) -> dict[str, float]:
+    """What a replica behind HTTP costs beyond its engine, from sequential requests with distinct prompts
+    of the benchmark's length (JSON, hashing and cache lookups grow with it) through a router (client -> router -> replica and back, as the benchmark sends them):
+    1-token requests give the serving work per request (latency less the replicas' own busy time, which
+    they report as rollwise_engine_step_seconds_total), and
+    33-token ones the step time as the replica's server runs it (its loop and token delivery add to
+    every step). Sequential, so latency is work."""
+    import random
+
+    import httpx
+
+    from rollwise.bench.router import router
+
+    rng = random.Random(7)
+
+    def busy() -> float:
+        return sum(c.get("step_seconds", 0.0) for c in engine_counters(urls))
+
+    def timed(http: httpx.Client, max_tokens: int) -> tuple[float, float]:
+        """(median latency, mean latency less the replicas' busy time per request)"""
+        for _ in range(3):  # warm up connections
+            http.post("/generate", json={"prompt_ids": [7] * 16, "max_tokens": 1}).raise_for_status()
+        latencies = []
+        busy0 = busy()
+        for _ in range(n):
+            body = {"prompt_ids": [rng.randrange(5, 95) for _ in range(prompt_tokens)], "max_tokens": max_tokens,
+                    "ignore_eos": True}
+            t = time.perf_counter()
+            http.post("/generate", json=body).raise_for_status()
+            latencies.append(time.perf_counter() - t)
+        return statistics.median(latencies), max(sum(latencies) - (busy() - busy0), 0.0) / n
+
+    with router(urls, "round_robin") as url, httpx.Client(base_url=url, timeout=60) as http:
+        (one, request_s), (long, _) = timed(http, 1), timed(http, 33)
+    return {"latency_1_token_s": one, "latency_33_tokens_s": long, "served_step_s": max((long - one) / 32, 0.0),
+            "engine_step_s": fit["step_overhead_s"] + fit["decode_s_per_seq"], "request_s": request_s}
+
+
+def sim_config(shape: BenchShape, fit: dict[str, Any], cores: float, serving: dict[str, float] | None = None) -> SimConfig:
+    """The calibrated engine; with `serving` (measure_serving), the step overhead as the replica's
+    server runs it and the serving work per request."""
+    step_s = fit["step_overhead_s"]
+    if serving is not None:
+        step_s = max(step_s, serving["served_step_s"] - fit["decode_s_per_seq"])
+    return SimConfig(replicas=shape.replicas, max_num_seqs=shape.max_num_seqs, cache_tokens=16384, block_size=16,
+                     step_s=step_s, prefill_s_per_token=fit["prefill_s_per_token"],
+                     decode_s_per_seq=fit["decode_s_per_seq"], decode_s_per_ctx_token=fit["decode_s_per_ctx_token"],
+                     cores=cores, request_s=serving["request_s"] if serving else 0.0, padded_context=True)
+
+
+def simulate_bench(shape: BenchShape, config: SimConfig, seed: int, policies: list[str]) -> dict[str, dict]:
+    """Every round of every policy, cold caches per round (as the benchmark flushes them), summed."""
+    out = {}
+    for name in policies:
+        latencies: list[float] = []
+        prompt = cached = prefill = 0
+        wall = busy = 0.0
+        for rnd in range(shape.rounds):
+            r = simulate(make_policy(name), round_workload(shape, seed, rnd), config)
+            busy += r["engine_busy_s"]
+            latencies += r["latencies"]
+            prompt += r["prompt_tokens"]
+            cached += r["cached_prompt_tokens"]
+            prefill += r["prefill_tokens"]
+            wall += r["makespan_s"]
+        out[name] = {"requests": len(latencies), "wall_s": wall, "prefix_hit_rate": cached / prompt if prompt else 0.0,
+                     "prefill_tokens": prefill, "p50_latency_s": _percentile(latencies, 0.5),
+                     "p99_latency_s": _percentile(latencies, 0.99), "engine_busy_s": busy}
+    return out
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
+
+
+def compare(real: dict[str, dict], simulated: dict[str, dict]) -> list[dict[str, Any]]:
+    rows = []
+    for name, m in real.items():
+        s = simulated[name]
+        row: dict[str, Any] = {"policy": name}
+        m = {**m, "requests_per_s": m["requests"] / m["wall_s"]}
+        s = {**s, "requests_per_s": s["requests"] / s["wall_s"]}
+        for key in ("requests_per_s", "prefix_hit_rate", "prefill_tokens", "p50_latency_s", "p99_latency_s",
+                    "engine_busy_s"):
+            row[f"{key}_measured"], row[f"{key}_simulated"] = m[key], s[key]
+            row[f"{key}_error"] = s[key] / m[key] - 1 if m[key] else None
+        rows.append(row)
+    return rows
+
+
+def validate_router(*, quick: bool = True, seed: int = 0, policies: list[str] | None = None,
+                    cores: float | None = None, progress: Any = None) -> dict[str, Any]:
+    shape = QUICK if quick else FULL
+    policies = policies or list(POLICIES)
+    cores = cores if cores is not None else float(len(os.sched_getaffinity(0)))
+    fit = calibrate_replica(shape, seed, progress)
+    with replicas(shape) as urls:
+        if progress:
+            progress("timing the replicas' serving costs (router, HTTP, server loop)")
+        serving = measure_serving(urls, fit, prompt_tokens=shape.shared_tokens + shape.question_tokens)
+        real = measure_real(shape, seed, policies, progress, urls=urls)
+    config = sim_config(shape, fit, cores, serving)
+    simulated = simulate_bench(shape, config, seed, policies)
+    return {"benchmark": "router", "quick": quick, "replicas": shape.replicas, "cores": cores,
+            "calibration": {**fit, "serving": serving}, "sim_config": config.__dict__,
+            "measured": real, "simulated": simulated, "comparison": compare(real, simulated)}
