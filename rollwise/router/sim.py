@@ -8,6 +8,7 @@ prefill), and decodes one token for every running sequence. A step takes
 
     step_s + prefill_s_per_token * prefill tokens + decode_s_per_seq * running sequences
            + decode_s_per_ctx_token * context tokens of the running sequences
+           + cached_s_per_token * prompt tokens reused from the prefix cache
 
 of its own device, plus `request_s` of serving work per request (HTTP hops, router, JSON) before it
 reaches a replica, done by a serving process of `serving_cores` cores (requests in it share them). With
@@ -42,6 +43,7 @@ class SimConfig:
     prefill_s_per_token: float = 0.00005
     decode_s_per_seq: float = 0.0004
     decode_s_per_ctx_token: float = 0.0
+    cached_s_per_token: float = 0.0  # a prefix-cache hit is not free: its KV is copied into the slot
     cores: float = 0.0  # 0: every replica has its own device; > 0: replicas share this many cores
     padded_context: bool = False  # decode attends over batch x longest context (the reference engine)
     # Per request, outside the engine step: client, router and replica HTTP handling, JSON (CPU time;
@@ -188,12 +190,16 @@ class Simulation:
     def _step(self, replica: _Replica) -> None:
         cfg = self.cfg
         prefilled: set[tuple[int, ...]] = set()
-        prefill = 0
+        prefill = reused = 0
         while replica.waiting and len(replica.running) < cfg.max_num_seqs:
             request = replica.waiting.popleft()
             tokens = request.route.tokens
             key = tuple(tokens)
-            request.cached = len(tokens) if key in prefilled else replica.cache.match(tokens)
+            if key in prefilled:  # admitted with an identical prompt: shares its prefill outright
+                request.cached = len(tokens)
+            else:
+                request.cached = replica.cache.match(tokens)
+                reused += request.cached  # cached KV copied into the sequence's slot
             prefilled.add(key)
             prefill += len(tokens) - request.cached
             replica.cache.insert(tokens)
@@ -206,7 +212,7 @@ class Simulation:
         # batched decode); otherwise each over its own (paged attention, as vLLM).
         context = len(lengths) * max(lengths, default=0) if cfg.padded_context else sum(lengths)
         duration = (cfg.step_s + cfg.prefill_s_per_token * prefill + cfg.decode_s_per_seq * len(replica.running)
-                    + cfg.decode_s_per_ctx_token * context)
+                    + cfg.decode_s_per_ctx_token * context + cfg.cached_s_per_token * reused)
         if cfg.cores > 0:
             self._share(duration, lambda: self._end_step(replica))
         else:

@@ -45,15 +45,46 @@ def calibrate_replica(shape: BenchShape, seed: int = 0, progress: Any = None,
         tokenizer = tiny_tokenizer()
         model = tiny_llama(seed=0, max_position_embeddings=shape.max_model_len, **MODEL_SIZE)
         engine = ReferenceEngine(model, max_num_seqs=shape.max_num_seqs, max_model_len=shape.max_model_len,
-                                 eos_token_ids=[tokenizer.eos_token_id], seed=seed)
+                                 eos_token_ids=[tokenizer.eos_token_id], seed=seed, prefix_cache_tokens=16384)
         vocab = int(model.config.vocab_size)
         if progress:
             progress("calibrating the replica engine (one thread)")
         time_steps(engine, vocab, seed, shapes=((16, 64),))  # warm-up, discarded
         fit = fit_steps(time_steps(engine, vocab, seed + 1, shapes=shapes))
+        hit_s = _cache_hit_cost(engine, vocab, seed, shape.shared_tokens + shape.question_tokens)
+        fit["cached_s_per_token"] = hit_s / (shape.shared_tokens + shape.question_tokens)
     finally:
         torch.set_num_threads(threads)
     return fit
+
+
+def _cache_hit_cost(engine: Any, vocab: int, seed: int, prompt_tokens: int, pairs: int = 12) -> float:
+    """Extra step time of admitting a request whose whole prompt is in the prefix cache (its cached KV
+    is copied into the sequence's slot; only the last token is computed): steps with and without such
+    an admission, alternating, while a few sequences decode."""
+    import random
+
+    from rollwise.engine.types import GenerationRequest, SamplingParams
+
+    rng = random.Random(seed)
+    prompt = [rng.randrange(5, vocab - 1) for _ in range(prompt_tokens)]
+    engine.add_request(GenerationRequest("hit-warm", prompt, SamplingParams(max_tokens=1)))
+    background = [GenerationRequest(f"hit-bg{i}", [rng.randrange(5, vocab - 1) for _ in range(64)],
+                                    SamplingParams(max_tokens=4 * pairs + 8, ignore_eos=True)) for i in range(4)]
+    for r in background:
+        engine.add_request(r)
+    for _ in range(3):
+        engine.step()
+    with_hit, without = [], []
+    for i in range(2 * pairs):
+        if i % 2:
+            engine.add_request(GenerationRequest(f"hit{i}", prompt, SamplingParams(max_tokens=1, seed=i)))
+        t = time.perf_counter()
+        engine.step()
+        (with_hit if i % 2 else without).append(time.perf_counter() - t)
+    for r in background:
+        engine.abort(r.request_id)
+    return max(statistics.median(with_hit) - statistics.median(without), 0.0)
 
 
 def measure_serving(urls: list[str], fit: dict[str, Any], prompt_tokens: int, n: int = 30) -> dict[str, float]:
@@ -103,6 +134,7 @@ def sim_config(shape: BenchShape, fit: dict[str, Any], cores: float, serving: di
     return SimConfig(replicas=shape.replicas, max_num_seqs=shape.max_num_seqs, cache_tokens=16384, block_size=16,
                      step_s=step_s, prefill_s_per_token=fit["prefill_s_per_token"],
                      decode_s_per_seq=fit["decode_s_per_seq"], decode_s_per_ctx_token=fit["decode_s_per_ctx_token"],
+                     cached_s_per_token=fit.get("cached_s_per_token", 0.0),
                      cores=cores, request_s=serving["request_s"] if serving else 0.0, padded_context=True)
 
 
