@@ -293,7 +293,7 @@ def test_router_validation_on_real_replicas():
     with replicas(shape) as urls:
         serving = measure_serving(urls, fit, prompt_tokens=192, n=5)
         real = measure_real(shape, 0, policies, urls=urls)
-    assert 0 < serving["request_s"] < 1.0 and serving["served_step_s"] > 0
+    assert 0 < serving["request_s"] < 1.0 and 0 <= serving["replica_request_s"] < 1.0 and serving["served_step_s"] > 0
     simulated = simulate_bench(shape, sim_config(shape, fit, cores=2, serving=serving), 0, policies)
     rows = {r["policy"]: r for r in compare(real, simulated)}
     for name in policies:

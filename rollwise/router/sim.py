@@ -10,8 +10,9 @@ prefill), and decodes one token for every running sequence. A step takes
            + decode_s_per_ctx_token * context tokens of the running sequences
            + cached_s_per_token * prompt tokens reused from the prefix cache
 
-of its own device, plus `request_s` of serving work per request (HTTP hops, router, JSON) before it
-reaches a replica, done by a serving process of `serving_cores` cores (requests in it share them). With
+of its own device, plus `request_s` of serving work per request (the client's and router's HTTP, JSON,
+routing) done by a serving process of `serving_cores` cores (requests in it share them), and
+`replica_request_s` in the replica's own process (its HTTP side) before the engine sees it. With
 `cores` set, the replicas are single-threaded processes sharing that many CPU cores with the serving
 process (bench router: 4 replicas and the router on 2 cores): processor sharing, every task advances
 at min(1, cores / demand) of its own speed.
@@ -46,9 +47,10 @@ class SimConfig:
     cached_s_per_token: float = 0.0  # a prefix-cache hit is not free: its KV is copied into the slot
     cores: float = 0.0  # 0: every replica has its own device; > 0: replicas share this many cores
     padded_context: bool = False  # decode attends over batch x longest context (the reference engine)
-    # Per request, outside the engine step: client, router and replica HTTP handling, JSON (CPU time;
-    # on the shared cores when `cores` is set).
+    # Per request, outside the engine step: the client's and router's HTTP handling, JSON, routing (CPU
+    # time, in the serving process).
     request_s: float = 0.0
+    replica_request_s: float = 0.0  # per request in the replica's process, beside its engine (HTTP, asyncio)
     # Cores the serving work can use at once: bench router's client and router are one Python process,
     # whose threads take turns under one interpreter lock.
     serving_cores: float = 1.0
@@ -150,7 +152,7 @@ class Simulation:
 
     def submit(self, request: SimRequest) -> None:
         request.sent_at = self.now
-        if self.cfg.request_s > 0:  # the request's serving work (HTTP hops, router, JSON) comes first
+        if self.cfg.request_s > 0:  # the client's and router's work (HTTP, JSON, routing) comes first
             self._share(self.cfg.request_s, lambda: self._enqueue(request), serving=True)
         else:
             self._enqueue(request)
@@ -180,10 +182,19 @@ class Simulation:
             replica.prefill_tokens += prefill
             replica.decode_tokens += request.route.max_tokens
             self.policy.on_routed(request.route, decision, self.now)
-            replica.waiting.append(request)
-            if not replica.stepping:
-                replica.stepping = True
-                self.at(self.now, lambda r=replica: self._step(r))
+            if self.cfg.replica_request_s > 0:  # the replica's HTTP work before its engine sees it
+                if self.cfg.cores > 0:
+                    self._share(self.cfg.replica_request_s, lambda r=replica, q=request: self._arrive(r, q))
+                else:
+                    self.at(self.now + self.cfg.replica_request_s, lambda r=replica, q=request: self._arrive(r, q))
+            else:
+                self._arrive(replica, request)
+
+    def _arrive(self, replica: _Replica, request: SimRequest) -> None:
+        replica.waiting.append(request)
+        if not replica.stepping:
+            replica.stepping = True
+            self.at(self.now, lambda: self._step(replica))
 
     # ------------------------------------------------------------ the engines
 

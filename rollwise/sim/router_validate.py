@@ -87,13 +87,32 @@ def _cache_hit_cost(engine: Any, vocab: int, seed: int, prompt_tokens: int, pair
     return max(statistics.median(with_hit) - statistics.median(without), 0.0)
 
 
+def _replica_cpu_s(urls: list[str]) -> float:
+    """CPU seconds (user + system) the replica processes have used, read from /proc (Linux): each is
+    found by its `--port` on the command line."""
+    ports = {url.rsplit(":", 1)[1] for url in urls}
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            if b"--replica-worker" not in cmd or cmd[cmd.index(b"--port") + 1].decode() not in ports:
+                continue
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+        except (OSError, ValueError, IndexError):
+            continue  # a process that ended or is not ours
+    return total
+
+
 def measure_serving(urls: list[str], fit: dict[str, Any], prompt_tokens: int, n: int = 30) -> dict[str, float]:
     """What a replica behind HTTP costs beyond its engine, from sequential requests with distinct prompts
-    of the benchmark's length (JSON, hashing and cache lookups grow with it) through a router (client -> router -> replica and back, as the benchmark sends them):
-    1-token requests give the serving work per request (latency less the replicas' own busy time, which
-    they report as rollwise_engine_step_seconds_total), and
-    33-token ones the step time as the replica's server runs it (its loop and token delivery add to
-    every step). Sequential, so latency is work."""
+    of the benchmark's length (JSON, hashing and cache lookups grow with it) through a router (client ->
+    router -> replica and back, as the benchmark sends them). Per 1-token request: the CPU time of this
+    process (client and router: `request_s`) and of the replica processes beyond their engine steps
+    (HTTP, asyncio: `replica_request_s`; busy time as the replicas report it in
+    rollwise_engine_step_seconds_total). 33-token requests give the step time as the replica's server
+    runs it. Sequential, so latency is work."""
     import random
 
     import httpx
@@ -105,24 +124,29 @@ def measure_serving(urls: list[str], fit: dict[str, Any], prompt_tokens: int, n:
     def busy() -> float:
         return sum(c.get("step_seconds", 0.0) for c in engine_counters(urls))
 
-    def timed(http: httpx.Client, max_tokens: int) -> tuple[float, float]:
-        """(median latency, mean latency less the replicas' busy time per request)"""
+    def timed(http: httpx.Client, max_tokens: int) -> dict[str, float]:
         for _ in range(3):  # warm up connections
             http.post("/generate", json={"prompt_ids": [7] * 16, "max_tokens": 1}).raise_for_status()
         latencies = []
-        busy0 = busy()
+        busy0, own0, replicas0 = busy(), time.process_time(), _replica_cpu_s(urls)
         for _ in range(n):
             body = {"prompt_ids": [rng.randrange(5, 95) for _ in range(prompt_tokens)], "max_tokens": max_tokens,
                     "ignore_eos": True}
             t = time.perf_counter()
             http.post("/generate", json=body).raise_for_status()
             latencies.append(time.perf_counter() - t)
-        return statistics.median(latencies), max(sum(latencies) - (busy() - busy0), 0.0) / n
+        own, replicas, engine = time.process_time() - own0, _replica_cpu_s(urls) - replicas0, busy() - busy0
+        return {"latency_s": statistics.median(latencies), "client_router_cpu_s": own / n,
+                "replica_serving_cpu_s": max(replicas - engine, 0.0) / n,
+                "latency_less_busy_s": max(sum(latencies) - engine, 0.0) / n}
 
     with router(urls, "round_robin") as url, httpx.Client(base_url=url, timeout=60) as http:
-        (one, request_s), (long, _) = timed(http, 1), timed(http, 33)
-    return {"latency_1_token_s": one, "latency_33_tokens_s": long, "served_step_s": max((long - one) / 32, 0.0),
-            "engine_step_s": fit["step_overhead_s"] + fit["decode_s_per_seq"], "request_s": request_s}
+        one, long = timed(http, 1), timed(http, 33)
+    return {"latency_1_token_s": one["latency_s"], "latency_33_tokens_s": long["latency_s"],
+            "served_step_s": max((long["latency_s"] - one["latency_s"]) / 32, 0.0),
+            "engine_step_s": fit["step_overhead_s"] + fit["decode_s_per_seq"],
+            "latency_less_busy_s": one["latency_less_busy_s"],
+            "request_s": one["client_router_cpu_s"], "replica_request_s": one["replica_serving_cpu_s"]}
 
 
 def sim_config(shape: BenchShape, fit: dict[str, Any], cores: float, serving: dict[str, float] | None = None) -> SimConfig:
@@ -135,7 +159,9 @@ def sim_config(shape: BenchShape, fit: dict[str, Any], cores: float, serving: di
                      step_s=step_s, prefill_s_per_token=fit["prefill_s_per_token"],
                      decode_s_per_seq=fit["decode_s_per_seq"], decode_s_per_ctx_token=fit["decode_s_per_ctx_token"],
                      cached_s_per_token=fit.get("cached_s_per_token", 0.0),
-                     cores=cores, request_s=serving["request_s"] if serving else 0.0, padded_context=True)
+                     cores=cores, request_s=serving["request_s"] if serving else 0.0,
+                     replica_request_s=serving.get("replica_request_s", 0.0) if serving else 0.0,
+                     padded_context=True)
 
 
 def simulate_bench(shape: BenchShape, config: SimConfig, seed: int, policies: list[str]) -> dict[str, dict]:
