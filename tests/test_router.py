@@ -155,6 +155,20 @@ def test_simulated_replicas_sharing_cores():
     assert one["prefill_tokens"] == alone["prefill_tokens"]  # same routing, same cache: only time stretches
 
 
+def test_serving_jitter_breaks_lockstep_affinity_and_stays_deterministic():
+    """Identical sessions started together stay in lockstep in a simulator without variation, and round
+    robin then sends every turn of a session to the same replica; with serving times that vary (as
+    measured), it no longer does. Same seed, same result."""
+    workload = make_workload(0, groups=8, group_size=8, group_workers=2, sessions=4, turns=5, shared_tokens=64,
+                             question_tokens=128, opening_tokens=256, user_tokens=32, max_tokens=8)
+    base = SimConfig(replicas=4, request_s=0.005)
+    lockstep = simulate(make_policy("round_robin"), workload, base)
+    jittered = simulate(make_policy("round_robin"), workload, replace(base, request_cv=0.3))
+    again = simulate(make_policy("round_robin"), workload, replace(base, request_cv=0.3))
+    assert jittered["latencies"] == again["latencies"]
+    assert jittered["cached_prompt_tokens"] < lockstep["cached_prompt_tokens"]
+
+
 def test_radix_tree_split_evict_and_persist():
     tree = RadixTree(max_tokens_per_replica=100)
     tree.insert([1, 2, 3, 4, 5], "a", now=1)

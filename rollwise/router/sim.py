@@ -51,6 +51,10 @@ class SimConfig:
     # time, in the serving process).
     request_s: float = 0.0
     replica_request_s: float = 0.0  # per request in the replica's process, beside its engine (HTTP, asyncio)
+    # Spread of request_s (coefficient of variation; lognormal, mean kept). Identical clients started
+    # together otherwise stay in lockstep forever: round robin then sends every turn of a session to
+    # the same replica, an affinity no real router run has.
+    request_cv: float = 0.0
     # Cores the serving work can use at once: bench router's client and router are one Python process,
     # whose threads take turns under one interpreter lock.
     serving_cores: float = 1.0
@@ -126,7 +130,7 @@ class _Task:
 
 
 class Simulation:
-    def __init__(self, policy: Policy, config: SimConfig) -> None:
+    def __init__(self, policy: Policy, config: SimConfig, seed: int = 0) -> None:
         self.policy, self.cfg = policy, config
         self.replicas = {f"sim{i:02d}": _Replica(f"sim{i:02d}", BlockLRU(config.cache_tokens, config.block_size))
                          for i in range(config.replicas)}
@@ -139,6 +143,7 @@ class Simulation:
         self._sharing: list[_Task] = []  # work in progress on the shared cores
         self._shared_since = 0.0
         self._share_event = 0  # invalidates the scheduled step end when the sharing set changes
+        self._jitter = random.Random(seed * 7919 + 1)
 
     def at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn))
@@ -153,7 +158,10 @@ class Simulation:
     def submit(self, request: SimRequest) -> None:
         request.sent_at = self.now
         if self.cfg.request_s > 0:  # the client's and router's work (HTTP, JSON, routing) comes first
-            self._share(self.cfg.request_s, lambda: self._enqueue(request), serving=True)
+            work = self.cfg.request_s
+            if self.cfg.request_cv > 0:  # real serving times vary; without it, lockstep clients never reorder
+                work *= self._jitter.lognormvariate(-self.cfg.request_cv ** 2 / 2, self.cfg.request_cv)
+            self._share(work, lambda: self._enqueue(request), serving=True)
         else:
             self._enqueue(request)
 
@@ -304,7 +312,7 @@ class Simulation:
 
 def simulate(policy: Policy, workload: Workload, config: SimConfig) -> dict:
     """Run the closed-loop workload (GRPO group workers + multi-turn sessions) on simulated replicas."""
-    sim = Simulation(policy, config)
+    sim = Simulation(policy, config, seed=workload.seed)
     rng = random.Random(workload.seed)
 
     def output(n: int) -> list[int]:

@@ -136,7 +136,8 @@ def measure_serving(urls: list[str], fit: dict[str, Any], prompt_tokens: int, n:
             http.post("/generate", json=body).raise_for_status()
             latencies.append(time.perf_counter() - t)
         own, replicas, engine = time.process_time() - own0, _replica_cpu_s(urls) - replicas0, busy() - busy0
-        return {"latency_s": statistics.median(latencies), "client_router_cpu_s": own / n,
+        return {"latency_s": statistics.median(latencies), "latency_cv": statistics.pstdev(latencies) / statistics.mean(latencies),
+                "client_router_cpu_s": own / n,
                 "replica_serving_cpu_s": max(replicas - engine, 0.0) / n,
                 "latency_less_busy_s": max(sum(latencies) - engine, 0.0) / n}
 
@@ -146,7 +147,8 @@ def measure_serving(urls: list[str], fit: dict[str, Any], prompt_tokens: int, n:
             "served_step_s": max((long["latency_s"] - one["latency_s"]) / 32, 0.0),
             "engine_step_s": fit["step_overhead_s"] + fit["decode_s_per_seq"],
             "latency_less_busy_s": one["latency_less_busy_s"],
-            "request_s": one["client_router_cpu_s"], "replica_request_s": one["replica_serving_cpu_s"]}
+            "request_s": one["client_router_cpu_s"], "replica_request_s": one["replica_serving_cpu_s"],
+            "request_cv": one["latency_cv"]}
 
 
 def sim_config(shape: BenchShape, fit: dict[str, Any], cores: float, serving: dict[str, float] | None = None) -> SimConfig:
@@ -161,6 +163,7 @@ def sim_config(shape: BenchShape, fit: dict[str, Any], cores: float, serving: di
                      cached_s_per_token=fit.get("cached_s_per_token", 0.0),
                      cores=cores, request_s=serving["request_s"] if serving else 0.0,
                      replica_request_s=serving.get("replica_request_s", 0.0) if serving else 0.0,
+                     request_cv=serving.get("request_cv", 0.0) if serving else 0.0,
                      padded_context=True)
 
 
