@@ -31,7 +31,7 @@ sources cited inside).
   rollwise sim validate [--cost YAML] [--rollout-only] [--json PATH]
       run `rollwise bench rollout --quick` for real and in simulation, side by side (--rollout-only:
       the trainer taken out on both sides, to check the engine cost model and the scheduling alone)
-  rollwise sim validate-router [--full] [--json PATH]
+  rollwise sim validate-router [--full] [--rounds 3] [--json PATH]
       run `rollwise bench router --quick` on real replicas and in simulation (router/sim.py with the
       replica engine calibrated here and the replicas sharing this machine's cores), side by side
 
@@ -216,15 +216,21 @@ def _print_validation(result: dict[str, Any], kind: str, cost_name: str, args: a
 def cmd_validate_router(args: argparse.Namespace, console: Console) -> int:
     from rollwise.sim.router_validate import validate_router
 
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+
     with console.status("calibrating the replica engine") as status:
-        result = validate_router(quick=not args.full, seed=args.seed, cores=args.cores, progress=status.update)
+        result = validate_router(quick=not args.full, seed=args.seed, cores=args.cores, rounds=args.rounds,
+                                 progress=status.update)
     table = Table(title=f"bench router {'full' if args.full else '--quick'}: {result['replicas']} real replicas "
                         f"vs simulated (calibrated here, sharing {result['cores']:g} cores)")
-    for col in ("policy", "req/s meas.", "req/s sim", "error", "hit meas.", "hit sim", "prefill meas.",
+    for col in ("policy", "req/s meas.", "runs", "req/s sim", "error", "hit meas.", "hit sim", "prefill meas.",
                 "prefill sim", "busy meas.", "busy sim", "p50 meas.", "p50 sim", "p99 meas.", "p99 sim"):
         table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     for r in result["comparison"]:
-        table.add_row(r["policy"], f"{r['requests_per_s_measured']:.2f}", f"{r['requests_per_s_simulated']:.2f}",
+        runs = r.get("requests_per_s_measured_runs", [])
+        table.add_row(r["policy"], f"{r['requests_per_s_measured']:.1f}",
+                      " ".join(f"{x:.1f}" for x in runs) if len(runs) > 1 else "-", f"{r['requests_per_s_simulated']:.1f}",
                       f"{r['requests_per_s_error']:+.0%}", f"{r['prefix_hit_rate_measured']:.0%}",
                       f"{r['prefix_hit_rate_simulated']:.0%}", f"{r['prefill_tokens_measured']:,}",
                       f"{r['prefill_tokens_simulated']:,}", f"{r['engine_busy_s_measured']:.1f}",
@@ -278,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     vr = sub.add_parser("validate-router", parents=[common], help="bench router measured vs simulated")
     vr.add_argument("--full", action="store_true", help="the full benchmark workload instead of --quick")
     vr.add_argument("--seed", type=int, default=0)
+    vr.add_argument("--rounds", type=int, default=1,
+                    help="measure the benchmark this many times and compare each policy's median (default: 1)")
     vr.add_argument("--cores", type=float, default=None,
                     help="cores the simulated replicas share (default: the cores this process may use)")
     return parser
