@@ -38,6 +38,7 @@ from rich import box
 from rich.console import Group
 from rich.table import Table
 
+from rollwise.bench import percentile
 from rollwise.local_server import free_port
 from rollwise.router.policies import POLICIES, make_policy
 from rollwise.router.sim import SimConfig, Workload, make_workload, simulate
@@ -198,22 +199,15 @@ async def _run_workload(router: str, workload: Workload) -> list[dict[str, Any]]
     return records
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def _summary(latencies: list[float], prompt: float, cached: float, work: list[float], wall_s: float) -> dict:
+def summarize(latencies: list[float], prompt: float, cached: float, work: list[float], wall_s: float) -> dict:
     mean_work = sum(work) / len(work) if work else 0.0
     return {
         "requests": len(latencies),
         "prefix_hit_rate": cached / prompt if prompt else 0.0,
         "prompt_tokens": int(prompt),
         "prefill_tokens": int(prompt - cached),
-        "p50_latency_s": _percentile(latencies, 0.5),
-        "p99_latency_s": _percentile(latencies, 0.99),
+        "p50_latency_s": percentile(latencies, 0.5),
+        "p99_latency_s": percentile(latencies, 0.99),
         "load_imbalance": max(work) / mean_work if mean_work else 0.0,
         "wall_s": wall_s,
     }
@@ -239,16 +233,16 @@ def _real_summary(rounds: list[dict]) -> dict:
     prompt = sum(d["prompt_tokens"] for d in delta)
     cached = sum(d["cached_prompt_tokens"] for d in delta)
     work = [d["prompt_tokens"] - d["cached_prompt_tokens"] + d["generated_tokens"] for d in delta]
-    out = _summary([x for r in rounds for x in r["latencies"]], prompt, cached, work, sum(r["wall_s"] for r in rounds))
+    out = summarize([x for r in rounds for x in r["latencies"]], prompt, cached, work, sum(r["wall_s"] for r in rounds))
     out["requests_per_replica"] = [sum(r["served"][i] for r in rounds) for i in range(len(delta))]
     out["engine_busy_s"] = sum(d.get("step_seconds", 0.0) for d in delta)  # summed over replicas
-    out["p99_latency_s_per_round"] = [_percentile(r["latencies"], 0.99) for r in rounds]
+    out["p99_latency_s_per_round"] = [percentile(r["latencies"], 0.99) for r in rounds]
     return out
 
 
 def _sim_policy(policy: str, workload: Workload, config: SimConfig) -> dict:
     result = simulate(make_policy(policy), workload, config)
-    out = _summary(result["latencies"], result["prompt_tokens"], result["cached_prompt_tokens"],
+    out = summarize(result["latencies"], result["prompt_tokens"], result["cached_prompt_tokens"],
                    result["replica_work"], result["makespan_s"])
     out["prefill_tokens"] = result["prefill_tokens"]
     return out

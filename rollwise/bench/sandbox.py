@@ -18,16 +18,12 @@ from typing import Any
 
 from rich.table import Table
 
+from rollwise.bench import percentile
 from rollwise.sandbox import LocalSandbox, SandboxLimits, detect_isolation
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def _summary(samples: list[float]) -> dict[str, float]:
-    return {"p50_ms": 1e3 * statistics.median(samples), "p99_ms": 1e3 * _percentile(samples, 0.99),
+    return {"p50_ms": 1e3 * statistics.median(samples), "p99_ms": 1e3 * percentile(samples, 0.99),
             "mean_ms": 1e3 * statistics.fmean(samples), "n": len(samples)}
 
 

@@ -199,7 +199,7 @@ def _generation_phase(engine: Any, rng: np.random.Generator, vocab: int, tag: in
         while engine.has_unfinished():
             engine.step()
 
-    _on_a_thread(lambda: run() or True)
+    _on_a_thread(run)
 
 
 def _fitted_cost(fit: dict[str, Any]) -> CostModel:

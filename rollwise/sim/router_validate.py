@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from rollwise.bench.router import (FULL, MODEL_SIZE, QUICK, BenchShape, engine_counters, measure_real, replicas,
-                                   round_workload)
+                                   round_workload, summarize)
 from rollwise.router.policies import POLICIES, make_policy
 from rollwise.router.sim import SimConfig, simulate
 
@@ -168,29 +168,18 @@ def sim_config(shape: BenchShape, fit: dict[str, Any], cores: float, serving: di
 
 
 def simulate_bench(shape: BenchShape, config: SimConfig, seed: int, policies: list[str]) -> dict[str, dict]:
-    """Every round of every policy, cold caches per round (as the benchmark flushes them), summed."""
+    """Every round of every policy, cold caches per round (as the benchmark flushes them), summed and
+    summarized as the benchmark summarizes its measured rounds."""
     out = {}
     for name in policies:
-        latencies: list[float] = []
-        prompt = cached = prefill = 0
-        wall = busy = 0.0
-        for rnd in range(shape.rounds):
-            r = simulate(make_policy(name), round_workload(shape, seed, rnd), config)
-            busy += r["engine_busy_s"]
-            latencies += r["latencies"]
-            prompt += r["prompt_tokens"]
-            cached += r["cached_prompt_tokens"]
-            prefill += r["prefill_tokens"]
-            wall += r["makespan_s"]
-        out[name] = {"requests": len(latencies), "wall_s": wall, "prefix_hit_rate": cached / prompt if prompt else 0.0,
-                     "prefill_tokens": prefill, "p50_latency_s": _percentile(latencies, 0.5),
-                     "p99_latency_s": _percentile(latencies, 0.99), "engine_busy_s": busy}
+        results = [simulate(make_policy(name), round_workload(shape, seed, rnd), config) for rnd in range(shape.rounds)]
+        out[name] = summarize([x for r in results for x in r["latencies"]], sum(r["prompt_tokens"] for r in results),
+                              sum(r["cached_prompt_tokens"] for r in results),
+                              [sum(w) for w in zip(*(r["replica_work"] for r in results))],
+                              sum(r["makespan_s"] for r in results))
+        out[name]["prefill_tokens"] = sum(r["prefill_tokens"] for r in results)  # computed, as the engines count
+        out[name]["engine_busy_s"] = sum(r["engine_busy_s"] for r in results)
     return out
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
 
 
 def compare(real: dict[str, dict], simulated: dict[str, dict]) -> list[dict[str, Any]]:
