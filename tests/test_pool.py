@@ -157,6 +157,35 @@ def test_two_jobs_keep_weights_and_data_apart():
         assert any(c.token_ids != foreign[(c.request_id, c.index)].token_ids for c in got)
 
 
+def test_a_switched_slot_admits_the_new_jobs_work_at_once(monkeypatch):
+    """Job b submits while the only slot sits idle with job a's engine: the slot switches to b and admits
+    b's requests right away, not at its next idle re-plan (made 30 s long here; it used to cost every
+    switch up to one idle tick, which the simulator's validation against bench mux exposed)."""
+    import rollwise.pool.server as pool_server
+
+    monkeypatch.setattr(pool_server, "IDLE_TICK_S", 30.0)
+    pool = _pool(1)
+    with serve_in_thread(create_app(pool)) as (url, _):
+        a, _, _ = _attach(url, "a", "tiny:0")
+        b, _, _ = _attach(url, "b", "tiny:1", version=100)
+        try:
+            reqs = _requests("a", 0)
+            a.submit(reqs)
+            _collect(a, sum(r.params.n for r in reqs), timeout=20)
+            assert pool.state()["slots"][0]["job"] == "a"  # a's engine stays loaded while a trains
+            reqs = _requests("b", 0)
+            t0 = time.monotonic()
+            b.submit(reqs)
+            got = _collect(b, sum(r.params.n for r in reqs), timeout=20)
+            waited = time.monotonic() - t0
+        finally:
+            for w in (a, b):
+                w.close()
+                w.client.detach()
+    assert {v for c in got for v in c.versions} == {100}
+    assert waited < 10.0, f"b's samples took {waited:.1f} s: the switched slot waited for an idle tick"
+
+
 def test_tokens_guard_each_job_and_bad_input_names_the_field():
     pool = _pool(1)
     with serve_in_thread(create_app(pool)) as (url, _):

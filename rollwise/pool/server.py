@@ -234,6 +234,7 @@ class EnginePool:
 
     def close(self) -> None:
         self._stop.set()
+        self.kick()  # idle slot loops wake now instead of at their next idle tick
         for t in self._threads:
             if t.is_alive():
                 t.join(timeout=30)
@@ -491,19 +492,23 @@ class EnginePool:
 
     def _slot_loop(self, slot: _Slot) -> None:
         seen = 0
+        switched = False
         while not self._stop.is_set():
             try:
                 if slot.running > 0:  # samples running here: wait for the next one to finish
                     with slot.route_lock:
                         self._drain(slot, timeout=TICK_S)
-                else:  # idle: sleep until kicked (submit, resume), re-planning at least every IDLE_TICK_S
+                elif not switched:  # idle: sleep until kicked (submit, resume), re-planning at least every IDLE_TICK_S
                     with self._kick:
                         if self._kicks == seen:
                             self._kick.wait(IDLE_TICK_S)
                         seen = self._kicks
                     with slot.route_lock:
                         self._drain(slot)
-                self._tick(slot)
+                # Right after a switch the new job's queued work is admitted at once: the kick that announced
+                # it was consumed before the switch, and waiting for the next idle tick cost up to
+                # IDLE_TICK_S per switch (found by the simulator: bench mux's shared jobs waited ~50 ms a step).
+                switched = self._tick(slot)
             except Exception as exc:  # noqa: BLE001 - keep serving the other jobs; /state shows it
                 slot.errors.append(f"{time.strftime('%H:%M:%S')} {exc!r}")
                 del slot.errors[:-20]
@@ -565,20 +570,23 @@ class EnginePool:
                         j.busy_s + j.transition_s, j.paused) for j in self.jobs.values()]
         return slots, jobs
 
-    def _tick(self, slot: _Slot) -> None:
+    def _tick(self, slot: _Slot) -> bool:
+        """Plan this slot once: admit work or switch jobs. True when it switched."""
         # Deciding, assigning and submitting happen under route_lock: an abort (which takes it too) never
         # sees a request assigned to the slot but not yet on its engine.
         with slot.route_lock:
             switch = self._decide_and_admit(slot)
-        if switch is not None:
-            try:
-                self._switch(slot, *switch)
-            finally:
-                with self.lock:
-                    slot.switching = False
-                    slot.since = time.monotonic()
-                    if slot.job is not None and self.states.state(slot.index, slot.job) is not ACTIVE:
-                        slot.job = None  # the switch failed (see the slot's errors): the slot is free
+        if switch is None:
+            return False
+        try:
+            self._switch(slot, *switch)
+        finally:
+            with self.lock:
+                slot.switching = False
+                slot.since = time.monotonic()
+                if slot.job is not None and self.states.state(slot.index, slot.job) is not ACTIVE:
+                    slot.job = None  # the switch failed (see the slot's errors): the slot is free
+        return True
 
     def _decide_and_admit(self, slot: _Slot) -> tuple[_Job | None, _Job] | None:
         admit: list[_Request] = []
