@@ -40,6 +40,11 @@ from typing import Any
 import yaml
 
 from rollwise.local_server import free_port
+from rollwise.sim.mux import Host
+
+# The machine the benchmark runs on, for the simulator: trainers (one torch thread each) and the pool share
+# its cores; the CPU pool's engine slots are threads of one Python process (one interpreter lock).
+THIS_MACHINE = Host(cores=float(os.cpu_count() or 1), pool_cores=1.0)
 
 GOAL_SAVING = 0.40
 GOAL_SLOWDOWN = 0.15
@@ -207,9 +212,15 @@ def run_scenario(root: Path, jobs: int, engines: int, models: list[str], steps: 
     saving = 1 - shared_eh / dedicated_eh
     worst = max(j["slowdown"] for j in per_job.values())
     # The same jobs in the cluster simulator (rollwise.sim.mux: the pool's own scheduler, simulated engines),
-    # with phase times measured in the dedicated arm: what sharing gives when trainers do not compete with
-    # engines for cores (GPU engines).
-    projection = project_from_dedicated(dedicated, engines, workload, pool_state.get("transition_costs", {}))
+    # with phase times measured in the dedicated arm. Twice: on this machine as it is (its cores shared by
+    # the trainers and the pool, whose engine slots are threads of one Python process), which checks the
+    # simulator against the measured shared arm; and with each engine and trainer on a device of its own,
+    # as on a GPU cluster, which is what sharing gives there.
+    costs = pool_state.get("transition_costs", {})
+    projection = project_from_dedicated(dedicated, engines, workload, costs, min_slice_s)
+    here = project_from_dedicated(dedicated, engines, workload, costs, min_slice_s, THIS_MACHINE)
+    simulated_here = {**here, "host": {"cores": THIS_MACHINE.cores, "pool_cores": THIS_MACHINE.pool_cores},
+                      "wall_shared_error": {n: here["wall_shared_s"][n] / shared[n]["wall_s"] - 1 for n in names}}
     return {
         "scenario": tag, "jobs": jobs, "engines_shared": engines, "steps": steps,
         "engine_hours_dedicated": dedicated_eh, "engine_hours_shared": shared_eh, "engine_hours_saving": saving,
@@ -220,7 +231,8 @@ def run_scenario(root: Path, jobs: int, engines: int, models: list[str], steps: 
         "projection": {**projection, "max_slowdown": max(projection["slowdown"].values()),
                        "meets_goal": projection["engine_hours_saving"] >= GOAL_SAVING
                        and max(projection["slowdown"].values()) <= GOAL_SLOWDOWN},
-        "transition_costs": pool_state.get("transition_costs", {}),
+        "simulated_here": simulated_here,
+        "transition_costs": costs,
         "isolation": {"checked_admissions": pool_state["isolation"]["checked_admissions"],
                       "violations": len(pool_state["isolation"]["violations"])},
         "pool_engine_hours_unallocated": pool_state.get("engine_hours_unallocated"),
@@ -228,7 +240,8 @@ def run_scenario(root: Path, jobs: int, engines: int, models: list[str], steps: 
 
 
 def project_from_dedicated(dedicated: dict[str, dict[str, Any]], engines: int, workload: dict[str, Any],
-                           transition_costs: dict[str, Any], min_slice_s: float = 5.0) -> dict[str, Any]:
+                           transition_costs: dict[str, Any], min_slice_s: float = 5.0,
+                           host: Host = Host()) -> dict[str, Any]:
     """The scenario in simulation, calibrated on its dedicated arm: each job's generation, train (+ weight
     sync) and start-up times per step as measured alone; an engine cost model whose decode step makes the
     slowest job's measured generation (every sample runs to max_tokens: the tiny models rarely stop);
@@ -252,7 +265,7 @@ def project_from_dedicated(dedicated: dict[str, dict[str, Any]], engines: int, w
                            startup_s=max(d["wall_s"] - d["generate_s"] - train, 0.0)))
     mean = {k: transition_costs.get(k, {}).get("mean_s", 0.0) for k in ("load", "wake", "sleep")}
     r = compare_shared_vs_dedicated(jobs, engines, cost, Transitions(mean["load"], mean["wake"], mean["sleep"]),
-                                    Policy(min_slice_s=min_slice_s))
+                                    Policy(min_slice_s=min_slice_s), host=host)
     return {"wall_shared_s": {n: j["shared_wall_s"] for n, j in r["jobs"].items()},
             "wall_dedicated_s": {n: j["dedicated_wall_s"] for n, j in r["jobs"].items()},
             "slowdown": {n: j["slowdown"] for n, j in r["jobs"].items()},
@@ -317,10 +330,12 @@ def format_mux_bench(result: dict[str, Any]):
         table.add_column(col, justify="left" if col in ("scenario", "job") else "right")
     for s in result["scenarios"]:
         first = True
+        here = s["simulated_here"]
         for name, j in s["per_job"].items():
             table.add_row(
                 f"{s['jobs']} jobs / {s['engines_shared']} engine(s)" if first else "", f"{name} ({j['model']})",
-                f"{j['wall_dedicated_s']:.1f} -> {j['wall_shared_s']:.1f}s", f"{j['slowdown']:+.0%}",
+                f"{j['wall_dedicated_s']:.1f} -> {j['wall_shared_s']:.1f}s (sim** {here['wall_shared_s'][name]:.1f}s, "
+                f"{here['wall_shared_error'][name]:+.0%})", f"{j['slowdown']:+.0%}",
                 f"{j['generate_s_dedicated']:.1f} -> {j['generate_s_shared']:.1f}s",
                 f"{j['train_s_dedicated']:.1f} -> {j['train_s_shared']:.1f}s",
                 f"{(j['pool_engine_s_allocated'] or 0):.1f} ({(j['pool_engine_s_busy'] or 0):.1f})",
@@ -338,7 +353,9 @@ def format_mux_bench(result: dict[str, Any]):
     table.caption = (table.caption or "") + (
         "*projected: the same jobs in the cluster simulator (rollwise.sim.mux: the pool's own scheduler on "
         "simulated engines) with the phase times measured in the dedicated arm and the measured switch costs "
-        "(trainers not competing with engines for cores, as with GPU engines). ")
+        "(trainers not competing with engines for cores, as with GPU engines). **sim: the same simulation of this "
+        "machine (its cores shared by the trainers and the pool, the pool's engine slots one Python process): "
+        "shared wall time and its error against the measured one. ")
     busy = result.get("cpu_busy_before_start")
     table.caption = (table.caption or "") + (
         f"Goal: >= {GOAL_SAVING:.0%} fewer engine-hours, <= {GOAL_SLOWDOWN:.0%} slowdown per job. "

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from rollwise.router.policies import Policy, ReplicaLoad, RouteRequest
+from rollwise.sim.cores import SharedCores
 
 
 @dataclass(frozen=True)
@@ -122,13 +123,6 @@ class _Replica:
         return ReplicaLoad(self.name, self.in_flight, self.prefill_tokens, self.decode_tokens)
 
 
-@dataclass(eq=False)
-class _Task:
-    work_s: float  # remaining, in seconds at full speed
-    on_done: Callable[[], None]
-    serving: bool = False  # a request's serving work, not an engine step
-
-
 class Simulation:
     def __init__(self, policy: Policy, config: SimConfig, seed: int = 0) -> None:
         self.policy, self.cfg = policy, config
@@ -140,9 +134,9 @@ class Simulation:
         self._queue: deque[SimRequest] = deque()  # router queue: every replica at its cap
         self.affinity: dict[str, str] = {}  # session/group key -> last replica (the router's AffinityTable)
         self.done: list[SimRequest] = []
-        self._sharing: list[_Task] = []  # work in progress on the shared cores
-        self._shared_since = 0.0
-        self._share_event = 0  # invalidates the scheduled step end when the sharing set changes
+        # Engine steps (when replicas share `cores`) and requests' serving work (always: the serving process
+        # runs one request's work at a time per `serving_cores`) share the machine (rollwise.sim.cores).
+        self._cores = SharedCores(config.cores, self.at, lambda: self.now, caps={"serving": config.serving_cores})
         self._jitter = random.Random(seed * 7919 + 1)
 
     def at(self, t: float, fn: Callable[[], None]) -> None:
@@ -237,53 +231,8 @@ class Simulation:
         else:
             self.at(self.now + duration, lambda: self._end_step(replica))
 
-    # Processor sharing. Engine steps (when replicas share `cores`) and requests' serving work (always:
-    # the serving process runs one request's work at a time per `serving_cores`) are tasks that drain at
-    # a rate fixed between events: serving tasks split the serving cores, and when the machine's cores
-    # are shared, everything slows alike once engines + serving ask for more than there is. Every change
-    # of the set re-plans the next task end; an event planned before a change is ignored.
-
     def _share(self, work_s: float, on_done: Callable[[], None], serving: bool = False) -> None:
-        self._share_advance()
-        self._sharing.append(_Task(work_s, on_done, serving))
-        self._share_schedule()
-
-    def _share_rates(self) -> tuple[float, float]:
-        """(rate of an engine step, rate of one request's serving work)."""
-        n_serving = sum(t.serving for t in self._sharing)
-        serving_demand = min(float(n_serving), self.cfg.serving_cores)
-        n_engine = len(self._sharing) - n_serving
-        machine = 1.0
-        if self.cfg.cores > 0 and n_engine + serving_demand > 0:
-            machine = min(1.0, self.cfg.cores / (n_engine + serving_demand))
-        return machine, (machine * serving_demand / n_serving if n_serving else 1.0)
-
-    def _rate(self, task: _Task, rates: tuple[float, float]) -> float:
-        return rates[1] if task.serving else rates[0]
-
-    def _share_advance(self) -> None:
-        rates, elapsed = self._share_rates(), self.now - self._shared_since
-        for task in self._sharing:
-            task.work_s -= elapsed * self._rate(task, rates)
-        self._shared_since = self.now
-
-    def _share_schedule(self) -> None:
-        self._share_event += 1
-        if not self._sharing:
-            return
-        event, rates = self._share_event, self._share_rates()
-        first = min(max(t.work_s, 0.0) / self._rate(t, rates) for t in self._sharing)
-        self.at(self.now + first, lambda: self._share_tick(event))
-
-    def _share_tick(self, event: int) -> None:
-        if event != self._share_event:
-            return
-        self._share_advance()
-        ended = [t for t in self._sharing if t.work_s <= 1e-12]
-        self._sharing = [t for t in self._sharing if t.work_s > 1e-12]
-        self._share_schedule()
-        for task in ended:
-            task.on_done()
+        self._cores.run(work_s, on_done, "serving" if serving else None)
 
     def _end_step(self, replica: _Replica) -> None:
         replica.busy_s += self.now - replica.step_started

@@ -9,8 +9,11 @@ What is modelled, and what is not:
   built there), charged to the job switched to, as the pool charges it;
 - the job's step: generation until its last sample is back, then `train_s(tokens)`, then `push_s`
   (the weight push to the pool), then the next batch is submitted;
-- not modelled: the HTTP hops, CPU contention between a job's trainer and another job's generation
-  (on this 2-core machine each gets one core; see `contention`).
+- the `Host`: by default (a GPU cluster) every engine and trainer has its own device. On a CPU machine
+  the trainers (one process each) and the pool's engine slots share `cores`, and the CPU pool's slots
+  are threads of one Python process, which take turns under its interpreter lock (`pool_cores=1`):
+  processor sharing (rollwise.sim.cores), engines stepping one decode step at a time;
+- not modelled: the HTTP hops (they are inside the measured phase times bench mux feeds in).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 
 from rollwise.engine.types import GenerationRequest, SamplingParams
 from rollwise.pool.scheduler import JobView, Policy, SlotView, plan
+from rollwise.sim.cores import SharedCores
 from rollwise.sim.cost import CostModel
 from rollwise.sim.engine import SimEngine, VirtualClock
 
@@ -54,6 +58,19 @@ class Transitions:
     sleep_s: float = 0.0  # the outgoing job's engine to sleep
 
 
+@dataclass(frozen=True)
+class Host:
+    """Where the jobs and the pool run. Default: a GPU cluster, nothing shared (each engine and trainer
+    on its own device). `rollwise bench mux` on a CPU machine: Host(cores=os.cpu_count(), pool_cores=1)."""
+
+    cores: float = 0.0  # > 0: trainers (one process each) and engine slots share this many CPU cores
+    pool_cores: float = 0.0  # > 0: the pool's engine slots together use at most this many cores (one interpreter)
+
+    @property
+    def shared(self) -> bool:
+        return self.cores > 0 or self.pool_cores > 0
+
+
 @dataclass
 class _JobState:
     spec: MuxJob
@@ -77,7 +94,7 @@ class _SlotState:
 
 
 def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions: Transitions = Transitions(),
-                 policy: Policy = Policy(), seed: int = 0) -> dict[str, Any]:
+                 policy: Policy = Policy(), seed: int = 0, host: Host = Host()) -> dict[str, Any]:
     """Run the jobs to their last step on `engines` shared slots; per-job wall time and engine-hours."""
     clock = VirtualClock()
     rng = random.Random(seed)
@@ -94,12 +111,24 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
     slots = [_SlotState(SimEngine(cost, clock=clock, length_sampler=length, engine_id=f"slot-{i}", seed=seed + i,
                                   cache_history=False)) for i in range(engines)]
     state = {j.name: _JobState(j, started_at=j.start_s) for j in jobs}
-    events: list[tuple[float, int, str, Any]] = []  # (time, tiebreak, kind, payload)
+    events: list[tuple[float, int, Callable[[], None], Callable[[], bool] | None]] = []
     serial = [0]
 
-    def at(t: float, kind: str, payload: Any) -> None:
+    def at(t: float, fn: Callable[[], None], valid: Callable[[], bool] | None = None) -> None:
+        """Call fn at time t (unless valid() says by then that the event was superseded)."""
         serial[0] += 1
-        heapq.heappush(events, (t, serial[0], kind, payload))
+        heapq.heappush(events, (t, serial[0], fn, valid))
+
+    cores = None  # no sharing: every engine and trainer at its own speed
+    if host.shared:
+        cores = SharedCores(host.cores, at, lambda: clock.now, caps={"pool": host.pool_cores or 1.0})
+
+    def compute(seconds: float, group: str | None, on_done: Callable[[], None]) -> None:
+        """CPU (or device) work of one process: timed as given, or shared with the others on the host."""
+        if cores is None:
+            at(clock.now + seconds, on_done)
+        else:
+            cores.run(seconds, on_done, group)
 
     def submit_step(js: _JobState) -> None:
         spec = js.spec
@@ -134,7 +163,7 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
                 s.job, s.since = decision.job, now
                 s.built.add(decision.job)
                 s.switching_until = now + cost_s
-                at(now + cost_s, "switched", decision.slot)
+                at(now + cost_s, lambda s=s: setattr(s, "switching_until", None))
             elif decision.action == "serve":
                 js = state[decision.job]
                 room = cost.max_num_seqs - s.engine.unfinished_samples
@@ -149,40 +178,47 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
 
     def start(i: int) -> None:
         e = slots[i].engine
-        if e.op is None and e.has_unfinished():
-            e.start_op()
         if e.op is not None:
-            at(e.op.end, "op", (i, e.op_serial))
+            if cores is None:  # a request added mid-op cut it short: its new end replaces the planned one
+                at(e.op.end, lambda: op_done(i), valid=lambda serial=e.op_serial: e.op is not None
+                   and e.op_serial == serial)
+            return
+        if not e.has_unfinished():
+            return
+        if cores is None:  # no sharing: the op runs at its own speed to the next finish
+            e.start_op()
+            if e.op is not None:
+                at(e.op.end, lambda: op_done(i), valid=lambda serial=e.op_serial: e.op is not None
+                   and e.op_serial == serial)
+        elif e.start_op(max_steps=1) is not None:  # shared cores: one step at a time, at the rate it gets
+            cores.run(e.op.end - clock.now, lambda: op_done(i), "pool" if host.pool_cores > 0 else None)
 
-    for js in state.values():
-        at(js.started_at + js.spec.startup_s, "start", js.spec.name)
-    while events:
-        t, _, kind, payload = heapq.heappop(events)
-        if kind == "op":
-            i, op_serial = payload
-            e = slots[i].engine
-            if e.op is not None and e.op_serial == op_serial:  # else superseded: the op was cut and rescheduled
-                clock.now = max(clock.now, t)
-                for c in e.finish_op():
-                    js = state[c.request_id.split(":", 1)[0]]
-                    js.outstanding -= 1
-                    js.tokens += len(c.prompt_ids) + len(c.token_ids)
-                    if js.outstanding == 0:
-                        at(clock.now + js.spec.train_s(js.tokens) + js.spec.push_s, "trained", js.spec.name)
-                start(i)
+    def op_done(i: int) -> None:
+        for c in slots[i].engine.finish_op():
+            js = state[c.request_id.split(":", 1)[0]]
+            js.outstanding -= 1
+            js.tokens += len(c.prompt_ids) + len(c.token_ids)
+            if js.outstanding == 0:
+                compute(js.spec.train_s(js.tokens) + js.spec.push_s, f"trainer:{js.spec.name}",
+                        lambda js=js: trained(js))
+        start(i)
+
+    def trained(js: _JobState) -> None:
+        js.step += 1
+        if js.step >= js.spec.steps:
+            js.finished_at = clock.now
         else:
-            clock.now = max(clock.now, t)
-            if kind == "switched":
-                slots[payload].switching_until = None
-            elif kind == "start":
-                submit_step(state[payload])
-            elif kind == "trained":
-                js = state[payload]
-                js.step += 1
-                if js.step >= js.spec.steps:
-                    js.finished_at = clock.now
-                else:
-                    submit_step(js)
+            submit_step(js)
+
+    for js in state.values():  # start-up (model load, first evaluation) is the trainer process's work
+        at(js.started_at, lambda js=js: compute(js.spec.startup_s, f"trainer:{js.spec.name}",
+                                                lambda: submit_step(js)))
+    while events:
+        t, _, fn, valid = heapq.heappop(events)
+        if valid is not None and not valid():
+            continue  # superseded (an op cut short and rescheduled): the clock does not move for it
+        clock.now = max(clock.now, t)
+        fn()
         if not events or events[0][0] > clock.now:  # everything due now has happened: decide once
             schedule()
 
@@ -198,12 +234,12 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
 
 def compare_shared_vs_dedicated(jobs: list[MuxJob], shared_engines: int, cost: CostModel,
                                 transitions: Transitions = Transitions(), policy: Policy = Policy(),
-                                seed: int = 0) -> dict[str, Any]:
+                                seed: int = 0, host: Host = Host()) -> dict[str, Any]:
     """`rollwise bench mux` in simulation: each job alone on one dedicated engine (no switching), then all
     jobs on `shared_engines`; engine-hours saved and per-job slowdown."""
-    dedicated = {j.name: simulate_mux([j], 1, cost, Transitions(load_s=transitions.load_s), policy, seed)
+    dedicated = {j.name: simulate_mux([j], 1, cost, Transitions(load_s=transitions.load_s), policy, seed, host)
                  for j in jobs}
-    shared = simulate_mux(jobs, shared_engines, cost, transitions, policy, seed)
+    shared = simulate_mux(jobs, shared_engines, cost, transitions, policy, seed, host)
     dedicated_hours = sum(d["engine_hours"] for d in dedicated.values())
     per_job = {n: {"dedicated_wall_s": dedicated[n]["jobs"][n]["wall_s"], "shared_wall_s": s["wall_s"],
                    "slowdown": s["wall_s"] / dedicated[n]["jobs"][n]["wall_s"] - 1}

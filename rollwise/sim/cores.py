@@ -1,0 +1,85 @@
+"""Processor sharing of a machine's CPU cores, for the simulators that run on a virtual clock.
+
+A task is a piece of CPU work, in seconds at the full speed of one core. It belongs to a process (its
+`group`) that can use at most `cap` cores at once: 1 for a single-threaded process, and 1 for a Python
+process however many threads it runs, since they take turns under one interpreter lock. A task with
+no group is a process of its own (one core at most). Between events the rates are fixed: a group with
+n tasks and cap c asks for min(n, c) cores, and when everything asks for more than the machine's
+`cores`, every group slows alike:
+
+    machine = min(1, cores / total demand)        (cores = 0: no shared limit, each process its own device)
+    rate of a task in a group = machine * min(n, c) / n
+
+Every change of the task set re-plans the next task end; an end planned before a change is ignored.
+Used by the router simulator (replicas, router and client on bench router's cores) and the pool
+simulator (trainers and the pool's engine slots on bench mux's cores).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+Schedule = Callable[[float, Callable[[], None]], None]  # at(time, callback) on the simulator's clock
+
+
+@dataclass(eq=False)
+class _Task:
+    work_s: float  # remaining, in seconds at full speed
+    on_done: Callable[[], None]
+    group: str | None
+
+
+class SharedCores:
+    def __init__(self, cores: float, at: Schedule, now: Callable[[], float],
+                 caps: Mapping[str, float] | None = None) -> None:
+        self.cores = cores
+        self.caps = dict(caps or {})  # group -> cores it can use at once (default 1)
+        self._at, self._now = at, now
+        self._tasks: list[_Task] = []
+        self._since = 0.0
+        self._event = 0  # bumped on every change: a planned end from before it is stale
+
+    def run(self, work_s: float, on_done: Callable[[], None], group: str | None = None) -> None:
+        """Start `work_s` seconds of CPU work now; `on_done()` is called when it has had them."""
+        self._advance()
+        self._tasks.append(_Task(work_s, on_done, group))
+        self._plan()
+
+    @property
+    def running(self) -> int:
+        return len(self._tasks)
+
+    def _rates(self) -> list[float]:
+        counts: dict[str | None, int] = {}
+        for t in self._tasks:
+            counts[t.group] = counts.get(t.group, 0) + 1
+        # a task without a group is a process of its own: its demand is 1
+        demand = {g: min(float(n), self.caps.get(g, 1.0)) for g, n in counts.items() if g is not None}
+        total = sum(demand.values()) + counts.get(None, 0)
+        machine = min(1.0, self.cores / total) if self.cores > 0 and total > 0 else 1.0
+        return [machine if t.group is None else machine * demand[t.group] / counts[t.group] for t in self._tasks]
+
+    def _advance(self) -> None:
+        elapsed = self._now() - self._since
+        for task, rate in zip(self._tasks, self._rates()):
+            task.work_s -= elapsed * rate
+        self._since = self._now()
+
+    def _plan(self) -> None:
+        self._event += 1
+        if not self._tasks:
+            return
+        event = self._event
+        first = min(max(t.work_s, 0.0) / rate for t, rate in zip(self._tasks, self._rates()))
+        self._at(self._now() + first, lambda: self._tick(event))
+
+    def _tick(self, event: int) -> None:
+        if event != self._event:
+            return
+        self._advance()
+        ended = [t for t in self._tasks if t.work_s <= 1e-12]
+        self._tasks = [t for t in self._tasks if t.work_s > 1e-12]
+        self._plan()
+        for task in ended:
+            task.on_done()
