@@ -11,9 +11,12 @@ Every job is a real `rollwise train` run (its own process, one torch thread) on 
 
 Reported per scenario: engine-hours of each arm (Σ engines × time held, DESIGN.md), the saving
 (1 - shared / dedicated), each job's wall time in both arms and its slowdown (shared / dedicated - 1),
-and the pool's own per-job accounting (engine-seconds allocated and busy, transition costs). A
-projection replays the same jobs through the pool's scheduler (rollwise.pool.projection) with the
-phase times measured in the dedicated arm: sharing without CPU contention between trainers and engines.
+and the pool's own per-job accounting (engine-seconds allocated and busy, transition costs). The cluster
+simulator (rollwise.sim.mux, the pool's own scheduler on simulated engines) replays the same jobs with the
+phase times measured in the dedicated arm, twice: on this machine as it is (its measured effective cores
+shared by the trainers and the pool, whose engine slots are threads of one Python process), checked
+against the measured shared arm; and projected onto separate devices (GPU engines): what sharing gives
+without CPU contention between trainers and engines.
 Goal (issue 7): >= 40% fewer engine-hours with <= 15% slowdown per job. Wall time of a job is its
 `train()` call (model load, evaluations before/after, the training loop), measured inside its process.
 
@@ -39,12 +42,10 @@ from typing import Any
 
 import yaml
 
+from rollwise.bench import process_cpu_s
 from rollwise.local_server import free_port
+from rollwise.sim.host import measure_effective_cores
 from rollwise.sim.mux import Host
-
-# The machine the benchmark runs on, for the simulator: trainers (one torch thread each) and the pool share
-# its cores; the CPU pool's engine slots are threads of one Python process (one interpreter lock).
-THIS_MACHINE = Host(cores=float(os.cpu_count() or 1), pool_cores=1.0)
 
 GOAL_SAVING = 0.40
 GOAL_SLOWDOWN = 0.15
@@ -87,16 +88,28 @@ def _job_main(config: str, out: str, *overrides: str) -> None:
     from rollwise.control.train_loop import train
 
     cfg = load_config(Path(config), list(overrides))
-    t0 = time.time()
+    t0, cpu0 = time.time(), os.times()
     summary = train(cfg, Console(file=io.StringIO(), width=160))
-    t1 = time.time()
+    t1, cpu1 = time.time(), os.times()
     records = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     Path(out).write_text(json.dumps({"start": t0, "end": t1, "wall_s": t1 - t0, "steps": summary["steps"],
                                      "generate_s": sum(r["time_generate_s"] for r in records),
                                      "train_s": sum(r["time_train_s"] for r in records),
                                      "weight_sync_s": sum(r["time_weight_sync_s"] for r in records),
+                                     "reward_s": sum(r["time_reward_s"] for r in records),
+                                     # step-to-step variation (coefficient of variation), for the simulator
+                                     "generate_cv": _cv([r["time_generate_s"] for r in records]),
+                                     "train_cv": _cv([r["time_train_s"] for r in records]),
+                                     # CPU time of this process (all threads): what it asks of the cores
+                                     "cpu_s": (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system),
                                      "policy_version": summary["policy_version"], "run_dir": summary["run_dir"],
                                      "engine": summary["engine"]}))
+
+
+def _cv(values: list[float]) -> float:
+    import statistics
+
+    return statistics.pstdev(values) / statistics.mean(values) if len(values) > 1 and sum(values) > 0 else 0.0
 
 
 def _spawn_job(config: Path, out: Path, overrides: list[str], log: Path) -> subprocess.Popen:
@@ -145,7 +158,9 @@ def _start_pool(engines: int, workload: dict[str, Any], min_slice_s: float, log:
 
 
 def run_scenario(root: Path, jobs: int, engines: int, models: list[str], steps: int, workload: dict[str, Any],
-                 min_slice_s: float = 5.0, timeout: float = 1800.0) -> dict[str, Any]:
+                 min_slice_s: float = 5.0, timeout: float = 1800.0, host: Host | None = None) -> dict[str, Any]:
+    """`host`: this machine for the simulator (default: every core at full speed; run_mux_bench passes the
+    measured effective cores)."""
     """Both arms of one scenario: `jobs` jobs, dedicated (one engine each, in turn) vs. shared (`engines`)."""
     tag = f"{jobs}x{engines}"
     base = root / tag
@@ -169,14 +184,16 @@ def run_scenario(root: Path, jobs: int, engines: int, models: list[str], steps: 
         for n in names:  # one after another: each has the machine (and its engine) to itself
             out, log = base / f"dedicated-{n}.json", base / f"dedicated-{n}.log"
             overrides = [f"pool.url={url}", f"pool.job={n}", f"output_dir={base / 'runs' / ('dedicated-' + n)}"]
+            cpu0 = process_cpu_s(pool.pid)
             _wait([(n, _spawn_job(configs[n], out, overrides, log), log)], timeout)
-            dedicated[n] = json.loads(out.read_text())
+            dedicated[n] = json.loads(out.read_text()) | {"pool_cpu_s": process_cpu_s(pool.pid) - cpu0}
     finally:
         stop(pool)
 
     pool, url = _start_pool(engines, workload, min_slice_s, base / "pool.log")
     try:
         procs = []
+        cpu0 = process_cpu_s(pool.pid)
         for n in names:
             out, log = base / f"shared-{n}.json", base / f"shared-{n}.log"
             overrides = [f"pool.url={url}", f"pool.job={n}", f"output_dir={base / 'runs' / ('shared-' + n)}"]
@@ -185,6 +202,7 @@ def run_scenario(root: Path, jobs: int, engines: int, models: list[str], steps: 
         import httpx
 
         pool_state = httpx.get(f"{url}/state", timeout=30).json()
+        pool_cpu_shared = process_cpu_s(pool.pid) - cpu0
     finally:
         stop(pool)
     shared = {n: json.loads((base / f"shared-{n}.json").read_text()) for n in names}
@@ -208,6 +226,9 @@ def run_scenario(root: Path, jobs: int, engines: int, models: list[str], steps: 
             "generate_s_dedicated": dedicated[n]["generate_s"], "generate_s_shared": shared[n]["generate_s"],
             "train_s_dedicated": dedicated[n]["train_s"], "train_s_shared": shared[n]["train_s"],
             "weight_sync_s_dedicated": dedicated[n]["weight_sync_s"], "weight_sync_s_shared": shared[n]["weight_sync_s"],
+            # CPU seconds: the job's process, and the pool's process while this job ran alone on it
+            "cpu_s_dedicated": dedicated[n]["cpu_s"], "cpu_s_shared": shared[n]["cpu_s"],
+            "pool_cpu_s_dedicated": dedicated[n]["pool_cpu_s"],
         }
     saving = 1 - shared_eh / dedicated_eh
     worst = max(j["slowdown"] for j in per_job.values())
@@ -218,13 +239,14 @@ def run_scenario(root: Path, jobs: int, engines: int, models: list[str], steps: 
     # as on a GPU cluster, which is what sharing gives there.
     costs = pool_state.get("transition_costs", {})
     projection = project_from_dedicated(dedicated, engines, workload, costs, min_slice_s)
-    here = project_from_dedicated(dedicated, engines, workload, costs, min_slice_s, THIS_MACHINE)
-    simulated_here = {**here, "host": {"cores": THIS_MACHINE.cores, "pool_cores": THIS_MACHINE.pool_cores},
+    host = host or Host(cores=float(os.cpu_count() or 1), pool_cores=1.0)
+    here = project_from_dedicated(dedicated, engines, workload, costs, min_slice_s, host)
+    simulated_here = {**here, "host": {"cores": host.cores, "pool_cores": host.pool_cores},
                       "wall_shared_error": {n: here["wall_shared_s"][n] / shared[n]["wall_s"] - 1 for n in names}}
     return {
         "scenario": tag, "jobs": jobs, "engines_shared": engines, "steps": steps,
         "engine_hours_dedicated": dedicated_eh, "engine_hours_shared": shared_eh, "engine_hours_saving": saving,
-        "shared_span_s": span, "dedicated_total_s": dedicated_eh * 3600,
+        "shared_span_s": span, "dedicated_total_s": dedicated_eh * 3600, "pool_cpu_s_shared": pool_cpu_shared,
         "max_slowdown": worst, "mean_slowdown": sum(j["slowdown"] for j in per_job.values()) / jobs,
         "meets_goal": saving >= GOAL_SAVING and worst <= GOAL_SLOWDOWN,
         "per_job": per_job,
@@ -262,7 +284,8 @@ def project_from_dedicated(dedicated: dict[str, dict[str, Any]], engines: int, w
         jobs.append(MuxJob(n, steps, workload["prompts_per_step"], workload["group_size"], prompt_tokens=8,
                            max_tokens=max_tokens, train_s=lambda _tokens, t=train / steps: t,
                            response_tokens=max(1, round(per_step[n] / step_s)),
-                           startup_s=max(d["wall_s"] - d["generate_s"] - train, 0.0)))
+                           startup_s=max(d["wall_s"] - d["generate_s"] - train, 0.0),
+                           generate_cv=d.get("generate_cv", 0.0), train_cv=d.get("train_cv", 0.0)))
     mean = {k: transition_costs.get(k, {}).get("mean_s", 0.0) for k in ("load", "wake", "sleep")}
     r = compare_shared_vs_dedicated(jobs, engines, cost, Transitions(mean["load"], mean["wake"], mean["sleep"]),
                                     Policy(min_slice_s=min_slice_s), host=host)
@@ -307,15 +330,21 @@ def run_mux_bench(quick: bool = False, root: Path | None = None) -> dict[str, An
     root = Path(tempfile.mkdtemp(prefix="rollwise-mux-")) if root is None else root
     t0 = time.monotonic()
     busy_before = _cpu_busy()
+    # For the simulation of this machine: how much single-threaded work its cores do at once (less than
+    # os.cpu_count() on a VM), and the CPU pool's engine slots, threads of one Python process (one core).
+    cores = measure_effective_cores()
+    host = Host(cores=cores["effective_cores"], pool_cores=1.0)
     scenarios = []
     if quick:
-        scenarios.append(run_scenario(root, 2, 1, ["tiny:0", "tiny:1"], steps=16, workload=QUICK, min_slice_s=5.0))
+        scenarios.append(run_scenario(root, 2, 1, ["tiny:0", "tiny:1"], steps=16, workload=QUICK, min_slice_s=5.0,
+                                      host=host))
     else:
-        scenarios.append(run_scenario(root, 2, 1, ["tiny:0", "tiny:1"], steps=24, workload=FULL, min_slice_s=5.0))
+        scenarios.append(run_scenario(root, 2, 1, ["tiny:0", "tiny:1"], steps=24, workload=FULL, min_slice_s=5.0,
+                                      host=host))
         scenarios.append(run_scenario(root, 4, 2, ["tiny:0", "tiny:1", "tiny:2", "tiny:3"], steps=24, workload=FULL,
-                                      min_slice_s=5.0))
+                                      min_slice_s=5.0, host=host))
     return {"bench": "mux", "quick": quick, "scenarios": scenarios, "workdir": str(root),
-            "cpu_busy_before_start": busy_before,
+            "cpu_busy_before_start": busy_before, "effective_cores": cores,
             "goal": {"engine_hours_saving_min": GOAL_SAVING, "slowdown_max": GOAL_SLOWDOWN},
             "bench_seconds": time.monotonic() - t0, "cpu_count": os.cpu_count(),
             "load_average_1m_at_end": os.getloadavg()[0]}
@@ -354,8 +383,9 @@ def format_mux_bench(result: dict[str, Any]):
         "*projected: the same jobs in the cluster simulator (rollwise.sim.mux: the pool's own scheduler on "
         "simulated engines) with the phase times measured in the dedicated arm and the measured switch costs "
         "(trainers not competing with engines for cores, as with GPU engines). **sim: the same simulation of this "
-        "machine (its cores shared by the trainers and the pool, the pool's engine slots one Python process): "
-        "shared wall time and its error against the measured one. ")
+        f"machine ({result['effective_cores']['effective_cores']:.2f} effective cores, measured, shared by the "
+        "trainers and the pool; the pool's engine slots one Python process): shared wall time and its error "
+        "against the measured one. ")
     busy = result.get("cpu_busy_before_start")
     table.caption = (table.caption or "") + (
         f"Goal: >= {GOAL_SAVING:.0%} fewer engine-hours, <= {GOAL_SLOWDOWN:.0%} slowdown per job. "

@@ -19,6 +19,7 @@ What is modelled, and what is not:
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections import deque
 from collections.abc import Callable
@@ -47,6 +48,11 @@ class MuxJob:
     response_tokens: int | None = None  # every sample exactly this long (overrides the mean)
     start_s: float = 0.0  # when the job is launched
     startup_s: float = 0.0  # launch to first batch (model load, first evaluation): no engine needed
+    # How much a step's generation and its training vary from step to step (coefficients of variation;
+    # lognormal, mean 1). Two jobs whose generate and train times fit each other's gaps would otherwise
+    # interleave perfectly forever; measured, they drift and collide on the shared engine and cores.
+    generate_cv: float = 0.0  # the step's engine steps all run this much slower or faster
+    train_cv: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,7 @@ class _JobState:
     tokens: int = 0  # trained tokens of this step
     step: int = 0
     busy_s: float = 0.0  # engine time charged (running + transitions)
+    generate_factor: float = 1.0  # this step's draw of the generation variation (engine slowdown)
     finished_at: float | None = None
     started_at: float = 0.0
 
@@ -93,12 +100,21 @@ class _SlotState:
     accounted_at: float = 0.0
 
 
+def _lognormal(rng: random.Random, cv: float) -> float:
+    """A factor with mean 1 and coefficient of variation `cv`; exactly 1 (no draw) when cv is 0."""
+    if cv <= 0:
+        return 1.0
+    sigma2 = math.log(1 + cv * cv)
+    return rng.lognormvariate(-sigma2 / 2, math.sqrt(sigma2))
+
+
 def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions: Transitions = Transitions(),
                  policy: Policy = Policy(), seed: int = 0, host: Host = Host()) -> dict[str, Any]:
     """Run the jobs to their last step on `engines` shared slots; per-job wall time and engine-hours."""
     clock = VirtualClock()
     rng = random.Random(seed)
     by_name = {j.name: j for j in jobs}
+    variation = random.Random(seed * 7919 + 1)  # its own stream: lengths drawn as before when all CVs are 0
 
     def length(req: GenerationRequest, i: int) -> int:
         spec = by_name[req.request_id.split(":", 1)[0]]
@@ -138,6 +154,7 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
             js.queue.append(GenerationRequest(f"{spec.name}:{js.step}:g{g}", prompt, params))
         js.outstanding = spec.prompts_per_step * spec.group_size
         js.tokens = 0
+        js.generate_factor = _lognormal(variation, spec.generate_cv)
 
     def account(s: _SlotState) -> None:
         now = clock.now
@@ -168,6 +185,8 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
                 js = state[decision.job]
                 room = cost.max_num_seqs - s.engine.unfinished_samples
                 added = False
+                if js.queue and js.queue[0].params.n <= room:  # this step's generation speed (its variation)
+                    s.engine.set_slowdown(js.generate_factor)
                 while js.queue and js.queue[0].params.n <= room:
                     req = js.queue.popleft()
                     room -= req.params.n
@@ -199,7 +218,8 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
             js.outstanding -= 1
             js.tokens += len(c.prompt_ids) + len(c.token_ids)
             if js.outstanding == 0:
-                compute(js.spec.train_s(js.tokens) + js.spec.push_s, f"trainer:{js.spec.name}",
+                train_s = js.spec.train_s(js.tokens) * _lognormal(variation, js.spec.train_cv)
+                compute(train_s + js.spec.push_s, f"trainer:{js.spec.name}",
                         lambda js=js: trained(js))
         start(i)
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from rollwise.bench import process_cpu_s
 from rollwise.bench.router import (FULL, MODEL_SIZE, QUICK, BenchShape, engine_counters, measure_real, replicas,
                                    round_workload, summarize)
 from rollwise.router.policies import POLICIES, make_policy
@@ -91,15 +92,13 @@ def _replica_cpu_s(urls: list[str]) -> float:
     """CPU seconds (user + system) the replica processes have used, read from /proc (Linux): each is
     found by its `--port` on the command line."""
     ports = {url.rsplit(":", 1)[1] for url in urls}
-    ticks = os.sysconf("SC_CLK_TCK")
     total = 0.0
     for pid in (p for p in os.listdir("/proc") if p.isdigit()):
         try:
             cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
             if b"--replica-worker" not in cmd or cmd[cmd.index(b"--port") + 1].decode() not in ports:
                 continue
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+            total += process_cpu_s(int(pid))
         except (OSError, ValueError, IndexError):
             continue  # a process that ended or is not ours
     return total
