@@ -361,3 +361,95 @@ def test_mux_runs_the_pools_own_scheduler(monkeypatch):
     # Both jobs want the one engine at t=0: the default serves j0 first (name tie-break), the change j1.
     assert base["jobs"]["j0"]["wall_s"] < base["jobs"]["j1"]["wall_s"]
     assert changed["jobs"]["j1"]["wall_s"] < changed["jobs"]["j0"]["wall_s"]
+
+
+def test_shared_cores_processor_sharing():
+    """rollwise.sim.cores: tasks split the machine's cores; a process's tasks split its own cap."""
+    import heapq
+    import itertools
+
+    from rollwise.sim.cores import SharedCores
+
+    def run(cores: float, tasks: list[tuple[float, float, str | None]], caps=None) -> list[float]:
+        now, events, seq, ends = [0.0], [], itertools.count(), {}
+        at = lambda t, fn: heapq.heappush(events, (t, next(seq), fn))  # noqa: E731
+        shared = SharedCores(cores, at, lambda: now[0], caps)
+        for i, (start, work, group) in enumerate(tasks):
+            at(start, lambda i=i, work=work, group=group: shared.run(work, lambda: ends.setdefault(i, now[0]), group))
+        while events:
+            now[0], _, fn = heapq.heappop(events)
+            fn()
+        return [ends[i] for i in range(len(tasks))]
+
+    assert run(0, [(0, 1.0, None)] * 3) == pytest.approx([1.0] * 3)  # no shared limit: each its own device
+    assert run(2, [(0, 1.0, None)] * 3) == pytest.approx([1.5] * 3)  # 3 processes on 2 cores
+    assert run(1.8, [(0, 0.9, None)] * 2) == pytest.approx([1.0] * 2)  # effective cores below the count
+    # one process (an interpreter) with two threads of work: they take turns, whatever the cores
+    assert run(16, [(0, 1.0, "pool"), (0, 1.0, "pool")], {"pool": 1.0}) == pytest.approx([2.0, 2.0])
+    assert run(0, [(0, 1.0, "pool"), (0, 1.0, "pool")], {"pool": 0.5}) == pytest.approx([4.0, 4.0])
+    # a task arriving mid-way slows the one running; the first ends later than alone, nothing is lost
+    first, second = run(1, [(0, 1.0, None), (0.5, 1.0, None)])
+    assert first == pytest.approx(1.5) and second == pytest.approx(2.0)
+
+
+def _generation_bound(n: int) -> list:
+    from rollwise.sim.mux import MuxJob
+
+    return [MuxJob(f"g{k}", steps=4, prompts_per_step=4, group_size=8, prompt_tokens=50, max_tokens=40,
+                   train_s=lambda _tokens: 0.05) for k in range(n)]
+
+
+def test_mux_host_shares_cores_and_one_interpreter():
+    """rollwise.sim.mux's Host: a GPU cluster (the default) shares nothing; on a CPU machine the trainers
+    and engines share its cores, and the CPU pool's engine slots, threads of one process, share one
+    interpreter."""
+    from rollwise.sim.mux import Host, MuxJob, simulate_mux
+
+    devices = simulate_mux(_generation_bound(2), 2, MUX_COST)
+    assert simulate_mux(_generation_bound(2), 2, MUX_COST, host=Host()) == devices
+    # plenty of cores, no interpreter limit: stepping one step at a time changes nothing but rounding
+    many = simulate_mux(_generation_bound(2), 2, MUX_COST, host=Host(cores=64))
+    assert many["makespan_s"] == pytest.approx(devices["makespan_s"], rel=0.02)
+    # two engine threads of one process: generation takes turns, about twice as long
+    one_process = simulate_mux(_generation_bound(2), 2, MUX_COST, host=Host(cores=64, pool_cores=1.0))
+    assert 1.7 < one_process["makespan_s"] / devices["makespan_s"] < 2.1
+    # training-heavy jobs on one core: the trainers compete with each other and with the engine
+    heavy = [MuxJob(f"t{k}", steps=3, prompts_per_step=2, group_size=4, prompt_tokens=50, max_tokens=20,
+                    train_s=lambda _tokens: 2.0) for k in range(2)]
+    apart = simulate_mux(heavy, 2, MUX_COST, host=Host(cores=64))
+    crowded = simulate_mux(heavy, 2, MUX_COST, host=Host(cores=1))
+    assert crowded["makespan_s"] > 1.6 * apart["makespan_s"]
+
+
+def test_mux_step_variation_is_seeded():
+    from dataclasses import replace as with_
+
+    from rollwise.sim.mux import Transitions, compare_shared_vs_dedicated
+
+    jobs = [with_(j, generate_cv=0.3, train_cv=0.3) for j in _mux_jobs(2)]
+    t = Transitions(load_s=0.5, wake_s=0.05, sleep_s=0.02)
+    varied = compare_shared_vs_dedicated(jobs, 1, MUX_COST, t, seed=1)
+    assert compare_shared_vs_dedicated(jobs, 1, MUX_COST, t, seed=1) == varied
+    assert compare_shared_vs_dedicated(jobs, 1, MUX_COST, t, seed=2) != varied
+    assert compare_shared_vs_dedicated(_mux_jobs(2), 1, MUX_COST, t, seed=1) != varied
+
+
+def test_host_measurements_run_real_processes():
+    """rollwise.sim.host times real worker processes (tiny model, one torch thread): small but real runs;
+    the values are loose (this machine is noisy), their shape is not."""
+    from rollwise.sim.host import measure_effective_cores, measure_interpreter_cores
+
+    cores = measure_effective_cores(processes=2, rounds=1, iterations=2)
+    assert cores["processes"] == 2 and len(cores["rounds"]) == 1
+    assert 0.3 < cores["effective_cores"] < 3.0
+    threads = measure_interpreter_cores(slots=2, rounds=1, steps=5)
+    assert 0.1 < threads["interpreter_cores"] < 2.5
+    with pytest.raises(ValueError, match="must be >= 1"):
+        measure_effective_cores(rounds=0)
+
+
+def test_validate_mux_refuses_bad_rounds(capsys):
+    from rollwise.cli import main
+
+    assert main(["sim", "validate-mux", "--rounds", "0"]) == 2
+    assert "--rounds must be at least 1" in capsys.readouterr().out

@@ -44,7 +44,7 @@ import yaml
 
 from rollwise.bench import process_cpu_s
 from rollwise.local_server import free_port
-from rollwise.sim.host import measure_effective_cores
+from rollwise.sim.host import measure_cpu_host
 from rollwise.sim.mux import Host
 
 GOAL_SAVING = 0.40
@@ -324,6 +324,15 @@ QUICK = {"prompts_per_step": 4, "group_size": 8, "max_tokens": 96, "max_num_seqs
 FULL = QUICK
 
 
+def scenario_specs(quick: bool) -> list[dict[str, Any]]:
+    """run_scenario's arguments for each scenario of the benchmark."""
+    two = {"jobs": 2, "engines": 1, "models": ["tiny:0", "tiny:1"], "min_slice_s": 5.0}
+    if quick:
+        return [{**two, "steps": 16, "workload": QUICK}]
+    four = {"jobs": 4, "engines": 2, "models": [f"tiny:{i}" for i in range(4)], "min_slice_s": 5.0}
+    return [{**two, "steps": 24, "workload": FULL}, {**four, "steps": 24, "workload": FULL}]
+
+
 def run_mux_bench(quick: bool = False, root: Path | None = None) -> dict[str, Any]:
     """quick: 2 tiny jobs on 1 engine, 16 steps (about a minute here). Full: 2 jobs / 1 engine and 4 jobs /
     2 engines, 24 steps. Jobs use tiny:0, tiny:1, ... (different weights)."""
@@ -331,20 +340,13 @@ def run_mux_bench(quick: bool = False, root: Path | None = None) -> dict[str, An
     t0 = time.monotonic()
     busy_before = _cpu_busy()
     # For the simulation of this machine: how much single-threaded work its cores do at once (less than
-    # os.cpu_count() on a VM), and the CPU pool's engine slots, threads of one Python process (one core).
-    cores = measure_effective_cores()
-    host = Host(cores=cores["effective_cores"], pool_cores=1.0)
-    scenarios = []
-    if quick:
-        scenarios.append(run_scenario(root, 2, 1, ["tiny:0", "tiny:1"], steps=16, workload=QUICK, min_slice_s=5.0,
-                                      host=host))
-    else:
-        scenarios.append(run_scenario(root, 2, 1, ["tiny:0", "tiny:1"], steps=24, workload=FULL, min_slice_s=5.0,
-                                      host=host))
-        scenarios.append(run_scenario(root, 4, 2, ["tiny:0", "tiny:1", "tiny:2", "tiny:3"], steps=24, workload=FULL,
-                                      min_slice_s=5.0, host=host))
+    # os.cpu_count() on a VM), and how much engine work the CPU pool's slots do together (threads of one
+    # Python process: less than one core's worth once two take turns under the interpreter lock).
+    measured = measure_cpu_host()
+    host = Host(cores=measured["cores"], pool_cores=measured["pool_cores"])
+    scenarios = [run_scenario(root, **spec, host=host) for spec in scenario_specs(quick)]
     return {"bench": "mux", "quick": quick, "scenarios": scenarios, "workdir": str(root),
-            "cpu_busy_before_start": busy_before, "effective_cores": cores,
+            "cpu_busy_before_start": busy_before, "host": measured,
             "goal": {"engine_hours_saving_min": GOAL_SAVING, "slowdown_max": GOAL_SLOWDOWN},
             "bench_seconds": time.monotonic() - t0, "cpu_count": os.cpu_count(),
             "load_average_1m_at_end": os.getloadavg()[0]}
@@ -383,9 +385,9 @@ def format_mux_bench(result: dict[str, Any]):
         "*projected: the same jobs in the cluster simulator (rollwise.sim.mux: the pool's own scheduler on "
         "simulated engines) with the phase times measured in the dedicated arm and the measured switch costs "
         "(trainers not competing with engines for cores, as with GPU engines). **sim: the same simulation of this "
-        f"machine ({result['effective_cores']['effective_cores']:.2f} effective cores, measured, shared by the "
-        "trainers and the pool; the pool's engine slots one Python process): shared wall time and its error "
-        "against the measured one. ")
+        f"machine (measured: {result['host']['cores']:.2f} effective cores shared by the trainers and the pool; "
+        f"the pool's engine slots, threads of one Python process, {result['host']['pool_cores']:.2f} cores' worth "
+        "together): shared wall time and its error against the measured one. ")
     busy = result.get("cpu_busy_before_start")
     table.caption = (table.caption or "") + (
         f"Goal: >= {GOAL_SAVING:.0%} fewer engine-hours, <= {GOAL_SLOWDOWN:.0%} slowdown per job. "

@@ -34,6 +34,9 @@ sources cited inside).
   rollwise sim validate-router [--full] [--rounds 3] [--json PATH]
       run `rollwise bench router --quick` on real replicas and in simulation (router/sim.py with the
       replica engine calibrated here and the replicas sharing this machine's cores), side by side
+  rollwise sim validate-mux [--full] [--rounds 3] [--json PATH]
+      run `rollwise bench mux --quick` (jobs sharing one engine pool) for real and in simulation
+      (rollwise.sim.mux on this machine's measured effective cores), shared wall times side by side
 
 Bundled scenarios: rollwise/sim/configs/scenarios/ (grpo-7b.yaml, agent-sessions.yaml); bundled cost
 models: h100-7b, h100-32b (roofline estimates), cpu-reference-full (engine + trainer) and cpu-reference-calibrated (engine only), measured here.
@@ -243,10 +246,42 @@ def cmd_validate_router(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def cmd_validate_mux(args: argparse.Namespace, console: Console) -> int:
+    from rollwise.sim.mux_validate import validate_mux
+
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+    with console.status("measuring this machine") as status:
+        result = validate_mux(full=args.full, rounds=args.rounds, progress=status.update)
+    host = result["host"]
+    table = Table(title=f"bench mux {'full' if args.full else '--quick'}: shared arm measured vs simulated "
+                        f"({host['cores']:.2f} effective cores, pool engine threads {host['pool_cores']:.2f} "
+                        f"cores' worth; medians of {args.rounds} round(s))")
+    for col in ("scenario", "job", "shared wall meas.", "runs", "shared wall sim", "error", "saving meas.",
+                "saving sim", "saving, separate devices"):
+        table.add_column(col, justify="left" if col in ("scenario", "job") else "right", no_wrap=True)
+    for c in result["comparison"]:
+        first = True
+        for name, j in c["per_job"].items():
+            table.add_row(f"{c['jobs']} jobs / {c['engines']} engine(s)" if first else "", name,
+                          f"{j['wall_shared_s_measured']:.1f}s",
+                          " ".join(f"{x:.1f}" for x in j["measured_runs"]) if len(j["measured_runs"]) > 1 else "-",
+                          f"{j['wall_shared_s_simulated']:.1f}s", f"{j['error']:+.0%}",
+                          f"{c['engine_hours_saving_measured']:.0%}" if first else "",
+                          f"{c['engine_hours_saving_simulated']:.0%}" if first else "",
+                          f"{c['engine_hours_saving_separate_devices']:.0%}" if first else "",
+                          end_section=name == list(c["per_job"])[-1])
+            first = False
+    console.print(table)
+    result["command"] = " ".join(["rollwise"] + sys.argv[1:])
+    _write_json(args.json, result, console)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollwise sim", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="sim_command", metavar="{CONFIG,sweep,calibrate,validate,validate-router}")
+    sub = parser.add_subparsers(dest="sim_command", metavar="{CONFIG,sweep,calibrate,validate,validate-router,validate-mux}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
     run = sub.add_parser("run", parents=[common], help="run a scenario (also: rollwise sim CONFIG)")
@@ -288,12 +323,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="measure the benchmark this many times and compare each policy's median (default: 1)")
     vr.add_argument("--cores", type=float, default=None,
                     help="cores the simulated replicas share (default: the cores this process may use)")
+    vm = sub.add_parser("validate-mux", parents=[common], help="bench mux measured vs simulated")
+    vm.add_argument("--full", action="store_true", help="also 4 jobs / 2 engines, 24 steps (about 5 min a round)")
+    vm.add_argument("--rounds", type=int, default=1,
+                    help="run the benchmark this many times and compare each job's median (default: 1)")
     return parser
 
 
 def main(argv: list[str]) -> int:
     parser = build_parser()
-    if argv and argv[0] not in ("run", "sweep", "calibrate", "validate", "validate-router", "-h", "--help"):
+    if argv and argv[0] not in ("run", "sweep", "calibrate", "validate", "validate-router", "validate-mux", "-h",
+                                "--help"):
         argv = ["run", *argv]  # rollwise sim CONFIG ...
     args = parser.parse_args(argv)
     console = Console(width=max(Console().width, 160))  # the results tables are wide; pipes default to 80
@@ -301,7 +341,7 @@ def main(argv: list[str]) -> int:
         parser.print_help()
         return 0
     handlers = {"run": cmd_run, "sweep": cmd_sweep, "calibrate": cmd_calibrate, "validate": cmd_validate,
-                "validate-router": cmd_validate_router}
+                "validate-router": cmd_validate_router, "validate-mux": cmd_validate_mux}
     try:
         return handlers[args.sim_command](args, console)
     except (FileNotFoundError, ValueError) as exc:

@@ -1,5 +1,6 @@
 """How much CPU work this machine does at once: its *effective* cores, for the simulators' processor
-sharing (rollwise.sim.cores).
+sharing (rollwise.sim.cores); and how much engine work the CPU pool's slots do at once, as threads of
+one Python process (`measure_interpreter_cores`).
 
 `os.cpu_count()` overstates it on a VM: two single-threaded processes each run ~10% slower side by side
 than alone here (shared caches and memory bandwidth, hyperthreads, a hypervisor's steal), so a
@@ -72,3 +73,71 @@ def measure_effective_cores(processes: int | None = None, rounds: int = 7, itera
             w.wait()
     return {"effective_cores": statistics.median(values), "rounds": values, "processes": processes,
             "cpu_count": os.cpu_count(), "alone_s": alone}
+
+
+_ENGINE_THREADS = """
+import json, sys, threading, time, torch
+torch.set_num_threads(1)
+from rollwise.engine.factory import create_engine
+from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.model.loading import load_model
+slots, rounds, steps = (int(a) for a in sys.argv[1:4])
+engines = []
+for k in range(slots):  # as the pool builds them: one reference engine per job, each its own tiny model
+    model, tok = load_model(f"tiny:{k}")
+    engines.append(create_engine("reference", model, tok, max_num_seqs=32, max_model_len=192, seed=0))
+def keep_busy(engine, n, out, i):
+    t, done, r = time.perf_counter(), 0, 0
+    while done < n:
+        if not engine.has_unfinished():  # a sync GRPO step's batch: 4 prompts x 8 samples
+            r += 1
+            for g in range(4):
+                engine.add_request(GenerationRequest(f"r{r}g{g}", [3 + g, 5, 7, 11], SamplingParams(
+                    max_tokens=96, temperature=1.0, n=8, seed=r)))
+        engine.step()
+        done += 1
+    out[i] = time.perf_counter() - t
+def run(k):  # the first k engines, each stepped on a thread of its own (the pool's EngineWorkers)
+    out = [0.0] * k
+    threads = [threading.Thread(target=keep_busy, args=(engines[i], steps, out, i)) for i in range(k)]
+    for th in threads: th.start()
+    for th in threads: th.join()
+    return out
+run(slots)  # warm up
+values = []
+for r in range(rounds):
+    if r % 2 == 0:
+        one, together = run(1)[0], run(slots)
+    else:
+        together, one = run(slots), run(1)[0]
+    values.append(sum(one / t for t in together))
+print(json.dumps(values))
+"""
+
+
+def measure_interpreter_cores(slots: int = 2, rounds: int = 7, steps: int = 150) -> dict[str, Any]:
+    """How many engines' worth of steps `slots` reference engines make per second when each steps on a
+    thread of one Python process (the CPU pool's slots), relative to one alone: 1.0 when they only take
+    turns under the interpreter lock, less when the handoffs cost extra, up to `slots` if steps ran in
+    parallel. Median over `rounds` back-to-back pairs (alone, together)."""
+    if slots < 1 or rounds < 1 or steps < 1:
+        raise ValueError("slots, rounds and steps must be >= 1")
+    import json
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _ENGINE_THREADS, str(slots), str(rounds), str(steps)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"the engine-thread timing failed (exit {out.returncode}): {out.stderr[-2000:]}")
+    values = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"interpreter_cores": statistics.median(values), "rounds": values, "slots": slots}
+
+
+def measure_cpu_host(pool_slots: int = 2) -> dict[str, Any]:
+    """This machine for the pool simulator (rollwise.sim.mux.Host): its effective cores, and how many
+    cores' worth of engine steps the CPU pool's slots make together (`pool_slots` engine threads of one
+    process). About a minute."""
+    cores = measure_effective_cores()
+    interpreter = measure_interpreter_cores(slots=pool_slots)
+    return {"cores": cores["effective_cores"], "pool_cores": interpreter["interpreter_cores"],
+            "effective_cores": cores, "interpreter": interpreter}

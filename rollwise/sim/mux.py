@@ -11,8 +11,9 @@ What is modelled, and what is not:
   (the weight push to the pool), then the next batch is submitted;
 - the `Host`: by default (a GPU cluster) every engine and trainer has its own device. On a CPU machine
   the trainers (one process each) and the pool's engine slots share `cores`, and the CPU pool's slots
-  are threads of one Python process, which take turns under its interpreter lock (`pool_cores=1`):
-  processor sharing (rollwise.sim.cores), engines stepping one decode step at a time;
+  are threads of one Python process, which take turns under its interpreter lock: together they do
+  `pool_cores` cores' worth of steps (measured by rollwise.sim.host; below 1 here, the handoffs cost).
+  Processor sharing (rollwise.sim.cores), engines stepping one decode step at a time;
 - not modelled: the HTTP hops (they are inside the measured phase times bench mux feeds in).
 """
 
@@ -67,7 +68,7 @@ class Transitions:
 @dataclass(frozen=True)
 class Host:
     """Where the jobs and the pool run. Default: a GPU cluster, nothing shared (each engine and trainer
-    on its own device). `rollwise bench mux` on a CPU machine: Host(cores=os.cpu_count(), pool_cores=1)."""
+    on its own device). `rollwise bench mux` on a CPU machine: rollwise.sim.host.measure_cpu_host()."""
 
     cores: float = 0.0  # > 0: trainers (one process each) and engine slots share this many CPU cores
     pool_cores: float = 0.0  # > 0: the pool's engine slots together use at most this many cores (one interpreter)
