@@ -387,6 +387,7 @@ def test_shared_cores_processor_sharing():
     # one process (an interpreter) with two threads of work: they take turns, whatever the cores
     assert run(16, [(0, 1.0, "pool"), (0, 1.0, "pool")], {"pool": 1.0}) == pytest.approx([2.0, 2.0])
     assert run(0, [(0, 1.0, "pool"), (0, 1.0, "pool")], {"pool": 0.5}) == pytest.approx([4.0, 4.0])
+    assert run(0, [(0, 1.0, "pool")], {"pool": 0.5}) == pytest.approx([1.0])  # alone: full speed
     # a task arriving mid-way slows the one running; the first ends later than alone, nothing is lost
     first, second = run(1, [(0, 1.0, None), (0.5, 1.0, None)])
     assert first == pytest.approx(1.5) and second == pytest.approx(2.0)

@@ -1,14 +1,15 @@
 """Processor sharing of a machine's CPU cores, for the simulators that run on a virtual clock.
 
 A task is a piece of CPU work, in seconds at the full speed of one core. It belongs to a process (its
-`group`) that can use at most `cap` cores at once: 1 for a single-threaded process, and 1 for a Python
-process however many threads it runs, since they take turns under one interpreter lock. A task with
-no group is a process of its own (one core at most). Between events the rates are fixed: a group with
-n tasks and cap c asks for min(n, c) cores, and when everything asks for more than the machine's
-`cores`, every group slows alike:
+`group`) whose tasks together make at most `cap` cores' worth of progress once two or more run: about 1
+for a Python process however many threads it runs, since they take turns under one interpreter lock
+(below 1 when the handoffs cost: rollwise.sim.host measures it). One task alone always runs at full
+speed. A task with no group is a process of its own. Between events the rates are fixed: a group with
+n tasks asks for n cores if n <= 1, else min(n, cap), and when everything asks for more than the
+machine's (effective) `cores`, every group slows alike:
 
     machine = min(1, cores / total demand)        (cores = 0: no shared limit, each process its own device)
-    rate of a task in a group = machine * min(n, c) / n
+    rate of a task in a group = machine * demand / n
 
 Every change of the task set re-plans the next task end; an end planned before a change is ignored.
 Used by the router simulator (replicas, router and client on bench router's cores) and the pool
@@ -34,7 +35,7 @@ class SharedCores:
     def __init__(self, cores: float, at: Schedule, now: Callable[[], float],
                  caps: Mapping[str, float] | None = None) -> None:
         self.cores = cores
-        self.caps = dict(caps or {})  # group -> cores it can use at once (default 1)
+        self.caps = dict(caps or {})  # group -> cores' worth its tasks make together (default 1)
         self._at, self._now = at, now
         self._tasks: list[_Task] = []
         self._since = 0.0
@@ -54,8 +55,9 @@ class SharedCores:
         counts: dict[str | None, int] = {}
         for t in self._tasks:
             counts[t.group] = counts.get(t.group, 0) + 1
-        # a task without a group is a process of its own: its demand is 1
-        demand = {g: min(float(n), self.caps.get(g, 1.0)) for g, n in counts.items() if g is not None}
+        # a task without a group is a process of its own: its demand is 1; a group's cap applies from 2 tasks
+        demand = {g: float(n) if n <= 1 else min(float(n), self.caps.get(g, 1.0))
+                  for g, n in counts.items() if g is not None}
         total = sum(demand.values()) + counts.get(None, 0)
         machine = min(1.0, self.cores / total) if self.cores > 0 and total > 0 else 1.0
         return [machine if t.group is None else machine * demand[t.group] / counts[t.group] for t in self._tasks]

@@ -1,142 +1,172 @@
-"""How much CPU work this machine does at once: its *effective* cores, for the simulators' processor
-sharing (rollwise.sim.cores); and how much engine work the CPU pool's slots do at once, as threads of
-one Python process (`measure_interpreter_cores`).
+"""How much CPU work this machine does at once, for the simulators' processor sharing (rollwise.sim.cores):
 
-`os.cpu_count()` overstates it on a VM: two single-threaded processes each run ~10% slower side by side
-than alone here (shared caches and memory bandwidth, hyperthreads, a hypervisor's steal), so a
-simulation that gives each its full core is optimistic exactly when the machine is loaded (bench mux's
-shared arm: 10-13% below the measured walls with 2 cores, within 7% with the measured 1.8).
+- effective cores: `os.cpu_count()` overstates it on a VM. Single-threaded processes side by side each
+  run slower than alone (shared caches and memory bandwidth, hyperthreads, a hypervisor's steal);
+- interpreter cores: the CPU pool's engine slots are threads of one Python process; together they make
+  about one engine's worth of steps (they take turns under the interpreter lock), less when the
+  handoffs cost.
 
-Measured with the work the benchmarks run: a tiny model's forward and backward passes on one torch
-thread, alone and in `processes` processes at once, back to back, in rounds (median):
+Both are measured the same way, with the work the benchmarks run (a tiny model's forward and backward
+on one torch thread; a reference engine's decode steps). N members (processes or threads) follow one
+schedule of short phases: member 0 alone, member 1 alone, ..., then all together, over and over. Each
+member times its work units in its "alone" and its "together" phases, and
 
-    effective cores = sum over the processes of (time alone / its time side by side)
+    effective = sum over members of (mean unit time alone / mean unit time together)
+
+N when they do not slow each other, 1 when only one runs at a time. The phases interleave finely (a
+quarter second) on purpose: this machine's speed drifts by 10-40% within a minute, so timing "alone"
+and "together" one after the other, even back to back, measured 1.3 to 2.3 cores for the same two.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import statistics
 import subprocess
 import sys
 from typing import Any
 
-_WORKER = """
-import sys, time, torch
+# One member's loop; the phases are on CLOCK_MONOTONIC, which every process on the machine shares.
+_SCHEDULE = '''
+import time
+
+def follow(i, n, t0, phase_s, cycles, unit):
+    """Member i of n: work in phase i (alone) and phase n (together), sleep in the others. Only units
+    that start and end inside one phase count."""
+    end = t0 + cycles * (n + 1) * phase_s
+    stats = {"alone": [0, 0.0], "together": [0, 0.0]}
+    while True:
+        now = time.monotonic()
+        if now >= end:
+            return stats
+        k = int((now - t0) // phase_s) if now >= t0 else -1
+        phase_end = t0 + (k + 1) * phase_s
+        if k < 0 or k % (n + 1) not in (i, n):
+            time.sleep(max(0.0, min(phase_end, end) - now))
+            continue
+        start = time.monotonic()
+        unit()
+        stop = time.monotonic()
+        if stop <= phase_end:
+            kind = "together" if k % (n + 1) == n else "alone"
+            stats[kind][0] += 1
+            stats[kind][1] += stop - start
+'''
+
+_PROCESS_MEMBER = _SCHEDULE + '''
+import json, sys, torch
 torch.set_num_threads(1)
 from rollwise.model.loading import load_model
 model, _ = load_model("tiny:0")
-x = torch.randint(3, 90, (16, 96))
-model(x).logits.sum().backward()  # warm up (allocator, kernels) before timing
+x = torch.randint(3, 90, (4, 96))
+unit = lambda: model(x).logits.sum().backward()
+unit()  # warm up (allocator, kernels)
 print("ready", flush=True)
-for line in sys.stdin:  # "N": run N iterations now, answer the seconds they took
-    t = time.perf_counter()
-    for _ in range(int(line)):
-        model(x).logits.sum().backward()
-    print(time.perf_counter() - t, flush=True)
-"""
+i, n, phase_s, cycles = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+t0 = float(sys.stdin.readline())
+print(json.dumps(follow(i, n, t0, phase_s, cycles, unit)), flush=True)
+'''
 
-
-def measure_effective_cores(processes: int | None = None, rounds: int = 7, iterations: int = 40) -> dict[str, Any]:
-    """Median over `rounds` of sum(time alone / time side by side) for `processes` (default: every core)
-    copies of the same single-threaded work. Each round times the work alone and then side by side right
-    after (the order alternating), on warm processes: this machine's speed drifts by tens of percent over
-    minutes, so only back-to-back pairs compare."""
-    processes = processes or os.cpu_count() or 1
-    if processes < 1 or rounds < 1 or iterations < 1:
-        raise ValueError("processes, rounds and iterations must be >= 1")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    workers = [subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                env=env, text=True) for _ in range(processes)]
-
-    def run(group: list[subprocess.Popen]) -> list[float]:
-        for w in group:
-            w.stdin.write(f"{iterations}\n")
-            w.stdin.flush()
-        return [float(w.stdout.readline()) for w in group]
-
-    try:
-        for w in workers:
-            if w.stdout.readline().strip() != "ready":
-                raise RuntimeError(f"a timing process exited early (code {w.wait()})")
-        values, alone = [], []
-        for r in range(rounds):
-            if r % 2 == 0:
-                one, together = run(workers[:1])[0], run(workers)
-            else:
-                together, one = run(workers), run(workers[:1])[0]
-            alone.append(one)
-            values.append(sum(one / t for t in together))
-    finally:
-        for w in workers:
-            w.kill()
-            w.wait()
-    return {"effective_cores": statistics.median(values), "rounds": values, "processes": processes,
-            "cpu_count": os.cpu_count(), "alone_s": alone}
-
-
-_ENGINE_THREADS = """
-import json, sys, threading, time, torch
+_THREAD_MEMBERS = _SCHEDULE + '''
+import json, sys, threading, torch
 torch.set_num_threads(1)
 from rollwise.engine.factory import create_engine
 from rollwise.engine.types import GenerationRequest, SamplingParams
 from rollwise.model.loading import load_model
-slots, rounds, steps = (int(a) for a in sys.argv[1:4])
-engines = []
-for k in range(slots):  # as the pool builds them: one reference engine per job, each its own tiny model
+n, phase_s, cycles = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+
+def engine_unit(k):  # one decode step of a reference engine kept busy with a GRPO batch (4 prompts x 8)
     model, tok = load_model(f"tiny:{k}")
-    engines.append(create_engine("reference", model, tok, max_num_seqs=32, max_model_len=192, seed=0))
-def keep_busy(engine, n, out, i):
-    t, done, r = time.perf_counter(), 0, 0
-    while done < n:
-        if not engine.has_unfinished():  # a sync GRPO step's batch: 4 prompts x 8 samples
-            r += 1
+    engine = create_engine("reference", model, tok, max_num_seqs=32, max_model_len=192, seed=0)
+    batch = [0]
+    def unit():
+        if not engine.has_unfinished():
+            batch[0] += 1
             for g in range(4):
-                engine.add_request(GenerationRequest(f"r{r}g{g}", [3 + g, 5, 7, 11], SamplingParams(
-                    max_tokens=96, temperature=1.0, n=8, seed=r)))
+                engine.add_request(GenerationRequest(f"b{batch[0]}g{g}", [3 + g, 5, 7, 11],
+                                                     SamplingParams(max_tokens=96, temperature=1.0, n=8, seed=g)))
         engine.step()
-        done += 1
-    out[i] = time.perf_counter() - t
-def run(k):  # the first k engines, each stepped on a thread of its own (the pool's EngineWorkers)
-    out = [0.0] * k
-    threads = [threading.Thread(target=keep_busy, args=(engines[i], steps, out, i)) for i in range(k)]
-    for th in threads: th.start()
-    for th in threads: th.join()
-    return out
-run(slots)  # warm up
-values = []
-for r in range(rounds):
-    if r % 2 == 0:
-        one, together = run(1)[0], run(slots)
-    else:
-        together, one = run(slots), run(1)[0]
-    values.append(sum(one / t for t in together))
-print(json.dumps(values))
-"""
+    unit()
+    return unit
+
+units = [engine_unit(k) for k in range(n)]
+t0 = time.monotonic() + 0.5
+out = [None] * n
+threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, follow(i, n, t0, phase_s, cycles, units[i])))
+           for i in range(n)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps(out), flush=True)
+'''
 
 
-def measure_interpreter_cores(slots: int = 2, rounds: int = 7, steps: int = 150) -> dict[str, Any]:
-    """How many engines' worth of steps `slots` reference engines make per second when each steps on a
-    thread of one Python process (the CPU pool's slots), relative to one alone: 1.0 when they only take
-    turns under the interpreter lock, less when the handoffs cost extra, up to `slots` if steps ran in
-    parallel. Median over `rounds` back-to-back pairs (alone, together)."""
-    if slots < 1 or rounds < 1 or steps < 1:
-        raise ValueError("slots, rounds and steps must be >= 1")
-    import json
+def _combine(stats: list[dict[str, list]], members: int) -> dict[str, Any]:
+    ratios = []
+    for s in stats:
+        (n_alone, t_alone), (n_together, t_together) = s["alone"], s["together"]
+        if n_alone == 0 or n_together == 0:
+            raise RuntimeError("a member timed no work in one of its phases: make the phases longer")
+        ratios.append((t_alone / n_alone) / (t_together / n_together))
+    return {"value": sum(ratios), "per_member": ratios, "members": members,
+            "units": [s["alone"][0] + s["together"][0] for s in stats]}
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", _ENGINE_THREADS, str(slots), str(rounds), str(steps)], env=env,
-                         capture_output=True, text=True, timeout=600)
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def measure_effective_cores(processes: int | None = None, seconds: float = 20.0,
+                            phase_s: float = 0.25) -> dict[str, Any]:
+    """How many cores' worth of single-threaded work `processes` processes (default: one per core) do at
+    once here, relative to each alone. About `seconds` plus the workers' start."""
+    import time
+
+    processes = processes or os.cpu_count() or 1
+    if processes < 1 or seconds <= 0 or phase_s <= 0:
+        raise ValueError("processes must be >= 1, seconds and phase_s > 0")
+    cycles = max(1, round(seconds / ((processes + 1) * phase_s)))
+    workers = [subprocess.Popen([sys.executable, "-c", _PROCESS_MEMBER, str(i), str(processes), str(phase_s),
+                                 str(cycles)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_env(), text=True)
+               for i in range(processes)]
+    try:
+        for w in workers:
+            if w.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a timing process exited early (code {w.wait()})")
+        t0 = time.monotonic() + 0.2
+        for w in workers:
+            w.stdin.write(f"{t0}\n")
+            w.stdin.flush()
+        stats = [json.loads(w.stdout.readline()) for w in workers]
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait()
+    result = _combine(stats, processes)
+    return {"effective_cores": result["value"], "per_process": result["per_member"], "processes": processes,
+            "cpu_count": os.cpu_count(), "units": result["units"], "seconds": seconds}
+
+
+def measure_interpreter_cores(slots: int = 2, seconds: float = 15.0, phase_s: float = 0.25) -> dict[str, Any]:
+    """How many engines' worth of decode steps `slots` reference engines make when each steps on a thread
+    of one Python process (the CPU pool's slots), relative to each alone."""
+    if slots < 1 or seconds <= 0 or phase_s <= 0:
+        raise ValueError("slots must be >= 1, seconds and phase_s > 0")
+    cycles = max(1, round(seconds / ((slots + 1) * phase_s)))
+    out = subprocess.run([sys.executable, "-c", _THREAD_MEMBERS, str(slots), str(phase_s), str(cycles)],
+                         env=_env(), capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(f"the engine-thread timing failed (exit {out.returncode}): {out.stderr[-2000:]}")
-    values = json.loads(out.stdout.strip().splitlines()[-1])
-    return {"interpreter_cores": statistics.median(values), "rounds": values, "slots": slots}
+    result = _combine(json.loads(out.stdout.strip().splitlines()[-1]), slots)
+    return {"interpreter_cores": result["value"], "per_thread": result["per_member"], "slots": slots,
+            "units": result["units"], "seconds": seconds}
 
 
 def measure_cpu_host(pool_slots: int = 2) -> dict[str, Any]:
     """This machine for the pool simulator (rollwise.sim.mux.Host): its effective cores, and how many
     cores' worth of engine steps the CPU pool's slots make together (`pool_slots` engine threads of one
-    process). About a minute."""
+    process). About 45 s."""
     cores = measure_effective_cores()
     interpreter = measure_interpreter_cores(slots=pool_slots)
     return {"cores": cores["effective_cores"], "pool_cores": interpreter["interpreter_cores"],
