@@ -340,8 +340,7 @@ def run_mux_bench(quick: bool = False, root: Path | None = None) -> dict[str, An
     t0 = time.monotonic()
     busy_before = _cpu_busy()
     # For the simulation of this machine: how much single-threaded work its cores do at once (less than
-    # os.cpu_count() on a VM), and how much engine work the CPU pool's slots do together (threads of one
-    # Python process: less than one core's worth once two take turns under the interpreter lock).
+    # os.cpu_count() on a VM); the CPU pool's engine slots are threads of one Python process (one core).
     measured = measure_cpu_host()
     host = Host(cores=measured["cores"], pool_cores=measured["pool_cores"])
     scenarios = [run_scenario(root, **spec, host=host) for spec in scenario_specs(quick)]
@@ -385,9 +384,9 @@ def format_mux_bench(result: dict[str, Any]):
         "*projected: the same jobs in the cluster simulator (rollwise.sim.mux: the pool's own scheduler on "
         "simulated engines) with the phase times measured in the dedicated arm and the measured switch costs "
         "(trainers not competing with engines for cores, as with GPU engines). **sim: the same simulation of this "
-        f"machine (measured: {result['host']['cores']:.2f} effective cores shared by the trainers and the pool; "
-        f"the pool's engine slots, threads of one Python process, {result['host']['pool_cores']:.2f} cores' worth "
-        "together): shared wall time and its error against the measured one. ")
+        f"machine ({result['host']['cores']:.2f} effective cores, measured, shared by the trainers and the pool; "
+        "the pool's engine slots, threads of one Python process, one core's worth together): shared wall time "
+        "and its error against the measured one. ")
     busy = result.get("cpu_busy_before_start")
     table.caption = (table.caption or "") + (
         f"Goal: >= {GOAL_SAVING:.0%} fewer engine-hours, <= {GOAL_SLOWDOWN:.0%} slowdown per job. "

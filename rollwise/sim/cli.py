@@ -255,8 +255,8 @@ def cmd_validate_mux(args: argparse.Namespace, console: Console) -> int:
         result = validate_mux(full=args.full, rounds=args.rounds, progress=status.update)
     host = result["host"]
     table = Table(title=f"bench mux {'full' if args.full else '--quick'}: shared arm measured vs simulated "
-                        f"({host['cores']:.2f} effective cores, pool engine threads {host['pool_cores']:.2f} "
-                        f"cores' worth; medians of {args.rounds} round(s))")
+                        f"({host['cores']:.2f} effective cores, measured; pool engine threads {host['pool_cores']:g} "
+                        f"core's worth; medians of {args.rounds} round(s))")
     for col in ("scenario", "job", "shared wall meas.", "runs", "shared wall sim", "error", "saving meas.",
                 "saving sim", "saving, separate devices"):
         table.add_column(col, justify="left" if col in ("scenario", "job") else "right", no_wrap=True)

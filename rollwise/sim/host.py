@@ -1,21 +1,22 @@
-"""How much CPU work this machine does at once, for the simulators' processor sharing (rollwise.sim.cores):
+"""How much CPU work this machine does at once, for the simulators' processor sharing (rollwise.sim.cores).
 
-- effective cores: `os.cpu_count()` overstates it on a VM. Single-threaded processes side by side each
-  run slower than alone (shared caches and memory bandwidth, hyperthreads, a hypervisor's steal);
-- interpreter cores: the CPU pool's engine slots are threads of one Python process; together they make
-  about one engine's worth of steps (they take turns under the interpreter lock), less when the
-  handoffs cost.
+`os.cpu_count()` overstates it on a VM: single-threaded processes side by side each run slower than alone
+(shared caches and memory bandwidth, hyperthreads, a hypervisor's steal). Measured with the work the
+benchmarks run, a tiny model's forward and backward on one torch thread: N processes follow one schedule
+of short phases (process 0 alone, process 1 alone, ..., then all together, over and over); each times
+its work units in its "alone" and its "together" phases, and
 
-Both are measured the same way, with the work the benchmarks run (a tiny model's forward and backward
-on one torch thread; a reference engine's decode steps). N members (processes or threads) follow one
-schedule of short phases: member 0 alone, member 1 alone, ..., then all together, over and over. Each
-member times its work units in its "alone" and its "together" phases, and
-
-    effective = sum over members of (mean unit time alone / mean unit time together)
+    effective cores = sum over the processes of (mean unit time alone / mean unit time together)
 
 N when they do not slow each other, 1 when only one runs at a time. The phases interleave finely (a
 quarter second) on purpose: this machine's speed drifts by 10-40% within a minute, so timing "alone"
-and "together" one after the other, even back to back, measured 1.3 to 2.3 cores for the same two.
+and "together" one after the other, even back to back, measured 1.3 to 2.3 cores for the same two
+(interleaved: 1.8-2.0).
+
+The same schedule on threads of one process (two reference engines stepping on two threads, as the
+CPU pool's slots do) measured 0.6-0.8 engines' worth together: tight stepping loops lose time handing
+the interpreter lock over. The real pool's threads also wait on HTTP and on each other, and bench mux's
+shared arm matches one engine's worth (pool_cores=1) better, so the pool simulation uses 1.
 """
 
 from __future__ import annotations
@@ -67,42 +68,8 @@ t0 = float(sys.stdin.readline())
 print(json.dumps(follow(i, n, t0, phase_s, cycles, unit)), flush=True)
 '''
 
-_THREAD_MEMBERS = _SCHEDULE + '''
-import json, sys, threading, torch
-torch.set_num_threads(1)
-from rollwise.engine.factory import create_engine
-from rollwise.engine.types import GenerationRequest, SamplingParams
-from rollwise.model.loading import load_model
-n, phase_s, cycles = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
-
-def engine_unit(k):  # one decode step of a reference engine kept busy with a GRPO batch (4 prompts x 8)
-    model, tok = load_model(f"tiny:{k}")
-    engine = create_engine("reference", model, tok, max_num_seqs=32, max_model_len=192, seed=0)
-    batch = [0]
-    def unit():
-        if not engine.has_unfinished():
-            batch[0] += 1
-            for g in range(4):
-                engine.add_request(GenerationRequest(f"b{batch[0]}g{g}", [3 + g, 5, 7, 11],
-                                                     SamplingParams(max_tokens=96, temperature=1.0, n=8, seed=g)))
-        engine.step()
-    unit()
-    return unit
-
-units = [engine_unit(k) for k in range(n)]
-t0 = time.monotonic() + 0.5
-out = [None] * n
-threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, follow(i, n, t0, phase_s, cycles, units[i])))
-           for i in range(n)]
-for t in threads:
-    t.start()
-for t in threads:
-    t.join()
-print(json.dumps(out), flush=True)
-'''
-
-
 def _combine(stats: list[dict[str, list]], members: int) -> dict[str, Any]:
+    """Each member's (alone, together) unit counts and seconds -> the sum of its speed ratios."""
     ratios = []
     for s in stats:
         (n_alone, t_alone), (n_together, t_together) = s["alone"], s["together"]
@@ -148,26 +115,9 @@ def measure_effective_cores(processes: int | None = None, seconds: float = 20.0,
             "cpu_count": os.cpu_count(), "units": result["units"], "seconds": seconds}
 
 
-def measure_interpreter_cores(slots: int = 2, seconds: float = 15.0, phase_s: float = 0.25) -> dict[str, Any]:
-    """How many engines' worth of decode steps `slots` reference engines make when each steps on a thread
-    of one Python process (the CPU pool's slots), relative to each alone."""
-    if slots < 1 or seconds <= 0 or phase_s <= 0:
-        raise ValueError("slots must be >= 1, seconds and phase_s > 0")
-    cycles = max(1, round(seconds / ((slots + 1) * phase_s)))
-    out = subprocess.run([sys.executable, "-c", _THREAD_MEMBERS, str(slots), str(phase_s), str(cycles)],
-                         env=_env(), capture_output=True, text=True, timeout=600)
-    if out.returncode != 0:
-        raise RuntimeError(f"the engine-thread timing failed (exit {out.returncode}): {out.stderr[-2000:]}")
-    result = _combine(json.loads(out.stdout.strip().splitlines()[-1]), slots)
-    return {"interpreter_cores": result["value"], "per_thread": result["per_member"], "slots": slots,
-            "units": result["units"], "seconds": seconds}
-
-
-def measure_cpu_host(pool_slots: int = 2) -> dict[str, Any]:
-    """This machine for the pool simulator (rollwise.sim.mux.Host): its effective cores, and how many
-    cores' worth of engine steps the CPU pool's slots make together (`pool_slots` engine threads of one
-    process). About 45 s."""
+def measure_cpu_host() -> dict[str, Any]:
+    """This machine for the pool simulator (rollwise.sim.mux.Host): its effective cores, shared by the
+    trainers and the pool; the CPU pool's engine slots, threads of one Python process, make one engine's
+    worth of steps together (they take turns under the interpreter lock). About 25 s."""
     cores = measure_effective_cores()
-    interpreter = measure_interpreter_cores(slots=pool_slots)
-    return {"cores": cores["effective_cores"], "pool_cores": interpreter["interpreter_cores"],
-            "effective_cores": cores, "interpreter": interpreter}
+    return {"cores": cores["effective_cores"], "pool_cores": 1.0, "effective_cores": cores}

@@ -12,7 +12,7 @@ What is modelled, and what is not:
 - the `Host`: by default (a GPU cluster) every engine and trainer has its own device. On a CPU machine
   the trainers (one process each) and the pool's engine slots share `cores`, and the CPU pool's slots
   are threads of one Python process, which take turns under its interpreter lock: together they do
-  `pool_cores` cores' worth of steps (measured by rollwise.sim.host; below 1 here, the handoffs cost).
+  `pool_cores` (1) cores' worth of steps.
   Processor sharing (rollwise.sim.cores), engines stepping one decode step at a time;
 - not modelled: the HTTP hops (they are inside the measured phase times bench mux feeds in).
 """

@@ -3,8 +3,8 @@
 Each round runs the benchmark's scenarios for real (every job a `rollwise train` process on a
 `rollwise serve pool`, dedicated arm then shared arm) and simulates the shared arm with rollwise.sim.mux
 (the pool's own scheduler on simulated engines), calibrated on that round's dedicated arm and on this
-machine as measured once at the start: its effective cores and what the CPU pool's engine threads do
-together (rollwise.sim.host). Per job, the median over the rounds of the measured shared wall time is
+machine as measured once at the start: its effective cores (rollwise.sim.host), shared by the trainers
+and the pool, whose engine slots are threads of one Python process. Per job, the median over the rounds of the measured shared wall time is
 compared with the median of the simulated ones; the same for the engine-hours saving. Rounds, because
 this machine's speed drifts by 10-20% between minutes (the dedicated arm the simulation starts from and
 the shared arm it predicts are measured minutes apart).
@@ -30,7 +30,7 @@ def validate_mux(full: bool = False, rounds: int = 1, root: Path | None = None,
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     root = Path(tempfile.mkdtemp(prefix="rollwise-validate-mux-")) if root is None else root
     t0 = time.monotonic()
-    progress("measuring this machine: effective cores, engine threads of one process (~1 min)")
+    progress("measuring this machine's effective cores (~25 s)")
     measured = measure_cpu_host()
     host = Host(cores=measured["cores"], pool_cores=measured["pool_cores"])
     specs = scenario_specs(quick=not full)
