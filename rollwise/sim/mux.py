@@ -198,20 +198,15 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
 
     def start(i: int) -> None:
         e = slots[i].engine
-        if e.op is not None:
-            if cores is None:  # a request added mid-op cut it short: its new end replaces the planned one
-                at(e.op.end, lambda: op_done(i), valid=lambda serial=e.op_serial: e.op is not None
-                   and e.op_serial == serial)
+        if cores is not None:  # shared cores: one step at a time, at the rate it gets; a running one ends by itself
+            if e.op is None and e.has_unfinished() and e.start_op(max_steps=1) is not None:
+                cores.run(e.op.end - clock.now, lambda: op_done(i), "pool" if host.pool_cores > 0 else None)
             return
-        if not e.has_unfinished():
-            return
-        if cores is None:  # no sharing: the op runs at its own speed to the next finish
-            e.start_op()
-            if e.op is not None:
-                at(e.op.end, lambda: op_done(i), valid=lambda serial=e.op_serial: e.op is not None
-                   and e.op_serial == serial)
-        elif e.start_op(max_steps=1) is not None:  # shared cores: one step at a time, at the rate it gets
-            cores.run(e.op.end - clock.now, lambda: op_done(i), "pool" if host.pool_cores > 0 else None)
+        if e.op is None and e.has_unfinished():
+            e.start_op()  # no sharing: the op runs at its own speed to the next finish
+        if e.op is not None:  # (re)plan its end: a request added mid-op cuts it short, superseding the old end
+            at(e.op.end, lambda: op_done(i), valid=lambda serial=e.op_serial: e.op is not None
+               and e.op_serial == serial)
 
     def op_done(i: int) -> None:
         for c in slots[i].engine.finish_op():
