@@ -25,37 +25,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
-# One member's loop; the phases are on CLOCK_MONOTONIC, which every process on the machine shares.
-_SCHEDULE = '''
-import time
-
-def follow(i, n, t0, phase_s, cycles, unit):
-    """Member i of n: work in phase i (alone) and phase n (together), sleep in the others. Only units
-    that start and end inside one phase count."""
-    end = t0 + cycles * (n + 1) * phase_s
-    stats = {"alone": [0, 0.0], "together": [0, 0.0]}
-    while True:
-        now = time.monotonic()
-        if now >= end:
-            return stats
-        k = int((now - t0) // phase_s) if now >= t0 else -1
-        phase_end = t0 + (k + 1) * phase_s
-        if k < 0 or k % (n + 1) not in (i, n):
-            time.sleep(max(0.0, min(phase_end, end) - now))
-            continue
-        start = time.monotonic()
-        unit()
-        stop = time.monotonic()
-        if stop <= phase_end:
-            kind = "together" if k % (n + 1) == n else "alone"
-            stats[kind][0] += 1
-            stats[kind][1] += stop - start
-'''
-
-_PROCESS_MEMBER = _SCHEDULE + '''
-import json, sys, torch
+# One timing process. The phases are on CLOCK_MONOTONIC, which every process on the machine shares.
+_WORKER = '''
+import json, sys, time, torch
 torch.set_num_threads(1)
 from rollwise.model.loading import load_model
 model, _ = load_model("tiny:0")
@@ -65,37 +40,41 @@ unit()  # warm up (allocator, kernels)
 print("ready", flush=True)
 i, n, phase_s, cycles = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
 t0 = float(sys.stdin.readline())
-print(json.dumps(follow(i, n, t0, phase_s, cycles, unit)), flush=True)
+# Process i of n works in phase i (alone) and phase n (together) and sleeps in the others. Only units
+# that start and end inside one phase count.
+end = t0 + cycles * (n + 1) * phase_s
+stats = {"alone": [0, 0.0], "together": [0, 0.0]}
+while True:
+    now = time.monotonic()
+    if now >= end:
+        break
+    k = int((now - t0) // phase_s) if now >= t0 else -1
+    phase_end = t0 + (k + 1) * phase_s
+    if k < 0 or k % (n + 1) not in (i, n):
+        time.sleep(max(0.0, min(phase_end, end) - now))
+        continue
+    start = time.monotonic()
+    unit()
+    stop = time.monotonic()
+    if stop <= phase_end:
+        kind = "together" if k % (n + 1) == n else "alone"
+        stats[kind][0] += 1
+        stats[kind][1] += stop - start
+print(json.dumps(stats), flush=True)
 '''
-
-def _combine(stats: list[dict[str, list]], members: int) -> dict[str, Any]:
-    """Each member's (alone, together) unit counts and seconds -> the sum of its speed ratios."""
-    ratios = []
-    for s in stats:
-        (n_alone, t_alone), (n_together, t_together) = s["alone"], s["together"]
-        if n_alone == 0 or n_together == 0:
-            raise RuntimeError("a member timed no work in one of its phases: make the phases longer")
-        ratios.append((t_alone / n_alone) / (t_together / n_together))
-    return {"value": sum(ratios), "per_member": ratios, "members": members,
-            "units": [s["alone"][0] + s["together"][0] for s in stats]}
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def measure_effective_cores(processes: int | None = None, seconds: float = 20.0,
                             phase_s: float = 0.25) -> dict[str, Any]:
     """How many cores' worth of single-threaded work `processes` processes (default: one per core) do at
     once here, relative to each alone. About `seconds` plus the workers' start."""
-    import time
-
     processes = processes or os.cpu_count() or 1
     if processes < 1 or seconds <= 0 or phase_s <= 0:
         raise ValueError("processes must be >= 1, seconds and phase_s > 0")
     cycles = max(1, round(seconds / ((processes + 1) * phase_s)))
-    workers = [subprocess.Popen([sys.executable, "-c", _PROCESS_MEMBER, str(i), str(processes), str(phase_s),
-                                 str(cycles)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_env(), text=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    workers = [subprocess.Popen([sys.executable, "-c", _WORKER, str(i), str(processes), str(phase_s), str(cycles)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
                for i in range(processes)]
     try:
         for w in workers:
@@ -110,9 +89,15 @@ def measure_effective_cores(processes: int | None = None, seconds: float = 20.0,
         for w in workers:
             w.kill()
             w.wait()
-    result = _combine(stats, processes)
-    return {"effective_cores": result["value"], "per_process": result["per_member"], "processes": processes,
-            "cpu_count": os.cpu_count(), "units": result["units"], "seconds": seconds}
+    ratios = []  # per process: mean unit time alone / together
+    for st in stats:
+        (n_alone, t_alone), (n_together, t_together) = st["alone"], st["together"]
+        if n_alone == 0 or n_together == 0:
+            raise RuntimeError("a process timed no work in one of its phases: make the phases longer")
+        ratios.append((t_alone / n_alone) / (t_together / n_together))
+    return {"effective_cores": sum(ratios), "per_process": ratios, "processes": processes,
+            "cpu_count": os.cpu_count(), "units": [st["alone"][0] + st["together"][0] for st in stats],
+            "seconds": seconds}
 
 
 def measure_cpu_host() -> dict[str, Any]:

@@ -4,8 +4,9 @@ Each round runs the benchmark's scenarios for real (every job a `rollwise train`
 `rollwise serve pool`, dedicated arm then shared arm) and simulates the shared arm with rollwise.sim.mux
 (the pool's own scheduler on simulated engines), calibrated on that round's dedicated arm and on this
 machine as measured once at the start: its effective cores (rollwise.sim.host), shared by the trainers
-and the pool, whose engine slots are threads of one Python process. Per job, the median over the rounds of the measured shared wall time is
-compared with the median of the simulated ones; the same for the engine-hours saving. Rounds, because
+and the pool, whose engine slots are threads of one Python process. Per job, the median over the rounds
+of the measured shared wall time is compared with the median of the simulated ones; the same for the
+engine-hours saving. Rounds, because
 this machine's speed drifts by 10-20% between minutes (the dedicated arm the simulation starts from and
 the shared arm it predicts are measured minutes apart).
 """
