@@ -157,56 +157,97 @@ def _start_pool(engines: int, workload: dict[str, Any], min_slice_s: float, log:
     raise RuntimeError(f"the pool did not start within 120 s; log {log}")
 
 
-def run_scenario(root: Path, jobs: int, engines: int, models: list[str], steps: int, workload: dict[str, Any],
-                 min_slice_s: float = 5.0, timeout: float = 1800.0, host: Host | None = None) -> dict[str, Any]:
-    """`host`: this machine for the simulator (default: every core at full speed; run_mux_bench passes the
-    measured effective cores)."""
-    """Both arms of one scenario: `jobs` jobs, dedicated (one engine each, in turn) vs. shared (`engines`)."""
-    tag = f"{jobs}x{engines}"
-    base = root / tag
+def prepare_scenario(base: Path, jobs: int, models: list[str], steps: int,
+                     workload: dict[str, Any]) -> dict[str, Path]:
+    """In folder `base`: the task file and one `rollwise train` config per job (job0, job1, ...)."""
     base.mkdir(parents=True, exist_ok=True)
     task = _write_task(base / "add.jsonl")
-    names = [f"job{i}" for i in range(jobs)]
-    configs = {n: _job_config(base, n, models[i % len(models)], task, steps, workload) for i, n in enumerate(names)}
+    return {f"job{i}": _job_config(base, f"job{i}", models[i % len(models)], task, steps, workload)
+                  for i in range(jobs)}
 
-    def stop(pool: subprocess.Popen) -> None:
-        pool.terminate()
-        try:
-            pool.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pool.kill()
 
-    # Dedicated: one job at a time on a 1-engine pool of its own (the pool serves nobody else meanwhile), so
-    # both arms run the same code path and differ only in sharing.
-    dedicated: dict[str, dict[str, Any]] = {}
-    pool, url = _start_pool(1, workload, min_slice_s, base / "pool-dedicated.log")
+def _stop(pool: subprocess.Popen) -> None:
+    pool.terminate()
     try:
-        for n in names:  # one after another: each has the machine (and its engine) to itself
-            out, log = base / f"dedicated-{n}.json", base / f"dedicated-{n}.log"
-            overrides = [f"pool.url={url}", f"pool.job={n}", f"output_dir={base / 'runs' / ('dedicated-' + n)}"]
+        pool.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pool.kill()
+
+
+def run_dedicated(base: Path, configs: dict[str, Path], workload: dict[str, Any], min_slice_s: float = 5.0,
+                  timeout: float = 1800.0, arm: str = "dedicated") -> dict[str, dict[str, Any]]:
+    """The dedicated arm: one job at a time on a 1-engine pool of its own (the pool serves nobody else
+    meanwhile), so both arms run the same code path and differ only in sharing. Per job: its timings."""
+    dedicated: dict[str, dict[str, Any]] = {}
+    pool, url = _start_pool(1, workload, min_slice_s, base / f"pool-{arm}.log")
+    try:
+        for n, config in configs.items():  # one after another: each has the machine (and its engine) to itself
+            out, log = base / f"{arm}-{n}.json", base / f"{arm}-{n}.log"
+            overrides = [f"pool.url={url}", f"pool.job={n}", f"output_dir={base / 'runs' / (arm + '-' + n)}"]
             cpu0 = process_cpu_s(pool.pid)
-            _wait([(n, _spawn_job(configs[n], out, overrides, log), log)], timeout)
+            _wait([(n, _spawn_job(config, out, overrides, log), log)], timeout)
             dedicated[n] = json.loads(out.read_text()) | {"pool_cpu_s": process_cpu_s(pool.pid) - cpu0}
     finally:
-        stop(pool)
+        _stop(pool)
+    return dedicated
 
-    pool, url = _start_pool(engines, workload, min_slice_s, base / "pool.log")
+
+def run_shared(base: Path, configs: dict[str, Path], engines: int, workload: dict[str, Any],
+               min_slice_s: float = 5.0, timeout: float = 1800.0, arm: str = "shared") -> dict[str, Any]:
+    """The shared arm: all jobs at once on one pool of `engines` engines. Per job its timings, the pool's
+    own accounting (/state) and the pool process's CPU seconds."""
+    import httpx
+
+    pool, url = _start_pool(engines, workload, min_slice_s, base / f"pool-{arm}.log")
     try:
         procs = []
         cpu0 = process_cpu_s(pool.pid)
-        for n in names:
-            out, log = base / f"shared-{n}.json", base / f"shared-{n}.log"
-            overrides = [f"pool.url={url}", f"pool.job={n}", f"output_dir={base / 'runs' / ('shared-' + n)}"]
-            procs.append((n, _spawn_job(configs[n], out, overrides, log), log))
+        for n, config in configs.items():
+            out, log = base / f"{arm}-{n}.json", base / f"{arm}-{n}.log"
+            overrides = [f"pool.url={url}", f"pool.job={n}", f"output_dir={base / 'runs' / (arm + '-' + n)}"]
+            procs.append((n, _spawn_job(config, out, overrides, log), log))
         _wait(procs, timeout)
-        import httpx
-
         pool_state = httpx.get(f"{url}/state", timeout=30).json()
-        pool_cpu_shared = process_cpu_s(pool.pid) - cpu0
+        pool_cpu_s = process_cpu_s(pool.pid) - cpu0
     finally:
-        stop(pool)
-    shared = {n: json.loads((base / f"shared-{n}.json").read_text()) for n in names}
+        _stop(pool)
+    return {"jobs": {n: json.loads((base / f"{arm}-{n}.json").read_text()) for n in configs},
+            "pool_state": pool_state, "pool_cpu_s": pool_cpu_s}
 
+
+def mean_dedicated(arms: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Several dedicated arms as one: per job, the mean of each measured time (the first arm's other
+    fields). rollwise sim validate-mux measures one before and one after each shared arm, so that this
+    machine's drift between minutes cancels (to first order) in the comparison."""
+    merged = {}
+    for name, first in arms[0].items():
+        merged[name] = dict(first)
+        for key, value in first.items():
+            if isinstance(value, float) and key not in ("start", "end"):  # (timestamps: the first arm's)
+                merged[name][key] = sum(arm[name][key] for arm in arms) / len(arms)
+    return merged
+
+
+def run_scenario(root: Path, jobs: int, engines: int, models: list[str], steps: int, workload: dict[str, Any],
+                 min_slice_s: float = 5.0, timeout: float = 1800.0, host: Host | None = None) -> dict[str, Any]:
+    """Both arms of one scenario: `jobs` jobs, dedicated (one engine each, in turn) vs. shared (`engines`).
+    `host`: this machine for the simulator (default: every core at full speed; run_mux_bench passes the
+    measured effective cores)."""
+    base = root / f"{jobs}x{engines}"
+    configs = prepare_scenario(base, jobs, models, steps, workload)
+    dedicated = run_dedicated(base, configs, workload, min_slice_s, timeout)
+    shared = run_shared(base, configs, engines, workload, min_slice_s, timeout)
+    return summarize_scenario(engines, models, steps, workload, dedicated, shared, min_slice_s, host)
+
+
+def summarize_scenario(engines: int, models: list[str], steps: int, workload: dict[str, Any],
+                       dedicated: dict[str, dict[str, Any]], shared_arm: dict[str, Any], min_slice_s: float = 5.0,
+                       host: Host | None = None) -> dict[str, Any]:
+    """One scenario's report: engine-hours of both arms, per-job slowdown, and the simulator's replay of
+    the dedicated arm (on this machine, and on separate devices)."""
+    names = list(dedicated)
+    jobs = len(names)
+    shared, pool_state = shared_arm["jobs"], shared_arm["pool_state"]
     dedicated_eh = sum(r["wall_s"] for r in dedicated.values()) / 3600  # one engine per job, for its run
     span = max(r["end"] for r in shared.values()) - min(r["start"] for r in shared.values())
     shared_eh = engines * span / 3600  # the pool's engines, while any job runs
@@ -244,9 +285,9 @@ def run_scenario(root: Path, jobs: int, engines: int, models: list[str], steps: 
     simulated_here = {**here, "host": {"cores": host.cores, "pool_cores": host.pool_cores},
                       "wall_shared_error": {n: here["wall_shared_s"][n] / shared[n]["wall_s"] - 1 for n in names}}
     return {
-        "scenario": tag, "jobs": jobs, "engines_shared": engines, "steps": steps,
+        "scenario": f"{jobs}x{engines}", "jobs": jobs, "engines_shared": engines, "steps": steps,
         "engine_hours_dedicated": dedicated_eh, "engine_hours_shared": shared_eh, "engine_hours_saving": saving,
-        "shared_span_s": span, "dedicated_total_s": dedicated_eh * 3600, "pool_cpu_s_shared": pool_cpu_shared,
+        "shared_span_s": span, "dedicated_total_s": dedicated_eh * 3600, "pool_cpu_s_shared": shared_arm["pool_cpu_s"],
         "max_slowdown": worst, "mean_slowdown": sum(j["slowdown"] for j in per_job.values()) / jobs,
         "meets_goal": saving >= GOAL_SAVING and worst <= GOAL_SLOWDOWN,
         "per_job": per_job,
