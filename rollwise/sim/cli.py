@@ -34,10 +34,10 @@ sources cited inside).
   rollwise sim validate-router [--full] [--rounds 3] [--json PATH]
       run `rollwise bench router --quick` on real replicas and in simulation (router/sim.py with the
       replica engine calibrated here and the replicas sharing this machine's cores), side by side
-  rollwise sim validate-mux [--full] [--rounds 3] [--calibration-rounds 2] [--json PATH]
+  rollwise sim validate-mux [--full] [--rounds 3] [--json PATH]
       run `rollwise bench mux --quick` (jobs sharing one engine pool) for real and in simulation
-      (rollwise.sim.mux, this machine's cores fitted on calibration runs of their own), shared wall
-      times side by side; each shared arm between two dedicated arms (this machine drifts)
+      (rollwise.sim.mux on this machine's measured effective cores), shared wall times side by side;
+      each shared arm between two dedicated arms, so that this machine's drift cancels
 
 Bundled scenarios: rollwise/sim/configs/scenarios/ (grpo-7b.yaml, agent-sessions.yaml); bundled cost
 models: h100-7b, h100-32b (roofline estimates), cpu-reference-full (engine + trainer) and cpu-reference-calibrated (engine only), measured here.
@@ -250,19 +250,15 @@ def cmd_validate_router(args: argparse.Namespace, console: Console) -> int:
 def cmd_validate_mux(args: argparse.Namespace, console: Console) -> int:
     from rollwise.sim.mux_validate import validate_mux
 
-    if args.rounds < 1 or args.calibration_rounds < 1:
-        raise ValueError(f"--rounds and --calibration-rounds must be at least 1, got {args.rounds}, "
-                         f"{args.calibration_rounds}")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
     with console.status("measuring this machine") as status:
-        result = validate_mux(full=args.full, rounds=args.rounds, calibration_rounds=args.calibration_rounds,
-                              progress=status.update)
-    fitted = result["host_fitted"]
+        result = validate_mux(full=args.full, rounds=args.rounds, progress=status.update)
+    host = result["host"]
     table = Table(title=f"bench mux {'full' if args.full else '--quick'}: shared arm measured vs simulated "
-                        f"(medians of {args.rounds} round(s), each a shared arm between two dedicated arms; "
-                        f"{fitted['cores']:.2f} cores fitted on {fitted['rounds']} calibration round(s) of "
-                        f"bench mux --quick, {fitted['measured_effective_cores']:.2f} effective cores measured)")
-    for col in ("scenario", "job", "shared wall meas.", "runs", "shared wall sim", "error", "error, measured cores",
-                "dedicated drift",
+                        f"({host['cores']:.2f} effective cores, measured; medians of {args.rounds} round(s), "
+                        "each a shared arm between two dedicated arms)")
+    for col in ("scenario", "job", "shared wall meas.", "runs", "shared wall sim", "error", "dedicated drift",
                 "saving meas.", "saving sim", "saving, separate devices"):
         table.add_column(col, justify="left" if col in ("scenario", "job") else "right", no_wrap=True)
     for c in result["comparison"]:
@@ -272,7 +268,6 @@ def cmd_validate_mux(args: argparse.Namespace, console: Console) -> int:
                           f"{j['wall_shared_s_measured']:.1f}s",
                           " ".join(f"{x:.1f}" for x in j["measured_runs"]) if len(j["measured_runs"]) > 1 else "-",
                           f"{j['wall_shared_s_simulated']:.1f}s", f"{j['error']:+.0%}",
-                          f"{j['error_measured_cores']:+.0%}",
                           " ".join(f"{x:+.0%}" for x in j["dedicated_drift_runs"]),
                           f"{c['engine_hours_saving_measured']:.0%}" if first else "",
                           f"{c['engine_hours_saving_simulated']:.0%}" if first else "",
@@ -334,8 +329,6 @@ def build_parser() -> argparse.ArgumentParser:
     vm.add_argument("--full", action="store_true", help="also 4 jobs / 2 engines, 24 steps (about 5 min a round)")
     vm.add_argument("--rounds", type=int, default=1,
                     help="run the benchmark this many times and compare each job's median (default: 1)")
-    vm.add_argument("--calibration-rounds", type=int, default=2,
-                    help="bench mux --quick rounds run first to fit this machine's cores (default: 2)")
     return parser
 
 
