@@ -392,6 +392,22 @@ def test_shared_cores_processor_sharing():
     first, second = run(1, [(0, 1.0, None), (0.5, 1.0, None)])
     assert first == pytest.approx(1.5) and second == pytest.approx(2.0)
 
+    # crowded: measured effective cores by how many processes are at work (linear between the points)
+    from rollwise.sim.cores import crowded_cores
+
+    points = [(2, 1.9), (5, 1.6)]
+    assert [crowded_cores(2.0, points, n) for n in (1, 2, 3, 5, 8)] == pytest.approx([1.9, 1.9, 1.8, 1.6, 1.6])
+    assert crowded_cores(2.0, [], 7) == 2.0
+    now, events, ends = [0.0], [], {}
+    shared = SharedCores(2.0, lambda t, fn: events.append((t, fn)), lambda: now[0], crowding=[(2, 2.0), (3, 1.5)])
+    for i in range(3):
+        shared.run(1.0, lambda i=i: ends.setdefault(i, now[0]))
+    while events:
+        events.sort(key=lambda e: e[0])
+        now[0], fn = events.pop(0)
+        fn()
+    assert [ends[i] for i in range(3)] == pytest.approx([2.0] * 3)  # 3 processes get 1.5 cores, not 2
+
 
 def _generation_bound(n: int) -> list:
     from rollwise.sim.mux import MuxJob
@@ -420,6 +436,13 @@ def test_mux_host_shares_cores_and_one_interpreter():
     apart = simulate_mux(heavy, 2, MUX_COST, host=Host(cores=64))
     crowded = simulate_mux(heavy, 2, MUX_COST, host=Host(cores=1))
     assert crowded["makespan_s"] > 1.6 * apart["makespan_s"]
+    # measured crowding (rollwise.sim.host): four trainers and a pool on 2 cores give less than 2
+    measured = Host.measured({"cores": 2.0, "pool_cores": 1.0, "crowding": [[2, 2.0], [5, 1.5]]})
+    assert measured.crowding == ((2, 2.0), (5, 1.5))
+    four = [MuxJob(f"t{k}", steps=3, prompts_per_step=2, group_size=4, prompt_tokens=50, max_tokens=20,
+                   train_s=lambda _tokens: 2.0) for k in range(4)]
+    plain = simulate_mux(four, 2, MUX_COST, host=Host(cores=2.0, pool_cores=1.0))
+    assert simulate_mux(four, 2, MUX_COST, host=measured)["makespan_s"] > 1.1 * plain["makespan_s"]
 
 
 def test_mux_step_variation_is_seeded():
@@ -440,8 +463,9 @@ def test_effective_cores_are_measured_on_real_processes():
     schedule: a short but real run; the value is loose (this machine is noisy), its shape is not."""
     from rollwise.sim.host import measure_effective_cores
 
-    cores = measure_effective_cores(processes=2, seconds=1.5)
+    cores = measure_effective_cores(processes=2, seconds=1.5, engine=True)  # an engine beside a trainer
     assert cores["processes"] == 2 and len(cores["per_process"]) == 2 and min(cores["units"]) > 0
+    assert cores["kinds"] == ["engine", "train"]
     assert 0.3 < cores["effective_cores"] < 3.0  # 2 when they do not slow each other, 1 when they take turns
     with pytest.raises(ValueError, match="processes must be >= 1"):
         measure_effective_cores(processes=-1)

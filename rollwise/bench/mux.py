@@ -4,7 +4,8 @@ Every job is a real `rollwise train` run (its own process, one torch thread) on 
 (tiny:0, tiny:1, ... : different weights), to the same number of steps in both arms:
 
     dedicated  each job alone with its own engine (a 1-engine pool serving only that job), one job after
-               another, so each has the machine to itself; engines held = 1 per job, for its wall time
+               another, so each has the machine to itself; engines held = 1 per job, for its wall time.
+               Run before and after the shared arm; a job's dedicated time is the mean of the two
     shared     all jobs at once, attached to one `rollwise serve pool` with fewer engines than jobs
                (2 jobs / 1 engine; the full run adds 4 jobs / 2 engines); engines held = the pool's
                engines, from the first job's start to the last job's end
@@ -230,14 +231,21 @@ def mean_dedicated(arms: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str,
 
 def run_scenario(root: Path, jobs: int, engines: int, models: list[str], steps: int, workload: dict[str, Any],
                  min_slice_s: float = 5.0, timeout: float = 1800.0, host: Host | None = None) -> dict[str, Any]:
-    """Both arms of one scenario: `jobs` jobs, dedicated (one engine each, in turn) vs. shared (`engines`).
+    """Both arms of one scenario: `jobs` jobs, dedicated (one engine each, in turn) vs. shared (`engines`),
+    as dedicated, shared, dedicated: each job's dedicated time is the mean of the runs before and after
+    the shared arm, so that this machine's drift between minutes (10-40%) cancels to first order.
     `host`: this machine for the simulator (default: every core at full speed; run_mux_bench passes the
     measured effective cores)."""
     base = root / f"{jobs}x{engines}"
     configs = prepare_scenario(base, jobs, models, steps, workload)
-    dedicated = run_dedicated(base, configs, workload, min_slice_s, timeout)
+    before = run_dedicated(base, configs, workload, min_slice_s, timeout, arm="dedicated-before")
     shared = run_shared(base, configs, engines, workload, min_slice_s, timeout)
-    return summarize_scenario(engines, models, steps, workload, dedicated, shared, min_slice_s, host)
+    after = run_dedicated(base, configs, workload, min_slice_s, timeout, arm="dedicated-after")
+    result = summarize_scenario(engines, models, steps, workload, mean_dedicated([before, after]), shared,
+                                min_slice_s, host)
+    # how far the two dedicated runs of each job disagree: the noise floor of its slowdown
+    result["dedicated_drift"] = {n: after[n]["wall_s"] / before[n]["wall_s"] - 1 for n in configs}
+    return result
 
 
 def summarize_scenario(engines: int, models: list[str], steps: int, workload: dict[str, Any],
@@ -282,7 +290,8 @@ def summarize_scenario(engines: int, models: list[str], steps: int, workload: di
     projection = project_from_dedicated(dedicated, engines, workload, costs, min_slice_s)
     host = host or Host(cores=float(os.cpu_count() or 1), pool_cores=1.0)
     here = project_from_dedicated(dedicated, engines, workload, costs, min_slice_s, host)
-    simulated_here = {**here, "host": {"cores": host.cores, "pool_cores": host.pool_cores},
+    simulated_here = {**here, "host": {"cores": host.cores, "pool_cores": host.pool_cores,
+                                       "crowding": [list(point) for point in host.crowding]},
                       "wall_shared_error": {n: here["wall_shared_s"][n] / shared[n]["wall_s"] - 1 for n in names}}
     return {
         "scenario": f"{jobs}x{engines}", "jobs": jobs, "engines_shared": engines, "steps": steps,
@@ -382,8 +391,8 @@ def run_mux_bench(quick: bool = False, root: Path | None = None) -> dict[str, An
     busy_before = _cpu_busy()
     # For the simulation of this machine: how much single-threaded work its cores do at once (less than
     # os.cpu_count() on a VM); the CPU pool's engine slots are threads of one Python process (one core).
-    measured = measure_cpu_host()
-    host = Host(cores=measured["cores"], pool_cores=measured["pool_cores"])
+    measured = measure_cpu_host(processes=max(spec["jobs"] for spec in scenario_specs(quick)) + 1)
+    host = Host.measured(measured)
     scenarios = [run_scenario(root, **spec, host=host) for spec in scenario_specs(quick)]
     return {"bench": "mux", "quick": quick, "scenarios": scenarios, "workdir": str(root),
             "cpu_busy_before_start": busy_before, "host": measured,
@@ -392,11 +401,17 @@ def run_mux_bench(quick: bool = False, root: Path | None = None) -> dict[str, An
             "load_average_1m_at_end": os.getloadavg()[0]}
 
 
+def describe_cores(measured: dict[str, Any]) -> str:
+    """'1.92 effective cores (1.80 with 5 processes)': rollwise.sim.host.measure_cpu_host's result, in words."""
+    crowded = [f"{c:.2f} with {n} processes" for n, c in measured.get("crowding", [])[1:]]
+    return f"{measured['cores']:.2f} effective cores" + (f" ({', '.join(crowded)})" if crowded else "")
+
+
 def format_mux_bench(result: dict[str, Any]):
     from rich.table import Table
 
     table = Table(title="shared engine pool vs. dedicated engines (same jobs, same steps, one run)")
-    for col in ("scenario", "job", "wall ded. -> shared", "slowdown", "generate ded. -> shared",
+    for col in ("scenario", "job", "wall ded. -> shared", "slowdown", "ded. after/before", "generate ded. -> shared",
                 "train ded. -> shared", "pool engine-s (busy)", "engine-s ded. -> shared", "saving"):
         table.add_column(col, justify="left" if col in ("scenario", "job") else "right")
     for s in result["scenarios"]:
@@ -407,6 +422,7 @@ def format_mux_bench(result: dict[str, Any]):
                 f"{s['jobs']} jobs / {s['engines_shared']} engine(s)" if first else "", f"{name} ({j['model']})",
                 f"{j['wall_dedicated_s']:.1f} -> {j['wall_shared_s']:.1f}s (sim** {here['wall_shared_s'][name]:.1f}s, "
                 f"{here['wall_shared_error'][name]:+.0%})", f"{j['slowdown']:+.0%}",
+                f"{s['dedicated_drift'][name]:+.0%}",
                 f"{j['generate_s_dedicated']:.1f} -> {j['generate_s_shared']:.1f}s",
                 f"{j['train_s_dedicated']:.1f} -> {j['train_s_shared']:.1f}s",
                 f"{(j['pool_engine_s_allocated'] or 0):.1f} ({(j['pool_engine_s_busy'] or 0):.1f})",
@@ -415,17 +431,19 @@ def format_mux_bench(result: dict[str, Any]):
             )
             first = False
         costs = ", ".join(f"{k} {v['count']}x {v['mean_s'] * 1000:.0f} ms" for k, v in s["transition_costs"].items())
-        table.add_row("", "", "max", f"{s['max_slowdown']:+.0%}", "", "", "", "", "")
+        table.add_row("", "", "max", f"{s['max_slowdown']:+.0%}", "", "", "", "", "", "")
         p = s["projection"]
-        table.add_row("", "projected*", "max", f"{p['max_slowdown']:+.0%}", "", "", "",
+        table.add_row("", "projected*", "max", f"{p['max_slowdown']:+.0%}", "", "", "", "",
                       f"{p['engine_s_dedicated']:.0f} -> {p['engine_s_shared']:.0f}",
                       f"{p['engine_hours_saving']:.0%}" + (" (goal met)" if p["meets_goal"] else ""), end_section=True)
         table.caption = (table.caption or "") + f"{s['scenario']} transitions: {costs}. "
     table.caption = (table.caption or "") + (
+        "Dedicated: the mean of a run before and one after the shared arm (this machine drifts); "
+        "ded. after/before: how far they disagree. "
         "*projected: the same jobs in the cluster simulator (rollwise.sim.mux: the pool's own scheduler on "
         "simulated engines) with the phase times measured in the dedicated arm and the measured switch costs "
         "(trainers not competing with engines for cores, as with GPU engines). **sim: the same simulation of this "
-        f"machine ({result['host']['cores']:.2f} effective cores, measured, shared by the trainers and the pool; "
+        f"machine ({describe_cores(result['host'])}, measured, shared by the trainers and the pool; "
         "the pool's engine slots, threads of one Python process, one core's worth together): shared wall time "
         "and its error against the measured one. ")
     busy = result.get("cpu_busy_before_start")

@@ -248,6 +248,7 @@ def cmd_validate_router(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_validate_mux(args: argparse.Namespace, console: Console) -> int:
+    from rollwise.bench.mux import describe_cores
     from rollwise.sim.mux_validate import validate_mux
 
     if args.rounds < 1:
@@ -256,7 +257,7 @@ def cmd_validate_mux(args: argparse.Namespace, console: Console) -> int:
         result = validate_mux(full=args.full, rounds=args.rounds, progress=status.update)
     host = result["host"]
     table = Table(title=f"bench mux {'full' if args.full else '--quick'}: shared arm measured vs simulated "
-                        f"({host['cores']:.2f} effective cores, measured; medians of {args.rounds} round(s), "
+                        f"({describe_cores(host)}, measured; medians of {args.rounds} round(s), "
                         "each a shared arm between two dedicated arms)")
     for col in ("scenario", "job", "shared wall meas.", "runs", "shared wall sim", "error", "dedicated drift",
                 "saving meas.", "saving sim", "saving, separate devices"):

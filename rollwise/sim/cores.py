@@ -11,6 +11,10 @@ machine's (effective) `cores`, every group slows alike:
     machine = min(1, cores / total demand)        (cores = 0: no shared limit, each process its own device)
     rate of a task in a group = machine * demand / n
 
+`cores` may also depend on how many processes have work (`crowding`: effective cores measured with n
+processes side by side, rollwise.sim.host): more processes than cores lose time to each other on a
+real machine (context switches, caches), which plain processor sharing does not charge.
+
 Every change of the task set re-plans the next task end; an end planned before a change is ignored.
 Used by the router simulator (replicas, router and client on bench router's cores) and the pool
 simulator (trainers and the pool's engine slots on bench mux's cores).
@@ -18,7 +22,7 @@ simulator (trainers and the pool's engine slots on bench mux's cores).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 Schedule = Callable[[float, Callable[[], None]], None]  # at(time, callback) on the simulator's clock
@@ -31,10 +35,25 @@ class _Task:
     group: str | None
 
 
+def crowded_cores(cores: float, crowding: Sequence[tuple[int, float]], processes: int) -> float:
+    """Effective cores with `processes` processes running: `crowding` holds measured (processes, cores)
+    points, linear between them, the nearest one beyond them; no points: `cores`."""
+    points = sorted(crowding)
+    if not points:
+        return cores
+    if processes <= points[0][0]:
+        return points[0][1]
+    for (n0, c0), (n1, c1) in zip(points, points[1:]):
+        if processes <= n1:
+            return c0 + (c1 - c0) * (processes - n0) / (n1 - n0)
+    return points[-1][1]
+
+
 class SharedCores:
     def __init__(self, cores: float, at: Schedule, now: Callable[[], float],
-                 caps: Mapping[str, float] | None = None) -> None:
+                 caps: Mapping[str, float] | None = None, crowding: Sequence[tuple[int, float]] = ()) -> None:
         self.cores = cores
+        self.crowding = tuple(crowding)  # (processes, effective cores) measured; empty: `cores` at any count
         self.caps = dict(caps or {})  # group -> cores' worth its tasks make together (default 1)
         self._at, self._now = at, now
         self._tasks: list[_Task] = []
@@ -59,7 +78,8 @@ class SharedCores:
         demand = {g: float(n) if n <= 1 else min(float(n), self.caps.get(g, 1.0))
                   for g, n in counts.items() if g is not None}
         total = sum(demand.values()) + counts.get(None, 0)
-        machine = min(1.0, self.cores / total) if self.cores > 0 and total > 0 else 1.0
+        cores = crowded_cores(self.cores, self.crowding, len(demand) + counts.get(None, 0))
+        machine = min(1.0, cores / total) if self.cores > 0 and total > 0 else 1.0
         return [machine if t.group is None else machine * demand[t.group] / counts[t.group] for t in self._tasks]
 
     def _advance(self) -> None:

@@ -72,6 +72,15 @@ class Host:
 
     cores: float = 0.0  # > 0: trainers (one process each) and engine slots share this many CPU cores
     pool_cores: float = 0.0  # > 0: the pool's engine slots together use at most this many cores (one interpreter)
+    # (processes, effective cores) measured with that many processes at work: the machine gives less when
+    # crowded (rollwise.sim.cores.crowded_cores); empty: `cores` however many
+    crowding: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def measured(cls, measurement: dict[str, Any]) -> Host:
+        """From rollwise.sim.host.measure_cpu_host()."""
+        return cls(cores=measurement["cores"], pool_cores=measurement["pool_cores"],
+                   crowding=tuple((int(n), float(c)) for n, c in measurement.get("crowding", ())))
 
     @property
     def shared(self) -> bool:
@@ -138,7 +147,8 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
 
     cores = None  # no sharing: every engine and trainer at its own speed
     if host.shared:
-        cores = SharedCores(host.cores, at, lambda: clock.now, caps={"pool": host.pool_cores or 1.0})
+        cores = SharedCores(host.cores, at, lambda: clock.now, caps={"pool": host.pool_cores or 1.0},
+                            crowding=host.crowding)
 
     def compute(seconds: float, group: str | None, on_done: Callable[[], None]) -> None:
         """CPU (or device) work of one process: timed as given, or shared with the others on the host."""

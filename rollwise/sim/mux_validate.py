@@ -14,8 +14,9 @@ reported with it: the noise floor of that round's comparison.
 The simulator (rollwise.sim.mux: the pool's own scheduler on simulated engines) replays each shared
 arm, calibrated on the round's dedicated arms (each job's per-step generate and train seconds and their
 step-to-step variation, its start-up, the pool's switch costs) and on this machine as measured once at
-the start: its effective cores (rollwise.sim.host), shared by the trainers and the pool, whose engine
-slots are threads of one Python process (one core's worth together). Nothing is fitted to the shared
+the start: its effective cores (rollwise.sim.host), with two processes and with as many as the benchmark
+runs (crowded, they lose more to each other), shared by the trainers and the pool, whose engine slots
+are threads of one Python process (one core's worth together). Nothing is fitted to the shared
 arms. Per job, the median over the rounds of the measured shared wall time is compared with the median
 of the simulated ones; the same for the engine-hours saving.
 """
@@ -64,10 +65,10 @@ def validate_mux(full: bool = False, rounds: int = 1, root: Path | None = None,
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     root = Path(tempfile.mkdtemp(prefix="rollwise-validate-mux-")) if root is None else root
     t0 = time.monotonic()
-    progress("measuring this machine's effective cores (~25 s)")
-    measured_host = measure_cpu_host()
-    host = Host(cores=measured_host["cores"], pool_cores=measured_host["pool_cores"])
+    progress("measuring this machine's effective cores (~1 min)")
     specs = scenario_specs(quick=not full)
+    measured_host = measure_cpu_host(processes=max(spec["jobs"] for spec in specs) + 1)  # the trainers + the pool
+    host = Host.measured(measured_host)
     rounds_by_scenario: list[list[dict[str, Any]]] = []  # scenario -> its rounds' results
     for spec in specs:
         results = []
