@@ -328,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         return sim_main(argv[1:])
     parser = _build_parser()
     args = parser.parse_args(argv)
-    console = Console()
+    # the benchmark tables are wide, and a pipe (tee to a log) would squash them to 80 columns
+    console = Console(width=max(Console().width, 160)) if args.command == "bench" else Console()
     if args.command is None:
         parser.print_help()
         return 0

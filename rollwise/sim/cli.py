@@ -327,9 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
     vr.add_argument("--cores", type=float, default=None,
                     help="cores the simulated replicas share (default: the cores this process may use)")
     vm = sub.add_parser("validate-mux", parents=[common], help="bench mux measured vs simulated")
-    vm.add_argument("--full", action="store_true", help="also 4 jobs / 2 engines, 24 steps (about 5 min a round)")
+    vm.add_argument("--full", action="store_true",
+                    help="2 jobs / 1 engine and 4 jobs / 2 engines, 24 steps (3 rounds ~13 min, 5 ~19 min)")
     vm.add_argument("--rounds", type=int, default=1,
-                    help="run the benchmark this many times and compare each job's median (default: 1)")
+                    help="shared arms per scenario, each between two dedicated arms; each job's median over "
+                         "them is compared (default: 1)")
     return parser
 
 
