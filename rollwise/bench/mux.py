@@ -164,7 +164,7 @@ def prepare_scenario(base: Path, jobs: int, models: list[str], steps: int,
     base.mkdir(parents=True, exist_ok=True)
     task = _write_task(base / "add.jsonl")
     return {f"job{i}": _job_config(base, f"job{i}", models[i % len(models)], task, steps, workload)
-                  for i in range(jobs)}
+            for i in range(jobs)}
 
 
 def _stop(pool: subprocess.Popen) -> None:
@@ -175,6 +175,17 @@ def _stop(pool: subprocess.Popen) -> None:
         pool.kill()
 
 
+def _spawn_arm_job(base: Path, arm: str, name: str, config: Path, url: str) -> tuple[str, subprocess.Popen, Path]:
+    """Job `name` of arm `arm` on the pool at `url`: its result goes to {arm}-{name}.json (_read_arm_job)."""
+    log = base / f"{arm}-{name}.log"
+    overrides = [f"pool.url={url}", f"pool.job={name}", f"output_dir={base / 'runs' / (arm + '-' + name)}"]
+    return name, _spawn_job(config, base / f"{arm}-{name}.json", overrides, log), log
+
+
+def _read_arm_job(base: Path, arm: str, name: str) -> dict[str, Any]:
+    return json.loads((base / f"{arm}-{name}.json").read_text())
+
+
 def run_dedicated(base: Path, configs: dict[str, Path], workload: dict[str, Any], min_slice_s: float = 5.0,
                   timeout: float = 1800.0, arm: str = "dedicated") -> dict[str, dict[str, Any]]:
     """The dedicated arm: one job at a time on a 1-engine pool of its own (the pool serves nobody else
@@ -183,11 +194,9 @@ def run_dedicated(base: Path, configs: dict[str, Path], workload: dict[str, Any]
     pool, url = _start_pool(1, workload, min_slice_s, base / f"pool-{arm}.log")
     try:
         for n, config in configs.items():  # one after another: each has the machine (and its engine) to itself
-            out, log = base / f"{arm}-{n}.json", base / f"{arm}-{n}.log"
-            overrides = [f"pool.url={url}", f"pool.job={n}", f"output_dir={base / 'runs' / (arm + '-' + n)}"]
             cpu0 = process_cpu_s(pool.pid)
-            _wait([(n, _spawn_job(config, out, overrides, log), log)], timeout)
-            dedicated[n] = json.loads(out.read_text()) | {"pool_cpu_s": process_cpu_s(pool.pid) - cpu0}
+            _wait([_spawn_arm_job(base, arm, n, config, url)], timeout)
+            dedicated[n] = _read_arm_job(base, arm, n) | {"pool_cpu_s": process_cpu_s(pool.pid) - cpu0}
     finally:
         _stop(pool)
     return dedicated
@@ -201,18 +210,13 @@ def run_shared(base: Path, configs: dict[str, Path], engines: int, workload: dic
 
     pool, url = _start_pool(engines, workload, min_slice_s, base / f"pool-{arm}.log")
     try:
-        procs = []
         cpu0 = process_cpu_s(pool.pid)
-        for n, config in configs.items():
-            out, log = base / f"{arm}-{n}.json", base / f"{arm}-{n}.log"
-            overrides = [f"pool.url={url}", f"pool.job={n}", f"output_dir={base / 'runs' / (arm + '-' + n)}"]
-            procs.append((n, _spawn_job(config, out, overrides, log), log))
-        _wait(procs, timeout)
+        _wait([_spawn_arm_job(base, arm, n, config, url) for n, config in configs.items()], timeout)
         pool_state = httpx.get(f"{url}/state", timeout=30).json()
         pool_cpu_s = process_cpu_s(pool.pid) - cpu0
     finally:
         _stop(pool)
-    return {"jobs": {n: json.loads((base / f"{arm}-{n}.json").read_text()) for n in configs},
+    return {"jobs": {n: _read_arm_job(base, arm, n) for n in configs},
             "pool_state": pool_state, "pool_cpu_s": pool_cpu_s}
 
 
@@ -241,10 +245,19 @@ def run_scenario(root: Path, jobs: int, engines: int, models: list[str], steps: 
     before = run_dedicated(base, configs, workload, min_slice_s, timeout, arm="dedicated-before")
     shared = run_shared(base, configs, engines, workload, min_slice_s, timeout)
     after = run_dedicated(base, configs, workload, min_slice_s, timeout, arm="dedicated-after")
-    result = summarize_scenario(engines, models, steps, workload, mean_dedicated([before, after]), shared,
+    return summarize_between(engines, models, steps, workload, before, shared, after, min_slice_s, host)
+
+
+def summarize_between(engines: int, models: list[str], steps: int, workload: dict[str, Any],
+                      before: dict[str, dict[str, Any]], shared_arm: dict[str, Any],
+                      after: dict[str, dict[str, Any]], min_slice_s: float = 5.0,
+                      host: Host | None = None) -> dict[str, Any]:
+    """A shared arm between two dedicated arms: summarize_scenario on the dedicated arms' mean, with how
+    far the two dedicated runs of each job disagree (`dedicated_drift`, after / before - 1): the noise
+    floor of that job's slowdown."""
+    result = summarize_scenario(engines, models, steps, workload, mean_dedicated([before, after]), shared_arm,
                                 min_slice_s, host)
-    # how far the two dedicated runs of each job disagree: the noise floor of its slowdown
-    result["dedicated_drift"] = {n: after[n]["wall_s"] / before[n]["wall_s"] - 1 for n in configs}
+    result["dedicated_drift"] = {n: after[n]["wall_s"] / before[n]["wall_s"] - 1 for n in before}
     return result
 
 
@@ -383,17 +396,23 @@ def scenario_specs(quick: bool) -> list[dict[str, Any]]:
     return [{**two, "steps": 24, "workload": FULL}, {**four, "steps": 24, "workload": FULL}]
 
 
+def measure_host(specs: list[dict[str, Any]]) -> tuple[dict[str, Any], Host]:
+    """This machine for the simulation of these scenarios: how much single-threaded work its cores do at
+    once (less than os.cpu_count() on a VM), with two processes and with as many as the largest scenario
+    runs (its trainers and the pool); the CPU pool's engine slots are threads of one Python process."""
+    measured = measure_cpu_host(processes=max(spec["jobs"] for spec in specs) + 1)
+    return measured, Host.measured(measured)
+
+
 def run_mux_bench(quick: bool = False, root: Path | None = None) -> dict[str, Any]:
     """quick: 2 tiny jobs on 1 engine, 16 steps (about a minute here). Full: 2 jobs / 1 engine and 4 jobs /
     2 engines, 24 steps. Jobs use tiny:0, tiny:1, ... (different weights)."""
     root = Path(tempfile.mkdtemp(prefix="rollwise-mux-")) if root is None else root
     t0 = time.monotonic()
     busy_before = _cpu_busy()
-    # For the simulation of this machine: how much single-threaded work its cores do at once (less than
-    # os.cpu_count() on a VM); the CPU pool's engine slots are threads of one Python process (one core).
-    measured = measure_cpu_host(processes=max(spec["jobs"] for spec in scenario_specs(quick)) + 1)
-    host = Host.measured(measured)
-    scenarios = [run_scenario(root, **spec, host=host) for spec in scenario_specs(quick)]
+    specs = scenario_specs(quick)
+    measured, host = measure_host(specs)
+    scenarios = [run_scenario(root, **spec, host=host) for spec in specs]
     return {"bench": "mux", "quick": quick, "scenarios": scenarios, "workdir": str(root),
             "cpu_busy_before_start": busy_before, "host": measured,
             "goal": {"engine_hours_saving_min": GOAL_SAVING, "slowdown_max": GOAL_SLOWDOWN},

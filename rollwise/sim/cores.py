@@ -37,8 +37,8 @@ class _Task:
 
 def crowded_cores(cores: float, crowding: Sequence[tuple[int, float]], processes: int) -> float:
     """Effective cores with `processes` processes running: `crowding` holds measured (processes, cores)
-    points, linear between them, the nearest one beyond them; no points: `cores`."""
-    points = sorted(crowding)
+    points, sorted by processes; linear between them, the nearest one beyond them; no points: `cores`."""
+    points = crowding
     if not points:
         return cores
     if processes <= points[0][0]:
@@ -53,7 +53,7 @@ class SharedCores:
     def __init__(self, cores: float, at: Schedule, now: Callable[[], float],
                  caps: Mapping[str, float] | None = None, crowding: Sequence[tuple[int, float]] = ()) -> None:
         self.cores = cores
-        self.crowding = tuple(crowding)  # (processes, effective cores) measured; empty: `cores` at any count
+        self.crowding = tuple(sorted(crowding))  # (processes, effective cores) measured; empty: `cores` always
         self.caps = dict(caps or {})  # group -> cores' worth its tasks make together (default 1)
         self._at, self._now = at, now
         self._tasks: list[_Task] = []

@@ -3,8 +3,9 @@
 `os.cpu_count()` overstates it on a VM: single-threaded processes side by side each run slower than alone
 (shared caches and memory bandwidth, hyperthreads, a hypervisor's steal). Measured with the work the
 benchmarks run on one torch thread each, a tiny model's forward and backward (a trainer) and, for the
-pool, a reference engine's decode step: N processes follow one schedule of short phases (process 0 alone, process 1 alone, ..., then all together, over and over); each times
-its work units in its "alone" and its "together" phases, and
+pool, a reference engine's decode step: N processes follow one schedule of short phases (process 0
+alone, process 1 alone, ..., then all together, over and over); each times its work units in its
+"alone" and its "together" phases, and
 
     effective cores = sum over the processes of (mean unit time alone / mean unit time together)
 
@@ -14,8 +15,8 @@ and "together" one after the other, even back to back, measured 1.3 to 2.3 cores
 (interleaved: 1.8-2.0).
 
 Crowded, with more processes at work than cores (an engine and 2-4 trainers on these 2 cores), they
-lose more to each other (context switches, caches): 1.72-1.88 against 1.87-2.03 for two, measured the
-same way. rollwise.sim.cores takes the two points and interpolates between them (`crowding`).
+lose more to each other (context switches, caches): five measured 1.56-1.84 against 1.78-2.03 for two,
+the same way. rollwise.sim.cores takes the two points and interpolates between them (`crowding`).
 
 The same schedule on threads of one process (two reference engines stepping on two threads, as the
 CPU pool's slots do) measured 0.6-0.8 engines' worth together: tight stepping loops lose time handing

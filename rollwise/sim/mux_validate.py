@@ -30,33 +30,32 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rollwise.bench.mux import (mean_dedicated, prepare_scenario, run_dedicated, run_shared, scenario_specs,
-                                summarize_scenario)
-from rollwise.sim.host import measure_cpu_host
+from rollwise.bench.mux import (measure_host, prepare_scenario, run_dedicated, run_shared, scenario_specs,
+                                summarize_between)
 from rollwise.sim.mux import Host
 
 
-def _measure_rounds(root: Path, spec: dict[str, Any], rounds: int,
+def _measure_rounds(root: Path, spec: dict[str, Any], rounds: int, host: Host,
                     progress: Callable[[str], None]) -> list[dict[str, Any]]:
     """One scenario measured as dedicated 0, shared 0, dedicated 1, ..., shared R-1, dedicated R: per round,
-    the shared arm, the mean of the dedicated arms on either side of it, and how far those two disagree."""
+    its summary (rollwise.bench.mux.summarize_between: the shared arm against the mean of the dedicated
+    arms on either side of it, simulated on `host`)."""
     tag = f"{spec['jobs']}x{spec['engines']}"
     base = root / tag
     configs = prepare_scenario(base, spec["jobs"], spec["models"], spec["steps"], spec["workload"])
     args = {"workload": spec["workload"], "min_slice_s": spec["min_slice_s"]}
     progress(f"{tag}: dedicated arm 1/{rounds + 1}")
     before = run_dedicated(base, configs, **args, arm="dedicated0")
-    measured = []
+    results = []
     for r in range(rounds):
         progress(f"{tag}: shared arm {r + 1}/{rounds}")
         shared = run_shared(base, configs, spec["engines"], **args, arm=f"shared{r}")
         progress(f"{tag}: dedicated arm {r + 2}/{rounds + 1}")
         after = run_dedicated(base, configs, **args, arm=f"dedicated{r + 1}")
-        measured.append({"dedicated": mean_dedicated([before, after]), "shared": shared,
-                         # the noise floor: how much the same dedicated runs moved within this round
-                         "dedicated_drift": {n: after[n]["wall_s"] / before[n]["wall_s"] - 1 for n in configs}})
+        results.append(summarize_between(spec["engines"], spec["models"], spec["steps"], spec["workload"],
+                                         before, shared, after, spec["min_slice_s"], host))
         before = after
-    return measured
+    return results
 
 
 def validate_mux(full: bool = False, rounds: int = 1, root: Path | None = None,
@@ -67,17 +66,9 @@ def validate_mux(full: bool = False, rounds: int = 1, root: Path | None = None,
     t0 = time.monotonic()
     progress("measuring this machine's effective cores (~1 min)")
     specs = scenario_specs(quick=not full)
-    measured_host = measure_cpu_host(processes=max(spec["jobs"] for spec in specs) + 1)  # the trainers + the pool
-    host = Host.measured(measured_host)
-    rounds_by_scenario: list[list[dict[str, Any]]] = []  # scenario -> its rounds' results
-    for spec in specs:
-        results = []
-        for m in _measure_rounds(root, spec, rounds, progress):
-            result = summarize_scenario(spec["engines"], spec["models"], spec["steps"], spec["workload"],
-                                        m["dedicated"], m["shared"], spec["min_slice_s"], host)
-            result["dedicated_drift"] = m["dedicated_drift"]
-            results.append(result)
-        rounds_by_scenario.append(results)
+    measured_host, host = measure_host(specs)
+    # scenario -> its rounds' results
+    rounds_by_scenario = [_measure_rounds(root, spec, rounds, host, progress) for spec in specs]
 
     comparison = []
     for spec, per_round in zip(specs, rounds_by_scenario, strict=True):
@@ -101,7 +92,5 @@ def validate_mux(full: bool = False, rounds: int = 1, root: Path | None = None,
                 s["projection"]["engine_hours_saving"] for s in per_round),
         })
     return {"validation": "bench mux", "full": full, "rounds": rounds, "host": measured_host,
-
-            "comparison": comparison,
-            "rounds_by_scenario": rounds_by_scenario, "workdir": str(root),
+            "comparison": comparison, "rounds_by_scenario": rounds_by_scenario, "workdir": str(root),
             "seconds": time.monotonic() - t0}
