@@ -65,6 +65,18 @@ from rollwise.router.tokens import load_tokenizer, prompt_tokens
 log = logging.getLogger("rollwise.router")
 
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate")
+CONTROL_ENDPOINTS = ("/pause", "/resume", "/flush_cache")
+# Every path the router ever calls on a replica. Upstream URLs are built only by _upstream(), which refuses
+# anything else: no byte of a client request may choose the host or the path of an upstream call.
+UPSTREAM_PATHS = frozenset(GENERATION_ENDPOINTS + CONTROL_ENDPOINTS
+                           + ("/abort", "/update_weights_from_disk", "/v1/models", "/model_info"))
+
+
+def _upstream(replica: Replica, path: str) -> str:
+    if path not in UPSTREAM_PATHS:
+        raise RouterError(500, f"internal error: refusing to call replica path {path!r} (not an upstream path)",
+                          kind="internal_error")
+    return replica.url + path
 
 
 @dataclass
@@ -231,7 +243,7 @@ class Router:
         if spec is None:
             for replica in self.pool:
                 try:
-                    spec = (await self.http.get(f"{replica.url}/model_info", timeout=5)).json()["model"]
+                    spec = (await self.http.get(_upstream(replica, "/model_info"), timeout=5)).json()["model"]
                     break
                 except (httpx.HTTPError, ValueError, KeyError, TypeError):
                     continue
@@ -402,7 +414,7 @@ class Router:
             replica, decision = await self._acquire(route, meta.min_version, tried, last_error)
             account = self._begin(replica, decision, route)
             try:
-                response = await self.http.post(replica.url + endpoint, content=meta.forward,
+                response = await self.http.post(_upstream(replica, endpoint), content=meta.forward,
                                                 headers={"content-type": "application/json"})
             except httpx.HTTPError as exc:
                 last_error = f"{replica.url}: {type(exc).__name__}: {exc}"
@@ -466,7 +478,7 @@ class Router:
             upstream: httpx.Response | None = None
             try:
                 upstream = await self.http.send(
-                    self.http.build_request("POST", replica.url + endpoint, content=meta.forward,
+                    self.http.build_request("POST", _upstream(replica, endpoint), content=meta.forward,
                                             headers={"content-type": "application/json"}),
                     stream=True,
                 )
@@ -532,7 +544,7 @@ class Router:
     async def _fan_out(self, path: str, raw: bytes | None = None) -> dict[str, Any]:
         async def one(replica: Replica) -> tuple[str, Any]:
             try:
-                r = await self.http.post(replica.url + path, content=raw or b"{}",
+                r = await self.http.post(_upstream(replica, path), content=raw or b"{}",
                                          headers={"content-type": "application/json"}, timeout=30)
                 return replica.url, {"status": r.status_code, "body": r.json()}
             except (httpx.HTTPError, ValueError) as exc:
@@ -562,7 +574,7 @@ class Router:
     async def forward_get(self, path: str) -> Response:
         for replica in sorted(self.pool, key=lambda r: not r.healthy):
             try:
-                r = await self.http.get(replica.url + path, timeout=10)
+                r = await self.http.get(_upstream(replica, path), timeout=10)
             except httpx.HTTPError:
                 continue
             return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
@@ -601,10 +613,10 @@ class Router:
                 await self.pool.wait(min(0.2, deadline - time.monotonic()))
             drained = replica.in_flight == 0
             try:
-                await self.http.post(replica.url + "/pause", timeout=30)
-                response = await self.http.post(replica.url + "/update_weights_from_disk", content=forward,
+                await self.http.post(_upstream(replica, "/pause"), timeout=30)
+                response = await self.http.post(_upstream(replica, "/update_weights_from_disk"), content=forward,
                                                 headers={"content-type": "application/json"})
-                await self.http.post(replica.url + "/resume", timeout=30)
+                await self.http.post(_upstream(replica, "/resume"), timeout=30)
             except httpx.HTTPError as exc:
                 self._failed(replica, f"{type(exc).__name__}: {exc}", connection=True)
                 raise RouterError(502, f"replica {replica.url} failed during the weight update ({exc}); "
@@ -648,6 +660,20 @@ def _done_note(done: list[dict[str, Any]], version: int) -> str:
             "their old version")
 
 
+def _generation_handler(router: Router, endpoint: str):
+    async def handler(request: Request) -> Response:
+        return await router.generate(endpoint, request)
+
+    return handler
+
+
+def _control_handler(router: Router, path: str):
+    async def control() -> dict[str, Any]:
+        return await router.broadcast(path)
+
+    return control
+
+
 def create_app(config: RouterConfig, tokenizer: Any | None = None) -> FastAPI:
     router = Router(config, tokenizer)
 
@@ -683,11 +709,11 @@ def create_app(config: RouterConfig, tokenizer: Any | None = None) -> FastAPI:
             router.metrics.latency.labels(path).observe(time.monotonic() - started)
         return response
 
+    # Each route's upstream path is bound by a factory closure, never by a handler parameter: FastAPI turns
+    # every parameter (defaults included) into a query parameter, and a client-chosen suffix appended to
+    # replica.url could name another host ("@evil/...") or another endpoint ("/pause" -> "/sleep").
     for endpoint in GENERATION_ENDPOINTS:
-        async def handler(request: Request, endpoint: str = endpoint) -> Response:
-            return await router.generate(endpoint, request)
-
-        app.add_api_route(endpoint, handler, methods=["POST"])
+        app.add_api_route(endpoint, _generation_handler(router, endpoint), methods=["POST"])
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -705,11 +731,8 @@ def create_app(config: RouterConfig, tokenizer: Any | None = None) -> FastAPI:
     async def metrics() -> Response:
         return router.metrics_response()
 
-    for path in ("/pause", "/resume", "/flush_cache"):
-        async def control(path: str = path) -> dict[str, Any]:
-            return await router.broadcast(path)
-
-        app.add_api_route(path, control, methods=["POST"])
+    for path in CONTROL_ENDPOINTS:
+        app.add_api_route(path, _control_handler(router, path), methods=["POST"])
 
     @app.post("/abort")
     async def abort(request: Request) -> JSONResponse:
