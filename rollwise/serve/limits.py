@@ -1,0 +1,80 @@
+"""A request-body size limit for every rollwise HTTP server, checked before any handler runs.
+
+A 10 MB prompt used to reach the tokenizer on the event loop and stall `/health` for seconds, so the router
+marked a healthy replica down. This middleware answers 413 as soon as the declared `Content-Length` (or the
+bytes received so far, for chunked bodies) pass the limit: nothing is parsed, nothing is buffered beyond it.
+It is plain ASGI rather than a Starlette `BaseHTTPMiddleware` because that one reads the whole body first.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def too_large_body(limit: int, option: str) -> bytes:
+    message = (f"request body exceeds {limit} bytes; send a smaller request or raise the server's {option}")
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": "request_too_large"}}).encode()
+
+
+class RequestSizeLimit:
+    """ASGI middleware: refuse bodies over `max_bytes` with 413. `option` names the setting that raises it
+    (e.g. "--max-request-bytes"), so the error says what to do."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 option: str = "--max-request-bytes") -> None:
+        if max_bytes < 1:
+            raise ValueError(f"{option} must be >= 1 byte, got {max_bytes}")
+        self.app, self.max_bytes, self.option = app, max_bytes, option
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(send)
+            return
+        received = 0
+        started = False
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except BodyTooLarge:
+            if not started:
+                await self._refuse(send)
+
+    async def _refuse(self, send: Send) -> None:
+        body = too_large_body(self.max_bytes, self.option)
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
