@@ -19,9 +19,10 @@ from rollwise.agent.session import AgentSession, SessionLimits
 from rollwise.agent.template import ChatRenderer
 from rollwise.agent.tools import CalculatorTool, ToolRegistry
 from rollwise.agent.toy import toy_question, toy_tool_model
-from rollwise.agent.trajectory import NO_VERSION
+from rollwise.agent.trajectory import NO_VERSION, TrajectoryBuilder
 from rollwise.agent.verify import RecordingGenerator, verify_trajectory
 from rollwise.engine.factory import create_engine
+from rollwise.engine.types import Completion, SamplingParams
 from rollwise.model.tiny import CHATML_TEMPLATE, SPECIAL_TOKENS, tiny_llama
 
 pytestmark = [pytest.mark.usefixtures("single_torch_thread"), pytest.mark.timeout(120)]
@@ -241,3 +242,48 @@ def test_check_tito_cli_exits_0_on_the_tiny_model(tmp_path, capsys):
     assert sum(len(ep["turns"]) for ep in result["episodes"]) >= 4
     assert all(t["ids_equal"] and t["prompt_is_prefix"] for ep in result["episodes"] for t in ep["turns"])
     assert "TITO holds" in capsys.readouterr().out
+
+
+def _sampled(builder: TrajectoryBuilder, tokenizer, request_id: str, extra: str) -> Completion:
+    """A turn as if sampled: 'a reply ' then the multi-character token `extra` (which encoding never
+    produces, so decode -> encode gives other ids) and the end of turn."""
+    ids = tokenizer.encode("a reply ", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids(extra),
+                                                               tokenizer.eos_token_id]
+    return Completion(request_id, 0, builder.prompt_ids(), ids, [-0.5] * len(ids), [0] * len(ids), "stop")
+
+
+@pytest.mark.parametrize("template", [None, REWRITING_TEMPLATE], ids=["chatml", "rewriting"])
+def test_drift_is_reported_for_every_turn_including_the_last_and_before_a_split(template):
+    # Three drifting turns: one followed by a tool result, one (with the rewriting template) followed by
+    # a split, and the session's final turn, followed by nothing. All three must be reported.
+    tokenizer = _drifting_tokenizer()
+    builder = TrajectoryBuilder(ChatRenderer(tokenizer, template), [tokenizer.eos_token_id], "drift")
+    builder.start([{"role": "user", "content": "hi"}])
+    calls = []
+    for turn, extra in enumerate(["ab", "12", " the"]):
+        completion = _sampled(builder, tokenizer, f"turn-{turn}", extra)
+        builder.add_completion(completion)
+        calls.append((completion.prompt_ids, SamplingParams(max_tokens=8), completion))
+        if turn < 2:
+            builder.extend([{"role": "tool", "content": f"result {turn}"}])
+    traj = builder.trajectory()
+    if template is not None:
+        assert len(traj.splits) == 2  # each reply is longer than the 4 characters the template keeps
+    report = verify_trajectory(traj, calls)
+    assert report.ok, report.violations
+    assert [t.retokenization_drift for t in report.turns] == [True, True, True]
+
+
+def test_no_drift_reported_for_turns_that_reencode_exactly():
+    tokenizer = _drifting_tokenizer()
+    builder = TrajectoryBuilder(ChatRenderer(tokenizer, REWRITING_TEMPLATE), [tokenizer.eos_token_id], "exact")
+    builder.start([{"role": "user", "content": "hi"}])
+    for turn in range(2):
+        ids = tokenizer.encode("plain reply", add_special_tokens=False) + [tokenizer.eos_token_id]
+        builder.add_completion(Completion(f"t{turn}", 0, builder.prompt_ids(), ids, [0.0] * len(ids),
+                                          [0] * len(ids), "stop"))
+        if turn == 0:
+            builder.extend([{"role": "user", "content": "more"}])
+    traj = builder.trajectory()
+    assert len(traj.splits) == 1
+    assert not any(span.retokenization_drift for seg in traj.segments for span in seg.spans)

@@ -151,6 +151,7 @@ class TrajectoryBuilder:
         self._base: list[int] = []  # canonical rendering of self.messages + generation prompt
         self._pending: SampledSpan | None = None  # the last sampled turn, not yet closed by new messages
         self._pending_ids: list[int] = []
+        self._with_asst: list[int] = []  # canonical rendering of self.messages once the pending turn is in
 
     # ------------------------------------------------------------------ the engine's view
 
@@ -201,6 +202,10 @@ class TrajectoryBuilder:
         text = self.decode(ids)
         self.messages.append({"role": "assistant", "content": text})
         self._pending, self._pending_ids = span, ids
+        # Drift is measured here, when the turn is sampled, so that every turn is counted: also the
+        # session's last (nothing follows it) and one whose next message makes the trajectory split.
+        self._with_asst = self._render(self.messages, gen=False)
+        span.retokenization_drift = self._drifts(text)
         return text
 
     def decode(self, ids: list[int]) -> str:
@@ -216,11 +221,9 @@ class TrajectoryBuilder:
             # Messages straight after other messages (no engine turn between): same prefix rule.
             self._extend_plain(new_messages)
             return
-        prior = self.messages[:-1]
-        assistant = self.messages[-1]
         full_messages = self.messages + [dict(m) for m in new_messages]
         try:
-            tail = self._template_tokens(prior, assistant, full_messages)
+            tail = self._template_tokens(full_messages)
         except PrefixBreak as exc:
             self._pending = None
             self.start(full_messages, split_reason=str(exc))
@@ -249,40 +252,59 @@ class TrajectoryBuilder:
         segment.append(full[len(plain):], mask=0)
         self.messages, self._base = full_messages, full
 
-    def _template_tokens(self, prior: list[Message], assistant: Message, full_messages: list[Message]) -> list[int]:
-        base = self._base
-        with_asst = self._render(prior + [assistant], gen=False)
+    def _close_turn(self) -> tuple[list[int], list[int]]:
+        """The pending turn as the template renders it after the generation prompt: (its canonical
+        content ids, the template tokens that follow what was sampled). PrefixBreak where the
+        template does not continue its generation prompt or has no matching end of turn."""
+        base, span, sampled = self._base, self._pending, self._pending_ids
+        with_asst = self._with_asst
         if with_asst[: len(base)] != base:
             at = _first_mismatch(with_asst, base)
-            raise PrefixBreak(f"turn {self._pending.turn}: the template renders the assistant turn differently "
+            raise PrefixBreak(f"turn {span.turn}: the template renders the assistant turn differently "
                               f"from its generation prompt (token {at} differs)")
-        full = self._render(full_messages, gen=True)
-        if full[: len(with_asst)] != with_asst:
-            at = _first_mismatch(full, with_asst)
-            raise PrefixBreak(f"turn {self._pending.turn}: the template rewrites earlier turns once a "
-                              f"{full_messages[len(prior) + 1]['role']} message follows (token {at} of "
-                              f"{len(with_asst)} differs)")
         closing = with_asst[len(base):]  # canonical assistant content + end of turn + template tail
-        sampled = self._pending_ids
-        span = self._pending
-        if sampled and sampled[-1] in self.eos_token_ids and span.finish_reason == "stop":
+        if self._stopped_on_eos():
             eot = sampled[-1]
             positions = [i for i, t in enumerate(closing) if t == eot]
             if not positions:
                 raise PrefixBreak(f"turn {span.turn}: the template does not close the assistant turn with the "
                                   f"sampled end-of-turn token {eot}")
             at = positions[-1]
-            tail = closing[at + 1:]  # e.g. ChatML's "\n" after <|im_end|>: template tokens, mask 0
-            span.retokenization_drift = closing[:at] != sampled[:-1]
-        else:
-            # Cut at max_tokens (or stopped on a non-EOS stop id): the template closes the turn; those
-            # end-of-turn tokens were not sampled, so they go in with mask 0.
-            positions = [i for i, t in enumerate(closing) if t in self.eos_token_ids]
-            if not positions:
-                raise PrefixBreak(f"turn {span.turn}: the template's assistant turn has no end-of-turn token")
-            at = positions[-1]
-            tail = closing[at:]
-            span.retokenization_drift = closing[:at] != [t for t in sampled if t not in self.eos_token_ids]
+            return closing[:at], closing[at + 1:]  # e.g. ChatML's "\n" after <|im_end|>: template tokens
+        # Cut at max_tokens (or stopped on a non-EOS stop id): the template closes the turn; those
+        # end-of-turn tokens were not sampled, so they go in with mask 0.
+        positions = [i for i, t in enumerate(closing) if t in self.eos_token_ids]
+        if not positions:
+            raise PrefixBreak(f"turn {span.turn}: the template's assistant turn has no end-of-turn token")
+        at = positions[-1]
+        return closing[:at], closing[at:]
+
+    def _stopped_on_eos(self) -> bool:
+        sampled = self._pending_ids
+        return bool(sampled) and sampled[-1] in self.eos_token_ids and self._pending.finish_reason == "stop"
+
+    def _drifts(self, text: str) -> bool:
+        """Would a text-based pipeline (decode, then encode the conversation) train on other ids than
+        the sampled ones for the pending turn?"""
+        sampled = self._pending_ids
+        content = sampled[:-1] if self._stopped_on_eos() else [t for t in sampled if t not in self.eos_token_ids]
+        try:
+            canonical, _ = self._close_turn()
+        except PrefixBreak:
+            # The template does not show the turn after its own prompt: compare with encoding the text.
+            canonical = list(self.tokenizer.encode(text, add_special_tokens=False))
+        return canonical != content
+
+    def _template_tokens(self, full_messages: list[Message]) -> list[int]:
+        """The template tokens after the pending turn's sampled ids, up to the next generation prompt."""
+        _, tail = self._close_turn()
+        with_asst = self._with_asst
+        full = self._render(full_messages, gen=True)
+        if full[: len(with_asst)] != with_asst:
+            at = _first_mismatch(full, with_asst)
+            raise PrefixBreak(f"turn {self._pending.turn}: the template rewrites earlier turns once a "
+                              f"{full_messages[len(self.messages)]['role']} message follows (token {at} of "
+                              f"{len(with_asst)} differs)")
         self._base = full
         return tail + full[len(with_asst):]
 
