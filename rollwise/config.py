@@ -14,7 +14,6 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rollwise.agent.config import AgentConfig
 from rollwise.reward.scoring import RewardConfig
 from rollwise.tasks import TaskConfig
 from rollwise.tasks.prompts import PromptConfig
@@ -138,6 +137,28 @@ class CheckpointConfig(_Section):
     every: int = Field(0, ge=0, description="save every N steps (0: only at the end)")
     resume: str | None = Field(None, description="checkpoint dir to resume from, or 'auto' (latest in output_dir)")
     keep_last: int = Field(2, ge=1)
+
+
+ToolName = Literal["calculator", "python", "bash"]
+
+
+class AgentConfig(_Section):
+    """The `agent:` section: train on multi-turn, tool-using episodes (rollwise.agent). Here, not in
+    rollwise.agent, because the agent code imports config (one way)."""
+
+    tools: list[ToolName] = Field(default_factory=lambda: ["calculator"],
+                                  description="calculator; python/bash run in a sandbox per episode")
+    max_turns: int = Field(3, ge=1, description="engine turns per episode")
+    max_tokens: int = Field(256, ge=1, description="sampled tokens per episode (all turns)")
+    max_tokens_per_turn: int = Field(64, ge=1)
+    parser: str = Field("hermes", description="tool-call format (rollwise.agent.toolcalls)")
+    describe_tools: bool = Field(True, description="tell the model about the tools in the system message")
+    concurrency: int = Field(64, ge=1, description="episodes running at once")
+    demo: list[dict[str, str]] = Field(
+        default_factory=list,
+        description="a worked episode shown before the question (after the system message), as chat "
+        "messages, e.g. user -> assistant tool call -> tool -> assistant answer: a format hint for models "
+        "that never call tools unprompted; {answer_open}/{answer_close} are the reward's tags")
 
 
 class RunConfig(_Section):

@@ -3,9 +3,10 @@
 import json
 
 from rollwise.reward.pool import RewardPool
-from rollwise.reward.verifiers import math_equal, math_verify_reward
+from rollwise.reward.verifiers import math_verify_reward
 from rollwise.tasks import make_task
 from rollwise.tasks.base import Problem
+from rollwise.tasks.math_equal import math_equal
 
 
 def test_math_equal_knows_equivalent_forms():

@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rollwise.agent.config import AgentConfig
 from rollwise.agent.generator import LocalGenerator
 from rollwise.agent.rollout import EpisodeOutcome, run_agent_groups, score_episodes
 from rollwise.agent.samples import assign_episode_advantages
+from rollwise.config import AgentConfig
 from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
 from rollwise.rollout.data import ProblemStream
 from rollwise.rollout.ledger import RolloutLedger

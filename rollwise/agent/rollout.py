@@ -15,12 +15,12 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from rollwise.agent.config import AgentConfig
 from rollwise.agent.episode import ToolAgent, run_episode
 from rollwise.agent.generator import Generator
 from rollwise.agent.samples import trajectory_samples
 from rollwise.agent.session import AgentSession, SessionLimits
 from rollwise.agent.tools import BashTool, CalculatorTool, PythonTool, Tool, ToolRegistry
+from rollwise.config import AgentConfig
 from rollwise.rollout.types import Sample
 from rollwise.tasks.base import Problem
 

@@ -119,11 +119,10 @@ def toy_grpo_demo(steps: int = 30, lr: float = 3e-4, teach_steps: int = 90, seed
 
         python -c "from rollwise.agent.toy import toy_grpo_demo; toy_grpo_demo()"
     """
-    from rollwise.agent.config import AgentConfig
     from rollwise.agent.generator import LocalGenerator
     from rollwise.agent.rollout import run_agent_groups, score_episodes
     from rollwise.agent.samples import assign_episode_advantages
-    from rollwise.config import TrainConfig
+    from rollwise.config import AgentConfig, TrainConfig
     from rollwise.engine.factory import create_engine
     from rollwise.tasks.base import Problem
     from rollwise.train.trainer import GRPOTrainer

@@ -1,6 +1,7 @@
-"""Rewards: the strict answer format (answer_format) and per-response scoring (scoring)."""
+"""Rewards: per-response scoring (scoring) with the strict answer format (rollwise.tasks.answer_format,
+shared with the prompts that state it; re-exported here)."""
 
-from rollwise.reward.answer_format import (
+from rollwise.tasks.answer_format import (
     AnswerFormat,
     ParsedResponse,
     answers_match,

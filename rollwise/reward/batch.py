@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 from rollwise.reward.scoring import RewardConfig, score
-from rollwise.rollout.types import Sample
 from rollwise.tasks import Problem, Task
 
 
-def score_samples(samples: list[Sample], problems: dict[str, Problem], task: Task, cfg: RewardConfig) -> None:
+class ScoredSample(Protocol):
+    """The fields of a sample that scoring reads and fills (rollwise.rollout.types.Sample has them).
+    A protocol, so reward imports nothing of rollout (rollout imports reward, one way)."""
+
+    problem_id: str
+    response_text: str
+    finish_reason: str
+    reward: float
+    outcome: str  # one of rollwise.reward.scoring.OUTCOMES once scored
+    strict_correct: bool
+    lenient_correct: bool
+    extra: dict[str, Any]
+
+
+def score_samples(samples: list[ScoredSample], problems: dict[str, Problem], task: Task, cfg: RewardConfig) -> None:
     """Fill reward, outcome and correctness flags on each sample in place."""
     for s in samples:
         result = score(problems[s.problem_id], task, s.response_text, s.finish_reason, cfg)

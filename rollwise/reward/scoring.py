@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from rollwise.reward.answer_format import AnswerFormat, answers_match, last_number, parse_number, parse_response
+from rollwise.tasks.answer_format import AnswerFormat, answers_match, last_number, parse_number, parse_response
 
-if TYPE_CHECKING:  # only for annotations; avoids a tasks <-> reward import cycle
-    from rollwise.tasks.base import Problem, Task
+from rollwise.tasks.base import Problem, Task  # reward -> tasks: one way (tasks import nothing of reward)
 
 Outcome = Literal["correct", "formatted_wrong", "unparseable"]
 OUTCOMES: tuple[Outcome, ...] = ("correct", "formatted_wrong", "unparseable")

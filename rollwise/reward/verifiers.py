@@ -1,37 +1,17 @@
 """Built-in verifiers: math-verify for math answers, reasoning-gym's own scorers, (and, in
 rollwise.reward.code_exec, code tests in a sandbox). Each `*_reward` function has the reward-pool
 signature `fn(problem, response, finish_reason) -> RewardResult`, so it runs by import path in
-`RewardPool` (e.g. "rollwise.reward.verifiers:math_verify_reward"); `math_equal` is also the JSONL
-task's `verifier: math_verify`.
+`RewardPool` (e.g. "rollwise.reward.verifiers:math_verify_reward"); `math_equal` (the JSONL task's
+`verifier: math_verify`) lives with the tasks, in rollwise.tasks.math_equal.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
 
 from rollwise.reward.scoring import RewardConfig, RewardResult, score
 from rollwise.tasks.base import Problem, Task
-
-
-def math_equal(answer: str, reference: str, timeout_s: int = 5) -> bool:
-    """Mathematical equivalence with Hugging Face's math-verify: "1/2" == "0.5" == "\\frac{1}{2}",
-    "x+1" == "1+x", sets and intervals compared as such. A bare number or expression is read both as
-    LaTeX and as plain math. math-verify's own per-call timeout (signal based) bounds pathological input."""
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
-    configs = [LatexExtractionConfig(), ExprExtractionConfig()]
-
-    def parsed(text: str) -> Any:
-        text = text.strip()
-        # math-verify extracts LaTeX from $...$ / \boxed{}; a bare answer is wrapped so it is found.
-        return parse(text if "$" in text or "\\boxed" in text else f"${text}$", extraction_config=configs,
-                     parsing_timeout=timeout_s)
-
-    gold, guess = parsed(reference), parsed(answer)
-    if not gold or not guess:
-        return False
-    return bool(verify(gold, guess, timeout_seconds=timeout_s))
+from rollwise.tasks.math_equal import math_equal
 
 
 class _MathVerifyTask(Task):

@@ -1,8 +1,8 @@
 """Tasks from a JSONL file: one JSON object per line with a prompt and a reference answer.
 
-The verifier is a normalized exact match (rollwise.reward.answer_format.answers_match): surrounding
+The verifier is a normalized exact match (rollwise.tasks.answer_format.answers_match): surrounding
 whitespace and case are ignored, and two plain numbers compare by value ("5" == "5.0"); or, with
-`verifier: math_verify`, math-verify's equivalence (rollwise.reward.verifiers.math_equal).
+`verifier: math_verify`, math-verify's equivalence (rollwise.tasks.math_equal).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from rollwise.reward.answer_format import answers_match
+from rollwise.tasks.answer_format import answers_match
 from rollwise.tasks.base import Problem, Split, Task, check_split, question_digest
 
 
@@ -126,7 +126,7 @@ class JsonlTask(Task):
 
     def score_answer(self, problem: Problem, extracted_answer: str) -> float:
         if self.verifier == "math_verify":
-            from rollwise.reward.verifiers import math_equal
+            from rollwise.tasks.math_equal import math_equal  # math-verify loads lazily
 
             return 1.0 if math_equal(extracted_answer, problem.answer) else 0.0
         return 1.0 if answers_match(extracted_answer, problem.answer) else 0.0

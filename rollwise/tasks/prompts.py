@@ -1,24 +1,31 @@
 """Chat messages and prompt token ids for a problem.
 
 The system prompt states the answer format that rollwise.reward enforces, with the tags taken from
-the reward config, so the instruction and the checker can never disagree. Placeholders are filled
+the reward config (anything with `answer_format()`, e.g. rollwise.reward.RewardConfig), so the
+instruction and the checker can never disagree. Placeholders are filled
 with str.replace, not str.format, because questions and prompts may contain literal braces (JSON).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from rollwise.reward.answer_format import parse_response
-from rollwise.reward.scoring import RewardConfig
+from rollwise.tasks.answer_format import AnswerFormat, parse_response
 from rollwise.tasks.base import Problem
 
 DEFAULT_SYSTEM_PROMPT = (
     "Solve the problem. You may reason first. Then write the final answer exactly once, inside "
     "{answer_open}{answer_close} tags, for example {answer_open}42{answer_close}, and write nothing after it."
 )
+
+
+class HasAnswerFormat(Protocol):
+    """What the prompt needs of the reward config: its answer tags. A protocol, so tasks import
+    nothing of rollwise.reward (reward imports tasks, one way)."""
+
+    def answer_format(self) -> AnswerFormat: ...
 
 
 class FewShotExample(BaseModel):
@@ -64,8 +71,8 @@ class PromptConfig(BaseModel):
         return value
 
 
-def _fill(text: str, reward_cfg: RewardConfig, question: str | None = None) -> str:
-    text = text.replace("{answer_open}", reward_cfg.answer_open).replace("{answer_close}", reward_cfg.answer_close)
+def _fill(text: str, fmt: AnswerFormat, question: str | None = None) -> str:
+    text = text.replace("{answer_open}", fmt.open).replace("{answer_close}", fmt.close)
     if question is not None:
         # Last, so a question that happens to contain "{answer_open}" is left as written.
         text = text.replace("{question}", question)
@@ -75,24 +82,25 @@ def _fill(text: str, reward_cfg: RewardConfig, question: str | None = None) -> s
 def build_messages(
     problem: Problem,
     prompt_cfg: PromptConfig | None = None,
-    reward_cfg: RewardConfig | None = None,
+    reward_cfg: HasAnswerFormat | None = None,
     with_few_shot: bool = True,
 ) -> list[dict[str, str]]:
-    """[system?] + few-shot (user, assistant) pairs + the problem as the final user turn."""
+    """[system?] + few-shot (user, assistant) pairs + the problem as the final user turn.
+
+    `reward_cfg`: the reward config whose answer tags the prompt states (None: the default tags)."""
     prompt_cfg = prompt_cfg or PromptConfig()
-    reward_cfg = reward_cfg or RewardConfig()
-    fmt = reward_cfg.answer_format()
+    fmt = reward_cfg.answer_format() if reward_cfg is not None else AnswerFormat()
     messages: list[dict[str, str]] = []
     if prompt_cfg.system is not None:
-        messages.append({"role": "system", "content": _fill(prompt_cfg.system, reward_cfg)})
+        messages.append({"role": "system", "content": _fill(prompt_cfg.system, fmt)})
     for i, example in enumerate(prompt_cfg.few_shot if with_few_shot else []):
         # A few-shot example in the wrong format would teach the policy to lose reward.
         parsed = parse_response(example.response, fmt)
         if parsed.status != "ok":
             raise ValueError(f"few_shot[{i}].response does not follow the answer format: {parsed.reason}")
-        messages.append({"role": "user", "content": _fill(prompt_cfg.template, reward_cfg, example.question)})
+        messages.append({"role": "user", "content": _fill(prompt_cfg.template, fmt, example.question)})
         messages.append({"role": "assistant", "content": example.response})
-    messages.append({"role": "user", "content": _fill(prompt_cfg.template, reward_cfg, problem.question)})
+    messages.append({"role": "user", "content": _fill(prompt_cfg.template, fmt, problem.question)})
     return messages
 
 

@@ -4,6 +4,9 @@ Strict on purpose: GRPO finds any slack in the format check. A known failure mod
 a policy that repeats "<answer>5</answer>" until the token limit; a parser that takes the first or
 the last tag pair would reward that. So a response is "ok" only when it contains exactly one
 answer tag pair and ends right after the closing tag; everything else is "unparseable".
+
+It lives with the tasks because both sides use it: the prompt states the format (tasks.prompts)
+and the reward checks it (rollwise.reward.scoring); reward imports tasks, never the reverse.
 """
 
 from __future__ import annotations
