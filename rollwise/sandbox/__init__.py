@@ -12,11 +12,13 @@ Modules: types (the contract), launch (argv per isolation level), isolation (wha
 allows, said once at start-up), process (bounded run of one process tree), workspace (temp dirs,
 cleanup), files (host-side file access that never follows the sandbox's symlinks), local (the
 bubblewrap backend), pool (limits, warm sandboxes, cleanup), kubernetes (one pod per rollout),
+limits (which whole-sandbox limits hold here), seccomp (the syscall deny list),
 probes (`rollwise check sandbox`).
 """
 
 from rollwise.sandbox.isolation import IsolationReport, detect_isolation
 from rollwise.sandbox.launch import IsolationLevel
+from rollwise.sandbox.limits import LimitsReport, announce_limits, limits_in_force
 from rollwise.sandbox.local import LocalSandbox
 from rollwise.sandbox.pool import PooledSandbox, SandboxPool
 from rollwise.sandbox.types import (
@@ -31,6 +33,7 @@ __all__ = [
     "FileInfo",
     "IsolationLevel",
     "IsolationReport",
+    "LimitsReport",
     "LocalSandbox",
     "PooledSandbox",
     "RunResult",
@@ -38,5 +41,7 @@ __all__ = [
     "SandboxError",
     "SandboxLimits",
     "SandboxPool",
+    "announce_limits",
     "detect_isolation",
+    "limits_in_force",
 ]

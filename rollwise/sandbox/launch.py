@@ -3,7 +3,9 @@
 Three levels, strongest first (rollwise.sandbox.isolation picks the strongest this machine allows):
 
   bwrap    bubblewrap: user, network, pid, ipc and uts namespaces; a private filesystem view
-           (system dirs read-only, the workspace read-write at /workspace, private /tmp, /proc, /dev)
+           (system dirs read-only, the workspace read-write at /workspace, private /proc, /dev,
+           and size-limited /tmp and /dev/shm; the root and /dev read-only); no nested user
+           namespaces (--disable-userns) and a seccomp deny list (rollwise.sandbox.seccomp)
   unshare  util-linux unshare: network, pid, ipc and uts namespaces, but the host filesystem view
   rlimits  a plain process group with rlimits and a timeout: no namespaces at all
 
@@ -19,9 +21,11 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import lru_cache
 from pathlib import Path
 
 from rollwise.sandbox.types import SandboxLimits
@@ -134,13 +138,36 @@ def _system_binds() -> list[str]:
     return args + ["--ro-bind", "/etc", "/etc"]
 
 
+@lru_cache(maxsize=None)
+def bwrap_supports(flag: str) -> bool:
+    """Whether this bubblewrap knows `flag` (--disable-userns needs 0.8, --size 0.5)."""
+    exe = shutil.which("bwrap")
+    if exe is None:
+        return False
+    try:
+        out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return flag in out.stdout + out.stderr
+
+
 def _setpriv(uid_gid: tuple[int, int]) -> list[str]:
     exe = shutil.which("setpriv") or "setpriv"
     uid, gid = uid_gid
     return [exe, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--no-new-privs", "--"]
 
 
-def build_launch(mode: LaunchMode, workspace: Path, command: str, limits: SandboxLimits) -> Launch:
+@dataclass(frozen=True)
+class LaunchFds:
+    """File descriptors the launcher inherits (bwrap only): where it reports the namespace's init
+    pid (`--info-fd`, see rollwise.sandbox.process) and where it reads the seccomp program."""
+
+    info: int | None = None
+    seccomp: int | None = None
+
+
+def build_launch(mode: LaunchMode, workspace: Path, command: str, limits: SandboxLimits,
+                 fds: LaunchFds | None = None) -> Launch:
     """The argv that runs `/bin/sh -c command` in `workspace` at `mode`'s isolation."""
     inner = ["/bin/sh", "-c", command]
     rl = prlimit_argv(limits)
@@ -163,14 +190,25 @@ def build_launch(mode: LaunchMode, workspace: Path, command: str, limits: Sandbo
         ]
         if mode.user_namespace:
             argv += ["--unshare-user", "--uid", str(NOBODY[0]), "--gid", str(NOBODY[1]), "--cap-drop", "ALL"]
+            if bwrap_supports("--disable-userns"):  # no nested user namespace: no capabilities to mount with
+                argv += ["--disable-userns"]
+        fds = fds or LaunchFds()
+        if fds.info is not None:
+            argv += ["--info-fd", str(fds.info)]
+        if fds.seccomp is not None:
+            argv += ["--seccomp", str(fds.seccomp)]
         argv += _system_binds()
         for path in mode.ro_binds:
             argv += ["--ro-bind", path, path]
         argv += [
             "--bind", host_ws, WORKDIR_IN_SANDBOX, "--chdir", WORKDIR_IN_SANDBOX,
-            "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-            "--",
+            "--proc", "/proc", "--dev", "/dev",
         ]
+        # Size-limited: files in /tmp and /dev/shm are memory nobody else counts.
+        size = ["--size", str(limits.tmp_bytes)] if bwrap_supports("--size") else []
+        argv += [*size, "--tmpfs", "/tmp", *size, "--tmpfs", "/dev/shm"]
+        # The root and /dev are bwrap's own tmpfs without a size: nothing may be written there.
+        argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--"]
         argv += drop + rl + inner
         workdir = WORKDIR_IN_SANDBOX
     elif mode.level is IsolationLevel.UNSHARE:

@@ -6,6 +6,8 @@ persist across a rollout's turns while no process does. `fork` copies the direct
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import subprocess
 import threading
@@ -14,9 +16,9 @@ from pathlib import Path
 
 from typing_extensions import Self
 
-from rollwise.sandbox import files
+from rollwise.sandbox import files, seccomp
 from rollwise.sandbox.isolation import IsolationReport, detect_isolation
-from rollwise.sandbox.launch import IsolationLevel, build_launch
+from rollwise.sandbox.launch import IsolationLevel, LaunchFds, build_launch
 from rollwise.sandbox.process import ProcessOutcome, kill_group, run_bounded
 from rollwise.sandbox.types import (
     FileInfo,
@@ -31,6 +33,7 @@ from rollwise.sandbox.workspace import WorkspaceRoot, default_root
 # Error output that means an rlimit made a call fail (an rlimit refuses, it does not kill), checked
 # in this order. Best effort: the command's own messages, in the usual libc/Python/shell wording.
 _LIMIT_HINTS: list[tuple[LimitName, tuple[str, ...]]] = [
+    ("disk", ("No space left on device", "Disk quota exceeded")),
     ("memory", ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory", "memory exhausted")),
     ("file_size", ("File too large",)),
     ("open_files", ("Too many open files",)),
@@ -59,7 +62,9 @@ class LocalSandbox:
         self._lock = threading.Lock()  # one command / file op / fork at a time
         self._running: subprocess.Popen | None = None
         self._closed = False
-        self._ws = _workspace or self._root.new_workspace(self.isolation.mode.sandbox_uid)
+        self._ws = _workspace or self._root.new_workspace(
+            self.isolation.mode.sandbox_uid, disk_bytes=self.limits.disk_bytes, max_files=self.limits.max_files)
+        self.leftovers: list[str] = []  # what close() could not remove (logged; never raised)
 
     # -- identity ---------------------------------------------------------------------------------
     @property
@@ -97,21 +102,34 @@ class LocalSandbox:
         try:
             with self._lock:
                 self._check_open()
-                launch = build_launch(self.isolation.mode, self._ws, command, self.limits)
-                outcome = run_bounded(
-                    launch.argv, cwd=launch.cwd, env=launch.env, timeout_s=timeout,
-                    keep_bytes=self.limits.max_output_bytes, kill_bytes=self.limits.kill_output_bytes,
-                    stdin=stdin, user=launch.user, group=launch.group, preexec_fn=launch.preexec_fn,
-                    on_start=self._set_running,
-                    # Without namespaces, killed orphans count against the uid's RLIMIT_NPROC until
-                    # the host's init reaps them: give it a moment before the next command forks.
-                    reap_wait_s=2.5 if self.level is IsolationLevel.RLIMITS else 0.0,
-                )
-                self._running = None
-                return self._result(command, timeout, outcome)
+                return self._run_locked(command, timeout, stdin)
         finally:
             if gate is not None:
                 gate.release()
+
+    def _run_locked(self, command: str, timeout: float, stdin: bytes | None) -> RunResult:
+        bwrap = self.level is IsolationLevel.BWRAP
+        info = os.pipe() if bwrap else None  # bwrap reports its pid namespace's init here
+        prog = seccomp.program() if bwrap else None
+        seccomp_fd = seccomp.program_fd(prog) if prog is not None else None
+        try:
+            fds = LaunchFds(info=info[1] if info else None, seccomp=seccomp_fd)
+            launch = build_launch(self.isolation.mode, self._ws, command, self.limits, fds)
+            outcome = run_bounded(
+                launch.argv, cwd=launch.cwd, env=launch.env, timeout_s=timeout,
+                keep_bytes=self.limits.max_output_bytes, kill_bytes=self.limits.kill_output_bytes,
+                stdin=stdin, user=launch.user, group=launch.group, preexec_fn=launch.preexec_fn,
+                on_start=self._set_running, info_pipe=info,
+                extra_fds=(seccomp_fd,) if seccomp_fd is not None else (),
+                # Without namespaces, killed orphans count against the uid's RLIMIT_NPROC until
+                # the host's init reaps them: give it a moment before the next command forks.
+                reap_wait_s=2.5 if self.level is IsolationLevel.RLIMITS else 0.0,
+            )
+        finally:
+            if seccomp_fd is not None:
+                os.close(seccomp_fd)
+        self._running = None
+        return self._result(command, timeout, outcome)
 
     def _set_running(self, proc: subprocess.Popen) -> None:
         self._running = proc
@@ -130,7 +148,9 @@ class LocalSandbox:
         killed = o.killed_for is not None
         limit: LimitName | None = None
         reason: str | None = None
-        if o.killed_for == "timeout":
+        if o.spawn_error is not None:
+            limit, reason = "launch", o.spawn_error
+        elif o.killed_for == "timeout":
             limit, reason = "timeout", f"killed: wall-clock timeout after {timeout:g} s"
         elif o.killed_for == "output":
             limit, reason = "output", f"killed: wrote more than {self.limits.kill_output_bytes} bytes of output"
@@ -142,6 +162,8 @@ class LocalSandbox:
             limit, reason = "file_size", f"file size limit ({self.limits.max_file_bytes} bytes) exceeded"
         elif code not in (0, None):
             limit = _limit_hint(o.stderr.text() + o.stdout.text())
+            if limit == "disk" and self._inodes_full():
+                limit = "inodes"
             if limit is not None:
                 reason = f"hit the {limit} limit ({_limit_value(self.limits, limit)})"
         return RunResult(
@@ -151,6 +173,12 @@ class LocalSandbox:
             stdout_truncated=o.stdout.truncated, stderr_truncated=o.stderr.truncated,
             wall_s=round(o.wall_s, 4), killed=killed, limit=limit, reason=reason,
         )
+
+    def _inodes_full(self) -> bool:
+        try:
+            return os.statvfs(self._ws).f_ffree == 0
+        except OSError:
+            return False
 
     # -- files --------------------------------------------------------------------------------------
     def read_file(self, path: str, max_bytes: int = 1 * MiB) -> bytes:
@@ -173,7 +201,8 @@ class LocalSandbox:
     def fork(self) -> LocalSandbox:
         with self._lock:
             self._check_open()
-            ws = self._root.copy_workspace(self._ws, self.isolation.mode.sandbox_uid)
+            ws = self._root.copy_workspace(self._ws, self.isolation.mode.sandbox_uid,
+                                           disk_bytes=self.limits.disk_bytes, max_files=self.limits.max_files)
         return LocalSandbox(self.limits, isolation=self.isolation, root=self._root, run_gate=self._gate,
                             _workspace=ws)
 
@@ -184,9 +213,8 @@ class LocalSandbox:
         running = self._running
         if running is not None:  # a command hangs in another thread: kill it so the lock frees
             kill_group(running.pid)
-        with self._lock:
-            if self._ws.exists():
-                self._root.remove(self._ws)
+        with self._lock:  # run() returns only once its processes are gone: nothing writes any more
+            self.leftovers = self._root.remove(self._ws)
 
     def __enter__(self) -> Self:
         return self
@@ -212,4 +240,6 @@ def _limit_value(limits: SandboxLimits, name: LimitName) -> str:
         "file_size": f"{limits.max_file_bytes} bytes per file",
         "open_files": f"{limits.max_open_files} open files",
         "processes": f"{limits.max_processes} processes",
+        "disk": f"workspace quota {limits.disk_bytes} bytes, /tmp and /dev/shm {limits.tmp_bytes} bytes each",
+        "inodes": f"workspace quota {limits.max_files} files",
     }.get(name, "")

@@ -25,6 +25,7 @@ from typing_extensions import Self
 
 from rollwise.sandbox.isolation import IsolationReport, detect_isolation
 from rollwise.sandbox.launch import IsolationLevel
+from rollwise.sandbox.limits import announce_limits
 from rollwise.sandbox.local import LocalSandbox
 from rollwise.sandbox.types import RunResult, Sandbox, SandboxError, SandboxLimits
 from rollwise.sandbox.workspace import WorkspaceRoot
@@ -149,6 +150,7 @@ class SandboxPool:
         self.isolation: IsolationReport | None = None  # set for the local backend
         if factory is None:
             isolation = self.isolation = detect_isolation(max_level=max_level)  # once, loudly, up front
+            self.limits_report = announce_limits(isolation)
             self._root = WorkspaceRoot()
             root = self._root
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from rollwise.sandbox.isolation import IsolationReport, detect_isolation
 from rollwise.sandbox.launch import IsolationLevel
+from rollwise.sandbox.limits import limits_in_force
 from rollwise.sandbox.local import LocalSandbox
 from rollwise.sandbox.types import MiB, SandboxLimits
 
@@ -161,6 +162,7 @@ def cli_check_sandbox(args, console) -> int:
 
     report, results = run_probes(max_level=getattr(args, "level", None))
     console.print(report.describe(), highlight=False)
+    console.print(limits_in_force(report).describe(), highlight=False)
     table = Table(title=f"sandbox probes (level {report.level.value})")
     table.add_column("probe")
     table.add_column("result")

@@ -7,14 +7,27 @@ output is drained as it comes and only a head and a tail are kept, and any way o
 too much output, normal exit) ends with SIGKILL to the whole group. Killing the group also kills
 the sandbox launcher (bwrap/unshare), whose pid-namespace init then takes every process inside
 the sandbox with it, including ones that started their own session.
+
+That kill is asynchronous: the launcher is gone at once, the processes inside die a few
+milliseconds later, and until then they still write to the workspace. So with bubblewrap the
+namespace's init is watched too (its host pid comes from `bwrap --info-fd`): the kernel lets a
+pid namespace's init finish exiting only after every other process of the namespace is gone, so
+once a pidfd on it reports the exit, nothing of the command is left. `run_bounded` returns only then.
+
+Stdin is written from a thread (a command reads it at its own pace; a single write would stop
+at the 64 KiB pipe buffer), and a command that cannot even start (a NUL byte in it, an argument
+over the kernel's 128 KiB limit) is an outcome with `spawn_error`, not an exception.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import select
 import selectors
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -69,6 +82,8 @@ class ProcessOutcome:
     stderr: Capture
     wall_s: float
     killed_for: str | None  # "timeout" | "output"
+    spawn_error: str | None = None  # the command could not be started at all (and why)
+    stragglers: bool = False  # processes of the command outlived the wait for them (should not happen)
 
 
 def kill_group(pid: int) -> None:
@@ -111,57 +126,119 @@ def run_bounded(
     preexec_fn: Callable[[], None] | None = None,
     on_start: Callable[[subprocess.Popen], None] | None = None,
     reap_wait_s: float = 0.0,
+    info_pipe: tuple[int, int] | None = None,
+    extra_fds: tuple[int, ...] = (),
 ) -> ProcessOutcome:
     """Run `argv`, return its exit status and captured output; never leaves a process behind.
 
     `on_start` receives the Popen right after the spawn, so an owner can kill it from another
     thread (sandbox close while a command hangs). `reap_wait_s`: see wait_group_gone.
+    `info_pipe`: (read, write) ends of the pipe whose write end argv names in `bwrap --info-fd`;
+    both are closed here. `extra_fds`: more fds the command inherits (the caller closes them).
     """
     start = time.monotonic()
-    proc = subprocess.Popen(
-        list(argv),
-        cwd=cwd,
-        env=env,
-        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,  # its own process group: one killpg reaches every descendant
-        close_fds=True,
-        user=user,
-        group=group,
-        extra_groups=[] if user is not None else None,  # drop root's supplementary groups too
-        preexec_fn=preexec_fn,  # noqa: PLW1509 -- only without a prlimit binary (see launch.py)
-    )
+    out, err = Capture.new(keep_bytes), Capture.new(keep_bytes)
+    try:
+        proc = subprocess.Popen(
+            list(argv),
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # its own process group: one killpg reaches every descendant
+            close_fds=True,
+            pass_fds=((info_pipe[1],) if info_pipe else ()) + extra_fds,
+            user=user,
+            group=group,
+            extra_groups=[] if user is not None else None,  # drop root's supplementary groups too
+            preexec_fn=preexec_fn,  # noqa: PLW1509 -- only without a prlimit binary (see launch.py)
+        )
+    except (OSError, ValueError) as exc:  # E2BIG, "embedded null byte", ...: a result, not a crash
+        if info_pipe:
+            os.close(info_pipe[0])
+            os.close(info_pipe[1])
+        return ProcessOutcome(126, out, err, time.monotonic() - start, None, spawn_error=_spawn_error(exc))
+    if info_pipe:
+        os.close(info_pipe[1])  # only bwrap writes it; we see EOF when bwrap is gone
     if on_start is not None:
         on_start(proc)
-    out, err = Capture.new(keep_bytes), Capture.new(keep_bytes)
     killed_for: str | None = None
+    writer = None
+    stragglers = False
     try:
         if stdin is not None and proc.stdin is not None:
-            _write_stdin(proc.stdin, stdin)
+            writer = threading.Thread(target=_write_stdin, args=(proc.stdin, stdin), daemon=True)
+            writer.start()
         killed_for = _pump(proc, out, err, deadline=start + timeout_s, kill_bytes=kill_bytes)
     finally:
         kill_group(proc.pid)  # whatever happened above: nothing of this command survives it
-        for stream in (proc.stdout, proc.stderr, proc.stdin):
+        for stream in (proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()
         proc.wait()
+        if info_pipe:
+            stragglers = not _wait_namespace_gone(info_pipe[0], timeout_s=5.0)
         if reap_wait_s > 0:
             wait_group_gone(proc.pid, reap_wait_s)
+        if writer is not None:
+            writer.join(timeout=5.0)  # every reader is gone: the write ends with EPIPE
+        elif proc.stdin is not None:
+            proc.stdin.close()
     returncode = None if killed_for is not None else proc.returncode
-    return ProcessOutcome(returncode, out, err, time.monotonic() - start, killed_for)
+    return ProcessOutcome(returncode, out, err, time.monotonic() - start, killed_for, stragglers=stragglers)
+
+
+def _spawn_error(exc: BaseException) -> str:
+    if isinstance(exc, ValueError) and "null byte" in str(exc):
+        return "the command contains a NUL byte, which no program argument can hold; remove it"
+    if isinstance(exc, OSError) and exc.errno == 7:  # E2BIG
+        return ("the command is too long for the kernel (one argument may hold at most 128 KiB); "
+                "write long input to a file or pass it on stdin")
+    return f"could not start the command: {type(exc).__name__}: {exc}"
+
+
+def _wait_namespace_gone(info_fd: int, timeout_s: float) -> bool:
+    """Wait until the pid namespace bwrap reported on `info_fd` is empty; False if it is not in time.
+
+    bwrap is gone when this runs, so the pipe holds its whole JSON (or nothing, if it failed
+    before creating the namespace). The kernel completes the exit of a namespace's init only after
+    every other process of that namespace has exited, and a pidfd reports exactly that exit.
+    """
+    with os.fdopen(info_fd, "rb") as f:
+        raw = f.read()
+    try:
+        init_pid = int(json.loads(raw)["child-pid"])
+    except (ValueError, KeyError, TypeError):
+        return True  # bwrap never got as far as starting anything
+    try:
+        pidfd = os.pidfd_open(init_pid)
+    except ProcessLookupError:
+        return True  # exited and reaped: the namespace was empty before that
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)  # normally already dying (--die-with-parent)
+    except ProcessLookupError:
+        pass
+    try:
+        ready, _, _ = select.select([pidfd], [], [], timeout_s)
+        return bool(ready)
+    finally:
+        os.close(pidfd)
 
 
 def _write_stdin(pipe, data: bytes) -> None:
-    # Small inputs (tool calls, test files) fit in the pipe buffer; a command that never reads its
-    # stdin must not block us, so a full pipe just ends the write.
-    os.set_blocking(pipe.fileno(), False)
+    """Blocking writes at the command's pace, from a thread; a command that stops reading (or
+    exits) ends the write with EPIPE, a killed one too."""
     try:
-        os.write(pipe.fileno(), data)
-    except (BlockingIOError, BrokenPipeError):
+        pipe.write(data)
+        pipe.flush()
+    except (BrokenPipeError, OSError, ValueError):
         pass
     finally:
-        pipe.close()
+        try:
+            pipe.close()
+        except (BrokenPipeError, OSError):
+            pass
 
 
 def _pump(proc: subprocess.Popen, out: Capture, err: Capture, *, deadline: float, kill_bytes: int) -> str | None:

@@ -21,7 +21,8 @@ GiB = 1024 * MiB
 
 # Which limit a command ran into. "memory", "processes" and "open_files" are read off the command's
 # own error output (an rlimit makes a call fail, it does not kill), so they are best effort.
-LimitName = Literal["timeout", "output", "cpu_time", "memory", "processes", "open_files", "file_size"]
+LimitName = Literal["timeout", "output", "cpu_time", "memory", "processes", "open_files", "file_size", "disk",
+                    "inodes", "launch"]
 
 
 class SandboxError(RuntimeError):
@@ -40,6 +41,11 @@ class SandboxLimits(BaseModel):
     max_open_files: int = Field(256, ge=16, description="RLIMIT_NOFILE per process")
     max_file_bytes: int = Field(64 * MiB, ge=1 * KiB, description="RLIMIT_FSIZE: largest file a process may write")
     max_output_bytes: int = Field(64 * KiB, ge=256, description="stdout/stderr bytes kept per stream (head + tail)")
+    disk_bytes: int = Field(
+        512 * MiB, ge=1 * MiB, description="workspace quota in bytes (a tmpfs per workspace where this machine "
+        "allows it: see rollwise.sandbox.limits_in_force)")
+    max_files: int = Field(100_000, ge=64, description="workspace quota in files and directories (inodes)")
+    tmp_bytes: int = Field(256 * MiB, ge=1 * MiB, description="size of the sandbox's private /tmp and of /dev/shm, each")
     kill_output_bytes: int = Field(
         64 * MiB, ge=1 * KiB, description="a command that writes more than this to stdout+stderr is killed"
     )
