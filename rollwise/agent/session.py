@@ -23,7 +23,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollwise.agent.generator import Generator
 from rollwise.agent.messages import MessageError, client_key, template_view, validate
 from rollwise.agent.template import ChatRenderer
-from rollwise.agent.toolcalls import ParsedReply, ToolCallParser, format_hermes_call, get_parser
+from rollwise.agent.toolcalls import (
+    MAX_CALLS_PER_TURN,
+    ParsedReply,
+    ToolCallParser,
+    format_hermes_call,
+    get_parser,
+    parse_reply,
+)
 from rollwise.agent.trajectory import Trajectory, TrajectoryBuilder
 from rollwise.engine.types import Completion, SamplingParams
 
@@ -34,6 +41,8 @@ class SessionLimits(BaseModel):
     max_turns: int = Field(16, ge=1, description="engine turns (assistant replies) per session")
     max_tokens: int = Field(4096, ge=1, description="sampled tokens over the whole session")
     max_tokens_per_turn: int = Field(512, ge=1, description="default max_tokens of one turn")
+    max_tool_calls_per_turn: int = Field(MAX_CALLS_PER_TURN, ge=1, description="tool calls run per assistant "
+                                         "turn; the rest get one error result naming this cap")
 
 
 class LimitReached(Exception):
@@ -189,7 +198,7 @@ class AgentSession:
             params.seed += self.builder.turns  # a different draw each turn, still reproducible
         completion = self.generator.generate(prompt, params, self.id)
         text = self.builder.add_completion(completion)
-        parsed = self.parser.parse(text)
+        parsed = parse_reply(self.parser, text, self.limits.max_tool_calls_per_turn)
         calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
                  for c in parsed.calls]
         finish = "tool_calls" if calls and completion.finish_reason == "stop" else completion.finish_reason

@@ -9,14 +9,15 @@ format the Qwen2.5/Hermes templates teach:
     </tool_call>
 
 Model output is untrusted: a block that is not JSON, lacks a name, has non-object arguments, is
-unclosed or huge becomes a ToolCallError with a message written for the model (it is sent back as
-the tool result), never an exception.
+unclosed, huge or nested too deeply becomes a ToolCallError with a message written for the model (it
+is sent back as the tool result), never an exception. Sessions go through `parse_reply`, which also
+turns a failing parser into an error result and caps the calls run per turn. Scanning for the tags is
+linear in the text's length.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +55,95 @@ class ParsedReply:
         return bool(self.calls or self.errors)
 
 
+MAX_CALLS_PER_TURN = 16  # default cap on tool calls run for one assistant turn (SessionLimits sets it)
+MAX_ARGUMENT_DEPTH = 32  # nesting of a call's JSON: deeper is refused (later json.dumps/pydantic recurse)
+
+
+def _call_error(body: str, message: str, name: str | None = None) -> ToolCallError:
+    return ToolCallError(body[:200], message, name=name)
+
+
+def _loads(body: str) -> tuple[Any, str | None]:
+    """json.loads that never raises: (value, None) or (None, why). Besides JSONDecodeError, hostile
+    text raises RecursionError (deep nesting) and a plain ValueError (integers past Python's
+    int-string conversion limit, which has no .msg/.colno)."""
+    try:
+        return json.loads(body), None
+    except json.JSONDecodeError as exc:
+        return None, f"{exc.msg} at column {exc.colno}"
+    except RecursionError:
+        return None, "nested too deeply"
+    except ValueError as exc:
+        return None, str(exc).split(";")[0][:200]
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if isinstance(node, dict):
+            stack += [(v, depth + 1) for v in node.values()]
+        elif isinstance(node, list):
+            stack += [(v, depth + 1) for v in node]
+    return deepest
+
+
+def parse_call_json(raw: str) -> ToolCall | ToolCallError:
+    """One call's JSON body ({"name": ..., "arguments": {...}}) -> a ToolCall, or the error the model sees."""
+    body = raw.strip()
+    if len(body) > MAX_CALL_CHARS:
+        return _call_error(body, f"error: the tool call is {len(body)} characters; the limit is {MAX_CALL_CHARS}")
+    obj, problem = _loads(body)
+    if problem:
+        return _call_error(body, f"error: the tool call is not valid JSON ({problem}); "
+                           "expected {\"name\": <tool name>, \"arguments\": {...}}")
+    if not isinstance(obj, dict):
+        return _call_error(body, f"error: the tool call must be a JSON object, got {type(obj).__name__}")
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return _call_error(body, "error: the tool call has no \"name\" string")
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(arguments, str):  # some models send the arguments JSON-encoded, as OpenAI does
+        arguments, problem = _loads(arguments)
+        if problem:
+            return _call_error(body, f"error: \"arguments\" of {name} is a string that is not JSON ({problem})",
+                               name=name)
+    if not isinstance(arguments, dict):
+        return _call_error(body, f"error: \"arguments\" of {name} must be a JSON object, got "
+                           f"{type(arguments).__name__}", name=name)
+    if _depth(arguments) > MAX_ARGUMENT_DEPTH:
+        return _call_error(body, f"error: \"arguments\" of {name} are nested more than {MAX_ARGUMENT_DEPTH} "
+                           "levels deep", name=name)
+    return ToolCall(name, arguments, raw=body)
+
+
+def cap_calls(parsed: ParsedReply, max_calls: int) -> ParsedReply:
+    """At most `max_calls` tool results for one turn (calls first, then errors); the rest are answered
+    by one error result naming the cap, so a reply with thousands of calls cannot flood the context."""
+    if len(parsed.calls) + len(parsed.errors) <= max_calls:
+        return parsed
+    calls = parsed.calls[:max_calls]
+    errors = parsed.errors[: max_calls - len(calls)]
+    dropped = len(parsed.calls) + len(parsed.errors) - len(calls) - len(errors)
+    errors.append(ToolCallError("", f"error: {dropped} more tool call(s) were not run: at most {max_calls} tool "
+                                "calls are run per turn"))
+    return ParsedReply(parsed.content, calls, errors)
+
+
+def parse_reply(parser: "ToolCallParser", text: str, max_calls: int = MAX_CALLS_PER_TURN) -> ParsedReply:
+    """What a session calls: the parser's reading of `text`, capped, and never an exception. A parser
+    that fails (a custom one, or a hostile input nobody foresaw) becomes an error result the model
+    sees; the episode, and the training step, go on."""
+    try:
+        parsed = parser.parse(text)
+    except Exception as exc:  # noqa: BLE001 - model output must never abort a training step
+        parsed = ParsedReply(text.strip(), [], [ToolCallError(
+            text[:200], f"error: the tool calls in this reply could not be read ({type(exc).__name__})")])
+    return cap_calls(parsed, max_calls)
+
+
 class ToolCallParser(Protocol):
     name: str
 
@@ -66,48 +156,32 @@ class ToolCallParser(Protocol):
 
 class HermesToolParser:
     name = "hermes"
-    _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
     def parse(self, text: str) -> ParsedReply:
+        # str.find, not a regex: `<tool_call>(.*?)</tool_call>` rescans to the end of the text from
+        # every unclosed opening tag, which is quadratic on a reply full of them.
         calls: list[ToolCall] = []
         errors: list[ToolCallError] = []
-        for match in self._BLOCK.finditer(text):
-            result = self._one(match.group(1))
+        content: list[str] = []
+        pos = 0
+        while True:
+            opened = text.find(self.OPEN, pos)
+            if opened < 0:
+                content.append(text[pos:])
+                break
+            content.append(text[pos:opened])
+            body_start = opened + len(self.OPEN)
+            closed = text.find(self.CLOSE, body_start)
+            if closed < 0:  # an unclosed block (often a reply cut at max_tokens)
+                errors.append(ToolCallError(text[opened:][:200], "error: the tool call was not closed with "
+                                            "</tool_call>; write the whole call: <tool_call>{\"name\": ..., "
+                                            "\"arguments\": {...}}</tool_call>"))
+                break
+            result = parse_call_json(text[body_start:closed])
             (calls if isinstance(result, ToolCall) else errors).append(result)
-        content = self._BLOCK.sub("", text)
-        opened = content.find("<tool_call>")
-        if opened >= 0:  # an unclosed block (often a reply cut at max_tokens)
-            errors.append(ToolCallError(content[opened:][:200], "error: the tool call was not closed with "
-                                        "</tool_call>; write the whole call: <tool_call>{\"name\": ..., "
-                                        "\"arguments\": {...}}</tool_call>"))
-            content = content[:opened]
-        return ParsedReply(content.strip(), calls, errors)
-
-    def _one(self, raw: str) -> ToolCall | ToolCallError:
-        body = raw.strip()
-        if len(body) > MAX_CALL_CHARS:
-            return ToolCallError(body[:200], f"error: the tool call is {len(body)} characters; the limit is "
-                                 f"{MAX_CALL_CHARS}")
-        try:
-            obj = json.loads(body)
-        except ValueError as exc:
-            return ToolCallError(body, f"error: the tool call is not valid JSON ({exc.msg} at column {exc.colno}); "
-                                 "expected {\"name\": <tool name>, \"arguments\": {...}}")
-        if not isinstance(obj, dict):
-            return ToolCallError(body, f"error: the tool call must be a JSON object, got {type(obj).__name__}")
-        name = obj.get("name")
-        if not isinstance(name, str) or not name:
-            return ToolCallError(body, "error: the tool call has no \"name\" string")
-        arguments = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(arguments, str):  # some models send the arguments JSON-encoded, as OpenAI does
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                return ToolCallError(body, f"error: \"arguments\" of {name} is a string that is not JSON", name=name)
-        if not isinstance(arguments, dict):
-            return ToolCallError(body, f"error: \"arguments\" of {name} must be a JSON object, got "
-                                 f"{type(arguments).__name__}", name=name)
-        return ToolCall(name, arguments, raw=body)
+            pos = closed + len(self.CLOSE)
+        return ParsedReply("".join(content).strip(), calls, errors)
 
     def tools_prompt(self, tools: list[dict[str, Any]]) -> str:
         specs = "\n".join(json.dumps(t.get("function", t)) for t in tools)
