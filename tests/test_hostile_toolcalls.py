@@ -186,6 +186,27 @@ def test_special_token_text_in_a_tool_result_stays_text(tokenizer):
     assert all_ids.count(start) == _tool_turn(tokenizer, "x")[0].count(start)
 
 
+NAMED_TOOL_TEMPLATE = (  # ChatML that shows a tool message's name, as some templates do
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + (' ' + message['name'] if message.get('name') else '') + '\\n' "
+    "+ message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_tool_name_the_model_chose_stays_text_too():
+    # An unknown tool's name comes back in the error result's message; a template may render it.
+    tokenizer = tiny_tokenizer()
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    parsed = parse_reply(PARSER, _block(json.dumps({"name": EVIL, "arguments": {}})))
+    result = ToolRegistry([CalculatorTool()]).execute(parsed.calls[0])
+    assert result.error and result.name == EVIL
+    renderer = ChatRenderer(tokenizer, NAMED_TOOL_TEMPLATE)
+    ids = renderer.render([{"role": "user", "content": "hi"}, result.message()], add_generation_prompt=True)
+    assert ids.count(start) == 3 and EVIL in tokenizer.decode(ids)
+
+
 def test_plain_conversations_render_as_the_template_does(tokenizer):
     renderer = ChatRenderer(tokenizer)
     messages = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "5"}]

@@ -70,7 +70,7 @@ class ChatRenderer:
         if tools and self.template_handles_tools:
             kwargs["tools"] = tools
         guarded = [self._guard(m) for m in messages]
-        if guarded == messages:  # the common case: no special-token text in any content
+        if guarded == messages:  # the common case: no special-token text anywhere
             out = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=True,
                 chat_template=self.chat_template, **kwargs,
@@ -83,12 +83,16 @@ class ChatRenderer:
         return self._encode_guarded(text)
 
     def _guard(self, message: Message) -> Message:
-        """The message with each special-token text in its content replaced by a placeholder."""
-        content = message.get("content")
-        if self._special is None or not isinstance(content, str) or not self._special.search(content):
+        """The message with each special-token text in its content (and in any other string field a
+        template may show, such as a tool's name, which the model chose) replaced by a placeholder."""
+        if self._special is None:
             return message
-        safe = self._special.sub(lambda m: self._placeholder_text.format(self._special_index[m.group()]), content)
-        return {**message, "content": safe}
+        guarded = dict(message)
+        for key, value in message.items():
+            if key != "role" and isinstance(value, str) and self._special.search(value):
+                guarded[key] = self._special.sub(
+                    lambda m: self._placeholder_text.format(self._special_index[m.group()]), value)
+        return guarded
 
     def _encode_guarded(self, text: str) -> list[int]:
         """Template text as usual (its markers are special tokens); each placeholder as the plain
