@@ -80,12 +80,14 @@ def test_close_removes_a_deep_read_only_tree_and_never_raises():
 def test_remove_tree_reports_instead_of_raising(tmp_path):
     top = tmp_path / "t"
     top.mkdir()
-    cur = top
-    for _ in range(1500):  # deeper than the recursion limit and, with this name, than PATH_MAX
-        cur = cur / "a_rather_long_directory_name"
-        os.mkdir(cur) if len(str(cur)) < 4000 else None
-        if len(str(cur)) >= 4000:
-            break
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(1500):  # deeper than the recursion limit, and 43 KB of path: past PATH_MAX
+        os.mkdir("a_rather_long_directory_name", dir_fd=fd)
+        child = os.open("a_rather_long_directory_name", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = child
+    os.fchmod(fd, 0o500)  # the deepest one read-only
+    os.close(fd)
     assert remove_tree(top) == [] and not top.exists()
     assert remove_tree(top) == []  # already gone: nothing to report
 
