@@ -323,9 +323,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_pool(argv[2:])
     if argv[:1] == ["sim"]:  # the simulator has its own subcommands: rollwise/sim/cli.py
+        from rollwise.bench.sim_commands import SIM_COMMANDS  # calibrate, validate*: they run real engines
         from rollwise.sim.cli import main as sim_main
 
-        return sim_main(argv[1:])
+        return sim_main(argv[1:], extra=SIM_COMMANDS)
     parser = _build_parser()
     args = parser.parse_args(argv)
     # the benchmark tables are wide, and a pipe (tee to a log) would squash them to 80 columns

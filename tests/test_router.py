@@ -58,7 +58,7 @@ from rollwise.router.policies import (
     make_policy,
 )
 from rollwise.router.radix import RadixTree
-from rollwise.router.sim import SimConfig, make_workload, simulate
+from rollwise.sim.routing import SimConfig, make_workload, simulate
 
 MODEL = "tiny:0"
 pytestmark = pytest.mark.usefixtures("single_torch_thread")

@@ -11,7 +11,7 @@ import pytest
 
 from rollwise.engine.contract import Engine
 from rollwise.engine.types import GenerationRequest, SamplingParams
-from rollwise.sim.calibrate import StepRecord, fit_steps
+from rollwise.sim.fit import StepRecord, fit_steps
 from rollwise.sim.cluster import SimCluster
 from rollwise.sim.cost import CostModel, load_cost_file
 from rollwise.sim.engine import SimEngine, VirtualClock
@@ -282,7 +282,7 @@ def test_router_validation_on_real_replicas():
     """`rollwise sim validate-router`'s parts on two real replica processes: the serving costs and the
     busy-time metric they rest on, the same rounds measured and simulated, caches that agree."""
     from rollwise.bench.router import BenchShape, measure_real, replicas
-    from rollwise.sim.router_validate import calibrate_replica, compare, measure_serving, sim_config, simulate_bench
+    from rollwise.bench.validate_router import calibrate_replica, compare, measure_serving, sim_config, simulate_bench
 
     shape = BenchShape(replicas=2, groups=4, group_size=4, group_workers=2, sessions=2, turns=3, shared_tokens=64,
                        question_tokens=128, opening_tokens=128, user_tokens=16, max_tokens=4, rounds=1,

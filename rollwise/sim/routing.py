@@ -18,7 +18,7 @@ process (bench router: 4 replicas and the router on 2 cores): processor sharing,
 at min(1, cores / demand) of its own speed.
 
 The defaults are an illustrative cost model; `rollwise sim validate-router` fills one in from a
-calibration of the benchmark's replica engine (rollwise/sim/router_validate.py).
+calibration of the benchmark's replica engine (rollwise/bench/validate_router.py).
 The router side mirrors app.py: in-flight caps, the same load accounting, a FIFO queue when full.
 """
 
