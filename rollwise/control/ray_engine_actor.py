@@ -13,7 +13,6 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -51,9 +50,9 @@ class EngineActor:
         import torch
 
         from rollwise.config import RunConfig
+        from rollwise.engine.core import EngineWorker
         from rollwise.engine.factory import create_engine
         from rollwise.model.loading import load_model, tokenizer_fingerprint
-        from rollwise.rollout.worker import EngineWorker
 
         cfg = RunConfig.model_validate(cfg_data)
         if cfg.threads:
@@ -65,12 +64,8 @@ class EngineActor:
                 f"tokenizer fingerprint mismatch: the engine actor's tokenizer for {cfg.model!r} hashes to "
                 f"{mine[:16]}…, the trainer's to {fingerprint[:16]}…; every node must load the same model files"
             )
-        engine = create_engine(
-            cfg.engine.kind, model, tokenizer, max_num_seqs=cfg.engine.max_num_seqs,
-            max_model_len=cfg.engine.max_model_len, eos_token_ids=eos_ids, policy_version=policy_version,
-            seed=cfg.seed + self.index, model_name=cfg.model, tokenizer_fingerprint=mine,
-            kv_cache_gib=cfg.engine.kv_cache_gib, enforce_eager=cfg.engine.enforce_eager,
-        )
+        engine = create_engine(cfg.engine, model, tokenizer, model_name=cfg.model, eos_token_ids=eos_ids,
+                               policy_version=policy_version, seed=cfg.seed + self.index, tokenizer_fingerprint=mine)
         self.engine = engine
         self.worker = EngineWorker(engine, name=f"engine-{self.index}")
 
@@ -86,16 +81,13 @@ class EngineActor:
     # ------------------------------------------------------------ commands
 
     def info(self) -> dict[str, Any]:
-        worker = self._check()
-        m = worker.call(lambda e: e.model_info())
+        m = self._check().model_info()
         return {"token": self.token, "pid": os.getpid(), "host": socket.gethostname(),
                 "node_ip": ray.util.get_node_ip_address(), "name": m.engine, "max_num_seqs": m.max_num_seqs,
                 "policy_version": m.policy_version, "wall_minus_monotonic": time.time() - time.monotonic()}
 
     def submit(self, requests: list[GenerationRequest], token: str | None = None) -> None:
-        from rollwise.engine.contract import add_all
-
-        self._check(token).call(lambda e: add_all(e, requests))  # all or none
+        self._check(token).submit(requests)  # all or none
 
     def abort(self, request_ids: list[str], ack: int, token: str | None = None
               ) -> tuple[list[Completion], list[tuple[int, Completion]]]:
@@ -117,12 +109,16 @@ class EngineActor:
     def resume(self, token: str | None = None) -> None:
         self._check(token).resume()
 
-    def update_weights(self, state_dict: dict, version: int, token: str | None = None) -> int:
-        self._check(token).update_weights(state_dict, version)
-        return version
+    def update_weights(self, manifest: Any, state_dict: dict, token: str | None = None) -> int:
+        """One WeightUpdate: its manifest, and its payload (Ray resolves the fleet's ObjectRef argument
+        to the tensors, read from the object store). Checked whole against this engine, then applied."""
+        from rollwise.sync.buckets import WeightUpdate
 
-    def call(self, fn: Callable[[Any], Any]) -> Any:
-        return self._check().call(fn)
+        self._check(token).update_weights(WeightUpdate(manifest, state_dict))
+        return manifest.version
+
+    def model_info(self) -> Any:
+        return self._check().model_info()
 
     def drain(self, ack: int, timeout: float, token: str | None = None) -> list[tuple[int, Completion]]:
         """Completions after sequence number `ack` (those <= ack were received: forgotten). Waits up

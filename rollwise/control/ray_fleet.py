@@ -2,8 +2,10 @@
 
 `EngineActor` builds its own engine (rollwise.engine.factory) inside the actor and runs it on an
 `EngineWorker` thread, exactly as local placement does in the trainer's process. `RayEngineFleet`
-is what the rollout controller drives: submit / next_completion / abort / pause / resume /
-update_weights over `ray.num_engines` actors.
+is the RolloutBackend (rollwise.protocols) the rollout controller drives: submit / next_completion /
+abort / pause / resume / update_weights over `ray.num_engines` actors. A weight update travels as
+its manifest plus an ObjectRef: each actor fetches the tensors from the object store and commits
+them through the checked two-phase path.
 
 Nothing lost, nothing twice (DESIGN.md invariant 3), through actor deaths:
 
@@ -28,15 +30,18 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
 from rollwise.control.ray_engine_actor import _GONE
+from rollwise.engine.contract import ModelInfo
 from rollwise.engine.types import Completion, GenerationRequest
+from rollwise.sync.buckets import WeightUpdate
 
 DRAIN_WAIT_S = 0.25  # how long one drain call waits on an idle actor before it answers []
 TIMELINE_REFRESH_S = 2.0
@@ -119,13 +124,12 @@ class FleetView:
 class RayEngineFleet:
     """The EngineWorker interface over engine actors (see the module docstring for the guarantees)."""
 
-    def __init__(self, actors: list[Any], bundles: list[int], *, state_ref: Any, policy_version: int,
+    def __init__(self, actors: list[Any], bundles: list[int], *, initial: WeightUpdate,
                  max_restarts: int, restart_timeout_s: float, start_timeout_s: float) -> None:
         self.slots = [_Slot(i, a, b) for i, (a, b) in enumerate(zip(actors, bundles))]
         self.max_restarts = max_restarts
         self.restart_timeout_s = restart_timeout_s
-        self._state_ref = state_ref  # the weights engines must hold now (ObjectRef), and their version
-        self._version = policy_version
+        self._update = _in_store(initial)  # the weights engines must hold now (an ObjectRef payload)
         self._paused = False
         self._closed = False
         self._requests: dict[str, _Outstanding] = {}
@@ -148,7 +152,7 @@ class RayEngineFleet:
         for slot, info in zip(self.slots, infos):
             slot.info = info
         # Every engine starts from the trainer's current weights (a resumed run's included).
-        ray.get([s.actor.update_weights.remote(state_ref, policy_version, s.token) for s in self.slots])
+        ray.get([self._send(s) for s in self.slots])
         self.view = FleetView(self, infos[0]["name"], sum(i["max_num_seqs"] for i in infos))
         self.engine = self.view  # what a local EngineWorker calls its engine (read-only here)
 
@@ -214,12 +218,21 @@ class RayEngineFleet:
                 out += [c for c in aborted if self._receive(s, c)]
         return out
 
+    @property
+    def _version(self) -> int:
+        return self._update.version
+
+    def _send(self, slot: _Slot) -> Any:
+        """The current update to one actor: the manifest, and the payload's ObjectRef (Ray hands the
+        actor the tensors from the object store)."""
+        return slot.actor.update_weights.remote(self._update.manifest, self._update.payload, slot.token)
+
     @_locked
-    def update_weights(self, state_dict: Any, version: int) -> None:
-        """state_dict: a mapping of tensors, or an ObjectRef to one (from the trainer actor)."""
-        ref = state_dict if isinstance(state_dict, ray.ObjectRef) else ray.put(dict(state_dict))
-        self._state_ref, self._version = ref, version
-        self._broadcast(lambda slot: slot.actor.update_weights.remote(ref, version, slot.token))
+    def update_weights(self, update: WeightUpdate) -> None:
+        """Every live engine checks the whole update, then applies it between two steps; a refusal
+        (WeightUpdateError) is raised here, and an engine restarted later gets this update too."""
+        self._update = _in_store(update)
+        self._broadcast(self._send)
         self.refresh_timeline(force=True)
 
     @_locked
@@ -233,10 +246,16 @@ class RayEngineFleet:
         self._broadcast(lambda slot: slot.actor.resume.remote(slot.token))
 
     @_locked
-    def call(self, fn: Callable[[Any], Any]) -> Any:
-        """fn(engine) on the first live engine (model_info and the like: every engine answers alike)."""
+    def model_info(self) -> ModelInfo:
+        """The first live engine's (every engine runs the same model and version)."""
         slot = next(s for s in self.slots if s.alive)
-        return ray.get(slot.actor.call.remote(fn))
+        return ray.get(slot.actor.model_info.remote())
+
+    def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Kept for the agent layer's `worker.call(lambda e: e.model_info())`: fn gets an object that
+        answers model_info() only (nothing is sent to an actor; use model_info())."""
+        info = self.model_info()
+        return fn(SimpleNamespace(model_info=lambda: info))
 
     @_locked
     def close(self) -> None:
@@ -255,9 +274,11 @@ class RayEngineFleet:
 
     # ------------------------------------------------------------ metrics
 
-    def placement_metrics(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
         return {"engine_restarts": float(self.restarts), "engines_alive": float(sum(s.alive for s in self.slots)),
                 "engine_restart_discarded": float(self.discarded)}
+
+    placement_metrics = metrics  # the name the training loop used before the RolloutBackend protocol
 
     def pending_samples(self, slot: int) -> int:
         return self.slots[slot].load
@@ -386,7 +407,7 @@ class RayEngineFleet:
             self.restarts += 1
             outstanding = [o for o in self._requests.values() if o.slot == s]
             try:
-                ray.get(slot.actor.update_weights.remote(self._state_ref, self._version, slot.token))
+                ray.get(self._send(slot))
                 t_sync = time.monotonic()
                 if self._paused:
                     ray.get(slot.actor.pause.remote(slot.token))
@@ -455,6 +476,13 @@ class RayEngineFleet:
                 ray.get(self.slots[s].actor.submit.remote(reqs, self.slots[s].token))
             except _GONE as again:
                 self._recover(s, again)
+
+
+def _in_store(update: WeightUpdate) -> WeightUpdate:
+    """The update with its tensors in the object store (put once, fetched by every engine)."""
+    if isinstance(update.payload, Mapping):
+        return update.with_payload(ray.put(dict(update.payload)))
+    return update
 
 
 def _get_all(refs: list[Any], timeout: float, what: str) -> list[Any]:

@@ -2,12 +2,12 @@
 
 The training loop (rollwise.control.train_loop) runs unchanged; what it holds are stand-ins:
 
-- the engines: a `RayEngineFleet` (rollwise.control.ray_fleet) speaking the EngineWorker interface,
-  over `ray.num_engines` engine actors; a dead engine actor is restarted by Ray, re-synced to the
+- the engines: a `RayEngineFleet` (rollwise.control.ray_fleet), the RolloutBackend over `ray.num_engines` engine actors; a dead engine actor is restarted by Ray, re-synced to the
   current weights and policy version, and its outstanding requests are generated again;
-- the trainer: `RayTrainer`, a proxy to a `TrainerActor` that holds the model, the optimizer and the
-  GRPOTrainer, and runs train steps and checkpoint save/load; weights go from the trainer actor to
-  the engine actors through Ray's object store, never through the driver;
+- the trainer: `RayTrainer`, the Trainer (rollwise.protocols) proxying a `TrainerActor` that holds the
+  model, the optimizer and the GRPOTrainer, and runs train steps and checkpoint save/load; weights go
+  from the trainer actor to the engine actors through Ray's object store, never through the driver
+  (rollwise.sync.senders.ObjectStoreSender);
 - the reward: `RayScorer` (rollwise.control.ray_reward), which scores each finished group on one of
   `ray.reward_workers` actors (round robin; Ray retries a call on a restarted actor: scoring is idempotent).
   Held-out evaluation is still scored in the driver.
@@ -26,6 +26,7 @@ import math
 import os
 import random
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +37,10 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rollwise.config import ConfigError, RunConfig, dump_config
-from rollwise.control.placement import Placement
 from rollwise.control.ray_engine_actor import engine_actor_class
 from rollwise.control.ray_fleet import RayEngineFleet, _get_all, _log
 from rollwise.rollout.types import Sample
+from rollwise.sync.buckets import WeightUpdate
 
 # Called with every fleet place_on_ray creates (tests use it to kill actors mid-rollout).
 FLEET_HOOKS: list[Any] = []
@@ -215,7 +216,7 @@ class TrainerActor:
 
 
 class RayTrainer:
-    """What the loop calls on a trainer (train_step, version), run by the trainer actor."""
+    """The Trainer protocol (rollwise.protocols), run by the trainer actor."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
@@ -229,11 +230,6 @@ class RayTrainer:
     def weights(self) -> Any:
         """An ObjectRef to the current weights, for the engines to fetch from the object store."""
         return self.actor.state_dict.remote()
-
-    def push_weights(self, workers: list[Any]) -> None:
-        ref = self.weights()
-        for worker in workers:
-            worker.update_weights(ref, self.version)
 
     def save_checkpoint(self, run_dir: Path, step: int, extra: dict[str, Any], keep_last: int) -> Path:
         return Path(ray.get(self.actor.save_checkpoint.remote(str(run_dir), step, extra, keep_last)))
@@ -259,15 +255,13 @@ def start_trainer(cfg: RunConfig, *, fingerprint: str) -> RayTrainer:
 # ---------------------------------------------------------------- engines
 
 
-def place_on_ray(cfg: RunConfig, model: Any, tokenizer: Any, *, fingerprint: str, policy_version: int,
-                 eos_ids: list[int] | None) -> Placement:
-    """Start `ray.num_engines` engine actors holding the trainer's current weights (rollwise.control.placement)."""
+def place_on_ray(cfg: RunConfig, *, fingerprint: str, eos_ids: list[int] | None,
+                 initial: WeightUpdate) -> tuple[RayEngineFleet, str, Callable[[], None]]:
+    """Start `ray.num_engines` engine actors holding `initial` (the trainer's current weights, a resumed
+    run's included): (the fleet, one line for the console, the session's teardown)."""
     s = session(cfg)
     rc = cfg.ray
-    if s.trainer is not None:  # the trainer actor's weights (a resumed run's included)
-        state_ref, policy_version = s.trainer.weights(), s.trainer.version
-    else:
-        state_ref = ray.put({name: t.detach() for name, t in model.state_dict().items()})
+    policy_version = initial.version
     cls = engine_actor_class()
     cfg_data = dump_config(cfg)
     actors = [
@@ -279,9 +273,8 @@ def place_on_ray(cfg: RunConfig, model: Any, tokenizer: Any, *, fingerprint: str
     ]
     s.actors += actors
     try:
-        fleet = RayEngineFleet(actors, s.engine_bundles, state_ref=state_ref, policy_version=policy_version,
-                               max_restarts=rc.max_restarts, restart_timeout_s=rc.restart_timeout_s,
-                               start_timeout_s=rc.start_timeout_s)
+        fleet = RayEngineFleet(actors, s.engine_bundles, initial=initial, max_restarts=rc.max_restarts,
+                               restart_timeout_s=rc.restart_timeout_s, start_timeout_s=rc.start_timeout_s)
         if s.trainer is not None:
             info = _get_all([s.trainer.info_ref], rc.start_timeout_s, "the trainer actor to start")[0]
             _log(f"trainer actor on {_where(info)} ({rc.trainer_cpus:g} CPU, {rc.trainer_gpus:g} GPU)")
@@ -301,4 +294,4 @@ def place_on_ray(cfg: RunConfig, model: Any, tokenizer: Any, *, fingerprint: str
         hook(fleet)
     description = (f"ray: {rc.num_engines} x {fleet.view.name} engine actor(s) "
                    f"(cluster {ray.get_runtime_context().gcs_address})")
-    return Placement(fleet, fleet.view, description, on_close=[s.close])
+    return fleet, description, s.close

@@ -28,23 +28,21 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from rollwise.config import ConfigError, RunConfig, dump_config
-from rollwise.control.placement import EngineView, place_engines
+from rollwise.control.placement import EngineView, Placement, PlaceRequest, place
 from rollwise.engine.types import SamplingParams
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.observe.bubble import bubble_ratio
 from rollwise.observe.metrics import MetricsLogger, read_metrics
 from rollwise.observe.plots import plot_rollout_timelines, plot_training_curve
 from rollwise.observe.summary import render_summary
+from rollwise.protocols import RolloutBackend, RolloutControl, Trainer
 from rollwise.reward.batch import score_samples
 from rollwise.rollout.data import ProblemStream
 from rollwise.rollout.controller import RolloutController
-from rollwise.rollout.sync_rollout import PromptEncoder, RolloutPlan, build_requests, to_samples
+from rollwise.rollout.sync_rollout import PromptEncoder
 from rollwise.rollout.types import Sample
-from rollwise.sync.inprocess import push_weights
 from rollwise.tasks import Problem, Task, make_task
-from rollwise.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from rollwise.train.grpo import assign_advantages
-from rollwise.train.trainer import GRPOTrainer
+from rollwise.train.checkpoint import latest_checkpoint
 
 
 @dataclass
@@ -57,9 +55,10 @@ class Run:
     problems: dict[str, Problem]
     encoder: PromptEncoder
     engine: EngineView  # owned by `worker`'s thread: only read here (name, timeline)
-    worker: Any  # EngineWorker interface (rollwise.rollout.worker)
-    controller: RolloutController
-    trainer: Any  # GRPOTrainer, or with placement: ray a proxy to the trainer actor (same train_step / version)
+    worker: RolloutBackend  # where samples are generated (this process, Ray actors, a pool)
+    controller: RolloutControl
+    trainer: Trainer  # this process, or a proxy to the trainer actor
+    placement: Placement  # carries the trainer's weights to `worker` (push_weights)
     progress: Progress
     t0: float
     update_times: list[float] = field(default_factory=list)  # when each weight update landed (timeline plot)
@@ -131,14 +130,8 @@ def evaluate(run: Run, step: int, label: str) -> dict[str, Any]:
     params = SamplingParams(max_tokens=cfg.eval.max_tokens or cfg.rollout.max_tokens, temperature=0.0, n=1)
     bar = run.progress.add_task(f"eval ({label})", total=len(problems))
     t = time.monotonic()
-    if hasattr(run.controller, "evaluate_problems"):  # agent: greedy episodes with the tools
-        samples = run.controller.evaluate_problems(problems, params, f"{step}",
-                                                   progress=lambda n: run.progress.advance(bar, n))
-    else:
-        few_shot = [cfg.prompt.few_shot_in_eval] * len(problems)
-        requests = build_requests(run.encoder, RolloutPlan(problems, params, f"eval{step}", few_shot=few_shot))
-        completions = run.controller.run_requests(requests, progress=lambda n: run.progress.advance(bar, n))
-        samples = to_samples(completions, requests, problems, run.encoder.tokenizer)
+    samples = run.controller.evaluate_problems(problems, params, f"{step}",  # agent: episodes with the tools
+                                               progress=lambda n: run.progress.advance(bar, n))
     score_samples(samples, run.problems, run.task, cfg.reward)
     run.progress.remove_task(bar)
     n = len(samples)
@@ -193,7 +186,7 @@ def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
     t_gen_end = time.monotonic()
     reward_s = run.controller.score_seconds - score_s0
     # agent: one advantage per episode (a split episode's segments share it)
-    zero_var = getattr(run.controller, "assign_advantages", assign_advantages)(samples, cfg.train.advantage)
+    zero_var = run.controller.assign_advantages(samples, cfg.train.advantage)
     t_reward_end = time.monotonic()
 
     # 2. train
@@ -203,11 +196,9 @@ def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
     run.controller.mark_trained(samples)
     t_train_end = time.monotonic()
 
-    # 3. weight sync: lands between two engine steps; in-flight samples continue or are regenerated
-    if isinstance(run.trainer, GRPOTrainer):
-        push_weights(run.trainer.model, [run.worker], run.trainer.version)
-    else:  # the trainer actor's weights go to the engine actors through Ray's object store
-        run.trainer.push_weights([run.worker])
+    # 3. weight sync: checked whole, lands between two engine steps; in-flight samples continue or are
+    # regenerated. The placement's sender picks the transport (in-process views, Ray's object store, HTTP).
+    run.placement.push_weights()
     run.controller.after_update(run.trainer.version)
     t_sync_end = time.monotonic()
     run.update_times.append(t_sync_end)
@@ -244,8 +235,8 @@ def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
         "staleness_max": max(staleness, default=0),
         "groups_in_flight": run.controller.in_flight(),
         "samples_regenerated": run.controller.ledger.regenerated(),
-        **(run.controller.step_metrics() if hasattr(run.controller, "step_metrics") else {}),
-        **(run.worker.placement_metrics() if hasattr(run.worker, "placement_metrics") else {}),  # ray: engine_restarts
+        **run.controller.step_metrics(),
+        **run.worker.metrics(),  # ray: engine_restarts
     }
     logger.log(record)
     with (run.run_dir / "samples.jsonl").open("a") as f:
@@ -286,48 +277,35 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         eval_problems = task.problems("eval")[: cfg.eval.size]
     problems = {p.id: p for p in train_problems + eval_problems}
     fingerprint = tokenizer_fingerprint(tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    if cfg.placement == "ray":  # the trainer in an actor; the loop drives a proxy
-        from rollwise.control.ray_placement import start_trainer
-
-        trainer = start_trainer(cfg, fingerprint=fingerprint)
-    else:
-        trainer = GRPOTrainer(model, cfg.train, pad_token_id=pad_id, temperature=cfg.rollout.temperature or 1.0)
-    start_step = 0
-    start_group, pending_groups = 0, []
-    if resume_dir is not None:
-        state = load_checkpoint(resume_dir, trainer) if isinstance(trainer, GRPOTrainer) else trainer.load_checkpoint(resume_dir)
-        start_step = int(state["step"])
-        if state.get("tokenizer_fingerprint") not in (None, fingerprint):
-            raise ConfigError(f"checkpoint {resume_dir} was trained with a different tokenizer (fingerprint mismatch)")
+    def check_resume(state: dict[str, Any]) -> None:
+        """Before any engine starts: the checkpoint must fit this configuration."""
         consumed = state.get("problems_consumed")
-        start_group = int(state.get("next_group", start_step * cfg.rollout.prompts_per_step))
-        pending_groups = list(state.get("pending_groups", []))
-        if cfg.rollout.mode == "sync" and consumed is not None and consumed != start_step * cfg.rollout.prompts_per_step:
+        step = int(state["step"])
+        if cfg.rollout.mode == "sync" and consumed is not None and consumed != step * cfg.rollout.prompts_per_step:
             raise ConfigError(
-                f"checkpoint consumed {consumed} problems in {start_step} steps, but rollout.prompts_per_step="
-                f"{cfg.rollout.prompts_per_step} would place it at {start_step * cfg.rollout.prompts_per_step}: "
+                f"checkpoint consumed {consumed} problems in {step} steps, but rollout.prompts_per_step="
+                f"{cfg.rollout.prompts_per_step} would place it at {step * cfg.rollout.prompts_per_step}: "
                 "resume with the prompts_per_step the run was started with, or problems would be skipped or repeated"
             )
+
+    # Placement says where the trainer, the engines and the reward run (this process, Ray actors, or a
+    # shared pool); the engines start from the trainer's current weights (a resumed run's included).
+    placement = place(PlaceRequest(cfg, model, tokenizer, fingerprint, problems, task, resume_dir, check_resume))
+    trainer, score = placement.trainer, placement.score
+    start_step = 0
+    start_group, pending_groups = 0, []
+    if placement.resumed is not None:
+        state = placement.resumed
+        start_step = int(state["step"])
+        start_group = int(state.get("next_group", start_step * cfg.rollout.prompts_per_step))
+        pending_groups = list(state.get("pending_groups", []))
         _truncate_logs(run_dir, start_step)
         console.print(f"[green]resumed[/] from {resume_dir} at step {start_step} (policy version {trainer.version})")
-
-    if cfg.placement == "ray":  # finished groups are scored on reward actors
-        from rollwise.control.ray_reward import start_reward_workers
-
-        score = start_reward_workers(cfg)
-    else:
-        def score(group: list[Sample]) -> None:
-            score_samples(group, problems, task, cfg.reward)
-    eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
-    # The engine starts from the trainer's current weights (a resumed run's included); placement says
-    # where it runs (this process, Ray actors, or a shared pool).
-    placement = place_engines(cfg, model, tokenizer, fingerprint=fingerprint, policy_version=trainer.version,
-                              eos_ids=eos_ids)
-    engine, worker = placement.engine, placement.worker
+    engine, worker = placement.engine, placement.backend
     encoder = PromptEncoder(tokenizer, cfg.prompt, cfg.reward)
     stream = ProblemStream(train_problems, cfg.seed)
+    controller: RolloutControl
     if cfg.agent is not None:  # multi-turn, tool-using episodes (rollwise.agent)
         from rollwise.agent.controller import AgentController
 
@@ -357,7 +335,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
     evals_path = run_dir / "evals.jsonl"
     try:
         with _progress(console) as progress:
-            run = Run(cfg, run_dir, task, problems, encoder, engine, worker, controller, trainer, progress, t0)
+            run = Run(cfg, run_dir, task, problems, encoder, engine, worker, controller, trainer, placement, progress, t0)
 
             def record_eval(step: int, label: str) -> dict[str, Any]:
                 result = evaluate(run, step, label)
@@ -390,10 +368,8 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
                     extra = {"tokenizer_fingerprint": fingerprint, "problems_consumed": done * cfg.rollout.prompts_per_step,
                              # Started but untrained groups are generated again on resume: none lost.
                              "next_group": controller.next_group, "pending_groups": controller.pending_groups()}
-                    if isinstance(trainer, GRPOTrainer):
-                        save_checkpoint(run_dir, trainer, tokenizer, done, extra, cfg.checkpoint.keep_last)
-                    else:  # written by the trainer actor (run_dir on a filesystem it shares with this process)
-                        trainer.save_checkpoint(run_dir, done, extra, cfg.checkpoint.keep_last)
+                    # The Ray trainer actor writes it itself (run_dir on a filesystem it shares with this process).
+                    trainer.save_checkpoint(run_dir, done, extra, cfg.checkpoint.keep_last)
             t_loop_end = time.monotonic()
             controller.close("the run ended")  # samples still in flight are recorded as dropped
             final_eval = record_eval(cfg.train.steps, "after")
@@ -430,7 +406,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         "bubble_ratio_run": bubble_ratio([engine.timeline], [engine.max_num_seqs], t_loop, t_loop_end),
         "samples": controller.ledger.counts(),
         "samples_regenerated": controller.ledger.regenerated(),
-        **(worker.placement_metrics() if hasattr(worker, "placement_metrics") else {}),  # ray: engine_restarts
+        **worker.metrics(),  # ray: engine_restarts
         "peak_rss_gb": _peak_rss_gb(),
         "tokenizer_fingerprint": fingerprint,
         "artifacts": {"metrics": "metrics.jsonl", "evals": "evals.jsonl", "curve": curve.name, "timeline": timeline_png.name,

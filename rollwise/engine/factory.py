@@ -3,11 +3,15 @@ reference engine. Both implement the engine contract (rollwise/engine/contract.p
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from rollwise.engine.contract import Engine
+
+if TYPE_CHECKING:
+    from rollwise.config import EngineConfig
 
 ENGINE_KINDS = ("auto", "reference", "vllm")
 
@@ -29,31 +33,62 @@ def resolve_engine_kind(kind: str, model_spec: str = "") -> str:
     return kind
 
 
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine section's fields create_engine reads (rollwise.config.EngineConfig has them all)."""
+
+    kind: str
+    max_num_seqs: int
+    max_model_len: int
+    kv_cache_gib: int = 2
+    enforce_eager: bool = True
+
+
+def _settings(engine: Any, overrides: dict[str, Any]) -> EngineSettings:
+    """An EngineConfig (or EngineSettings) with any keyword given explicitly taking precedence; or,
+    the older form, a kind string with the sizes as keywords."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if isinstance(engine, str):
+        missing = [k for k in ("max_num_seqs", "max_model_len") if k not in given]
+        if missing:
+            raise TypeError(f"create_engine({engine!r}, ...) needs {' and '.join(missing)}= "
+                            "(or pass the engine config section: create_engine(cfg.engine, ...))")
+        return EngineSettings(kind=engine, **given)
+    fields = {f: getattr(engine, f) for f in ("kind", "max_num_seqs", "max_model_len", "kv_cache_gib", "enforce_eager")}
+    return EngineSettings(**{**fields, **given})
+
+
 def create_engine(
-    kind: str,
+    engine: EngineConfig | EngineSettings | str,
     hf_model: nn.Module,
     tokenizer: Any,
     *,
-    max_num_seqs: int,
-    max_model_len: int,
+    model_name: str = "model",
     eos_token_ids: list[int] | None = None,
     policy_version: int = 0,
     seed: int | None = None,
-    model_name: str = "model",
     tokenizer_fingerprint: str | None = None,
     prefix_cache_tokens: int = 0,
-    kv_cache_gib: int = 2,
-    enforce_eager: bool = True,
+    max_num_seqs: int | None = None,
+    max_model_len: int | None = None,
+    kv_cache_gib: int | None = None,
+    enforce_eager: bool | None = None,
 ) -> Engine:
-    """An engine holding its own copy of hf_model's current weights (the trainer keeps hf_model)."""
-    kind = resolve_engine_kind(kind, model_name)
-    common = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, eos_token_ids=eos_token_ids,
+    """An engine holding its own copy of hf_model's current weights (the trainer keeps hf_model).
+
+    `engine` is the run's engine section (`cfg.engine`): kind, max_num_seqs, max_model_len,
+    kv_cache_gib, enforce_eager; a size given as a keyword overrides it. The rest says what this one
+    engine is (its model's name, stop tokens, starting version, seed, tokenizer fingerprint)."""
+    cfg = _settings(engine, dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                 kv_cache_gib=kv_cache_gib, enforce_eager=enforce_eager))
+    kind = resolve_engine_kind(cfg.kind, model_name)
+    common = dict(max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, eos_token_ids=eos_token_ids,
                   policy_version=policy_version, seed=seed, model_name=model_name,
                   tokenizer_fingerprint=tokenizer_fingerprint)
     if kind == "vllm":
         from rollwise.engine.vllm_backend import VLLMEngine
 
-        return VLLMEngine(hf_model, tokenizer, kv_cache_gib=kv_cache_gib, enforce_eager=enforce_eager, **common)
+        return VLLMEngine(hf_model, tokenizer, kv_cache_gib=cfg.kv_cache_gib, enforce_eager=cfg.enforce_eager, **common)
     from rollwise.engine.reference import ReferenceEngine
 
     return ReferenceEngine(hf_model, prefix_cache_tokens=prefix_cache_tokens, **common)

@@ -1,9 +1,10 @@
 """A training job's side of the shared engine pool (`rollwise serve pool`).
 
-`attach_to_pool` is what `rollwise train pool.url=...` calls (rollwise.control.placement): it attaches
-the job, pushes the trainer's current weights, and returns a Placement whose worker speaks the
-EngineWorker interface (submit / next_completion / abort / pause / resume / update_weights / close)
-over HTTP, so the rollout controller drives a pool job exactly as it drives a local engine.
+`attach_to_pool` is what `rollwise train pool.url=...` calls (rollwise.control.placement.pool): it
+attaches the job, pushes the trainer's current weights, and returns the job's `PoolWorker`, the
+RolloutBackend (rollwise.protocols) over HTTP, so the rollout controller drives a pool job exactly
+as it drives a local engine. A weight update travels as checksummed buckets (the HTTP transport of
+rollwise.sync); the pool checks the whole update, then commits it.
 
 A receiver thread long-polls the job's finished samples into a local queue (next_completion reads
 it without a round trip) and keeps the engine view's timeline (the job's running sequences, on this
@@ -18,15 +19,19 @@ import queue
 import re
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import torch
 
+from rollwise.config import ConfigError
 from rollwise.engine.client import EngineServerError, read_response
+from rollwise.engine.contract import ModelInfo
 from rollwise.engine.types import Completion, GenerationRequest
-from rollwise.sync.buckets import build_manifest, flatten_bucket
+from rollwise.sync.buckets import WeightUpdate, build_manifest, flatten_bucket
 
 
 # Weight updates travel in pieces of this size (httpcore re-slices a bytes body after every socket send, which
@@ -69,7 +74,7 @@ class PoolClient:
         self.job, self.token, self.info = info["job"], info["token"], info
         return info
 
-    def push_weights(self, state_dict: dict[str, torch.Tensor], version: int, tokenizer_fingerprint: str,
+    def push_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, tokenizer_fingerprint: str,
                      timeout: float = 600.0) -> dict[str, Any]:
         """One whole update: manifest (names, shapes, dtypes, CRC32s) + the flat bytes; the pool checks it
         all before applying any of it."""
@@ -127,7 +132,7 @@ def completion_of(entry: dict[str, Any]) -> Completion:
 
 
 class PoolWorker:
-    """The EngineWorker interface for one pool job, over HTTP."""
+    """The RolloutBackend (rollwise.protocols) for one pool job, over HTTP."""
 
     def __init__(self, client: PoolClient, tokenizer_fingerprint: str, poll_s: float = 0.25) -> None:
         self.client = client
@@ -147,12 +152,13 @@ class PoolWorker:
         self._thread = threading.Thread(target=self._receive, name=f"pool-receiver-{client.job}", daemon=True)
         self._thread.start()
 
-    def call(self, fn: Any, timeout: float | None = None) -> Any:
-        """EngineWorker.call for the read-only questions asked of a remote engine: fn gets an object whose
-        model_info() describes the job's engines in the pool."""
-        return fn(_RemoteEngine(self))
+    def call(self, fn: Callable[[Any], Any], timeout: float | None = None) -> Any:
+        """Kept for the agent layer's `worker.call(lambda e: e.model_info())`: fn gets an object that
+        answers model_info() only (use model_info())."""
+        info = self.model_info()
+        return fn(SimpleNamespace(model_info=lambda: info))
 
-    # ------------------------------------------------------------ the EngineWorker interface
+    # ------------------------------------------------------------ the RolloutBackend protocol
 
     def submit(self, requests: list[GenerationRequest]) -> None:
         self._raise_if_failed()
@@ -187,9 +193,30 @@ class PoolWorker:
     def resume(self) -> None:
         self.client.resume()
 
-    def update_weights(self, state_dict: dict, version: int) -> None:
-        self.client.push_weights(state_dict, version, self.fingerprint)
+    def update_weights(self, update: WeightUpdate | Mapping[str, torch.Tensor], version: int | None = None) -> None:
+        """Ship the update's tensors to the pool as checksummed buckets; the pool checks the whole update
+        against the job's model and tokenizer, then commits it (or refuses it: PoolServerError).
+        `update_weights(state_dict, version)` is the same push from a plain mapping."""
+        if isinstance(update, WeightUpdate):
+            state, version, fingerprint = update.tensors(), update.version, update.tokenizer_fingerprint
+        elif version is None:
+            raise TypeError("update_weights takes a WeightUpdate (or a state dict and a version)")
+        else:
+            state, fingerprint = update, self.fingerprint
+        self.client.push_weights(state, version, fingerprint)
         self.policy_version = version
+
+    def model_info(self) -> ModelInfo:
+        """The job's engines in the pool, from the attach answer (at the version last pushed)."""
+        info = self.client.info
+        return ModelInfo(engine=info.get("engine", "reference"), model=info.get("model", ""),
+                         vocab_size=int(info["vocab_size"]), max_model_len=int(info["max_model_len"]),
+                         max_num_seqs=int(info["max_num_seqs"]), eos_token_ids=list(info.get("eos_token_ids", [])),
+                         tokenizer_fingerprint=info.get("tokenizer_fingerprint"),
+                         policy_version=self.policy_version or 0)
+
+    def metrics(self) -> dict[str, float]:
+        return {}
 
     def close(self) -> None:
         self._stop.set()  # the receiver ends after its current long poll (at most poll_s)
@@ -228,29 +255,9 @@ class PoolWorker:
                 self._cond.notify_all()
 
 
-class _RemoteEngine:
-    """What PoolWorker.call hands to fn: the engine contract's model_info(), from the attach answer."""
-
-    def __init__(self, worker: PoolWorker) -> None:
-        self._worker = worker
-
-    def model_info(self) -> Any:
-        from rollwise.engine.contract import ModelInfo
-
-        info = self._worker.client.info
-        return ModelInfo(engine=info.get("engine", "reference"), model=info.get("model", ""),
-                         vocab_size=int(info["vocab_size"]), max_model_len=int(info["max_model_len"]),
-                         max_num_seqs=int(info["max_num_seqs"]), eos_token_ids=list(info.get("eos_token_ids", [])),
-                         tokenizer_fingerprint=info.get("tokenizer_fingerprint"),
-                         policy_version=self._worker.policy_version or 0)
-
-    def __getattr__(self, name: str) -> Any:
-        raise AttributeError(f"{name}: a pool job's engine runs in the pool; only model_info() is answered here")
-
-
 @dataclass
 class PoolEngineView:
-    """What the training loop reads from 'the engine' (rollwise.control.placement.EngineView)."""
+    """What the training loop reads from 'the engine' (rollwise.control.placement.base.EngineView)."""
 
     name: str
     max_num_seqs: int
@@ -262,11 +269,18 @@ def _default_job_name(cfg: Any) -> str:
     return f"{model}-{os.getpid()}"
 
 
-def attach_to_pool(cfg: Any, model: Any, tokenizer: Any, *, fingerprint: str, policy_version: int) -> Any:
-    """Attach this run to the pool at cfg.pool.url as job cfg.pool.job; push the trainer's weights."""
-    from rollwise.config import ConfigError
-    from rollwise.control.placement import Placement
+@dataclass
+class PoolAttachment:
+    """A job attached to the pool: its worker, the loop's engine view, a console line, and detach()."""
 
+    worker: PoolWorker
+    view: PoolEngineView
+    description: str
+    detach: Callable[[], None]
+
+
+def attach_to_pool(cfg: Any, model: Any, tokenizer: Any, *, fingerprint: str, policy_version: int) -> PoolAttachment:
+    """Attach this run to the pool at cfg.pool.url as job cfg.pool.job; push the trainer's weights."""
     url = cfg.pool.url
     job = cfg.pool.job or _default_job_name(cfg)
     client = PoolClient(url)
@@ -286,7 +300,7 @@ def attach_to_pool(cfg: Any, model: Any, tokenizer: Any, *, fingerprint: str, po
                           f"{str(info.get('tokenizer_fingerprint'))[:16]}..., the trainer's {fingerprint[:16]}...")
     worker = PoolWorker(client, fingerprint)
     try:
-        worker.update_weights(model.state_dict(), policy_version)
+        worker.update_weights(WeightUpdate.of_state(model.state_dict(), policy_version, fingerprint))
     except Exception:
         worker.close()
         client.detach()
@@ -305,4 +319,4 @@ def attach_to_pool(cfg: Any, model: Any, tokenizer: Any, *, fingerprint: str, po
 
     description = (f"shared pool {url} as job {job!r} (priority {cfg.pool.priority:g}; {info['engines']} reference "
                    f"engine(s) of max_num_seqs={info['max_num_seqs']}, time-sliced)")
-    return Placement(worker, view, description, on_close=[detach])
+    return PoolAttachment(worker, view, description, detach)

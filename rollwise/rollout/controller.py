@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 
 from rollwise.config import RunConfig
 from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
+from rollwise.protocols import RolloutBackend
 from rollwise.rollout.data import ProblemStream
 from rollwise.rollout.ledger import RolloutLedger
-from rollwise.rollout.sync_rollout import PromptEncoder, sampling_seed
+from rollwise.rollout.sync_rollout import PromptEncoder, RolloutPlan, build_requests, sampling_seed, to_samples
 from rollwise.rollout.types import Sample
-from rollwise.rollout.worker import EngineWorker
 from rollwise.tasks import Problem
+from rollwise.train.grpo import assign_advantages
 
 # Called with a complete group's samples, to score them (reward) in place.
 ScoreFn = Callable[[list[Sample]], None]
@@ -64,11 +65,23 @@ class _Running:
     remaining: set[int] = field(default_factory=set)  # completion indices not yet returned
 
 
-class RolloutController:
+class ControllerDefaults:
+    """The parts of the controller interface (rollwise.protocols.RolloutControl) most controllers share:
+    GRPO group advantages and no extra step metrics. The agent layer overrides both (one advantage
+    per episode; tool-call counts)."""
+
+    def assign_advantages(self, samples: list[Sample], mode: str) -> float:
+        return assign_advantages(samples, mode)  # type: ignore[arg-type]
+
+    def step_metrics(self) -> dict[str, float]:
+        return {}
+
+
+class RolloutController(ControllerDefaults):
     def __init__(
         self,
         cfg: RunConfig,
-        worker: EngineWorker,
+        worker: RolloutBackend,
         encoder: PromptEncoder,
         stream: ProblemStream,
         score: ScoreFn,
@@ -192,6 +205,14 @@ class RolloutController:
             else:
                 self._on_completion(completion, None)
         return sorted(done, key=lambda c: (wanted[c.request_id], c.index))
+
+    def evaluate_problems(self, problems: list[Problem], params: SamplingParams, label: str,
+                          progress: Callable[[int], None] | None = None) -> list[Sample]:
+        """One greedy sample per held-out problem (request ids eval<label>-<slot>), unscored."""
+        few_shot = [self.cfg.prompt.few_shot_in_eval] * len(problems)
+        requests = build_requests(self.encoder, RolloutPlan(problems, params, f"eval{label}", few_shot=few_shot))
+        completions = self.run_requests(requests, progress=progress)
+        return to_samples(completions, requests, problems, self.encoder.tokenizer)
 
     def before_update(self) -> None:
         """The trainer is about to train on a batch taken at self.version. With eta = 0 nothing may be

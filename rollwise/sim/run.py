@@ -144,7 +144,7 @@ def simulate(run: SimRun, progress: Callable[[str], None] | None = None) -> dict
         trained_tokens += sum(len(x.response_ids) for x in batch)
         trained_samples += len(batch)
         version += 1
-        cluster.advance_to(cluster.update_weights(None, version))
+        cluster.advance_to(cluster.load_version(version))
         controller.after_update(version)
         updates_at.append(clock.now)
         per_step.append({"step": step, "t": clock.now - t0, "rollout_s": rollout_phases[-1][1] - ta,

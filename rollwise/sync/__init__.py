@@ -1,7 +1,16 @@
 """Weight transport from the trainer to the engines: versioned, verified, all-or-nothing.
 
-Three transports share one format (rollwise.sync.buckets: manifest, buckets, CRC32 checksums) and
-one receiving side (WeightReceiver: stage everything, verify, then apply the whole update):
+One update (`WeightUpdate`: a manifest + its payload) and one receiving side (`WeightReceiver`:
+stage everything, verify, then apply the whole update). The trainer makes the update
+(`Trainer.weight_update`); the placement's RolloutBackend carries it over the transport its
+configuration picks:
+
+    placement: local      EngineWorker.update_weights      in-process, zero-copy views
+    placement: ray        RayEngineFleet.update_weights    Ray object store (an ObjectRef payload)
+    pool.url              PoolWorker.update_weights        HTTP: checksummed buckets, the pool commits
+    collective            DistributedSender / DistributedReceiver (torch.distributed)
+
+The byte-moving transports share one format (rollwise.sync.buckets: manifest, buckets, CRC32):
 
     in-process   InProcessTransport(receivers, fingerprint).push(state_dict, version)
     broadcast    DistributedSender(fingerprint).push(...) on rank 0, DistributedReceiver(receiver).serve()
@@ -9,7 +18,7 @@ one receiving side (WeightReceiver: stage everything, verify, then apply the who
     files        FileTransport(root, fingerprint).push(...) writes <root>/v<version>/,
                  FileReceiver(receiver).load(dir) / .load_latest(root) on the engine side
 
-rollwise.sync.inprocess.push_weights is the original unchecked in-process push, kept as is.
+rollwise.sync.inprocess.push_weights pushes a model to engines held directly, through the same check.
 """
 
 from rollwise.sync.buckets import (
@@ -20,6 +29,7 @@ from rollwise.sync.buckets import (
     TensorSpec,
     WeightManifest,
     WeightReceiver,
+    WeightUpdate,
     WeightUpdateError,
     build_manifest,
     flatten_bucket,
@@ -42,6 +52,7 @@ __all__ = [
     "TensorSpec",
     "WeightManifest",
     "WeightReceiver",
+    "WeightUpdate",
     "WeightUpdateError",
     "build_manifest",
     "flatten_bucket",

@@ -248,6 +248,60 @@ def parse_manifest(text: str, source: str) -> WeightManifest:
                                 f"{exc.errors()[0]['msg']}); the update was not applied") from None
 
 
+# ---------------------------------------------------------------------------- the update
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """One weight update as every transport carries it: the manifest and its payload.
+
+    The payload is the tensors themselves while the update stays in one process (views of the
+    trainer's tensors: nothing is copied until the engine loads them), or a Ray ObjectRef to that
+    mapping on its way through the object store. Transports that move bytes (HTTP, files,
+    broadcast) re-cut the same tensors into checksummed buckets (`build_manifest(checksum=True)`)
+    and rebuild a StagedUpdate on the far side; every receiver ends in `WeightReceiver.commit`."""
+
+    manifest: WeightManifest
+    payload: Any
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+    @property
+    def tokenizer_fingerprint(self) -> str:
+        return self.manifest.tokenizer_fingerprint
+
+    @classmethod
+    def of_state(cls, state_dict: Mapping[str, Tensor], version: int, tokenizer_fingerprint: str | None) -> WeightUpdate:
+        """An in-process update of `state_dict` (detached views, zero-copy). No checksum: these bytes
+        never leave this process's memory. A None fingerprint is sent as "" (a receiver that knows its
+        own then refuses the update: only engines built without one accept it)."""
+        state = {name: tensor.detach() for name, tensor in state_dict.items()}
+        manifest = build_manifest(state, version, tokenizer_fingerprint or "", bucket_mb=None, checksum=False)
+        return cls(manifest, state)
+
+    def apply_to(self, engine: Any, tokenizer_fingerprint: str | None) -> None:
+        """Load this update into `engine` (an engine, or an EngineWorker) through the checked
+        two-phase commit. Engine-side code calls this instead of importing the receiver."""
+        WeightReceiver(engine, tokenizer_fingerprint).receive(self)
+
+    def with_payload(self, payload: Any) -> WeightUpdate:
+        return WeightUpdate(self.manifest, payload)
+
+    def tensors(self) -> Mapping[str, Tensor]:
+        """The payload as tensors: an in-process mapping as it is, an object-store reference fetched."""
+        if isinstance(self.payload, Mapping):
+            return self.payload
+        import ray  # only the Ray transport makes reference payloads
+
+        fetched = ray.get(self.payload)
+        if not isinstance(fetched, Mapping):
+            raise WeightUpdateError(f"weight update to version {self.version}: the payload is a "
+                                    f"{type(fetched).__name__}, not a mapping of tensors")
+        return fetched
+
+
 # ---------------------------------------------------------------------------- receiving
 
 
@@ -358,9 +412,11 @@ class WeightReceiver:
 
     `engine` is anything with update_weights(state_dict, version): a ReferenceEngine, or an
     EngineWorker (then the apply runs on its thread between two steps). `tokenizer_fingerprint` is
-    the engine's own tokenizer's (rollwise.model.loading.tokenizer_fingerprint)."""
+    the engine's own tokenizer's (rollwise.model.loading.tokenizer_fingerprint); None only for an
+    engine built without one (tests, benchmarks): then the fingerprint is the one thing not checked."""
 
-    def __init__(self, engine: Any, tokenizer_fingerprint: str, expected: ExpectedWeights | None = None) -> None:
+    def __init__(self, engine: Any, tokenizer_fingerprint: str | None,
+                 expected: ExpectedWeights | None = None) -> None:
         self.engine = engine
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.expected = expected if expected is not None else ExpectedWeights.of_engine(engine)
@@ -381,11 +437,11 @@ class WeightReceiver:
         if current is not None and version < current:
             raise self._reject(version, [f"the engine is already at version {current}"],
                                "Versions only move forward (re-pushing the current version is allowed, as a retry).")
-        if manifest.tokenizer_fingerprint != self.tokenizer_fingerprint:
+        if self.tokenizer_fingerprint is not None and manifest.tokenizer_fingerprint != self.tokenizer_fingerprint:
             raise self._reject(
                 version,
                 [f"tokenizer fingerprint {manifest.tokenizer_fingerprint[:16]}... != the engine's "
-                 f"{self.tokenizer_fingerprint[:16]}..."],
+                 f"{(self.tokenizer_fingerprint or '')[:16]}..."],
                 "The trainer and the engine tokenize differently: start both from the same model/tokenizer.",
             )
         problems: list[str] = []
@@ -435,6 +491,10 @@ class WeightReceiver:
         except ValueError as exc:  # the engine's own validation; it also leaves the weights untouched
             raise self._reject(manifest.version, [str(exc)], "Nothing was applied.") from exc
 
+    def receive(self, update: WeightUpdate) -> None:
+        """The one entry every transport ends in: stage the update's tensors, check it whole, apply it."""
+        self.apply_state(update.manifest, update.tensors())
+
     def apply_state(self, manifest: WeightManifest, state: Mapping[str, Tensor]) -> None:
         """Stage tensors that are already in memory (one process) and commit them."""
         staged = StagedUpdate(manifest)
@@ -459,21 +519,20 @@ def raise_if_rejected(version: int, failures: Sequence[tuple[str, str]], total: 
 class InProcessTransport:
     """Trainer and engines in one process: the engines copy straight from the trainer's tensors.
 
-    Same semantics as rollwise.sync.inprocess.push_weights, but through the manifest check, so a
-    mismatched model or tokenizer is refused with a clear error instead of half-loaded. No checksum:
-    the bytes never leave this process's memory."""
+    A mismatched model or tokenizer is refused with a clear error instead of half-loaded. No
+    checksum: the bytes never leave this process's memory."""
 
     def __init__(self, receivers: Sequence[WeightReceiver], tokenizer_fingerprint: str) -> None:
         self.receivers = list(receivers)
         self.tokenizer_fingerprint = tokenizer_fingerprint
 
     def push(self, state_dict: Mapping[str, Tensor], version: int) -> WeightManifest:
-        state = {name: tensor.detach() for name, tensor in state_dict.items()}
-        manifest = build_manifest(state, version, self.tokenizer_fingerprint, bucket_mb=None, checksum=False)
+        update = WeightUpdate.of_state(state_dict, version, self.tokenizer_fingerprint)
+        manifest = update.manifest
         failures: list[tuple[str, str]] = []
         for i, receiver in enumerate(self.receivers):
             try:
-                receiver.apply_state(manifest, state)
+                receiver.receive(update)
             except WeightUpdateError as exc:
                 failures.append((f"engine {i}", str(exc)))
         if len(failures) == len(self.receivers) == 1:

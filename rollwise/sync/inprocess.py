@@ -1,15 +1,21 @@
-"""In-process weight transport: the trainer and the engine share one process (the CPU default).
+"""In-process weight push for callers that hold a model and engines (or EngineWorkers) directly.
 
-Other transports (torch.distributed broadcast, safetensors files) arrive with the engine-contract issue
-and keep this signature: push the trainer's weights to the engines under a new policy version.
+Kept for tests and benchmarks that drive engines by hand: it goes through the same checked path as
+training (`WeightUpdate.of_state` + `WeightReceiver.receive`: the whole update is checked against
+the engine's model before any weight is written). The training loop itself sends
+`trainer.weight_update(fingerprint)` to its RolloutBackend.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from rollwise.sync.buckets import WeightReceiver, WeightUpdate
 
-def push_weights(model: nn.Module, engines: list, version: int) -> None:
-    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+
+def push_weights(model: nn.Module, engines: list, version: int, tokenizer_fingerprint: str | None = None) -> None:
+    """Push `model`'s weights as `version` to each engine (or EngineWorker). Without a fingerprint the
+    receivers check everything but the tokenizer (the engines were built from the same objects)."""
+    update = WeightUpdate.of_state(model.state_dict(), version, tokenizer_fingerprint)
     for engine in engines:
-        engine.update_weights(state, version)
+        WeightReceiver(engine, tokenizer_fingerprint).receive(update)

@@ -1,7 +1,8 @@
 """The GRPO trainer: micro-batched forward/backward on exact engine tokens, AdamW, clipping.
 
 It owns the Hugging Face model and the optimizer and knows nothing about engines or tasks: it is
-handed samples with advantages and returns metrics. Pushing the new weights out is `rollwise.sync`.
+handed samples with advantages and returns metrics. Pushing the new weights out is `rollwise.sync`
+(`weights()` hands them over as zero-copy views). It implements rollwise.protocols.Trainer.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import copy
 import math
 from functools import partial
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -159,8 +162,10 @@ def lr_factor(cfg: TrainConfig, update: int) -> float:
 
 
 class GRPOTrainer:
-    def __init__(self, model: nn.Module, cfg: TrainConfig, *, pad_token_id: int, temperature: float = 1.0):
+    def __init__(self, model: nn.Module, cfg: TrainConfig, *, pad_token_id: int, temperature: float = 1.0,
+                 tokenizer: Any = None):
         self.model = model
+        self.tokenizer = tokenizer  # saved with each checkpoint (a checkpoint's model/ loads on its own)
         self.cfg = cfg
         self.pad_token_id = pad_token_id
         self.temperature = temperature
@@ -178,6 +183,24 @@ class GRPOTrainer:
             weight_decay=cfg.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_factor, cfg))
+
+    # ------------------------------------------------------------ rollwise.protocols.Trainer
+
+    def weights(self) -> dict[str, Tensor]:
+        """The current weights for a transport: detached views of the model's tensors (no copy)."""
+        return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+
+    def save_checkpoint(self, run_dir: Path, step: int, extra: dict[str, Any], keep_last: int) -> Path:
+        from rollwise.train.checkpoint import save_checkpoint  # checkpoint.py types its trainer argument with us
+
+        if self.tokenizer is None:
+            raise ValueError("GRPOTrainer(tokenizer=...) is needed to write a checkpoint (it is saved with the model)")
+        return save_checkpoint(run_dir, self, self.tokenizer, step, extra, keep_last)
+
+    def load_checkpoint(self, ckpt: Path) -> dict[str, Any]:
+        from rollwise.train.checkpoint import load_checkpoint
+
+        return load_checkpoint(ckpt, self)
 
     def _micro_batches(self, samples: list[Sample]) -> list[MicroBatch | GroupMicroBatch]:
         share, chunks = chunk_samples(samples, self.cfg)

@@ -1,0 +1,109 @@
+"""What every placement returns, and the pieces placements share.
+
+A placement decides where the trainer, the engines and the reward run. `place(request)` returns a
+`Placement`: a Trainer, a RolloutBackend, the WeightSender that carries the trainer's weights to
+that backend, the scorer, and the read-only engine view the loop's metrics use. The training loop
+holds these and never asks which placement made them (rollwise.protocols).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from torch import nn
+
+from rollwise.config import ConfigError, RunConfig
+from rollwise.protocols import RolloutBackend, Trainer
+from rollwise.reward.batch import score_samples
+from rollwise.rollout.types import Sample
+from rollwise.sync.senders import WeightSender
+from rollwise.tasks import Problem, Task
+from rollwise.train.trainer import GRPOTrainer
+
+# Scores a complete group's samples in place (reward).
+ScoreFn = Callable[[list[Sample]], None]
+
+
+class EngineView(Protocol):
+    """What the loop reads from 'the engine' for metrics and plots, wherever it runs."""
+
+    name: str
+    max_num_seqs: int
+    timeline: list[tuple[float, int]]  # (monotonic time, running sequences); appended as the engine steps
+
+
+@dataclass
+class PlaceRequest:
+    """Everything a placement needs to start a run's parts."""
+
+    cfg: RunConfig
+    model: nn.Module  # this process's copy: the local trainer's model, else the layout of the remote one
+    tokenizer: Any
+    fingerprint: str  # the tokenizer's (invariant 1: engines and trainer tokenize identically)
+    problems: dict[str, Problem]
+    task: Task
+    resume_dir: Path | None = None
+    # Called with a resumed checkpoint's state.json before any engine starts (raises ConfigError to stop).
+    check_resume: Callable[[dict[str, Any]], None] | None = None
+
+    @property
+    def eos_ids(self) -> list[int] | None:
+        eos = self.tokenizer.eos_token_id
+        return [eos] if eos is not None else None
+
+
+@dataclass
+class Placement:
+    trainer: Trainer
+    backend: RolloutBackend
+    sender: WeightSender
+    score: ScoreFn
+    engine: EngineView
+    description: str  # one line for the console
+    resumed: dict[str, Any] | None = None  # the checkpoint's state.json when the run resumed
+    # Extra teardown after backend.close() (engine-owned files, actors, pool detach).
+    on_close: list[Callable[[], None]] = field(default_factory=list)
+
+    def push_weights(self) -> None:
+        """The trainer's current weights to every engine, through the one checked path."""
+        self.backend.update_weights(self.sender.update(self.trainer))
+
+    def close(self) -> None:
+        try:
+            self.backend.close()
+        finally:
+            for fn in self.on_close:
+                fn()
+
+
+def local_trainer(req: PlaceRequest) -> GRPOTrainer:
+    """The trainer in this process, on `req.model`."""
+    tok = req.tokenizer
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    return GRPOTrainer(req.model, req.cfg.train, pad_token_id=pad_id, temperature=req.cfg.rollout.temperature or 1.0,
+                       tokenizer=tok)
+
+
+def local_score(req: PlaceRequest) -> ScoreFn:
+    """Scoring in this process."""
+    cfg = req.cfg
+
+    def score(group: list[Sample]) -> None:
+        score_samples(group, req.problems, req.task, cfg.reward)
+
+    return score
+
+
+def resume(trainer: Trainer, req: PlaceRequest) -> dict[str, Any] | None:
+    """Load the checkpoint into the trainer (before the engines start from its weights)."""
+    if req.resume_dir is None:
+        return None
+    state = trainer.load_checkpoint(req.resume_dir)
+    if state.get("tokenizer_fingerprint") not in (None, req.fingerprint):
+        raise ConfigError(f"checkpoint {req.resume_dir} was trained with a different tokenizer (fingerprint mismatch)")
+    if req.check_resume is not None:
+        req.check_resume(state)
+    return state

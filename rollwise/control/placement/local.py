@@ -1,0 +1,21 @@
+"""`placement: local`: the trainer, one engine (on its own thread) and the reward, all in this process."""
+
+from __future__ import annotations
+
+from rollwise.control.placement.base import Placement, PlaceRequest, local_score, local_trainer, resume
+from rollwise.engine.core import EngineWorker
+from rollwise.engine.factory import create_engine, describe_engine
+from rollwise.sync.senders import InProcessSender
+
+
+def place_local(req: PlaceRequest) -> Placement:
+    cfg = req.cfg
+    trainer = local_trainer(req)
+    resumed = resume(trainer, req)
+    # The engine copies the trainer's current weights (a resumed run's included) as it is built.
+    # Invariant 1 holds by construction: trainer and engine use this one tokenizer.
+    engine = create_engine(cfg.engine, req.model, req.tokenizer, model_name=cfg.model, eos_token_ids=req.eos_ids,
+                           policy_version=trainer.version, seed=cfg.seed, tokenizer_fingerprint=req.fingerprint)
+    return Placement(trainer, EngineWorker(engine), InProcessSender(req.fingerprint), local_score(req), engine,
+                     describe_engine(engine), resumed,
+                     on_close=[getattr(engine, "close", lambda: None)])  # vLLM: its weight directory

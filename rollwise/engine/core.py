@@ -1,0 +1,152 @@
+"""The engine core: an engine on its own thread, which keeps stepping while the trainer trains.
+
+Why a thread and not a process: the reference engine and the trainer share one model process on
+CPU; torch releases the GIL inside its kernels, so generation and the train step really overlap.
+Every engine call (submit, abort, weight update, pause) runs *on the worker thread, between two
+engine steps*, so the engine is never touched by two threads and a weight update never lands in
+the middle of a step. Finished samples come out of `completions`, in finishing order.
+
+`EngineWorker` is the local `RolloutBackend` (rollwise.protocols); the Ray engine actor, the engine
+server and the pool's slots run one each. The pool swaps which engine a worker steps with
+`swap_engine` (a slot serves one job's engine at a time).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from rollwise.engine.contract import add_all
+from rollwise.engine.types import Completion, GenerationRequest
+
+if TYPE_CHECKING:  # the update's type lives with the transports (rollwise.sync); only its methods are used here
+    from rollwise.engine.contract import ModelInfo
+    from rollwise.sync.buckets import WeightUpdate
+
+T = TypeVar("T")
+
+
+class EngineWorker:
+    def __init__(self, engine: Any, name: str = "engine-0") -> None:
+        self.engine = engine
+        self.completions: queue.Queue[Completion] = queue.Queue()
+        self._commands: queue.Queue[tuple[Callable[[Any], Any], Future]] = queue.Queue()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self.step_seconds = 0.0  # time spent inside engine.step(): the engine's busy time
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ commands (any thread)
+
+    def call(self, fn: Callable[[Any], T], timeout: float | None = 600.0) -> T:
+        """Run fn(engine) on the worker thread between two steps and return its result (in-process
+        only: the servers that own an EngineWorker use it; the RolloutBackend methods below wrap it)."""
+        self._raise_if_failed()
+        future: Future = Future()
+        self._commands.put((fn, future))
+        return future.result(timeout=timeout)
+
+    def submit(self, requests: list[GenerationRequest]) -> None:
+        """All admitted at the same step boundary, or none (a refused request withdraws the others)."""
+        self.call(lambda engine: add_all(engine, requests))
+
+    def abort(self, request_ids: list[str]) -> list[Completion]:
+        return self.call(lambda engine: [c for rid in request_ids for c in engine.abort(rid)])
+
+    def update_weights(self, update: WeightUpdate | Mapping[str, Any] | None, version: int | None = None) -> None:
+        """Load a WeightUpdate through the checked two-phase commit: the whole update is checked
+        against the engine's model and tokenizer here, then applied on the worker thread between two
+        steps (rollwise.sync.buckets.WeightReceiver), or refused with nothing applied.
+
+        The older form `update_weights(state_dict, version)` is the commit's apply step: it hands a
+        plain mapping to the engine's own update_weights (which validates names and shapes before it
+        copies anything). The receiver calls it; so do callers that have no manifest (the simulator's
+        versions-only updates, the pool server's slots)."""
+        if version is not None:
+            self.call(lambda engine: engine.update_weights(update, version))
+            return
+        if not hasattr(update, "apply_to"):
+            raise TypeError(f"update_weights takes a WeightUpdate (or a state dict and a version), "
+                            f"got {type(update).__name__}")
+        update.apply_to(self, self.model_info().tokenizer_fingerprint)
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def pause(self) -> None:
+        self.call(lambda engine: engine.pause())
+
+    def resume(self) -> None:
+        self.call(lambda engine: engine.resume())
+
+    def model_info(self) -> ModelInfo:
+        return self.call(lambda engine: engine.model_info())
+
+    def metrics(self) -> dict[str, float]:
+        """Placement metrics for the step record: one local engine has none (a fleet reports restarts)."""
+        return {}
+
+    def swap_engine(self, engine: Any) -> Any:
+        """Step `engine` from now on (between two steps); returns the engine it replaced. Not from
+        inside `call` (it waits for the worker thread): there, assign `worker.engine` directly."""
+
+        def swap(old: Any) -> Any:
+            self.engine = engine
+            return old
+
+        return self.call(swap)
+
+    def next_completion(self, timeout: float) -> Completion | None:
+        self._raise_if_failed()
+        try:
+            return self.completions.get(timeout=timeout)
+        except queue.Empty:
+            self._raise_if_failed()
+            return None
+
+    def close(self) -> None:
+        self._stop.set()
+        self._commands.put((lambda engine: None, Future()))  # wake the loop
+        self._thread.join(timeout=60)
+
+    # ------------------------------------------------------------ the loop (worker thread)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"engine worker {self._thread.name} failed: {self._error!r}") from self._error
+
+    def _run_commands(self, block: bool) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get(block=block, timeout=0.05 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except BaseException as exc:  # the caller sees it; the engine keeps serving
+                    future.set_exception(exc)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                busy = self.engine.has_unfinished() and not self.engine.paused
+                self._run_commands(block=not busy)
+                if self.engine.has_unfinished() and not self.engine.paused:
+                    started = time.perf_counter()
+                    finished = self.engine.step()
+                    self.step_seconds += time.perf_counter() - started
+                    for completion in finished:
+                        self.completions.put(completion)
+        except BaseException as exc:  # surfaced to the controller on its next call
+            self._error = exc
+            while not self._commands.empty():
+                _, future = self._commands.get()
+                future.set_exception(RuntimeError(f"engine worker failed: {exc!r}"))

@@ -1,0 +1,99 @@
+"""The three interfaces the training loop is written against (DESIGN.md, "Shape of the code").
+
+- `RolloutBackend`: where samples are generated. Implemented by the engine core
+  (rollwise.engine.core.EngineWorker: one engine on a thread in this process), the Ray fleet
+  (rollwise.control.ray_fleet.RayEngineFleet), a shared-pool job (rollwise.pool.client.PoolWorker)
+  and the simulator (rollwise.sim.cluster.SimCluster).
+- `Trainer`: where gradients are taken; its `weights()` become a WeightUpdate through the sender
+  the placement picks (rollwise.sync.senders). GRPOTrainer (rollwise.train.trainer) in this process, or
+  the proxy to a trainer actor (rollwise.control.ray_placement.RayTrainer).
+- `RolloutControl`: what the loop asks of a rollout controller (rollwise.rollout.controller's
+  RolloutController and the agent layer's AgentController).
+
+Placement (rollwise.control.placement) returns one of each; the loop never asks which.
+
+This module sits at the bottom of the layers: it imports nothing of rollwise at runtime (the types
+in the signatures are imported for type checkers only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from rollwise.engine.contract import ModelInfo
+    from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
+    from rollwise.rollout.ledger import RolloutLedger
+    from rollwise.rollout.types import Sample
+    from rollwise.sync.buckets import WeightUpdate
+    from rollwise.tasks import Problem
+
+Progress = Callable[[int], None]
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """Engines the rollout controller drives. Semantics every implementation keeps:
+
+    - submit: all requests are admitted at one step boundary, or none (a bad request raises);
+    - next_completion: one finished sample, in finishing order, or None after `timeout` seconds;
+      each (request id, sample index) is delivered once;
+    - abort: the aborted samples come back (finish_reason 'abort'); a sample that finished before
+      the abort is already receivable from next_completion when abort returns;
+    - update_weights: the whole update is checked, then applied between two engine steps (or
+      refused, nothing applied); every token sampled afterwards carries `update.version`;
+    - pause/resume: in-flight samples keep their state; close: stop and release the engines.
+    """
+
+    def submit(self, requests: list[GenerationRequest]) -> None: ...
+    def next_completion(self, timeout: float) -> Completion | None: ...
+    def abort(self, request_ids: list[str]) -> list[Completion]: ...
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def update_weights(self, update: WeightUpdate) -> None: ...
+    def model_info(self) -> ModelInfo: ...
+    def metrics(self) -> dict[str, float]:
+        """Placement metrics for the step record (the Ray fleet: engine restarts); {} when none."""
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """The policy being trained, wherever it runs."""
+
+    @property
+    def version(self) -> int:
+        """The policy version: the number of updates applied (a resumed run's included)."""
+
+    def train_step(self, samples: list[Sample]) -> dict[str, float]: ...
+    def weights(self) -> Any:
+        """The current weights for a transport (rollwise.sync.senders): a mapping of tensors in this
+        process (zero-copy views), or a handle the transport resolves (the Ray trainer: an ObjectRef)."""
+    def save_checkpoint(self, run_dir: Path, step: int, extra: dict[str, Any], keep_last: int) -> Path: ...
+    def load_checkpoint(self, ckpt: Path) -> dict[str, Any]:
+        """Restore the checkpoint (weights, optimizer, version, RNG); returns its state.json."""
+
+
+@runtime_checkable
+class RolloutControl(Protocol):
+    """What the training loop calls on a rollout controller, in step order."""
+
+    ledger: RolloutLedger
+    score_seconds: float  # time spent scoring inside next_batch
+    next_group: int  # the next group index to start (checkpointed)
+
+    def next_batch(self, progress: Progress | None = None) -> list[Sample]: ...
+    def assign_advantages(self, samples: list[Sample], mode: str) -> float:
+        """Set each sample's advantage; returns the fraction of zero-variance groups."""
+    def before_update(self) -> None: ...
+    def mark_trained(self, samples: list[Sample]) -> None: ...
+    def after_update(self, version: int) -> None: ...
+    def evaluate_problems(self, problems: list[Problem], params: SamplingParams, label: str,
+                          progress: Progress | None = None) -> list[Sample]:
+        """Greedy held-out samples for `problems` (unscored)."""
+    def step_metrics(self) -> dict[str, float]: ...
+    def in_flight(self) -> int: ...
+    def pending_groups(self) -> list[int]: ...
+    def close(self, reason: str = "the run ended") -> None: ...

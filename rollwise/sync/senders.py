@@ -1,0 +1,66 @@
+"""The sending side of the one weight path: trainer weights -> a `WeightUpdate` for the backend.
+
+Placement picks the sender from the run's configuration (rollwise.control.placement):
+
+    in-process    placement: local, or pool.url   the trainer's tensors as views (zero-copy); a pool
+                                                   job's PoolWorker then ships them over HTTP
+    object store  placement: ray                   an ObjectRef: engine actors fetch the weights from
+                                                   Ray's object store, never through the driver
+
+(The collective transport, rollwise.sync.distributed, streams the same manifest + buckets over
+torch.distributed; no training placement uses it yet.) Every update lands through
+WeightReceiver.commit on the engine side: checked whole, then applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal, Protocol
+
+from torch import Tensor
+
+from rollwise.protocols import Trainer
+from rollwise.sync.buckets import WeightUpdate, build_manifest
+
+SenderKind = Literal["in-process", "object-store"]
+
+
+class WeightSender(Protocol):
+    def update(self, trainer: Trainer) -> WeightUpdate:
+        """The trainer's current weights as one update stamped with its version."""
+
+
+class InProcessSender:
+    def __init__(self, tokenizer_fingerprint: str) -> None:
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+
+    def update(self, trainer: Trainer) -> WeightUpdate:
+        return WeightUpdate.of_state(trainer.weights(), trainer.version, self.tokenizer_fingerprint)
+
+
+class ObjectStoreSender:
+    """Weights through Ray's object store. The manifest is built from `layout`, this process's copy
+    of the same model spec (only names, shapes, dtypes and ties are read), so the weights themselves
+    never pass through here when the trainer is an actor."""
+
+    def __init__(self, tokenizer_fingerprint: str, layout: Mapping[str, Tensor]) -> None:
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.layout = {name: t.detach() for name, t in layout.items()}
+
+    def update(self, trainer: Trainer) -> WeightUpdate:
+        import ray
+
+        manifest = build_manifest(self.layout, trainer.version, self.tokenizer_fingerprint, bucket_mb=None,
+                                  checksum=False)
+        payload: Any = trainer.weights()
+        if isinstance(payload, Mapping):  # a trainer in this process: put it in the store once for all engines
+            payload = ray.put(dict(payload))
+        return WeightUpdate(manifest, payload)
+
+
+def make_sender(kind: SenderKind, tokenizer_fingerprint: str, layout: Mapping[str, Tensor]) -> WeightSender:
+    if kind == "in-process":
+        return InProcessSender(tokenizer_fingerprint)
+    if kind == "object-store":
+        return ObjectStoreSender(tokenizer_fingerprint, layout)
+    raise ValueError(f"weight sender must be 'in-process' or 'object-store', got {kind!r}")
