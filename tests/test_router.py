@@ -246,9 +246,10 @@ def test_unknown_fields_pass_through_both_ways(cluster):
     # Engine extras in responses survive (token ids, prompt ids, versions, cached tokens).
     choice = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "seed": 0}).json()["choices"][0]
     assert {"token_ids", "prompt_token_ids", "policy_versions", "cached_prompt_tokens"} <= choice.keys()
-    # A field the router does not know reaches the engine (which names it), rather than being dropped.
+    # A field the router does not know reaches the engine (which ignores it and says so in a header that
+    # comes back through the router), rather than being dropped by the router.
     r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "return_routed_experts": True})
-    assert r.status_code == 400 and "return_routed_experts" in r.json()["error"]["message"]
+    assert r.status_code == 200 and "return_routed_experts" in r.headers["x-rollwise-ignored-fields"]
     # A foreign engine with arbitrary extras: the bytes go through untouched, both ways.
     seen: list[bytes] = []
     echo = FastAPI()
@@ -266,11 +267,15 @@ def test_unknown_fields_pass_through_both_ways(cluster):
     with _serving(echo) as (url, _), _router([url]) as router:
         sent = b'{"prompt": "hi", "vendor_option": {"nested": [1, 2.50, null]}, "max_tokens": 1}'
         r = router.http.post("/v1/completions", content=sent, headers={"content-type": "application/json"})
-        assert seen == [sent]
+        # Every byte as sent, behind the request_id the router adds (to abort it if the client leaves).
+        assert len(seen) == 1 and seen[0].startswith(b'{"request_id": "cmpl-') and seen[0].endswith(sent[1:])
+        streamed = sent[:-1] + b', "stream": true}'  # streams are aborted by closing them: no id added
+        router.http.post("/v1/completions", content=streamed, headers={"content-type": "application/json"})
+        assert seen[-1] == streamed
         assert r.content == b'{"choices": [{"text": "x", "routed_experts": [[1, 2], [3]]}], "vendor": {"a": 1.50}}'
         # Router fields are removed (and only they); the rest is forwarded.
-        router.http.post("/v1/completions", json={"prompt": "p", "session_id": "s1", "extra": 1})
-        assert json.loads(seen[-1]) == {"prompt": "p", "extra": 1}
+        router.http.post("/v1/completions", json={"prompt": "p", "session_id": "s1", "extra": 1, "request_id": "mine"})
+        assert json.loads(seen[-1]) == {"prompt": "p", "extra": 1, "request_id": "mine"}
 
 
 def test_sessions_stick_and_reuse_the_prefix_cache(cluster):

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from rollwise.router.policies import POLICIES
+from rollwise.serve.limits import DEFAULT_MAX_REQUEST_BYTES
 
 DESCRIPTION = (
     "An HTTP gateway in front of N engine replicas (`rollwise serve engine` or any server with the same API). "
@@ -17,9 +18,10 @@ DESCRIPTION = (
     "survive both ways. Router fields (removed before forwarding): session_id or header X-Session-Id (a multi-turn "
     "session), group_id or X-Group-Id (a GRPO group), min_policy_version or X-Min-Policy-Version (only replicas "
     "serving at least this version); header Idempotency-Key (a retried request never generates twice; the openai "
-    "client sends one). A replica that fails gets its requests retried on another; a stream that already sent "
-    "bytes ends with an SSE error event instead (never duplicated tokens). Busy -> 429, no healthy replica or "
-    "version -> 503, with Retry-After."
+    "client sends none by default: pass extra_headers={'Idempotency-Key': ...}). A replica that fails gets its requests retried on another; a stream that already sent "
+    "bytes ends with an SSE error event instead (never duplicated tokens). A non-streamed request whose client "
+    "disconnects is aborted at its replica. Busy -> 429, no healthy replica or version -> 503, with Retry-After; "
+    "a body over --max-request-bytes -> 413."
 )
 
 POLICY_HELP = (
@@ -63,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-file", type=Path, default=None, metavar="PATH",
                    help="keep session placements, the prefix tree and recent idempotent results in this JSON file "
                    "(written every second and at shutdown, read at start) so a restarted router carries on")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
+                   help="refuse request bodies larger than this with 413, before reading them (default: %(default)s)")
     p.add_argument("--reuse-port", action="store_true",
                    help="bind with SO_REUSEPORT so a new router can take over the port before the old one stops")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -81,12 +85,14 @@ def main(argv: list[str]) -> int:
         problems.append(f"--queue-timeout must be >= 0, got {args.queue_timeout}")
     if args.max_attempts < 1:
         problems.append(f"--max-attempts must be >= 1, got {args.max_attempts}")
+    if args.max_request_bytes < 1:
+        problems.append(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if args.health_interval <= 0:
         problems.append(f"--health-interval must be > 0, got {args.health_interval}")
     config = RouterConfig(
         replicas=args.replica, policy=args.policy, model=args.model, auth_token=args.auth_token,
         max_in_flight=args.max_in_flight, queue_timeout_s=args.queue_timeout, max_attempts=args.max_attempts,
-        health_interval_s=args.health_interval, state_file=args.state_file,
+        health_interval_s=args.health_interval, state_file=args.state_file, max_request_bytes=args.max_request_bytes,
     )
     try:
         if problems:

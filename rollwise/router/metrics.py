@@ -63,6 +63,8 @@ class RouterMetrics:
                                        ["replica"], registry=r)
         self.rejected = Counter("rollwise_router_rejected", "requests refused with 429/503, by cause", ["reason"],
                                 registry=r)
+        self.client_gone = Counter("rollwise_router_client_gone",
+                                   "requests cancelled at their replica because the client disconnected", registry=r)
         self.idempotent_replays = Counter("rollwise_router_idempotent_replays",
                                           "client retries answered without generating again", registry=r)
         self.registry.register(_ReplicaCollector(replicas, load_cost))

@@ -42,9 +42,24 @@ class CircuitBreaker:
         state = self.state
         return state == "closed" or (state == "half_open" and not self.trial_in_flight)
 
-    def on_dispatch(self) -> None:
+    def on_dispatch(self) -> bool:
+        """True when this request is the half-open trial."""
         if self.state == "half_open":
             self.trial_in_flight = True
+            return True
+        return False
+
+    def end_trial(self) -> None:
+        """The trial ended without a verdict (its client left, or it was refused as a bad request): let
+        the next request be the trial instead of leaving the replica shut forever."""
+        self.trial_in_flight = False
+
+    def half_open_now(self) -> None:
+        """The replica answers its health probe again (e.g. restarted): its next request is the trial,
+        without waiting out the rest of the cooldown."""
+        if self.opened_at is not None:
+            self.opened_at = time.monotonic() - self.cooldown_s
+            self.trial_in_flight = False
 
     def record_success(self) -> None:
         self.failures, self.opened_at, self.trial_in_flight = 0, None, False
@@ -66,6 +81,7 @@ class Replica:
     policy_version: int = 0
     last_error: str | None = None
     probe_failures: int = 0  # consecutive failed /health probes
+    last_answer: float = field(default_factory=time.monotonic)  # when /health last answered well
     in_flight: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
@@ -85,11 +101,12 @@ class Replica:
     def load(self) -> ReplicaLoad:
         return ReplicaLoad(self.name, self.in_flight, self.prefill_tokens, self.decode_tokens)
 
-    def start(self, prefill_tokens: int, decode_tokens: int) -> None:
+    def start(self, prefill_tokens: int, decode_tokens: int) -> bool:
+        """Account for a request sent here; True when it is the circuit breaker's trial."""
         self.in_flight += 1
         self.prefill_tokens += prefill_tokens
         self.decode_tokens += decode_tokens
-        self.breaker.on_dispatch()
+        return self.breaker.on_dispatch()
 
     def finish(self, prefill_tokens: int, decode_tokens: int) -> None:
         self.in_flight -= 1
@@ -112,17 +129,18 @@ class ReplicaPool:
     (the router then forgets its cached prefixes: a restarted engine's cache is empty)."""
 
     def __init__(self, urls: list[str], max_in_flight: int | None, health_interval_s: float = 1.0,
-                 breaker_threshold: int = 3, breaker_cooldown_s: float = 5.0) -> None:
+                 breaker_threshold: int = 3, breaker_cooldown_s: float = 5.0, health_grace_s: float = 30.0) -> None:
         self.replicas = {
             u.rstrip("/"): Replica(u.rstrip("/"), breaker=CircuitBreaker(breaker_threshold, breaker_cooldown_s))
             for u in urls
         }
         self.fixed_cap = max_in_flight
         self.health_interval_s = health_interval_s
+        self.health_grace_s = health_grace_s
         self.on_down = lambda replica: None
         self.on_up = lambda replica: None
         self._waiters: list[asyncio.Future] = []  # requests waiting for capacity, health or a version
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     def __iter__(self):
         return iter(self.replicas.values())
@@ -159,16 +177,18 @@ class ReplicaPool:
         if info is None:
             replica.probe_failures += 1
             replica.last_error = error
-            # A refused connection means the process is gone; a slow or failed answer from a busy engine
-            # must repeat before the replica is written off (that would drop its sessions and prefixes).
-            if not (refused or replica.probe_failures >= 3 or not was_healthy):
+            # A refused connection means the process is gone. A slow or failed answer may be a busy engine
+            # (one huge request can hold its event loop for seconds): it is written off (which drops its
+            # sessions and prefixes) only after health_grace_s without a good answer, and 3 failures.
+            silent_s = time.monotonic() - replica.last_answer
+            if was_healthy and not refused and (replica.probe_failures < 3 or silent_s < self.health_grace_s):
                 return
             replica.healthy = False
             if was_healthy:
                 log.warning("replica %s is down: %s", replica.url, error)
                 self.on_down(replica)
         else:
-            replica.healthy, replica.probe_failures = True, 0
+            replica.healthy, replica.probe_failures, replica.last_answer = True, 0, time.monotonic()
             replica.paused = bool(info.get("paused", False))
             replica.policy_version = int(info.get("policy_version", replica.policy_version))
             if self.fixed_cap is None and info.get("max_num_seqs"):
@@ -179,6 +199,7 @@ class ReplicaPool:
                 replica.max_in_flight = self.fixed_cap
             if not was_healthy:
                 log.info("replica %s is up (policy version %d)", replica.url, replica.policy_version)
+                replica.breaker.half_open_now()
                 self.on_up(replica)
         self.notify()
 
@@ -186,17 +207,16 @@ class ReplicaPool:
         await asyncio.gather(*(self.probe(http, r) for r in self))
 
     def start(self, http: httpx.AsyncClient) -> None:
-        async def loop() -> None:
+        """One probe loop per replica: a replica slow to answer never delays the probes of the others."""
+        async def loop(replica: Replica) -> None:
             while True:
                 await asyncio.sleep(self.health_interval_s)
-                await self.probe_all(http)
+                await self.probe(http, replica)
 
-        self._task = asyncio.get_running_loop().create_task(loop())
+        self._tasks = [asyncio.get_running_loop().create_task(loop(r)) for r in self]
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []

@@ -2,6 +2,10 @@
 tracks are the engines' cached prefixes. Routing only: the request body goes to the engine
 untouched, and the engine tokenizes it itself.
 
+Only the first `max_chars` characters of a prompt are tokenized: routing needs its start (the cached
+prefix), and a multi-megabyte prompt must not cost the router seconds. A cut text's last token may differ
+from the whole text's, so it is dropped: what is returned stays a prefix of the engine's tokens.
+
 Without a tokenizer (the replicas' model cannot be loaded here), prompts are routed by their UTF-8
 bytes: shared text prefixes are still shared byte prefixes, so prefix routing keeps working,
 only token counts (load costs) become byte counts.
@@ -40,30 +44,50 @@ def _chat_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     return [int(t) for t in out]
 
 
-def prompt_tokens(endpoint: str, body: dict[str, Any], tokenizer: Any | None) -> list[int]:
+def prompt_tokens(endpoint: str, body: dict[str, Any], tokenizer: Any | None, max_chars: int = 65536) -> list[int]:
     """Best effort: [] when the body is not well formed (the engine will name the problem)."""
     try:
         if endpoint == "/generate":
             ids = body.get("prompt_ids")
-            return list(ids) if _ids(ids) else []
+            return list(ids[:max_chars]) if _ids(ids) else []
         if endpoint == "/v1/completions":
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and not _ids(prompt):
                 prompt = prompt[0]  # several prompts in one request: route by the first
             if _ids(prompt):
-                return list(prompt)
+                return list(prompt[:max_chars])
             if isinstance(prompt, str):
-                return tokenizer.encode(prompt) if tokenizer is not None else list(prompt.encode())
+                return _text_ids(tokenizer, prompt, max_chars)
             return []
         messages = body.get("messages")
         if not isinstance(messages, list):
             return []
-        flat = [{"role": m["role"], "content": _text(m["content"])} for m in messages]
+        flat, cut = _bounded_messages(messages, max_chars)
         if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-            return _chat_ids(tokenizer, flat)
+            ids = _chat_ids(tokenizer, flat)
+            return ids[:-1] if cut else ids
         return list(json.dumps(flat).encode())[:-1]  # without the closing bracket: a prefix of the next turn
     except Exception:  # noqa: BLE001 - malformed input: no tokens, the engine answers with the error
         return []
+
+
+def _text_ids(tokenizer: Any | None, text: str, max_chars: int) -> list[int]:
+    cut = len(text) > max_chars
+    text = text[:max_chars]
+    ids = tokenizer.encode(text) if tokenizer is not None else list(text.encode())
+    return ids[:-1] if cut else ids
+
+
+def _bounded_messages(messages: list[Any], max_chars: int) -> tuple[list[dict[str, str]], bool]:
+    """The conversation's first `max_chars` characters of content; True when some were cut."""
+    flat, left = [], max_chars
+    for m in messages:
+        content = _text(m["content"])
+        flat.append({"role": m["role"], "content": content[:left]})
+        if len(content) > left:
+            return flat, True
+        left -= len(content)
+    return flat, False
 
 
 def _text(content: Any) -> str:

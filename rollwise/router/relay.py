@@ -1,0 +1,245 @@
+"""Generation requests relayed to a replica and back: retries on another replica, streams relayed
+event by event, idempotent replays, and cancellation when the client leaves.
+
+A non-streamed request whose client disconnects is cancelled upstream: the HTTP request to the replica
+is closed (an engine that notices aborts it) and the replica's POST /abort is called with the request's
+id (the router puts one in the body when the client did not), so the engine stops generating either
+way. A streamed one is cancelled the same way by the server framework closing the relay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from rollwise.router.core import Router
+from rollwise.router.policies import RouteRequest
+from rollwise.router.replicas import Replica
+from rollwise.router.requests import RequestMeta, RouterError
+from rollwise.router.sessions import IdempotencyConflict, StoredResponse
+from rollwise.router.upstream import upstream_url
+from rollwise.serve.disconnect import ClientGone, unless_disconnected
+
+log = logging.getLogger("rollwise.router")
+CLIENT_CLOSED = 499  # nginx's code for "the client closed the request": logged, never received
+
+
+async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Whole server-sent events (each ending in a blank line), so an error event is never spliced
+    into the middle of a half-relayed one."""
+    buffer = b""
+    async for chunk in chunks:
+        buffer += chunk
+        while True:
+            cut = buffer.find(b"\n\n")
+            if cut < 0:
+                break
+            yield buffer[: cut + 2]
+            buffer = buffer[cut + 2:]
+    if buffer.strip():
+        yield buffer
+
+
+def sse_error(message: str, code: str) -> bytes:
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+def _passed_headers(response: httpx.Response, replica: Replica) -> dict[str, str]:
+    """The engine's own headers (e.g. x-rollwise-ignored-fields) and the replica that answered."""
+    headers = {k: v for k, v in response.headers.items() if k.lower().startswith("x-rollwise-")}
+    headers["x-rollwise-replica"] = replica.url
+    return headers
+
+
+class Relay:
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self._aborts: set[asyncio.Task] = set()
+
+    async def generate(self, endpoint: str, request: Request) -> Response:
+        r = self.router
+        raw = await request.body()
+        key = request.headers.get("idempotency-key")
+        # A keyed request keeps running when its client leaves: its retry (same key) joins it or gets its result.
+        cancellable = not key
+        meta, route = await r.reader.read(endpoint, raw, request.headers, r.tokenizer, own_request_id=cancellable)
+        route = dataclasses.replace(route, pinned=r.affinity.get(route.affinity_key))
+        if meta.stream:
+            return await self._stream(endpoint, route, meta, key)
+        if key:
+            before = r.idempotency.replays
+            stored = await r.idempotency.run(key, lambda: self._unary(endpoint, route, meta))
+            if r.idempotency.replays != before:
+                r.metrics.idempotent_replays.inc()
+        else:
+            try:
+                stored = await unless_disconnected(request, self._unary(endpoint, route, meta))
+            except ClientGone:
+                r.metrics.client_gone.inc()
+                return Response(status_code=CLIENT_CLOSED)
+        return Response(stored.body, stored.status, headers=stored.headers, media_type=stored.media_type)
+
+    async def _unary(self, endpoint: str, route: RouteRequest, meta: RequestMeta) -> StoredResponse:
+        r = self.router
+        tried: set[str] = set()
+        last_error: str | None = None
+        for _ in range(r.config.max_attempts):
+            replica, decision = await r.acquire(route, meta.min_version, tried, last_error)
+            ticket = r.begin(replica, decision, route)
+            try:
+                response = await r.http.post(upstream_url(replica, endpoint), content=meta.forward,
+                                             headers={"content-type": "application/json"})
+            except httpx.HTTPError as exc:
+                last_error = f"{replica.url}: {type(exc).__name__}: {exc}"
+                r.failed(replica, last_error, connection=True)
+                tried.add(replica.name)
+                r.metrics.retries.labels("connection").inc()
+                continue
+            except asyncio.CancelledError:  # the client left: the engine must stop generating too
+                self._abort_upstream(replica, meta.request_id)
+                raise
+            finally:
+                r.end(replica, ticket)
+            if response.status_code >= 500:
+                last_error = f"{replica.url} answered HTTP {response.status_code}: {response.text[:300]}"
+                r.failed(replica, last_error, connection=False)
+                tried.add(replica.name)
+                r.metrics.retries.labels(f"http_{response.status_code}").inc()
+                continue
+            replica.breaker.record_success()
+            if response.status_code < 300 and r.policy.learns_outputs:
+                self._learn(route, replica, response.content)
+            return StoredResponse(response.status_code, response.headers.get("content-type", "application/json"),
+                                  response.content, _passed_headers(response, replica))
+        raise RouterError(502, f"the request failed on {len(tried)} replica(s) (last error: {last_error}); "
+                          "nothing was returned, so retrying it is safe", kind="server_error", code="replicas_failed",
+                          retry_after=1)
+
+    def _abort_upstream(self, replica: Replica, request_id: str | None) -> None:
+        """POST /abort in the background (the caller is being cancelled). Closing the connection already
+        tells an engine that watches for it; this reaches one that does not."""
+        if request_id is None or self.router.http is None:
+            return
+
+        async def abort() -> None:
+            try:
+                await self.router.http.post(upstream_url(replica, "/abort"), json={"request_id": request_id},
+                                            timeout=10)
+            except httpx.HTTPError as exc:
+                log.info("could not abort %s on %s after its client left: %s", request_id, replica.url, exc)
+
+        task = asyncio.get_running_loop().create_task(abort())
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    def _learn(self, route: RouteRequest, replica: Replica, content: bytes) -> None:
+        """prompt + output of each choice into the prefix tree: the engine caches them on finish."""
+        if not route.tokens:
+            return
+        try:
+            choices = json.loads(content).get("choices") or []
+            outputs = [c["token_ids"] for c in choices if isinstance(c.get("token_ids"), list)]
+        except (ValueError, AttributeError, TypeError):
+            return
+        self.router.policy.on_finished(route, replica.name, outputs[:8], time.monotonic())
+
+    async def _stream(self, endpoint: str, route: RouteRequest, meta: RequestMeta, key: str | None) -> Response:
+        idempotency = self.router.idempotency
+        if key:
+            stored = idempotency.lookup(key)
+            if stored is not None:
+                self.router.metrics.idempotent_replays.inc()
+                return Response(stored.body, stored.status, headers=stored.headers, media_type=stored.media_type)
+            try:
+                idempotency.begin_stream(key)
+            except IdempotencyConflict:
+                raise RouterError(409, "a streamed request with this Idempotency-Key is still running; wait for it "
+                                  "to finish, then retry to get its stored result", "Idempotency-Key",
+                                  code="idempotency_conflict", retry_after=1) from None
+        try:
+            return await self._open_stream(endpoint, route, meta, key)
+        except BaseException:
+            if key:
+                idempotency.end_stream(key, None)
+            raise
+
+    async def _open_stream(self, endpoint: str, route: RouteRequest, meta: RequestMeta, key: str | None) -> Response:
+        r = self.router
+        tried: set[str] = set()
+        last_error: str | None = None
+        for _ in range(r.config.max_attempts):
+            replica, decision = await r.acquire(route, meta.min_version, tried, last_error)
+            ticket = r.begin(replica, decision, route)
+            upstream: httpx.Response | None = None
+            try:
+                upstream = await r.http.send(
+                    r.http.build_request("POST", upstream_url(replica, endpoint), content=meta.forward,
+                                         headers={"content-type": "application/json"}),
+                    stream=True,
+                )
+                if upstream.status_code != 200:
+                    content = await upstream.aread()
+                    await upstream.aclose()
+                    r.end(replica, ticket)
+                    if upstream.status_code >= 500:
+                        last_error = f"{replica.url} answered HTTP {upstream.status_code}: {content[:300]!r}"
+                        r.failed(replica, last_error, connection=False)
+                        tried.add(replica.name)
+                        r.metrics.retries.labels(f"http_{upstream.status_code}").inc()
+                        continue
+                    if key:
+                        r.idempotency.end_stream(key, None)
+                    return Response(content, upstream.status_code, headers=_passed_headers(upstream, replica),
+                                    media_type=upstream.headers.get("content-type", "application/json"))
+                events = sse_events(upstream.aiter_raw())
+                first = await events.__anext__()  # nothing sent to the client yet: a failure here is retried
+            except (httpx.HTTPError, StopAsyncIteration) as exc:
+                if upstream is not None:
+                    await upstream.aclose()
+                r.end(replica, ticket)
+                last_error = f"{replica.url}: {type(exc).__name__}: {exc}"
+                r.failed(replica, last_error, connection=True)
+                tried.add(replica.name)
+                r.metrics.retries.labels("connection").inc()
+                continue
+            return StreamingResponse(self._relay(first, events, upstream, replica, ticket, key),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", **_passed_headers(upstream, replica)})
+        raise RouterError(502, f"the stream could not start on {len(tried)} replica(s) (last error: {last_error}); "
+                          "nothing was sent, so retrying it is safe", kind="server_error", code="replicas_failed",
+                          retry_after=1)
+
+    async def _relay(self, first: bytes, events: AsyncIterator[bytes], upstream: httpx.Response, replica: Replica,
+                     ticket: tuple[int, int, bool], key: str | None) -> AsyncIterator[bytes]:
+        r = self.router
+        sent = [first]
+        ok = False
+        try:
+            yield first
+            async for event in events:
+                sent.append(event)
+                yield event
+            ok = True
+            replica.breaker.record_success()
+        except httpx.HTTPError as exc:
+            message = (f"replica {replica.url} failed mid-stream ({type(exc).__name__}: {exc}) after "
+                       f"{len(sent)} event(s) were sent; the output is incomplete and was not restarted elsewhere "
+                       "(that would duplicate tokens): retry the request")
+            r.failed(replica, message, connection=True)
+            r.metrics.stream_failures.labels(replica.name).inc()
+            yield sse_error(message, "replica_failed_mid_stream")
+        finally:
+            await upstream.aclose()
+            r.end(replica, ticket)
+            if key:
+                r.idempotency.end_stream(
+                    key, StoredResponse(200, "text/event-stream", b"".join(sent), {}) if ok else None)
