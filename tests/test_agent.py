@@ -334,7 +334,6 @@ def test_proxy_bad_requests_name_the_field(proxy):
         ({"messages": user, "n": 2}, "n must be 1"),
         ({"messages": user, "stream": True}, "stream"),
         ({"messages": user, "stop": ["x"]}, "stop strings"),
-        ({"messages": user, "frobnicate": 1}, "frobnicate: is not a supported field"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role must be one of"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text is supported"),
@@ -345,6 +344,13 @@ def test_proxy_bad_requests_name_the_field(proxy):
         r = post(body)
         assert r.status_code == 400, (body, r.text)
         assert needle in r.json()["error"]["message"], (needle, r.json())
+    # Unknown fields are ignored, as vLLM does, and named in a response header.
+    r = post({"messages": user, "max_tokens": 2, "frobnicate": 1, "chat_template_kwargs": {}}, sid="extras-1")
+    assert r.status_code == 200, r.text
+    assert r.headers["x-rollwise-ignored-fields"] == "frobnicate,chat_template_kwargs"
+    r = httpx.post(f"{url}/sessions/bad-1/v1/chat/completions", headers={"content-type": "application/json"},
+                   content=b'{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}')
+    assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
     r = httpx.post(f"{url}/sessions/bad-1/v1/chat/completions", content=b"{not json",
                    headers={"content-type": "application/json"})
     assert r.status_code == 400

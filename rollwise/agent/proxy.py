@@ -41,6 +41,7 @@ from rollwise.agent.client import chat_completion_dict, sampling_args
 from rollwise.agent.generator import Generator, UpstreamError
 from rollwise.agent.messages import MessageError
 from rollwise.agent.session import AgentSession, LimitReached, SessionLimits
+from rollwise.serve.openai_schemas import report_ignored
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 
@@ -57,9 +58,11 @@ class ProxyError(Exception):
 
 
 class ChatRequest(BaseModel):
-    """The OpenAI fields an agent session serves; anything else is refused by name."""
+    """The OpenAI fields an agent session serves. Unknown fields are ignored, as vLLM does (agent
+    frameworks send many), and named in the x-rollwise-ignored-fields response header; known fields
+    the session cannot honour are refused by name."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     messages: list[dict[str, Any]] = Field(min_length=1)
     model: str | None = None
@@ -146,7 +149,8 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 def _turn(store: SessionStore, session: AgentSession, body: ChatRequest, model: str) -> dict[str, Any]:
     """Runs on a worker thread: one session turn, holding the session's lock."""
     fields = body.model_dump(exclude={"messages", "tools", "tool_choice", "model", "parallel_tool_calls", "logprobs",
-                                      "top_logprobs", "user", "metadata", "store", "stream_options"})
+                                      "top_logprobs", "user", "metadata", "store", "stream_options",
+                                      *(body.model_extra or {})})
     try:
         args = sampling_args(**fields)
     except ValueError as exc:
@@ -198,7 +202,8 @@ def create_proxy_app(generator: Generator, tokenizer: Any, *, model_name: str = 
         session = store.get(session_id, create=True)
         # A turn blocks its thread for the whole generation: a pool sized for many sessions at once
         # (asyncio's default pool has only cores + 4 threads).
-        return await asyncio.get_running_loop().run_in_executor(executor, _turn, store, session, body, model_name)
+        result = await asyncio.get_running_loop().run_in_executor(executor, _turn, store, session, body, model_name)
+        return report_ignored(body, result)
 
     @app.get("/sessions/{session_id}/v1/models")
     async def session_models(session_id: str) -> dict[str, Any]:

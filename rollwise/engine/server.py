@@ -41,8 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -59,87 +58,13 @@ from rollwise.serve.openai_schemas import (  # the request bodies
     UpdateWeightsRequest,
 )
 from rollwise.serve.openai_schemas import OpenAISampling as _OpenAISampling
-from rollwise.serve.openai_schemas import RequestBody as _Body  # noqa: F401  (the pool imports it from here)
+from rollwise.serve.openai_schemas import report_ignored
 from rollwise.serve.openai_schemas import SamplingFields as _Sampling
+from rollwise.serve.disconnect import ClientGone, client_gone, unless_disconnected
+from rollwise.serve.errors import APIError, error_responses, honest_openapi, install_error_handlers
+from rollwise.serve.responses import FiniteJSONResponse
+from rollwise.serve.limits import DEFAULT_MAX_REQUEST_BYTES, RequestSizeLimit, check_max_request_bytes
 from rollwise.tasks.prompts import encode_prompt
-
-# ==================================================================== errors
-
-
-class APIError(Exception):
-    """An error answered as OpenAI's error JSON: {"error": {message, type, param, code}}."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
-
-
-def _loc_path(loc: tuple | list) -> str:
-    """('body', 'messages', 1, 'role') -> 'messages[1].role'."""
-    parts = list(loc)
-    if parts and parts[0] in ("body", "query", "path"):
-        parts = parts[1:]
-    out = ""
-    for part in parts:
-        out += f"[{part}]" if isinstance(part, int) else ("." if out else "") + str(part)
-    return out
-
-
-_PHRASES = {
-    "missing": "is required",
-    "extra_forbidden": "is not a supported field",
-    "greater_than_equal": "must be >= {ge}",
-    "greater_than": "must be > {gt}",
-    "less_than_equal": "must be <= {le}",
-    "less_than": "must be < {lt}",
-    "literal_error": "must be one of {expected}",
-    "too_short": "must have at least {min_length} item(s)",
-    "string_too_short": "must have at least {min_length} character(s)",
-    "string_too_long": "must have at most {max_length} characters",
-    "int_type": "must be an integer",
-    "int_parsing": "must be an integer",
-    "int_from_float": "must be an integer",
-    "float_type": "must be a number",
-    "float_parsing": "must be a number",
-    "bool_type": "must be true or false",
-    "bool_parsing": "must be true or false",
-    "string_type": "must be a string",
-    "list_type": "must be a list",
-    "dict_type": "must be a JSON object",
-    "model_type": "must be a JSON object",
-    "model_attributes_type": "must be a JSON object",
-}
-
-
-def _describe(err: dict[str, Any]) -> str:
-    """One pydantic error as '<field path> <problem>'."""
-    path = _loc_path(err.get("loc", ())) or "request body"
-    kind, ctx = err.get("type"), err.get("ctx") or {}
-    if kind == "json_invalid":
-        return f"request body is not valid JSON ({ctx.get('error', err.get('msg'))})"
-    if kind == "value_error":  # our validators' messages, written to follow the field path
-        return f"{path} {ctx.get('error', err.get('msg'))}"
-    if kind == "too_short" and ctx.get("min_length") == 1:
-        return f"{path} must not be empty"
-    try:
-        return f"{path} {_PHRASES[kind].format(**ctx)}"
-    except (KeyError, IndexError):
-        return f"{path}: {err.get('msg')}"
-
-
-async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = list(exc.errors())
-    message = "; ".join(_describe(e) for e in errors) or "invalid request"
-    param = _loc_path(errors[0].get("loc", ())) if errors else None
-    return JSONResponse(APIError(400, message, param or None).body(), status_code=400)
-
-
-async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
-
 
 # ==================================================================== the front end over EngineWorker
 
@@ -296,6 +221,16 @@ class EngineFrontend:
 # ==================================================================== one sample's text
 
 
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters of text one token of `tokenizer` can stand for: its longest vocabulary entry (added
+    and special tokens included). Byte-level BPE entries have one character per byte and SentencePiece ones one
+    per character (byte-fallback entries like <0x0A> are longer than what they cover), so this is an upper bound."""
+    try:
+        return max(1, max(len(token) for token in tokenizer.get_vocab()))
+    except Exception:  # noqa: BLE001 - no readable vocabulary: never refuse on length before tokenizing
+        return 2**62
+
+
 class _Detokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -325,6 +260,7 @@ class _Sample:
         self.text: str | None = None  # the final text, once finished
         self.finish_reason: str | None = None
         self.cached_prompt_tokens = 0
+        self.top_logprobs: list[list[tuple[int, float]]] = []  # per engine token, when asked (top_logprobs)
         self.engine_done = False  # the engine returned this sample's Completion
         self.sent_text, self.sent_tokens, self.announced, self.closed = "", 0, False, False
 
@@ -349,6 +285,7 @@ class _Sample:
     def finish(self, completion: Completion) -> None:
         self.engine_done = True
         self.cached_prompt_tokens = completion.cached_prompt_tokens
+        self.top_logprobs = completion.top_logprobs  # token_ids is a prefix of completion.token_ids
         if self.finished:
             return
         if self.stops:  # replay tokens no event carried (none, normally), watching for stop strings
@@ -420,7 +357,9 @@ class _EngineCollector:
 
 
 def _sse(payload: dict[str, Any] | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+    if not isinstance(payload, str):  # like FiniteJSONResponse: never NaN/Infinity, which JSON does not have
+        payload = FiniteJSONResponse(payload).body.decode("utf-8")
+    return f"data: {payload}\n\n"
 
 
 class _Server:
@@ -434,6 +373,7 @@ class _Server:
         self.vocab_size = int(engine.model_info().vocab_size)
         self.frontend = EngineFrontend(engine)
         self.detok = _Detokenizer(tokenizer)
+        self.longest_token_chars = longest_token_chars(tokenizer)
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = _EngineCollector(self.frontend)
         self.registry.register(self.collector)
@@ -449,15 +389,26 @@ class _Server:
     def check_prompt(self, ids: list[int], name: str) -> list[int]:
         if not ids:
             raise APIError(400, f"{name} must not be empty", name)
+        if len(ids) >= self.engine.max_model_len:  # first: a huge list is refused without walking it
+            raise APIError(400, f"{name} has {len(ids)} tokens, which leaves no room to generate within "
+                                f"max_model_len={self.engine.max_model_len}", name)
         for j, token in enumerate(ids):
             if not 0 <= token < self.vocab_size:
                 raise APIError(400, f"{name}[{j}] = {token} is outside the vocabulary [0, {self.vocab_size})", name)
-        if len(ids) >= self.engine.max_model_len:
-            raise APIError(400, f"{name} has {len(ids)} tokens, which leaves no room to generate within "
-                                f"max_model_len={self.engine.max_model_len}", name)
         return ids
 
+    def check_text_length(self, chars: int, name: str) -> None:
+        """Refuse, without tokenizing, text that cannot fit: no token covers more than `longest_token_chars`
+        characters, so text of chars >= longest * max_model_len has at least max_model_len tokens."""
+        limit = self.longest_token_chars * self.engine.max_model_len
+        if chars >= limit:
+            raise APIError(400, f"{name} has {chars} characters, more than max_model_len="
+                                f"{self.engine.max_model_len} tokens can hold (no token of this tokenizer is longer "
+                                f"than {self.longest_token_chars} characters); shorten it", name)
+
     def params(self, body: _Sampling, max_tokens: int | None) -> SamplingParams:
+        if max_tokens is not None and body.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens ({body.min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
         if body.n > self.engine.max_num_seqs:
             raise APIError(400, f"n must be <= max_num_seqs ({self.engine.max_num_seqs}): a request's samples share "
                                 "one prefill and run together", "n")
@@ -474,6 +425,11 @@ class _Server:
             stop_token_ids=list(body.stop_token_ids),
             seed=body.seed,
             ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            top_logprobs=body.num_top_logprobs(),
         )
 
     # ------------------------------------------------------------ running a request
@@ -548,18 +504,49 @@ class _Server:
 
     def _logprobs(self, chat: bool, s: _Sample, start: int, end: int) -> dict[str, Any]:
         pieces = [self.detok.piece(t) for t in s.token_ids[start:end]]
-        if chat:
+        tops = s.top_logprobs[start:end] if s.top_logprobs else [[] for _ in pieces]
+        if chat:  # OpenAI: top_logprobs is a list of {token, logprob, bytes}, best first
             return {"content": [
-                {"token": p, "logprob": lp, "bytes": list(p.encode("utf-8")), "top_logprobs": []}
-                for p, lp in zip(pieces, s.logprobs[start:end])
+                {"token": p, "logprob": lp, "bytes": list(p.encode("utf-8")),
+                 "top_logprobs": [self._logprob_entry(t, alt) for t, alt in top]}
+                for p, lp, top in zip(pieces, s.logprobs[start:end], tops)
             ]}
         offset = sum(len(self.detok.piece(t)) for t in s.token_ids[:start])
         offsets = []
         for p in pieces:
             offsets.append(offset)
             offset += len(p)
-        return {"tokens": pieces, "token_logprobs": s.logprobs[start:end], "top_logprobs": None,
+        # Legacy completions: one {token text: logprob} per token, the best alternatives plus the
+        # sampled token (as vLLM returns them); null when no alternatives were asked for.
+        top_dicts = None
+        if s.top_logprobs:
+            top_dicts = [{**{self.detok.piece(t): alt for t, alt in top}, p: lp}
+                         for p, lp, top in zip(pieces, s.logprobs[start:end], tops)]
+        return {"tokens": pieces, "token_logprobs": s.logprobs[start:end], "top_logprobs": top_dicts,
                 "text_offset": offsets}
+
+    def _logprob_entry(self, token: int, logprob: float) -> dict[str, Any]:
+        piece = self.detok.piece(token)
+        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
+
+    def _echo(self, result: dict[str, Any], body: CompletionRequest, prompts: list[list[int]]) -> None:
+        """echo: each choice's text starts with its prompt (as sent, or decoded from ids); its logprobs
+        start with the prompt tokens, whose logprobs are null (prompt logprobs are not computed here)."""
+        n = body.n
+        for choice in result["choices"]:
+            p = choice["index"] // n
+            sent = body.prompt[p]
+            prompt_text = sent if isinstance(sent, str) else self.detok.decode(prompts[p])
+            choice["text"] = prompt_text + choice["text"]
+            lp = choice["logprobs"]
+            pieces = [self.detok.piece(t) for t in prompts[p]]
+            offsets = [sum(len(q) for q in pieces[:k]) for k in range(len(pieces))]
+            shift = len(prompt_text)
+            lp["text_offset"] = offsets + [o + shift for o in lp["text_offset"]]
+            lp["tokens"] = pieces + lp["tokens"]
+            lp["token_logprobs"] = [None] * len(pieces) + lp["token_logprobs"]
+            if lp["top_logprobs"] is not None:
+                lp["top_logprobs"] = [None] * len(pieces) + lp["top_logprobs"]
 
     def _choice(self, chat: bool, s: _Sample) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": s.index}
@@ -638,7 +625,8 @@ class _Server:
         finally:
             self.frontend.release(gen)
 
-    async def openai(self, chat: bool, body: _OpenAISampling, prompts: list[list[int]], max_tokens: int | None):
+    async def openai(self, request: Request, chat: bool, body: _OpenAISampling, prompts: list[list[int]],
+                     max_tokens: int | None):
         gen, samples, by_key = await self._start(
             "chatcmpl" if chat else "cmpl", body, prompts, max_tokens, body.stop, body.stream, split=True
         )
@@ -648,7 +636,7 @@ class _Server:
                 self._stream(chat, gen, samples, by_key, prompts, include_usage),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
             )
-        await self._run_to_end(gen, by_key)
+        await unless_disconnected(request, self._run_to_end(gen, by_key))
         return {
             "id": gen.public_id,
             "object": "chat.completion" if chat else "text_completion",
@@ -660,38 +648,47 @@ class _Server:
 
     # ------------------------------------------------------------ endpoint bodies
 
-    async def chat_completions(self, body: ChatCompletionRequest):
+    async def chat_completions(self, request: Request, body: ChatCompletionRequest):
         self.check_model(body.model)
         if body.max_tokens and body.max_completion_tokens and body.max_tokens != body.max_completion_tokens:
             raise APIError(400, "max_tokens and max_completion_tokens disagree; send one of them", "max_tokens")
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
-        try:
-            prompt = encode_prompt(self.tokenizer, messages)
+        messages = [m.for_template() for m in body.messages]
+        # The template adds text, so the messages' own text bounds the rendered prompt from below.
+        self.check_text_length(sum(len(m["content"]) for m in messages), "messages")
+        try:  # off the event loop: rendering and tokenizing a long conversation must not stall /health
+            prompt = await asyncio.to_thread(encode_prompt, self.tokenizer, messages, body.tools)
         except Exception as exc:  # noqa: BLE001 - no template, or the template rejects the conversation
             raise APIError(400, f"messages cannot be rendered by the chat template: {exc}", "messages") from exc
         self.check_prompt(prompt, "messages")
-        return await self.openai(True, body, [prompt], body.max_tokens or body.max_completion_tokens)
+        return await self.openai(request, True, body, [prompt], body.max_tokens or body.max_completion_tokens)
 
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, request: Request, body: CompletionRequest):
         self.check_model(body.model)
         if body.best_of not in (None, body.n):
             raise APIError(400, "best_of is not supported (it must equal n)", "best_of")
-        prompts = []
-        for i, prompt in enumerate(body.prompt):
-            name = "prompt" if len(body.prompt) == 1 else f"prompt[{i}]"
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-            prompts.append(self.check_prompt(ids, name))
-        return await self.openai(False, body, prompts, body.max_tokens)
+        names = ["prompt" if len(body.prompt) == 1 else f"prompt[{i}]" for i in range(len(body.prompt))]
+        for name, prompt in zip(names, body.prompt):
+            if isinstance(prompt, str):
+                self.check_text_length(len(prompt), name)
+        texts = [p for p in body.prompt if isinstance(p, str)]
+        encoded = iter(await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts]) if texts else [])
+        prompts = [self.check_prompt(next(encoded) if isinstance(p, str) else p, name)
+                   for name, p in zip(names, body.prompt)]
+        result = await self.openai(request, False, body, prompts, body.max_tokens)
+        if body.echo:  # never streamed (the request model refuses echo with stream)
+            self._echo(result, body, prompts)
+        return result
 
-    async def generate(self, body: GenerateRequest) -> dict[str, Any]:
+    async def generate(self, request: Request, body: GenerateRequest) -> dict[str, Any]:
         prompt = self.check_prompt(body.prompt_ids, "prompt_ids")
         gen, samples, by_key = await self._start("gen", body, [prompt], body.max_tokens, [], False, decode=False)
-        await self._run_to_end(gen, by_key)
+        await unless_disconnected(request, self._run_to_end(gen, by_key))
         return {
             "request_id": gen.public_id,
             "prompt_ids": prompt,
             "choices": [
                 {"index": s.index, "token_ids": s.token_ids, "logprobs": s.logprobs, "versions": s.versions,
+                 **({"top_logprobs": s.top_logprobs} if s.top_logprobs else {}),
                  "finish_reason": s.finish_reason, "cached_prompt_tokens": s.cached_prompt_tokens}
                 for s in samples
             ],
@@ -768,8 +765,20 @@ def _load_safetensors(files: list[Path]) -> dict[str, Any]:
     return state
 
 
-def create_app(engine: Any, tokenizer: Any, model_name: str) -> FastAPI:
-    """The FastAPI app serving `engine` (a ReferenceEngine not yet driven by any other thread)."""
+# What each route can answer besides 200 (the OpenAPI schema lists them; the envelope is rollwise.serve.errors').
+_STREAMS = {200: {"content": {"text/event-stream": {}},  # chunk objects, then the text [DONE]
+                  "description": "JSON, or server-sent events with stream=true"}}
+_OPENAI_ERRORS = error_responses(400, 404, 409, 413, 503)
+_ENGINE_CALL = error_responses(503)  # the engine thread is not running
+_HEALTH_DOWN = {503: {"description": "the engine thread died: {status: error, error}",
+                      "content": {"application/json": {"schema": {"type": "object"}}}}}
+
+
+def create_app(engine: Any, tokenizer: Any, model_name: str,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The FastAPI app serving `engine` (a ReferenceEngine not yet driven by any other thread). Request bodies
+    over `max_request_bytes` are refused with 413 before they are read (`--max-request-bytes`)."""
+    check_max_request_bytes(max_request_bytes)
     server = _Server(engine, tokenizer, model_name)
 
     @asynccontextmanager
@@ -781,22 +790,26 @@ def create_app(engine: Any, tokenizer: Any, model_name: str) -> FastAPI:
             await server.frontend.close()
             getattr(engine, "close", lambda: None)()  # vLLM: remove its weight directory
 
-    app = FastAPI(title="rollwise engine", summary="the rollwise engine contract over HTTP", lifespan=lifespan)
+    app = FastAPI(title="rollwise engine", summary="the rollwise engine contract over HTTP", lifespan=lifespan,
+                  default_response_class=FiniteJSONResponse)
     app.state.server = server
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(APIError, _api_error)
+    install_error_handlers(app)
+    honest_openapi(app)
+    app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes, option="--max-request-bytes")
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):  # noqa: ANN202
-        return await server.chat_completions(body)
+    app.add_exception_handler(ClientGone, client_gone)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):  # noqa: ANN202
-        return await server.completions(body)
+    @app.post("/v1/chat/completions", responses={**_STREAMS, **_OPENAI_ERRORS})
+    async def chat_completions(request: Request, body: ChatCompletionRequest):  # noqa: ANN202
+        return report_ignored(body, await server.chat_completions(request, body))
 
-    @app.post("/generate")
-    async def generate(body: GenerateRequest) -> dict[str, Any]:
-        return await server.generate(body)
+    @app.post("/v1/completions", responses={**_STREAMS, **_OPENAI_ERRORS})
+    async def completions(request: Request, body: CompletionRequest):  # noqa: ANN202
+        return report_ignored(body, await server.completions(request, body))
+
+    @app.post("/generate", responses=error_responses(400, 409, 413, 503))
+    async def generate(request: Request, body: GenerateRequest) -> dict[str, Any]:
+        return await server.generate(request, body)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -807,7 +820,7 @@ def create_app(engine: Any, tokenizer: Any, model_name: str) -> FastAPI:
     async def model_info() -> dict[str, Any]:
         return server.model_info()
 
-    @app.get("/health")
+    @app.get("/health", responses=_HEALTH_DOWN)
     async def health() -> JSONResponse:
         if server.frontend.error is not None:
             return JSONResponse({"status": "error", "error": server.frontend.error}, status_code=503)
@@ -816,21 +829,21 @@ def create_app(engine: Any, tokenizer: Any, model_name: str) -> FastAPI:
                              "running": engine.num_running, "waiting": engine.num_waiting,
                              "max_num_seqs": engine.max_num_seqs})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=_ENGINE_CALL)
     async def metrics() -> Response:
         return await server.metrics()
 
-    @app.post("/pause")
+    @app.post("/pause", responses=_ENGINE_CALL)
     async def pause() -> dict[str, Any]:
         await server.frontend.call(lambda e: e.pause())
         return {"paused": True}
 
-    @app.post("/resume")
+    @app.post("/resume", responses=_ENGINE_CALL)
     async def resume() -> dict[str, Any]:
         await server.frontend.call(lambda e: e.resume())
         return {"paused": False}
 
-    @app.post("/sleep")
+    @app.post("/sleep", responses=error_responses(409, 503))
     async def sleep() -> dict[str, Any]:
         """Release the memory the backend can (vLLM on GPU: weights to host, KV freed; reference: KV)."""
         try:
@@ -839,25 +852,25 @@ def create_app(engine: Any, tokenizer: Any, model_name: str) -> FastAPI:
             raise APIError(409, str(exc), None, kind="conflict") from exc
         return {"sleeping": True, "memory_released": freed}
 
-    @app.post("/wake")
+    @app.post("/wake", responses=_ENGINE_CALL)
     async def wake() -> dict[str, Any]:
         await server.frontend.call(lambda e: e.wake())
         return {"sleeping": False}
 
-    @app.get("/load")
+    @app.get("/load", responses=_ENGINE_CALL)
     async def load() -> dict[str, Any]:
         """The engine contract's load snapshot, read between two engine steps."""
         return (await server.frontend.call(lambda e: e.load())).as_dict()
 
-    @app.post("/abort")
+    @app.post("/abort", responses=error_responses(400, 404, 413, 503))
     async def abort(body: AbortRequest) -> dict[str, Any]:
         return {"request_id": body.request_id, "aborted_samples": await server.frontend.abort(body.request_id)}
 
-    @app.post("/update_weights_from_disk")
+    @app.post("/update_weights_from_disk", responses=error_responses(400, 413, 503))
     async def update_weights_from_disk(body: UpdateWeightsRequest) -> dict[str, Any]:
         return await server.update_weights_from_disk(body)
 
-    @app.post("/flush_cache")
+    @app.post("/flush_cache", responses=_ENGINE_CALL)
     async def flush_cache() -> dict[str, Any]:
         def flush(e: Any) -> int:
             cache = getattr(e, "prefix_cache", None)
@@ -892,9 +905,11 @@ def serve(
     model: str, host: str = "127.0.0.1", port: int = 8000, max_num_seqs: int = 16,
     max_model_len: int | None = None, served_model_name: str | None = None, seed: int | None = None,
     log_level: str = "info", prefix_cache_tokens: int = 16384, engine_kind: str = "auto",
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> None:
     import uvicorn
 
+    check_max_request_bytes(max_request_bytes)
     if not 0 <= port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {port}")
     if max_num_seqs < 1:
@@ -905,5 +920,5 @@ def serve(
         raise ValueError(f"--prefix-cache-tokens must be >= 0 (0 disables the cache), got {prefix_cache_tokens}")
     engine, tokenizer = build_engine(model, max_num_seqs, max_model_len, seed, prefix_cache_tokens, engine_kind)
     print(f"rollwise serve engine: {describe_engine(engine)}", flush=True)
-    app = create_app(engine, tokenizer, served_model_name or model)
+    app = create_app(engine, tokenizer, served_model_name or model, max_request_bytes)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

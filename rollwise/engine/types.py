@@ -6,6 +6,7 @@ trainer never care which engine produced a sample.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -14,8 +15,13 @@ FinishReason = Literal["stop", "length", "abort"]
 
 @dataclass
 class SamplingParams:
-    """How to sample. Logprobs are always those of the temperature-scaled distribution
-    (logits / temperature) *before* top-p/top-k truncation, which is what the trainer recomputes."""
+    """How to sample, with vLLM's meanings. The logits are processed in vLLM's order: min_tokens
+    (stop tokens masked), then the penalties (repetition, frequency, presence), then temperature,
+    then top-k/top-p. Logprobs (of the sampled token, and the `top_logprobs` alternatives) are those
+    of the distribution actually sampled from: the penalised, temperature-scaled logits *before*
+    top-p/top-k truncation (the reference engine; vLLM's processed logprobs also include the
+    truncation). They are the behaviour policy's logprobs, which is what off-policy corrections
+    need: with penalties on they differ from what a trainer recomputes from the model alone."""
 
     max_tokens: int = 256
     temperature: float = 1.0
@@ -25,10 +31,27 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None  # sample i of a request uses seed + i, so results do not depend on batching
     ignore_eos: bool = False  # benchmarks force lengths with this
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output (vLLM/CTRL formula)
+    frequency_penalty: float = 0.0  # subtracted from a logit once per earlier occurrence in the output
+    presence_penalty: float = 0.0  # subtracted from a logit if the token occurred in the output
+    top_logprobs: int = 0  # also return this many most likely tokens (and their logprobs) at each step
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2] (vLLM's range), got {getattr(self, name)}")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -58,6 +81,8 @@ class Completion:
     versions: list[int]  # policy version that sampled each token in token_ids
     finish_reason: FinishReason
     cached_prompt_tokens: int = 0  # prompt tokens whose KV was reused, not recomputed
+    # Per token, when SamplingParams.top_logprobs > 0: the most likely (token id, logprob) pairs, best first.
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def sample_id(self) -> str:

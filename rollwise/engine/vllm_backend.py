@@ -8,9 +8,15 @@ What this uses of vLLM 0.32, checked against its source:
 - token ids in (`TokensPrompt`), token ids out with `detokenize=False` and `skip_tokenizer_init`: the
   trainer gets exactly the sampled ids, and vLLM never touches text. EOS comes from us as
   `stop_token_ids`, since vLLM without a tokenizer does not know it.
-- `logprobs=0` with `logprobs_mode="processed_logprobs"`: the sampled token's logprob under the
-  temperature-scaled distribution — what the trainer recomputes (with top-p/top-k < full, vLLM's
-  processed logprobs are of the truncated distribution; the trainer does not truncate).
+- `logprobs=N` (N = SamplingParams.top_logprobs, 0 by default) with `logprobs_mode="processed_logprobs"`:
+  the sampled token's logprob (and the N best alternatives) under the distribution vLLM sampled from:
+  after min_tokens masking and the repetition/frequency/presence penalties (vLLM's sampler applies
+  them before temperature), temperature-scaled — the behaviour policy, as in the reference engine.
+  With no penalties that is what the trainer recomputes (with top-p/top-k < full, vLLM's processed
+  logprobs are of the truncated distribution; the trainer does not truncate).
+- min_tokens, repetition_penalty, frequency_penalty, presence_penalty map one to one onto vLLM's
+  SamplingParams fields of the same names; min_tokens also holds back EOS because EOS is among our
+  stop_token_ids (vLLM masks every stop token id before min_tokens).
 - a request's n samples are submitted as n single-sample vLLM requests with seeds seed+i (vLLM
   refuses n>1 with greedy sampling; this also matches the reference engine's per-sample seeds).
   They share the prompt's KV through vLLM's prefix cache.
@@ -76,12 +82,13 @@ class _Sample:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # only if params.top_logprobs
 
     def completion(self, reason: FinishReason, cached_prompt_tokens: int = 0) -> Completion:
         return Completion(
             request_id=self.request.request_id, index=self.index, prompt_ids=list(self.request.prompt_ids),
             token_ids=self.token_ids, logprobs=self.logprobs, versions=self.versions,
-            finish_reason=reason, cached_prompt_tokens=cached_prompt_tokens,
+            finish_reason=reason, cached_prompt_tokens=cached_prompt_tokens, top_logprobs=self.top_logprobs,
         )
 
 
@@ -277,7 +284,11 @@ class VLLMEngine:
             seed=seed,
             stop_token_ids=stops,
             ignore_eos=params.ignore_eos,
-            logprobs=0,
+            min_tokens=params.min_tokens,
+            repetition_penalty=params.repetition_penalty,
+            frequency_penalty=params.frequency_penalty,
+            presence_penalty=params.presence_penalty,
+            logprobs=params.top_logprobs,
             detokenize=False,
             skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA,  # each step brings only the new tokens
@@ -311,6 +322,8 @@ class VLLMEngine:
                     sample.token_ids.append(int(token))
                     sample.logprobs.append(logprob)
                     sample.versions.append(self._version)
+                    if sample.request.params.top_logprobs:
+                        sample.top_logprobs.append(_top(token_lps, sample.request.params.top_logprobs))
                     if self.on_tokens is not None:
                         self.on_tokens(sample.request.request_id, sample.index, int(token), logprob, self._version)
                 self.stats["generated_tokens"] += len(output.token_ids)
@@ -388,6 +401,14 @@ class VLLMEngine:
             self._samples.clear()
             self._children.clear()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _top(token_lps: Mapping[int, Any], k: int) -> list[tuple[int, float]]:
+    """vLLM's per-token logprobs dict (the sampled token plus the k best, each with its rank) as the
+    k best (token id, logprob), best first; the sampled token is among them only if it ranks in the k."""
+    ranked = [(lp.rank, int(token), float(lp.logprob)) for token, lp in token_lps.items() if lp.rank is not None]
+    best = sorted(r for r in ranked if r[0] <= k)
+    return [(token, logprob) for _, token, logprob in best]
 
 
 def _config_eos(hf_model: nn.Module) -> list[int]:

@@ -38,6 +38,7 @@ for a network.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import threading
 import time
@@ -46,19 +47,21 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from fastapi import FastAPI, Header, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import Field
 
-from rollwise.engine.server import APIError, GenerateRequest, _api_error, _Body, _validation_error
 from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
 from rollwise.pool.scheduler import JobView, Policy, SlotView, plan
 from rollwise.pool.states import ACTIVE, EVICTED, SLEEPING, StateMachine
 from rollwise.rollout.worker import EngineWorker
+from rollwise.serve.disconnect import ClientGone, client_gone, unless_disconnected
+from rollwise.serve.errors import APIError, error_responses, honest_openapi, install_error_handlers
+from rollwise.serve.limits import DEFAULT_MAX_REQUEST_BYTES, RequestSizeLimit, check_max_request_bytes
+from rollwise.serve.openai_schemas import GenerateRequest, RequestBody
 from rollwise.sync.buckets import ExpectedWeights, StagedUpdate, WeightReceiver, WeightUpdateError, parse_manifest
 
 TICK_S = 0.005  # a busy slot's control loop: how long it waits for a finished sample before re-planning
@@ -85,6 +88,12 @@ class _NoEngine:
 # ==================================================================== jobs, requests, slots
 
 
+class Waiter(Protocol):
+    """What a /generate call waits on: set() by the pool's threads when the request is done or aborted."""
+
+    def set(self) -> None: ...
+
+
 @dataclass(eq=False)
 class _Request:
     internal_id: str  # what the engine sees (fresh uuid: jobs can never collide)
@@ -93,7 +102,7 @@ class _Request:
     request: GenerationRequest
     remaining: int  # samples not yet returned
     slot: int | None = None  # None: queued in the pool
-    waiter: threading.Event | None = None  # /generate: answered when done, not through the long poll
+    waiter: Waiter | None = None  # /generate: answered when done, not through the long poll
     done: list[Completion] = field(default_factory=list)
 
 
@@ -167,6 +176,23 @@ class PoolError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+
+
+class _LoopEvent:
+    """A Waiter the pool's threads set and the event loop awaits (a /generate call holds no thread)."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._event = asyncio.Event()
+
+    def set(self) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._event.set)
+        except RuntimeError:  # the loop is closed: the server is shutting down, nobody waits
+            pass
+
+    async def wait(self) -> None:
+        await self._event.wait()
 
 
 def _stamp(c: Completion, req: _Request, slot: int) -> dict[str, Any]:
@@ -379,7 +405,7 @@ class EnginePool:
     # ------------------------------------------------------------ requests
 
     def submit(self, job: _Job, requests: list[tuple[str, list[int], SamplingParams]],
-               waiter: threading.Event | None = None) -> list[_Request]:
+               waiter: Waiter | None = None) -> list[_Request]:
         """Queue every request or none (ValueError-style problems are PoolError 400/409, naming the field)."""
         if job.version is None:
             raise PoolError(409, f"job {job.name!r} has no weights yet: push them (PUT /jobs/{{job}}/weights) first")
@@ -801,14 +827,14 @@ class _JobWeights:
 # ==================================================================== HTTP
 
 
-class AttachRequest(_Body):
+class AttachRequest(RequestBody):
     job: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
     model: str = Field(min_length=1)
     priority: float = Field(1.0, gt=0)
     tokenizer_fingerprint: str | None = None
 
 
-class PoolSampling(_Body):
+class PoolSampling(RequestBody):
     max_tokens: int = Field(256, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -817,26 +843,39 @@ class PoolSampling(_Body):
     stop_token_ids: list[int] = []
     seed: int | None = Field(None, ge=0, le=2**62)
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    top_logprobs: int = Field(0, ge=0, le=20)
 
 
-class PoolRequest(_Body):
+class PoolRequest(RequestBody):
     request_id: str = Field(min_length=1, max_length=256)
     prompt_ids: list[int] = Field(min_length=1)
     params: PoolSampling = PoolSampling()
 
 
-class SubmitRequest(_Body):
+class SubmitRequest(RequestBody):
     requests: list[PoolRequest] = Field(min_length=1)
 
 
-class AbortIds(_Body):
+class AbortIds(RequestBody):
     request_ids: list[str]
 
 
-def _params(p: PoolSampling | GenerateRequest, max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=1.0 if p.temperature is None else p.temperature,
-                          top_p=1.0 if p.top_p is None else p.top_p, top_k=p.top_k, n=p.n,
-                          stop_token_ids=list(p.stop_token_ids), seed=p.seed, ignore_eos=p.ignore_eos)
+def _params(p: PoolSampling | GenerateRequest, max_tokens: int, where: str = "") -> SamplingParams:
+    """Engine SamplingParams; its own checks (e.g. min_tokens <= max_tokens) become a 400 naming the field."""
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=1.0 if p.temperature is None else p.temperature,
+                              top_p=1.0 if p.top_p is None else p.top_p, top_k=p.top_k, n=p.n,
+                              stop_token_ids=list(p.stop_token_ids), seed=p.seed, ignore_eos=p.ignore_eos,
+                              min_tokens=p.min_tokens, repetition_penalty=p.repetition_penalty or 1.0,
+                              frequency_penalty=p.frequency_penalty or 0.0,
+                              presence_penalty=p.presence_penalty or 0.0)
+    except ValueError as exc:  # SamplingParams' messages start with the field's name
+        field_name = str(exc).split(" ", 1)[0]
+        raise PoolError(400, f"{where}{exc}", f"{where}{field_name}") from exc
 
 
 def _bearer(authorization: str | None) -> str | None:
@@ -875,7 +914,21 @@ def _prometheus(state: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def create_app(pool: EnginePool) -> FastAPI:
+# What each route can answer besides 200 (the OpenAPI schema lists them; the envelope is rollwise.serve.errors').
+_JOB_CALL = error_responses(403, 404)  # a job's token: unknown job 404, another job's token 403
+_JOB_BODY = error_responses(400, 403, 404, 409, 413)
+
+
+def _is_weight_upload(scope: Any) -> bool:
+    """PUT /jobs/{job}/weights carries a whole model; it is raw bytes, never parsed as JSON on the loop."""
+    return scope.get("method") == "PUT" and str(scope.get("path", "")).endswith("/weights")
+
+
+def create_app(pool: EnginePool, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The pool's HTTP API. JSON bodies over `max_request_bytes` get 413 before they are read
+    (`--max-request-bytes`); weight uploads are exempt (they are as large as the model)."""
+    check_max_request_bytes(max_request_bytes)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
         pool.start()
@@ -886,19 +939,22 @@ def create_app(pool: EnginePool) -> FastAPI:
 
     app = FastAPI(title="rollwise pool", summary="engines shared by several training jobs", lifespan=lifespan)
     app.state.pool = pool
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(APIError, _api_error)
+    install_error_handlers(app)
+    honest_openapi(app)
+    app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes, option="--max-request-bytes",
+                       exempt=_is_weight_upload)
 
     async def pool_error(request: Request, exc: PoolError) -> JSONResponse:
         kind = {403: "permission_error", 404: "not_found_error", 409: "conflict"}.get(exc.status, "invalid_request_error")
-        return JSONResponse(APIError(exc.status, exc.message, exc.param, kind).body(), status_code=exc.status)
+        return APIError(exc.status, exc.message, exc.param, kind).response()
 
     app.add_exception_handler(PoolError, pool_error)
+    app.add_exception_handler(ClientGone, client_gone)
 
     def auth(job: str, authorization: str | None) -> _Job:
         return pool.job(job, _bearer(authorization))
 
-    @app.post("/jobs")
+    @app.post("/jobs", responses=error_responses(400, 409, 413))
     def attach(body: AttachRequest) -> dict[str, Any]:
         job = pool.attach(body.job, body.model, body.priority, body.tokenizer_fingerprint)
         return {"job": job.name, "token": job.token, "model": job.model, "engines": len(pool.slots),
@@ -906,7 +962,7 @@ def create_app(pool: EnginePool) -> FastAPI:
                 "vocab_size": job.vocab_size, "tokenizer_fingerprint": job.fingerprint, "engine": "reference",
                 "eos_token_ids": list(job.eos_ids or [])}
 
-    @app.put("/jobs/{job}/weights")
+    @app.put("/jobs/{job}/weights", responses=error_responses(400, 403, 404))
     async def weights(job: str, request: Request, authorization: str | None = Header(None)) -> dict[str, Any]:
         import asyncio
 
@@ -914,50 +970,53 @@ def create_app(pool: EnginePool) -> FastAPI:
         body = await request.body()
         return await asyncio.to_thread(pool.update_weights, j, body)
 
-    @app.post("/jobs/{job}/requests")
+    @app.post("/jobs/{job}/requests", responses=_JOB_BODY)
     def submit(job: str, body: SubmitRequest, authorization: str | None = Header(None)) -> dict[str, Any]:
         j = auth(job, authorization)
-        try:
-            reqs = [(r.request_id, r.prompt_ids, _params(r.params, r.params.max_tokens)) for r in body.requests]
-        except ValueError as exc:
-            raise PoolError(400, f"requests: {exc}", "requests") from exc
+        reqs = [(r.request_id, r.prompt_ids, _params(r.params, r.params.max_tokens, f"requests[{i}].params."))
+                for i, r in enumerate(body.requests)]
         pool.submit(j, reqs)
         return {"queued": len(reqs)}
 
-    @app.post("/jobs/{job}/generate")
-    def generate(job: str, body: GenerateRequest, authorization: str | None = Header(None)) -> dict[str, Any]:
+    @app.post("/jobs/{job}/generate", responses=_JOB_BODY)
+    async def generate(job: str, body: GenerateRequest, request: Request,
+                       authorization: str | None = Header(None)) -> dict[str, Any]:
         j = auth(job, authorization)
-        waiter = threading.Event()
+        waiter = _LoopEvent()
         rid = body.request_id or f"gen-{uuid.uuid4().hex}"
         params = _params(body, body.max_tokens or j.max_model_len)
         (req,) = pool.submit(j, [(rid, body.prompt_ids, params)], waiter=waiter)
-        waiter.wait()
+        try:
+            await unless_disconnected(request, waiter.wait())
+        except ClientGone:  # nobody will read the answer: free the engine now
+            await asyncio.to_thread(pool.abort, j, [rid])
+            raise
         done = sorted(req.done, key=lambda c: c.index)
         return {"request_id": rid, "prompt_ids": body.prompt_ids, "job": j.name, "choices": [
             {"index": c.index, "token_ids": c.token_ids, "logprobs": c.logprobs, "versions": c.versions,
              "finish_reason": c.finish_reason, "cached_prompt_tokens": c.cached_prompt_tokens} for c in done]}
 
-    @app.get("/jobs/{job}/completions")
+    @app.get("/jobs/{job}/completions", responses=error_responses(400, 403, 404))
     def completions(job: str, after: int = 0, timeout: float = 1.0,
                     authorization: str | None = Header(None)) -> dict[str, Any]:
         return pool.poll(auth(job, authorization), after, timeout)
 
-    @app.post("/jobs/{job}/abort")
+    @app.post("/jobs/{job}/abort", responses=error_responses(400, 403, 404, 413))
     def abort(job: str, body: AbortIds, authorization: str | None = Header(None)) -> dict[str, Any]:
         aborted, upto = pool.abort(auth(job, authorization), body.request_ids)
         return {"aborted": aborted, "upto": upto}
 
-    @app.post("/jobs/{job}/pause")
+    @app.post("/jobs/{job}/pause", responses=_JOB_CALL)
     def pause(job: str, authorization: str | None = Header(None)) -> dict[str, Any]:
         pool.set_paused(auth(job, authorization), True)
         return {"paused": True}
 
-    @app.post("/jobs/{job}/resume")
+    @app.post("/jobs/{job}/resume", responses=_JOB_CALL)
     def resume(job: str, authorization: str | None = Header(None)) -> dict[str, Any]:
         pool.set_paused(auth(job, authorization), False)
         return {"paused": False}
 
-    @app.delete("/jobs/{job}")
+    @app.delete("/jobs/{job}", responses=_JOB_CALL)
     def detach(job: str, authorization: str | None = Header(None)) -> dict[str, Any]:
         return pool.detach(auth(job, authorization))
 
@@ -971,7 +1030,7 @@ def create_app(pool: EnginePool) -> FastAPI:
         return {"status": "ok" if not errors else "degraded", "engines": len(pool.slots),
                 "jobs": sorted(pool.jobs), "errors": errors[-5:]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     def metrics() -> Response:
         return Response(_prometheus(pool.state()), media_type="text/plain; version=0.0.4")
 
@@ -980,9 +1039,11 @@ def create_app(pool: EnginePool) -> FastAPI:
 
 def serve(engines: int = 1, host: str = "127.0.0.1", port: int = 8300, max_num_seqs: int = 16,
           max_model_len: int = 1024, min_slice_s: float = 5.0, max_sleeping: int = 4, log_level: str = "info",
-          job_timeout_s: float = 120.0, on_start: Callable[[EnginePool], None] | None = None) -> None:
+          job_timeout_s: float = 120.0, on_start: Callable[[EnginePool], None] | None = None,
+          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
     import uvicorn
 
+    check_max_request_bytes(max_request_bytes)
     if not 0 <= port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {port}")
     if min_slice_s < 0:
@@ -994,4 +1055,4 @@ def serve(engines: int = 1, host: str = "127.0.0.1", port: int = 8300, max_num_s
     print(f"rollwise serve pool: {engines} reference engine(s), max_num_seqs={max_num_seqs}, max_model_len="
           f"{max_model_len}, min slice {min_slice_s:g}s, up to {max_sleeping} sleeping engines per slot; "
           f"http://{host}:{port}/state", flush=True)
-    uvicorn.run(create_app(pool), host=host, port=port, log_level=log_level)
+    uvicorn.run(create_app(pool, max_request_bytes), host=host, port=port, log_level=log_level)

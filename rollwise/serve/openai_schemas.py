@@ -1,17 +1,40 @@
 """The request bodies of the engine server's OpenAI-compatible and token-level endpoints (pydantic).
 
 Shared by the engine server and the pool; kept apart from the server so the wire format reads in one place.
+
+What clients send to vLLM works here: on the OpenAI endpoints, unknown fields are accepted and
+ignored, as vLLM does (agent frameworks send many), and reported back in the response header
+`x-rollwise-ignored-fields` (and logged once per field name). Known fields are checked: a bad value
+is a 400 naming it. Non-finite numbers (JSON `Infinity`/`NaN`, which Python's json parser accepts)
+are refused everywhere. The token-level and control bodies (/generate, /abort, weights, the pool's)
+stay strict: a misspelt field there is a bug in our own caller.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+log = logging.getLogger(__name__)
+
+IGNORED_FIELDS_HEADER = "x-rollwise-ignored-fields"
+MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
 
 
 class RequestBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # a misspelt field is an error, not silently ignored
+    # a misspelt field is an error, not silently ignored; inf/nan are never a valid sampling value
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class LenientBody(BaseModel):
+    """An OpenAI body: unknown fields are kept aside (model_extra) and reported, never used."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 def _not_supported(value: Any, what: str) -> Any:
@@ -32,19 +55,32 @@ class SamplingFields(RequestBody):
     stop_token_ids: list[int] = []  # finish with "stop" on these ids (kept in token_ids, like EOS)
     ignore_eos: bool = False
     request_id: str | None = Field(None, min_length=1, max_length=256)  # public id for /abort
+    min_tokens: int = Field(0, ge=0)  # no EOS / stop token before this many tokens
+    repetition_penalty: float | None = Field(None, gt=0)  # None: 1.0 (off)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)  # None: 0; vLLM's range
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _top_k_off(cls, value: Any) -> Any:
+        return 0 if value == -1 else value  # vLLM's (and older OpenAI clients') spelling of "off"
+
+    def num_top_logprobs(self) -> int:
+        """How many alternatives per token the response shows (the endpoints that can show them override)."""
+        return 0
 
 
-class StreamOptions(RequestBody):
+class StreamOptions(LenientBody):
     include_usage: bool = False
 
 
 class OpenAISampling(SamplingFields):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # unknown fields: ignored, reported
+
     model: str | None = None
     stop: Any = []  # str | list[str]: OpenAI stop strings, cut from the text
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -61,10 +97,12 @@ class OpenAISampling(SamplingFields):
             raise ValueError("must not contain empty strings")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None) -> float | None:
-        return _not_supported(value, "the reference engine samples without penalties; send 0 or leave it out")
+    @model_validator(mode="after")
+    def _no_streamed_alternatives(self) -> OpenAISampling:
+        if self.stream and self.num_top_logprobs():
+            raise ValueError("is refused: top alternatives (top_logprobs, or completions logprobs > 0) are only "
+                             "returned with stream: false")
+        return self
 
     @field_validator("logit_bias")
     @classmethod
@@ -72,10 +110,19 @@ class OpenAISampling(SamplingFields):
         return _not_supported(value, "the reference engine samples without logit biases")
 
 
-class ChatMessage(RequestBody):
-    role: Literal["system", "user", "assistant"]
+class ChatMessage(LenientBody):
+    role: Literal["system", "user", "assistant", "tool"]
     content: str
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls (OpenAI layout)
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+    @model_validator(mode="before")
+    @classmethod
+    def _calls_without_text(cls, value: Any) -> Any:
+        if isinstance(value, dict) and value.get("content") is None and value.get("tool_calls"):
+            return {**value, "content": ""}  # OpenAI sends content: null next to tool_calls
+        return value
 
     @field_validator("content", mode="before")
     @classmethod
@@ -89,23 +136,60 @@ class ChatMessage(RequestBody):
             return "".join(texts)
         return value
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it. Tool-call arguments arrive as a JSON string; templates
+        (Qwen, Llama 3, Hermes) expect a mapping, so valid JSON is parsed, as vLLM does."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [_parsed_arguments(call) for call in self.tool_calls]
+        return message
+
+
+def _parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            return {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
+        except ValueError:
+            pass  # not JSON: the template gets the string as sent
+    return call
+
 
 class ChatCompletionRequest(OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
-    logprobs: bool | None = None  # accepted; the sampled tokens' logprobs are always returned
-    top_logprobs: int | None = None
+    logprobs: bool | None = None  # the sampled tokens' logprobs are always returned
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token (logprobs: true)
+    tools: list[dict[str, Any]] | None = None  # OpenAI function specs, passed to the chat template
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
-    @field_validator("top_logprobs")
+    @field_validator("tool_choice")
     @classmethod
-    def _no_top(cls, value: int | None) -> int | None:
-        return _not_supported(value, "only the sampled tokens' logprobs are returned")
+    def _tool_choice(cls, value: Any) -> Any:
+        if value not in (None, "auto", "none"):
+            raise ValueError("is not supported: only 'auto' and 'none' (no constrained decoding here: "
+                             "the model decides whether to call a tool)")
+        return value
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("is refused: top_logprobs needs logprobs: true (as in OpenAI's API and vLLM)")
+        return self
+
+    def num_top_logprobs(self) -> int:
+        return self.top_logprobs or 0
 
 
 class CompletionRequest(OpenAISampling):
     prompt: Any = Field(...)  # str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token
+    echo: bool = False  # the prompt's text (and tokens, with null logprobs) before the completion
     suffix: str | None = None
     best_of: int | None = None
 
@@ -127,15 +211,14 @@ class CompletionRequest(OpenAISampling):
             raise ValueError("must not be empty")
         raise ValueError("must be a string, a list of token ids, or a list of either")
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_top(cls, value: int | None) -> int | None:
-        return _not_supported(value, "top alternatives are not returned; the sampled tokens' logprobs always are")
+    def num_top_logprobs(self) -> int:
+        return self.logprobs or 0
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        return _not_supported(value, "prompt_token_ids carries the prompt")
+    @model_validator(mode="after")
+    def _no_streamed_echo(self) -> CompletionRequest:
+        if self.echo and self.stream:
+            raise ValueError("is refused: echo is only supported with stream: false")
+        return self
 
     @field_validator("suffix")
     @classmethod
@@ -145,6 +228,10 @@ class CompletionRequest(OpenAISampling):
 
 class GenerateRequest(SamplingFields):
     prompt_ids: list[int] = Field(min_length=1)
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)  # per token: the best (token id, logprob) pairs
+
+    def num_top_logprobs(self) -> int:
+        return self.top_logprobs
 
 
 class AbortRequest(RequestBody):
@@ -154,3 +241,38 @@ class AbortRequest(RequestBody):
 class UpdateWeightsRequest(RequestBody):
     path: str = Field(min_length=1)  # a .safetensors file, or a HF model directory holding them
     version: int = Field(ge=0)
+
+
+# ==================================================================== unknown fields: ignored, reported
+
+
+def ignored_fields(body: BaseModel, prefix: str = "") -> list[str]:
+    """Paths of the unknown fields a lenient body (and the bodies inside it) set aside, e.g. 'messages[0].x'."""
+    found = [prefix + name for name in (body.model_extra or {})]
+    for name in type(body).model_fields:
+        value = getattr(body, name)
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for i, item in items:
+            if isinstance(item, BaseModel):
+                found += ignored_fields(item, f"{prefix}{name}{'' if i is None else f'[{i}]'}.")
+    return found
+
+
+_logged: set[str] = set()
+
+
+def report_ignored(body: BaseModel, result: Any) -> Any:
+    """`result` (a handler's dict or Response) with the ignored fields in a header; each field name
+    is logged once per process, so a framework sending the same extras on every call logs them once."""
+    names = ignored_fields(body)
+    if not names:
+        return result
+    for generic in dict.fromkeys(re.sub(r"\[\d+\]", "[]", n) for n in names):
+        if generic not in _logged:
+            _logged.add(generic)
+            log.warning("ignoring unknown request field %r (as vLLM does); reported in the %s header",
+                        generic, IGNORED_FIELDS_HEADER)
+    response = result if isinstance(result, Response) else JSONResponse(result)
+    response.headers[IGNORED_FIELDS_HEADER] = ",".join(names)
+    return response
+

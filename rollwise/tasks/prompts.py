@@ -115,10 +115,11 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-def encode_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Prompt token ids via the tokenizer's chat template, ending with the assistant generation prompt."""
+def encode_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Prompt token ids via the tokenizer's chat template, ending with the assistant generation prompt.
+    `tools` (OpenAI function specs) go to the template, which renders them if it knows how."""
     _check_chat_template(tokenizer)
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    out = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
     # transformers 5 returns a BatchEncoding (dict-like); older versions return a list of ids.
     if not isinstance(out, list) and hasattr(out, "keys") and "input_ids" in out:
         out = out["input_ids"]

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from rollwise.engine.reference.model import LlamaFamilyModel
 from rollwise.engine.reference.prefix_cache import PrefixCache, prefill_with_prefix
-from rollwise.engine.reference.sampling import sample
+from rollwise.engine.reference.sampling import needs_processing, process_logits, sample, scaled_logprobs, top_logprobs
 from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, run_to_completion
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest
 
@@ -35,6 +35,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # only if params.top_logprobs
 
     def completion(self, reason: FinishReason) -> Completion:
         return Completion(
@@ -46,6 +47,7 @@ class Sequence:
             versions=self.versions,
             finish_reason=reason,
             cached_prompt_tokens=self.cached_prompt_tokens,
+            top_logprobs=self.top_logprobs,
         )
 
 
@@ -304,12 +306,17 @@ class ReferenceEngine:
 
     def _append_tokens(self, seqs: list[Sequence], logits: Tensor) -> list[Completion]:
         """Sample a token for each sequence, record it, and retire the ones that are done."""
-        tokens, logprobs = sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
+        params = [s.request.params for s in seqs]
+        logits = self._processed_logits(seqs, logits)
+        tokens, logprobs = sample(logits, params, [s.generator for s in seqs])
+        tops = self._top_logprobs(logits, params)
         self.stats["generated_tokens"] += len(tokens)
         finished = []
-        for seq, token, logprob in zip(seqs, tokens, logprobs):
+        for seq, token, logprob, top in zip(seqs, tokens, logprobs, tops):
             seq.token_ids.append(token)
             seq.logprobs.append(logprob)
+            if seq.request.params.top_logprobs:
+                seq.top_logprobs.append(top)
             seq.versions.append(self._version)
             if self.on_tokens is not None:
                 self.on_tokens(seq.request.request_id, seq.index, token, logprob, self._version)
@@ -320,6 +327,28 @@ class ReferenceEngine:
                 self._retire(seq.request.request_id)
                 finished.append(seq.completion(reason))
         return finished
+
+    def _processed_logits(self, seqs: list[Sequence], logits: Tensor) -> Tensor:
+        """min_tokens and penalties, for the rows that ask for them (a new tensor: prefill logits are one
+        row expanded over the group)."""
+        if not any(needs_processing(s.request.params) for s in seqs):
+            return logits
+        rows = []
+        for seq, row in zip(seqs, logits):
+            params = seq.request.params
+            if needs_processing(params):
+                stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+                row = process_logits(row, params, seq.request.prompt_ids, seq.token_ids, stops)
+            rows.append(row)
+        return torch.stack(rows)
+
+    @staticmethod
+    def _top_logprobs(logits: Tensor, params: list) -> list[list[tuple[int, float]]]:
+        """The asked-for alternatives per row, from the same distribution `sample` reports logprobs of."""
+        if not any(p.top_logprobs for p in params):
+            return [[] for _ in params]
+        logprobs = scaled_logprobs(logits, params)
+        return [top_logprobs(row, p.top_logprobs) for row, p in zip(logprobs, params)]
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.request.params

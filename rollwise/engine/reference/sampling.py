@@ -1,8 +1,10 @@
-"""Token sampling: temperature, top-k, top-p, with one torch.Generator per sequence.
+"""Token sampling: min_tokens, penalties, temperature, top-k, top-p, with one torch.Generator per sequence.
 
-The logprob reported for a token is log_softmax(logits / T) *before* top-k/top-p truncation (T = 1
-for greedy), which is what the trainer recomputes. Each row draws from its own generator, so a
-seeded sequence samples the same tokens whichever other sequences share its batch.
+`process_logits` applies min_tokens and the penalties (vLLM's order and formulas); `sample` then
+samples from log_softmax(logits / T) (T = 1 for greedy). The logprob reported for a token is that of
+the processed, temperature-scaled distribution *before* top-k/top-p truncation: the behaviour
+policy's logprob (with no penalties, exactly what the trainer recomputes). Each row draws from its
+own generator, so a seeded sequence samples the same tokens whichever other sequences share its batch.
 """
 
 from __future__ import annotations
@@ -29,12 +31,54 @@ def truncate(probs: Tensor, top_k: int, top_p: float) -> Tensor:
     return probs
 
 
+def needs_processing(params: SamplingParams) -> bool:
+    return bool(params.min_tokens or params.repetition_penalty != 1.0 or params.frequency_penalty
+                or params.presence_penalty)
+
+
+def process_logits(
+    logits: Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int], stop_ids: set[int]
+) -> Tensor:
+    """One row of fp32 logits [vocab] after min_tokens and the penalties, as vLLM's sampler applies them:
+    - min_tokens: while fewer tokens were generated, the stop tokens (EOS, stop_token_ids) get -inf;
+    - repetition_penalty r: a token seen in the prompt or the output has its logit divided by r if
+      positive, multiplied by r otherwise;
+    - frequency_penalty f, presence_penalty p: logit -= f * count_in_output + p * (count_in_output > 0)."""
+    vocab = logits.shape[-1]
+    logits = logits.clone()
+    if len(output_ids) < params.min_tokens and stop_ids:
+        logits[[t for t in stop_ids if t < vocab]] = float("-inf")
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[list(prompt_ids) + list(output_ids)] = True
+        penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        logits = torch.where(seen, penalised, logits)
+    if output_ids and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(torch.tensor(output_ids), minlength=vocab)[:vocab].to(logits.dtype)
+        logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def scaled_logprobs(logits: Tensor, params: list[SamplingParams]) -> Tensor:
+    """log_softmax(logits / T) per row (T = 1 for greedy rows): the distribution sampled from."""
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=logits.dtype)
+    return torch.log_softmax(logits / temps[:, None], dim=-1)
+
+
+def top_logprobs(logprobs: Tensor, k: int) -> list[tuple[int, float]]:
+    """The k most likely (token id, logprob) of one row of `scaled_logprobs`, best first."""
+    if k <= 0:
+        return []
+    best = logprobs.topk(min(k, logprobs.shape[-1]))
+    return list(zip(best.indices.tolist(), best.values.tolist()))
+
+
 def sample(
     logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator]
 ) -> tuple[list[int], list[float]]:
-    """Pick one token per row of fp32 `logits` [batch, vocab]; return (token ids, their logprobs)."""
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=logits.dtype)
-    logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
+    """Pick one token per row of fp32 `logits` [batch, vocab] (already through `process_logits`);
+    return (token ids, their logprobs)."""
+    logprobs = scaled_logprobs(logits, params)
     tokens = logprobs.argmax(dim=-1)  # greedy rows keep this
     rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if rows:
