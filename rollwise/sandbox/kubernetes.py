@@ -88,7 +88,7 @@ def _quantity_bytes(n: int) -> str:
 
 def build_pod_spec(name: str, sandbox_id: str, cfg: KubernetesConfig, limits: SandboxLimits) -> dict[str, Any]:
     """The pod manifest for one sandbox (a plain dict: the client accepts it as the body)."""
-    memory = _quantity_bytes(limits.memory_bytes)
+    memory = _quantity_bytes(limits.whole_memory_bytes)  # the pod is the whole sandbox
     resources = {"cpu": cfg.cpu, "memory": memory, "ephemeral-storage": cfg.ephemeral_storage}
     spec: dict[str, Any] = {
         "restartPolicy": "Never",

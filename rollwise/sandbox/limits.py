@@ -15,6 +15,7 @@ import platform
 from dataclasses import dataclass
 
 from rollwise.sandbox import seccomp
+from rollwise.sandbox.cgroups import cgroup_support
 from rollwise.sandbox.isolation import IsolationReport, detect_isolation
 from rollwise.sandbox.launch import IsolationLevel, bwrap_supports
 from rollwise.sandbox.workspace import quota_in_force
@@ -47,6 +48,7 @@ def limits_in_force(isolation: IsolationReport | None = None) -> LimitsReport:
     userns = bwrap and iso.mode.user_namespace
     no_quota = quota_in_force()
     prog = seccomp.program() if bwrap else None
+    cgroups = cgroup_support()
     items = [
         ("workspace_disk_quota", no_quota is None,
          "a tmpfs of SandboxLimits.disk_bytes per workspace" if no_quota is None else no_quota),
@@ -56,9 +58,15 @@ def limits_in_force(isolation: IsolationReport | None = None) -> LimitsReport:
          "bwrap --size SandboxLimits.tmp_bytes on /tmp and /dev/shm" if bwrap and bwrap_supports("--size")
          else "needs bubblewrap >= 0.5 (the fallback levels share the host's /tmp and /dev/shm)"),
         ("memfd_size", True, "RLIMIT_FSIZE (SandboxLimits.max_file_bytes) per memfd, times max_open_files"),
-        ("memory_all_processes", False,
-         "per-process RLIMIT_AS only: several processes together can use max_processes x memory_bytes "
-         "(no per-sandbox memory cgroup yet)"),
+        ("memory_all_processes", cgroups.usable,
+         f"a memory cgroup per command ({cgroups.detail} = SandboxLimits.sandbox_memory_bytes), tmpfs and "
+         "memfd pages included; an over-limit process is OOM-killed, limit='memory'" if cgroups.usable
+         else f"per-process RLIMIT_AS only, several processes together can use max_processes x memory_bytes "
+         f"(no usable memory cgroup: {cgroups.detail})"),
+        ("processes_all", cgroups.usable and cgroups.pids_parent is not None,
+         "pids.max = SandboxLimits.max_processes + launcher in the command's cgroup, plus RLIMIT_NPROC"
+         if cgroups.usable and cgroups.pids_parent is not None
+         else "RLIMIT_NPROC only (per user namespace at the bwrap level; not enforced for a root sandbox uid)"),
         ("nested_user_namespaces_denied", userns and bwrap_supports("--disable-userns"),
          "bwrap --disable-userns" if userns and bwrap_supports("--disable-userns")
          else "needs bubblewrap >= 0.8 with a user namespace"),

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing_extensions import Self
 
 from rollwise.sandbox import files, seccomp
+from rollwise.sandbox.cgroups import LAUNCHER_PIDS, CgroupError, CommandCgroup, cgroup_support
 from rollwise.sandbox.isolation import IsolationReport, detect_isolation
 from rollwise.sandbox.launch import IsolationLevel, LaunchFds, build_launch
-from rollwise.sandbox.process import ProcessOutcome, kill_group, run_bounded
+from rollwise.sandbox.process import Capture, ProcessOutcome, kill_group, run_bounded
 from rollwise.sandbox.types import (
     FileInfo,
     LimitName,
@@ -107,7 +108,30 @@ class LocalSandbox:
             if gate is not None:
                 gate.release()
 
+    def _new_cgroup(self) -> CommandCgroup | None:
+        """This command's memory (+pids) cgroup, or None where the machine has no usable one."""
+        support = cgroup_support()
+        if not support.usable:
+            return None
+        return CommandCgroup(support, self.limits.whole_memory_bytes, self.limits.max_processes + LAUNCHER_PIDS)
+
     def _run_locked(self, command: str, timeout: float, stdin: bytes | None) -> RunResult:
+        try:
+            cgroup = self._new_cgroup()
+        except CgroupError as exc:  # fail closed: no command runs without the bound the report promises
+            out, err = Capture.new(self.limits.max_output_bytes), Capture.new(self.limits.max_output_bytes)
+            return self._result(command, timeout, ProcessOutcome(126, out, err, 0.0, None, spawn_error=str(exc)))
+        try:
+            outcome = self._launch(command, timeout, stdin, cgroup)
+            oom_kills = cgroup.oom_kills() if cgroup is not None else 0
+        finally:
+            if cgroup is not None:
+                cgroup.remove()  # after run_bounded: nothing of the command is left in it
+        self._running = None
+        return self._result(command, timeout, outcome, oom_kills)
+
+    def _launch(self, command: str, timeout: float, stdin: bytes | None,
+                cgroup: CommandCgroup | None) -> ProcessOutcome:
         bwrap = self.level is IsolationLevel.BWRAP
         info = os.pipe() if bwrap else None  # bwrap reports its pid namespace's init here
         prog = seccomp.program() if bwrap else None
@@ -115,10 +139,13 @@ class LocalSandbox:
         try:
             fds = LaunchFds(info=info[1] if info else None, seccomp=seccomp_fd)
             launch = build_launch(self.isolation.mode, self._ws, command, self.limits, fds)
-            outcome = run_bounded(
-                launch.argv, cwd=launch.cwd, env=launch.env, timeout_s=timeout,
+            argv, user, group = launch.argv, launch.user, launch.group
+            if cgroup is not None:  # join it before anything else runs; the uid switch moves into the wrapper
+                argv, user, group = cgroup.wrap(argv, user, group), None, None
+            return run_bounded(
+                argv, cwd=launch.cwd, env=launch.env, timeout_s=timeout,
                 keep_bytes=self.limits.max_output_bytes, kill_bytes=self.limits.kill_output_bytes,
-                stdin=stdin, user=launch.user, group=launch.group, preexec_fn=launch.preexec_fn,
+                stdin=stdin, user=user, group=group, preexec_fn=launch.preexec_fn,
                 on_start=self._set_running, info_pipe=info,
                 extra_fds=(seccomp_fd,) if seccomp_fd is not None else (),
                 # Without namespaces, killed orphans count against the uid's RLIMIT_NPROC until
@@ -128,13 +155,11 @@ class LocalSandbox:
         finally:
             if seccomp_fd is not None:
                 os.close(seccomp_fd)
-        self._running = None
-        return self._result(command, timeout, outcome)
 
     def _set_running(self, proc: subprocess.Popen) -> None:
         self._running = proc
 
-    def _result(self, command: str, timeout: float, o: ProcessOutcome) -> RunResult:
+    def _result(self, command: str, timeout: float, o: ProcessOutcome, oom_kills: int = 0) -> RunResult:
         code = o.returncode
         sig = None
         if code is not None:
@@ -156,6 +181,12 @@ class LocalSandbox:
             limit, reason = "output", f"killed: wrote more than {self.limits.kill_output_bytes} bytes of output"
         elif self._closed:
             killed, code, reason = True, None, "killed: the sandbox was closed while the command ran"
+        elif oom_kills > 0:  # the kernel killed a process of it; the main one may have survived
+            killed = killed or sig == "SIGKILL"
+            limit, reason = "memory", (
+                f"{'killed' if killed else 'a process of the command was killed'}: its processes together "
+                f"(files in /tmp, /dev/shm and memfds included) used more than the sandbox's memory limit "
+                f"({self.limits.whole_memory_bytes} bytes); {oom_kills} process(es) killed")
         elif sig in ("SIGXCPU",) or (sig == "SIGKILL" and o.wall_s >= self.limits.cpu_s):
             limit, reason = "cpu_time", f"CPU time limit ({self.limits.cpu_s} s) exceeded ({sig})"
         elif sig == "SIGXFSZ":

@@ -37,6 +37,10 @@ class SandboxLimits(BaseModel):
     timeout_s: float = Field(30.0, gt=0, description="wall-clock limit of one command; the whole process tree is killed")
     cpu_s: int = Field(30, ge=1, description="RLIMIT_CPU per process, seconds (SIGXCPU, then SIGKILL one second later)")
     memory_bytes: int = Field(1 * GiB, ge=16 * MiB, description="RLIMIT_AS per process (virtual address space)")
+    sandbox_memory_bytes: int | None = Field(
+        None, ge=16 * MiB, description="memory all processes of one command may use together, pages of /tmp, "
+        "/dev/shm and memfds included (a memory cgroup, where this machine enforces one: see "
+        "rollwise.sandbox.limits_in_force); None: the same as memory_bytes")
     max_processes: int = Field(64, ge=4, description="RLIMIT_NPROC: processes/threads of the sandbox user")
     max_open_files: int = Field(256, ge=16, description="RLIMIT_NOFILE per process")
     max_file_bytes: int = Field(64 * MiB, ge=1 * KiB, description="RLIMIT_FSIZE: largest file a process may write")
@@ -49,6 +53,11 @@ class SandboxLimits(BaseModel):
     kill_output_bytes: int = Field(
         64 * MiB, ge=1 * KiB, description="a command that writes more than this to stdout+stderr is killed"
     )
+
+    @property
+    def whole_memory_bytes(self) -> int:
+        """The memory bound of the whole command (sandbox_memory_bytes, defaulting to memory_bytes)."""
+        return self.sandbox_memory_bytes if self.sandbox_memory_bytes is not None else self.memory_bytes
 
     @model_validator(mode="after")
     def _check(self) -> SandboxLimits:
