@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "attached trainer polls several times a second) (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, metavar="N",
                    help="torch CPU threads for the engines (0: torch's default) (default: %(default)s)")
+    p.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024, metavar="N",
+                   help="refuse JSON request bodies over N bytes with 413, before reading them; weight uploads are "
+                   "exempt (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    metavar="LEVEL", help="uvicorn log level (default: %(default)s)")
     return p
@@ -60,7 +63,7 @@ def main(argv: list[str]) -> int:
     try:
         serve(args.engines, host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, min_slice_s=args.min_slice, max_sleeping=args.max_sleeping,
-              log_level=args.log_level, job_timeout_s=args.job_timeout)
+              log_level=args.log_level, job_timeout_s=args.job_timeout, max_request_bytes=args.max_request_bytes)
     except ValueError as exc:
         print(f"error: {exc}")
         return 2

@@ -21,8 +21,11 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
 
-class BodyTooLarge(Exception):
-    pass
+def check_max_request_bytes(max_bytes: int, option: str = "--max-request-bytes") -> int:
+    """Refuse a limit that would refuse every request (at start-up, not at the first request)."""
+    if max_bytes < 1:
+        raise ValueError(f"{option} must be >= 1 byte, got {max_bytes}")
+    return max_bytes
 
 
 def too_large_body(limit: int, option: str) -> bytes:
@@ -33,44 +36,45 @@ def too_large_body(limit: int, option: str) -> bytes:
 
 class RequestSizeLimit:
     """ASGI middleware: refuse bodies over `max_bytes` with 413. `option` names the setting that raises it
-    (e.g. "--max-request-bytes"), so the error says what to do."""
+    (e.g. "--max-request-bytes"), so the error says what to do. `exempt(scope)` true: no limit for that request
+    (the pool's weight uploads, raw bytes as large as the model)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 option: str = "--max-request-bytes") -> None:
-        if max_bytes < 1:
-            raise ValueError(f"{option} must be >= 1 byte, got {max_bytes}")
-        self.app, self.max_bytes, self.option = app, max_bytes, option
+                 option: str = "--max-request-bytes", exempt: Callable[[Scope], bool] | None = None) -> None:
+        check_max_request_bytes(max_bytes, option)
+        self.app, self.max_bytes, self.option, self.exempt = app, max_bytes, option, exempt
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or (self.exempt is not None and self.exempt(scope)):
             await self.app(scope, receive, send)
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send)
-            return
-        received = 0
-        started = False
-
-        async def counting_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise BodyTooLarge
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counting_receive, tracking_send)
-        except BodyTooLarge:
-            if not started:
+        if declared is not None:  # the server holds the body to its declared length
+            if declared.isdigit() and int(declared) > self.max_bytes:
                 await self._refuse(send)
+                return
+            await self.app(scope, receive, send)
+            return
+        # A chunked body: read it here, up to the limit, then hand it over. (Refusing from inside the app's
+        # receive does not work: FastAPI turns any error while it reads the body into its own 400.)
+        messages: list[Message] = []
+        received = 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break  # the client left
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                await self._refuse(send)
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> Message:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
 
     async def _refuse(self, send: Send) -> None:
         body = too_large_body(self.max_bytes, self.option)
