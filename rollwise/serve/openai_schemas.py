@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from urllib.parse import quote
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse, Response
@@ -259,6 +260,8 @@ def ignored_fields(body: BaseModel, prefix: str = "") -> list[str]:
 
 
 _logged: set[str] = set()
+MAX_LOGGED_NAMES = 1000
+MAX_HEADER_CHARS = 2000
 
 
 def report_ignored(body: BaseModel, result: Any) -> Any:
@@ -268,11 +271,15 @@ def report_ignored(body: BaseModel, result: Any) -> Any:
     if not names:
         return result
     for generic in dict.fromkeys(re.sub(r"\[\d+\]", "[]", n) for n in names):
-        if generic not in _logged:
+        if generic not in _logged and len(_logged) < MAX_LOGGED_NAMES:  # client-chosen names: bounded memory
             _logged.add(generic)
             log.warning("ignoring unknown request field %r (as vLLM does); reported in the %s header",
                         generic, IGNORED_FIELDS_HEADER)
     response = result if isinstance(result, Response) else JSONResponse(result)
-    response.headers[IGNORED_FIELDS_HEADER] = ",".join(names)
+    # Field names are client text: percent-encoded (headers are Latin-1; a raw "é" made a 500) and capped.
+    value = ",".join(quote(n, safe="[]._-") for n in names)
+    if len(value) > MAX_HEADER_CHARS:
+        value = value[:MAX_HEADER_CHARS].rsplit(",", 1)[0] + ",..."
+    response.headers[IGNORED_FIELDS_HEADER] = value
     return response
 
