@@ -19,6 +19,7 @@ from rollwise.sandbox import (
     detect_isolation,
     limits_in_force,
 )
+from rollwise.sandbox.cgroups import cgroup_support
 from rollwise.sandbox.workspace import remove_tree
 
 pytestmark = pytest.mark.timeout(180)
@@ -123,12 +124,72 @@ def test_inode_quota_refuses_30k_files_or_the_report_says_none():
         assert len(os.listdir(sb.host_path / "m")) < 10_000
 
 
+# A memory cgroup per command: processes (and tmpfs/memfd pages) together are bounded.
+CGROUPS = cgroup_support()
+WHOLE = SMALL.model_copy(update={"memory_bytes": 256 * MiB, "sandbox_memory_bytes": 192 * MiB,
+                                 "tmp_bytes": 128 * MiB, "max_file_bytes": 96 * MiB})
+
+
+def _alloc(mib: int) -> str:
+    """A process that touches `mib` MiB and holds it for a moment (RLIMIT_AS allows 256 MiB each)."""
+    return f"python3 -c \"import time; b = b'x' * ({mib} << 20); time.sleep(0.5)\""
+
+
+def _needs_python3(sb: LocalSandbox) -> None:
+    if not sb.run("command -v python3").ok:
+        pytest.skip("no python3 in the sandbox")
+
+
+def _memory_cgroup_or_report_says_no() -> bool:
+    if CGROUPS.usable:
+        assert LIMITS.enforced("memory_all_processes")
+        return True
+    assert "memory_all_processes: NO" in LIMITS.describe() and CGROUPS.detail in LIMITS.describe()
+    return False
+
+
+def test_processes_together_past_the_sandbox_memory_limit_are_killed():
+    if not _memory_cgroup_or_report_says_no():
+        return
+    with LocalSandbox(WHOLE) as sb:
+        _needs_python3(sb)
+        alone = sb.run(_alloc(120))
+        assert alone.ok and alone.limit is None, alone  # one is within every limit
+        r = sb.run(f"{_alloc(120)} & {_alloc(120)}; wait $!")  # 240 MiB together, 192 allowed
+        assert r.limit == "memory" and "memory limit" in r.reason, r
+        assert sb.run("echo fine").stdout == "fine\n"  # the next command gets a fresh budget
+
+
+@needs_bwrap
+def test_dev_shm_pages_count_against_the_sandbox_memory_limit():
+    if not _memory_cgroup_or_report_says_no():
+        return
+    with LocalSandbox(WHOLE) as sb:
+        _needs_python3(sb)
+        assert sb.run("head -c 90000000 /dev/zero > /dev/shm/f && " + _alloc(60)).ok  # 86 + 60 MiB: under
+        r = sb.run("head -c 90000000 /dev/zero > /dev/shm/f && " + _alloc(120))  # 86 + 120 MiB: over
+        assert r.limit == "memory" and r.killed and r.exit_code is None, r
+
+
+def test_no_cgroup_is_left_behind_after_20_runs():
+    if not _memory_cgroup_or_report_says_no():
+        return
+    mine = f"rollwise-sandbox-{os.getpid()}-*"
+    parents = {p for p in (CGROUPS.memory_parent, CGROUPS.pids_parent) if p is not None}
+    with LocalSandbox(WHOLE) as sb:
+        for i in range(20):  # ordinary exits, timeouts, background leftovers, OOM kills
+            cmd = ("sleep 5 & sleep 5" if i % 4 == 1 else "sleep 5 &" if i % 4 == 2
+                   else f"head -c 250000000 /dev/zero | sh -c 'v=$(cat); echo ${{#v}}'" if i % 4 == 3 else "true")
+            sb.run(cmd, timeout_s=0.3)
+            assert [d for p in parents for d in p.glob(mine)] == [], f"run {i} left its cgroup"
+
+
 def test_start_up_report_names_every_mechanism(caplog):
     import logging
 
     text = LIMITS.describe()
     for name in ("workspace_disk_quota", "workspace_inode_quota", "tmp_and_shm_size", "memory_all_processes",
-                 "nested_user_namespaces_denied", "seccomp_deny_list"):
+                 "processes_all", "nested_user_namespaces_denied", "seccomp_deny_list"):
         assert f"{name}: " in text
     with caplog.at_level(logging.INFO, logger="rollwise.sandbox"):
         from rollwise.sandbox import limits as limits_mod

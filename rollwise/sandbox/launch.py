@@ -53,7 +53,8 @@ MISSING_MEANS: dict[str, str] = {
     "pid": "commands see host processes; a process that leaves its process group can outlive the command",
     "user_namespace": "no user namespace: capabilities are dropped only by the uid switch",
     "unprivileged_uid": "commands run as host root: RLIMIT_NPROC is not enforced (fork bombs are bounded "
-    "only by the timeout) and root-only host files mounted in are readable",
+    "only by a pids cgroup where there is one, see limits_in_force, else by the timeout) and root-only host "
+    "files mounted in are readable",
 }
 
 WORKDIR_IN_SANDBOX = "/workspace"

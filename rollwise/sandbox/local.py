@@ -183,6 +183,7 @@ class LocalSandbox:
             killed, code, reason = True, None, "killed: the sandbox was closed while the command ran"
         elif oom_kills > 0:  # the kernel killed a process of it; the main one may have survived
             killed = killed or sig == "SIGKILL"
+            code = None if killed else code  # as for the other kills: no exit status of its own
             limit, reason = "memory", (
                 f"{'killed' if killed else 'a process of the command was killed'}: its processes together "
                 f"(files in /tmp, /dev/shm and memfds included) used more than the sandbox's memory limit "
