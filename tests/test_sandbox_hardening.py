@@ -160,14 +160,24 @@ def test_processes_together_past_the_sandbox_memory_limit_are_killed():
         assert sb.run("echo fine").stdout == "fine\n"  # the next command gets a fresh budget
 
 
+def _memfd_then_alloc(mib: int) -> str:
+    """86 MiB in a memfd, then `mib` MiB more, in one process."""
+    return ("python3 -c \"import os; fd = os.memfd_create('m'); [os.write(fd, b'x' * 2**20) for _ in range(86)]; "
+            f"b = b'x' * ({mib} << 20)\"")
+
+
 @needs_bwrap
-def test_dev_shm_pages_count_against_the_sandbox_memory_limit():
+@pytest.mark.parametrize("holder", ["dev_shm", "memfd"])
+def test_tmpfs_and_memfd_pages_count_against_the_sandbox_memory_limit(holder):
     if not _memory_cgroup_or_report_says_no():
         return
     with LocalSandbox(WHOLE) as sb:
         _needs_python3(sb)
-        assert sb.run("head -c 90000000 /dev/zero > /dev/shm/f && " + _alloc(60)).ok  # 86 + 60 MiB: under
-        r = sb.run("head -c 90000000 /dev/zero > /dev/shm/f && " + _alloc(120))  # 86 + 120 MiB: over
+        cmd = {"dev_shm": lambda mib: "head -c 90000000 /dev/zero > /dev/shm/f && " + _alloc(mib),
+               "memfd": _memfd_then_alloc}[holder]
+        under = sb.run(cmd(40))  # 86 + 40 MiB of 192
+        assert under.ok, under
+        r = sb.run(cmd(120))  # 86 + 120 MiB: over, though each part is within its own limit
         assert r.limit == "memory" and r.killed and r.exit_code is None, r
 
 
