@@ -7,7 +7,7 @@ import torch
 
 from rollwise.config import TrainConfig
 from rollwise.model.tiny import tiny_llama
-from rollwise.rollout.types import Sample
+from rollwise.types.sample import Sample
 from rollwise.train.grpo import clipped_surrogate_loss, group_advantages, token_weights
 from rollwise.train.logprobs import sequence_logprobs
 from rollwise.train.trainer import GRPOTrainer, collate

@@ -257,9 +257,9 @@ def test_calibration_table_follows_a_step_cost_that_is_not_linear_in_batch():
 
 def test_trainer_model_counts_the_tokens_the_trainer_computes():
     from rollwise.config import TrainConfig
-    from rollwise.rollout.types import Sample
+    from rollwise.types.sample import Sample
     from rollwise.sim.cost import TrainerModel
-    from rollwise.train.trainer import computed_tokens
+    from rollwise.types.microbatch import computed_tokens
 
     def group(g: int, lengths: list[int]) -> list[Sample]:
         return [Sample(f"{g}/{i}", f"g{g}", "p", [100 + g] * 10, [5] * n, [0.0] * n, [0] * n, "stop", advantage=1.0)

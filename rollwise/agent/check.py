@@ -99,6 +99,7 @@ class _CheckAgent(ToolAgent):
 
 
 def _load(model_spec: str, engine_kind: str, max_model_len: int, seed: int) -> tuple[Any, Any, Any]:
+    from rollwise.config import EngineConfig
     from rollwise.engine.factory import create_engine, resolve_engine_kind
     from rollwise.model.loading import load_model, tokenizer_fingerprint
 
@@ -112,7 +113,8 @@ def _load(model_spec: str, engine_kind: str, max_model_len: int, seed: int) -> t
         model, tokenizer = toy_tool_model(seed=int(model_spec[5:] or 0))
     else:
         model, tokenizer = load_model(model_spec)
-    engine = create_engine(kind, model, tokenizer, max_num_seqs=8, max_model_len=max_model_len,
+    section = EngineConfig(kind=kind, max_num_seqs=8, max_model_len=max_model_len)
+    engine = create_engine(section, model, tokenizer,
                            eos_token_ids=[tokenizer.eos_token_id], seed=seed, model_name=model_spec,
                            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
     return model, tokenizer, engine

@@ -22,7 +22,7 @@ from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
 from rollwise.rollout.data import ProblemStream
 from rollwise.rollout.ledger import RolloutLedger
 from rollwise.rollout.sync_rollout import sampling_seed
-from rollwise.rollout.types import Sample
+from rollwise.types.sample import Sample
 from rollwise.rollout.worker import EngineWorker
 from rollwise.tasks import Problem, build_messages
 

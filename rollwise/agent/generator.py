@@ -20,7 +20,8 @@ from typing import Any, Protocol
 import httpx
 
 from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
-from rollwise.rollout.worker import EngineWorker
+from rollwise.engine.core import EngineWorker
+from rollwise.protocols import RolloutBackend
 
 
 @dataclass
@@ -51,12 +52,11 @@ class LocalGenerator:
     one that already drives the engine (the training loop's): this generator then takes over routing
     its completions, so every request on that engine must go through here."""
 
-    def __init__(self, engine: Any = None, *, worker: EngineWorker | None = None) -> None:
+    def __init__(self, engine: Any = None, *, worker: RolloutBackend | None = None) -> None:
         if (engine is None) == (worker is None):
             raise ValueError("LocalGenerator needs an engine or a worker (not both)")
         self._owns_worker = worker is None
-        self.worker = worker or EngineWorker(engine, name="agent-engine")
-        self.engine = self.worker.engine
+        self.worker: RolloutBackend = worker or EngineWorker(engine, name="agent-engine")
         self._waiting: dict[str, _Waiting] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -88,7 +88,7 @@ class LocalGenerator:
                     waiting.future.set_result(sorted(waiting.done, key=lambda c: c.index))
 
     def info(self) -> GeneratorInfo:
-        m = self.worker.call(lambda e: e.model_info())
+        m = self.worker.model_info()
         return GeneratorInfo(m.max_model_len, list(m.eos_token_ids), m.tokenizer_fingerprint, m.policy_version)
 
     def submit(self, requests: list[GenerationRequest]) -> list[Future]:

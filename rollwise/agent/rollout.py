@@ -21,7 +21,7 @@ from rollwise.agent.samples import trajectory_samples
 from rollwise.agent.session import AgentSession, SessionLimits
 from rollwise.agent.tools import BashTool, CalculatorTool, PythonTool, Tool, ToolRegistry
 from rollwise.config import AgentConfig
-from rollwise.rollout.types import Sample
+from rollwise.types.sample import Sample
 from rollwise.tasks.base import Problem
 
 @dataclass

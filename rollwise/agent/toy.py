@@ -122,13 +122,13 @@ def toy_grpo_demo(steps: int = 30, lr: float = 3e-4, teach_steps: int = 90, seed
     from rollwise.agent.generator import LocalGenerator
     from rollwise.agent.rollout import run_agent_groups, score_episodes
     from rollwise.agent.samples import assign_episode_advantages
-    from rollwise.config import AgentConfig, TrainConfig
+    from rollwise.config import AgentConfig, EngineConfig, TrainConfig
     from rollwise.engine.factory import create_engine
     from rollwise.tasks.base import Problem
     from rollwise.train.trainer import GRPOTrainer
 
     model, tokenizer = toy_tool_model(seed=seed, steps=teach_steps)
-    engine = create_engine("reference", model, tokenizer, max_num_seqs=64, max_model_len=768,
+    engine = create_engine(EngineConfig(kind="reference", max_num_seqs=64, max_model_len=768), model, tokenizer,
                            eos_token_ids=[tokenizer.eos_token_id], seed=0)
     generator = LocalGenerator(engine)
     trainer = GRPOTrainer(model, TrainConfig(lr=lr, micro_batch_size=16, share_prompt_prefix=False),

@@ -67,7 +67,7 @@ def time_steps(engine: Any, vocab: int, seed: int = 0, shapes: tuple = SHAPES) -
 
 def _train_batch(rng: np.random.Generator, vocab: int, groups: int, group_size: int, plen: int, rlen: int) -> list:
     """GRPO-shaped: groups sharing a prompt, response lengths spread up to `rlen` (padded to it)."""
-    from rollwise.rollout.types import Sample
+    from rollwise.types.sample import Sample
 
     samples = []
     for g in range(groups):
@@ -83,7 +83,7 @@ def _train_batch(rng: np.random.Generator, vocab: int, groups: int, group_size: 
 
 # Train-step shapes (groups, group size, prompt tokens, longest response): a warm-up, then short and long
 # batches, every one a shape not seen before. The step time is fitted against the tokens the trainer
-# computes, padding included (rollwise.train.trainer.computed_tokens), which is what differs between
+# computes, padding included (rollwise.types.microbatch.computed_tokens), which is what differs between
 # rollout modes. Distinct shapes, because a rollout's batches never repeat one: on this CPU the same
 # batch shape trained a second time took 6.8 s instead of 15.9 s (kernels and buffers made for it).
 TRAIN_WARMUP = (2, 4, 96, 16)
@@ -172,15 +172,18 @@ def calibrate(model: Any, tokenizer: Any, engine_kind: str = "reference", seed: 
               progress: Any = None, with_trainer: bool = True) -> tuple[CostModel, TrainerModel, dict[str, Any]]:
     """with_trainer=False: engine only (train-step timing and contention are the slow part on a busy CPU)."""
     from rollwise.config import TrainConfig
+    from rollwise.config import EngineConfig
     from rollwise.engine.factory import create_engine
     from rollwise.sync.inprocess import push_weights
-    from rollwise.train.trainer import GRPOTrainer, computed_tokens
+    from rollwise.train.trainer import GRPOTrainer
+    from rollwise.types.microbatch import computed_tokens
 
     say = progress or (lambda msg: None)
     vocab = int(model.config.vocab_size)
     base = copy.deepcopy(model.state_dict())
     say(f"starting the {engine_kind} engine")
-    engine = create_engine(engine_kind, model, tokenizer, max_num_seqs=32, max_model_len=512, seed=seed)
+    section = EngineConfig(kind=engine_kind, max_num_seqs=32, max_model_len=512)
+    engine = create_engine(section, model, tokenizer, seed=seed)
     try:
         say("timing engine steps")
         _on_a_thread(lambda: time_steps(engine, vocab, seed, shapes=((32, 48),)))  # warm-up, discarded

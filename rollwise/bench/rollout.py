@@ -20,19 +20,20 @@ import numpy as np
 import torch
 from rich.table import Table
 
-from rollwise.config import RunConfig
+from rollwise.config import EngineConfig, RunConfig
 from rollwise.engine.factory import create_engine
 from rollwise.observe.bubble import bubble_ratio
 from rollwise.observe.plots import plot_rollout_timelines
 from rollwise.rollout.controller import RolloutController
 from rollwise.rollout.data import ProblemStream
 from rollwise.rollout.sync_rollout import PromptEncoder
-from rollwise.rollout.types import Sample
+from rollwise.types.sample import Sample
 from rollwise.rollout.worker import EngineWorker
 from rollwise.sync.inprocess import push_weights
 from rollwise.tasks import make_task
 from rollwise.train.grpo import assign_advantages
-from rollwise.train.trainer import GRPOTrainer, computed_tokens
+from rollwise.train.trainer import GRPOTrainer
+from rollwise.types.microbatch import computed_tokens
 
 MODES = ("sync", "sorted", "async")
 
@@ -85,6 +86,11 @@ def bench_config(mode: str, w: Workload, seed: int) -> RunConfig:
     })
 
 
+def with_kind(section: EngineConfig, kind: str) -> EngineConfig:
+    """The benchmark's engine section with the engine kind asked for on the command line (validated)."""
+    return EngineConfig.model_validate({**section.model_dump(), "kind": kind})
+
+
 def _run_mode(mode: str, model: Any, tokenizer: Any, base_state: dict, w: Workload, seed: int,
               engine_kind: str = "reference") -> dict[str, Any]:
     model.load_state_dict(base_state)  # every mode starts from the same weights
@@ -92,8 +98,7 @@ def _run_mode(mode: str, model: Any, tokenizer: Any, base_state: dict, w: Worklo
     task = make_task(cfg.task)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = GRPOTrainer(model, cfg.train, pad_token_id=pad)
-    engine = create_engine(engine_kind, model, tokenizer, max_num_seqs=w.max_num_seqs,
-                           max_model_len=cfg.engine.max_model_len, seed=seed)
+    engine = create_engine(with_kind(cfg.engine, engine_kind), model, tokenizer, seed=seed)
     worker = EngineWorker(engine)
     controller = RolloutController(cfg, worker, PromptEncoder(tokenizer, cfg.prompt, cfg.reward),
                                    ProblemStream(task.problems("train"), seed), lambda group: None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollwise.bench.rollout import FULL, MODES, QUICK, _lengths, bench_config, run_rollout_bench
+from rollwise.bench.rollout import FULL, MODES, QUICK, _lengths, bench_config, run_rollout_bench, with_kind
 from rollwise.rollout.data import ProblemStream
 from rollwise.rollout.sync_rollout import PromptEncoder
 from rollwise.sim.cost import CostModel, TrainerModel
@@ -100,8 +100,7 @@ def measure_rollout_only(model: Any, tokenizer: Any, engine_kind: str, mode: str
     w = QUICK if quick else FULL
     cfg = bench_config(mode, w, seed)
     task = make_task(cfg.task)
-    engine = create_engine(engine_kind, model, tokenizer, max_num_seqs=w.max_num_seqs,
-                           max_model_len=cfg.engine.max_model_len, seed=seed)
+    engine = create_engine(with_kind(cfg.engine, engine_kind), model, tokenizer, seed=seed)
     worker = EngineWorker(engine)
     controller = RolloutController(cfg, worker, PromptEncoder(tokenizer, cfg.prompt, cfg.reward),
                                    ProblemStream(task.problems("train"), seed), lambda group: None,

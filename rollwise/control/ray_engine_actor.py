@@ -18,6 +18,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
+from rollwise.engine.outbox import Outbox
 from rollwise.engine.types import Completion, GenerationRequest
 
 
@@ -36,9 +37,9 @@ class EngineActor:
                  policy_version: int) -> None:
         self.token = uuid.uuid4().hex  # this incarnation: a restarted actor gets a new one
         self.index = index
-        self._outbox: list[tuple[int, Completion]] = []
-        self._seq = 0
-        self._drain_lock = threading.Lock()
+        # Completions wait here until the fleet acknowledges them (a reply lost in transit is sent again).
+        self._outbox: Outbox[Completion] = Outbox()
+        self._drain_lock = threading.Lock()  # one drain or abort at a time (the actor runs 8 calls at once)
         self.worker = None
         self.error: str | None = None
         try:
@@ -97,11 +98,9 @@ class EngineActor:
         worker = self._check(token)
         aborted = worker.abort(request_ids)
         with self._drain_lock:
-            self._outbox = [(s, c) for s, c in self._outbox if s > ack]
-            while (c := _get_nowait(worker)) is not None:
-                self._seq += 1
-                self._outbox.append((self._seq, c))
-            return aborted, list(self._outbox)
+            self._outbox.acknowledge(ack)
+            self._outbox.put_many(_ready(worker))
+            return aborted, self._outbox.poll(ack)
 
     def pause(self, token: str | None = None) -> None:
         self._check(token).pause()
@@ -125,17 +124,9 @@ class EngineActor:
         to `timeout` for the first one; one drain at a time (the fleet keeps one in flight)."""
         worker = self._check(token)
         with self._drain_lock:
-            self._outbox = [(s, c) for s, c in self._outbox if s > ack]
-            deadline = time.monotonic() + timeout
-            while True:
-                wait = 0.0 if self._outbox else max(deadline - time.monotonic(), 0.0)
-                c = worker.next_completion(timeout=wait) if wait > 0 else _get_nowait(worker)
-                if c is None:
-                    if self._outbox or time.monotonic() >= deadline:
-                        return list(self._outbox)
-                    continue
-                self._seq += 1
-                self._outbox.append((self._seq, c))
+            self._outbox.acknowledge(ack)
+            self._outbox.put_many(_ready(worker))  # everything finished so far goes in this reply
+            return self._outbox.poll(ack, timeout, refill=lambda wait: _ready(worker, wait))
 
     def timeline_since(self, cursor: int, token: str | None = None) -> tuple[list[tuple[float, int]], float]:
         """Timeline points from index `cursor` on, and this process's wall - monotonic clock offset."""
@@ -143,8 +134,16 @@ class EngineActor:
         return list(tl[cursor:]), time.time() - time.monotonic()
 
 
-def _get_nowait(worker: Any) -> Completion | None:
-    return worker.next_completion(timeout=0) if not worker.completions.empty() else None
+def _ready(worker: Any, wait: float = 0.0) -> list[Completion]:
+    """The completions the worker has finished, waiting up to `wait` seconds for the first one."""
+    first = worker.next_completion(timeout=wait) if wait > 0 else None
+    out = [] if first is None else [first]
+    while not worker.completions.empty():
+        c = worker.next_completion(timeout=0)
+        if c is None:
+            break
+        out.append(c)
+    return out
 
 
 def engine_actor_class() -> Any:

@@ -32,7 +32,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import ray
@@ -250,12 +249,6 @@ class RayEngineFleet:
         """The first live engine's (every engine runs the same model and version)."""
         slot = next(s for s in self.slots if s.alive)
         return ray.get(slot.actor.model_info.remote())
-
-    def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Kept for the agent layer's `worker.call(lambda e: e.model_info())`: fn gets an object that
-        answers model_info() only (nothing is sent to an actor; use model_info())."""
-        info = self.model_info()
-        return fn(SimpleNamespace(model_info=lambda: info))
 
     @_locked
     def close(self) -> None:

@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -151,12 +150,6 @@ class PoolWorker:
         self.engine: Any = None  # the engine view (attach_to_pool sets it); the agent layer reads worker.engine
         self._thread = threading.Thread(target=self._receive, name=f"pool-receiver-{client.job}", daemon=True)
         self._thread.start()
-
-    def call(self, fn: Callable[[Any], Any], timeout: float | None = None) -> Any:
-        """Kept for the agent layer's `worker.call(lambda e: e.model_info())`: fn gets an object that
-        answers model_info() only (use model_info())."""
-        info = self.model_info()
-        return fn(SimpleNamespace(model_info=lambda: info))
 
     # ------------------------------------------------------------ the RolloutBackend protocol
 

@@ -37,7 +37,7 @@ from rollwise.protocols import RolloutBackend
 from rollwise.rollout.data import ProblemStream
 from rollwise.rollout.ledger import RolloutLedger
 from rollwise.rollout.sync_rollout import PromptEncoder, RolloutPlan, build_requests, sampling_seed, to_samples
-from rollwise.rollout.types import Sample
+from rollwise.types.sample import Sample
 from rollwise.tasks import Problem
 from rollwise.train.grpo import assign_advantages
 

@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
 from rollwise.reward.scoring import RewardConfig
-from rollwise.rollout.types import Sample
+from rollwise.types.sample import Sample
 from rollwise.tasks import Problem, PromptConfig, build_messages, encode_prompt
 
 
@@ -91,10 +91,3 @@ def rollout(
     requests = build_requests(encoder, plan)
     completions = engine.generate(requests, progress=progress)
     return to_samples(completions, requests, plan.problems, encoder.tokenizer)
-
-
-def group_samples(samples: list[Sample]) -> dict[str, list[Sample]]:
-    groups: dict[str, list[Sample]] = {}
-    for s in samples:
-        groups.setdefault(s.group_id, []).append(s)
-    return groups

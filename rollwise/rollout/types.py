@@ -3,6 +3,6 @@
 Kept so importers outside rollout/ keep working; new code imports rollwise.types.
 """
 
-from rollwise.types.sample import Sample
+from rollwise.types.sample import Sample, group_samples
 
-__all__ = ["Sample"]
+__all__ = ["Sample", "group_samples"]

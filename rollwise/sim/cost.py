@@ -23,6 +23,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollwise.types.microbatch import computed_tokens
+
 
 class CostModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -82,7 +84,7 @@ class TrainerModel(BaseModel):
     trainer's GPUs (assumes data-parallel scaling; state otherwise in the cost file). What a trained
     token is: `packed` counts prompt + response of every sample (sequence packing, as GPU trainers do);
     `micro_batches` counts what rollwise's own trainer computes, padding included
-    (rollwise.train.trainer.computed_tokens: a group's prompt once + rows x its longest response)."""
+    (rollwise.types.microbatch.computed_tokens: a group's prompt once + rows x its longest response)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -103,8 +105,6 @@ class TrainerModel(BaseModel):
     def batch_tokens(self, samples: list[Any], train: Any) -> int:
         """Trained tokens of one update's samples, as `tokens` counts them (train: the run's TrainConfig)."""
         if self.tokens == "micro_batches":
-            from rollwise.train.trainer import computed_tokens  # torch: only where a calibrated CPU model is used
-
             return computed_tokens(samples, train)
         return sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
 

@@ -11,8 +11,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from rollwise.rollout.sync_rollout import group_samples
-from rollwise.rollout.types import Sample
+from rollwise.types.sample import Sample, group_samples
 
 
 def group_advantages(rewards: Tensor, mode: Literal["mean_std", "mean"] = "mean_std", eps: float = 1e-6) -> Tensor:

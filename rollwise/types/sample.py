@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from rollwise.engine.types import Completion
+if TYPE_CHECKING:  # annotations only: the types layer imports no other rollwise package
+    from rollwise.engine.types import Completion
 
 
 @dataclass
@@ -56,3 +58,11 @@ class Sample:
     def staleness(self, trainer_version: int) -> list[int]:
         """Per trained token (tokens with loss mask 0 were sampled by no policy)."""
         return [trainer_version - v for v, m in zip(self.versions, self.trained_mask) if m]
+
+
+def group_samples(samples: list[Sample]) -> dict[str, list[Sample]]:
+    """Samples by GRPO group, each group's in the order given."""
+    groups: dict[str, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group_id, []).append(s)
+    return groups

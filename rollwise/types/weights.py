@@ -1,0 +1,159 @@
+"""The weight-update manifest and what an engine expects: the types every weight path shares.
+
+A weight update is a `WeightManifest` (version, tokenizer fingerprint, every tensor's name, shape,
+dtype and place in its bucket) plus the bytes. The engines (the vLLM backend declares its
+`ExpectedWeights`), the protocols and every transport speak these types; building manifests,
+cutting buckets and the checked two-phase commit are rollwise.sync.buckets.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, model_validator
+from torch import Tensor
+
+FORMAT = "rollwise.weights/v1"
+# Every tensor starts on a 64-byte boundary of its bucket, so the typed view of any dtype is aligned
+# (torch requires storage_offset % itemsize == 0 for a dtype view) and sits on a cache line.
+ALIGN = 64
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def storage_key(t: Tensor) -> tuple | None:
+    """Identity of a tensor's exact memory; equal keys mean the same values (tied weights)."""
+    if t.numel() == 0:  # empty tensors all have data_ptr 0: never treat them as tied
+        return None
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+# ---------------------------------------------------------------------------- the manifest
+
+
+class TensorSpec(BaseModel):
+    """One tensor's place in its bucket: bytes [offset, offset + nbytes) of the flat buffer."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype without the "torch." prefix, e.g. "float32"
+    offset: int
+    nbytes: int
+
+
+class BucketSpec(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    index: int
+    nbytes: int  # the flat buffer's length, padding included
+    tensors: tuple[TensorSpec, ...]
+    crc32: int | None = None  # None: the transport moves no bytes that could be damaged (in-process)
+
+
+class WeightManifest(BaseModel):
+    """Everything a receiver needs to check an update before applying it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    format: Literal["rollwise.weights/v1"] = FORMAT
+    version: int
+    tokenizer_fingerprint: str
+    buckets: tuple[BucketSpec, ...]
+    # name -> name it shares storage with on the trainer (tied embeddings): sent once, applied to both.
+    aliases: dict[str, str] = {}
+    total_bytes: int  # tensor bytes sent (no padding, aliases once)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> WeightManifest:
+        """A manifest read from disk or the wire must describe a sane layout before anyone allocates
+        or slices by it."""
+        names: set[str] = set()
+        total = 0
+        for position, bucket in enumerate(self.buckets):
+            if bucket.index != position:
+                raise ValueError(f"bucket {position} has index {bucket.index}")
+            end = 0
+            for t in bucket.tensors:
+                itemsize = dtype_from_name(t.dtype).itemsize
+                if t.nbytes != math.prod(t.shape) * itemsize:
+                    raise ValueError(f"{t.name}: nbytes {t.nbytes} != shape {t.shape} x {itemsize} bytes")
+                if t.offset < end or t.offset % ALIGN or t.offset + t.nbytes > bucket.nbytes:
+                    raise ValueError(f"{t.name}: offset {t.offset} overlaps, is unaligned or leaves bucket {position}")
+                if t.name in names:
+                    raise ValueError(f"{t.name} appears twice")
+                names.add(t.name)
+                end = t.offset + t.nbytes
+                total += t.nbytes
+        if total != self.total_bytes:
+            raise ValueError(f"total_bytes {self.total_bytes} != sum of tensor bytes {total}")
+        for alias, source in self.aliases.items():
+            if alias in names or source not in names:
+                raise ValueError(f"alias {alias!r} -> {source!r} must name a new tensor and a sent one")
+        return self
+
+    def tensors(self) -> Iterator[TensorSpec]:
+        for bucket in self.buckets:
+            yield from bucket.tensors
+
+    def spec_of(self, name: str) -> TensorSpec:
+        """The spec of a sent tensor or of an alias (whose spec is its source's)."""
+        name = self.aliases.get(name, name)
+        return next(t for t in self.tensors() if t.name == name)
+
+
+# ---------------------------------------------------------------------------- the receiving side
+
+
+class WeightUpdateError(ValueError):
+    """A weight update was rejected before anything was applied: the engine keeps serving its
+    previous weights and version."""
+
+
+@dataclass(frozen=True)
+class ExpectedWeights:
+    """What an engine's model holds: name -> (shape, dtype), and which names share memory there."""
+
+    tensors: Mapping[str, tuple[tuple[int, ...], str]]
+    ties: Mapping[str, str] = field(default_factory=dict)  # name -> earlier name with the same memory
+
+    @classmethod
+    def of_module(cls, module: torch.nn.Module) -> ExpectedWeights:
+        tensors: dict[str, tuple[tuple[int, ...], str]] = {}
+        ties: dict[str, str] = {}
+        seen: dict[tuple, str] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            tensors[name] = (tuple(param.shape), dtype_name(param.dtype))
+            key = storage_key(param)
+            if key is not None and key in seen:
+                ties[name] = seen[key]
+            elif key is not None:
+                seen[key] = name
+        return cls(tensors, ties)
+
+    @classmethod
+    def of_engine(cls, engine: Any) -> ExpectedWeights:
+        """From an engine that declares them (`expected_weights`: the vLLM backend) or holds its model
+        (`model`: the reference engine), or an EngineWorker wrapping one (`.engine`)."""
+        inner = getattr(engine, "engine", engine)
+        declared = getattr(inner, "expected_weights", None)
+        if isinstance(declared, ExpectedWeights):
+            return declared
+        model = getattr(inner, "model", None)
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"cannot read the expected weights of {type(engine).__name__}: pass expected= explicitly")
+        return cls.of_module(model)
