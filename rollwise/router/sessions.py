@@ -3,9 +3,9 @@
 - AffinityTable: session or group key -> the replica it was last routed to (bounded LRU). Sticky
   policies use it, and after a router restart it sends each live session back to the replica whose
   engine cache holds its history.
-- IdempotencyCache: `Idempotency-Key` -> the response. A client retry (the official `openai` client
-  sends an Idempotency-Key with every POST and keeps it across its retries) joins the request still
-  running or gets the stored response, so a retry never generates twice.
+- IdempotencyCache: `Idempotency-Key` -> the response. A client retry with the same key joins the
+  request still running or gets the stored response, so a retry never generates twice. (The official
+  `openai` client sends no key by itself: `extra_headers={"Idempotency-Key": key}` or `default_headers`.)
 - RouterState: both (plus the prefix tree) in one JSON file, written periodically and at shutdown,
   read at startup, so a restarted router carries on where the old one stopped.
 """
