@@ -89,6 +89,19 @@ class PoolConfig(_Section):
     priority: float = Field(1.0, gt=0, description="share of engine time relative to other jobs")
 
 
+# Which weight sender carries the trainer's weights to the engines, for each place the engines run
+# (rollwise.sync.senders; rollwise.control.placement uses the one this names). `auto` picks it.
+SENDER_FOR_PLACEMENT = {"local": "inprocess", "ray": "ray", "pool": "http"}
+
+
+class SyncConfig(_Section):
+    """How weight updates reach the engines (rollwise.sync): every sender ends in the checked commit."""
+
+    sender: Literal["auto", "inprocess", "ray", "http", "collective"] = Field(
+        "auto", description="auto: the placement's own (local: inprocess, ray: ray object store, pool.url: http); "
+        "collective (gloo/NCCL broadcast) is measured by `bench sync`, not yet a training sender")
+
+
 class TrainConfig(_Section):
     steps: int = Field(40, ge=0)
     lr: float = Field(1e-5, gt=0)
@@ -179,6 +192,7 @@ class RunConfig(_Section):
     placement: Literal["local", "ray"] = "local"
     ray: RayConfig = RayConfig()
     pool: PoolConfig = PoolConfig()
+    sync: SyncConfig = SyncConfig()
     tensorboard: bool = True
     # Multi-turn, tool-using episodes instead of single completions (rollwise.agent); e.g.
     # `rollwise train agent.tools=[calculator]`. None: the single-turn loop.
@@ -196,6 +210,32 @@ class RunConfig(_Section):
         if self.pool.url and self.placement == "ray":
             raise ValueError("pool.url attaches to a shared engine pool, placement=ray starts engine actors: "
                              "choose one (unset pool.url, or use placement=local)")
+        return self
+
+    @property
+    def engines_at(self) -> Literal["local", "ray", "pool"]:
+        """Where the engines run: in this process, as Ray actors, or in a shared pool (pool.url)."""
+        return "pool" if self.pool.url else self.placement
+
+    @property
+    def weight_sender(self) -> str:
+        """The sender the run uses: sync.sender, or the placement's own when it is auto."""
+        return SENDER_FOR_PLACEMENT[self.engines_at] if self.sync.sender == "auto" else self.sync.sender
+
+    @model_validator(mode="after")
+    def _sender_fits_placement(self) -> RunConfig:
+        # Each placement has one way to reach its engines; a sender that cannot reach them is refused
+        # here, before anything starts (e.g. the Ray object store with engines in this process).
+        sender, at = self.sync.sender, self.engines_at
+        if sender not in ("auto", SENDER_FOR_PLACEMENT[at]):
+            where = {"local": "placement=local", "ray": "placement=ray", "pool": "pool.url"}[at]
+            fits = {v: k for k, v in SENDER_FOR_PLACEMENT.items()}.get(sender)
+            how = ({"local": "placement=local (and no pool.url)", "ray": "placement=ray",
+                    "pool": "pool.url=http://..."}[fits] if fits else "no placement in training yet")
+            raise ValueError(f"sync.sender={sender!r} cannot reach the engines of {where} (its sender is "
+                             f"{SENDER_FOR_PLACEMENT[at]!r}); set sync.sender=auto or "
+                             f"sync.sender={SENDER_FOR_PLACEMENT[at]!r}" + (f", or use {how}" if fits else
+                             f" ({sender!r} is used by {how})"))
         return self
 
     @model_validator(mode="after")

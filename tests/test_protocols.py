@@ -163,3 +163,23 @@ def test_controllers_have_the_whole_interface():
     missing = [m for m in members if not hasattr(AgentController, m) and m not in ("ledger", "score_seconds",
                                                                                     "next_group")]
     assert missing == []
+
+
+def test_weight_sender_follows_the_placement_and_refuses_one_that_cannot_reach_the_engines():
+    from pydantic import ValidationError
+
+    from rollwise.config import RunConfig
+
+    base = {"task": {"kind": "reasoning_gym", "name": "basic_arithmetic"}}
+    # auto: each placement's own sender
+    assert RunConfig.model_validate(base).weight_sender == "inprocess"
+    assert RunConfig.model_validate({**base, "placement": "ray"}).weight_sender == "ray"
+    assert RunConfig.model_validate({**base, "pool": {"url": "http://127.0.0.1:1"}}).weight_sender == "http"
+    # naming the placement's own sender is accepted
+    assert RunConfig.model_validate({**base, "placement": "ray", "sync": {"sender": "ray"}}).weight_sender == "ray"
+    # the Ray object store cannot reach engines in this process; nor can a collective (no training sender yet)
+    for placement, sender in (("local", "ray"), ("local", "collective"), ("ray", "inprocess"), ("ray", "http")):
+        with pytest.raises(ValidationError, match=rf"sync.sender='{sender}'.*placement={placement}.*sync.sender=auto"):
+            RunConfig.model_validate({**base, "placement": placement, "sync": {"sender": sender}})
+    with pytest.raises(ValidationError, match="sync.sender"):
+        RunConfig.model_validate({**base, "sync": {"sender": "carrier-pigeon"}})

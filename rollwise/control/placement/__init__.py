@@ -11,12 +11,15 @@ from rollwise.control.placement.base import EngineView, Placement, PlaceRequest,
 
 
 def place(req: PlaceRequest) -> Placement:
+    """The placement where the run's engines are. Each carries weights with one sender (local: in
+    process, ray: the object store, pool: HTTP); `sync.sender` may name it or say auto, and a sender
+    that cannot reach these engines was refused when the config was read (RunConfig)."""
     cfg = req.cfg
-    if cfg.pool.url:
+    if cfg.engines_at == "pool":
         from rollwise.control.placement.pool import place_pool
 
         return place_pool(req)
-    if cfg.placement == "ray":
+    if cfg.engines_at == "ray":
         from rollwise.control.placement.ray import place_ray
 
         return place_ray(req)
