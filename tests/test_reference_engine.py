@@ -425,6 +425,49 @@ def test_timeline_records_running_counts(hf_model):
     assert engine.timeline == []
 
 
+
+def _sim_engine(_hf_model):
+    from rollwise.sim.cost import CostModel
+    from rollwise.sim.engine import SimEngine
+
+    return SimEngine(CostModel(step_overhead_s=0.01, prefill_s_per_token=1e-4, decode_s_per_seq=1e-3,
+                               decode_s_per_ctx_token=1e-6, max_num_seqs=4, max_model_len=64), vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize("make", [lambda m: ReferenceEngine(m, max_num_seqs=4, max_model_len=64), _sim_engine],
+                         ids=["reference", "sim"])
+def test_pause_sleep_and_timeline_rules_are_the_same_for_every_engine(hf_model, make):
+    """The rules of rollwise.engine.state.EngineState, on the real engine and the simulated one."""
+    engine = make(hf_model)
+    engine.add_request(_req("a", _prompt(6), max_tokens=20, ignore_eos=True, n=2, seed=1))
+    engine.step()
+    assert engine.num_running == 2 and engine.timeline[-1][1] == 2
+    with pytest.raises(RuntimeError, match="idle engine"):
+        engine.sleep()  # requests in flight
+    engine.pause()
+    marks = len(engine.timeline)
+    engine.pause()  # idempotent: no second mark
+    assert engine.paused and len(engine.timeline) == marks and engine.timeline[-1][1] == 0
+    assert engine.step() == [] and engine.num_running == 2  # frozen, not dropped
+    engine.resume()
+    engine.resume()
+    assert not engine.paused and len(engine.timeline) == marks + 1 and engine.timeline[-1][1] == 2
+    old = engine.timeline
+    engine.reset_timeline()
+    assert engine.timeline == [] and len(old) == marks + 1  # readers keep what they had
+    tokens = [len(c.token_ids) for c in engine.abort("a")]
+    assert tokens and all(t >= 1 for t in tokens) and not engine.has_unfinished()
+    assert engine.timeline == [(engine.timeline[0][0], 0)]
+    assert engine.sleep() is True and engine.sleeping and engine.load().sleeping
+    with pytest.raises(ValueError, match="sleeping"):
+        engine.add_request(_req("b", _prompt(6), max_tokens=2))
+    engine.wake()
+    engine.wake()
+    assert not engine.sleeping
+    (c,) = engine.generate([_req("c", _prompt(6), max_tokens=3, ignore_eos=True)])
+    assert len(c.token_ids) == 3 and c.finish_reason == "length"
+
+
 # ----------------------------------------------------------------------------- benchmark
 
 

@@ -45,8 +45,9 @@ import torch
 from torch import Tensor, nn
 
 from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, check_weights, run_to_completion
+from rollwise.engine.state import EngineState
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest, SamplingParams
-from rollwise.sync.buckets import ExpectedWeights
+from rollwise.types.weights import ExpectedWeights
 
 
 def vllm_available() -> bool:
@@ -92,7 +93,7 @@ class _Sample:
         )
 
 
-class VLLMEngine:
+class VLLMEngine(EngineState):
     """The engine contract over an in-process vLLM `LLMEngine`.
 
     One per process at a time: vLLM's in-process engine core keeps its parallel groups in module
@@ -123,6 +124,7 @@ class VLLMEngine:
         if other is not None and other._llm is not None:
             raise RuntimeError("a vLLM engine is already running in this process: close() it before starting "
                                "another (vLLM keeps its in-process engine state in globals)")
+        super().__init__()  # paused/sleeping flags, timeline on time.monotonic
         configure_vllm_environment(kv_cache_gib)
         with warnings.catch_warnings():  # torch deprecation warnings raised inside vLLM's imports
             warnings.simplefilter("ignore", FutureWarning)
@@ -197,9 +199,6 @@ class VLLMEngine:
 
         self._samples: dict[str, _Sample] = {}  # vLLM request id -> sample
         self._children: dict[str, list[str]] = {}  # our request id -> its unfinished vLLM request ids
-        self._paused = False
-        self._sleeping = False
-        self.timeline: list[tuple[float, int]] = []
         self.stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
         self.on_tokens: Callable[[str, int, int, float, int], None] | None = None
 
@@ -221,19 +220,9 @@ class VLLMEngine:
     def num_waiting(self) -> int:
         return len(self._scheduler().waiting)
 
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
-    @property
-    def sleeping(self) -> bool:
-        return self._sleeping
-
     def has_unfinished(self) -> bool:
+        # The base's per-request counts are not kept here: a sample is a vLLM request of its own (_samples).
         return bool(self._samples)
-
-    def reset_timeline(self) -> None:
-        self.timeline = []
 
     def load(self) -> EngineLoad:
         usage = self._scheduler().kv_cache_manager.usage
@@ -241,7 +230,7 @@ class VLLMEngine:
             running=self.num_running, waiting=self.num_waiting, max_num_seqs=self.max_num_seqs,
             kv_cache_usage=float(usage), prompt_tokens=self.stats["prompt_tokens"],
             cached_prompt_tokens=self.stats["cached_prompt_tokens"], generated_tokens=self.stats["generated_tokens"],
-            paused=self._paused, sleeping=self._sleeping, policy_version=self._version,
+            paused=self.paused, sleeping=self.sleeping, policy_version=self._version,
         )
 
     def model_info(self) -> ModelInfo:
@@ -256,7 +245,7 @@ class VLLMEngine:
     def add_request(self, req: GenerationRequest) -> None:
         # No max_num_seqs check: the n samples are n independent vLLM requests, queued if need be.
         check_request(req, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                      in_flight=req.request_id in self._children, sleeping=self._sleeping)
+                      in_flight=req.request_id in self._children, sleeping=self.sleeping)
         from vllm.inputs import TokensPrompt
 
         base_seed = req.params.seed
@@ -300,14 +289,14 @@ class VLLMEngine:
             return []
         self._llm.abort_request(vids)
         aborted = [self._samples.pop(vid).completion("abort") for vid in vids if vid in self._samples]
-        self._mark_timeline()
+        self.mark_timeline()
         return sorted(aborted, key=lambda c: c.index)
 
     # ---------------------------------------------------------------- the loop
 
     def step(self) -> list[Completion]:
-        if self._paused or self._sleeping or not self._samples:
-            return []
+        if self.paused or self.sleeping or not self._samples:
+            return []  # paused: in-flight requests keep their KV and tokens inside vLLM until resume()
         if self._omp_threads is not None and torch.get_num_threads() != self._omp_threads:
             torch._C._set_num_threads(self._omp_threads)  # this thread (see __init__)
         finished: list[Completion] = []
@@ -330,7 +319,7 @@ class VLLMEngine:
             if out.finished:
                 finished.append(self._finish(out, sample))
         self.stats["steps"] += 1
-        self._mark_timeline()
+        self.mark_timeline()
         return finished
 
     def _finish(self, out: Any, sample: _Sample) -> Completion:
@@ -351,21 +340,6 @@ class VLLMEngine:
     ) -> list[Completion]:
         return run_to_completion(self, requests, progress)
 
-    def pause(self) -> None:
-        """In-flight requests keep their KV and tokens inside vLLM; nothing runs until resume()."""
-        if not self._paused:
-            self._paused = True
-            self.timeline.append((time.monotonic(), 0))
-
-    def resume(self) -> None:
-        if self._paused:
-            self._paused = False
-            self._mark_timeline()
-
-    def _mark_timeline(self) -> None:
-        running = 0 if self._paused else self.num_running
-        self.timeline.append((time.monotonic(), running))
-
     # ---------------------------------------------------------------- weights and memory
 
     def update_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
@@ -379,18 +353,16 @@ class VLLMEngine:
         self._llm.reset_prefix_cache(reset_running_requests=True)
         self._version = version
 
-    def sleep(self) -> bool:
-        if self._samples:
-            raise RuntimeError("sleep() needs an idle engine: finish or abort its requests first")
-        if self.device != "cpu":
-            self._llm.sleep(level=1)  # weights to host memory, KV cache freed
-        self._sleeping = True
-        return self.device != "cpu"
+    def _free_memory(self) -> bool:
+        """sleep(): vLLM's sleep mode on GPU; its CPU worker ignores it, so on CPU nothing is freed."""
+        if self.device == "cpu":
+            return False
+        self._llm.sleep(level=1)  # weights to host memory, KV cache freed
+        return True
 
-    def wake(self) -> None:
-        if self._sleeping and self.device != "cpu":
+    def _restore_memory(self) -> None:
+        if self.device != "cpu":
             self._llm.wake_up()
-        self._sleeping = False
 
     def close(self) -> None:
         """Shut vLLM down now (not whenever the garbage collector gets to it: a late shutdown would tear

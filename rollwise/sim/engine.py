@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, run_to_completion
+from rollwise.engine.state import EngineState
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest
 from rollwise.sim.routing import BlockLRU
 from rollwise.sim.cost import CostModel
@@ -77,7 +78,7 @@ class _Op:
     stall: bool = False
 
 
-class SimEngine:
+class SimEngine(EngineState):
     name = "sim"
 
     def __init__(self, cost: CostModel, *, clock: VirtualClock | None = None, policy_version: int = 0,
@@ -85,6 +86,7 @@ class SimEngine:
                  seed: int = 0, engine_id: str = "sim-0", cache_history: bool = True) -> None:
         self.cost = cost
         self.clock = clock or VirtualClock()
+        super().__init__(self.clock)  # paused/sleeping flags, unfinished requests, timeline on the virtual clock
         self.engine_id = engine_id
         self.max_num_seqs = cost.max_num_seqs
         self.max_model_len = cost.max_model_len
@@ -104,16 +106,12 @@ class SimEngine:
         self.running: dict[tuple[str, int], _Seq] = {}
         self._heap: list[tuple[int, int, tuple[str, int]]] = []  # (finish_d, tiebreak, key)
         self._tiebreak = 0
-        self._unfinished: dict[str, int] = {}
         self._d = 0  # decode iterations done
         self._prompt_sum = 0  # Σ prompt_len over running
         self._base_sum = 0  # Σ base over running
         self.op: _Op | None = None
         self.op_serial = 0  # bumped whenever the current op's end changes (the cluster's heap key)
         self.slowdown = 1.0
-        self._paused = False
-        self._sleeping = False
-        self.timeline: list[tuple[float, int]] = []
         self.stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0, "steps": 0,
                       "prefix_cache_hit_tokens": 0, "prefill_tokens": 0}
         self.prefix_cache = BlockLRU(cost.prefix_cache_tokens, cost.block_size) if cost.prefix_cache_tokens else None
@@ -134,17 +132,6 @@ class SimEngine:
         return sum(r.params.n for r in self.waiting)
 
     @property
-    def paused(self) -> bool:
-        return self._paused
-
-    @property
-    def sleeping(self) -> bool:
-        return self._sleeping
-
-    def has_unfinished(self) -> bool:
-        return bool(self._unfinished)
-
-    @property
     def unfinished_samples(self) -> int:
         """Samples submitted and not finished yet (running or waiting)."""
         return sum(self._unfinished.values())
@@ -161,7 +148,7 @@ class SimEngine:
             running=self.num_running, waiting=self.num_waiting, max_num_seqs=self.max_num_seqs,
             kv_cache_usage=min(1.0, self.context_tokens() / self.cost.kv_capacity_tokens),
             prompt_tokens=self.stats["prompt_tokens"], cached_prompt_tokens=self.stats["cached_prompt_tokens"],
-            generated_tokens=self.stats["generated_tokens"], paused=self._paused, sleeping=self._sleeping,
+            generated_tokens=self.stats["generated_tokens"], paused=self.paused, sleeping=self.sleeping,
             policy_version=self._version,
         )
 
@@ -171,17 +158,11 @@ class SimEngine:
                          eos_token_ids=sorted(self.eos_token_ids), tokenizer_fingerprint=None,
                          policy_version=self._version)
 
-    def reset_timeline(self) -> None:
-        self.timeline = []
-
-    def _mark(self) -> None:
-        self.timeline.append((self.clock.now, 0 if self._paused else len(self.running)))
-
     # ------------------------------------------------------------ commands (between steps)
 
     def add_request(self, req: GenerationRequest) -> None:
         check_request(req, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                      in_flight=req.request_id in self._unfinished, sleeping=self._sleeping,
+                      in_flight=req.request_id in self._unfinished, sleeping=self.sleeping,
                       max_num_seqs=self.max_num_seqs)
         self.waiting.append(req)
         self._unfinished[req.request_id] = req.params.n
@@ -202,7 +183,7 @@ class SimEngine:
         for key in [(request_id, i) for i in range(n) if (request_id, i) in self.running]:
             seq = self._remove(key)
             aborted.append(self._completion(seq, seq.tokens_at(d_end), "abort"))
-        self._mark()
+        self.mark_timeline()
         return sorted(aborted, key=lambda c: c.index)
 
     def update_weights(self, state_dict: Mapping[str, Any] | None, version: int) -> None:
@@ -220,26 +201,18 @@ class SimEngine:
             self._pending_version = version
 
     def pause(self) -> None:
-        if not self._paused:
-            self._paused = True
-            self._cut()
-            self._mark()
+        if not self.paused:
+            self._cut()  # the op in progress stops at the next step boundary, as the real engine would
+        super().pause()
 
-    def resume(self) -> None:
-        if self._paused:
-            self._paused = False
-            self._mark()
-
-    def sleep(self) -> bool:
-        if self._unfinished:
-            raise RuntimeError("sleep() needs an idle engine: finish or abort its requests first")
+    def _free_memory(self) -> bool:
+        """sleep(): no memory to free; the prefix cache is emptied, as a real engine's would be."""
         if self.prefix_cache is not None:
             self.prefix_cache = BlockLRU(self.cost.prefix_cache_tokens, self.cost.block_size)
-        self._sleeping = True
         return True
 
-    def wake(self) -> None:
-        self._sleeping = False
+    def _restore_memory(self) -> None:
+        pass  # nothing was freed
 
     def set_slowdown(self, factor: float) -> None:
         """Engine steps run `factor` times slower from the next step boundary (e.g. the trainer shares cores)."""
@@ -251,7 +224,7 @@ class SimEngine:
 
     def step(self) -> list[Completion]:
         """One scheduler iteration; the clock moves to its end. Paused: does nothing."""
-        if self._paused:
+        if self.paused:
             return []
         finished: list[Completion] = []
         if self.op is not None:  # a weight-update stall (or a plan the cluster started): finish it first
@@ -272,7 +245,7 @@ class SimEngine:
         """At clock.now, with no op in progress: admit, plan steps until the next finish; returns the
         op's end time, or None when there is nothing to do (idle, paused)."""
         assert self.op is None, "an op is already in progress"
-        if self._paused or self._sleeping:
+        if self.paused or self.sleeping:
             return None
         now = self.clock.now
         prefill = self._admit() + self._reprefill
@@ -287,7 +260,7 @@ class SimEngine:
         duration = self.cost.steps_duration(k, batch, ctx0, prefill) * self.slowdown
         self.op = _Op(now, self._d, k, batch, ctx0, prefill, self.slowdown, now + duration)
         self.op_serial += 1
-        self._mark()
+        self.mark_timeline()
         return self.op.end
 
     def finish_op(self) -> list[Completion]:
@@ -295,7 +268,7 @@ class SimEngine:
         op, self.op = self.op, None
         assert op is not None
         if op.stall:
-            self._mark()
+            self.mark_timeline()
             return []
         self._d = op.d0 + op.k
         self.stats["steps"] += op.k
@@ -315,7 +288,7 @@ class SimEngine:
             self._apply_version(self._pending_version)
             self._pending_version = None
             self._start_stall()
-        self._mark()
+        self.mark_timeline()
         return finished
 
     # ------------------------------------------------------------ internals
@@ -419,9 +392,7 @@ class SimEngine:
         return seq
 
     def _retire(self, request_id: str) -> None:
-        self._unfinished[request_id] -= 1
-        if not self._unfinished[request_id]:
-            del self._unfinished[request_id]
+        if self._sample_returned(request_id):
             del self._n_of[request_id]
 
     def _versions(self, seq: _Seq, n: int) -> list[int]:

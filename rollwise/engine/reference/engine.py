@@ -8,7 +8,6 @@ turns finished sequences into Completions. Sequences join and leave the running 
 from __future__ import annotations
 
 import heapq
-import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from rollwise.engine.reference.model import LlamaFamilyModel
 from rollwise.engine.reference.prefix_cache import PrefixCache, prefill_with_prefix
 from rollwise.engine.reference.sampling import needs_processing, process_logits, sample, scaled_logprobs, top_logprobs
 from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, run_to_completion
+from rollwise.engine.state import EngineState
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest
 
 
@@ -79,7 +79,7 @@ class Scheduler:
         heapq.heappush(self._free, slot)
 
 
-class ReferenceEngine:
+class ReferenceEngine(EngineState):
     """Continuous-batching generation with exact fp32 logprobs and per-token policy versions."""
 
     name = "reference"
@@ -98,6 +98,7 @@ class ReferenceEngine:
         model_name: str = "model",
         tokenizer_fingerprint: str | None = None,
     ) -> None:
+        super().__init__()  # paused/sleeping flags, unfinished requests, timeline on time.monotonic
         # from_hf copies the weights: the trainer keeps training hf_model, the engine samples from its copy.
         self.model = LlamaFamilyModel.from_hf(hf_model, dtype=dtype)
         self.max_num_seqs = max_num_seqs
@@ -112,10 +113,6 @@ class ReferenceEngine:
         else:
             self._generator.manual_seed(seed)
         self.scheduler = Scheduler(max_num_seqs)
-        self._unfinished: dict[str, int] = {}  # request id -> samples not yet returned
-        self.timeline: list[tuple[float, int]] = []
-        self._paused = False
-        self._sleeping = False
         self.model_name = model_name
         self.fingerprint = tokenizer_fingerprint
         self.stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0, "steps": 0,
@@ -141,41 +138,22 @@ class ReferenceEngine:
     def num_waiting(self) -> int:
         return sum(r.params.n for r in self.scheduler.waiting)
 
-    def has_unfinished(self) -> bool:
-        return bool(self._unfinished)
-
-    def reset_timeline(self) -> None:
-        self.timeline = []
-
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
-    @property
-    def sleeping(self) -> bool:
-        return self._sleeping
-
-    def sleep(self) -> bool:
-        """Free the KV cache (weights stay: they are the only copy); wake() allocates it again."""
-        if self._unfinished:
-            raise RuntimeError("sleep() needs an idle engine: finish or abort its requests first")
+    def _free_memory(self) -> bool:
+        """sleep(): free the KV cache (weights stay: they are the only copy); wake() allocates it again."""
         self.cache = None
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
-        self._sleeping = True
         return True
 
-    def wake(self) -> None:
-        if self._sleeping:
-            self.cache = self.model.new_cache(self.max_num_seqs, self.max_model_len)
-            self._sleeping = False
+    def _restore_memory(self) -> None:
+        self.cache = self.model.new_cache(self.max_num_seqs, self.max_model_len)
 
     def load(self) -> EngineLoad:
         return EngineLoad(
             running=self.num_running, waiting=self.num_waiting, max_num_seqs=self.max_num_seqs,
             kv_cache_usage=self.num_running / self.max_num_seqs,  # one fixed-size slot per sequence
             prompt_tokens=self.stats["prompt_tokens"], cached_prompt_tokens=self.stats["cached_prompt_tokens"],
-            generated_tokens=self.stats["generated_tokens"], paused=self._paused, sleeping=self._sleeping,
+            generated_tokens=self.stats["generated_tokens"], paused=self.paused, sleeping=self.sleeping,
             policy_version=self._version,
         )
 
@@ -187,23 +165,11 @@ class ReferenceEngine:
             policy_version=self._version,
         )
 
-    def pause(self) -> None:
-        """Stop generating; running sequences keep their KV and tokens and continue on resume().
-        The timeline records 0 running sequences while paused: a paused engine generates nothing."""
-        if not self._paused:
-            self._paused = True
-            self.timeline.append((time.monotonic(), 0))
-
-    def resume(self) -> None:
-        if self._paused:
-            self._paused = False
-            self._mark_timeline()
-
     # ---------------------------------------------------------------- requests
 
     def add_request(self, req: GenerationRequest) -> None:
         check_request(req, max_model_len=self.max_model_len, vocab_size=self.model.config.vocab_size,
-                      in_flight=req.request_id in self._unfinished, sleeping=self._sleeping,
+                      in_flight=req.request_id in self._unfinished, sleeping=self.sleeping,
                       max_num_seqs=self.max_num_seqs)
         self.scheduler.waiting.append(req)
         self._unfinished[req.request_id] = req.params.n
@@ -219,7 +185,7 @@ class ReferenceEngine:
         for seq in [s for s in self.scheduler.running.values() if s.request.request_id == request_id]:
             self.scheduler.release(seq.slot)
             aborted.append(seq.completion("abort"))
-        self._mark_timeline()
+        self.mark_timeline()
         return sorted(aborted, key=lambda c: c.index)
 
     # ---------------------------------------------------------------- the loop
@@ -228,7 +194,7 @@ class ReferenceEngine:
         """One scheduler iteration: prefill newly admitted requests (sampling their first tokens),
         then one decode step for every running sequence. Returns the samples that finished.
         A paused engine does nothing and returns []."""
-        if self._paused:
+        if self.paused:
             return []
         finished: list[Completion] = []
         # Requests admitted together with the same prompt (e.g. GRPO samples submitted one request
@@ -238,11 +204,11 @@ class ReferenceEngine:
             groups.setdefault(tuple(request.prompt_ids), []).append((request, slots))
         for group in groups.values():
             finished += self._prefill(group)
-        self._mark_timeline()
+        self.mark_timeline()
         if self.scheduler.running:
             finished += self._decode()
         self.stats["steps"] += 1
-        self._mark_timeline()
+        self.mark_timeline()
         return finished
 
     def generate(
@@ -324,7 +290,7 @@ class ReferenceEngine:
             if reason is not None:
                 self._cache_history(seq)
                 self.scheduler.release(seq.slot)
-                self._retire(seq.request.request_id)
+                self._sample_returned(seq.request.request_id)
                 finished.append(seq.completion(reason))
         return finished
 
@@ -368,13 +334,6 @@ class ReferenceEngine:
             tokens = list(seq.request.prompt_ids) + seq.token_ids[:-1]
             self.prefix_cache.insert(tokens, self.cache.k[:, seq.slot], self.cache.v[:, seq.slot])
 
-    def _retire(self, request_id: str) -> None:
-        self._unfinished[request_id] -= 1
-        if not self._unfinished[request_id]:
-            del self._unfinished[request_id]
-
-    def _mark_timeline(self) -> None:
-        self.timeline.append((time.monotonic(), 0 if self._paused else self.num_running))
 
 
 def _default_eos(hf_model: nn.Module) -> list[int]:
