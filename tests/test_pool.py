@@ -161,9 +161,9 @@ def test_a_switched_slot_admits_the_new_jobs_work_at_once(monkeypatch):
     """Job b submits while the only slot sits idle with job a's engine: the slot switches to b and admits
     b's requests right away, not at its next idle re-plan (made 30 s long here; it used to cost every
     switch up to one idle tick, which the simulator's validation against bench mux exposed)."""
-    import rollwise.pool.server as pool_server
+    import rollwise.pool.slots as pool_slots
 
-    monkeypatch.setattr(pool_server, "IDLE_TICK_S", 30.0)
+    monkeypatch.setattr(pool_slots, "IDLE_TICK_S", 30.0)
     pool = _pool(1)
     with serve_in_thread(create_app(pool)) as (url, _):
         a, _, _ = _attach(url, "a", "tiny:0")
@@ -249,7 +249,7 @@ def test_tokens_guard_each_job_and_bad_input_names_the_field():
         for w in (wa, wb):
             w.close()
         metrics = http.get("/metrics").text
-        assert 'rollwise_pool_job_engine_seconds{job="a"}' in metrics
+        assert 'rollwise_pool_job_engine_seconds_total{job="a"}' in metrics  # prometheus_client names counters *_total
         # a trainer that dies without detaching is detached once it has been silent for job_timeout_s
         assert pool.reap() == []
         assert sorted(pool.reap(now=time.monotonic() + pool.job_timeout_s + 1)) == ["a", "e"]

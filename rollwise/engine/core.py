@@ -8,7 +8,7 @@ the middle of a step. Finished samples come out of `completions`, in finishing o
 
 `EngineWorker` is the local `RolloutBackend` (rollwise.protocols); the Ray engine actor, the engine
 server and the pool's slots run one each. The pool swaps which engine a worker steps with
-`swap_engine` (a slot serves one job's engine at a time).
+`swap_engine` (a slot serves one job's engine at a time; `None`: an idle worker that steps nothing).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ T = TypeVar("T")
 
 
 class EngineWorker:
-    def __init__(self, engine: Any, name: str = "engine-0") -> None:
+    def __init__(self, engine: Any | None, name: str = "engine-0") -> None:
         self.engine = engine
         self.completions: queue.Queue[Completion] = queue.Queue()
         self._commands: queue.Queue[tuple[Callable[[Any], Any], Future]] = queue.Queue()
@@ -92,8 +92,8 @@ class EngineWorker:
         """Placement metrics for the step record: one local engine has none (a fleet reports restarts)."""
         return {}
 
-    def swap_engine(self, engine: Any) -> Any:
-        """Step `engine` from now on (between two steps); returns the engine it replaced. Not from
+    def swap_engine(self, engine: Any | None) -> Any | None:
+        """Step `engine` from now on (between two steps; None: step nothing); returns the engine it replaced. Not from
         inside `call` (it waits for the worker thread): there, assign `worker.engine` directly."""
 
         def swap(old: Any) -> Any:
@@ -134,12 +134,14 @@ class EngineWorker:
                 except BaseException as exc:  # the caller sees it; the engine keeps serving
                     future.set_exception(exc)
 
+    def _busy(self) -> bool:
+        return self.engine is not None and self.engine.has_unfinished() and not self.engine.paused
+
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                busy = self.engine.has_unfinished() and not self.engine.paused
-                self._run_commands(block=not busy)
-                if self.engine.has_unfinished() and not self.engine.paused:
+                self._run_commands(block=not self._busy())
+                if self._busy():
                     started = time.perf_counter()
                     finished = self.engine.step()
                     self.step_seconds += time.perf_counter() - started

@@ -49,7 +49,7 @@ from rollwise.engine.contract import add_all
 from rollwise.engine.factory import describe_engine
 from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
 from rollwise.model.loading import tokenizer_fingerprint
-from rollwise.rollout.worker import EngineWorker
+from rollwise.engine.core import EngineWorker
 from rollwise.serve.openai_schemas import (  # the request bodies
     AbortRequest,
     ChatCompletionRequest,

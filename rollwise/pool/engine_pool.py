@@ -1,0 +1,339 @@
+"""The pool's core: engines (slots), the jobs attached to them, and their requests, weights and accounting.
+
+`EnginePool` holds the state and answers the API's calls (attach, weights, submit, abort, poll, pause, detach,
+state); its slot threads run `SlotLoops` (rollwise.pool.slots). rollwise.pool.app puts it on HTTP.
+Locks: `lock` guards jobs, queues, slot assignments and accounting; each `Job.lock` a job's weights,
+activation and pause (taken before `lock` when both are held).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+import uuid
+from typing import Any
+
+from rollwise.config import EngineConfig
+from rollwise.engine.core import EngineWorker
+from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.pool.jobs import Job, PoolError, QueuedRequest, Slot, Waiter, empty_abort, stamp
+from rollwise.pool.scheduler import Policy
+from rollwise.pool.slots import SlotLoops
+from rollwise.pool.states import ACTIVE, EVICTED, StateMachine
+from rollwise.pool.weights import JobWeights, parse_weight_upload
+from rollwise.sync.buckets import ExpectedWeights, WeightReceiver, WeightUpdateError
+
+
+class EnginePool(SlotLoops):
+    """The engines, the jobs, and the slot loops that time-slice one over the other."""
+
+    def __init__(self, num_engines: int = 1, *, max_num_seqs: int = 16, max_model_len: int = 1024,
+                 policy: Policy | None = None, max_sleeping: int = 4, seed: int | None = 0,
+                 prefix_cache_tokens: int = 0, job_timeout_s: float = 120.0) -> None:
+        if num_engines < 1:
+            raise ValueError(f"--engines must be >= 1, got {num_engines}")
+        if max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {max_num_seqs}")
+        if max_model_len < 16:
+            raise ValueError(f"--max-model-len must be >= 16, got {max_model_len}")
+        if max_sleeping < 0:
+            raise ValueError(f"--max-sleeping must be >= 0, got {max_sleeping}")
+        if job_timeout_s <= 0:
+            raise ValueError(f"--job-timeout must be > 0 seconds, got {job_timeout_s}")
+        self.job_timeout_s = job_timeout_s
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        # every job's engines: the reference engine (a job's max_model_len may be shorter than the pool's)
+        self.engine_config = EngineConfig(kind="reference", max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+        self.policy = policy or Policy()
+        self.max_sleeping = max_sleeping
+        self.seed = seed
+        self.prefix_cache_tokens = prefix_cache_tokens
+        self.lock = threading.RLock()  # jobs, queues, slot assignments, accounting
+        self.states = StateMachine(num_engines)
+        self.jobs: dict[str, Job] = {}
+        self.detached: dict[str, dict[str, Any]] = {}  # accounting of jobs that left
+        self._by_internal: dict[str, QueuedRequest] = {}
+        self.slots = [Slot(i, max_num_seqs, EngineWorker(None, name=f"pool-engine-{i}"))
+                      for i in range(num_engines)]
+        self.isolation_checks = 0  # admissions checked: engine owner == job and weights == job's current
+        self.violations: list[str] = []  # must stay empty
+        self.t0 = time.monotonic()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._slot_loop, args=(s,), name=f"pool-slot-{s.index}",
+                                          daemon=True) for s in self.slots]
+        self._threads.append(threading.Thread(target=self._reaper, name="pool-reaper", daemon=True))
+        self._started = False
+        self._kick = threading.Condition()
+        self._kicks = 0
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            for t in self._threads:
+                t.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.kick()  # idle slot loops wake now instead of at their next idle tick
+        with self.lock:
+            jobs = list(self.jobs.values())
+        for job in jobs:  # long polls return now
+            job.out.close()
+        for t in self._threads:
+            if t.is_alive():
+                t.join(timeout=30)
+        for s in self.slots:
+            s.worker.close()
+
+    # ------------------------------------------------------------ jobs
+
+    def attach(self, name: str, model: str, priority: float, fingerprint: str | None) -> Job:
+        from rollwise.model.loading import load_model, tokenizer_fingerprint
+
+        with self.lock:
+            if name in self.jobs:
+                raise PoolError(409, f"job {name!r} is already attached to this pool: detach it first "
+                                     "(DELETE /jobs/{job}) or attach under another name (pool.job=...)", "job")
+        try:
+            template, tokenizer = load_model(model)
+        except Exception as exc:  # noqa: BLE001 - unknown spec, missing directory
+            raise PoolError(400, f"model {model!r} cannot be loaded by the pool: {exc}", "model") from exc
+        own = tokenizer_fingerprint(tokenizer)
+        if fingerprint is not None and fingerprint != own:
+            raise PoolError(409, f"tokenizer fingerprint mismatch: the pool loads {model!r} with tokenizer "
+                                 f"{own[:16]}..., the trainer's is {fingerprint[:16]}...; the engine would sample "
+                                 "token ids the trainer reads differently. Start the trainer and the pool from the "
+                                 "same model/tokenizer files", "tokenizer_fingerprint")
+        template.eval()
+        max_len = min(self.max_model_len, getattr(template.config, "max_position_embeddings", None) or self.max_model_len)
+        job = Job(name=name, token=secrets.token_urlsafe(24), priority=priority, model=model, fingerprint=own,
+                   template=template, tokenizer=tokenizer, expected=ExpectedWeights.of_module(template),
+                   vocab_size=int(template.config.vocab_size),
+                   eos_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None,
+                   max_model_len=max_len)
+        with self.lock:
+            if name in self.jobs:
+                raise PoolError(409, f"job {name!r} is already attached to this pool", "job")
+            self.jobs[name] = job
+        return job
+
+    def job(self, name: str, token: str | None) -> Job:
+        """The job, if `token` is its token: unknown job 404, any other token 403."""
+        with self.lock:
+            job = self.jobs.get(name)
+        if job is None:
+            raise PoolError(404, f"no job {name!r} is attached to this pool")
+        if token is None or not secrets.compare_digest(token, job.token):
+            raise PoolError(403, f"this token does not belong to job {name!r}: every call for a job must carry "
+                                 "the token its attach returned (Authorization: Bearer TOKEN)", "authorization")
+        job.last_seen = time.monotonic()
+        return job
+
+    def reap(self, now: float | None = None) -> list[str]:
+        """Detach jobs that made no call for job_timeout_s (their trainer died without detaching): their
+        queued work is dropped and their engines evicted, so they stop holding slots and host memory."""
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            dead = [j for j in self.jobs.values() if now - j.last_seen > self.job_timeout_s]
+        for job in dead:
+            try:
+                report = self.detach(job)
+            except PoolError:
+                continue
+            report["detached_because"] = f"no call for {now - job.last_seen:.0f}s (> {self.job_timeout_s:g}s)"
+        return [j.name for j in dead]
+
+    def _reaper(self) -> None:
+        while not self._stop.wait(min(5.0, self.job_timeout_s / 4)):
+            try:
+                self.reap()
+            except Exception as exc:  # noqa: BLE001 - never take the pool down
+                self.slots[0].errors.append(f"reaper: {exc!r}")
+
+    def detach(self, job: Job) -> dict[str, Any]:
+        with self.lock:
+            if self.jobs.get(job.name) is not job:
+                raise PoolError(404, f"no job {job.name!r} is attached to this pool")
+            del self.jobs[job.name]
+            job.detached = True
+        self.abort(job, list(job.requests))
+        with job.lock:
+            for slot in self.slots:
+                inst = slot.instances.pop(job.name, None)
+                state = self.states.state(slot.index, job.name)
+                if inst is None or state is EVICTED:
+                    continue
+                t = time.perf_counter()
+                # Under job.lock no switch moves this job's engine in or out of the slot: the check holds.
+                if state is ACTIVE and slot.worker.engine is inst:
+                    slot.worker.swap_engine(None)
+                self.states.transition(slot.index, job.name, EVICTED, time.perf_counter() - t, "job detached")
+                with self.lock:
+                    self._account(slot, time.monotonic())
+                    if slot.job == job.name:
+                        slot.job, slot.running = None, 0
+        job.out.close()  # its long polls return now
+        report = self._job_report(job)
+        with self.lock:
+            self.detached[job.name] = report
+        return report
+
+    # ------------------------------------------------------------ weights
+
+    def update_weights(self, job: Job, body: bytes) -> dict[str, Any]:
+        """A whole update (manifest + flat buckets), checked like any transport's (rollwise.sync.buckets)."""
+        staged = parse_weight_upload(body)
+        t = time.perf_counter()
+        with job.lock:
+            if job.detached:
+                raise PoolError(404, f"job {job.name!r} detached")
+            previous = job.version
+            target = JobWeights(self.slots, self.states, job)
+            try:
+                WeightReceiver(target, job.fingerprint, expected=job.expected).commit(staged)
+            except WeightUpdateError as exc:
+                raise PoolError(400, str(exc), "body") from exc
+        return {"job": job.name, "policy_version": staged.manifest.version, "previous_version": previous,
+                "applied_to_slots": target.applied, "bytes": staged.manifest.total_bytes,
+                "seconds": time.perf_counter() - t}
+
+    # ------------------------------------------------------------ requests
+
+    def submit(self, job: Job, requests: list[tuple[str, list[int], SamplingParams]],
+               waiter: Waiter | None = None) -> list[QueuedRequest]:
+        """Queue every request or none (ValueError-style problems are PoolError 400/409, naming the field)."""
+        if job.version is None:
+            raise PoolError(409, f"job {job.name!r} has no weights yet: push them (PUT /jobs/{{job}}/weights) first")
+        seen: set[str] = set()
+        for i, (rid, prompt, params) in enumerate(requests):
+            where = f"requests[{i}]"
+            if rid in seen or rid in job.requests:
+                raise PoolError(409, f"{where}.request_id {rid!r} is already in flight for this job; use another",
+                                f"{where}.request_id")
+            seen.add(rid)
+            if not prompt:
+                raise PoolError(400, f"{where}.prompt_ids must not be empty", f"{where}.prompt_ids")
+            bad = next((j for j, t in enumerate(prompt) if not 0 <= t < job.vocab_size), None)
+            if bad is not None:
+                raise PoolError(400, f"{where}.prompt_ids[{bad}] = {prompt[bad]} is outside the vocabulary "
+                                     f"[0, {job.vocab_size})", f"{where}.prompt_ids")
+            if len(prompt) >= job.max_model_len:
+                raise PoolError(400, f"{where}.prompt_ids has {len(prompt)} tokens, which leaves no room to generate "
+                                     f"within max_model_len={job.max_model_len}", f"{where}.prompt_ids")
+            if params.n > self.max_num_seqs:
+                raise PoolError(400, f"{where}.params.n must be <= max_num_seqs ({self.max_num_seqs}): a request's "
+                                     "samples share one prefill and run together", f"{where}.params.n")
+        made = []
+        with self.lock:
+            if job.detached:
+                raise PoolError(404, f"job {job.name!r} detached")
+            taken = next((i for i, (rid, _, _) in enumerate(requests) if rid in job.requests), None)
+            if taken is not None:  # submitted meanwhile by another call of this job
+                raise PoolError(409, f"requests[{taken}].request_id {requests[taken][0]!r} is already in flight "
+                                     "for this job; use another", f"requests[{taken}].request_id")
+            for rid, prompt, params in requests:
+                internal = uuid.uuid4().hex
+                req = QueuedRequest(internal, rid, job.name, GenerationRequest(internal, list(prompt), params), params.n,
+                               waiter=waiter)
+                job.queue.append(req)
+                job.requests[rid] = req
+                self._by_internal[internal] = req
+                made.append(req)
+        self.kick()
+        return made
+
+    def abort(self, job: Job, public_ids: list[str]) -> tuple[list[dict[str, Any]], int]:
+        """Abort the job's requests: (their samples, finish_reason 'abort', with the tokens so far; upto):
+        every sample of this job that finished before the abort is in the outbox with seq <= upto."""
+        out: list[dict[str, Any]] = []
+        by_slot: dict[int, list[QueuedRequest]] = {}
+        with self.lock:
+            for rid in public_ids:
+                req = job.requests.get(rid)
+                if req is None:
+                    continue  # finished already (its samples are in the outbox) or unknown
+                if req.slot is None:
+                    job.queue.remove(req)
+                    done = {c.index for c in req.done}
+                    out += [stamp(empty_abort(req, i), req, -1) for i in range(req.request.params.n) if i not in done]
+                    self._forget(job, req)
+                else:
+                    by_slot.setdefault(req.slot, []).append(req)
+        for index, reqs in by_slot.items():
+            slot = self.slots[index]
+            with slot.route_lock:
+                # On the job's own engine there (the slot may have switched away since: then the requests
+                # finished, and their samples are routed by _drain below).
+                inst = slot.instances.get(job.name)
+                ids = [r.internal_id for r in reqs]
+                aborted = [] if inst is None else slot.worker.call(
+                    lambda _e, inst=inst, ids=ids: [c for rid in ids for c in inst.abort(rid)])
+                self._drain(slot)  # samples that finished before the abort reach the outbox first
+                with self.lock:
+                    for c in aborted:
+                        req = self._by_internal.get(c.request_id)
+                        if req is None:
+                            continue
+                        self._count_finished(slot, job, req, c)
+                        out.append(stamp(c, req, slot.index))
+        return out, job.out.seq
+
+    def poll(self, job: Job, after: int, timeout: float) -> dict[str, Any]:
+        """Acknowledge `after`; the job's completions after it, waiting up to `timeout` (30 s at most) for one."""
+        entries = [{**entry, "seq": seq} for seq, entry in job.out.poll(after, min(timeout, 30.0))]
+        with self.lock:
+            timeline, job.timeline = job.timeline, []
+        return {"completions": entries, "seq": job.out.seq, "timeline": timeline, "now": time.monotonic(),
+                "policy_version": job.version}
+
+    def set_paused(self, job: Job, paused: bool) -> None:
+        with job.lock:
+            job.paused = paused
+            for slot in self.slots:
+                inst = slot.instances.get(job.name)
+                if inst is not None and self.states.state(slot.index, job.name) is ACTIVE:
+                    slot.worker.call(lambda _e, inst=inst: inst.pause() if paused else inst.resume())
+        self.kick()
+
+    # ------------------------------------------------------------ the slot loops
+
+
+    # ------------------------------------------------------------ reports
+
+    def _job_report(self, job: Job) -> dict[str, Any]:
+        return {
+            "job": job.name, "model": job.model, "priority": job.priority, "policy_version": job.version,
+            "paused": job.paused, "queued_samples": job.queued_samples(), "running_samples": job.running,
+            "requests_in_flight": len(job.requests), "requests_admitted": job.requests_admitted,
+            "samples": job.samples, "tokens": job.tokens,
+            "engine_seconds_allocated": job.allocated_s, "engine_seconds_busy": job.busy_s,
+            "engine_seconds_transitions": job.transition_s, "engine_hours": job.allocated_s / 3600,
+            "attached_s": time.monotonic() - job.attached_at,
+        }
+
+    def state(self) -> dict[str, Any]:
+        with self.lock:
+            now = time.monotonic()
+            for s in self.slots:
+                self._account(s, now)
+            uptime = now - self.t0
+            held = len(self.slots) * uptime
+            allocated = sum(j.allocated_s for j in self.jobs.values()) + sum(
+                d["engine_seconds_allocated"] for d in self.detached.values())
+            return {
+                "engines": len(self.slots), "max_num_seqs": self.max_num_seqs, "max_model_len": self.max_model_len,
+                "min_slice_s": self.policy.min_slice_s, "max_sleeping": self.max_sleeping,
+                "uptime_s": uptime, "engine_hours": held / 3600, "engine_hours_unallocated": max(held - allocated, 0) / 3600,
+                "slots": [{"index": s.index, "job": s.job, "running": s.running, "switching": s.switching,
+                           "since_s": now - s.since if s.job else None, "states": self.states.snapshot()[str(s.index)],
+                           "errors": list(s.errors)} for s in self.slots],
+                "jobs": {name: self._job_report(j) for name, j in sorted(self.jobs.items())},
+                "detached_jobs": dict(self.detached),
+                "transition_costs": self.states.costs(),
+                "transitions": [t.as_dict() for t in self.states.log],
+                "isolation": {"checked_admissions": self.isolation_checks, "violations": list(self.violations)},
+            }

@@ -1,0 +1,119 @@
+"""The pool's records: a job (its model, weights, queue, outbox, accounting), a queued request, a slot.
+
+Every field is guarded by the pool's locks as EnginePool (rollwise.pool.engine_pool) documents: `EnginePool.lock`
+for queues, slot assignments and accounting; `Job.lock` for a job's weights, activation and pause.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from rollwise.engine.core import EngineWorker
+from rollwise.engine.outbox import Outbox
+from rollwise.engine.types import Completion, GenerationRequest
+from rollwise.sync.buckets import ExpectedWeights
+
+
+class Waiter(Protocol):
+    """What a /generate call waits on: set() by the pool's threads when the request is done or aborted."""
+
+    def set(self) -> None: ...
+
+
+@dataclass(eq=False)
+class QueuedRequest:
+    internal_id: str  # what the engine sees (fresh uuid: jobs can never collide)
+    public_id: str  # the job's own id
+    job: str
+    request: GenerationRequest
+    remaining: int  # samples not yet returned
+    slot: int | None = None  # None: queued in the pool
+    waiter: Waiter | None = None  # /generate: answered when done, not through the long poll
+    done: list[Completion] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Job:
+    name: str
+    token: str
+    priority: float
+    model: str
+    fingerprint: str
+    template: Any  # the job's HF model (architecture; engines are built from it)
+    tokenizer: Any
+    expected: ExpectedWeights
+    vocab_size: int
+    eos_ids: list[int] | None
+    max_model_len: int
+    lock: threading.RLock = field(default_factory=threading.RLock)  # weights, activation, pause
+    version: int | None = None  # latest pushed policy version (None: nothing pushed yet)
+    weights: dict[str, torch.Tensor] | None = None  # the pool's copy of that version (host memory)
+    versions: set[int] = field(default_factory=set)  # every version this job pushed
+    queue: deque[QueuedRequest] = field(default_factory=deque)
+    requests: dict[str, QueuedRequest] = field(default_factory=dict)  # public id -> request in flight
+    paused: bool = False
+    detached: bool = False
+    running: int = 0  # samples on engines now
+    # the job's outbox of stamped completions (their seq is added when polled); acknowledged entries are dropped
+    out: Outbox[dict[str, Any]] = field(default_factory=Outbox)
+    timeline: list[tuple[float, int]] = field(default_factory=list)  # (monotonic, running) since last poll
+    # accounting (seconds of one engine)
+    allocated_s: float = 0.0  # a slot held for this job (its engine active there)
+    busy_s: float = 0.0  # ... with samples of this job running
+    transition_s: float = 0.0  # loads and wakes done for this job
+    samples: int = 0
+    tokens: int = 0
+    requests_admitted: int = 0
+    attached_at: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)  # last authenticated call (the receiver polls)
+
+    def queued_samples(self) -> int:
+        return sum(r.remaining for r in self.queue)
+
+    def post(self, entry: dict[str, Any]) -> None:
+        self.out.put(entry)
+
+
+@dataclass(eq=False)
+class Slot:
+    index: int
+    capacity: int
+    worker: EngineWorker
+    job: str | None = None  # active job (or the job being switched in)
+    since: float = 0.0
+    running: int = 0  # samples of the active job on the engine
+    switching: bool = False
+    instances: dict[str, Any] = field(default_factory=dict)  # job -> its engine here (active or sleeping)
+    last_active: dict[str, float] = field(default_factory=dict)  # job -> when it last left the slot
+    route_lock: threading.Lock = field(default_factory=threading.Lock)
+    accounted_at: float = field(default_factory=time.monotonic)
+    errors: list[str] = field(default_factory=list)
+
+
+
+
+class PoolError(Exception):
+    """Refused with an HTTP status and a message naming the problem."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+
+def stamp(c: Completion, req: QueuedRequest, slot: int) -> dict[str, Any]:
+    return {"request_id": req.public_id, "index": c.index, "prompt_ids": c.prompt_ids, "token_ids": c.token_ids,
+            "logprobs": c.logprobs, "versions": c.versions, "finish_reason": c.finish_reason,
+            "cached_prompt_tokens": c.cached_prompt_tokens, "job": req.job, "slot": slot}
+
+
+def empty_abort(req: QueuedRequest, index: int) -> Completion:
+    r = req.request
+    return Completion(r.request_id, index, list(r.prompt_ids), [], [], [], "abort")
+

@@ -1,0 +1,64 @@
+"""A job's weight upload (PUT /jobs/{job}/weights): the body parsed into a staged update, and the
+receiver's target that stores the version and applies it to the job's active engines.
+
+The body: an 8-byte big-endian manifest length, the rollwise.weights/v1 manifest (JSON), then every
+bucket's flat bytes. The whole update is checked by rollwise.sync.buckets.WeightReceiver (names, shapes,
+dtypes, checksums, tokenizer) before anything is applied, like every other transport's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from rollwise.pool.jobs import Job, PoolError, Slot
+from rollwise.pool.states import ACTIVE, StateMachine
+from rollwise.sync.buckets import StagedUpdate, WeightUpdateError, parse_manifest
+
+
+def parse_weight_upload(body: bytes) -> StagedUpdate:
+    """The upload's manifest and buckets, staged (not yet checked against the job's model); 400 on a bad frame."""
+    if len(body) < 8:
+        raise PoolError(400, "weights body must start with an 8-byte manifest length", "body")
+    size = int.from_bytes(body[:8], "big")
+    if size > len(body) - 8:
+        raise PoolError(400, f"manifest length {size} exceeds the body ({len(body) - 8} bytes)", "body")
+    try:
+        manifest = parse_manifest(body[8 : 8 + size].decode("utf-8", "replace"), "manifest")
+    except WeightUpdateError as exc:
+        raise PoolError(400, str(exc), "manifest") from exc
+    data = bytearray(body[8 + size :])
+    wanted = sum(b.nbytes for b in manifest.buckets)
+    if len(data) != wanted:
+        raise PoolError(400, f"weight bytes: got {len(data)}, the manifest's buckets hold {wanted}; "
+                             "the update was not applied", "body")
+    flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    staged = StagedUpdate(manifest)
+    offset = 0
+    for bucket in manifest.buckets:
+        staged.add_flat(bucket.index, flat[offset : offset + bucket.nbytes])
+        offset += bucket.nbytes
+    return staged
+
+
+class JobWeights:
+    """WeightReceiver's target for one job: store the version, apply it to the job's active engines."""
+
+    def __init__(self, slots: Sequence[Slot], states: StateMachine, job: Job) -> None:
+        self.slots, self.states, self.job = slots, states, job
+        self.applied: list[int] = []
+
+    @property
+    def policy_version(self) -> int | None:
+        return self.job.version
+
+    def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        # caller holds job.lock: no activation or admission of this job interleaves
+        for slot in self.slots:
+            inst = slot.instances.get(self.job.name)
+            if inst is not None and self.states.state(slot.index, self.job.name) is ACTIVE:
+                slot.worker.call(lambda _e, inst=inst: inst.update_weights(state, version))  # between two steps
+                self.applied.append(slot.index)
+        self.job.weights, self.job.version = state, version
+        self.job.versions.add(version)
