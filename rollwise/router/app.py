@@ -144,7 +144,9 @@ def create_app(config: RouterConfig, tokenizer: Any | None = None) -> FastAPI:
     async def health() -> JSONResponse:
         return router.health()
 
-    @app.get("/metrics", responses=errors(401))
+    @app.get("/metrics", responses={200: {"description": "Prometheus text format",
+                                          "content": {"text/plain": {"schema": {"type": "string"}}}},
+                                     **errors(401)})
     async def metrics() -> Response:
         return router.metrics_response()
 
