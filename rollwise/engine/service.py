@@ -1,0 +1,348 @@
+"""The engine server's core: what each endpoint does, over one EngineFrontend (rollwise.engine.frontend).
+
+Checks that name the field (model, prompt length and vocabulary, sampling limits), submitting a request
+and following its samples to the end (or streaming them), the endpoint bodies; the routes that call these
+are in rollwise.engine.server, the response shapes in rollwise.engine.openai_responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from rollwise.engine.frontend import EngineFrontend, Generation
+from rollwise.engine.metrics import EngineCollector
+from rollwise.engine.openai_responses import OpenAIResponses, sse
+from rollwise.engine.samples import Detokenizer, Sample, longest_token_chars
+from rollwise.engine.types import Completion, SamplingParams
+from rollwise.model.loading import tokenizer_fingerprint
+from rollwise.serve.disconnect import unless_disconnected
+from rollwise.serve.errors import APIError
+from rollwise.serve.openai_schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    OpenAISampling,
+    SamplingFields,
+    UpdateWeightsRequest,
+)
+from rollwise.tasks.prompts import encode_prompt
+
+
+class EngineService:
+    """The HTTP handlers' logic over one EngineFrontend."""
+
+    def __init__(self, engine: Any, tokenizer: Any, model_name: str) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.fingerprint = tokenizer_fingerprint(tokenizer)
+        self.vocab_size = int(engine.model_info().vocab_size)
+        self.frontend = EngineFrontend(engine)
+        self.detok = Detokenizer(tokenizer)
+        self.shape = OpenAIResponses(self.detok)
+        self.longest_token_chars = longest_token_chars(tokenizer)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.collector = EngineCollector(self.frontend)
+        self.registry.register(self.collector)
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------ checks shared by the endpoints
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"model {model!r} is not served here; this server serves {self.model_name!r}",
+                           "model", kind="not_found_error")
+
+    def check_prompt(self, ids: list[int], name: str) -> list[int]:
+        if not ids:
+            raise APIError(400, f"{name} must not be empty", name)
+        if len(ids) >= self.engine.max_model_len:  # first: a huge list is refused without walking it
+            raise APIError(400, f"{name} has {len(ids)} tokens, which leaves no room to generate within "
+                                f"max_model_len={self.engine.max_model_len}", name)
+        for j, token in enumerate(ids):
+            if not 0 <= token < self.vocab_size:
+                raise APIError(400, f"{name}[{j}] = {token} is outside the vocabulary [0, {self.vocab_size})", name)
+        return ids
+
+    def check_text_length(self, chars: int, name: str) -> None:
+        """Refuse, without tokenizing, text that cannot fit: no token covers more than `longest_token_chars`
+        characters, so text of chars >= longest * max_model_len has at least max_model_len tokens."""
+        limit = self.longest_token_chars * self.engine.max_model_len
+        if chars >= limit:
+            raise APIError(400, f"{name} has {chars} characters, more than max_model_len="
+                                f"{self.engine.max_model_len} tokens can hold (no token of this tokenizer is longer "
+                                f"than {self.longest_token_chars} characters); shorten it", name)
+
+    def params(self, body: SamplingFields, max_tokens: int | None) -> SamplingParams:
+        if max_tokens is not None and body.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens ({body.min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
+        if body.n > self.engine.max_num_seqs:
+            raise APIError(400, f"n must be <= max_num_seqs ({self.engine.max_num_seqs}): a request's samples share "
+                                "one prefill and run together", "n")
+        for j, token in enumerate(body.stop_token_ids):
+            if not 0 <= token < self.vocab_size:
+                raise APIError(400, f"stop_token_ids[{j}] = {token} is outside the vocabulary "
+                                    f"[0, {self.vocab_size})", "stop_token_ids")
+        return SamplingParams(
+            max_tokens=max_tokens or self.engine.max_model_len,  # the engine stops at max_model_len anyway
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k,
+            n=body.n,
+            stop_token_ids=list(body.stop_token_ids),
+            seed=body.seed,
+            ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            top_logprobs=body.num_top_logprobs(),
+        )
+
+    # ------------------------------------------------------------ running a request
+
+    async def _pump(self, gen: Generation, samples: dict[tuple[str, int], Sample]) -> list[Sample]:
+        """Wait for events, apply every one queued; return the samples that changed."""
+        events = [await gen.queue.get()]
+        while not gen.queue.empty():
+            events.append(gen.queue.get_nowait())
+        changed: dict[int, Sample] = {}
+        for event in events:
+            if event[0] == "error":
+                raise APIError(503, f"the engine failed: {event[1]}", kind="server_error")
+            if event[0] == "token":
+                _, rid, index, token, logprob, version = event
+                sample = samples[(rid, index)]
+                sample.add(token, logprob, version)
+            else:
+                completion: Completion = event[1]
+                key = (completion.request_id, completion.index)
+                sample = samples.get(key)
+                if sample is None or sample.engine_done:
+                    continue
+                sample.finish(completion)
+                gen.pending.discard(key)
+            changed[id(sample)] = sample
+        # Every sample of an engine request past a stop string: stop spending steps on it.
+        for rid, size in zip(gen.engine_ids, gen.sizes):
+            group = [samples[(rid, i)] for i in range(size)]
+            if rid not in gen.aborting and all(s.finished for s in group) and not all(s.engine_done for s in group):
+                gen.aborting.add(rid)
+                await self.frontend.abort_engine([rid])
+        return list(changed.values())
+
+    async def _start(
+        self, prefix: str, body: SamplingFields, prompts: list[list[int]], max_tokens: int | None,
+        stops: list[str], stream: bool, decode: bool = True, split: bool = False,
+    ) -> tuple[Generation, list[Sample], dict[tuple[str, int], Sample]]:
+        """Submit; choice p * n + i is sample i of prompt p. With `split`, every choice is its own
+        engine request (n=1, seed + i: the same samples as one n-sample request, and the engine still
+        shares the prefill of requests admitted together), so a stop string can end just that one."""
+        params = self.params(body, max_tokens)
+        n = params.n
+        if split:
+            units = [(ids, replace(params, n=1, seed=None if params.seed is None else params.seed + i))
+                     for ids in prompts for i in range(n)]
+        else:
+            units = [(ids, params) for ids in prompts]
+        public_id = body.request_id or f"{prefix}-{uuid.uuid4().hex}"
+        gen = await self.frontend.submit(public_id, units, stream_tokens=stream or bool(stops))
+        detok = self.detok if decode else None
+        ordered = [Sample(p * n + i, ids, detok, stops) for p, ids in enumerate(prompts) for i in range(n)]
+        if split:
+            by_key = {(rid, 0): s for rid, s in zip(gen.engine_ids, ordered)}
+        else:
+            by_key = {(gen.engine_ids[s.index // n], s.index % n): s for s in ordered}
+        return gen, ordered, by_key
+
+    async def _run_to_end(self, gen: Generation, by_key: dict[tuple[str, int], Sample]) -> None:
+        try:
+            while gen.pending:
+                await self._pump(gen, by_key)
+        finally:
+            self.frontend.release(gen)
+        self._count(by_key.values())
+
+    def _count(self, samples: Any) -> None:
+        for s in samples:
+            self.frontend.finished_samples[s.finish_reason or "abort"] += 1
+
+    # ------------------------------------------------------------ OpenAI layout
+
+    async def _stream(
+        self, chat: bool, gen: Generation, samples: list[Sample], by_key: dict[tuple[str, int], Sample],
+        prompts: list[list[int]], include_usage: bool,
+    ) -> AsyncIterator[str]:
+        head = {"id": gen.public_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model_name}
+        try:
+            if chat:  # OpenAI opens each choice with the assistant role
+                yield sse({**head, "choices": [
+                    {"index": s.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None, "prompt_token_ids": s.prompt_ids} for s in samples
+                ]})
+                for s in samples:
+                    s.announced = True
+            while not all(s.closed for s in samples):
+                changed = await self._pump(gen, by_key)
+                choices = [c for s in sorted(changed, key=lambda s: s.index) if (c := self.shape.delta(chat, s))]
+                if choices:
+                    yield sse({**head, "choices": choices})
+            self._count(samples)
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": self.shape.usage(prompts, samples)})
+            yield sse("[DONE]")
+        except APIError as exc:
+            yield sse(exc.body())
+        finally:
+            self.frontend.release(gen)
+
+    async def openai(self, request: Request, chat: bool, body: OpenAISampling, prompts: list[list[int]],
+                     max_tokens: int | None):
+        gen, samples, by_key = await self._start(
+            "chatcmpl" if chat else "cmpl", body, prompts, max_tokens, body.stop, body.stream, split=True
+        )
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                self._stream(chat, gen, samples, by_key, prompts, include_usage),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+            )
+        await unless_disconnected(request, self._run_to_end(gen, by_key))
+        return {
+            "id": gen.public_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [self.shape.choice(chat, s) for s in samples],
+            "usage": self.shape.usage(prompts, samples),
+        }
+
+    # ------------------------------------------------------------ endpoint bodies
+
+    async def chat_completions(self, request: Request, body: ChatCompletionRequest):
+        self.check_model(body.model)
+        if body.max_tokens and body.max_completion_tokens and body.max_tokens != body.max_completion_tokens:
+            raise APIError(400, "max_tokens and max_completion_tokens disagree; send one of them", "max_tokens")
+        messages = [m.for_template() for m in body.messages]
+        # The template adds text, so the messages' own text bounds the rendered prompt from below.
+        self.check_text_length(sum(len(m["content"]) for m in messages), "messages")
+        try:  # off the event loop: rendering and tokenizing a long conversation must not stall /health
+            prompt = await asyncio.to_thread(encode_prompt, self.tokenizer, messages, body.tools)
+        except Exception as exc:  # noqa: BLE001 - no template, or the template rejects the conversation
+            raise APIError(400, f"messages cannot be rendered by the chat template: {exc}", "messages") from exc
+        self.check_prompt(prompt, "messages")
+        return await self.openai(request, True, body, [prompt], body.max_tokens or body.max_completion_tokens)
+
+    async def completions(self, request: Request, body: CompletionRequest):
+        self.check_model(body.model)
+        if body.best_of not in (None, body.n):
+            raise APIError(400, "best_of is not supported (it must equal n)", "best_of")
+        names = ["prompt" if len(body.prompt) == 1 else f"prompt[{i}]" for i in range(len(body.prompt))]
+        for name, prompt in zip(names, body.prompt):
+            if isinstance(prompt, str):
+                self.check_text_length(len(prompt), name)
+        texts = [p for p in body.prompt if isinstance(p, str)]
+        encoded = iter(await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts]) if texts else [])
+        prompts = [self.check_prompt(next(encoded) if isinstance(p, str) else p, name)
+                   for name, p in zip(names, body.prompt)]
+        result = await self.openai(request, False, body, prompts, body.max_tokens)
+        if body.echo:  # never streamed (the request model refuses echo with stream)
+            self.shape.echo(result, body, prompts)
+        return result
+
+    async def generate(self, request: Request, body: GenerateRequest) -> dict[str, Any]:
+        prompt = self.check_prompt(body.prompt_ids, "prompt_ids")
+        gen, samples, by_key = await self._start("gen", body, [prompt], body.max_tokens, [], False, decode=False)
+        await unless_disconnected(request, self._run_to_end(gen, by_key))
+        return {
+            "request_id": gen.public_id,
+            "prompt_ids": prompt,
+            "choices": [
+                {"index": s.index, "token_ids": s.token_ids, "logprobs": s.logprobs, "versions": s.versions,
+                 **({"top_logprobs": s.top_logprobs} if s.top_logprobs else {}),
+                 "finish_reason": s.finish_reason, "cached_prompt_tokens": s.cached_prompt_tokens}
+                for s in samples
+            ],
+        }
+
+    async def update_weights_from_disk(self, body: UpdateWeightsRequest) -> dict[str, Any]:
+        path = Path(body.path).expanduser()
+        files = weight_files(path)
+        try:
+            state = await asyncio.to_thread(load_safetensors, files)
+        except Exception as exc:  # noqa: BLE001 - unreadable or not safetensors
+            raise APIError(400, f"path: cannot read {path}: {exc}", "path") from exc
+        old = self.engine.policy_version
+        try:
+            await self.frontend.call(lambda engine: engine.update_weights(state, body.version))
+        except ValueError as exc:
+            raise APIError(400, f"weights rejected, still serving policy version {old}: {exc}", "path") from exc
+        return {"policy_version": body.version, "previous_version": old, "tensors": len(state),
+                "files": [str(f) for f in files]}
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model": self.model_name,
+            "engine": self.engine.name,
+            "vocab_size": self.vocab_size,
+            "tokenizer_vocab_size": len(self.tokenizer),
+            "max_model_len": self.engine.max_model_len,
+            "max_num_seqs": self.engine.max_num_seqs,
+            "eos_token_ids": sorted(self.engine.eos_token_ids),
+            "tokenizer_fingerprint": self.fingerprint,
+            "policy_version": self.engine.policy_version,
+            "paused": self.engine.paused,
+        }
+
+    async def metrics(self) -> Response:
+        def snapshot(engine: Any) -> dict[str, Any]:
+            cache = getattr(engine, "prefix_cache", None)
+            return {"running": engine.num_running, "waiting": engine.num_waiting, "paused": engine.paused,
+                    "policy_version": engine.policy_version, **engine.stats,
+                    "prefix_cache_tokens": cache.num_tokens if cache is not None else 0}
+
+        snap = await self.frontend.call(snapshot)
+        snap["step_seconds"] = self.frontend.worker.step_seconds if self.frontend.worker is not None else 0.0
+        self.collector.snapshot = snap
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def weight_files(path: Path) -> list[Path]:
+    if not path.exists():
+        raise APIError(400, f"path {str(path)!r} does not exist", "path")
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise APIError(400, f"path must be a .safetensors file or a model directory, got {path.name!r}", "path")
+        return [path]
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise APIError(400, f"path: unreadable {index.name}: {exc}", "path") from exc
+        return [path / name for name in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise APIError(400, f"path: no *.safetensors files in {path}", "path")
+    return files
+
+
+def load_safetensors(files: list[Path]) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    state: dict[str, Any] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return state
