@@ -164,6 +164,8 @@ class AgentConfig(_Section):
     max_turns: int = Field(3, ge=1, description="engine turns per episode")
     max_tokens: int = Field(256, ge=1, description="sampled tokens per episode (all turns)")
     max_tokens_per_turn: int = Field(64, ge=1)
+    max_tool_calls_per_turn: int = Field(16, ge=1, description="tool calls run per model turn; extra calls get "
+                                         "one error result naming this limit (hostile or runaway replies)")
     parser: str = Field("hermes", description="tool-call format (rollwise.agent.toolcalls)")
     describe_tools: bool = Field(True, description="tell the model about the tools in the system message")
     concurrency: int = Field(64, ge=1, description="episodes running at once")

@@ -69,7 +69,8 @@ def run_agent_groups(
     if needs_sandbox and sandbox_pool is None:
         raise ValueError("agent tools python/bash need a sandbox pool (rollwise.sandbox.SandboxPool)")
     info = generator.info()
-    limits = SessionLimits(max_turns=cfg.max_turns, max_tokens=cfg.max_tokens, max_tokens_per_turn=cfg.max_tokens_per_turn)
+    limits = SessionLimits(max_turns=cfg.max_turns, max_tokens=cfg.max_tokens, max_tokens_per_turn=cfg.max_tokens_per_turn,
+                           max_tool_calls_per_turn=cfg.max_tool_calls_per_turn)
     rng = random.Random(seed)
     group_ids = group_ids or [f"{group_prefix}-{g}" for g in range(len(problems))]
     jobs = [(p, gid, f"{gid}-{i}", rng.randrange(2**31))
