@@ -2,7 +2,7 @@
 
 - `RolloutBackend`: where samples are generated. Implemented by the engine core
   (rollwise.engine.core.EngineWorker: one engine on a thread in this process), the Ray fleet
-  (rollwise.control.ray_fleet.RayEngineFleet), a shared-pool job (rollwise.pool.client.PoolWorker)
+  (rollwise.control.ray_fleet.RayEngineFleet), a shared-pool job (rollwise.control.pool_backend.PoolWorker)
   and the simulator (rollwise.sim.cluster.SimCluster).
 - `Trainer`: where gradients are taken; its `weights()` become a WeightUpdate through the sender
   the placement picks (rollwise.sync.senders). GRPOTrainer (rollwise.train.trainer) in this process, or

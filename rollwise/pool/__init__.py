@@ -5,7 +5,7 @@ scheduler.py  the pure time-slicing policy (weighted fair share, minimum slice, 
 engine_pool.py the pool: jobs, tokens, queues, weights, accounting (EnginePool); slots.py its slot loops
 jobs.py       the records (Job, QueuedRequest, Slot); weights.py the weight upload; metrics.py /metrics
 app.py        the HTTP API (routes only); server.py `rollwise serve pool` (starts it)
-client.py     a training job's side: attach_to_pool (used by rollwise.control.placement) and the HTTP worker
+client.py     a training job's side (re-exported from rollwise.control.pool_backend: control builds it)
 cli.py        `rollwise serve pool` options
 (rollwise.sim.mux drives scheduler.py on simulated engines: what sharing gives at scale, without CPU contention)
 """

@@ -1,10 +1,10 @@
 """`pool.url`: the trainer and the reward in this process, generation in a shared engine pool
-(`rollwise serve pool`), driven over HTTP by a PoolWorker (rollwise.pool.client)."""
+(`rollwise serve pool`), driven over HTTP by a PoolWorker (rollwise.control.pool_backend)."""
 
 from __future__ import annotations
 
 from rollwise.control.placement.base import Placement, PlaceRequest, local_score, local_trainer, resume
-from rollwise.pool.client import attach_to_pool
+from rollwise.control.pool_backend import attach_to_pool
 from rollwise.sync.senders import InProcessSender
 
 
