@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from rollwise.sandbox.process import pid_alive
+
 log = logging.getLogger("rollwise.sandbox")
 
 MiB = 1024 * 1024
@@ -258,21 +260,11 @@ def _sweep_stale(parent: Path | None) -> None:
         return
     for d in parent.glob(f"{_PREFIX}*"):
         m = _NAME.match(d.name)
-        if m and not _alive(int(m.group(1))) and not _pids(d):
+        if m and not pid_alive(int(m.group(1))) and not _pids(d):
             try:
                 d.rmdir()
             except OSError:
                 pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @lru_cache(maxsize=1)

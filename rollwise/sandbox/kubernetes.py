@@ -43,15 +43,13 @@ import base64
 import shlex
 import threading
 import time
-import uuid
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
-from typing_extensions import Self
 
 from rollwise.sandbox.launch import rlimit_values
 from rollwise.sandbox.process import Capture
-from rollwise.sandbox.types import FileInfo, MiB, RunResult, SandboxError, SandboxLimits
+from rollwise.sandbox.types import FileInfo, MiB, RunResult, SandboxError, SandboxLifecycle, SandboxLimits
 
 SANDBOX_LABEL = "rollwise.io/sandbox"
 WORKDIR = "/workspace"
@@ -210,7 +208,7 @@ def _client():
     return kubernetes, stream
 
 
-class KubernetesSandbox:
+class KubernetesSandbox(SandboxLifecycle):
     """One pod. See the module docstring for what is and is not tested."""
 
     _policy_done: ClassVar[set[str]] = set()  # namespaces whose NetworkPolicy exists
@@ -218,6 +216,7 @@ class KubernetesSandbox:
 
     def __init__(self, limits: SandboxLimits | None = None, config: KubernetesConfig | None = None,
                  *, run_gate: threading.Semaphore | None = None) -> None:
+        super().__init__()
         self.limits = limits or SandboxLimits()
         self.config = config or KubernetesConfig()
         self._gate = run_gate
@@ -232,10 +231,8 @@ class KubernetesSandbox:
         self._api = kubernetes.client.CoreV1Api()
         self._net = kubernetes.client.NetworkingV1Api()
         self._ApiException = kubernetes.client.exceptions.ApiException
-        self._id = uuid.uuid4().hex[:12]
         self.pod_name = f"rollwise-sandbox-{self._id}"
         self._lock = threading.Lock()
-        self._closed = False
         self._ensure_network_policy()
         self._api.create_namespaced_pod(self.config.namespace,
                                         build_pod_spec(self.pod_name, self._id, self.config, self.limits))
@@ -246,16 +243,8 @@ class KubernetesSandbox:
             raise
 
     @property
-    def id(self) -> str:
-        return self._id
-
-    @property
     def workdir(self) -> str:
         return WORKDIR
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def _ensure_network_policy(self) -> None:
         ns = self.config.namespace
@@ -386,13 +375,3 @@ class KubernetesSandbox:
         except self._ApiException as exc:
             if exc.status != 404:
                 raise SandboxError(f"deleting sandbox pod {self.pod_name} failed: {exc.reason}") from exc
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SandboxError(f"sandbox {self._id} is closed")

@@ -11,10 +11,7 @@ import os
 import signal
 import subprocess
 import threading
-import uuid
 from pathlib import Path
-
-from typing_extensions import Self
 
 from rollwise.sandbox import files, seccomp
 from rollwise.sandbox.cgroups import LAUNCHER_PIDS, CgroupError, CommandCgroup, cgroup_support
@@ -27,6 +24,7 @@ from rollwise.sandbox.types import (
     MiB,
     RunResult,
     SandboxError,
+    SandboxLifecycle,
     SandboxLimits,
 )
 from rollwise.sandbox.workspace import WorkspaceRoot, default_root
@@ -42,7 +40,7 @@ _LIMIT_HINTS: list[tuple[LimitName, tuple[str, ...]]] = [
 ]
 
 
-class LocalSandbox:
+class LocalSandbox(SandboxLifecycle):
     """One rollout's workspace on this machine. See rollwise.sandbox.types.Sandbox for the contract."""
 
     def __init__(
@@ -55,23 +53,18 @@ class LocalSandbox:
         run_gate: threading.Semaphore | None = None,
         _workspace: Path | None = None,
     ) -> None:
+        super().__init__()
         self.limits = limits or SandboxLimits()
         self.isolation = isolation or detect_isolation(max_level=max_level)
         self._root = root or default_root()
         self._gate = run_gate  # a pool's limit on commands running at once, shared by its sandboxes
-        self._id = uuid.uuid4().hex[:12]
         self._lock = threading.Lock()  # one command / file op / fork at a time
         self._running: subprocess.Popen | None = None
-        self._closed = False
         self._ws = _workspace or self._root.new_workspace(
             self.isolation.mode.sandbox_uid, disk_bytes=self.limits.disk_bytes, max_files=self.limits.max_files)
         self.leftovers: list[str] = []  # what close() could not remove (logged; never raised)
 
     # -- identity ---------------------------------------------------------------------------------
-    @property
-    def id(self) -> str:
-        return self._id
-
     @property
     def level(self) -> IsolationLevel:
         return self.isolation.level
@@ -84,10 +77,6 @@ class LocalSandbox:
     @property
     def workdir(self) -> str:
         return build_launch(self.isolation.mode, self._ws, "", self.limits).env["HOME"]
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def __repr__(self) -> str:
         return f"LocalSandbox(id={self._id}, level={self.level.value}, closed={self._closed})"
@@ -247,16 +236,6 @@ class LocalSandbox:
             kill_group(running.pid)
         with self._lock:  # run() returns only once its processes are gone: nothing writes any more
             self.leftovers = self._root.remove(self._ws)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SandboxError(f"sandbox {self._id} is closed")
 
 
 def _limit_hint(text: str) -> LimitName | None:

@@ -11,9 +11,12 @@ sent to another process, or returned to the model as a tool result.
 
 from __future__ import annotations
 
+import uuid
 from typing import Literal, Protocol, runtime_checkable
 
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing_extensions import Self
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -133,3 +136,34 @@ class Sandbox(Protocol):
     def close(self) -> None:
         """Kill anything still running and remove the workspace. Idempotent."""
         ...
+
+
+class SandboxLifecycle:
+    """What every backend's sandbox does the same way around its workspace: a fresh id, a `closed` flag
+    that `close()` sets once, use as a context manager (leaving the block closes it), and refusing work
+    once closed. A backend calls `super().__init__()` first and implements `close()`."""
+
+    def __init__(self) -> None:
+        self._id = uuid.uuid4().hex[:12]
+        self._closed = False
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxError(f"sandbox {self._id} is closed")

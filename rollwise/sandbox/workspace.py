@@ -28,6 +28,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from rollwise.sandbox.process import pid_alive
 from rollwise.sandbox.types import SandboxError
 
 log = logging.getLogger("rollwise.sandbox")
@@ -37,16 +38,6 @@ _ROOT_RE = re.compile(rf"^{ROOT_PREFIX}(\d+)-")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _MS_NOSUID, _MS_NODEV = 2, 4
 _MNT_DETACH = 2
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # -- removal ----------------------------------------------------------------------------------------
@@ -211,7 +202,7 @@ def sweep_stale_roots(tmp: Path | None = None) -> list[Path]:
     removed = []
     for entry in tmp.glob(f"{ROOT_PREFIX}*"):
         m = _ROOT_RE.match(entry.name)
-        if m and entry.is_dir() and not entry.is_symlink() and not _pid_alive(int(m.group(1))):
+        if m and entry.is_dir() and not entry.is_symlink() and not pid_alive(int(m.group(1))):
             problems = _remove_root(entry)
             if problems:  # someone else's, or racing another sweeper: not ours to insist
                 log.debug("could not sweep %s: %s", entry, problems[:5])
