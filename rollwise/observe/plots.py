@@ -39,10 +39,7 @@ def plot_training_curve(records: list[dict[str, Any]], evals: list[dict[str, Any
     ax_eval.set(title="held-out evaluation", xlabel="minutes since start", ylim=(-0.02, 1.02))
     ax_eval.grid(alpha=0.3)
     ax_eval.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def plot_rollout_timelines(runs: dict[str, tuple[list[tuple[float, int]], list[float]]], capacity: int,
@@ -63,10 +60,7 @@ def plot_rollout_timelines(runs: dict[str, tuple[list[tuple[float, int]], list[f
         ax.grid(alpha=0.3)
     axes[0, 0].legend(loc="upper right")
     axes[-1, 0].set_xlabel("seconds")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def plot_run_comparison(runs: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]], out: Path) -> Path:
@@ -90,6 +84,11 @@ def plot_run_comparison(runs: dict[str, tuple[list[dict[str, Any]], list[dict[st
     for ax in (ax_time, ax_samples, ax_eval):
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
+    return _save(fig, out)
+
+
+def _save(fig: Any, out: Path) -> Path:
+    """Lay out, write as PNG and free the figure (pyplot keeps every open figure alive otherwise)."""
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
