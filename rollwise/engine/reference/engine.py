@@ -17,7 +17,10 @@ from torch import Tensor, nn
 
 from rollwise.engine.reference.model import LlamaFamilyModel
 from rollwise.engine.reference.prefix_cache import PrefixCache, prefill_with_prefix
-from rollwise.engine.reference.sampling import needs_processing, process_logits, sample, scaled_logprobs, top_logprobs
+from rollwise.engine.reference.sampling import (
+    needs_processing, process_logits, sample, sample_one, scaled_logprobs, top_logprobs, verify_draft_token,
+)
+from rollwise.engine.speculation import Drafter
 from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, run_to_completion
 from rollwise.engine.state import EngineState
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest
@@ -97,6 +100,7 @@ class ReferenceEngine(EngineState):
         prefix_cache_tokens: int = 0,
         model_name: str = "model",
         tokenizer_fingerprint: str | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         super().__init__()  # paused/sleeping flags, unfinished requests, timeline on time.monotonic
         # from_hf copies the weights: the trainer keeps training hf_model, the engine samples from its copy.
@@ -123,6 +127,10 @@ class ReferenceEngine(EngineState):
         # Optional streaming hook, called on the stepping thread for every sampled token as
         # on_tokens(request_id, index, token, logprob, version); the HTTP server streams through it.
         self.on_tokens: Callable[[str, int, int, float, int], None] | None = None
+        # Speculative decoding from rollout history (engine.speculation: history): drafts are verified
+        # exactly against the current weights (see _verify). None: plain decoding, one token per step.
+        self.drafter = drafter
+        self.spec_stats = {"drafted": 0, "accepted": 0, "rejected": 0, "verifications": 0}
 
     # ---------------------------------------------------------------- public state
 
@@ -227,6 +235,8 @@ class ReferenceEngine(EngineState):
         the old weights) and continue with the new ones; each token records the version sampling it."""
         self.model.load_weights(state_dict)
         self._version = version
+        if self.drafter is not None:  # old versions' rollouts age out; the rest stay (they are verified)
+            self.drafter.on_policy_version(version)
         if self.prefix_cache is not None:  # cached KV was computed by the old weights
             self.prefix_cache.clear()
 
@@ -266,6 +276,10 @@ class ReferenceEngine(EngineState):
 
     def _decode(self) -> list[Completion]:
         seqs = [self.scheduler.running[slot] for slot in sorted(self.scheduler.running)]
+        if self.drafter is not None:
+            drafts = [self._draft(seq, len(seqs)) for seq in seqs]
+            if any(drafts):
+                return self._verify(seqs, drafts)
         last_tokens = torch.tensor([seq.token_ids[-1] for seq in seqs])
         logits = self.model.decode(self.cache, last_tokens, [seq.slot for seq in seqs])
         return self._append_tokens(seqs, logits)
@@ -276,23 +290,90 @@ class ReferenceEngine(EngineState):
         logits = self._processed_logits(seqs, logits)
         tokens, logprobs = sample(logits, params, [s.generator for s in seqs])
         tops = self._top_logprobs(logits, params)
-        self.stats["generated_tokens"] += len(tokens)
         finished = []
         for seq, token, logprob, top in zip(seqs, tokens, logprobs, tops):
-            seq.token_ids.append(token)
-            seq.logprobs.append(logprob)
-            if seq.request.params.top_logprobs:
-                seq.top_logprobs.append(top)
-            seq.versions.append(self._version)
-            if self.on_tokens is not None:
-                self.on_tokens(seq.request.request_id, seq.index, token, logprob, self._version)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                self._cache_history(seq)
-                self.scheduler.release(seq.slot)
-                self._sample_returned(seq.request.request_id)
-                finished.append(seq.completion(reason))
+            done = self._record(seq, token, logprob, top)
+            if done is not None:
+                finished.append(done)
         return finished
+
+    def _record(self, seq: Sequence, token: int, logprob: float, top: list[tuple[int, float]]) -> Completion | None:
+        """Append one sampled token to `seq`; if that finishes it, retire it and return its Completion."""
+        self.stats["generated_tokens"] += 1
+        seq.token_ids.append(token)
+        seq.logprobs.append(logprob)
+        if seq.request.params.top_logprobs:
+            seq.top_logprobs.append(top)
+        seq.versions.append(self._version)
+        if self.on_tokens is not None:
+            self.on_tokens(seq.request.request_id, seq.index, token, logprob, self._version)
+        reason = self._finish_reason(seq, token)
+        if reason is None:
+            return None
+        self._cache_history(seq)
+        self.scheduler.release(seq.slot)
+        self._sample_returned(seq.request.request_id)
+        if self.drafter is not None:  # siblings still running draft from this sample at once
+            self.drafter.observe(seq.request.prompt_ids, seq.token_ids, self._version,
+                                 key=f"{seq.request.request_id}/{seq.index}")
+        return seq.completion(reason)
+
+    # ---------------------------------------------------------------- speculation
+
+    def _draft(self, seq: Sequence, running: int) -> list[int]:
+        """The drafter's proposal for `seq`, within its length-aware budget and what it may still emit
+        (one verification step emits up to len(draft) + 1 tokens)."""
+        params, generated = seq.request.params, len(seq.token_ids)
+        room = min(params.max_tokens - generated, self.max_model_len - len(seq.request.prompt_ids) - generated) - 1
+        k = min(room, self.drafter.budget_for(seq.request.prompt_ids, generated, running))
+        return self.drafter.propose(seq.request.prompt_ids, seq.token_ids, k) if k > 0 else []
+
+    def _verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> list[Completion]:
+        """One forward over each sequence's last token and its draft; then, per sequence, accept draft
+        tokens one by one with exact speculative sampling (sampling.verify_draft_token) until one is
+        replaced or the sequence finishes, plus one token from the target after a fully accepted draft.
+        Every emitted token's logprob is read off the same processed distribution a plain decode step
+        would use at that position, under the current weights."""
+        chunks = [[seq.token_ids[-1], *draft] for seq, draft in zip(seqs, drafts)]
+        logits = self.model.extend(self.cache, chunks, [seq.slot for seq in seqs])
+        finished, row = [], 0
+        for seq, draft in zip(seqs, drafts):
+            rows, row = logits[row : row + len(draft) + 1], row + len(draft) + 1
+            done = self._accept(seq, draft, rows)
+            # Roll the KV back to what was kept: every token but the last (which has no KV yet).
+            self.cache.lengths[seq.slot] = len(seq.request.prompt_ids) + len(seq.token_ids) - 1
+            if done is not None:
+                finished.append(done)
+        return finished
+
+    def _accept(self, seq: Sequence, draft: list[int], rows: Tensor) -> Completion | None:
+        params = seq.request.params
+        self.spec_stats["verifications"] += bool(draft)
+        self.spec_stats["drafted"] += len(draft)
+        for j, row in enumerate(rows):
+            logprobs = scaled_logprobs(self._processed_logits([seq], row[None]), [params])[0]
+            if j < len(draft):
+                token, accepted = verify_draft_token(logprobs, params, draft[j], seq.generator)
+                self.spec_stats["accepted" if accepted else "rejected"] += 1
+            else:
+                token, accepted = sample_one(logprobs, params, seq.generator), False
+            top = top_logprobs(logprobs, params.top_logprobs) if params.top_logprobs else []
+            done = self._record(seq, token, float(logprobs[token]), top)
+            if done is not None or not accepted:
+                # Drafts after a finish or a replaced token are discarded (counted as neither).
+                return done
+        return None
+
+    def speculation_metrics(self) -> dict[str, float]:
+        """Drafted, accepted and rejected tokens so far; acceptance rate = accepted / drafted; mean
+        accepted length per verification (one sequence's draft checked in one forward); the drafter's memory."""
+        s = self.spec_stats
+        out: dict[str, float] = {f"spec_{k}": float(v) for k, v in s.items()}
+        out["spec_acceptance_rate"] = s["accepted"] / s["drafted"] if s["drafted"] else 0.0
+        out["spec_mean_accepted_length"] = s["accepted"] / s["verifications"] if s["verifications"] else 0.0
+        if self.drafter is not None:
+            out.update({f"spec_history_{k}": float(v) for k, v in self.drafter.memory().items()})
+        return out
 
     def _processed_logits(self, seqs: list[Sequence], logits: Tensor) -> Tensor:
         """min_tokens and penalties, for the rows that ask for them (a new tensor: prefill logits are one

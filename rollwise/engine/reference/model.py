@@ -355,3 +355,45 @@ class LlamaFamilyModel(nn.Module):
         for slot in slots:
             cache.lengths[slot] += 1
         return self._logits(hidden)
+
+    @torch.inference_mode()
+    def extend(self, cache: KVCache, chunks: list[list[int]], slots: list[int]) -> Tensor:
+        """Several tokens for each slot in one forward (speculative verification): chunk i's tokens go
+        at positions lengths[slot_i], lengths[slot_i] + 1, ...; each token attends to its slot's filled
+        prefix and the chunk's tokens up to itself. Returns fp32 logits [sum of chunk lengths, vocab],
+        chunk after chunk. The cache lengths grow by each chunk's length; a caller that rejects some
+        of them rolls back by lowering `cache.lengths[slot]` (positions past a length are masked out
+        and overwritten later, so nothing else needs undoing)."""
+        B = len(slots)
+        starts = torch.tensor([cache.lengths[s] for s in slots])
+        sizes = torch.tensor([len(c) for c in chunks])
+        Tq = int(sizes.max())
+        if int((starts + sizes).max()) > cache.max_len:
+            raise ValueError(f"extend past the cache's {cache.max_len} positions")
+        offsets = torch.arange(Tq)
+        valid = offsets[None, :] < sizes[:, None]  # [B, Tq]: which padded query rows are real tokens
+        positions = (starts[:, None] + offsets[None, :])[valid]  # [N], chunk after chunk
+        slot_of = torch.tensor(slots)[:, None].expand(B, Tq)[valid]  # [N]
+        Tk = int((starts + sizes).max())
+        # Query (b, q) sees key t when t <= start_b + q; padded rows see position 0 (no all-masked row).
+        mask = (torch.arange(Tk)[None, None, :] <= (starts[:, None] + offsets[None, :])[:, :, None])
+        mask = (mask & valid[:, :, None]) | (torch.arange(Tk) == 0)[None, None, :]
+        mask = mask[:, None]  # [B, 1, Tq, Tk]
+        slot_idx = torch.tensor(slots)
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            k_cache, v_cache = cache.k[layer], cache.v[layer]
+            k_cache[slot_of, :, positions] = k
+            v_cache[slot_of, :, positions] = v
+            keys = k_cache[:, :, :Tk].index_select(0, slot_idx)  # [B, KV, Tk, D]
+            values = v_cache[:, :, :Tk].index_select(0, slot_idx)
+            padded = q.new_zeros(B, Tq, *q.shape[1:])
+            padded[valid] = q
+            out = F.scaled_dot_product_attention(padded.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+            return out.transpose(1, 2)[valid].reshape(q.shape[0], -1)
+
+        flat_tokens = torch.tensor([t for c in chunks for t in c])
+        hidden = self._hidden(flat_tokens, positions, attend)
+        for slot, size in zip(slots, sizes.tolist()):
+            cache.lengths[slot] += size
+        return self._logits(hidden)

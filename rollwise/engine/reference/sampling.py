@@ -96,3 +96,53 @@ def sample(
         tokens[rows] = picked.clamp_(max=logits.shape[-1] - 1)  # u * total rounding up to total
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), chosen.tolist()
+
+
+def _sampling_probs(logprobs: Tensor, params: SamplingParams) -> Tensor:
+    """The distribution `sample` draws from for one row of `scaled_logprobs` (top-k/top-p applied,
+    unnormalised)."""
+    probs = logprobs.exp()
+    if params.top_k or params.top_p < 1.0:
+        probs = truncate(probs, params.top_k, params.top_p)
+    return probs
+
+
+def _draw(probs: Tensor, generator: torch.Generator) -> int:
+    """Inverse-CDF draw from unnormalised probs [vocab], as `sample` does it (fp64 CDF)."""
+    cdf = probs.double().cumsum(dim=-1)
+    u = torch.rand(1, generator=generator, dtype=torch.float64)
+    picked = int(torch.searchsorted(cdf, u * cdf[-1:], right=True)[0])
+    return min(picked, probs.shape[-1] - 1)
+
+
+def verify_draft_token(
+    logprobs: Tensor, params: SamplingParams, draft: int, generator: torch.Generator
+) -> tuple[int, bool]:
+    """Speculative sampling for a draft that comes with no draft probabilities (a deterministic
+    proposal, e.g. from rollout history). `logprobs` is one row of `scaled_logprobs`. Returns (the
+    token to emit, whether it is the draft).
+
+    Let p be the distribution `sample` would draw from. Accept the draft x with probability p(x);
+    otherwise draw from p with x removed and renormalised. Then P(emit x) = p(x) and, for y != x,
+    P(emit y) = (1 - p(x)) * p(y) / (1 - p(x)) = p(y): exactly p, whatever the draft was. (The
+    general rule accepts with min(1, p(x) / q(x)) and resamples from (p - q)+; for a point-mass
+    proposal q = 1_x that is the same thing.) Greedy rows: the draft is kept iff it is the argmax."""
+    if params.temperature <= 0:
+        best = int(logprobs.argmax())
+        return best, best == draft
+    probs = _sampling_probs(logprobs, params)
+    total = float(probs.double().sum())
+    p_draft = float(probs[draft]) / total if 0 <= draft < probs.shape[-1] else 0.0
+    if float(torch.rand(1, generator=generator, dtype=torch.float64)) < p_draft:
+        return draft, True
+    residual = probs.clone()
+    if 0 <= draft < residual.shape[-1]:
+        residual[draft] = 0.0
+    return _draw(residual, generator), False
+
+
+def sample_one(logprobs: Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token from one row of `scaled_logprobs`, the way `sample` draws it."""
+    if params.temperature <= 0:
+        return int(logprobs.argmax())
+    return _draw(_sampling_probs(logprobs, params), generator)

@@ -1,0 +1,199 @@
+"""Speculative decoding from rollout history (issue 19): the drafter, the budget, and exactness of the
+reference engine's verification (greedy: same tokens; sampling: same distribution; logprobs: a fresh
+forward's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollwise.engine.reference import ReferenceEngine
+from rollwise.engine.reference import engine as engine_module
+from rollwise.engine.speculation import BudgetPolicy, HistoryDrafter, HistorySettings, draft_budget
+from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.model.tiny import tiny_llama
+
+VOCAB = 103
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return tiny_llama(vocab_size=VOCAB)
+
+
+def _requests(tag: str, **params) -> list[GenerationRequest]:
+    return [GenerationRequest(f"{tag}{i}", [3 + i, 4, 5, 6 + 2 * i], SamplingParams(**params)) for i in range(3)]
+
+
+class FixedDraft:
+    """A drafter that always proposes the same tokens (a test's proposal source: the verification must be
+    exact for any deterministic draft, good or bad)."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def budget_for(self, prompt_ids, generated, running):
+        return len(self.tokens)
+
+    def propose(self, prompt_ids, generated, k):
+        return self.tokens[len(generated) - 1 :][:k]
+
+    def observe(self, prompt_ids, token_ids, version, key=None):
+        pass
+
+    def on_policy_version(self, version):
+        pass
+
+    def memory(self):
+        return {}
+
+
+# ---------------------------------------------------------------- the drafter and the budget
+
+
+def test_siblings_draft_from_each_other_and_the_window_slides():
+    drafter = HistoryDrafter(HistorySettings(window_rollouts=2, max_versions=2, min_match=1))
+    prompt, other = [1, 2, 3], [9, 9]
+    assert drafter.propose(prompt, [10], 4) == []
+    drafter.observe(prompt, [10, 11, 12, 13, 14], version=0, key="a/0")
+    assert drafter.propose(prompt, [10], 3) == [11, 12, 13]  # a sibling drafts from the finished one
+    drafter.observe(prompt, [10, 11, 12, 13, 14], version=0, key="a/0")  # fed twice (engine + controller)
+    assert drafter.memory()["rollouts"] == 1
+    drafter.observe(prompt, [10, 11, 20, 21], version=0)
+    drafter.observe(prompt, [10, 11, 20, 22], version=0)  # window 2: the first rollout ages out
+    assert drafter.memory()["rollouts"] == 2
+    assert drafter.propose(prompt, [10, 11], 2) == [20, 21]  # most frequent, then the first seen on ties
+    drafter.observe(other, [50, 51, 52], version=1)
+    assert drafter.propose([7], [50], 2) == [51, 52]  # no own history: the global index answers
+    drafter.on_policy_version(2)  # max_versions 2: version-0 rollouts age out, their counts removed
+    # What is left: [START, 50, 51, 52] in its problem's index and the global one, 6 (context, next) pairs each.
+    assert drafter.memory() == {"rollouts": 1, "tokens": 3, "problems": 1, "entries": 12}
+    assert drafter.propose(prompt, [10, 11], 2) == []
+
+
+def test_memory_is_bounded_in_tokens():
+    drafter = HistoryDrafter(HistorySettings(max_tokens=100))
+    for i in range(50):
+        drafter.observe([i], list(range(i, i + 30)), version=0)
+    assert drafter.memory()["tokens"] <= 100
+    assert drafter.memory()["rollouts"] == 3
+
+
+def test_budget_grows_with_remaining_length_and_shrinks_with_the_batch():
+    policy = BudgetPolicy(max_draft=8, min_draft=1, batch_knee=8, tokens_per_draft=4)
+    assert draft_budget(0, 1, policy) == 0
+    assert draft_budget(2, 1, policy) == 1
+    assert draft_budget(20, 1, policy) == 5
+    assert draft_budget(1000, 1, policy) == 8
+    assert draft_budget(1000, 16, policy) == 4
+    assert draft_budget(1000, 128, policy) == 0
+    for b in (1, 8, 32):
+        row = [draft_budget(r, b, policy) for r in range(0, 100)]
+        assert row == sorted(row)
+    with pytest.raises(ValueError, match="min_draft"):
+        BudgetPolicy(max_draft=1, min_draft=2)
+
+
+# ---------------------------------------------------------------- exactness
+
+
+def test_greedy_tokens_identical_with_good_and_bad_drafts(hf_model):
+    params = dict(max_tokens=40, temperature=0.0, n=3, ignore_eos=True)
+    plain = ReferenceEngine(hf_model, max_num_seqs=12, max_model_len=96).generate(_requests("r", **params))
+    drafter = HistoryDrafter(HistorySettings(min_match=1))
+    # Bad history first: another prompt's rollouts, unrelated tokens (the global index drafts them).
+    drafter.observe([99], [(7 * i) % VOCAB for i in range(60)], version=0)
+    spec = ReferenceEngine(hf_model, max_num_seqs=12, max_model_len=96, drafter=drafter)
+    for tag in ("a", "b"):  # b: the history now holds a's outputs, the drafts are mostly right
+        out = spec.generate(_requests(tag, **params))
+        assert [c.token_ids for c in out] == [c.token_ids for c in plain]
+        for c, p in zip(out, plain):
+            assert c.logprobs == pytest.approx(p.logprobs, abs=1e-5)
+            assert c.finish_reason == p.finish_reason
+    stats = spec.speculation_metrics()
+    assert stats["spec_accepted"] > 50 and stats["spec_rejected"] > 0
+    assert stats["spec_mean_accepted_length"] > 1
+
+
+def test_sampled_logprobs_and_versions_equal_a_fresh_forward(hf_model):
+    drafter = HistoryDrafter(HistorySettings(min_match=1))
+    engine = ReferenceEngine(hf_model, max_num_seqs=8, max_model_len=96, drafter=drafter, policy_version=3)
+    params = dict(max_tokens=30, temperature=0.7, n=4, seed=11, ignore_eos=True, top_logprobs=2)
+    engine.generate(_requests("warm", **{**params, "temperature": 0.0}))  # history to draft from
+    out = engine.generate(_requests("s", **params))
+    assert engine.speculation_metrics()["spec_accepted"] > 0
+    for c in out:
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([c.prompt_ids + c.token_ids])).logits[0].float()
+        want = torch.log_softmax(logits[len(c.prompt_ids) - 1 : -1] / 0.7, dim=-1)
+        chosen = want.gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        assert c.logprobs == pytest.approx(chosen.tolist(), abs=1e-5)
+        assert c.versions == [3] * len(c.token_ids)
+        assert [t for t, _ in c.top_logprobs[5]] == want[5].topk(2).indices.tolist()
+
+
+def _chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson's goodness of fit, bins with expected < 5 pooled; p-value from the chi-square survival function."""
+    small = expected < 5
+    obs = torch.cat([observed[~small], observed[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    stat = (((obs - exp) ** 2) / exp)[keep].sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat.double() / 2))
+
+
+def _speculative_samples(hf_model, draft: list[int], prompt: list[int], count: int) -> torch.Tensor:
+    engine = ReferenceEngine(hf_model, max_num_seqs=500, max_model_len=len(prompt) + 4, drafter=FixedDraft(draft))
+    reqs = [GenerationRequest(f"q{i}", prompt, SamplingParams(max_tokens=3, temperature=1.0, n=500, seed=i * 1000,
+                                                              ignore_eos=True)) for i in range(count // 500)]
+    out = engine.generate(reqs)
+    assert engine.spec_stats["accepted"] > 0 and engine.spec_stats["rejected"] > 0
+    return torch.tensor([c.token_ids for c in out])
+
+
+def _exact_second_token(hf_model, prompt: list[int]) -> torch.Tensor:
+    """P(token 1) = sum over token 0 of P(token 0) P(token 1 | token 0), from fresh forwards."""
+    with torch.no_grad():
+        first = torch.softmax(hf_model(torch.tensor([prompt])).logits[0, -1].float(), -1)
+        batch = torch.tensor([prompt + [t] for t in range(VOCAB)])
+        second = torch.softmax(hf_model(batch).logits[:, -1].float(), -1)
+    return (first[:, None] * second).sum(0).double()
+
+
+def test_sampling_matches_the_target_distribution_and_catches_a_lenient_rule(hf_model, monkeypatch):
+    prompt, count = [5, 17, 29, 41], 10_000
+    exact = _exact_second_token(hf_model, prompt)
+    draft = [int(exact.argmax()), 3]  # position 1: the likeliest token; position 2: an arbitrary one
+
+    samples = _speculative_samples(hf_model, draft, prompt, count)
+    observed = torch.bincount(samples[:, 1], minlength=VOCAB).double()
+    assert _chi_square_p(observed, exact * count) > 1e-3
+
+    # Positions 1 and 2 against plain decoding (two-sample: the joint law beyond position 1 has no closed form).
+    plain = ReferenceEngine(hf_model, max_num_seqs=500, max_model_len=len(prompt) + 4)
+    reqs = [GenerationRequest(f"p{i}", prompt, SamplingParams(max_tokens=3, temperature=1.0, n=500, seed=7 + i * 1000,
+                                                              ignore_eos=True)) for i in range(count // 500)]
+    baseline = torch.tensor([c.token_ids for c in plain.generate(reqs)])
+    for pos in (1, 2):
+        a = torch.bincount(samples[:, pos], minlength=VOCAB).double()
+        b = torch.bincount(baseline[:, pos], minlength=VOCAB).double()
+        assert 0.5 * (a - b).abs().sum() / count < 0.08  # total variation (sampling noise ~0.05 here)
+
+    # The same test catches a biased rule: accept the draft with probability 2 p(x) instead of p(x)
+    # (the exact rule, then a second chance p / (1 - p) for a rejected draft).
+    exact_rule = engine_module.verify_draft_token
+
+    def lenient(logprobs, params, token, generator):
+        got, accepted = exact_rule(logprobs, params, token, generator)
+        p = float(logprobs[token].exp())
+        if not accepted and float(torch.rand(1, generator=generator)) < p / (1 - p):
+            return token, True
+        return got, accepted
+
+    monkeypatch.setattr(engine_module, "verify_draft_token", lenient)
+    biased = _speculative_samples(hf_model, draft, prompt, count)
+    observed = torch.bincount(biased[:, 1], minlength=VOCAB).double()
+    assert _chi_square_p(observed, exact * count) < 1e-6
+
