@@ -235,16 +235,15 @@ def _cmd_config(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
+    from rollwise.sim.cli import write_json
+
     if args.name == "sandbox":  # no model
         from rollwise.bench.sandbox import format_sandbox_bench, run_sandbox_bench
 
         with console.status("timing sandboxes (create / exec / fork / destroy, then concurrency)"):
             result = run_sandbox_bench(quick=args.quick)
         console.print(format_sandbox_bench(result))
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(result, indent=2))
-            console.print(f"wrote {args.json}")
+        write_json(args.json, result, console)
         return 0
     if args.name == "mux":  # each job loads its own model in its own process
         from rollwise.bench.mux import format_mux_bench, run_mux_bench
@@ -253,10 +252,7 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
             result = run_mux_bench(quick=args.quick)
         result["command"] = " ".join(["rollwise"] + sys.argv[1:])
         console.print(format_mux_bench(result))
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(result, indent=2))
-            console.print(f"wrote {args.json}")
+        write_json(args.json, result, console)
         return 0
     if args.name == "router":  # tiny models built in code: no --model to load
         from rollwise.bench.router import cli_bench_router
@@ -292,10 +288,7 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     console.print(table)
     if result.get("timeline_png"):
         console.print(f"timeline plot: {result['timeline_png']}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
-        console.print(f"wrote {args.json}")
+    write_json(args.json, result, console)
     return 0
 
 

@@ -41,6 +41,7 @@ from rich.table import Table
 from rollwise.bench import percentile
 from rollwise.local_server import free_port
 from rollwise.router.policies import POLICIES, make_policy
+from rollwise.sim.cli import write_json
 from rollwise.sim.routing import SimConfig, Workload, make_workload, simulate
 
 MODEL_SIZE = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
@@ -354,8 +355,6 @@ def format_router_bench(result: dict) -> Group:
 
 
 def cli_bench_router(args: argparse.Namespace, console: Any) -> int:
-    import json
-
     # --plot defaults to the rollout bench's file name; the router bench plots only when asked.
     plot = args.plot if args.plot != Path("rollout_timeline.png") else None
     with console.status("starting replicas") as status:
@@ -367,10 +366,7 @@ def cli_bench_router(args: argparse.Namespace, console: Any) -> int:
                   f"(goal 1.5x), prefill tokens {prefix['prefill_vs_round_robin']:.2f}x fewer (goal 2x)")
     if result.get("plot"):
         console.print(f"plot: {result['plot']}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
-        console.print(f"wrote {args.json}")
+    write_json(args.json, result, console)
     return 0
 
 

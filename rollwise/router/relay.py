@@ -60,6 +60,31 @@ def _passed_headers(response: httpx.Response, replica: Replica) -> dict[str, str
     return headers
 
 
+@dataclasses.dataclass
+class _Attempts:
+    """One request's tries: the replicas it failed on (the next try avoids them) and the last error."""
+
+    router: Router
+    tried: set[str] = dataclasses.field(default_factory=set)
+    last_error: str | None = None
+
+    async def replicas(self, route: RouteRequest, min_version: int
+                       ) -> AsyncIterator[tuple[Replica, tuple[int, int, bool]]]:
+        """Up to max_attempts replicas, each acquired and begun: the caller ends it (`router.end`)."""
+        for _ in range(self.router.config.max_attempts):
+            replica, decision = await self.router.acquire(route, min_version, self.tried, self.last_error)
+            yield replica, self.router.begin(replica, decision, route)
+
+    def failed(self, replica: Replica, error: str, *, reason: str) -> None:
+        """A failed try that is retried: the replica's breaker hears of it (a lost connection counts as a
+        connection failure), this request will not pick it again, and the retry is counted under `reason`
+        ("connection" or "http_<status>")."""
+        self.last_error = error
+        self.router.failed(replica, error, connection=reason == "connection")
+        self.tried.add(replica.name)
+        self.router.metrics.retries.labels(reason).inc()
+
+
 class Relay:
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -90,19 +115,14 @@ class Relay:
 
     async def _unary(self, endpoint: str, route: RouteRequest, meta: RequestMeta) -> StoredResponse:
         r = self.router
-        tried: set[str] = set()
-        last_error: str | None = None
-        for _ in range(r.config.max_attempts):
-            replica, decision = await r.acquire(route, meta.min_version, tried, last_error)
-            ticket = r.begin(replica, decision, route)
+        attempts = _Attempts(r)
+        async for replica, ticket in attempts.replicas(route, meta.min_version):
             try:
                 response = await r.http.post(upstream_url(replica, endpoint), content=meta.forward,
                                              headers={"content-type": "application/json"})
             except httpx.HTTPError as exc:
-                last_error = f"{replica.url}: {type(exc).__name__}: {exc}"
-                r.failed(replica, last_error, connection=True)
-                tried.add(replica.name)
-                r.metrics.retries.labels("connection").inc()
+                attempts.failed(replica, f"{replica.url}: {type(exc).__name__}: {exc}",
+                                reason="connection")
                 continue
             except asyncio.CancelledError:  # the client left: the engine must stop generating too
                 self._abort_upstream(replica, meta.request_id)
@@ -110,17 +130,17 @@ class Relay:
             finally:
                 r.end(replica, ticket)
             if response.status_code >= 500:
-                last_error = f"{replica.url} answered HTTP {response.status_code}: {response.text[:300]}"
-                r.failed(replica, last_error, connection=False)
-                tried.add(replica.name)
-                r.metrics.retries.labels(f"http_{response.status_code}").inc()
+                attempts.failed(replica,
+                                f"{replica.url} answered HTTP {response.status_code}: {response.text[:300]}",
+                                reason=f"http_{response.status_code}")
                 continue
             replica.breaker.record_success()
             if response.status_code < 300 and r.policy.learns_outputs:
                 self._learn(route, replica, response.content)
             return StoredResponse(response.status_code, response.headers.get("content-type", "application/json"),
                                   response.content, _passed_headers(response, replica))
-        raise RouterError(502, f"the request failed on {len(tried)} replica(s) (last error: {last_error}); "
+        raise RouterError(502, f"the request failed on {len(attempts.tried)} replica(s) "
+                          f"(last error: {attempts.last_error}); "
                           "nothing was returned, so retrying it is safe", kind="server_error", code="replicas_failed",
                           retry_after=1)
 
@@ -174,11 +194,8 @@ class Relay:
 
     async def _open_stream(self, endpoint: str, route: RouteRequest, meta: RequestMeta, key: str | None) -> Response:
         r = self.router
-        tried: set[str] = set()
-        last_error: str | None = None
-        for _ in range(r.config.max_attempts):
-            replica, decision = await r.acquire(route, meta.min_version, tried, last_error)
-            ticket = r.begin(replica, decision, route)
+        attempts = _Attempts(r)
+        async for replica, ticket in attempts.replicas(route, meta.min_version):
             upstream: httpx.Response | None = None
             try:
                 upstream = await r.http.send(
@@ -191,10 +208,9 @@ class Relay:
                     await upstream.aclose()
                     r.end(replica, ticket)
                     if upstream.status_code >= 500:
-                        last_error = f"{replica.url} answered HTTP {upstream.status_code}: {content[:300]!r}"
-                        r.failed(replica, last_error, connection=False)
-                        tried.add(replica.name)
-                        r.metrics.retries.labels(f"http_{upstream.status_code}").inc()
+                        attempts.failed(replica,
+                                        f"{replica.url} answered HTTP {upstream.status_code}: {content[:300]!r}",
+                                        reason=f"http_{upstream.status_code}")
                         continue
                     if key:
                         r.idempotency.end_stream(key, None)
@@ -206,15 +222,14 @@ class Relay:
                 if upstream is not None:
                     await upstream.aclose()
                 r.end(replica, ticket)
-                last_error = f"{replica.url}: {type(exc).__name__}: {exc}"
-                r.failed(replica, last_error, connection=True)
-                tried.add(replica.name)
-                r.metrics.retries.labels("connection").inc()
+                attempts.failed(replica, f"{replica.url}: {type(exc).__name__}: {exc}",
+                                reason="connection")
                 continue
             return StreamingResponse(self._relay(first, events, upstream, replica, ticket, key),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", **_passed_headers(upstream, replica)})
-        raise RouterError(502, f"the stream could not start on {len(tried)} replica(s) (last error: {last_error}); "
+        raise RouterError(502, f"the stream could not start on {len(attempts.tried)} replica(s) "
+                          f"(last error: {attempts.last_error}); "
                           "nothing was sent, so retrying it is safe", kind="server_error", code="replicas_failed",
                           retry_after=1)
 

@@ -1,24 +1,12 @@
 """The router's OpenAPI documentation: the status codes it really answers, and the shape of its errors
-(OpenAI's error JSON). Request bodies are read raw (they are forwarded as sent), so their schema is
-declared here rather than derived from a model."""
+(OpenAI's error JSON: rollwise.serve.errors.ErrorEnvelope, shared by every rollwise server). Request bodies
+are read raw (they are forwarded as sent), so their schema is declared here rather than derived from a model."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
+from rollwise.serve.errors import ErrorEnvelope
 
 WHY = {
     400: "malformed request (the message names the field); or the replica's own 400, passed on",
@@ -33,7 +21,9 @@ WHY = {
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    return {status: {"model": ErrorResponse, "description": WHY[status]} for status in statuses}
+    """FastAPI `responses=` for a route: each status with the serving layer's shared error envelope (the
+    one every rollwise server answers with), described as the router means it."""
+    return {status: {"model": ErrorEnvelope, "description": WHY[status]} for status in statuses}
 
 
 GENERATION_DOCS: dict[int | str, dict[str, Any]] = {
