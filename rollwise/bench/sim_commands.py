@@ -54,8 +54,7 @@ def cmd_validate(args: argparse.Namespace, console: Console) -> int:
     from rollwise.model.loading import load_model
     from rollwise.sim.cost import load_cost_file
 
-    if args.rounds < 1:
-        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+    _check_rounds(args)
     cost, trainer = load_cost_file(args.cost)
     if args.rollout_only:
         from rollwise.bench.validate_rollout import validate_rollout_only
@@ -91,19 +90,15 @@ def _print_validation(result: dict[str, Any], kind: str, cost_name: str, args: a
         table.add_row(r["mode"], f"{r['bubble_ratio_measured']:.3f}", f"{r['bubble_ratio_simulated']:.3f}",
                       f"{r.get('bubble_ratio_error', 0):+.0%}", f"{r['samples_per_s_measured']:.2f}",
                       f"{r['samples_per_s_simulated']:.2f}", f"{r.get('samples_per_s_error', 0):+.0%}",
-                      " ".join(f"{x:.2f}" for x in runs) if len(runs) > 1 else "-",
+                      _runs(runs, "{:.2f}"),
                       f"{r['wall_s_measured']:.1f}", f"{r['wall_s_simulated']:.1f}")
-    console.print(table)
-    result["command"] = " ".join(["rollwise"] + sys.argv[1:])
-    write_json(args.json, result, console)
-    return 0
+    return _show_and_write(table, result, args, console)
 
 
 def cmd_validate_router(args: argparse.Namespace, console: Console) -> int:
     from rollwise.bench.validate_router import validate_router
 
-    if args.rounds < 1:
-        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+    _check_rounds(args)
 
     with console.status("calibrating the replica engine") as status:
         result = validate_router(quick=not args.full, seed=args.seed, cores=args.cores, rounds=args.rounds,
@@ -116,25 +111,21 @@ def cmd_validate_router(args: argparse.Namespace, console: Console) -> int:
     for r in result["comparison"]:
         runs = r.get("requests_per_s_measured_runs", [])
         table.add_row(r["policy"], f"{r['requests_per_s_measured']:.1f}",
-                      " ".join(f"{x:.1f}" for x in runs) if len(runs) > 1 else "-", f"{r['requests_per_s_simulated']:.1f}",
+                      _runs(runs, "{:.1f}"), f"{r['requests_per_s_simulated']:.1f}",
                       f"{r['requests_per_s_error']:+.0%}", f"{r['prefix_hit_rate_measured']:.0%}",
                       f"{r['prefix_hit_rate_simulated']:.0%}", f"{r['prefill_tokens_measured']:,}",
                       f"{r['prefill_tokens_simulated']:,}", f"{r['engine_busy_s_measured']:.1f}",
                       f"{r['engine_busy_s_simulated']:.1f}", f"{r['p50_latency_s_measured']:.2f}",
                       f"{r['p50_latency_s_simulated']:.2f}", f"{r['p99_latency_s_measured']:.2f}",
                       f"{r['p99_latency_s_simulated']:.2f}")
-    console.print(table)
-    result["command"] = " ".join(["rollwise"] + sys.argv[1:])
-    write_json(args.json, result, console)
-    return 0
+    return _show_and_write(table, result, args, console)
 
 
 def cmd_validate_mux(args: argparse.Namespace, console: Console) -> int:
     from rollwise.bench.mux import describe_cores
     from rollwise.bench.validate_mux import validate_mux
 
-    if args.rounds < 1:
-        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+    _check_rounds(args)
     with console.status("measuring this machine") as status:
         result = validate_mux(full=args.full, rounds=args.rounds, progress=status.update)
     host = result["host"]
@@ -149,7 +140,7 @@ def cmd_validate_mux(args: argparse.Namespace, console: Console) -> int:
         for name, j in c["per_job"].items():
             table.add_row(f"{c['jobs']} jobs / {c['engines']} engine(s)" if first else "", name,
                           f"{j['wall_shared_s_measured']:.1f}s",
-                          " ".join(f"{x:.1f}" for x in j["measured_runs"]) if len(j["measured_runs"]) > 1 else "-",
+                          _runs(j["measured_runs"], "{:.1f}"),
                           f"{j['wall_shared_s_simulated']:.1f}s", f"{j['error']:+.0%}",
                           " ".join(f"{x:+.0%}" for x in j["dedicated_drift_runs"]),
                           f"{c['engine_hours_saving_measured']:.0%}" if first else "",
@@ -157,6 +148,21 @@ def cmd_validate_mux(args: argparse.Namespace, console: Console) -> int:
                           f"{c['engine_hours_saving_separate_devices']:.0%}" if first else "",
                           end_section=name == list(c["per_job"])[-1])
             first = False
+    return _show_and_write(table, result, args, console)
+
+
+def _check_rounds(args: argparse.Namespace) -> None:
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+
+
+def _runs(values: list[float], fmt: str) -> str:
+    """Each measured round, when there was more than one (the table shows their median)."""
+    return " ".join(fmt.format(x) for x in values) if len(values) > 1 else "-"
+
+
+def _show_and_write(table: Table, result: dict[str, Any], args: argparse.Namespace, console: Console) -> int:
+    """Print a validation's table, and write its result (with the command that made it) to --json."""
     console.print(table)
     result["command"] = " ".join(["rollwise"] + sys.argv[1:])
     write_json(args.json, result, console)
