@@ -61,6 +61,18 @@ class EngineConfig(_Section):
     kv_cache_gib: int = Field(2, ge=1, description="vLLM on CPU: whole GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)")
     enforce_eager: bool = Field(True, description="vLLM: skip torch.compile (starts ~4x faster on CPU)")
 
+    # Speculative decoding from the policy's own rollout history (issue 19; rollwise.engine.speculation).
+    speculation: Literal["none", "history"] = Field(
+        "none", description="history: draft from recent rollouts of the same problem (GRPO siblings, earlier "
+        "steps), verified exactly by the engine (reference engine only for now)")
+    speculation_max_draft: int = Field(8, ge=1, description="most tokens drafted per request per step")
+    speculation_batch_knee: int = Field(8, ge=1, description="running sequences beyond which drafts shrink "
+                                        "(a large batch is compute-bound: drafted tokens cost real work)")
+    speculation_tokens_per_draft: float = Field(4.0, gt=0, description="draft length = expected remaining "
+                                                "tokens / this (capped at speculation_max_draft)")
+    speculation_window_rollouts: int = Field(64, ge=1, description="recent rollouts kept per problem")
+    speculation_max_versions: int = Field(4, ge=1, description="rollouts older than this many policy versions age out")
+    speculation_max_tokens: int = Field(1_000_000, ge=1, description="response tokens the history holds in all")
 
 class RayConfig(_Section):
     """placement: ray — engines, the trainer and reward workers as Ray actors (rollwise.control.ray_placement)."""

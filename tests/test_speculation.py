@@ -197,3 +197,58 @@ def test_sampling_matches_the_target_distribution_and_catches_a_lenient_rule(hf_
     observed = torch.bincount(biased[:, 1], minlength=VOCAB).double()
     assert _chi_square_p(observed, exact * count) < 1e-6
 
+
+
+# ---------------------------------------------------------------- config, factory, controller feed
+
+
+def test_engine_speculation_config_builds_the_drafter_and_vllm_is_refused(hf_model):
+    from rollwise.config import EngineConfig
+    from rollwise.engine.factory import create_engine
+    from rollwise.model.tiny import tiny_tokenizer
+
+    cfg = EngineConfig(kind="reference", max_num_seqs=4, max_model_len=64, speculation="history",
+                       speculation_max_draft=3, speculation_window_rollouts=5)
+    engine = create_engine(cfg, hf_model, tiny_tokenizer(), model_name="tiny:0")
+    assert engine.drafter.budget.max_draft == 3 and engine.drafter.settings.window_rollouts == 5
+    assert create_engine(EngineConfig(kind="reference"), hf_model, tiny_tokenizer()).drafter is None
+    with pytest.raises(ValueError, match="speculation(.|\n)*'none' or 'history'"):
+        EngineConfig(speculation="suffix")
+    with pytest.raises(ValueError, match="engine.kind=reference"):
+        create_engine(EngineConfig(kind="vllm", speculation="history"), hf_model, tiny_tokenizer())
+
+
+def test_the_rollout_controller_feeds_every_finished_sample(tmp_path):
+    import json
+
+    from rollwise.config import RunConfig
+    from rollwise.model.tiny import tiny_tokenizer
+    from rollwise.rollout.controller import RolloutController
+    from rollwise.rollout.data import ProblemStream
+    from rollwise.rollout.sync_rollout import PromptEncoder
+    from rollwise.rollout.worker import EngineWorker
+    from rollwise.tasks import make_task
+
+    path = tmp_path / "add.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+1=?", "answer": i + 1}) + "\n" for i in range(10)))
+    cfg = RunConfig.model_validate({
+        "model": "tiny:0", "task": {"kind": "jsonl", "path": str(path)}, "prompt": {"system": None, "few_shot": []},
+        "rollout": {"prompts_per_step": 2, "group_size": 3, "max_tokens": 12},
+        "engine": {"max_num_seqs": 8, "max_model_len": 128}})
+    tokenizer = tiny_tokenizer()
+    drafter = HistoryDrafter()  # the controller's; the engine drafts from its own
+    engine = ReferenceEngine(tiny_llama(seed=0), max_num_seqs=8, max_model_len=128,
+                             eos_token_ids=[tokenizer.eos_token_id], drafter=HistoryDrafter())
+    worker = EngineWorker(engine)
+    controller = RolloutController(cfg, worker, PromptEncoder(tokenizer, cfg.prompt, cfg.reward),
+                                   ProblemStream(make_task(cfg.task).problems("train"), cfg.seed),
+                                   lambda group: None, drafter=drafter)
+    try:
+        samples = controller.next_batch()
+    finally:
+        controller.close()
+        worker.close()
+    assert len(samples) == 6
+    assert drafter.memory()["rollouts"] == 6 and drafter.memory()["problems"] == 2
+    assert drafter.memory()["tokens"] == sum(len(s.response_ids) for s in samples)
+    assert engine.drafter.memory()["rollouts"] == 6  # the engine fed its own drafter too

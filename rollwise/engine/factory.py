@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from rollwise.engine.contract import Engine
+from rollwise.engine.speculation import drafter_for
 
 if TYPE_CHECKING:
     from rollwise.config import EngineConfig
@@ -82,6 +83,10 @@ def create_engine(
     cfg = _settings(engine, dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                  kv_cache_gib=kv_cache_gib, enforce_eager=enforce_eager))
     kind = resolve_engine_kind(cfg.kind, model_name)
+    drafter = drafter_for(engine)  # engine.speculation (issue 19); None for `none`
+    if drafter is not None and kind == "vllm":
+        raise ValueError("engine.speculation=history is implemented on the reference engine only: set "
+                         "engine.kind=reference, or engine.speculation=none for vLLM")
     common = dict(max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, eos_token_ids=eos_token_ids,
                   policy_version=policy_version, seed=seed, model_name=model_name,
                   tokenizer_fingerprint=tokenizer_fingerprint)
@@ -91,7 +96,7 @@ def create_engine(
         return VLLMEngine(hf_model, tokenizer, kv_cache_gib=cfg.kv_cache_gib, enforce_eager=cfg.enforce_eager, **common)
     from rollwise.engine.reference import ReferenceEngine
 
-    return ReferenceEngine(hf_model, prefix_cache_tokens=prefix_cache_tokens, **common)
+    return ReferenceEngine(hf_model, prefix_cache_tokens=prefix_cache_tokens, drafter=drafter, **common)
 
 
 def describe_engine(engine: Any) -> str:

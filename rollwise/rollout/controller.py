@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rollwise.config import RunConfig
+from rollwise.engine.speculation import Drafter
 from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
 from rollwise.protocols import RolloutBackend
 from rollwise.rollout.data import ProblemStream
@@ -90,6 +91,7 @@ class RolloutController(ControllerDefaults):
         start_group: int = 0,
         pending_groups: list[int] | None = None,
         length_fn: LengthFn | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.cfg = cfg
         self.mode = cfg.rollout.mode
@@ -116,6 +118,9 @@ class RolloutController(ControllerDefaults):
         # two engine steps, and requests admitted in the same step share their prompt's prefill.
         self._outbox: list[GenerationRequest] = []
         self._training_groups = 0  # groups of the batch handed out by next_batch, until it is trained
+        # Speculation from rollout history (issue 19): every finished sample feeds the drafter. The
+        # reference engine also feeds its own drafter; the sample key makes a second feed a no-op.
+        self.drafter = drafter
 
     # ------------------------------------------------------------ public
 
@@ -333,6 +338,9 @@ class RolloutController(ControllerDefaults):
         info.remaining.discard(c.index)
         if not info.remaining:
             del self.running[c.request_id]
+        if self.drafter is not None and c.finish_reason != "abort":
+            self.drafter.observe(c.prompt_ids, c.token_ids, max(c.versions, default=self.version),
+                                 key=f"{c.request_id}/{c.index}")
         index = info.samples[c.index]
         group = self.groups[info.group]
         sample = Sample.from_completion(

@@ -21,4 +21,17 @@ class Drafter(Protocol):
     def memory(self) -> dict[str, int]: ...
 
 
-__all__ = ["BudgetPolicy", "Drafter", "HistoryDrafter", "HistorySettings", "SuffixCounts", "draft_budget"]
+__all__ = ["BudgetPolicy", "Drafter", "HistoryDrafter", "HistorySettings", "SuffixCounts", "draft_budget", "drafter_for"]
+
+
+def drafter_for(engine_cfg: object) -> HistoryDrafter | None:
+    """The drafter an engine section asks for (`engine.speculation` and its knobs; rollwise.config.EngineConfig),
+    or None for `none` and for sections without the fields (older EngineSettings)."""
+    if getattr(engine_cfg, "speculation", "none") == "none":
+        return None
+    get = engine_cfg.__getattribute__
+    budget = BudgetPolicy(max_draft=get("speculation_max_draft"), min_draft=1, batch_knee=get("speculation_batch_knee"),
+                          tokens_per_draft=get("speculation_tokens_per_draft"))
+    history = HistorySettings(window_rollouts=get("speculation_window_rollouts"),
+                              max_versions=get("speculation_max_versions"), max_tokens=get("speculation_max_tokens"))
+    return HistoryDrafter(history, budget)
