@@ -5,6 +5,7 @@
     rollwise bench engine [--quick] [--json PATH]     reference engine vs. HF generate, side by side
     rollwise bench rollout [--quick] [--json PATH]    rollout modes sync / sorted / async, side by side
     rollwise bench sync [--quick] [--json PATH]       weight transports (in-process, files, gloo) vs memcpy
+    rollwise bench speculation [--quick] [--json PATH] rollouts with / without drafts from rollout history
     rollwise compare RUN_DIR RUN_DIR ... [--out PNG]  reward vs wall time and vs samples, runs side by side
     rollwise serve engine [--model SPEC] [--host 127.0.0.1] [--port 8000] [--max-num-seqs N] [--max-model-len N]
                                                      the engine over HTTP: OpenAI-compatible completions,
@@ -81,7 +82,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Benchmarks print a table; --json writes machine-readable results. --quick finishes in < 1 min.",
     )
     bench.add_argument(
-        "name", choices=["engine", "rollout", "sync", "router", "sandbox", "mux"],
+        "name", choices=["engine", "rollout", "sync", "router", "sandbox", "mux", "speculation"],
         help="router: routing policies (round robin ... prefix-aware) side by side on real tiny-model replicas and "
         "64 simulated ones (prefix hit rate, prefill tokens, p50/p99 latency, load imbalance); "
         "sandbox: create/exec/fork/destroy latency (p50/p99) and how many concurrent sandboxes this machine holds; "
@@ -90,7 +91,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "(bubble ratio, samples/s, staleness) with a timeline PNG; sync: weight transports (in-process, safetensors "
         "files, gloo broadcast) in seconds and GB/s next to a memory copy of the same bytes; mux: `rollwise train` "
         "jobs sharing one engine pool vs. each on a dedicated engine (engine-hours, wall time per job, slowdown; "
-        "tiny models; --quick: 2 jobs on 1 engine, full: also 4 jobs on 2 engines; --model is not used)",
+        "tiny models; --quick: 2 jobs on 1 engine, full: also 4 jobs on 2 engines; --model is not used); "
+        "speculation: GRPO rollouts with and without drafts from rollout history on the reference engine "
+        "(wall and tail time ratio, acceptance)",
     )
     bench.add_argument("--quick", action="store_true", help="small workload (< 1 minute on 2 CPU cores)")
     bench.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
@@ -271,6 +274,12 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
             result = run_rollout_bench(model, tokenizer, quick=args.quick, seed=args.seed, plot=args.plot,
                                        engine_kind=resolve_engine_kind("auto", args.model))
         table = format_rollout_bench(result)
+    elif args.name == "speculation":
+        from rollwise.bench.speculation import format_speculation_bench, run_speculation_bench
+
+        with console.status("rollouts with and without speculation from rollout history (the same work)"):
+            result = run_speculation_bench(model, tokenizer, quick=args.quick, seed=args.seed)
+        table = format_speculation_bench(result)
     elif args.name == "sync":
         from rollwise.bench.sync import format_sync_bench, run_sync_bench
 

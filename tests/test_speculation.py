@@ -252,3 +252,15 @@ def test_the_rollout_controller_feeds_every_finished_sample(tmp_path):
     assert drafter.memory()["rollouts"] == 6 and drafter.memory()["problems"] == 2
     assert drafter.memory()["tokens"] == sum(len(s.response_ids) for s in samples)
     assert engine.drafter.memory()["rollouts"] == 6  # the engine fed its own drafter too
+
+
+def test_bench_speculation_quick_smoke():
+    # Runs the benchmark's code path on a tiny model; no timing is asserted (the lead measures).
+    from rollwise.bench.speculation import format_speculation_bench, run_speculation_bench
+    from rollwise.model.tiny import tiny_tokenizer
+
+    result = run_speculation_bench(tiny_llama(num_layers=1), tiny_tokenizer(), quick=True)
+    assert [r["temperature"] for r in result["rows"]] == [0.3, 1.0]
+    for row in result["rows"]:
+        assert row["metrics"]["spec_drafted"] > 0 and row["speedup"] > 0
+    assert format_speculation_bench(result).row_count == 2
