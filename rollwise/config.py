@@ -7,6 +7,7 @@ the allowed keys listed and the closest match suggested.
 from __future__ import annotations
 
 import difflib
+import os
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -60,7 +61,6 @@ class EngineConfig(_Section):
     max_model_len: int = Field(1024, ge=16)
     kv_cache_gib: int = Field(2, ge=1, description="vLLM on CPU: whole GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)")
     enforce_eager: bool = Field(True, description="vLLM: skip torch.compile (starts ~4x faster on CPU)")
-
     # Speculative decoding from the policy's own rollout history (issue 19; rollwise.engine.speculation).
     speculation: Literal["none", "history"] = Field(
         "none", description="history: draft from recent rollouts of the same problem (GRPO siblings, earlier "
@@ -73,6 +73,7 @@ class EngineConfig(_Section):
     speculation_window_rollouts: int = Field(64, ge=1, description="recent rollouts kept per problem")
     speculation_max_versions: int = Field(4, ge=1, description="rollouts older than this many policy versions age out")
     speculation_max_tokens: int = Field(1_000_000, ge=1, description="response tokens the history holds in all")
+
 
 class RayConfig(_Section):
     """placement: ray — engines, the trainer and reward workers as Ray actors (rollwise.control.ray_placement)."""
@@ -152,6 +153,42 @@ class TrainConfig(_Section):
     is_cap: float = Field(2.0, gt=0, description="truncation of the importance weight pi_prox/pi_behav (tis)")
 
 
+def _rank_capacity(device: str) -> tuple[int, str]:
+    """How many trainer ranks this machine holds on `device`: one per GPU, or one per CPU core."""
+    if device != "cpu":
+        import torch  # only here: reading the config needs no torch otherwise
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count(), "CUDA devices"
+        if device == "cuda":
+            return 0, "CUDA devices"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores, "CPU cores"
+
+
+class TrainerConfig(_Section):
+    """The `trainer:` section: where and how the trainer runs (the `train:` section says what it learns)."""
+
+    world_size: int = Field(1, ge=1, description="data-parallel FSDP2 ranks (torch.distributed); 1: in this process")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="ranks' device (auto: CUDA when present); "
+                                                   "world_size=1 trains on CPU in this process")
+    mixed_precision: Literal["none", "bf16"] = Field("none", description="bf16 compute, fp32 gradient reduction "
+                                                     "(FSDP2 MixedPrecisionPolicy; world_size > 1)")
+    cpu_offload: bool = Field(False, description="parameters, gradients and optimizer state in CPU memory "
+                                                 "(FSDP2 CPUOffloadPolicy; for CUDA ranks)")
+
+    @model_validator(mode="after")
+    def _world_fits_machine(self) -> TrainerConfig:
+        # Refused here, before a model loads or a rank starts: N ranks need N devices (or N cores).
+        if self.world_size > 1:
+            capacity, what = _rank_capacity(self.device)
+            if self.world_size > capacity:
+                fits = f"at most {capacity}" if capacity else "1 (or trainer.device=cpu)"
+                raise ValueError(f"trainer.world_size={self.world_size} needs {self.world_size} {what} (one per "
+                                 f"rank); this machine has {capacity}: set trainer.world_size to {fits}")
+        return self
+
+
 class EvalConfig(_Section):
     size: int = Field(100, ge=0, description="held-out problems scored before and after training")
     every: int = Field(0, ge=0, description="also evaluate every N steps (0: only before and after)")
@@ -199,6 +236,7 @@ class RunConfig(_Section):
     rollout: RolloutConfig = RolloutConfig()
     engine: EngineConfig = EngineConfig()
     train: TrainConfig = TrainConfig()
+    trainer: TrainerConfig = TrainerConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     # Where engines, trainer and reward workers run: `local` (one process, the default) or `ray`

@@ -3,6 +3,12 @@
 A checkpoint is a directory `step_000012/` holding a loadable Hugging Face model (`model/`), the
 optimizer and scheduler state, RNG states and `state.json`. It is written to a temporary folder
 and renamed, so a crash mid-save never leaves a half checkpoint that resume would pick up.
+
+The optimizer state comes in one of two forms, and either trainer reads both (so a run resumes at
+another `trainer.world_size`):
+- `optimizer.pt`: the single-process trainer's optimizer and scheduler state (torch.save);
+- `dcp/` + `scheduler.pt`: the sharded trainer's model and optimizer, every rank's shard, written
+  with torch.distributed.checkpoint (rollwise.train.rank), which reshards on load.
 """
 
 from __future__ import annotations
@@ -11,37 +17,36 @@ import json
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 from rollwise.train.trainer import GRPOTrainer
 
 STATE_FILE = "state.json"
+DCP_DIR = "dcp"
+SCHEDULER_FILE = "scheduler.pt"
 
 
-def save_checkpoint(run_dir: Path, trainer: GRPOTrainer, tokenizer, step: int, extra: dict[str, Any], keep_last: int) -> Path:
-    """`step` is the number of completed training steps; resume starts at `step`."""
+def write_checkpoint(run_dir: Path, step: int, version: int, extra: dict[str, Any], keep_last: int,
+                     write_trainer: Callable[[Path], None]) -> Path:
+    """A checkpoint directory: `write_trainer(tmp)` writes the trainer's files; RNG and state.json
+    are added here, then the folder is renamed into place and old checkpoints pruned."""
     ckpt_root = run_dir / "checkpoints"
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step_{step:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=ckpt_root))
-    trainer.model.save_pretrained(tmp / "model", safe_serialization=True)
-    tokenizer.save_pretrained(tmp / "model")
-    torch.save(
-        {"optimizer": trainer.optimizer.state_dict(), "scheduler": trainer.scheduler.state_dict()},
-        tmp / "optimizer.pt",
-    )
+    write_trainer(tmp)
     torch.save(
         {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
         tmp / "rng.pt",
     )
-    (tmp / STATE_FILE).write_text(
-        json.dumps({"step": step, "policy_version": trainer.version, **extra}, indent=2)
-    )
+    (tmp / STATE_FILE).write_text(json.dumps({"step": step, "policy_version": version, **extra}, indent=2))
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
@@ -50,16 +55,51 @@ def save_checkpoint(run_dir: Path, trainer: GRPOTrainer, tokenizer, step: int, e
     return final
 
 
+def save_checkpoint(run_dir: Path, trainer: GRPOTrainer, tokenizer, step: int, extra: dict[str, Any], keep_last: int) -> Path:
+    """`step` is the number of completed training steps; resume starts at `step`."""
+
+    def write(tmp: Path) -> None:
+        trainer.model.save_pretrained(tmp / "model", safe_serialization=True)
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save(
+            {"optimizer": trainer.optimizer.state_dict(), "scheduler": trainer.scheduler.state_dict()},
+            tmp / "optimizer.pt",
+        )
+
+    return write_checkpoint(run_dir, step, trainer.version, extra, keep_last, write)
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     found = sorted((run_dir / "checkpoints").glob("step_*"))
     return found[-1] if found else None
 
 
-def load_checkpoint(ckpt: Path, trainer: GRPOTrainer) -> dict[str, Any]:
-    """Restore weights, optimizer, scheduler, policy version and RNG states; return state.json."""
+def load_rng_and_state(ckpt: Path) -> dict[str, Any]:
+    """Restore this process's RNG states; return state.json."""
     if not (ckpt / STATE_FILE).exists():
         raise FileNotFoundError(f"{ckpt} is not a rollwise checkpoint (no {STATE_FILE})")
     state = json.loads((ckpt / STATE_FILE).read_text())
+    rng = torch.load(ckpt / "rng.pt", weights_only=False)
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    return state
+
+
+def optimizer_state_by_name(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """A torch optimizer state dict (parameters numbered in model.parameters() order, trainable
+    only, as GRPOTrainer builds its optimizer) keyed by parameter names instead: the form
+    torch.distributed.checkpoint.state_dict reads and writes."""
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    return {
+        "state": {names[i]: v for i, v in state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def load_checkpoint(ckpt: Path, trainer: GRPOTrainer) -> dict[str, Any]:
+    """Restore weights, optimizer, scheduler, policy version and RNG states; return state.json."""
+    state = load_rng_and_state(ckpt)
     weights: dict[str, torch.Tensor] = {}
     for shard in sorted((ckpt / "model").glob("*.safetensors")):
         weights.update(load_file(shard))
@@ -68,12 +108,21 @@ def load_checkpoint(ckpt: Path, trainer: GRPOTrainer) -> dict[str, Any]:
     tied = {"lm_head.weight"} if getattr(trainer.model.config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
         raise ValueError(f"checkpoint {ckpt} does not match the model: missing {missing}, unexpected {unexpected}")
-    opt = torch.load(ckpt / "optimizer.pt", weights_only=False)
-    trainer.optimizer.load_state_dict(opt["optimizer"])
-    trainer.scheduler.load_state_dict(opt["scheduler"])
-    rng = torch.load(ckpt / "rng.pt", weights_only=False)
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
+    if (ckpt / "optimizer.pt").exists():
+        opt = torch.load(ckpt / "optimizer.pt", weights_only=False)
+        trainer.optimizer.load_state_dict(opt["optimizer"])
+        trainer.scheduler.load_state_dict(opt["scheduler"])
+    else:  # written by the sharded trainer: its optimizer shards, gathered by DCP into this process
+        _load_sharded_optimizer(ckpt, trainer)
     trainer.version = int(state["policy_version"])
     return state
+
+
+def _load_sharded_optimizer(ckpt: Path, trainer: GRPOTrainer) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    optim_sd = get_optimizer_state_dict(trainer.model, trainer.optimizer)
+    dcp.load({"optim": optim_sd}, checkpoint_id=ckpt / DCP_DIR)
+    set_optimizer_state_dict(trainer.model, trainer.optimizer, optim_sd)
+    trainer.scheduler.load_state_dict(torch.load(ckpt / SCHEDULER_FILE, weights_only=False)["scheduler"])

@@ -96,8 +96,9 @@ def shared_prompt_logprobs(
     prompt_out = backbone(input_ids=prompt_ids[None], use_cache=True)
     cache = prompt_out.past_key_values
     cache.batch_repeat_interleave(group)
-    attention_mask = torch.cat([torch.ones(group, prompt_len, dtype=torch.long), response_mask.long()], dim=1)
-    position_ids = (prompt_len + torch.arange(length)).expand(group, length)
+    attention_mask = torch.cat([torch.ones(group, prompt_len, dtype=torch.long, device=responses.device),
+                                response_mask.long()], dim=1)
+    position_ids = (prompt_len + torch.arange(length, device=responses.device)).expand(group, length)
     response_hidden = backbone(
         input_ids=responses, attention_mask=attention_mask, position_ids=position_ids,
         past_key_values=cache, use_cache=True,

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from functools import partial
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,9 @@ class MicroBatch:
     behaviour_logp: Tensor  # [N] flattened over target positions, row-major
     advantages: Tensor  # [N]
     weights: Tensor  # [N] share of each token in the batch loss
+    # A sharded trainer's filler: every rank must run as many forwards as the others (FSDP's
+    # collectives), so a rank with fewer micro-batches repeats one with zero weights, uncounted.
+    padding: bool = False
 
     def logprobs(self, model: nn.Module, temperature: float, chunk_tokens: int) -> tuple[Tensor, Tensor]:
         return sequence_logprobs(model, self.input_ids, self.attention_mask, self.target_mask,
@@ -56,6 +60,7 @@ class GroupMicroBatch:
     behaviour_logp: Tensor  # [N]
     advantages: Tensor  # [N]
     weights: Tensor  # [N]
+    padding: bool = False
 
     def logprobs(self, model: nn.Module, temperature: float, chunk_tokens: int) -> tuple[Tensor, Tensor]:
         return shared_prompt_logprobs(model, self.prompt_ids, self.responses, self.response_mask,
@@ -64,6 +69,14 @@ class GroupMicroBatch:
     @property
     def n_tokens(self) -> int:
         return int(self.response_mask.sum())
+
+
+def to_device(mb: MicroBatch | GroupMicroBatch, device: torch.device) -> MicroBatch | GroupMicroBatch:
+    """The micro-batch's tensors on `device` (itself when they are there already)."""
+    if mb.weights.device == device:
+        return mb
+    moved = {f.name: getattr(mb, f.name).to(device) for f in fields(mb) if isinstance(getattr(mb, f.name), Tensor)}
+    return replace(mb, **moved)
 
 
 def collate_group(samples: list[Sample], weights: Tensor, pad_id: int) -> GroupMicroBatch:
@@ -140,12 +153,16 @@ class GRPOTrainer:
         self.pad_token_id = pad_token_id
         self.temperature = temperature
         self.version = 0  # policy version: number of optimizer updates applied
+        # Called with the model when a step's gradients are complete, before clipping (tests read the
+        # gradients here, the trainer benchmark their memory).
+        self.before_step: Callable[[nn.Module], None] | None = None
         self.model.train()
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.model.config.use_cache = False
         # Frozen initial policy for the KL term; only built when it is used (it doubles model memory).
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+        self._prepare_model()  # a sharded rank shards here, before the optimizer sees the parameters
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=cfg.lr,
@@ -172,9 +189,22 @@ class GRPOTrainer:
 
         return load_checkpoint(ckpt, self)
 
+    def _prepare_model(self) -> None:
+        """Hook before the optimizer is built (rollwise.train.sharded shards the model here)."""
+
+    def _logprobs(self, mb: MicroBatch | GroupMicroBatch) -> tuple[Tensor, Tensor]:
+        """The policy's log-probs and entropy of a micro-batch's trained tokens."""
+        return mb.logprobs(self.model, self.temperature, self.cfg.logprob_chunk_tokens)
+
     def _micro_batches(self, samples: list[Sample]) -> list[MicroBatch | GroupMicroBatch]:
         share, chunks = chunk_samples(samples, self.cfg)
         weights = token_weights([s.trained_tokens for chunk in chunks for s in chunk], self.cfg.loss_agg)
+        return self.collate_chunks(share, chunks, weights)
+
+    def collate_chunks(self, share: bool, chunks: list[list[Sample]], weights: Tensor,
+                       padding: int = 0) -> list[MicroBatch | GroupMicroBatch]:
+        """Micro-batches of `chunks`, whose tokens carry `weights` (flattened in chunk order), plus
+        `padding` zero-weight repeats of the first chunk (see MicroBatch.padding)."""
         batches: list[MicroBatch | GroupMicroBatch] = []
         offset = 0
         build = collate_group if share else collate
@@ -182,6 +212,8 @@ class GRPOTrainer:
             n_tokens = sum(s.trained_tokens for s in chunk)
             batches.append(build(chunk, weights[offset : offset + n_tokens], self.pad_token_id))
             offset += n_tokens
+        for _ in range(padding):
+            batches.append(replace(batches[0], weights=torch.zeros_like(batches[0].weights), padding=True))
         return batches
 
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
@@ -214,7 +246,9 @@ class GRPOTrainer:
     def _measure(self, batches: list[MicroBatch | GroupMicroBatch]) -> dict[str, float]:
         n, entropy_sum, abs_diff_sum, k3_sum = 0, 0.0, 0.0, 0.0
         for mb in batches:
-            logp, entropy = mb.logprobs(self.model, self.temperature, self.cfg.logprob_chunk_tokens)
+            logp, entropy = self._logprobs(mb)
+            if mb.padding:
+                continue
             n += mb.n_tokens
             entropy_sum += float(entropy.sum())
             abs_diff, k3 = mismatch_sums(mb.behaviour_logp, logp)
@@ -232,7 +266,7 @@ class GRPOTrainer:
         first = not proximal
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        n_tokens = sum(b.n_tokens for b in batches)
+        n_tokens = sum(b.n_tokens for b in batches if not b.padding)
         loss_total = 0.0
         clipped = 0
         kl_sum = 0.0
@@ -241,14 +275,14 @@ class GRPOTrainer:
         k3_sum = 0.0
         is_weight_sum = 0.0
         for i, mb in enumerate(batches):
-            logp, entropy = mb.logprobs(self.model, self.temperature, self.cfg.logprob_chunk_tokens)
+            logp, entropy = self._logprobs(mb)
             prox = is_weights = None
             if correction != "none":
                 if first:
                     proximal.append(logp.detach())
                 prox = proximal[i]
                 is_weights = off_policy_weights(prox, mb.behaviour_logp, correction, self.cfg.is_cap)
-                is_weight_sum += float(is_weights.sum())
+                is_weight_sum += 0.0 if mb.padding else float(is_weights.sum())
             ref_logp = None
             if self.ref_model is not None:
                 with torch.no_grad():
@@ -266,6 +300,8 @@ class GRPOTrainer:
                 is_weights=is_weights,
             )
             terms.loss.backward()
+            if mb.padding:
+                continue  # its weights are 0: no gradient, and it is not counted in the metrics
             loss_total += float(terms.loss.detach())
             clipped += int(terms.clipped_tokens)
             kl_sum += float(terms.kl_sum)
@@ -275,7 +311,11 @@ class GRPOTrainer:
                 abs_diff, k3 = mismatch_sums(mb.behaviour_logp, logp.detach())
                 abs_diff_sum += abs_diff
                 k3_sum += k3
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+        if self.before_step is not None:
+            self.before_step(self.model)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        # Sharded parameters (DTensor) give a DTensor norm: full_tensor() sums it over the ranks.
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if math.isfinite(grad_norm):
             self.optimizer.step()
             self.scheduler.step()

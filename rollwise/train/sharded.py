@@ -1,0 +1,229 @@
+"""The sharded GRPO trainer: `trainer.world_size` FSDP2 data-parallel ranks behind one `Trainer`.
+
+`ShardedTrainer` (this process, the controller side) implements rollwise.protocols.Trainer and
+speaks for the group. It starts the ranks itself (torch.multiprocessing, spawn), one process per
+rank, each holding 1/N of the parameters, gradients and optimizer state (rollwise.train.rank).
+
+A train step is exact: the controller weighs every trained token against the global batch (the
+token or sequence count over all ranks), then deals the micro-batches to the ranks balanced by
+token count; each rank runs GRPOTrainer's update on its share, and FSDP2 sums the gradients.
+Ranks with fewer micro-batches run zero-weight repeats, since every rank must run as many forwards
+as the others (FSDP's collectives). The weights come back gathered bucket by bucket (rank 0 never
+holds more than one bucket of full tensors) and leave through the one checked weight path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+
+from rollwise.config import TrainConfig, TrainerConfig
+from rollwise.train.checkpoint import load_rng_and_state, write_checkpoint
+from rollwise.train.distributed import RankSpec, free_port, resolve_device
+from rollwise.train.grpo import token_weights
+from rollwise.train.rank import RankWork, rank_main
+from rollwise.types.microbatch import chunk_samples, computed_tokens
+from rollwise.types.sample import Sample
+
+DEFAULT_BUCKET_MB = 64.0
+
+
+class TrainerRankError(RuntimeError):
+    """A trainer rank failed or died; the step did not complete (resume from the last checkpoint)."""
+
+
+def balance(costs: list[int], ranks: int) -> list[list[int]]:
+    """Indices of `costs` dealt to `ranks` bins, largest first onto the lightest bin (LPT), so the
+    ranks' token counts are close; each bin keeps its indices in the original order."""
+    bins: list[list[int]] = [[] for _ in range(ranks)]
+    loads = [0] * ranks
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        r = loads.index(min(loads))
+        bins[r].append(i)
+        loads[r] += costs[i]
+    return [sorted(b) for b in bins]
+
+
+def split_work(samples: list[Sample], cfg: TrainConfig, ranks: int) -> list[RankWork]:
+    """Each rank's micro-batches with the loss weights of the global batch (exact normalisation)."""
+    share, chunks = chunk_samples(samples, cfg)
+    ordered = [s for chunk in chunks for s in chunk]
+    weights = token_weights([s.trained_tokens for s in ordered], cfg.loss_agg)
+    per_sample: list[Tensor] = list(torch.split(weights, [s.trained_tokens for s in ordered]))
+    weight_of = {id(s): w for s, w in zip(ordered, per_sample)}
+    if share:
+        # A shared-prompt micro-batch is one group's prompt: deal whole micro-batches.
+        dealt = [[chunks[i] for i in b] for b in balance([computed_tokens(c, cfg) for c in chunks], ranks)]
+    else:
+        # Padded micro-batches: deal samples by tokens, then cut each rank's share into micro-batches.
+        costs = [len(s.prompt_ids) + len(s.response_ids) for s in ordered]
+        dealt = [chunk_samples([ordered[i] for i in b], cfg)[1] if b else [] for b in balance(costs, ranks)]
+    most = max(max(len(d) for d in dealt), 1)
+    work = []
+    for rank_chunks in dealt:
+        if not rank_chunks:  # fewer micro-batches than ranks: this rank only repeats one at weight 0
+            w = torch.cat([torch.zeros_like(weight_of[id(s)]) for s in chunks[0]])
+            work.append(RankWork(share, [chunks[0]], w, padding=most - 1, idle=True))
+            continue
+        w = torch.cat([weight_of[id(s)] for chunk in rank_chunks for s in chunk])
+        work.append(RankWork(share, rank_chunks, w, padding=most - len(rank_chunks)))
+    return work
+
+
+def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """One step's metrics from the ranks': sums add, per-token means are weighed by tokens, and the
+    rest (grad norm, lr, flags) are the same on every rank."""
+    tokens = [m.get("trained_tokens", 0.0) for m in per_rank]
+    total = sum(tokens)
+    out = dict(per_rank[0])
+    out["loss"] = sum(m["loss"] for m in per_rank)
+    out["trained_tokens"] = total
+    for key in ("clip_fraction", "entropy", "kl", "is_weight_mean", "mismatch_abs_logp", "mismatch_k3"):
+        if key in out:
+            out[key] = sum(m[key] * n for m, n in zip(per_rank, tokens)) / max(total, 1.0)
+    return out
+
+
+@dataclass
+class _Rank:
+    process: Any
+    conn: Connection
+
+
+class ShardedTrainer:
+    """N FSDP2 ranks as one Trainer. `model` is copied to the ranks and left as it is here."""
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig, trainer_cfg: TrainerConfig, *, pad_token_id: int,
+                 temperature: float = 1.0, tokenizer: Any = None, threads: int = 0,
+                 bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+        self.cfg, self.tokenizer, self.bucket_mb = cfg, tokenizer, bucket_mb
+        self.world_size = trainer_cfg.world_size
+        self._version = 0
+        cores = threads or len(os.sched_getaffinity(0))
+        port = free_port()
+        ctx = mp.get_context("spawn")
+        self.ranks: list[_Rank] = []
+        for rank in range(self.world_size):
+            spec = RankSpec(rank, self.world_size, port, resolve_device(trainer_cfg.device),
+                            threads=max(cores // self.world_size, 1), mixed_precision=trainer_cfg.mixed_precision,
+                            cpu_offload=trainer_cfg.cpu_offload)
+            here, there = ctx.Pipe()
+            process = ctx.Process(target=rank_main, name=f"rollwise-trainer-rank{rank}", daemon=True,
+                                  args=(spec, model, cfg, pad_token_id, temperature, there))
+            process.start()
+            there.close()
+            self.ranks.append(_Rank(process, here))
+        self._collect("start")
+
+    # ------------------------------------------------------------ talking to the ranks
+
+    def _send(self, cmd: str, args: list[Any]) -> None:
+        for r, arg in zip(self.ranks, args):
+            r.conn.send((cmd, arg))
+
+    def _recv(self, rank: int, what: str) -> Any:
+        """One reply from `rank`; a rank that died or raised fails the call (and stops the group:
+        the others would wait in a collective for it)."""
+        r = self.ranks[rank]
+        wait([r.conn, r.process.sentinel])
+        if not r.conn.poll():
+            self.close()
+            raise TrainerRankError(f"trainer rank {rank} died during {what} (exit code {r.process.exitcode}); "
+                                   "the step did not complete: resume from the last checkpoint "
+                                   "(checkpoint.resume=auto)")
+        status, value = r.conn.recv()
+        if status == "error":
+            self.close()
+            raise TrainerRankError(f"trainer rank {rank} failed during {what}:\n{value}")
+        return value
+
+    def _collect(self, what: str) -> list[Any]:
+        return [self._recv(rank, what) for rank in range(self.world_size)]
+
+    def _all(self, cmd: str, arg: Any = None) -> list[Any]:
+        self._send(cmd, [arg] * self.world_size)
+        return self._collect(cmd)
+
+    def close(self) -> None:
+        for r in self.ranks:
+            if r.process.is_alive():
+                try:
+                    r.conn.send(("stop", None))
+                except OSError:
+                    pass
+        for r in self.ranks:
+            r.process.join(timeout=10)
+            if r.process.is_alive():
+                r.process.kill()
+                r.process.join()
+
+    # ------------------------------------------------------------ rollwise.protocols.Trainer
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        informative = [s for s in samples if s.advantage != 0.0] if self.cfg.kl_coef == 0 else samples
+        informative = [s for s in informative if s.trained_tokens]
+        if not informative:
+            # Nothing to learn from: entropy and mismatch of the first micro-batch, measured on all
+            # ranks alike (every forward is collective); rank 0's answer.
+            share, chunks = chunk_samples(samples, self.cfg)
+            first = RankWork(share, chunks[:1], torch.zeros(sum(s.trained_tokens for s in chunks[0])), padding=0)
+            measured = self._all("measure", first)[0]
+            return {"loss": 0.0, "grad_norm": 0.0, "update_skipped_no_signal": 1.0,
+                    "update_skipped_nonfinite_grad": 0.0, "trained_tokens": 0.0, "trained_samples": 0.0,
+                    "clip_fraction": 0.0, "kl": 0.0, **measured}
+        work = split_work(informative, self.cfg, self.world_size)
+        self._send("train", work)
+        replies = self._collect("train")
+        self._version = replies[0]["version"]
+        metrics = combine_metrics([r["metrics"] for r in replies])
+        metrics["trained_samples"] = float(len(informative))
+        metrics["update_skipped_no_signal"] = 0.0
+        metrics["trainer_rank_token_imbalance"] = _imbalance([r["metrics"]["trained_tokens"] for r in replies])
+        return metrics
+
+    def weights(self) -> dict[str, Tensor]:
+        """The full weights, gathered by the ranks a bucket at a time and sent here by rank 0."""
+        self._send("weights", [self.bucket_mb] * self.world_size)
+        state: dict[str, Tensor] = {}
+        while (bucket := self._recv(0, "the weight gather")) is not None:
+            for name, item in bucket:
+                state[name] = state[item] if isinstance(item, str) else item
+        for rank in range(1, self.world_size):
+            self._recv(rank, "the weight gather")
+        return state
+
+    def save_checkpoint(self, run_dir: Path, step: int, extra: dict[str, Any], keep_last: int) -> Path:
+        if self.tokenizer is None:
+            raise ValueError("ShardedTrainer(tokenizer=...) is needed to write a checkpoint (it is saved with the model)")
+
+        def write(tmp: Path) -> None:
+            self._all("save", tmp)  # model/ (full, rank 0), dcp/ (every rank's shard), scheduler.pt
+            self.tokenizer.save_pretrained(tmp / "model")
+
+        return write_checkpoint(run_dir, step, self.version, extra, keep_last, write)
+
+    def load_checkpoint(self, ckpt: Path) -> dict[str, Any]:
+        state = load_rng_and_state(ckpt)
+        self._version = int(state["policy_version"])
+        self._all("load", (ckpt, self._version))
+        return state
+
+
+def _imbalance(tokens: list[float]) -> float:
+    """max / mean of the ranks' trained tokens (1.0: perfectly balanced)."""
+    mean = sum(tokens) / len(tokens)
+    return max(tokens) / mean if mean else 1.0
+
+
+__all__ = ["ShardedTrainer", "TrainerRankError", "balance", "combine_metrics", "split_work"]

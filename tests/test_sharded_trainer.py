@@ -1,0 +1,199 @@
+"""The sharded trainer (trainer.world_size=2): FSDP2 ranks on gloo compute one process's gradient,
+push one process's weights through the checked path, and resume across world sizes (issue 18)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from rollwise.config import ConfigError, TrainConfig, TrainerConfig, load_config
+from rollwise.model.tiny import tiny_llama, tiny_tokenizer
+from rollwise.sync.buckets import WeightUpdate
+from rollwise.train.distributed import RankSpec, free_port, init_rank
+from rollwise.train.rank import RankTrainer
+from rollwise.train.sharded import ShardedTrainer, split_work
+from rollwise.train.trainer import GRPOTrainer
+from rollwise.types.sample import Sample
+
+pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="2 ranks need 2 CPU cores")
+
+
+def _samples(seed: int, groups: int = 3, group_size: int = 3) -> list[Sample]:
+    """GRPO groups with prompts and responses of unequal lengths (ranks get unequal token counts)."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        prompt = [rng.randrange(3, 90) for _ in range(rng.randint(2, 9))]
+        for i in range(group_size):
+            response = [rng.randrange(3, 90) for _ in range(rng.randint(1, 12))]
+            out.append(Sample(sample_id=f"{g}/{i}", group_id=str(g), problem_id=str(g), prompt_ids=prompt,
+                              response_ids=response, behaviour_logprobs=[-4.5] * len(response),
+                              versions=[0] * len(response), finish_reason="stop", advantage=rng.uniform(-1, 1)))
+    return out
+
+
+def _cfg(**kw) -> TrainConfig:
+    return TrainConfig(lr=1e-3, micro_batch_size=2, off_policy_correction="none", **kw)
+
+
+def _single_gradients(cfg: TrainConfig, samples: list[Sample]) -> dict[str, torch.Tensor]:
+    trainer = GRPOTrainer(tiny_llama(seed=3), cfg, pad_token_id=0)
+    grads: dict[str, torch.Tensor] = {}
+    trainer.before_step = lambda m: grads.update({n: p.grad.clone() for n, p in m.named_parameters()})
+    trainer.train_step(samples)
+    return grads
+
+
+def _rank_gradients(rank: int, port: int, cfg: TrainConfig, samples: list[Sample], out: dict) -> None:
+    spec = RankSpec(rank, 2, port, "cpu", threads=1)
+    trainer = RankTrainer(tiny_llama(seed=3), cfg, spec, init_rank(spec), pad_token_id=0, temperature=1.0)
+    work = split_work(samples, cfg, 2)
+
+    def gather(model):  # every rank all-gathers; rank 0 reports the full gradients
+        full = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+        if rank == 0:
+            out.update(full)
+    trainer.before_step = gather
+    trainer.train(work[rank])
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("loss_agg,share", [("token_mean", True), ("seq_mean_token_mean", True),
+                                            ("token_mean", False), ("seq_mean_token_mean", False)])
+def test_two_ranks_compute_the_single_process_gradient(loss_agg, share):
+    cfg = _cfg(loss_agg=loss_agg, share_prompt_prefix=share)
+    samples = _samples(seed=1)
+    work = split_work(samples, cfg, 2)
+    tokens = [int(w.weights.numel()) for w in work]
+    assert tokens[0] != tokens[1] and min(tokens) > 0  # unequal, both ranks train
+    expected = _single_gradients(cfg, samples)
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_rank_gradients, args=(free_port(), cfg, samples, out), nprocs=2)
+        got = dict(out)
+    assert got.keys() == expected.keys()
+    for name, grad in expected.items():
+        rel = float((got[name] - grad).abs().max() / grad.abs().max().clamp_min(1e-30))
+        assert rel <= 1e-5, f"{name}: max relative error {rel:.2e}"
+
+
+def test_split_work_balances_tokens_and_pads_micro_batches():
+    cfg = _cfg(share_prompt_prefix=False)
+    samples = _samples(seed=2, groups=4)
+    work = split_work(samples, cfg, 2)
+    costs = [sum(len(s.prompt_ids) + len(s.response_ids) for c in w.chunks for s in c) for w in work]
+    assert abs(costs[0] - costs[1]) <= max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    assert len(work[0].chunks) + work[0].padding == len(work[1].chunks) + work[1].padding
+    # The global weights: every trained token of the batch, each exactly once.
+    assert sum(float(w.weights.sum()) for w in work) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_world_size_the_machine_cannot_hold_is_refused():
+    cores = len(os.sched_getaffinity(0))
+    with pytest.raises(ConfigError, match=rf"trainer.world_size={cores + 1}.*at most {cores}"):
+        load_config(None, [f"trainer.world_size={cores + 1}"])
+    assert load_config(None, ["trainer.world_size=2"]).trainer.world_size == 2
+
+
+def _tok_pad():
+    tok = tiny_tokenizer()
+    return tok, tok.pad_token_id
+
+
+def test_push_from_shards_equals_the_single_process_push(tmp_path):
+    from rollwise.engine.factory import create_engine
+    from rollwise.config import EngineConfig
+
+    cfg = _cfg()
+    tok, pad = _tok_pad()
+    single = GRPOTrainer(tiny_llama(seed=3), cfg, pad_token_id=pad, tokenizer=tok)
+    sharded = ShardedTrainer(tiny_llama(seed=3), cfg, TrainerConfig(world_size=2, device="cpu"), pad_token_id=pad,
+                             tokenizer=tok, bucket_mb=0.01)  # many buckets
+    try:
+        before = sharded.weights()
+        reference = single.weights()
+        assert list(before) == list(reference)
+        for name in reference:
+            assert torch.equal(before[name], reference[name]), name
+        samples = _samples(seed=4)
+        single.train_step(samples)
+        metrics = sharded.train_step(samples)
+        assert sharded.version == single.version == 1
+        assert metrics["trained_tokens"] == sum(s.trained_tokens for s in samples)
+        after = sharded.weights()
+        ref_update = WeightUpdate.of_state(single.weights(), 1, "fp")
+        update = WeightUpdate.of_state(after, sharded.version, "fp")
+        assert update.manifest.aliases == ref_update.manifest.aliases  # tied embeddings sent once
+        assert [b.tensors for b in update.manifest.buckets] == [b.tensors for b in ref_update.manifest.buckets]
+        for name, tensor in ref_update.tensors().items():
+            torch.testing.assert_close(update.tensors()[name], tensor, rtol=1e-5, atol=1e-6)
+        # Through the engine's checked commit, as a local run pushes it.
+        engine = create_engine(EngineConfig(kind="reference"), tiny_llama(seed=3), tok, model_name="tiny",
+                               tokenizer_fingerprint="fp")
+        update.apply_to(engine, "fp")
+        state = engine.model.state_dict()
+        for name, tensor in after.items():
+            assert torch.equal(state[name], tensor), name
+    finally:
+        sharded.close()
+
+
+def _resume_run(tmp_path, first_ws: int, second_ws: int):
+    """Two steps at first_ws, a checkpoint, then one step at second_ws; against three straight steps
+    in one process. The checkpoint is restored bit for bit; the step after it matches the straight
+    run to float noise (a lost Adam state would move weights by ~lr = 1e-3)."""
+    cfg = _cfg()
+    tok, pad = _tok_pad()
+
+    def make(ws):
+        if ws == 1:
+            return GRPOTrainer(tiny_llama(seed=3), cfg, pad_token_id=pad, tokenizer=tok)
+        return ShardedTrainer(tiny_llama(seed=4), cfg, TrainerConfig(world_size=ws, device="cpu"),
+                              pad_token_id=pad, tokenizer=tok)
+
+    def close(t):
+        if isinstance(t, ShardedTrainer):
+            t.close()
+
+    straight = make(1)
+    for step in range(3):
+        straight.train_step(_samples(seed=10 + step))
+    a = make(first_ws)
+    if first_ws > 1:  # the sharded trainer starts from another init: the checkpoint must override it
+        a.close()
+        a = ShardedTrainer(tiny_llama(seed=3), cfg, TrainerConfig(world_size=first_ws, device="cpu"),
+                           pad_token_id=pad, tokenizer=tok)
+    try:
+        for step in range(2):
+            a.train_step(_samples(seed=10 + step))
+        ckpt = a.save_checkpoint(tmp_path, 2, {}, keep_last=1)
+        saved = {n: t.clone() for n, t in a.weights().items()}
+    finally:
+        close(a)
+    b = make(second_ws)
+    if second_ws == 1:
+        b.model.load_state_dict(tiny_llama(seed=4).state_dict())
+    try:
+        assert b.load_checkpoint(ckpt)["step"] == 2 and b.version == 2
+        restored = b.weights()
+        for name, tensor in saved.items():
+            assert torch.equal(restored[name], tensor), name
+        b.train_step(_samples(seed=12))
+        assert b.version == 3
+        got = b.weights()
+    finally:
+        close(b)
+    for name, tensor in straight.weights().items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=2e-5, msg=name)
+
+
+def test_resume_two_ranks_to_one(tmp_path):
+    _resume_run(tmp_path, 2, 1)
+
+
+def test_resume_one_rank_to_two(tmp_path):
+    _resume_run(tmp_path, 1, 2)
