@@ -84,6 +84,10 @@ class _Attempts:
         self.tried.add(replica.name)
         self.router.metrics.retries.labels(reason).inc()
 
+    def failed_http(self, replica: Replica, status: int, detail: str) -> None:
+        """The replica answered 5xx: retried elsewhere, counted under http_<status>."""
+        self.failed(replica, f"{replica.url} answered HTTP {status}: {detail}", reason=f"http_{status}")
+
 
 class Relay:
     def __init__(self, router: Router) -> None:
@@ -130,9 +134,7 @@ class Relay:
             finally:
                 r.end(replica, ticket)
             if response.status_code >= 500:
-                attempts.failed(replica,
-                                f"{replica.url} answered HTTP {response.status_code}: {response.text[:300]}",
-                                reason=f"http_{response.status_code}")
+                attempts.failed_http(replica, response.status_code, response.text[:300])
                 continue
             replica.breaker.record_success()
             if response.status_code < 300 and r.policy.learns_outputs:
@@ -208,9 +210,7 @@ class Relay:
                     await upstream.aclose()
                     r.end(replica, ticket)
                     if upstream.status_code >= 500:
-                        attempts.failed(replica,
-                                        f"{replica.url} answered HTTP {upstream.status_code}: {content[:300]!r}",
-                                        reason=f"http_{upstream.status_code}")
+                        attempts.failed_http(replica, upstream.status_code, repr(content[:300]))
                         continue
                     if key:
                         r.idempotency.end_stream(key, None)

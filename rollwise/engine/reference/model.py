@@ -224,6 +224,17 @@ class KVCache:
         self.max_len = max_len
         self.lengths = [0] * num_slots
 
+    def share_prefix(self, slots: list[int], length: int) -> None:
+        """The first slot holds `length` freshly computed positions: copy them to the other slots (samples
+        of one request share their prompt) and mark every slot filled up to `length`."""
+        first = slots[0]
+        if len(slots) > 1:
+            others = torch.tensor(slots[1:])
+            self.k[:, others, :, :length] = self.k[:, first : first + 1, :, :length]
+            self.v[:, others, :, :length] = self.v[:, first : first + 1, :, :length]
+        for slot in slots:
+            self.lengths[slot] = length
+
 
 class LlamaFamilyModel(nn.Module):
     """Llama/Mistral/Qwen2 decoder with prefill and batched-decode entry points over a KVCache."""
@@ -317,12 +328,7 @@ class LlamaFamilyModel(nn.Module):
             return out.transpose(0, 1).reshape(P, -1)
 
         hidden = self._hidden(torch.tensor(token_ids), torch.arange(P), attend)
-        if len(slots) > 1:
-            others = torch.tensor(slots[1:])
-            cache.k[:, others, :, :P] = cache.k[:, first : first + 1, :, :P]
-            cache.v[:, others, :, :P] = cache.v[:, first : first + 1, :, :P]
-        for slot in slots:
-            cache.lengths[slot] = P
+        cache.share_prefix(slots, P)
         return self._logits(hidden[-1])
 
     @torch.inference_mode()

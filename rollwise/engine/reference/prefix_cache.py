@@ -140,10 +140,5 @@ def prefill_with_prefix(model, cache, token_ids: list[int], slots: list[int], hi
         return out.transpose(0, 1).reshape(P - C, -1)
 
     hidden = model._hidden(torch.tensor(token_ids[C:]), torch.arange(C, P), attend)
-    if len(slots) > 1:
-        others = torch.tensor(slots[1:])
-        cache.k[:, others, :, :P] = cache.k[:, first : first + 1, :, :P]
-        cache.v[:, others, :, :P] = cache.v[:, first : first + 1, :, :P]
-    for slot in slots:
-        cache.lengths[slot] = P
+    cache.share_prefix(slots, P)
     return model._logits(hidden[-1])
