@@ -19,15 +19,16 @@ Nothing lost, nothing twice (DESIGN.md invariant 3), through actor deaths:
   so their tokens carry the current version. Samples of a resubmitted request that had already come
   back are generated again and discarded (counted in `discarded`), never delivered twice.
 - an actor Ray cannot bring back (restarts exhausted) hands its requests to the surviving actors.
+
+The restart handling lives in rollwise.control.ray_fleet_recovery (a mixin of the fleet), the merged
+timeline in rollwise.control.ray_fleet_timeline; this module keeps the fleet's bookkeeping and calls.
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
 import functools
 import math
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -35,19 +36,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError
 
 from rollwise.control.ray_engine_actor import _GONE
+from rollwise.control.ray_fleet_recovery import FleetRecovery, _log  # _log: ray_placement imports it from here
+from rollwise.control.ray_fleet_timeline import TIMELINE_REFRESH_S, FleetView, merge_from
 from rollwise.engine.contract import ModelInfo
 from rollwise.engine.types import Completion, GenerationRequest
 from rollwise.sync.buckets import WeightUpdate
 
 DRAIN_WAIT_S = 0.25  # how long one drain call waits on an idle actor before it answers []
-TIMELINE_REFRESH_S = 2.0
-
-
-def _log(message: str) -> None:
-    print(f"[ray] {message}", file=sys.stderr, flush=True)
 
 
 def _group_key(request_id: str) -> str:
@@ -104,23 +102,7 @@ class _Running:
         return not self._fleet._closed
 
 
-class FleetView:
-    """What the loop reads from 'the engine': the fleet's merged timeline (running sequences summed over
-    engines, in this process's monotonic clock) and its capacity (engines x max_num_seqs)."""
-
-    def __init__(self, fleet: RayEngineFleet, name: str, max_num_seqs: int) -> None:
-        self._fleet = fleet
-        self.name = name
-        self.max_num_seqs = max_num_seqs
-        self._timeline: list[tuple[float, int]] = []
-
-    @property
-    def timeline(self) -> list[tuple[float, int]]:
-        self._fleet.refresh_timeline()
-        return self._timeline
-
-
-class RayEngineFleet:
+class RayEngineFleet(FleetRecovery):
     """The EngineWorker interface over engine actors (see the module docstring for the guarantees)."""
 
     def __init__(self, actors: list[Any], bundles: list[int], *, initial: WeightUpdate,
@@ -302,7 +284,7 @@ class RayEngineFleet:
             else:
                 slot.timeline += new
         if since < math.inf:
-            _merge_from(self.view._timeline, [s.timeline for s in self.slots], since)
+            merge_from(self.view._timeline, [s.timeline for s in self.slots], since)
 
     # ------------------------------------------------------------ internals
 
@@ -380,96 +362,6 @@ class RayEngineFleet:
             except _GONE as exc:
                 self._recover(slot.index, exc)
 
-    def _recover(self, s: int, exc: BaseException) -> None:
-        slot = self.slots[s]
-        slot.drain_ref = None
-        t0 = time.monotonic()
-        while True:
-            info = self._await_restart(slot)
-            if info is None:
-                self._give_up(slot, exc)
-                return
-            if info["token"] == slot.token:
-                return  # the same incarnation answered: a transient error, its state is intact
-            t_up = time.monotonic()
-            bisect.insort(slot.timeline, (t0, 0))  # nothing ran between the death and now
-            self._dirty_since = min(self._dirty_since, t0)
-            old = slot.info
-            slot.info, slot.ack, slot.timeline_cursor = info, 0, 0
-            slot.restarts += 1
-            self.restarts += 1
-            outstanding = [o for o in self._requests.values() if o.slot == s]
-            try:
-                ray.get(self._send(slot))
-                t_sync = time.monotonic()
-                if self._paused:
-                    ray.get(slot.actor.pause.remote(slot.token))
-                if outstanding:
-                    ray.get(slot.actor.submit.remote([o.request for o in outstanding], slot.token))
-            except _GONE as again:
-                exc = again
-                continue  # died again before it was back in service
-            entry = {
-                "engine": s, "old_pid": old.get("pid"), "new_pid": info["pid"], "node_ip": info["node_ip"],
-                "policy_version": self._version, "restart_s": t_up - t0, "resync_s": t_sync - t_up,
-                "requests_resubmitted": len(outstanding), "samples_resubmitted": sum(len(o.pending) for o in outstanding),
-                "at": t0, "error": type(exc).__name__,
-            }
-            self.restart_log.append(entry)
-            _log(f"engine actor {s} died ({type(exc).__name__}); Ray restarted it in {entry['restart_s']:.1f}s "
-                 f"(pid {entry['old_pid']} -> {entry['new_pid']} on {info['node_ip']}), re-synced to policy "
-                 f"v{self._version} in {entry['resync_s']:.2f}s, resubmitted {len(outstanding)} requests "
-                 f"({entry['samples_resubmitted']} samples)")
-            return
-
-    def _await_restart(self, slot: _Slot) -> dict | None:
-        """The actor's info once Ray has it running again; None if it will not come back."""
-        # Calls already in flight at the death fail too: retry until the new incarnation answers. With
-        # its restarts used up Ray will not bring it back: dead (ActorDiedError) means gone; unavailable
-        # (a network blip) gets a short grace period.
-        exhausted = slot.restarts >= self.max_restarts
-        deadline = time.monotonic() + (min(self.restart_timeout_s, 10.0) if exhausted else self.restart_timeout_s)
-        while time.monotonic() < deadline:
-            try:
-                return ray.get(slot.actor.info.remote(), timeout=max(deadline - time.monotonic(), 1.0))
-            except GetTimeoutError:
-                break
-            except ActorDiedError:
-                if exhausted:
-                    return None
-                time.sleep(0.2)
-            except RayActorError:
-                time.sleep(0.2)
-        return None
-
-    def _give_up(self, slot: _Slot, exc: BaseException) -> None:
-        slot.alive = False
-        slot.drain_ref = None
-        now = time.monotonic()
-        bisect.insort(slot.timeline, (now, 0))
-        self._dirty_since = min(self._dirty_since, now)
-        survivors = [s for s in self.slots if s.alive]
-        orphans = [o for o in self._requests.values() if o.slot == slot.index]
-        if not survivors:
-            raise RuntimeError(f"every engine actor is dead (engine {slot.index}: {exc!r}, {slot.restarts} restarts "
-                               f"of ray.max_restarts={self.max_restarts}); {len(orphans)} requests were in flight") from exc
-        _log(f"engine actor {slot.index} is gone for good after {slot.restarts} restarts ({type(exc).__name__}); "
-             f"its {len(orphans)} requests move to the {len(survivors)} other engines")
-        for o in orphans:
-            self._untrack(o.request.request_id)
-        for key in [k for k, v in self._home.items() if v == slot.index]:
-            del self._home[key]
-        by_slot: dict[int, list[GenerationRequest]] = collections.defaultdict(list)
-        for o in orphans:  # same request, same samples still owed
-            s = self._route(o.request.request_id)
-            self._track(o.request, s, o.pending)
-            by_slot[s].append(o.request)
-        for s, reqs in by_slot.items():
-            try:
-                ray.get(self.slots[s].actor.submit.remote(reqs, self.slots[s].token))
-            except _GONE as again:
-                self._recover(s, again)
-
 
 def _in_store(update: WeightUpdate) -> WeightUpdate:
     """The update with its tensors in the object store (put once, fetched by every engine)."""
@@ -484,22 +376,3 @@ def _get_all(refs: list[Any], timeout: float, what: str) -> list[Any]:
     except GetTimeoutError:
         raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what} (is the cluster out of "
                            "resources? see `ray status`)") from None
-
-
-def _merge_from(merged: list[tuple[float, int]], timelines: list[list[tuple[float, int]]], since: float) -> None:
-    """Sum step functions (each sorted): at each point in time, the running sequences of all engines
-    together. `merged` is recomputed in place from time `since` on; what lies before stays (incremental:
-    a refresh costs the new points, not the whole run's)."""
-    key = (since, -1)  # sorts before every point at `since`
-    del merged[bisect.bisect_left(merged, key):]
-    current, events = [], []
-    for i, tl in enumerate(timelines):
-        k = bisect.bisect_left(tl, key)
-        current.append(tl[k - 1][1] if k else 0)
-        events += [(t, i, n) for t, n in tl[k:]]
-    events.sort()
-    total = sum(current)
-    for t, i, n in events:
-        total += n - current[i]
-        current[i] = n
-        merged.append((t, total))
