@@ -258,6 +258,14 @@ class RunConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _sharded_trainer_is_local(self) -> RunConfig:
+        if self.trainer.world_size > 1 and self.placement == "ray":
+            raise ValueError(f"trainer.world_size={self.trainer.world_size} starts its ranks from this process; "
+                             "placement=ray trains in one actor (Ray trainer ranks are not built yet): "
+                             "set trainer.world_size=1 or placement=local")
+        return self
+
+    @model_validator(mode="after")
     def _one_engine_source(self) -> RunConfig:
         if self.pool.url and self.placement == "ray":
             raise ValueError("pool.url attaches to a shared engine pool, placement=ray starts engine actors: "

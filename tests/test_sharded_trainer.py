@@ -18,6 +18,7 @@ from rollwise.train.rank import RankTrainer
 from rollwise.train.sharded import ShardedTrainer, split_work
 from rollwise.train.trainer import GRPOTrainer
 from rollwise.types.sample import Sample
+from test_resume import _write_config, setup  # noqa: F401  (setup: test_resume's warmed-up tiny model fixture)
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="2 ranks need 2 CPU cores")
 
@@ -197,3 +198,22 @@ def test_resume_two_ranks_to_one(tmp_path):
 
 def test_resume_one_rank_to_two(tmp_path):
     _resume_run(tmp_path, 1, 2)
+
+
+def test_train_loop_with_two_ranks(setup, tmp_path):
+    """`rollwise train trainer.world_size=2` through the real loop on a tiny model: the ranks train
+    (a warmed-up tiny model, so groups carry signal), push to the engine, and checkpoint with DCP."""
+    import io
+    import json
+
+    from rich.console import Console
+    from rollwise.control.train_loop import train
+
+    task_path, model_dir = setup
+    out = tmp_path / "run"
+    cfg = _write_config(tmp_path / "c.yaml", task_path, str(model_dir), out, steps=2, every=2)
+    summary = train(load_config(cfg, ["trainer.world_size=2"]), Console(file=io.StringIO()))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert any(r["trained_tokens"] > 0 for r in records)
+    assert summary is not None and (out / "checkpoints" / "step_000002" / "dcp").is_dir()

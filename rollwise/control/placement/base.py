@@ -21,6 +21,7 @@ from rollwise.reward.batch import score_samples
 from rollwise.rollout.types import Sample
 from rollwise.sync.senders import WeightSender
 from rollwise.tasks import Problem, Task
+from rollwise.train.sharded import ShardedTrainer
 from rollwise.train.trainer import GRPOTrainer
 
 # Scores a complete group's samples in place (reward).
@@ -77,12 +78,19 @@ class Placement:
         finally:
             for fn in self.on_close:
                 fn()
+            if isinstance(self.trainer, ShardedTrainer):
+                self.trainer.close()  # its rank processes
 
 
-def local_trainer(req: PlaceRequest) -> GRPOTrainer:
-    """The trainer in this process, on `req.model`."""
+def local_trainer(req: PlaceRequest) -> GRPOTrainer | ShardedTrainer:
+    """The trainer in this process, on `req.model`; with trainer.world_size > 1, FSDP2 ranks started
+    from here (each a process with a copy of `req.model`, which stays the engines' starting point)."""
     tok = req.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    if req.cfg.trainer.world_size > 1:
+        return ShardedTrainer(req.model, req.cfg.train, req.cfg.trainer, pad_token_id=pad_id,
+                              temperature=req.cfg.rollout.temperature or 1.0, tokenizer=tok,
+                              threads=req.cfg.threads)
     return GRPOTrainer(req.model, req.cfg.train, pad_token_id=pad_id, temperature=req.cfg.rollout.temperature or 1.0,
                        tokenizer=tok)
 
@@ -106,4 +114,6 @@ def resume(trainer: Trainer, req: PlaceRequest) -> dict[str, Any] | None:
         raise ConfigError(f"checkpoint {req.resume_dir} was trained with a different tokenizer (fingerprint mismatch)")
     if req.check_resume is not None:
         req.check_resume(state)
+    if isinstance(trainer, ShardedTrainer):  # the engines start from req.model: give it the resumed weights
+        req.model.load_state_dict(trainer.weights())
     return state
