@@ -1,0 +1,146 @@
+"""The bucket layout of a weight update: how tensors are cut into ordered buckets of at most
+`bucket_mb` MiB, packed into one contiguous uint8 buffer each and checksummed, and the manifest that
+describes them. The format itself is described in rollwise.sync.buckets, which re-exports all of this.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping
+
+import torch
+from pydantic import ValidationError
+from torch import Tensor
+
+from rollwise.types.weights import (
+    ALIGN,
+    FORMAT,
+    BucketSpec,
+    TensorSpec,
+    WeightManifest,
+    WeightUpdateError,
+    dtype_from_name,
+    dtype_name,
+    storage_key,
+)
+
+
+MIB = 2**20
+# Non-learned buffers some checkpoints carry; the engine's load_weights skips them too.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+# ---------------------------------------------------------------------------- bucket layout
+
+
+def _align(offset: int) -> int:
+    return -(-offset // ALIGN) * ALIGN
+
+
+def plan_buckets(state: Mapping[str, Tensor], bucket_mb: float | None) -> tuple[list[BucketSpec], dict[str, str]]:
+    """Cut `state` (in its order) into buckets of at most bucket_mb MiB, padding included; a tensor
+    larger than that gets a bucket of its own. None: one bucket. Tensors sharing memory with an
+    earlier one are returned as aliases instead of being sent twice."""
+    limit = math.inf if bucket_mb is None else bucket_mb * MIB
+    if limit <= 0:
+        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+    buckets: list[BucketSpec] = []
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    current: list[TensorSpec] = []
+    end = 0
+
+    def close() -> None:
+        nonlocal current, end
+        if current:
+            buckets.append(BucketSpec(index=len(buckets), nbytes=end, tensors=tuple(current)))
+        current, end = [], 0
+
+    for name, tensor in state.items():
+        key = storage_key(tensor)
+        if key is not None and key in seen:
+            aliases[name] = seen[key]
+            continue
+        if key is not None:
+            seen[key] = name
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and _align(end) + nbytes > limit:
+            close()
+        offset = _align(end)
+        current.append(TensorSpec(name=name, shape=tuple(tensor.shape), dtype=dtype_name(tensor.dtype),
+                                  offset=offset, nbytes=nbytes))
+        end = offset + nbytes
+    close()
+    return buckets, aliases
+
+
+def _as_bytes(t: Tensor) -> Tensor:
+    """A tensor's raw bytes as a flat uint8 tensor (a view when it is already contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def flatten_bucket(spec: BucketSpec, state: Mapping[str, Tensor], out: Tensor | None = None,
+                   device: torch.device | str = "cpu") -> Tensor:
+    """Copy the bucket's tensors into one contiguous uint8 buffer (`out[:spec.nbytes]` if given, so a
+    sender can reuse its buffers). Padding is zeroed so the buffer's bytes are deterministic."""
+    if out is not None:
+        if out.dtype != torch.uint8 or out.numel() < spec.nbytes:
+            raise ValueError(f"out must be a uint8 buffer of at least {spec.nbytes} bytes")
+        buf = out[: spec.nbytes]
+    else:
+        buf = torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
+    cursor = 0
+    for t in spec.tensors:
+        tensor = state[t.name]
+        if tuple(tensor.shape) != t.shape or dtype_name(tensor.dtype) != t.dtype:
+            raise ValueError(f"{t.name} changed since the manifest was built: {tuple(tensor.shape)} "
+                             f"{dtype_name(tensor.dtype)} != {t.shape} {t.dtype}")
+        if t.offset > cursor:
+            buf[cursor : t.offset].zero_()
+        buf[t.offset : t.offset + t.nbytes].copy_(_as_bytes(tensor))
+        cursor = t.offset + t.nbytes
+    if spec.nbytes > cursor:
+        buf[cursor:].zero_()
+    return buf
+
+
+def unflatten_bucket(spec: BucketSpec, buf: Tensor) -> dict[str, Tensor]:
+    """Typed views into `buf` (no copy): the buffer must stay alive while the tensors are used."""
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != spec.nbytes:
+        raise ValueError(f"bucket {spec.index}: expected a flat uint8 buffer of {spec.nbytes} bytes, "
+                         f"got {buf.dtype} {tuple(buf.shape)}")
+    return {
+        t.name: buf[t.offset : t.offset + t.nbytes].view(dtype_from_name(t.dtype)).view(t.shape)
+        for t in spec.tensors
+    }
+
+
+def bucket_crc32(spec: BucketSpec, tensors: Mapping[str, Tensor]) -> int:
+    """CRC32 chained over the bucket's tensors' raw bytes in manifest order (layout-independent)."""
+    crc = 0
+    for t in spec.tensors:
+        # zlib releases the GIL on large buffers; numpy exposes the bytes without a copy on CPU.
+        crc = zlib.crc32(_as_bytes(tensors[t.name]).cpu().numpy(), crc)
+    return crc
+
+
+def build_manifest(state: Mapping[str, Tensor], version: int, tokenizer_fingerprint: str,
+                   bucket_mb: float | None, *, checksum: bool = True) -> WeightManifest:
+    """The manifest of pushing `state` as `version`. checksum=False skips the CRC pass (one read of
+    every byte) for transports whose bytes cannot be damaged on the way (in-process)."""
+    buckets, aliases = plan_buckets(state, bucket_mb)
+    if checksum:
+        buckets = [b.model_copy(update={"crc32": bucket_crc32(b, state)}) for b in buckets]
+    return WeightManifest(
+        version=version, tokenizer_fingerprint=tokenizer_fingerprint, buckets=tuple(buckets), aliases=aliases,
+        total_bytes=sum(t.nbytes for b in buckets for t in b.tensors),
+    )
+
+
+def parse_manifest(text: str, source: str) -> WeightManifest:
+    try:
+        return WeightManifest.model_validate_json(text)
+    except ValidationError as exc:
+        raise WeightUpdateError(f"{source}: not a valid {FORMAT} manifest ({exc.error_count()} problems: "
+                                f"{exc.errors()[0]['msg']}); the update was not applied") from None

@@ -1,0 +1,189 @@
+"""The receiving side of a weight update: stage its buckets (`StagedUpdate`), then check the whole
+manifest against the engine and apply it at once or not at all (`WeightReceiver`, the checked two-phase
+commit every transport ends in). rollwise.sync.buckets describes the format and re-exports these
+names for its importers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from rollwise.sync.layout import IGNORED_SUFFIXES, bucket_crc32, unflatten_bucket
+from rollwise.types.weights import ExpectedWeights, WeightManifest, WeightUpdateError, dtype_name
+
+if TYPE_CHECKING:
+    from rollwise.sync.buckets import WeightUpdate
+
+
+# ---------------------------------------------------------------------------- receiving
+
+
+def _shown(problems: Sequence[str], limit: int = 8) -> str:
+    more = f"; ... ({len(problems)} problems in all)" if len(problems) > limit else ""
+    return "; ".join(problems[:limit]) + more
+
+
+class StagedUpdate:
+    """Phase one: the buckets of one update as they arrive. Problems are recorded, not raised, so a
+    collective transport keeps receiving (every rank must join every broadcast) and the error names
+    everything that went wrong at once."""
+
+    def __init__(self, manifest: WeightManifest) -> None:
+        self.manifest = manifest
+        self.tensors: dict[str, Tensor] = {}
+        self.problems: list[str] = []
+        self._received: set[int] = set()
+
+    def add_flat(self, index: int, buf: Tensor) -> None:
+        spec = self.manifest.buckets[index]
+        try:
+            tensors = unflatten_bucket(spec, buf)
+        except ValueError as exc:
+            self.fail(index, str(exc))
+            return
+        self.add(index, tensors, source=f"bucket {index}")
+
+    def add(self, index: int, tensors: Mapping[str, Tensor], source: str) -> None:
+        """Stage bucket `index`, checking its names, shapes, dtypes and checksum against the manifest."""
+        spec = self.manifest.buckets[index]
+        self._received.add(index)
+        wanted = {t.name: t for t in spec.tensors}
+        problems = [f"{source}: unexpected tensor {n!r}" for n in tensors if n not in wanted]
+        problems += [f"{source}: missing tensor {n!r}" for n in wanted if n not in tensors]
+        for name, t in wanted.items():
+            got = tensors.get(name)
+            if got is not None and (tuple(got.shape) != t.shape or dtype_name(got.dtype) != t.dtype):
+                problems.append(f"{source}: {name} is {tuple(got.shape)} {dtype_name(got.dtype)}, "
+                                f"the manifest says {t.shape} {t.dtype}")
+        if not problems and spec.crc32 is not None:
+            crc = bucket_crc32(spec, tensors)
+            if crc != spec.crc32:
+                problems.append(f"{source}: checksum mismatch (crc32 {crc:08x}, manifest {spec.crc32:08x}): "
+                                "the bytes were damaged in transit or on disk")
+        if problems:
+            self.problems += problems
+        else:
+            self.tensors.update(tensors)
+
+    def fail(self, index: int, message: str) -> None:
+        self._received.add(index)
+        self.problems.append(message)
+
+    def missing_buckets(self) -> list[int]:
+        return [b.index for b in self.manifest.buckets if b.index not in self._received]
+
+
+def _current_version(engine: Any) -> int | None:
+    version = getattr(engine, "policy_version", None)
+    if version is None:  # an EngineWorker: the engine it wraps knows
+        version = getattr(getattr(engine, "engine", None), "policy_version", None)
+    return version
+
+
+class WeightReceiver:
+    """The engine side shared by all transports: check a manifest, then apply a staged update whole.
+
+    `engine` is anything with update_weights(state_dict, version): a ReferenceEngine, or an
+    EngineWorker (then the apply runs on its thread between two steps). `tokenizer_fingerprint` is
+    the engine's own tokenizer's (rollwise.model.loading.tokenizer_fingerprint); None only for an
+    engine built without one (tests, benchmarks): then the fingerprint is the one thing not checked."""
+
+    def __init__(self, engine: Any, tokenizer_fingerprint: str | None,
+                 expected: ExpectedWeights | None = None) -> None:
+        self.engine = engine
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.expected = expected if expected is not None else ExpectedWeights.of_engine(engine)
+
+    @property
+    def policy_version(self) -> int | None:
+        return _current_version(self.engine)
+
+    def _reject(self, version: int, problems: Sequence[str], hint: str) -> WeightUpdateError:
+        return WeightUpdateError(
+            f"weight update to version {version} rejected; the engine keeps serving version "
+            f"{self.policy_version}: {_shown(problems)}. {hint}"
+        )
+
+    def check(self, manifest: WeightManifest) -> None:
+        """Reject a manifest this engine cannot take, before any bytes are read."""
+        version, current = manifest.version, self.policy_version
+        if current is not None and version < current:
+            raise self._reject(version, [f"the engine is already at version {current}"],
+                               "Versions only move forward (re-pushing the current version is allowed, as a retry).")
+        if self.tokenizer_fingerprint is not None and manifest.tokenizer_fingerprint != self.tokenizer_fingerprint:
+            raise self._reject(
+                version,
+                [f"tokenizer fingerprint {manifest.tokenizer_fingerprint[:16]}... != the engine's "
+                 f"{(self.tokenizer_fingerprint or '')[:16]}..."],
+                "The trainer and the engine tokenize differently: start both from the same model/tokenizer.",
+            )
+        problems: list[str] = []
+        sent: set[str] = set()
+        for t in manifest.tensors():
+            sent.add(t.name)
+            if t.name.endswith(IGNORED_SUFFIXES):
+                continue
+            if t.name not in self.expected.tensors:
+                problems.append(f"unexpected weight {t.name!r}")
+                continue
+            shape, dtype = self.expected.tensors[t.name]
+            if t.shape != shape:
+                problems.append(f"{t.name}: shape {t.shape} != the engine's {shape}")
+            if t.dtype != dtype:
+                problems.append(f"{t.name}: dtype {t.dtype} != the engine's {dtype}")
+        for alias, source in manifest.aliases.items():
+            sent.add(alias)
+            if alias not in self.expected.tensors:
+                problems.append(f"unexpected weight {alias!r} (tied to {source!r})")
+            elif self.expected.tensors[alias][0] != manifest.spec_of(source).shape:
+                problems.append(f"{alias}: shape {manifest.spec_of(source).shape} != the engine's "
+                                f"{self.expected.tensors[alias][0]}")
+        # A name tied to another inside the engine is loaded through that other one.
+        problems += [f"missing weight {n!r}" for n in self.expected.tensors
+                     if n not in sent and self.expected.ties.get(n) not in sent]
+        if problems:
+            raise self._reject(version, problems,
+                               "The trainer's model does not match the engine's: load the same model spec "
+                               "(and dtype) on both sides.")
+
+    def commit(self, staged: StagedUpdate) -> None:
+        """Phase two: verify everything, then apply the whole update at once (or nothing)."""
+        manifest = staged.manifest
+        self.check(manifest)
+        problems = list(staged.problems)
+        problems += [f"bucket {i} never arrived" for i in staged.missing_buckets()]
+        if problems:
+            raise self._reject(manifest.version, problems, "Nothing was applied; push the version again.")
+        state = dict(staged.tensors)
+        for alias, source in manifest.aliases.items():
+            # Skip names the engine already ties to the source: loading one updates both.
+            if self.expected.ties.get(alias) != source and self.expected.ties.get(source) != alias:
+                state[alias] = state[source]
+        try:
+            self.engine.update_weights(state, manifest.version)
+        except ValueError as exc:  # the engine's own validation; it also leaves the weights untouched
+            raise self._reject(manifest.version, [str(exc)], "Nothing was applied.") from exc
+
+    def receive(self, update: WeightUpdate) -> None:
+        """The one entry every transport ends in: stage the update's tensors, check it whole, apply it."""
+        self.apply_state(update.manifest, update.tensors())
+
+    def apply_state(self, manifest: WeightManifest, state: Mapping[str, Tensor]) -> None:
+        """Stage tensors that are already in memory (one process) and commit them."""
+        staged = StagedUpdate(manifest)
+        for bucket in manifest.buckets:
+            staged.add(bucket.index, {t.name: state[t.name] for t in bucket.tensors if t.name in state},
+                       source=f"bucket {bucket.index}")
+        self.commit(staged)
+
+
+def raise_if_rejected(version: int, failures: Sequence[tuple[str, str]], total: int) -> None:
+    """Trainer side: one error naming every engine that rejected `version` (the others applied it)."""
+    if failures:
+        details = " | ".join(f"{who}: {message}" for who, message in failures)
+        others = " (the others applied it)" if len(failures) < total else ""
+        raise WeightUpdateError(f"version {version} was rejected by {len(failures)} of {total} engines{others}: "
+                                f"{details}")
