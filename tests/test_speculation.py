@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollwise.engine.reference import ReferenceEngine
-from rollwise.engine.reference import engine as engine_module
+from rollwise.engine.reference import speculative as speculative_module
 from rollwise.engine.speculation import BudgetPolicy, HistoryDrafter, HistorySettings, draft_budget
 from rollwise.engine.types import GenerationRequest, SamplingParams
 from rollwise.model.tiny import tiny_llama
@@ -183,7 +183,7 @@ def test_sampling_matches_the_target_distribution_and_catches_a_lenient_rule(hf_
 
     # The same test catches a biased rule: accept the draft with probability 2 p(x) instead of p(x)
     # (the exact rule, then a second chance p / (1 - p) for a rejected draft).
-    exact_rule = engine_module.verify_draft_token
+    exact_rule = speculative_module.verify_draft_token
 
     def lenient(logprobs, params, token, generator):
         got, accepted = exact_rule(logprobs, params, token, generator)
@@ -192,7 +192,7 @@ def test_sampling_matches_the_target_distribution_and_catches_a_lenient_rule(hf_
             return token, True
         return got, accepted
 
-    monkeypatch.setattr(engine_module, "verify_draft_token", lenient)
+    monkeypatch.setattr(speculative_module, "verify_draft_token", lenient)
     biased = _speculative_samples(hf_model, draft, prompt, count)
     observed = torch.bincount(biased[:, 1], minlength=VOCAB).double()
     assert _chi_square_p(observed, exact * count) < 1e-6

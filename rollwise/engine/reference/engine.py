@@ -3,6 +3,8 @@
 Structured like vLLM v1: a Scheduler decides which sequences occupy the fixed KV-cache slots, the
 model executes prefill/decode for them, and the engine loop (`step`) stitches the two together and
 turns finished sequences into Completions. Sequences join and leave the running batch every step.
+Speculative decoding (drafts verified exactly in one forward) is the SpeculativeDecoding mixin in
+rollwise.engine.reference.speculative.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from torch import Tensor, nn
 from rollwise.engine.reference.model import LlamaFamilyModel
 from rollwise.engine.reference.prefix_cache import PrefixCache, prefill_with_prefix
 from rollwise.engine.reference.sampling import (
-    needs_processing, process_logits, sample, sample_one, scaled_logprobs, top_logprobs, verify_draft_token,
+    needs_processing, process_logits, sample, scaled_logprobs, top_logprobs,
 )
+from rollwise.engine.reference.speculative import SpeculativeDecoding
 from rollwise.engine.speculation import Drafter
 from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, run_to_completion
 from rollwise.engine.state import EngineState
@@ -82,7 +85,7 @@ class Scheduler:
         heapq.heappush(self._free, slot)
 
 
-class ReferenceEngine(EngineState):
+class ReferenceEngine(SpeculativeDecoding, EngineState):
     """Continuous-batching generation with exact fp32 logprobs and per-token policy versions."""
 
     name = "reference"
@@ -317,63 +320,6 @@ class ReferenceEngine(EngineState):
             self.drafter.observe(seq.request.prompt_ids, seq.token_ids, self._version,
                                  key=f"{seq.request.request_id}/{seq.index}")
         return seq.completion(reason)
-
-    # ---------------------------------------------------------------- speculation
-
-    def _draft(self, seq: Sequence, running: int) -> list[int]:
-        """The drafter's proposal for `seq`, within its length-aware budget and what it may still emit
-        (one verification step emits up to len(draft) + 1 tokens)."""
-        params, generated = seq.request.params, len(seq.token_ids)
-        room = min(params.max_tokens - generated, self.max_model_len - len(seq.request.prompt_ids) - generated) - 1
-        k = min(room, self.drafter.budget_for(seq.request.prompt_ids, generated, running))
-        return self.drafter.propose(seq.request.prompt_ids, seq.token_ids, k) if k > 0 else []
-
-    def _verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> list[Completion]:
-        """One forward over each sequence's last token and its draft; then, per sequence, accept draft
-        tokens one by one with exact speculative sampling (sampling.verify_draft_token) until one is
-        replaced or the sequence finishes, plus one token from the target after a fully accepted draft.
-        Every emitted token's logprob is read off the same processed distribution a plain decode step
-        would use at that position, under the current weights."""
-        chunks = [[seq.token_ids[-1], *draft] for seq, draft in zip(seqs, drafts)]
-        logits = self.model.extend(self.cache, chunks, [seq.slot for seq in seqs])
-        finished, row = [], 0
-        for seq, draft in zip(seqs, drafts):
-            rows, row = logits[row : row + len(draft) + 1], row + len(draft) + 1
-            done = self._accept(seq, draft, rows)
-            # Roll the KV back to what was kept: every token but the last (which has no KV yet).
-            self.cache.lengths[seq.slot] = len(seq.request.prompt_ids) + len(seq.token_ids) - 1
-            if done is not None:
-                finished.append(done)
-        return finished
-
-    def _accept(self, seq: Sequence, draft: list[int], rows: Tensor) -> Completion | None:
-        params = seq.request.params
-        self.spec_stats["verifications"] += bool(draft)
-        self.spec_stats["drafted"] += len(draft)
-        for j, row in enumerate(rows):
-            logprobs = scaled_logprobs(self._processed_logits([seq], row[None]), [params])[0]
-            if j < len(draft):
-                token, accepted = verify_draft_token(logprobs, params, draft[j], seq.generator)
-                self.spec_stats["accepted" if accepted else "rejected"] += 1
-            else:
-                token, accepted = sample_one(logprobs, params, seq.generator), False
-            top = top_logprobs(logprobs, params.top_logprobs) if params.top_logprobs else []
-            done = self._record(seq, token, float(logprobs[token]), top)
-            if done is not None or not accepted:
-                # Drafts after a finish or a replaced token are discarded (counted as neither).
-                return done
-        return None
-
-    def speculation_metrics(self) -> dict[str, float]:
-        """Drafted, accepted and rejected tokens so far; acceptance rate = accepted / drafted; mean
-        accepted length per verification (one sequence's draft checked in one forward); the drafter's memory."""
-        s = self.spec_stats
-        out: dict[str, float] = {f"spec_{k}": float(v) for k, v in s.items()}
-        out["spec_acceptance_rate"] = s["accepted"] / s["drafted"] if s["drafted"] else 0.0
-        out["spec_mean_accepted_length"] = s["accepted"] / s["verifications"] if s["verifications"] else 0.0
-        if self.drafter is not None:
-            out.update({f"spec_history_{k}": float(v) for k, v in self.drafter.memory().items()})
-        return out
 
     def _processed_logits(self, seqs: list[Sequence], logits: Tensor) -> Tensor:
         """min_tokens and penalties, for the rows that ask for them (a new tensor: prefill logits are one
