@@ -28,6 +28,9 @@ trainer), two jobs on one shared engine keep two (one job's engine phase beside 
 The workload is GRPO in rollout.mode=sync with a small KL term (every step trains on every sample, so
 training takes real time even when rewards are flat): generation and training alternate within a
 job, which is the gap the pool fills with the other jobs' generation.
+
+Why this file runs past ~400 lines: it is one experiment's protocol end to end (jobs, both arms, the
+summary, the simulator's replay and projection, the report), read top to bottom like docs/benchmarks.md.
 """
 
 from __future__ import annotations

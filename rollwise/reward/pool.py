@@ -26,6 +26,9 @@ tests in a sandbox):
     with RewardPool(workers=2, timeout_s=30) as pool:
         results = pool.score("rollwise.reward.code_exec:python_tests",
                              [(problem, response_text, "stop")])
+
+Why this file runs past ~400 lines: the pool is one state machine (spawn, timeout kill, replacement,
+close) whose promise of exactly one PoolReward per call is only checkable when read in one place.
 """
 
 from __future__ import annotations

@@ -15,6 +15,10 @@ Two ways to drive it:
 
 Token bookkeeping is lazy: a global decode-iteration counter D, and each sequence's token count is
 D - base (capped by its length), so a step costs O(log batch), not O(batch).
+
+Why this file runs past ~400 lines: the contract's `step`, the planned-op fast path and the lazy token
+bookkeeping all read and cut the same private batch state (the finish heap, the counter D, the op in
+flight); split apart, that state would have to be shared across modules.
 """
 
 from __future__ import annotations

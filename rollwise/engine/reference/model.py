@@ -9,6 +9,9 @@ For speed on CPU, q/k/v and gate/up each live in one fused matrix (one matmul in
 two); the HF-named parameters are views into it, so loading `q_proj.weight` by name writes straight
 into the fused storage. Consequently the model must never be moved or cast after construction
 (`.to()` would break the views): pick the dtype when building it.
+
+Why this file runs just past ~400 lines: the module tree must mirror Hugging Face's in one place so that
+parameter names match state-dict names, and its forward paths over the KV cache sit beside it.
 """
 
 from __future__ import annotations
