@@ -217,3 +217,70 @@ def test_train_loop_with_two_ranks(setup, tmp_path):
     assert [r["step"] for r in records] == [1, 2]
     assert any(r["trained_tokens"] > 0 for r in records)
     assert summary is not None and (out / "checkpoints" / "step_000002" / "dcp").is_dir()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (a rank idle at its pipe uses none)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_rank_killed_mid_step_fails_clearly_then_resume_trains(tmp_path):
+    """SIGKILL rank 1 while a step runs: the step fails within seconds naming rank 1 and the resume
+    key, rank 0 (blocked in a collective with the dead rank) is stopped too, and a new trainer
+    resumes from the last checkpoint and trains."""
+    import signal
+    import threading
+    import time
+
+    from rollwise.train.sharded import TrainerRankError
+
+    cfg = TrainConfig(lr=1e-3, micro_batch_size=1, off_policy_correction="none")
+    tok, pad = _tok_pad()
+    trainer = ShardedTrainer(tiny_llama(seed=3), cfg, TrainerConfig(world_size=2, device="cpu"),
+                             pad_token_id=pad, tokenizer=tok)
+    try:
+        trainer.train_step(_samples(seed=20))
+        ckpt = trainer.save_checkpoint(tmp_path, 1, {}, keep_last=1)
+        saved = trainer.weights()
+        long_step = [s for seed in range(30, 36) for s in _samples(seed=seed, groups=4, group_size=4)]
+        for s in long_step:  # long responses, one sample per micro-batch: a step of many collectives
+            s.response_ids = s.response_ids * 20
+            s.behaviour_logprobs, s.versions = [-4.5] * len(s.response_ids), [0] * len(s.response_ids)
+        victim = trainer.ranks[1].process
+        idle = _cpu_seconds(victim.pid)
+        failure: list[BaseException] = []
+
+        def step() -> None:
+            try:
+                trainer.train_step(long_step)
+            except BaseException as e:  # noqa: BLE001 (handed to the test thread)
+                failure.append(e)
+
+        thread = threading.Thread(target=step)
+        thread.start()
+        while _cpu_seconds(victim.pid) < idle + 0.3:  # rank 1 is computing: the step is under way
+            time.sleep(0.01)
+        assert thread.is_alive(), "the step finished before the kill: make it longer"
+        os.kill(victim.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "train_step hung after a rank died"
+        assert time.monotonic() - killed_at < 30
+        assert len(failure) == 1 and isinstance(failure[0], TrainerRankError)
+        message = str(failure[0])
+        assert "rank 1 (exit code -9) died during train" in message
+        assert "checkpoint.resume=auto" in message
+        assert not any(r.process.is_alive() for r in trainer.ranks)  # rank 0 stopped too
+    finally:
+        trainer.close()
+    resumed = ShardedTrainer(tiny_llama(seed=4), cfg, TrainerConfig(world_size=2, device="cpu"),
+                             pad_token_id=pad, tokenizer=tok)
+    try:
+        assert resumed.load_checkpoint(ckpt)["step"] == 1 and resumed.version == 1
+        for name, tensor in resumed.weights().items():
+            assert torch.equal(tensor, saved[name]), name
+        metrics = resumed.train_step(_samples(seed=21))
+        assert resumed.version == 2 and metrics["trained_tokens"] > 0
+    finally:
+        resumed.close()

@@ -35,7 +35,10 @@ class RankSpec:
     threads: int  # torch CPU threads of this rank (the machine's cores split between ranks)
     mixed_precision: Literal["none", "bf16"] = "none"
     cpu_offload: bool = False
-    timeout_s: float = 1800.0  # a collective waiting longer than this fails the rank
+    # A collective waiting longer than this fails the rank: the backstop for a peer that hangs (a
+    # peer that dies is seen at once by the controller, which watches every rank's process). Long
+    # enough for rank 0 to write a full checkpoint while the others wait at the barrier.
+    timeout_s: float = 600.0
 
 
 def free_port() -> int:

@@ -33,6 +33,9 @@ from rollwise.types.microbatch import chunk_samples, computed_tokens
 from rollwise.types.sample import Sample
 
 DEFAULT_BUCKET_MB = 64.0
+DEATH_GRACE_S = 2.0  # how long a rank's collective error waits to see whether a peer died
+RESUME_HINT = ("The step did not complete and the trainer is stopped: rerun with checkpoint.resume=auto "
+               "(or checkpoint.resume=RUN_DIR/checkpoints/step_NNNNNN) to continue from the last checkpoint.")
 
 
 class TrainerRankError(RuntimeError):
@@ -129,20 +132,46 @@ class ShardedTrainer:
             r.conn.send((cmd, arg))
 
     def _recv(self, rank: int, what: str) -> Any:
-        """One reply from `rank`; a rank that died or raised fails the call (and stops the group:
-        the others would wait in a collective for it)."""
+        """One reply from `rank`. Every rank's process is watched while waiting, not only `rank`'s:
+        a rank that died leaves the others blocked in a collective, so waiting on them alone would
+        hang. A dead or failed rank fails the call and stops the whole group."""
         r = self.ranks[rank]
-        wait([r.conn, r.process.sentinel])
-        if not r.conn.poll():
-            self.close()
-            raise TrainerRankError(f"trainer rank {rank} died during {what} (exit code {r.process.exitcode}); "
-                                   "the step did not complete: resume from the last checkpoint "
-                                   "(checkpoint.resume=auto)")
-        status, value = r.conn.recv()
-        if status == "error":
-            self.close()
-            raise TrainerRankError(f"trainer rank {rank} failed during {what}:\n{value}")
-        return value
+        wait([r.conn] + [x.process.sentinel for x in self.ranks])
+        if r.conn.poll():
+            status, value = r.conn.recv()
+            if status == "ok":
+                return value
+            # A collective error on one rank is usually the symptom of another rank's death: blame
+            # the dead one when there is one (its exit is seen within a moment).
+            wait([x.process.sentinel for x in self.ranks if x is not r], timeout=DEATH_GRACE_S)
+            if not self._dead():
+                self._stop_after_failure()
+                raise TrainerRankError(f"trainer rank {rank} failed during {what}:\n{value}\n{RESUME_HINT}")
+        dead = self._dead()
+        self._stop_after_failure()
+        ranks = ", ".join(f"rank {i} (exit code {code})" for i, code in dead)
+        raise TrainerRankError(f"trainer {ranks} died during {what}; the other ranks were stopped. {RESUME_HINT}")
+
+    def _dead(self) -> list[tuple[int, int | None]]:
+        """(rank, exit code) of the ranks whose process ended. The sentinel is ready a moment before
+        the exit code can be read (is_alive() would still say True): join briefly for the code."""
+        ended = set(wait([x.process.sentinel for x in self.ranks], timeout=0))
+        dead = [(i, x.process) for i, x in enumerate(self.ranks) if x.process.sentinel in ended]
+        for _, process in dead:
+            process.join(timeout=1)
+        return [(i, process.exitcode) for i, process in dead]
+
+    def _stop_after_failure(self) -> None:
+        """The surviving ranks may be blocked in a collective with a dead peer: they cannot read a
+        "stop", so they are terminated (then killed) instead of waited for."""
+        for r in self.ranks:
+            if r.process.is_alive():
+                r.process.terminate()
+        for r in self.ranks:
+            r.process.join(timeout=5)
+            if r.process.is_alive():
+                r.process.kill()
+                r.process.join()
 
     def _collect(self, what: str) -> list[Any]:
         return [self._recv(rank, what) for rank in range(self.world_size)]
