@@ -4,6 +4,8 @@ forward's)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -264,3 +266,74 @@ def test_bench_speculation_quick_smoke():
     for row in result["rows"]:
         assert row["metrics"]["spec_drafted"] > 0 and row["speedup"] > 0
     assert format_speculation_bench(result).row_count == 2
+
+
+# ---------------------------------------------------------------- the training loop
+
+
+def test_train_with_history_speculation_drafts_and_records_per_step_metrics(tmp_path):
+    """`rollwise train engine.speculation=history` through the real loop (local placement, reference
+    engine): the engine's drafter is fed every finished sample, so step 2 (the same two problems again)
+    drafts from step 1's rollouts; metrics.jsonl and summary.json carry the speculation numbers."""
+    import io
+    import json
+
+    from rich.console import Console
+
+    from rollwise.config import load_config
+    from rollwise.control.train_loop import train
+
+    task = tmp_path / "add.jsonl"  # two problems, two prompts a step: step 2 samples step 1's problems again
+    task.write_text("".join(json.dumps({"prompt": f"{i}+1=?", "answer": i + 1}) + "\n" for i in range(2)))
+    cfg_path = tmp_path / "run.yaml"
+    cfg_path.write_text(json.dumps({
+        "model": "tiny:0", "seed": 0, "output_dir": str(tmp_path / "runs"), "threads": 1,
+        "task": {"kind": "jsonl", "path": str(task)}, "prompt": {"system": None, "few_shot": []},
+        # Low temperature: siblings and later steps repeat each other, as late in training.
+        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_tokens": 12, "temperature": 0.2},
+        "engine": {"kind": "reference", "max_num_seqs": 8, "max_model_len": 128, "speculation": "history"},
+        "train": {"steps": 2, "lr": 1e-3}, "eval": {"size": 0}, "checkpoint": {"every": 0},
+        "tensorboard": False}))
+    console = Console(file=io.StringIO(), width=200)
+    summary = train(load_config(cfg_path), console)
+
+    run_dir = Path(summary["run_dir"])
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        # Drafts after a finish or a replaced token count as neither accepted nor rejected.
+        assert r["spec_drafted"] >= r["spec_accepted"] + r["spec_rejected"]
+        assert 0.0 <= r["spec_acceptance_rate"] <= 1.0 and r["time_rollout_tail_s"] >= 0.0
+    assert records[1]["spec_drafted"] > 0 and records[1]["spec_accepted"] > 0  # drafts from step 1's rollouts
+    assert records[1]["spec_mean_accepted_length"] > 0
+    written = json.loads((run_dir / "summary.json").read_text())
+    assert written["spec_drafted_total"] == sum(r["spec_drafted"] for r in records)
+    assert "time_rollout_tail_s_mean" in written
+
+
+def test_engine_server_metrics_report_speculation(hf_model):
+    """The engine server's Prometheus /metrics carries the draft counters: the same greedy request twice,
+    the second drafts from the first's rollout (identical under greedy, so every draft is accepted)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from rollwise.engine.server import create_app
+    from rollwise.local_server import serve_in_thread
+    from rollwise.model.tiny import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_llama(seed=0)
+    engine = ReferenceEngine(model, max_num_seqs=4, max_model_len=128, eos_token_ids=[tokenizer.eos_token_id],
+                             drafter=HistoryDrafter(HistorySettings(min_match=1)))
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    with serve_in_thread(create_app(engine, tokenizer, "tiny")) as (url, _server):
+        first = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()
+        second = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()
+        text = httpx.get(f"{url}/metrics").text
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    metrics = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    assert metrics["rollwise_engine_spec_drafted_tokens_total"] > 0
+    assert metrics["rollwise_engine_spec_accepted_tokens_total"] == metrics["rollwise_engine_spec_drafted_tokens_total"]
+    assert metrics["rollwise_engine_spec_rejected_tokens_total"] == 0
+    assert metrics["rollwise_engine_spec_verifications_total"] > 0
+    assert metrics["rollwise_engine_spec_acceptance_rate"] == 1.0

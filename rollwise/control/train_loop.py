@@ -29,6 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from rollwise.config import ConfigError, RunConfig, dump_config
 from rollwise.control.placement import EngineView, Placement, PlaceRequest, place
+from rollwise.engine.speculation.counters import counters_of, run_summary, step_metrics
 from rollwise.engine.types import SamplingParams
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.observe.bubble import bubble_ratio
@@ -179,9 +180,18 @@ def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
     timeline = run.engine.timeline  # appended by the engine thread; read-only here
 
     # 1. rollout (+ reward: the controller scores each group as it completes)
-    bar = run.progress.add_task(f"step {step + 1} generate", total=cfg.rollout.prompts_per_step * cfg.rollout.group_size)
+    batch_size = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    bar = run.progress.add_task(f"step {step + 1} generate", total=batch_size)
     score_s0 = run.controller.score_seconds
-    samples = run.controller.next_batch(progress=lambda n: run.progress.update(bar, advance=n))
+    # Speculation (engine.speculation): the engine's running totals now, so the record holds this step's.
+    spec_before = counters_of(run.engine) if cfg.engine.speculation != "none" else None
+    tail = _TailClock(batch_size)
+
+    def progress(n: int) -> None:
+        run.progress.update(bar, advance=n)
+        tail.advance(n)
+
+    samples = run.controller.next_batch(progress=progress)
     run.progress.remove_task(bar)
     t_gen_end = time.monotonic()
     reward_s = run.controller.score_seconds - score_s0
@@ -237,13 +247,36 @@ def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
         "samples_regenerated": run.controller.ledger.regenerated(),
         **run.controller.step_metrics(),
         **run.worker.metrics(),  # ray: engine_restarts
+        # The long tail of the rollout: from the moment half the batch's samples had finished until the
+        # batch was ready (what speculation shortens).
+        "time_rollout_tail_s": tail.since_half(t_gen_end),
     }
+    spec_after = counters_of(run.engine) if spec_before is not None else None
+    if spec_before is not None and spec_after is not None:  # engines that keep no counters report none
+        record.update(step_metrics(spec_before, spec_after))
     logger.log(record)
     with (run.run_dir / "samples.jsonl").open("a") as f:
         for s in samples[: cfg.rollout.group_size]:  # one group per step, for reading what the model writes
             f.write(json.dumps({"step": step + 1, "response": s.response_text, "reward": s.reward,
                                 "outcome": s.outcome}) + "\n")
     return record
+
+
+class _TailClock:
+    """When half of a batch's samples had finished (counted through the controller's progress calls)."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.half = max(1, batch_size // 2)
+        self.finished = 0
+        self.half_at: float | None = None
+
+    def advance(self, n: int) -> None:
+        self.finished += n
+        if self.half_at is None and self.finished >= self.half:
+            self.half_at = time.monotonic()
+
+    def since_half(self, end: float) -> float:
+        return end - self.half_at if self.half_at is not None else 0.0
 
 
 def _progress(console: Console) -> Progress:
@@ -360,6 +393,8 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
                     f"  format {record['format_rate']:.1%}  len {record['response_len_mean']:.0f}"
                     f"  zero-var {record['zero_variance_groups']:.0%}  gen {record['time_generate_s']:.1f}s"
                     f"  train {record['time_train_s']:.1f}s  bubble {record['bubble_ratio']:.2f}"
+                    + (f"  spec {record['spec_accepted']:.0f}/{record['spec_drafted']:.0f} accepted"
+                       f"  tail {record['time_rollout_tail_s']:.1f}s" if "spec_drafted" in record else "")
                 )
                 done = step + 1
                 if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.steps:
@@ -407,6 +442,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         "samples": controller.ledger.counts(),
         "samples_regenerated": controller.ledger.regenerated(),
         **worker.metrics(),  # ray: engine_restarts
+        **run_summary(records),  # speculation totals and tail time over the run
         "peak_rss_gb": _peak_rss_gb(),
         "tokenizer_fingerprint": fingerprint,
         "artifacts": {"metrics": "metrics.jsonl", "evals": "evals.jsonl", "curve": curve.name, "timeline": timeline_png.name,

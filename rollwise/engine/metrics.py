@@ -38,8 +38,26 @@ class EngineCollector:
             yield CounterMetricFamily(f"rollwise_engine_{key}", doc, value=s.get(key, 0))
         yield GaugeMetricFamily("rollwise_engine_prefix_cache_tokens", "tokens held by the prefix cache",
                                 value=s.get("prefix_cache_tokens", 0))
+        yield from _speculation(s.get("speculation"))
         finished = CounterMetricFamily("rollwise_engine_finished_samples", "samples returned, by finish reason",
                                        labels=["finish_reason"])
         for reason in ("stop", "length", "abort"):
             finished.add_metric([reason], self.frontend.finished_samples[reason])
         yield finished
+
+
+def _speculation(counters: dict[str, int] | None):  # noqa: ANN202 - yields metric families
+    """Speculative decoding's running totals (engine.speculation: history); nothing for an engine that
+    keeps none. The acceptance rate is accepted / drafted over the engine's life."""
+    if counters is None:
+        return
+    for name, key, doc in (
+        ("spec_drafted_tokens", "drafted", "draft tokens proposed from rollout history and verified"),
+        ("spec_accepted_tokens", "accepted", "draft tokens accepted by exact verification"),
+        ("spec_rejected_tokens", "rejected", "draft tokens rejected (the target resampled that position)"),
+        ("spec_verifications", "verifications", "sequence drafts verified (one forward each)"),
+    ):
+        yield CounterMetricFamily(f"rollwise_engine_{name}", doc, value=counters.get(key, 0))
+    drafted = counters.get("drafted", 0)
+    yield GaugeMetricFamily("rollwise_engine_spec_acceptance_rate", "accepted / drafted draft tokens so far",
+                            value=counters.get("accepted", 0) / drafted if drafted else 0.0)

@@ -24,6 +24,7 @@ from rollwise.engine.frontend import EngineFrontend, Generation
 from rollwise.engine.metrics import EngineCollector
 from rollwise.engine.openai_responses import OpenAIResponses, sse
 from rollwise.engine.samples import Detokenizer, Sample, longest_token_chars
+from rollwise.engine.speculation.counters import counters_of
 from rollwise.engine.types import Completion, SamplingParams
 from rollwise.model.loading import tokenizer_fingerprint
 from rollwise.serve.disconnect import unless_disconnected
@@ -311,7 +312,8 @@ class EngineService:
             cache = getattr(engine, "prefix_cache", None)
             return {"running": engine.num_running, "waiting": engine.num_waiting, "paused": engine.paused,
                     "policy_version": engine.policy_version, **engine.stats,
-                    "prefix_cache_tokens": cache.num_tokens if cache is not None else 0}
+                    "prefix_cache_tokens": cache.num_tokens if cache is not None else 0,
+                    "speculation": counters_of(engine)}  # None: the engine keeps no draft counters (vLLM)
 
         snap = await self.frontend.call(snapshot)
         snap["step_seconds"] = self.frontend.worker.step_seconds if self.frontend.worker is not None else 0.0

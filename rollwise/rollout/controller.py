@@ -119,7 +119,10 @@ class RolloutController(ControllerDefaults):
         self._outbox: list[GenerationRequest] = []
         self._training_groups = 0  # groups of the batch handed out by next_batch, until it is trained
         # Speculation from rollout history (issue 19): every finished sample feeds the drafter. The
-        # reference engine also feeds its own drafter; the sample key makes a second feed a no-op.
+        # reference engine feeds its own drafter on its stepping thread as each sample finishes (so
+        # `rollwise train engine.speculation=history` needs nothing here); a drafter given here must be
+        # one no engine thread touches (HistoryDrafter is not thread-safe). A sample key makes a second
+        # feed of the same sample a no-op.
         self.drafter = drafter
 
     # ------------------------------------------------------------ public

@@ -14,6 +14,9 @@ def place_local(req: PlaceRequest) -> Placement:
     resumed = resume(trainer, req)
     # The engine copies the trainer's current weights (a resumed run's included) as it is built.
     # Invariant 1 holds by construction: trainer and engine use this one tokenizer.
+    # engine.speculation=history: the engine builds its drafter and feeds it every finished sample on its
+    # own thread (GRPO siblings draft from each other at once); the controller gets no drafter, since
+    # feeding the same HistoryDrafter from the loop's thread would race the engine's reads.
     engine = create_engine(cfg.engine, req.model, req.tokenizer, model_name=cfg.model, eos_token_ids=req.eos_ids,
                            policy_version=trainer.version, seed=cfg.seed, tokenizer_fingerprint=req.fingerprint)
     return Placement(trainer, EngineWorker(engine), InProcessSender(req.fingerprint), local_score(req), engine,
