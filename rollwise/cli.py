@@ -6,6 +6,7 @@
     rollwise bench rollout [--quick] [--json PATH]    rollout modes sync / sorted / async, side by side
     rollwise bench sync [--quick] [--json PATH]       weight transports (in-process, files, gloo) vs memcpy
     rollwise bench speculation [--quick] [--json PATH] rollouts with / without drafts from rollout history
+    rollwise bench trainer [--quick] [--json PATH]    1 trainer rank vs 2 FSDP2 ranks: tokens/s, MFU, memory/rank, push
     rollwise compare RUN_DIR RUN_DIR ... [--out PNG]  reward vs wall time and vs samples, runs side by side
     rollwise serve engine [--model SPEC] [--host 127.0.0.1] [--port 8000] [--max-num-seqs N] [--max-model-len N]
                                                      the engine over HTTP: OpenAI-compatible completions,
@@ -82,7 +83,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Benchmarks print a table; --json writes machine-readable results. --quick finishes in < 1 min.",
     )
     bench.add_argument(
-        "name", choices=["engine", "rollout", "sync", "router", "sandbox", "mux", "speculation"],
+        "name", choices=["engine", "rollout", "sync", "router", "sandbox", "mux", "speculation", "trainer"],
         help="router: routing policies (round robin ... prefix-aware) side by side on real tiny-model replicas and "
         "64 simulated ones (prefix hit rate, prefill tokens, p50/p99 latency, load imbalance); "
         "sandbox: create/exec/fork/destroy latency (p50/p99) and how many concurrent sandboxes this machine holds; "
@@ -93,7 +94,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "jobs sharing one engine pool vs. each on a dedicated engine (engine-hours, wall time per job, slowdown; "
         "tiny models; --quick: 2 jobs on 1 engine, full: also 4 jobs on 2 engines; --model is not used); "
         "speculation: GRPO rollouts with and without drafts from rollout history on the reference engine "
-        "(wall and tail time ratio, acceptance)",
+        "(wall and tail time ratio, acceptance); trainer: one GRPO batch through 1 trainer rank (2 threads) and 2 "
+        "FSDP2 ranks (1 thread each): trained tokens/s, MFU vs a measured matmul peak, memory per rank, weight "
+        "gather+push time (--quick: a tiny model)",
     )
     bench.add_argument("--quick", action="store_true", help="small workload (< 1 minute on 2 CPU cores)")
     bench.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
@@ -255,6 +258,18 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
             result = run_mux_bench(quick=args.quick)
         result["command"] = " ".join(["rollwise"] + sys.argv[1:])
         console.print(format_mux_bench(result))
+        write_json(args.json, result, console)
+        return 0
+    if args.name == "trainer":  # --quick: a tiny model built in code instead of --model
+        from rollwise.bench.trainer import format_trainer_bench, run_trainer_bench
+        from rollwise.model.loading import load_model
+
+        spec = "tiny:0" if args.quick else args.model
+        with console.status(f"training one batch on 1 rank, then on 2 FSDP2 ranks ({spec})"):
+            model, tokenizer = load_model(spec)
+            result = run_trainer_bench(model, tokenizer, model_spec=spec, quick=args.quick, seed=args.seed)
+        result["command"] = " ".join(["rollwise"] + sys.argv[1:])
+        console.print(format_trainer_bench(result))
         write_json(args.json, result, console)
         return 0
     if args.name == "router":  # tiny models built in code: no --model to load

@@ -284,3 +284,20 @@ def test_a_rank_killed_mid_step_fails_clearly_then_resume_trains(tmp_path):
         assert resumed.version == 2 and metrics["trained_tokens"] > 0
     finally:
         resumed.close()
+
+
+def test_bench_trainer_quick_runs_and_two_ranks_halve_the_training_state():
+    """`rollwise bench trainer --quick` end to end (not for numbers): both settings train the batch,
+    and each of 2 ranks holds half the parameter+gradient+optimizer bytes of 1 rank (FSDP2 shards)."""
+    from rollwise.bench.trainer import format_trainer_bench, run_trainer_bench
+    from rollwise.model.loading import load_model
+
+    model, tok = load_model("tiny:0")
+    result = run_trainer_bench(model, tok, model_spec="tiny:0", quick=True)
+    one, two = result["rows"]
+    assert one["trained_tokens_per_step"] == two["trained_tokens_per_step"] == 8 * 32
+    assert len(one["ranks"]) == 1 and len(two["ranks"]) == 2
+    assert all(r["grad_bytes"] > 0 and r["optim_bytes"] > 0 for r in one["ranks"] + two["ranks"])
+    assert 0.45 <= two["param_grad_optim_vs_one_rank"] <= 0.6 and result["goals"]["memory_per_rank_vs_one_rank"]["met"]
+    assert result["matmul_peak_flops"] > 0 and 0 < two["mfu"] < 1
+    assert format_trainer_bench(result).row_count == 2

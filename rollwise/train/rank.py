@@ -1,7 +1,7 @@
 """One rank of the sharded trainer: GRPOTrainer on an FSDP2-sharded model, driven over a pipe.
 
 `rank_main` is the rank process's entry point (rollwise.train.sharded starts it). It answers
-commands from the controller in order: start, train, measure, weights, save, load, stop. Each
+commands from the controller in order: start, train, measure, weights, save, load, memory, stop. Each
 reply is ("ok", value) or ("error", traceback); a rank that raises leaves the group, and the
 controller stops the others (they would wait in a collective forever).
 """
@@ -9,6 +9,7 @@ controller stops the others (they would wait in a collective forever).
 from __future__ import annotations
 
 import copy
+import resource
 import traceback
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
@@ -20,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -66,6 +68,8 @@ class RankTrainer(GRPOTrainer):
                  pad_token_id: int, temperature: float) -> None:
         self.spec, self.device = spec, device
         super().__init__(model.to(device), cfg, pad_token_id=pad_token_id, temperature=temperature)
+        self.grad_bytes = 0
+        self.before_step = self._record_grad_bytes
 
     def _prepare_model(self) -> None:
         self.policy = PolicyLogprobs(self.model, self.temperature, self.cfg.logprob_chunk_tokens)
@@ -90,6 +94,19 @@ class RankTrainer(GRPOTrainer):
         for update in range(self.cfg.updates_per_step):
             metrics = self._update(batches, record_mismatch=update == 0, proximal=proximal)
         return {"metrics": metrics, "version": self.version}
+
+    def memory(self, _: Any = None) -> dict[str, float]:
+        """This rank's bytes of parameters, gradients (at the last optimizer step) and optimizer
+        state (its shards), and its process's peak resident memory (rollwise bench trainer)."""
+        return {"param_bytes": float(sum(_local_bytes(p) for p in self.model.parameters())),
+                "grad_bytes": float(self.grad_bytes),
+                "optim_bytes": float(sum(_local_bytes(t) for state in self.optimizer.state.values()
+                                         for t in state.values() if isinstance(t, Tensor))),
+                "peak_rss_bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}
+
+    def _record_grad_bytes(self, model: nn.Module) -> None:
+        # Gradients are freed after each step (zero_grad(set_to_none=True)): count them before it.
+        self.grad_bytes = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
 
     def measure(self, work: RankWork) -> dict[str, float]:
         return self._measure(self.collate_chunks(work.share, work.chunks, work.weights))
@@ -132,6 +149,12 @@ class RankTrainer(GRPOTrainer):
         self.scheduler.load_state_dict(opt["scheduler"])
 
 
+def _local_bytes(tensor: Tensor) -> int:
+    """Bytes this rank holds of `tensor` (its shard of a DTensor)."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
 def rank_main(spec: RankSpec, model: nn.Module, cfg: TrainConfig, pad_token_id: int, temperature: float,
               conn: Connection) -> None:
     """A rank process: join the group, shard a private copy of `model`, then serve commands."""
@@ -157,7 +180,7 @@ def rank_main(spec: RankSpec, model: nn.Module, cfg: TrainConfig, pad_token_id: 
                         conn.send(("ok", None))
                     continue
                 result = {"train": trainer.train, "measure": trainer.measure, "save": trainer.save,
-                          "load": trainer.load}[cmd](arg)
+                          "load": trainer.load, "memory": trainer.memory}[cmd](arg)
                 conn.send(("ok", result))
             except Exception:
                 conn.send(("error", traceback.format_exc()))

@@ -232,6 +232,10 @@ class ShardedTrainer:
             self._recv(rank, "the weight gather")
         return state
 
+    def memory(self) -> list[dict[str, float]]:
+        """Each rank's bytes of parameters, gradients and optimizer state, and its peak RSS."""
+        return self._all("memory")
+
     def save_checkpoint(self, run_dir: Path, step: int, extra: dict[str, Any], keep_last: int) -> Path:
         if self.tokenizer is None:
             raise ValueError("ShardedTrainer(tokenizer=...) is needed to write a checkpoint (it is saved with the model)")

@@ -1,0 +1,160 @@
+"""`rollwise bench trainer`: one GRPO batch through 1 trainer rank (2 threads) and through 2 FSDP2
+ranks (1 thread each) on this machine, side by side (issue 18).
+
+Reported per setting: trained tokens/s; model-FLOPs utilisation, 6·N·trained tokens / (step time ·
+measured peak), the peak being a timed large fp32 matmul on the same 2 threads (so MFU compares
+against what this machine's cores actually do, not a datasheet); per-rank bytes of parameters,
+gradients and optimizer state (each rank's shards) and the rank process's peak resident memory; and
+the time to gather the weights from the ranks and push them into an engine through the checked
+weight path, next to the single-process trainer's push.
+Goals (issue 18): each of 2 ranks holds ≤ 0.6× the single-process parameter+gradient+optimizer
+bytes, and the sharded push takes ≤ 1.5× the single-process push.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from typing import Any
+
+import torch
+from rich.table import Table
+from torch import nn
+
+from rollwise.config import EngineConfig, TrainConfig, TrainerConfig
+from rollwise.engine.factory import create_engine
+from rollwise.sync.buckets import WeightUpdate
+from rollwise.train.sharded import ShardedTrainer
+from rollwise.train.trainer import GRPOTrainer
+from rollwise.types.sample import Sample
+
+THREADS = 2  # the machine's cores for the trainer: 1 rank × 2 threads, or 2 ranks × 1 thread
+MEMORY_GOAL = 0.6  # each rank's parameter+gradient+optimizer bytes vs one process's
+PUSH_GOAL = 1.5  # sharded gather+push time vs the single-process push
+FINGERPRINT = "bench"
+
+
+def measure_matmul_peak(threads: int, size: int, reps: int = 3) -> float:
+    """FLOP/s of the best of `reps` fp32 matmuls of two size×size matrices on `threads` threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        torch.mm(a, b)  # warm-up (allocations, thread pool)
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
+        return 2.0 * size**3 / best
+    finally:
+        torch.set_num_threads(before)
+
+
+def bench_batch(vocab: int, groups: int, group_size: int, prompt_len: int, response_len: int,
+                seed: int) -> list[Sample]:
+    """GRPO groups of random tokens with nonzero advantages (every sample is trained)."""
+    rng = random.Random(seed)
+    samples = []
+    for g in range(groups):
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        for i in range(group_size):
+            response = [rng.randrange(3, vocab) for _ in range(response_len)]
+            advantage = (1.0 if i % 2 else -1.0) * rng.uniform(0.5, 1.5)
+            samples.append(Sample(sample_id=f"{g}/{i}", group_id=str(g), problem_id=str(g), prompt_ids=prompt,
+                                  response_ids=response, behaviour_logprobs=[-5.0] * response_len,
+                                  versions=[0] * response_len, finish_reason="length", advantage=advantage))
+    return samples
+
+
+def _timed_push(trainer: Any, engine: Any) -> float:
+    """Gather the full weights (from the ranks, for the sharded trainer) and commit them to `engine`."""
+    start = time.perf_counter()
+    WeightUpdate.of_state(trainer.weights(), trainer.version, FINGERPRINT).apply_to(engine, FINGERPRINT)
+    return time.perf_counter() - start
+
+
+def _run_setting(label: str, world_size: int, model: nn.Module, tokenizer: Any, cfg: TrainConfig,
+                 batch: list[Sample], steps: int, engine: Any, params: int, peak: float) -> dict[str, Any]:
+    trainer = ShardedTrainer(model, cfg, TrainerConfig(world_size=world_size, device="cpu"),
+                             pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer, threads=THREADS)
+    try:
+        trainer.train_step(batch)  # warm-up: first-step allocations and optimizer state
+        start = time.perf_counter()
+        tokens = sum(trainer.train_step(batch)["trained_tokens"] for _ in range(steps))
+        step_s = (time.perf_counter() - start) / steps
+        push_s = _timed_push(trainer, engine)
+        memory = trainer.memory()
+    finally:
+        trainer.close()
+    held = [m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"] for m in memory]
+    return {"setting": label, "world_size": world_size, "threads_per_rank": THREADS // world_size,
+            "step_s": step_s, "trained_tokens_per_step": tokens / steps,
+            "trained_tokens_per_s": tokens / steps / step_s,
+            "mfu": 6.0 * params * (tokens / steps) / (step_s * peak),
+            "push_s": push_s, "ranks": memory, "max_rank_param_grad_optim_bytes": max(held)}
+
+
+def _single_process_push(model: nn.Module, tokenizer: Any, cfg: TrainConfig, engine: Any) -> float:
+    """The world_size=1 trainer's push (weights in this process: no gather), best of two."""
+    trainer = GRPOTrainer(copy.deepcopy(model), cfg, pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer)
+    return min(_timed_push(trainer, engine) for _ in range(2))
+
+
+def run_trainer_bench(model: nn.Module, tokenizer: Any, *, model_spec: str, quick: bool = False,
+                      seed: int = 0) -> dict[str, Any]:
+    groups, group_size, prompt_len, response_len, steps, matmul = (
+        (2, 4, 16, 32, 1, 1024) if quick else (4, 8, 64, 192, 3, 2048))
+    cfg = TrainConfig(lr=1e-6, micro_batch_size=4, off_policy_correction="none")
+    batch = bench_batch(int(model.config.vocab_size), groups, group_size, prompt_len, response_len, seed)
+    params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
+    peak = measure_matmul_peak(THREADS, matmul)
+    engine = create_engine(EngineConfig(kind="reference"), copy.deepcopy(model), tokenizer, model_name=model_spec,
+                           tokenizer_fingerprint=FINGERPRINT)
+    single_push = _single_process_push(model, tokenizer, cfg, engine)
+    rows = [_run_setting(f"{ws} rank{'s' if ws > 1 else ''} × {THREADS // ws} thread{'s' if ws == 1 else ''}",
+                         ws, model, tokenizer, cfg, batch, steps, engine, params, peak) for ws in (1, 2)]
+    one = rows[0]["max_rank_param_grad_optim_bytes"]
+    for row in rows:
+        row["param_grad_optim_vs_one_rank"] = row["max_rank_param_grad_optim_bytes"] / one
+        row["push_vs_single_process"] = row["push_s"] / single_push
+    two = rows[1]
+    return {"benchmark": "trainer", "model": model_spec, "quick": quick, "parameters": params,
+            "batch": {"samples": len(batch), "prompt_tokens": prompt_len, "response_tokens": response_len,
+                      "micro_batch_size": cfg.micro_batch_size, "timed_steps": steps},
+            "matmul_peak_flops": peak, "matmul_size": matmul, "threads": THREADS,
+            "single_process_push_s": single_push, "rows": rows,
+            "goals": {"memory_per_rank_vs_one_rank": {"goal": MEMORY_GOAL,
+                                                      "measured": two["param_grad_optim_vs_one_rank"],
+                                                      "met": two["param_grad_optim_vs_one_rank"] <= MEMORY_GOAL},
+                      "push_vs_single_process": {"goal": PUSH_GOAL, "measured": two["push_vs_single_process"],
+                                                 "met": two["push_vs_single_process"] <= PUSH_GOAL}}}
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def format_trainer_bench(result: dict[str, Any]) -> Table:
+    b = result["batch"]
+    table = Table(title=f"trainer: {result['model']} ({result['parameters'] / 1e6:.1f}M parameters), "
+                        f"{b['samples']} samples × ({b['prompt_tokens']}+{b['response_tokens']}) tokens, "
+                        f"matmul peak {result['matmul_peak_flops'] / 1e9:.1f} GFLOP/s on {result['threads']} threads")
+    for col in ("setting", "step s", "trained tok/s", "MFU", "params MiB/rank", "grads MiB/rank",
+                "optim MiB/rank", "P+G+O vs 1 rank", "peak RSS MiB/rank", "gather+push s", "push vs 1 process"):
+        table.add_column(col, justify="left" if col == "setting" else "right")
+    for row in result["rows"]:
+        ranks = row["ranks"]
+        table.add_row(row["setting"], f"{row['step_s']:.2f}", f"{row['trained_tokens_per_s']:.0f}",
+                      f"{row['mfu']:.1%}", "/".join(_mib(m["param_bytes"]) for m in ranks),
+                      "/".join(_mib(m["grad_bytes"]) for m in ranks), "/".join(_mib(m["optim_bytes"]) for m in ranks),
+                      f"{row['param_grad_optim_vs_one_rank']:.2f}×",
+                      "/".join(_mib(m["peak_rss_bytes"]) for m in ranks), f"{row['push_s']:.3f}",
+                      f"{row['push_vs_single_process']:.2f}×")
+    goals = result["goals"]
+    mem, push = goals["memory_per_rank_vs_one_rank"], goals["push_vs_single_process"]
+    table.caption = (f"single-process push {result['single_process_push_s']:.3f} s; goals (2 ranks): "
+                     f"P+G+O per rank ≤ {mem['goal']}× → {mem['measured']:.2f}× ({'met' if mem['met'] else 'NOT met'}), "
+                     f"push ≤ {push['goal']}× → {push['measured']:.2f}× ({'met' if push['met'] else 'NOT met'})")
+    return table
