@@ -64,7 +64,7 @@ class EngineConfig(_Section):
     # Speculative decoding from the policy's own rollout history (issue 19; rollwise.engine.speculation).
     speculation: Literal["none", "history"] = Field(
         "none", description="history: draft from recent rollouts of the same problem (GRPO siblings, earlier "
-        "steps), verified exactly by the engine (reference engine only for now)")
+        "steps), verified exactly by the engine (reference; vLLM through its custom-proposer hook)")
     speculation_max_draft: int = Field(8, ge=1, description="most tokens drafted per request per step")
     speculation_batch_knee: int = Field(8, ge=1, description="running sequences beyond which drafts shrink "
                                         "(a large batch is compute-bound: drafted tokens cost real work)")

