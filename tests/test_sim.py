@@ -494,3 +494,33 @@ def test_dedicated_arms_before_and_after_are_averaged():
     assert merged["generate_s"] == pytest.approx(12 * 0.25) and merged["train_s"] == pytest.approx(12 * 0.4)
     assert merged["wall_s"] == pytest.approx((before["a"]["wall_s"] + after["a"]["wall_s"]) / 2)
     assert (merged["steps"], merged["policy_version"], merged["run_dir"], merged["start"]) == (12, 13, "runs/a0", 100.0)
+
+
+# ------------------------------------------------------------ speculation (issue 19)
+
+
+def test_speculation_model_uses_the_engines_budget_and_the_geometric_acceptance():
+    from rollwise.engine.speculation.budget import BudgetPolicy, draft_budget
+    from rollwise.sim.speculation import SpeculationModel
+
+    spec = SpeculationModel(acceptance=0.5, max_draft=4, batch_knee=8, tokens_per_draft=4.0, expected_remaining=256)
+    for batch in (1, 8, 16, 64):  # the engines' own pure budget, not a copy of it
+        assert spec.draft_length(batch) == draft_budget(256, batch, BudgetPolicy(max_draft=4, batch_knee=8))
+    assert spec.draft_length(1) == 4 and spec.draft_length(64) == 0
+    assert spec.tokens_per_step(2) == pytest.approx(1 + 0.5 + 0.25)  # accepted prefix, then the target's token
+    assert spec.per_step(2) == {"drafted": 8, "accepted": pytest.approx(2 * 0.9375), "emitted": pytest.approx(2 * 1.9375)}
+    # A small batch (the tail) is memory-bound: the verification costs about a decode step, tokens come faster.
+    cost = CostModel(decode_s_by_batch={1: 0.010, 8: 0.011, 64: 0.080})
+    per_token, _ = spec.token_step(cost.decode_s, 1, 0.0)
+    assert per_token < cost.decode_s(1, 0.0) / 1.5
+
+
+def test_speculation_shortens_the_rollout_tail_in_the_simulator():
+    """The same scenario with and without speculation: the same samples, less virtual time (the tail
+    runs at small batches, where a verification costs about one decode step)."""
+    plain = simulate(build(_small(**{"rollout.mode": "sync"})))
+    spec = simulate(build(_small(**{"rollout.mode": "sync", "speculation.acceptance": 0.8})))
+    assert spec["trained_samples"] == plain["trained_samples"]
+    assert spec["virtual_s"] < plain["virtual_s"]
+    with pytest.raises(ValueError, match="acceptance"):
+        _small(**{"speculation.acceptance": 1.0})

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollwise.sim.speculation import SpeculationModel
 from rollwise.types.microbatch import computed_tokens
 
 
@@ -58,6 +59,8 @@ class CostModel(BaseModel):
     # Measured at a few running batch sizes (small batches are mostly Python and contend less); empty:
     # train_contention at every batch size. Linear between the measured sizes, flat beyond them.
     train_contention_by_batch: dict[int, float] = Field(default_factory=dict)
+    # Speculative decoding (engine.speculation=history): the scenario's `speculation` section (sim.speculation).
+    speculation: SpeculationModel | None = None
     sources: list[str] = Field(default_factory=list, description="where the numbers come from")
     assumptions: list[str] = Field(default_factory=list)
 
@@ -74,9 +77,11 @@ class CostModel(BaseModel):
         first step also prefills. Closed form, so the simulator can jump over k steps at once."""
         if k <= 0:
             return 0.0
-        per = self.decode_s(batch, context0)
+        per, growth = self.decode_s(batch, context0), 1.0
+        if self.speculation is not None:  # a step here is one emitted token per sequence
+            per, growth = self.speculation.token_step(self.decode_s, batch, context0)
         return (self.prefill_s_per_token * prefill_tokens + k * per
-                + self.decode_s_per_ctx_token * batch * k * (k - 1) / 2)
+                + self.decode_s_per_ctx_token * batch * k * (k - 1) / 2 * growth)
 
 
 class TrainerModel(BaseModel):

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollwise.engine.types import GenerationRequest
 from rollwise.sim.cost import CostModel, TrainerModel, load_cost_file
+from rollwise.sim.speculation import SpeculationModel
 
 
 class _Section(BaseModel):
@@ -75,12 +76,16 @@ class Scenario(_Section):
     workload: WorkloadSpec = WorkloadSpec()
     rollout: RolloutSpec = RolloutSpec()
     sessions: SessionsSpec = SessionsSpec()
+    # engine.speculation=history on every engine (None: off), e.g. --set speculation.acceptance=0.8
+    speculation: SpeculationModel | None = None
     base_dir: Path | None = Field(None, exclude=True)
 
     def cost(self) -> tuple[CostModel, TrainerModel]:
         engine, trainer = load_cost_file(self.cluster.cost, self.base_dir)
         if self.cluster.max_num_seqs is not None:
             engine = engine.model_copy(update={"max_num_seqs": self.cluster.max_num_seqs})
+        if self.speculation is not None:
+            engine = engine.model_copy(update={"speculation": self.speculation})
         return engine, trainer or TrainerModel()
 
     def engines(self, cost: CostModel) -> int:
