@@ -301,3 +301,13 @@ def test_bench_trainer_quick_runs_and_two_ranks_halve_the_training_state():
     assert 0.45 <= two["param_grad_optim_vs_one_rank"] <= 0.6 and result["goals"]["memory_per_rank_vs_one_rank"]["met"]
     assert result["matmul_peak_flops"] > 0 and 0 < two["mfu"] < 1
     assert format_trainer_bench(result).row_count == 2
+
+
+def test_torchrun_launched_processes_are_refused_before_ranks_start(monkeypatch):
+    """Under torchrun every process would spawn its own N ranks: refused with what to run instead."""
+    from rollwise.train.sharded import TrainerRankError
+
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(TrainerRankError, match=r"torchrun.*rollwise train trainer.world_size=N.*without torchrun"):
+        ShardedTrainer(tiny_llama(seed=3), _cfg(), TrainerConfig(world_size=2, device="cpu"), pad_token_id=0)

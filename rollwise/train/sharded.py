@@ -3,6 +3,8 @@
 `ShardedTrainer` (this process, the controller side) implements rollwise.protocols.Trainer and
 speaks for the group. It starts the ranks itself (torch.multiprocessing, spawn), one process per
 rank, each holding 1/N of the parameters, gradients and optimizer state (rollwise.train.rank).
+Ranks launched by torchrun are not joined (yet): a torchrun-started process is refused, naming
+`rollwise train trainer.world_size=N` (no launcher) as the way to run N ranks.
 
 A train step is exact: the controller weighs every trained token against the global batch (the
 token or sequence count over all ranks), then deals the micro-batches to the ranks balanced by
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from collections.abc import Mapping
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -106,6 +109,7 @@ class ShardedTrainer:
     def __init__(self, model: nn.Module, cfg: TrainConfig, trainer_cfg: TrainerConfig, *, pad_token_id: int,
                  temperature: float = 1.0, tokenizer: Any = None, threads: int = 0,
                  bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+        refuse_torchrun(os.environ)
         self.cfg, self.tokenizer, self.bucket_mb = cfg, tokenizer, bucket_mb
         self.world_size = trainer_cfg.world_size
         self._version = 0
@@ -253,10 +257,21 @@ class ShardedTrainer:
         return state
 
 
+def refuse_torchrun(env: Mapping[str, str]) -> None:
+    """Ranks launched by torchrun (RANK/WORLD_SIZE/MASTER_ADDR set) are not joined yet: each process
+    would start its own N ranks. Refused before any rank starts, saying what works instead."""
+    launched = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR") if k in env]
+    if launched and int(env.get("WORLD_SIZE", "1")) > 1:
+        raise TrainerRankError(
+            f"this process was started by torchrun (or another launcher: {', '.join(launched)} set), but "
+            "rollwise starts the trainer ranks itself: run `rollwise train trainer.world_size=N` once, "
+            "without torchrun (joining torchrun-launched ranks is not supported yet)")
+
+
 def _imbalance(tokens: list[float]) -> float:
     """max / mean of the ranks' trained tokens (1.0: perfectly balanced)."""
     mean = sum(tokens) / len(tokens)
     return max(tokens) / mean if mean else 1.0
 
 
-__all__ = ["ShardedTrainer", "TrainerRankError", "balance", "combine_metrics", "split_work"]
+__all__ = ["ShardedTrainer", "TrainerRankError", "balance", "combine_metrics", "refuse_torchrun", "split_work"]
