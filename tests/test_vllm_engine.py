@@ -205,6 +205,26 @@ def test_checked_weight_transport_targets_vllm(engine):
     assert sampled(engine).token_ids == before.token_ids
 
 
+def test_checked_update_of_a_tied_model_reaches_the_lm_head(engine):
+    """The tied lm_head travels once on the wire (a manifest alias) but reaches vLLM under both names: its
+    CPU backend repacks lm_head separately, and loading only the embedding left the head stale (the
+    default run's mismatch rose from 1e-5 to 1e-3 after the first push)."""
+    from rollwise.sync.buckets import WeightUpdate
+
+    new_model = vllm_tiny(seed=8)
+    assert new_model.config.tie_word_embeddings
+    update = WeightUpdate.of_state(new_model.state_dict(), 1, None)
+    assert update.manifest.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+    update.apply_to(engine, None)
+    c = engine.generate([GenerationRequest("tied", PROMPT, SamplingParams(max_tokens=24, temperature=0.8, seed=5))])[0]
+    ids = torch.tensor([c.prompt_ids + c.token_ids])
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[0, len(c.prompt_ids):] = True
+    with torch.no_grad():
+        trainer_logp, _ = sequence_logprobs(new_model, ids, torch.ones_like(ids), mask, temperature=0.8)
+    assert (trainer_logp - torch.tensor(c.logprobs)).abs().mean().item() < 1e-4
+
+
 def test_abort_returns_the_tokens_so_far(engine):
     engine.add_request(GenerationRequest("long", PROMPT, SamplingParams(max_tokens=100, ignore_eos=True, n=2, seed=1)))
     for _ in range(5):

@@ -159,9 +159,10 @@ class WeightReceiver:
             raise self._reject(manifest.version, problems, "Nothing was applied; push the version again.")
         state = dict(staged.tensors)
         for alias, source in manifest.aliases.items():
-            # Skip names the engine already ties to the source: loading one updates both.
-            if self.expected.ties.get(alias) != source and self.expected.ties.get(source) != alias:
-                state[alias] = state[source]
+            # Every name the engine expects is loaded, tied ones too: sent once on the wire, handed to the
+            # engine under both names. An engine whose model ties them may still keep a separate copy
+            # (vLLM's CPU backend repacks lm_head on its own: loading only the embedding left it stale).
+            state[alias] = state[source]
         try:
             self.engine.update_weights(state, manifest.version)
         except ValueError as exc:  # the engine's own validation; it also leaves the weights untouched
