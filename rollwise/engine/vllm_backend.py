@@ -37,7 +37,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +148,9 @@ class VLLMEngine(EngineState):
         self._required = {name for name, _ in hf_model.named_parameters()}
         # What a WeightReceiver (files / broadcast transports) checks a manifest against: vLLM's own
         # module uses fused, repacked parameters, so the HF model's names, shapes and ties are the contract.
-        self.expected_weights = ExpectedWeights.of_module(hf_model)
+        # No ties: however the HF model ties lm_head to the embedding, vLLM's CPU backend repacks each linear
+        # layer into its own buffer, so a tied name must be loaded by name to reach the copy vLLM computes with.
+        self.expected_weights = replace(ExpectedWeights.of_module(hf_model), ties={})
 
         # vLLM loads from a directory: the caller's current weights (a resumed run's included),
         # written once, removed at close().

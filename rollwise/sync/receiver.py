@@ -159,10 +159,11 @@ class WeightReceiver:
             raise self._reject(manifest.version, problems, "Nothing was applied; push the version again.")
         state = dict(staged.tensors)
         for alias, source in manifest.aliases.items():
-            # Every name the engine expects is loaded, tied ones too: sent once on the wire, handed to the
-            # engine under both names. An engine whose model ties them may still keep a separate copy
-            # (vLLM's CPU backend repacks lm_head on its own: loading only the embedding left it stale).
-            state[alias] = state[source]
+            # Sent once on the wire; handed to the engine under both names unless the engine declares that
+            # they share memory (then loading one updates both). vLLM declares no ties: its CPU backend
+            # keeps a repacked lm_head of its own, which loading only the embedding left stale.
+            if self.expected.ties.get(alias) != source and self.expected.ties.get(source) != alias:
+                state[alias] = state[source]
         try:
             self.engine.update_weights(state, manifest.version)
         except ValueError as exc:  # the engine's own validation; it also leaves the weights untouched
