@@ -24,6 +24,8 @@ import pytest
 import torch
 import yaml
 
+from completions import collect
+
 from rollwise.config import ConfigError, load_config
 from rollwise.engine.contract import run_to_completion
 from rollwise.engine.factory import create_engine
@@ -63,16 +65,6 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=gen) * 0.05)
 
 
-def _collect(worker: PoolWorker, n: int, timeout: float = 60.0) -> list:
-    out, deadline = [], time.monotonic() + timeout
-    while len(out) < n:
-        assert time.monotonic() < deadline, f"only {len(out)} of {n} samples arrived"
-        c = worker.next_completion(0.05)
-        if c is not None:
-            out.append(c)
-    return out
-
-
 def _requests(tag: str, rnd: int, count: int = 4) -> list[GenerationRequest]:
     rng = random.Random(f"{tag}{rnd}")
     return [GenerationRequest(f"{tag}-{rnd}-{i}", [rng.randrange(3, 90) for _ in range(rng.randrange(3, 9))],
@@ -110,7 +102,7 @@ def test_two_jobs_keep_weights_and_data_apart():
                         worker.update_weights(model.state_dict(), version)
                     reqs = _requests(name, rnd)
                     worker.submit(reqs)
-                    got = _collect(worker, sum(r.params.n for r in reqs))
+                    got = collect(worker, sum(r.params.n for r in reqs))
                     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
                     rounds[name].append((version, reqs, got, weights))
             except BaseException as exc:  # noqa: BLE001 - reported below
@@ -171,12 +163,12 @@ def test_a_switched_slot_admits_the_new_jobs_work_at_once(monkeypatch):
         try:
             reqs = _requests("a", 0)
             a.submit(reqs)
-            _collect(a, sum(r.params.n for r in reqs), timeout=20)
+            collect(a, sum(r.params.n for r in reqs), timeout=20)
             assert pool.state()["slots"][0]["job"] == "a"  # a's engine stays loaded while a trains
             reqs = _requests("b", 0)
             t0 = time.monotonic()
             b.submit(reqs)
-            got = _collect(b, sum(r.params.n for r in reqs), timeout=20)
+            got = collect(b, sum(r.params.n for r in reqs), timeout=20)
             waited = time.monotonic() - t0
         finally:
             for w in (a, b):

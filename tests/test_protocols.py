@@ -3,10 +3,11 @@ semantics: submit -> completion -> update_weights (checked whole) -> later token
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
+
+from completions import collect
 
 from rollwise.config import load_config
 from rollwise.engine.core import EngineWorker
@@ -18,16 +19,6 @@ from rollwise.protocols import RolloutBackend, RolloutControl, Trainer
 from rollwise.sync.buckets import WeightUpdate, WeightUpdateError
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
-
-
-def _collect(backend: RolloutBackend, n: int, timeout: float = 60.0) -> list:
-    out, deadline = [], time.monotonic() + timeout
-    while len(out) < n:
-        assert time.monotonic() < deadline, f"only {len(out)} of {n} samples arrived"
-        c = backend.next_completion(0.05)
-        if c is not None:
-            out.append(c)
-    return out
 
 
 def _request(rid: str, n: int = 2) -> GenerationRequest:
@@ -44,12 +35,12 @@ def _versions_move(backend: RolloutBackend, update: WeightUpdate) -> None:
     """The shared semantics, through the protocol only."""
     assert isinstance(backend, RolloutBackend)
     backend.submit([_request("before")])
-    before = _collect(backend, 2)
+    before = collect(backend, 2)
     assert {v for c in before for v in c.versions} == {update.version - 1}
     backend.update_weights(update)
     assert backend.model_info().policy_version == update.version
     backend.submit([_request("after")])
-    after = _collect(backend, 2)
+    after = collect(backend, 2)
     assert {(c.request_id, c.index) for c in after} == {("after", 0), ("after", 1)}
     assert {v for c in after for v in c.versions} == {update.version}
     assert backend.abort(["nothing-in-flight"]) == []

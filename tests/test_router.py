@@ -21,11 +21,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import replace
@@ -38,6 +35,8 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from safetensors.torch import save_file
+
+from engine_processes import engine_processes
 
 from rollwise.cli import main
 from rollwise.engine.server import build_engine, create_app
@@ -397,32 +396,8 @@ def test_auth_token_required_off_loopback():
         assert r.status_code == 503 and "no healthy replica" in r.json()["error"]["message"]
 
 
-def _engine_subprocess(port: int) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "rollwise.cli", "serve", "engine", "--model", MODEL, "--port", str(port),
-         "--max-num-seqs", "8", "--max-model-len", "1024", "--log-level", "warning"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "replica exited"
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise AssertionError(f"{url} did not come up")
-
-
 def test_sigkill_a_replica_mid_stream_loses_and_duplicates_nothing():
-    ports = [free_port(), free_port()]
-    procs = [_engine_subprocess(p) for p in ports]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    try:
-        for url, proc in zip(urls, procs):
-            _wait_healthy(url, proc)
+    with engine_processes(2) as (_, procs, urls):
         # Session keys that consistent hashing puts two streams and two plain requests on each replica.
         keys = {url: [k for k in (f"key{i}" for i in range(200))
                       if ConsistentHash().choose(RouteRequest(session_key=k), [ReplicaLoad(u) for u in urls]).replica
@@ -473,11 +448,6 @@ def test_sigkill_a_replica_mid_stream_loses_and_duplicates_nothing():
             done = sum(float(line.split()[-1]) for line in finished.splitlines()
                        if line.startswith("rollwise_engine_finished_samples_total{"))
             assert done == sum(1 for kind, _ in results if kind == "ok")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=10)
 
 
 def test_router_restart_under_live_sessions(cluster, tmp_path: Path):

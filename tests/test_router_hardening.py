@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import socket
 import subprocess
@@ -24,6 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi import FastAPI
+
+from engine_processes import engine_processes, engine_subprocess, wait_healthy
 
 from rollwise.cli import main
 from rollwise.engine.server import build_engine, create_app
@@ -47,46 +48,11 @@ def _router(replicas: list[str], **overrides):
     return _serve(create_router_app(config))
 
 
-def _engine_subprocess(port: int) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "rollwise.cli", "serve", "engine", "--model", MODEL, "--port", str(port),
-         "--max-num-seqs", "8", "--max-model-len", "1024", "--log-level", "warning"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "replica exited"
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        time.sleep(0.1)
-    raise AssertionError(f"{url} did not come up")
-
-
-@contextlib.contextmanager
-def _engine_processes(n: int):
-    ports = [free_port() for _ in range(n)]
-    procs = [_engine_subprocess(p) for p in ports]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    try:
-        for url, proc in zip(urls, procs):
-            _wait_healthy(url, proc)
-        yield ports, procs, urls
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=10)
-
-
 # ================================================================== item 2: huge requests
 
 
 def test_huge_requests_never_stall_health_or_mark_a_busy_replica_down():
-    with _engine_processes(1) as (_, _, urls), _router(urls) as (router, _):
+    with engine_processes(1) as (_, _, urls), _router(urls) as (router, _):
         latencies, states, stop = [], [], threading.Event()
 
         def probe() -> None:
@@ -224,7 +190,7 @@ def test_a_new_router_takes_no_connection_before_it_can_serve(tmp_path: Path):
 
 
 def test_a_replica_back_from_the_dead_gets_its_share_again():
-    with _engine_processes(2) as (ports, procs, urls):
+    with engine_processes(2) as (ports, procs, urls):
         # A long cooldown: only the successful health probe of the restarted replica may reopen it.
         with _router(urls, policy="round_robin", breaker_threshold=1, breaker_cooldown_s=60.0) as (router, _):
             with httpx.Client(base_url=router, timeout=60) as c:
@@ -240,8 +206,8 @@ def test_a_replica_back_from_the_dead_gets_its_share_again():
                 procs[0].send_signal(signal.SIGKILL)
                 procs[0].wait(timeout=10)
                 assert spread(4) == {urls[1]: 4}  # failed over; the dead replica's breaker is open
-                procs[0] = _engine_subprocess(ports[0])  # back, on the same port
-                _wait_healthy(urls[0], procs[0])
+                procs[0] = engine_subprocess(ports[0])  # back, on the same port
+                wait_healthy(urls[0], procs[0])
                 time.sleep(1.0)  # a few health intervals
                 placed = spread(10)
                 assert placed.get(urls[0], 0) >= 4, placed
