@@ -2,8 +2,8 @@
 
 Kept for tests and benchmarks that drive engines by hand: it goes through the same checked path as
 training (`WeightUpdate.of_state` + `WeightReceiver.receive`: the whole update is checked against
-the engine's model before any weight is written). The training loop itself sends
-`trainer.weight_update(fingerprint)` to its RolloutBackend.
+the engine's model before any weight is written). The training loop itself pushes through its
+placement's WeightSender (rollwise.sync.senders) to its RolloutBackend.
 """
 
 from __future__ import annotations
