@@ -125,10 +125,18 @@ def prefill_with_prefix(model, cache, token_ids: list[int], slots: list[int], hi
     """LlamaFamilyModel.prefill, but the first hit.num_tokens positions come from the prefix cache:
     only the suffix is run through the model, attending over cached + new keys. Same contract:
     KV for the whole prompt lands in every slot, returns fp32 logits [vocab] for the next token."""
-    C, P, first = hit.num_tokens, len(token_ids), slots[0]
+    C, first = hit.num_tokens, slots[0]
     prefix_k, prefix_v = hit.kv()
     cache.k[:, first, :, :C] = prefix_k
     cache.v[:, first, :, :C] = prefix_v
+    return prefill_suffix(model, cache, token_ids, slots, C)
+
+
+@torch.inference_mode()
+def prefill_suffix(model, cache, token_ids: list[int], slots: list[int], start: int) -> Tensor:
+    """Prefill token_ids[start:] into slots[0], whose positions [0, start) already hold the KV of
+    token_ids[:start] (from the prefix cache, a pinned or a swapped-in session); then as prefill."""
+    C, P, first = start, len(token_ids), slots[0]
     # Suffix query i sits at position C + i and sees keys 0 .. C + i.
     mask = torch.ones(P - C, P, dtype=torch.bool).tril(diagonal=C)
 
