@@ -11,7 +11,7 @@ import string
 import torch
 from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import WordLevel
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, the same shape as SmolLM2's template, so tiny models exercise the real prompt path.
@@ -72,5 +72,44 @@ def tiny_llama(
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
+    model.eval()
+    return model
+
+
+def tiny_mixtral(
+    vocab_size: int | None = None,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    num_experts: int = 4,
+    top_k: int = 2,
+    seed: int = 0,
+    tie_word_embeddings: bool = True,
+    max_position_embeddings: int = 1024,
+) -> MixtralForCausalLM:
+    """A randomly initialised Mixtral-architecture mixture of experts (fp32) sized for unit tests:
+    Llama attention, and in every layer a top-k router over `num_experts` SwiGLU experts."""
+    if vocab_size is None:
+        vocab_size = len(tiny_tokenizer())
+    config = MixtralConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        num_local_experts=num_experts,
+        num_experts_per_tok=top_k,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(config)
     model.eval()
     return model

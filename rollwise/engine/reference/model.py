@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 
 # attend(q [T, H, D], k [T, KV, D], v [T, KV, D]) -> [T, H * D]; stores k/v in the cache first.
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -50,6 +50,8 @@ class ModelConfig:
     mlp_bias: bool
     tie_word_embeddings: bool
     sliding_window: int | None  # Mistral's window; caches longer than it are refused
+    num_experts: int = 0  # Mixtral: experts per layer (0: a dense MLP)
+    top_k: int = 0  # Mixtral: experts each token is routed to
 
     @classmethod
     def from_hf(cls, config: Any) -> ModelConfig:
@@ -85,7 +87,9 @@ class ModelConfig:
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=model_type == "llama" and bool(getattr(config, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            sliding_window=getattr(config, "sliding_window", None) if model_type == "mistral" else None,
+            sliding_window=getattr(config, "sliding_window", None) if model_type in ("mistral", "mixtral") else None,
+            num_experts=getattr(config, "num_local_experts", 0) if model_type == "mixtral" else 0,
+            top_k=getattr(config, "num_experts_per_tok", 0) if model_type == "mixtral" else 0,
         )
 
 
@@ -188,11 +192,50 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+class Experts(nn.Module):
+    """HF Mixtral's `mlp.experts`: every expert's SwiGLU weights stacked in 3-D tensors."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H, dtype=dtype), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(E, H, I, dtype=dtype), requires_grad=False)
+
+
+class SparseMoE(nn.Module):
+    """HF Mixtral's sparse MoE block: softmax router, top-k experts, weights renormalised over the k.
+
+    The experts each token went to are kept in `last_experts` [T, top_k] after every forward: the
+    engine returns them with the sample (routing capture), so the trainer can replay them (R3).
+    The arithmetic follows HF's (fp32 router probabilities, experts summed in ascending expert order).
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.gate = _new_linear(cfg.num_experts, cfg.hidden_size, False, dtype)  # the router
+        self.experts = Experts(cfg, dtype)
+        self.last_experts: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        self.last_experts = experts
+        out = torch.zeros_like(x)
+        for e in experts.unique().tolist():
+            token, slot = torch.where(experts == e)
+            gate, up = F.linear(x[token], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, self.experts.down_proj[e])
+            out.index_add_(0, token, (h * weights[token, slot, None]).to(out.dtype))
+        return out
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, dtype)
-        self.mlp = MLP(cfg, dtype)
+        self.mlp = SparseMoE(cfg, dtype) if cfg.num_experts else MLP(cfg, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -255,6 +298,12 @@ class LlamaFamilyModel(nn.Module):
         # HF's default-RoPE inverse frequencies, computed by the same formula for identical cos/sin.
         dim = cfg.head_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        # MoE only: the experts chosen for the tokens of the latest forward, [T, num_layers, top_k].
+        self.last_routing: Tensor | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.config.num_experts > 0
 
     @classmethod
     def from_hf(cls, hf_model: nn.Module, dtype: torch.dtype | None = None) -> LlamaFamilyModel:
@@ -310,6 +359,8 @@ class LlamaFamilyModel(nn.Module):
         sin = emb.sin().to(self.dtype)[:, None, :]
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, functools.partial(attend, i))
+        if self.is_moe:
+            self.last_routing = torch.stack([layer.mlp.last_experts for layer in self.model.layers], dim=1)
         return self.model.norm(x)
 
     def _logits(self, hidden: Tensor) -> Tensor:
