@@ -233,7 +233,7 @@ def test_a_rank_killed_mid_step_fails_clearly_then_resume_trains(tmp_path):
     import threading
     import time
 
-    from rollwise.train.sharded import TrainerRankError
+    from rollwise.train.rank_group import TrainerRankError
 
     cfg = TrainConfig(lr=1e-3, micro_batch_size=1, off_policy_correction="none")
     tok, pad = _tok_pad()
@@ -247,7 +247,7 @@ def test_a_rank_killed_mid_step_fails_clearly_then_resume_trains(tmp_path):
         for s in long_step:  # long responses, one sample per micro-batch: a step of many collectives
             s.response_ids = s.response_ids * 20
             s.behaviour_logprobs, s.versions = [-4.5] * len(s.response_ids), [0] * len(s.response_ids)
-        victim = trainer.ranks[1].process
+        victim = trainer.group.ranks[1].process
         idle = _cpu_seconds(victim.pid)
         failure: list[BaseException] = []
 
@@ -271,7 +271,7 @@ def test_a_rank_killed_mid_step_fails_clearly_then_resume_trains(tmp_path):
         message = str(failure[0])
         assert "rank 1 (exit code -9) died during train" in message
         assert "checkpoint.resume=auto" in message
-        assert not any(r.process.is_alive() for r in trainer.ranks)  # rank 0 stopped too
+        assert not any(r.process.is_alive() for r in trainer.group.ranks)  # rank 0 stopped too
     finally:
         trainer.close()
     resumed = ShardedTrainer(tiny_llama(seed=4), cfg, TrainerConfig(world_size=2, device="cpu"),
@@ -305,7 +305,7 @@ def test_bench_trainer_quick_runs_and_two_ranks_halve_the_training_state():
 
 def test_torchrun_launched_processes_are_refused_before_ranks_start(monkeypatch):
     """Under torchrun every process would spawn its own N ranks: refused with what to run instead."""
-    from rollwise.train.sharded import TrainerRankError
+    from rollwise.train.rank_group import TrainerRankError
 
     for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}.items():
         monkeypatch.setenv(key, value)

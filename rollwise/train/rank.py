@@ -1,9 +1,17 @@
-"""One rank of the sharded trainer: GRPOTrainer on an FSDP2-sharded model, driven over a pipe.
+"""One rank of the sharded trainer: GRPOTrainer on an FSDP2-sharded model, driven by commands.
 
-`rank_main` is the rank process's entry point (rollwise.train.sharded starts it). It answers
-commands from the controller in order: start, train, measure, weights, save, load, memory, stop. Each
-reply is ("ok", value) or ("error", traceback); a rank that raises leaves the group, and the
-controller stops the others (they would wait in a collective forever).
+`RankTrainer.handle(cmd, arg)` is the one dispatcher every way of driving a rank uses: the local
+rank processes (`rank_main`, over a pipe; rollwise.train.rank_group), Ray actors
+(rollwise.control.ray_trainer_ranks) and torchrun-launched ranks (rollwise.train.torchrun). The
+commands: train, measure, write_shards, save, load, memory. Over the pipe each reply is ("ok", value)
+or ("error", traceback); a rank that raises leaves the group, and the controller stops the others
+(they would wait in a collective forever).
+
+Weights leave a rank one of two ways. Ranks on the controller's host write their own shard of every
+tensor into a full-size shared-memory landing the controller allocated (`write_shards`): no
+collective, each rank copies 1/N of the model in parallel, and no rank ever holds a full tensor.
+Ranks elsewhere (Ray actors on other nodes) all-gather bucket by bucket instead
+(rollwise.train.distributed.gathered_buckets).
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from __future__ import annotations
 import copy
 import resource
 import traceback
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -21,7 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -111,13 +120,38 @@ class RankTrainer(GRPOTrainer):
     def measure(self, work: RankWork) -> dict[str, float]:
         return self._measure(self.collate_chunks(work.share, work.chunks, work.weights))
 
-    def send_weights(self, bucket_mb: float, conn: Connection) -> None:
-        for bucket in gathered_buckets(self.model.state_dict(keep_vars=True), bucket_mb):
-            if self.spec.rank == 0:
-                conn.send(("ok", bucket))
-            del bucket  # one bucket of full tensors at a time
-        if self.spec.rank == 0:
-            conn.send(("ok", None))
+    def write_shards(self, landing: Mapping[str, Tensor]) -> None:
+        """This rank's rows of every tensor into `landing` (full-size, shared with the controller).
+        FSDP2 shards dim 0 like torch.chunk: rank r holds rows [r*c, r*c + len) with c = ceil(n/N).
+        A tensor that is not sharded (a buffer, or a parameter FSDP keeps unsharded) is rank 0's to write."""
+        written: set[int] = set()
+        for name, tensor in self.model.state_dict(keep_vars=True).items():
+            dest = landing[name]
+            if id(dest) in written:  # tied: one landing tensor for both names
+                continue
+            written.add(id(dest))
+            if isinstance(tensor, DTensor):
+                local = tensor.to_local().detach()
+                rows = -(-tensor.shape[0] // self.spec.world_size)
+                offset = min(self.spec.rank * rows, tensor.shape[0])
+                if tensor.placements != (Shard(0),) or local.shape[0] != min(rows, tensor.shape[0] - offset):
+                    raise RuntimeError(f"{name}: expected FSDP2's dim-0 shard of rows [{offset}, {offset + rows}), "
+                                       f"got placements {tensor.placements} and a local shape {tuple(local.shape)}")
+                dest.narrow(0, offset, local.shape[0]).copy_(local)
+            elif self.spec.rank == 0:
+                dest.copy_(tensor.detach())
+
+    def gathered(self, bucket_mb: float) -> Iterator[list[tuple[str, Tensor | str]]]:
+        """The full weights a bucket at a time (an all-gather per tensor: every rank must iterate)."""
+        return gathered_buckets(self.model.state_dict(keep_vars=True), bucket_mb)
+
+    def handle(self, cmd: str, arg: Any) -> Any:
+        """Run one controller command on this rank (every rank of the group runs the same one)."""
+        commands = {"train": self.train, "measure": self.measure, "write_shards": self.write_shards,
+                    "save": self.save, "load": self.load, "memory": self.memory}
+        if cmd not in commands:
+            raise ValueError(f"unknown trainer-rank command {cmd!r}; known: {', '.join(commands)}")
+        return commands[cmd](arg)
 
     def save(self, tmp: Path) -> None:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
@@ -156,8 +190,9 @@ def _local_bytes(tensor: Tensor) -> int:
 
 
 def rank_main(spec: RankSpec, model: nn.Module, cfg: TrainConfig, pad_token_id: int, temperature: float,
-              conn: Connection) -> None:
-    """A rank process: join the group, shard a private copy of `model`, then serve commands."""
+              landing: Mapping[str, Tensor], conn: Connection) -> None:
+    """A rank process: join the group, shard a private copy of `model`, then serve commands over
+    `conn`. `write_shards` writes into `landing` (the controller's shared-memory weights)."""
     trainer = None
     try:
         device = init_rank(spec)
@@ -174,14 +209,7 @@ def rank_main(spec: RankSpec, model: nn.Module, cfg: TrainConfig, pad_token_id: 
             if cmd == "stop":
                 break
             try:
-                if cmd == "weights":
-                    trainer.send_weights(arg, conn)
-                    if spec.rank != 0:
-                        conn.send(("ok", None))
-                    continue
-                result = {"train": trainer.train, "measure": trainer.measure, "save": trainer.save,
-                          "load": trainer.load, "memory": trainer.memory}[cmd](arg)
-                conn.send(("ok", result))
+                conn.send(("ok", trainer.handle(cmd, landing if cmd == "write_shards" else arg)))
             except Exception:
                 conn.send(("error", traceback.format_exc()))
                 break

@@ -17,32 +17,22 @@ holds more than one bucket of full tensors) and leave through the one checked we
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from collections.abc import Mapping
-from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 from rollwise.config import TrainConfig, TrainerConfig
 from rollwise.train.checkpoint import load_rng_and_state, write_checkpoint
-from rollwise.train.distributed import RankSpec, free_port, resolve_device
 from rollwise.train.grpo import token_weights
-from rollwise.train.rank import RankWork, rank_main
+from rollwise.train.rank import RankWork
+from rollwise.train.rank_group import ProcessRankGroup, RankGroup, TrainerRankError
 from rollwise.types.microbatch import chunk_samples, computed_tokens
 from rollwise.types.sample import Sample
 
 DEFAULT_BUCKET_MB = 64.0
-DEATH_GRACE_S = 2.0  # how long a rank's collective error waits to see whether a peer died
-RESUME_HINT = ("The step did not complete and the trainer is stopped: rerun with checkpoint.resume=auto "
-               "(or checkpoint.resume=RUN_DIR/checkpoints/step_NNNNNN) to continue from the last checkpoint.")
-
-
-class TrainerRankError(RuntimeError):
-    """A trainer rank failed or died; the step did not complete (resume from the last checkpoint)."""
 
 
 def balance(costs: list[int], ranks: int) -> list[list[int]]:
@@ -97,105 +87,37 @@ def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-@dataclass
-class _Rank:
-    process: Any
-    conn: Connection
-
-
 class ShardedTrainer:
-    """N FSDP2 ranks as one Trainer. `model` is copied to the ranks and left as it is here."""
+    """N FSDP2 ranks as one Trainer. Built on rank processes started here (`ShardedTrainer(model,
+    ...)`: `model` is copied to the ranks and left as it is here), or on any RankGroup (`over`)."""
 
     def __init__(self, model: nn.Module, cfg: TrainConfig, trainer_cfg: TrainerConfig, *, pad_token_id: int,
                  temperature: float = 1.0, tokenizer: Any = None, threads: int = 0,
                  bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
         refuse_torchrun(os.environ)
-        self.cfg, self.tokenizer, self.bucket_mb = cfg, tokenizer, bucket_mb
-        self.world_size = trainer_cfg.world_size
+        group = ProcessRankGroup(model, cfg, trainer_cfg, pad_token_id=pad_token_id, temperature=temperature,
+                                 threads=threads or len(os.sched_getaffinity(0)))
+        self._attach(group, cfg, tokenizer, bucket_mb)
+
+    @classmethod
+    def over(cls, group: RankGroup, cfg: TrainConfig, *, tokenizer: Any = None, version: int = 0,
+             bucket_mb: float = DEFAULT_BUCKET_MB) -> ShardedTrainer:
+        """The trainer driving ranks started elsewhere (Ray actors, torchrun)."""
+        trainer = cls.__new__(cls)
+        trainer._attach(group, cfg, tokenizer, bucket_mb)
+        trainer._version = version
+        return trainer
+
+    def _attach(self, group: RankGroup, cfg: TrainConfig, tokenizer: Any, bucket_mb: float) -> None:
+        self.group, self.cfg, self.tokenizer, self.bucket_mb = group, cfg, tokenizer, bucket_mb
+        self.world_size = group.world_size
         self._version = 0
-        cores = threads or len(os.sched_getaffinity(0))
-        port = free_port()
-        ctx = mp.get_context("spawn")
-        self.ranks: list[_Rank] = []
-        for rank in range(self.world_size):
-            spec = RankSpec(rank, self.world_size, port, resolve_device(trainer_cfg.device),
-                            threads=max(cores // self.world_size, 1), mixed_precision=trainer_cfg.mixed_precision,
-                            cpu_offload=trainer_cfg.cpu_offload)
-            here, there = ctx.Pipe()
-            process = ctx.Process(target=rank_main, name=f"rollwise-trainer-rank{rank}", daemon=True,
-                                  args=(spec, model, cfg, pad_token_id, temperature, there))
-            process.start()
-            there.close()
-            self.ranks.append(_Rank(process, here))
-        self._collect("start")
-
-    # ------------------------------------------------------------ talking to the ranks
-
-    def _send(self, cmd: str, args: list[Any]) -> None:
-        for r, arg in zip(self.ranks, args):
-            r.conn.send((cmd, arg))
-
-    def _recv(self, rank: int, what: str) -> Any:
-        """One reply from `rank`. Every rank's process is watched while waiting, not only `rank`'s:
-        a rank that died leaves the others blocked in a collective, so waiting on them alone would
-        hang. A dead or failed rank fails the call and stops the whole group."""
-        r = self.ranks[rank]
-        wait([r.conn] + [x.process.sentinel for x in self.ranks])
-        if r.conn.poll():
-            status, value = r.conn.recv()
-            if status == "ok":
-                return value
-            # A collective error on one rank is usually the symptom of another rank's death: blame
-            # the dead one when there is one (its exit is seen within a moment).
-            wait([x.process.sentinel for x in self.ranks if x is not r], timeout=DEATH_GRACE_S)
-            if not self._dead():
-                self._stop_after_failure()
-                raise TrainerRankError(f"trainer rank {rank} failed during {what}:\n{value}\n{RESUME_HINT}")
-        dead = self._dead()
-        self._stop_after_failure()
-        ranks = ", ".join(f"rank {i} (exit code {code})" for i, code in dead)
-        raise TrainerRankError(f"trainer {ranks} died during {what}; the other ranks were stopped. {RESUME_HINT}")
-
-    def _dead(self) -> list[tuple[int, int | None]]:
-        """(rank, exit code) of the ranks whose process ended. The sentinel is ready a moment before
-        the exit code can be read (is_alive() would still say True): join briefly for the code."""
-        ended = set(wait([x.process.sentinel for x in self.ranks], timeout=0))
-        dead = [(i, x.process) for i, x in enumerate(self.ranks) if x.process.sentinel in ended]
-        for _, process in dead:
-            process.join(timeout=1)
-        return [(i, process.exitcode) for i, process in dead]
-
-    def _stop_after_failure(self) -> None:
-        """The surviving ranks may be blocked in a collective with a dead peer: they cannot read a
-        "stop", so they are terminated (then killed) instead of waited for."""
-        for r in self.ranks:
-            if r.process.is_alive():
-                r.process.terminate()
-        for r in self.ranks:
-            r.process.join(timeout=5)
-            if r.process.is_alive():
-                r.process.kill()
-                r.process.join()
-
-    def _collect(self, what: str) -> list[Any]:
-        return [self._recv(rank, what) for rank in range(self.world_size)]
 
     def _all(self, cmd: str, arg: Any = None) -> list[Any]:
-        self._send(cmd, [arg] * self.world_size)
-        return self._collect(cmd)
+        return self.group.call(cmd, [arg] * self.world_size)
 
     def close(self) -> None:
-        for r in self.ranks:
-            if r.process.is_alive():
-                try:
-                    r.conn.send(("stop", None))
-                except OSError:
-                    pass
-        for r in self.ranks:
-            r.process.join(timeout=10)
-            if r.process.is_alive():
-                r.process.kill()
-                r.process.join()
+        self.group.close()
 
     # ------------------------------------------------------------ rollwise.protocols.Trainer
 
@@ -216,8 +138,7 @@ class ShardedTrainer:
                     "update_skipped_nonfinite_grad": 0.0, "trained_tokens": 0.0, "trained_samples": 0.0,
                     "clip_fraction": 0.0, "kl": 0.0, **measured}
         work = split_work(informative, self.cfg, self.world_size)
-        self._send("train", work)
-        replies = self._collect("train")
+        replies = self.group.call("train", work)
         self._version = replies[0]["version"]
         metrics = combine_metrics([r["metrics"] for r in replies])
         metrics["trained_samples"] = float(len(informative))
@@ -226,15 +147,9 @@ class ShardedTrainer:
         return metrics
 
     def weights(self) -> dict[str, Tensor]:
-        """The full weights, gathered by the ranks a bucket at a time and sent here by rank 0."""
-        self._send("weights", [self.bucket_mb] * self.world_size)
-        state: dict[str, Tensor] = {}
-        while (bucket := self._recv(0, "the weight gather")) is not None:
-            for name, item in bucket:
-                state[name] = state[item] if isinstance(item, str) else item
-        for rank in range(1, self.world_size):
-            self._recv(rank, "the weight gather")
-        return state
+        """The full weights, from the ranks' shards (see RankGroup.weights for how each group
+        gathers them; none holds more than one bucket of full tensors on a rank)."""
+        return self.group.weights(self.bucket_mb)
 
     def memory(self) -> list[dict[str, float]]:
         """Each rank's bytes of parameters, gradients and optimizer state, and its peak RSS."""
@@ -274,4 +189,4 @@ def _imbalance(tokens: list[float]) -> float:
     return max(tokens) / mean if mean else 1.0
 
 
-__all__ = ["ShardedTrainer", "TrainerRankError", "balance", "combine_metrics", "refuse_torchrun", "split_work"]
+__all__ = ["ShardedTrainer", "balance", "combine_metrics", "refuse_torchrun", "split_work"]
