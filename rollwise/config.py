@@ -51,6 +51,16 @@ class RolloutConfig(_Section):
         "oversubscription x prompts_per_step; beyond max_staleness + 1 they wait too many updates and "
         "get regenerated",
     )
+    # Issue 26 (rollwise.rollout.admission): how many complete groups one update trains.
+    update_batch: Literal["fixed", "flexible"] = Field(
+        "fixed",
+        description="sorted/async: fixed trains prompts_per_step groups per update; flexible trains every "
+        "complete group (prompts_per_step .. max_batch_factor x prompts_per_step) and caps the groups "
+        "generating at oversubscription x prompts_per_step, so engines stay full while the trainer trains",
+    )
+    max_batch_factor: float = Field(
+        2.0, ge=1.0, description="update_batch=flexible: most groups per update = this x prompts_per_step"
+    )
 
 
 class EngineConfig(_Section):
