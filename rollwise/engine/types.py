@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rollwise.types.sample import RoutedExperts
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -83,6 +85,8 @@ class Completion:
     cached_prompt_tokens: int = 0  # prompt tokens whose KV was reused, not recomputed
     # Per token, when SamplingParams.top_logprobs > 0: the most likely (token id, logprob) pairs, best first.
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # MoE engines: the experts every token was routed to (prompt + token_ids[:-1]); None for dense models.
+    routed_experts: RoutedExperts | None = None
 
     @property
     def sample_id(self) -> str:

@@ -27,6 +27,7 @@ from rollwise.engine.speculation import Drafter
 from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, run_to_completion
 from rollwise.engine.state import EngineState
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest
+from rollwise.types.sample import RoutedExperts
 
 
 @dataclass
@@ -42,6 +43,15 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # only if params.top_logprobs
+    # MoE: experts of the prompt tokens [P, layers, top_k] (shared by the group), then one row per decoded token.
+    prompt_routing: Tensor | None = None
+    routing: list[Tensor] = field(default_factory=list)
+    num_experts: int = 0
+
+    def routed_experts(self) -> RoutedExperts | None:
+        if self.prompt_routing is None:
+            return None
+        return RoutedExperts.from_array(torch.cat([self.prompt_routing, *self.routing]), self.num_experts)
 
     def completion(self, reason: FinishReason) -> Completion:
         return Completion(
@@ -54,6 +64,7 @@ class Sequence:
             finish_reason=reason,
             cached_prompt_tokens=self.cached_prompt_tokens,
             top_logprobs=self.top_logprobs,
+            routed_experts=self.routed_experts(),
         )
 
 
@@ -132,6 +143,9 @@ class ReferenceEngine(SpeculativeDecoding, EngineState):
         self.on_tokens: Callable[[str, int, int, float, int], None] | None = None
         # Speculative decoding from rollout history (engine.speculation: history): drafts are verified
         # exactly against the current weights (see _verify). None: plain decoding, one token per step.
+        if drafter is not None and self.model.is_moe:
+            raise ValueError("engine.speculation with a mixture-of-experts model is not supported by the reference "
+                             "engine (verified drafts would need their routing kept); set engine.speculation: none")
         self.drafter = drafter
         self.spec_stats = {"drafted": 0, "accepted": 0, "rejected": 0, "verifications": 0}
 
@@ -262,8 +276,10 @@ class ReferenceEngine(SpeculativeDecoding, EngineState):
         else:
             logits = prefill_with_prefix(self.model, self.cache, prompt, all_slots, hit)
         reused = hit.num_tokens if hit is not None else 0
+        routing = self._prompt_routing(hit)
         seqs = [
-            Sequence(request, i, slot, self._generator_for(request, i), cached_prompt_tokens=len(prompt))
+            Sequence(request, i, slot, self._generator_for(request, i), cached_prompt_tokens=len(prompt),
+                     prompt_routing=routing, num_experts=self.model.config.num_experts)
             for request, slots in group
             for i, slot in enumerate(slots)
         ]
@@ -272,7 +288,7 @@ class ReferenceEngine(SpeculativeDecoding, EngineState):
         self.stats["cached_prompt_tokens"] += len(prompt) * (len(seqs) - 1) + reused
         self.stats["prefix_cache_hit_tokens"] += reused
         if self.prefix_cache is not None:
-            self.prefix_cache.insert(prompt, self.cache.k[:, all_slots[0]], self.cache.v[:, all_slots[0]])
+            self.prefix_cache.insert(prompt, self.cache.k[:, all_slots[0]], self.cache.v[:, all_slots[0]], routing)
         for seq in seqs:
             self.scheduler.start(seq)
         return self._append_tokens(seqs, logits.expand(len(seqs), -1))
@@ -285,7 +301,18 @@ class ReferenceEngine(SpeculativeDecoding, EngineState):
                 return self._verify(seqs, drafts)
         last_tokens = torch.tensor([seq.token_ids[-1] for seq in seqs])
         logits = self.model.decode(self.cache, last_tokens, [seq.slot for seq in seqs])
+        if self.model.is_moe:
+            for seq, row in zip(seqs, self.model.last_routing):
+                seq.routing.append(row[None])
         return self._append_tokens(seqs, logits)
+
+    def _prompt_routing(self, hit) -> Tensor | None:
+        """MoE: the experts of every prompt token of the prefill just run. Tokens served from the prefix
+        cache skipped the MoE layers; their routing was cached with their KV (never silently missing)."""
+        if not self.model.is_moe:
+            return None
+        computed = self.model.last_routing
+        return computed if hit is None else torch.cat([hit.routing(), computed])
 
     def _append_tokens(self, seqs: list[Sequence], logits: Tensor) -> list[Completion]:
         """Sample a token for each sequence, record it, and retire the ones that are done."""
@@ -359,7 +386,8 @@ class ReferenceEngine(SpeculativeDecoding, EngineState):
         cache: the next turn of a conversation starts with them. Only if the current weights made all of it."""
         if self.prefix_cache is not None and all(v == self._version for v in seq.versions):
             tokens = list(seq.request.prompt_ids) + seq.token_ids[:-1]
-            self.prefix_cache.insert(tokens, self.cache.k[:, seq.slot], self.cache.v[:, seq.slot])
+            routing = torch.cat([seq.prompt_routing, *seq.routing]) if seq.prompt_routing is not None else None
+            self.prefix_cache.insert(tokens, self.cache.k[:, seq.slot], self.cache.v[:, seq.slot], routing)
 
 
 

@@ -39,6 +39,7 @@ class _Block:
     k: Tensor  # [num_layers, num_kv_heads, block_size, head_dim]
     v: Tensor
     children: int = 0
+    routing: Tensor | None = None  # MoE: the experts of the block's tokens [block_size, num_layers, top_k]
 
 
 @dataclass
@@ -50,6 +51,12 @@ class PrefixHit:
 
     def kv(self) -> tuple[Tensor, Tensor]:
         return torch.cat([b.k for b in self.blocks], dim=2), torch.cat([b.v for b in self.blocks], dim=2)
+
+    def routing(self) -> Tensor:
+        """MoE: the cached prefix's experts [num_tokens, num_layers, top_k] (a hit skips the MoE layers)."""
+        if any(b.routing is None for b in self.blocks):
+            raise RuntimeError("a cached prefix block has no routing record (inserted without routing)")
+        return torch.cat([b.routing for b in self.blocks])
 
 
 class PrefixCache:
@@ -87,9 +94,10 @@ class PrefixCache:
             self._blocks.move_to_end(block.key)
         return PrefixHit(len(blocks) * bs, blocks) if blocks else None
 
-    def insert(self, tokens: Sequence[int], k_slot: Tensor, v_slot: Tensor) -> int:
+    def insert(self, tokens: Sequence[int], k_slot: Tensor, v_slot: Tensor, routing: Tensor | None = None) -> int:
         """Cache the full blocks of `tokens`, whose KV sits at positions [0, len(tokens)) of one KV-cache
-        slot (k_slot, v_slot: [num_layers, num_kv_heads, max_len, head_dim]). Returns blocks added."""
+        slot (k_slot, v_slot: [num_layers, num_kv_heads, max_len, head_dim]). Returns blocks added.
+        MoE: `routing` [len(tokens), num_layers, top_k] is kept with the blocks."""
         bs = self.block_size
         parent: _Block | None = None
         added = 0
@@ -98,7 +106,8 @@ class PrefixCache:
             block = self._blocks.get(key)
             if block is None:
                 block = _Block(key, self._next_id, parent, k_slot[:, :, start : start + bs].clone(),
-                               v_slot[:, :, start : start + bs].clone())
+                               v_slot[:, :, start : start + bs].clone(),
+                               routing=None if routing is None else routing[start : start + bs].clone())
                 self._next_id += 1
                 self._blocks[key] = block
                 if parent is not None:
