@@ -95,6 +95,8 @@ class RayConfig(_Section):
     engine_gpus: float = Field(0.0, ge=0, description="GPUs reserved per engine actor")
     trainer_cpus: float = Field(1.0, ge=0, description="CPUs reserved for the trainer actor")
     trainer_gpus: float = Field(0.0, ge=0, description="GPUs reserved for the trainer actor")
+    trainer_ranks: int = Field(1, ge=1, description="trainer actors: N > 1 shards the trainer (FSDP2) over N actors, "
+                               "one process group, each with ray.trainer_cpus / ray.trainer_gpus")
     reward_workers: int = Field(1, ge=1, description="reward actors scoring finished groups")
     max_restarts: int = Field(3, ge=0, description="times Ray restarts a dead actor (engines re-sync to the current policy)")
     reward_cpus: float = Field(0.25, ge=0, description="CPUs reserved per reward actor")
@@ -271,8 +273,8 @@ class RunConfig(_Section):
     def _sharded_trainer_is_local(self) -> RunConfig:
         if self.trainer.world_size > 1 and self.placement == "ray":
             raise ValueError(f"trainer.world_size={self.trainer.world_size} starts its ranks from this process; "
-                             "placement=ray trains in one actor (Ray trainer ranks are not built yet): "
-                             "set trainer.world_size=1 or placement=local")
+                             f"with placement=ray the ranks are Ray actors: set ray.trainer_ranks="
+                             f"{self.trainer.world_size} (and trainer.world_size=1)")
         return self
 
     @model_validator(mode="after")
