@@ -13,6 +13,10 @@ Three modes (rollout.mode), one code path:
 - async:  AReaL-style. Generation never waits for the trainer except for admission control: group
           k may start only while k // prompts_per_step <= trainer version + max_staleness.
 
+Which groups start and how many complete groups one update trains (rollout.update_batch: fixed, or
+SortedRL's flexible update batch) are pure rules in rollwise.rollout.admission, which the cluster
+simulator runs unchanged through this controller.
+
 In every mode the staleness bound eta = rollout.max_staleness holds for every trained token:
 after each weight update to version V, an in-flight sample that could only be trained with
 staleness > eta is regenerated (and recorded as such in the ledger), never trained.
@@ -26,7 +30,6 @@ identical prompts admitted in the same step).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +38,8 @@ from rollwise.config import RunConfig
 from rollwise.engine.speculation import Drafter
 from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
 from rollwise.protocols import RolloutBackend
+from rollwise.rollout import admission
+from rollwise.rollout.admission import AdmissionPolicy, RolloutCounts
 from rollwise.rollout.data import ProblemStream
 from rollwise.rollout.ledger import RolloutLedger
 from rollwise.rollout.sync_rollout import PromptEncoder, RolloutPlan, build_requests, sampling_seed, to_samples
@@ -98,7 +103,9 @@ class RolloutController(ControllerDefaults):
         self.eta = cfg.rollout.max_staleness
         self.batch_groups = cfg.rollout.prompts_per_step
         self.group_size = cfg.rollout.group_size
-        self.max_in_flight = math.ceil(cfg.rollout.oversubscription * self.batch_groups)
+        # Which groups start and how many train per update: pure rules, shared with the simulator.
+        self.policy = AdmissionPolicy(self.mode, self.eta, self.batch_groups, cfg.rollout.oversubscription,
+                                      cfg.rollout.update_batch, cfg.rollout.max_batch_factor)
         self.worker = worker
         self.encoder = encoder
         self.stream = stream
@@ -147,7 +154,7 @@ class RolloutController(ControllerDefaults):
         urgent = sorted((g for g in self.ready if self._urgent(oldest[g])), key=oldest.__getitem__)
         urgent_set = set(urgent)
         order = urgent + [g for g in self.ready if g not in urgent_set]
-        taken = order[: self.batch_groups]
+        taken = order[: admission.batch_size(self.policy, len(order))]
         taken_set = set(taken)
         self.ready = [g for g in self.ready if g not in taken_set]
         self._training_groups = len(taken)
@@ -161,6 +168,10 @@ class RolloutController(ControllerDefaults):
                     raise RuntimeError(f"group {g} sample {i} has staleness {staleness} > eta={self.eta}")
                 self.ledger.move((g, i), "batched")
                 samples.append(sample)
+        if self.policy.update_batch == "flexible" and self.mode != "sync":
+            # The next batch comes at the next version at the earliest: what is older cannot make it.
+            self._regenerate_older_than(admission.oldest_trainable_after_batch(self.policy, self.version),
+                                        reason=f"cannot be trained within eta={self.eta} after the batch at v{self.version}")
         # Refill now: the engine generates these groups while the trainer trains on this batch.
         self._top_up()
         self._flush()
@@ -182,13 +193,15 @@ class RolloutController(ControllerDefaults):
 
     def _urgent(self, oldest_version: int) -> bool:
         """A group this old must be in the batch trained at the current version, or it will exceed eta."""
-        return self.mode != "sync" and oldest_version <= self.version - self.eta
+        return admission.is_urgent(self.policy, oldest_version, self.version)
 
     def _batch_ready(self) -> bool:
-        # Enough complete groups. Waiting for incomplete urgent groups instead (to avoid regenerating
-        # them) was measured slower: the trainer then idles on the longest sample, as in sync
-        # (docs/benchmarks.md, rollout bench).
-        return len(self.ready) >= self.batch_groups
+        return admission.batch_ready(self.policy, len(self.ready))
+
+    def counts(self) -> RolloutCounts:
+        """Groups generating, complete and waiting, and in training (the admission policy's input)."""
+        return RolloutCounts(generating=len(self.groups) - len(self.ready), ready=len(self.ready),
+                             training=self._training_groups)
 
     def run_requests(self, requests: list[GenerationRequest], progress: Callable[[int], None] | None = None
                      ) -> list[Completion]:
@@ -238,15 +251,10 @@ class RolloutController(ControllerDefaults):
         """The engine now samples with `version`: regenerate whatever could not be trained within eta."""
         self.version = version
         if self.mode != "sync":
-            limit = version - self.eta  # oldest policy version a trainable token may have from now on
-            stale = [rid for rid, r in self.running.items() if r.submitted_version < limit]
+            limit = admission.trainable_limit(self.policy, version)  # oldest version a trainable token may have
             if self.cfg.rollout.partial_rollout == "abort":
-                stale = list(self.running)
-            self._abort_and_requeue(stale, reason=f"in flight at weight update to v{version}")
-            for group in self.groups.values():
-                for i, sample in list(group.finished.items()):
-                    if min(sample.versions, default=version) < limit:
-                        self._regenerate(group, i, reason=f"stale at v{version} (eta={self.eta})")
+                self._abort_and_requeue(list(self.running), reason=f"in flight at weight update to v{version}")
+            self._regenerate_older_than(limit, reason=f"stale at v{version} (eta={self.eta})")
             self._top_up()  # the new version may admit more groups (async)
             self._flush()
         if self.paused_for_update:
@@ -279,15 +287,23 @@ class RolloutController(ControllerDefaults):
         a batch further ahead than the staleness bound allows (which would only be regenerated)."""
         return len(self.groups) + self._training_groups
 
+    def _regenerate_older_than(self, limit: int, reason: str) -> None:
+        """Generate again every sample (running or finished, not yet batched) with a token older than
+        policy version `limit`: it could only be trained with staleness above eta."""
+        stale = [rid for rid, r in self.running.items() if r.submitted_version < limit]
+        self._abort_and_requeue(stale, reason=f"in flight, {reason}")
+        for group in list(self.groups.values()):
+            for i, sample in list(group.finished.items()):
+                if min(sample.versions, default=self.version) < limit:
+                    self._regenerate(group, i, reason=reason)
+
     # ------------------------------------------------------------ admission
 
     def _top_up(self) -> None:
-        if self.mode == "sync":
-            return
-        while self.in_flight() < self.max_in_flight:
+        while True:
             next_index = self._redo[0] if self._redo else self.next_group
-            if self.mode == "async" and next_index // self.batch_groups > self.version + self.eta:
-                return  # AReaL admission control: generation may run at most eta versions ahead
+            if not admission.may_admit(self.policy, self.counts(), next_index, self.version):
+                return
             self._start_group()
 
     def _start_group(self) -> None:
