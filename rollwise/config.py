@@ -127,6 +127,18 @@ class SyncConfig(_Section):
         "collective (gloo/NCCL broadcast) is measured by `bench sync`, not yet a training sender")
 
 
+class LoraConfig(_Section):
+    """`train.lora:` PEFT LoRA adapters on the policy (rollwise.train.lora); absent = full-parameter training."""
+
+    rank: int = Field(16, ge=1, description="LoRA rank r")
+    alpha: float = Field(32.0, gt=0, description="scaling = alpha / rank")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1, description="projection names that get adapters (the engines apply exactly these)",
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout in training (engines never drop)")
+
+
 class TrainConfig(_Section):
     steps: int = Field(40, ge=0)
     lr: float = Field(1e-5, gt=0)
@@ -163,6 +175,7 @@ class TrainConfig(_Section):
         "sampling, or none; auto = none in rollout.mode=sync, tis otherwise",
     )
     is_cap: float = Field(2.0, gt=0, description="truncation of the importance weight pi_prox/pi_behav (tis)")
+    lora: LoraConfig | None = Field(None, description="LoRA adapters instead of full-parameter training")
 
 
 def _rank_capacity(device: str) -> tuple[int, str]:
