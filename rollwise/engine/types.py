@@ -69,6 +69,9 @@ class GenerationRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    # A loaded LoRA adapter's name (multi-LoRA: jobs sharing a base differ by adapter); None: the
+    # engine's default policy (its base weights, or the default adapter of a LoRA run).
+    adapter: str | None = None
 
 
 @dataclass

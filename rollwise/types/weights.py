@@ -65,6 +65,27 @@ class BucketSpec(BaseModel):
     crc32: int | None = None  # None: the transport moves no bytes that could be damaged (in-process)
 
 
+class AdapterSpec(BaseModel):
+    """A LoRA adapter update (rollwise.sync.adapters): the manifest's tensors are the adapter's
+    `<module>.lora_A.weight` [rank, in] and `<module>.lora_B.weight` [out, rank], named by the base
+    model's module names; the engine adds (x A^T) B^T * alpha / rank to each target's output and keeps
+    its base weights."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str  # the served adapter name (an OpenAI request's `model`)
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    # The policy of a single LoRA run: it serves requests that name no adapter, and its version is the
+    # engine's policy version. Otherwise the adapter is served only to requests naming it.
+    default: bool = False
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
 class WeightManifest(BaseModel):
     """Everything a receiver needs to check an update before applying it."""
 
@@ -77,6 +98,7 @@ class WeightManifest(BaseModel):
     # name -> name it shares storage with on the trainer (tied embeddings): sent once, applied to both.
     aliases: dict[str, str] = {}
     total_bytes: int  # tensor bytes sent (no padding, aliases once)
+    adapter: AdapterSpec | None = None  # set: a LoRA adapter, not the model's weights
 
     @model_validator(mode="after")
     def _consistent(self) -> WeightManifest:
