@@ -116,8 +116,14 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.register_parameter("bias", None if bias is None else nn.Parameter(bias, requires_grad=False))
 
+    # LoRA adapters (rollwise.engine.reference.lora): hook(x, y) adds each row's adapter delta to y.
+    lora_hook: Callable[[Tensor, Tensor], None] | None = None
+
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora_hook is not None:
+            self.lora_hook(x, y)
+        return y
 
 
 def _new_linear(out_dim: int, in_dim: int, bias: bool, dtype: torch.dtype) -> Linear:
@@ -166,10 +172,15 @@ class Attention(nn.Module):
             self, ["q_proj", "k_proj", "v_proj"], self.split, cfg.hidden_size, cfg.qkv_bias, dtype
         )
         self.o_proj = _new_linear(cfg.hidden_size, q_dim, cfg.o_bias, dtype)
+        self.lora_fused = (["q_proj", "k_proj", "v_proj"], self.split)  # for LoRA hooks on the fused matmul
+        self.lora_hook: Callable[[Tensor, Tensor], None] | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         T = x.shape[0]
-        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.split, dim=-1)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        if self.lora_hook is not None:
+            self.lora_hook(x, qkv)
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
@@ -186,9 +197,14 @@ class MLP(nn.Module):
             self, ["gate_proj", "up_proj"], [cfg.intermediate_size] * 2, cfg.hidden_size, cfg.mlp_bias, dtype
         )
         self.down_proj = _new_linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype)
+        self.lora_fused = (["gate_proj", "up_proj"], [cfg.intermediate_size] * 2)
+        self.lora_hook: Callable[[Tensor, Tensor], None] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).split(self.intermediate_size, dim=-1)
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        if self.lora_hook is not None:
+            self.lora_hook(x, gate_up)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
