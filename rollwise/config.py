@@ -159,6 +159,8 @@ class TrainConfig(_Section):
     logprob_chunk_tokens: int = Field(1024, ge=1, description="LM-head rows computed at once (bounds fp32 logits)")
     gradient_checkpointing: bool = False
     share_prompt_prefix: bool = Field(True, description="compute each group's shared prompt once in the forward")
+    routing_replay: Literal["none", "r3"] = Field(
+        "none", description="MoE: r3 replays the experts the engine routed each token to (rollwise.train.routing_replay)")
 
     @model_validator(mode="after")
     def _prefix_sharing_needs_cache(self) -> TrainConfig:
