@@ -1,11 +1,21 @@
-"""Per-step metrics to metrics.jsonl (one JSON object per line) and TensorBoard event files."""
+"""Per-step metrics to metrics.jsonl (one JSON object per line) and TensorBoard event files, and the
+loop's utilisation: model-FLOPs utilisation (MFU) and idle core-seconds per step, evaluation and run."""
 
 from __future__ import annotations
 
 import json
 import math
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import psutil
+
+from rollwise.observe.flops import DenseModel, Flops, generation_flops, training_flops, utilisation
+from rollwise.observe.peak import Peak
+from rollwise.types.microbatch import MicroBatchSettings
+from rollwise.types.sample import Sample
 
 
 class MetricsLogger:
@@ -41,3 +51,82 @@ class MetricsLogger:
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------- utilisation: MFU and idle cores
+
+
+def idle_core_seconds() -> float:
+    """Seconds the machine's cores have spent idle (or waiting on I/O) since boot, summed over
+    cores (/proc/stat through psutil). Differences of two readings give idle core-seconds."""
+    times = psutil.cpu_times()
+    return times.idle + getattr(times, "iowait", 0.0)
+
+
+@dataclass
+class StepTimes:
+    """Wall seconds of a training step's phases (rollwise.control.train_loop.train_step)."""
+
+    generate: float
+    train: float
+    step: float
+
+
+class LoopMeter:
+    """Model FLOPs, MFU and idle core-seconds of a training loop, per step, per evaluation and for
+    the run. `overlapped`: generation runs while the trainer trains (rollout modes sorted and async),
+    so a step's generation FLOPs are spread over the whole step, not over its wait for the batch."""
+
+    def __init__(self, model: DenseModel, peak: Peak, settings: MicroBatchSettings, *, updates: int = 1,
+                 kl_reference: bool = False, overlapped: bool = False) -> None:
+        self.model, self.peak, self.settings = model, peak, settings
+        self.updates, self.kl_reference, self.overlapped = updates, kl_reference, overlapped
+        self.cores = psutil.cpu_count() or 1  # idle time is read machine-wide, over every core
+        self.flops = Flops()  # this process's totals (a resumed run counts from its resume)
+        self.seconds = {"generate": 0.0, "train": 0.0, "eval": 0.0}
+        self._t0, self._idle0 = time.monotonic(), idle_core_seconds()
+        self._step_idle0 = self._idle0
+
+    def step_begin(self) -> None:
+        self._step_idle0 = idle_core_seconds()
+
+    def step_metrics(self, samples: list[Sample], times: StepTimes) -> dict[str, float | None]:
+        """The step's FLOPs by phase, MFU overall and per phase, and the cores' idle seconds."""
+        gen = generation_flops(self.model, samples)
+        train = training_flops(self.model, samples, self.settings, updates=self.updates,
+                               kl_reference=self.kl_reference)
+        self.flops += Flops(generate=gen, train=train)
+        self.seconds["generate"] += times.step if self.overlapped else times.generate
+        self.seconds["train"] += times.train
+        idle = idle_core_seconds() - self._step_idle0
+        return {
+            "flops_generate": gen,
+            "flops_train": train,
+            "mfu_step": utilisation(gen + train, times.step, self.peak.flops),
+            "mfu_generate": utilisation(gen, times.step if self.overlapped else times.generate, self.peak.flops),
+            "mfu_train": utilisation(train, times.train, self.peak.flops),
+            "idle_core_s": idle,
+            "idle_core_fraction": idle / max(times.step * self.cores, 1e-9),
+        }
+
+    def eval_metrics(self, samples: list[Sample], seconds: float) -> dict[str, float | None]:
+        flops = generation_flops(self.model, samples)
+        self.flops += Flops(eval=flops)
+        self.seconds["eval"] += seconds
+        return {"flops_eval": flops, "mfu_eval": utilisation(flops, seconds, self.peak.flops)}
+
+    def run_metrics(self, wall_s: float) -> dict[str, Any]:
+        """For summary.json: totals since this meter started, over `wall_s` seconds of the run."""
+        idle = idle_core_seconds() - self._idle0
+        mfu = {"run": utilisation(self.flops.total, wall_s, self.peak.flops)}
+        for phase, flops in (("generate", self.flops.generate), ("train", self.flops.train), ("eval", self.flops.eval)):
+            mfu[phase] = utilisation(flops, self.seconds[phase], self.peak.flops)
+        return {
+            "mfu": mfu,
+            "flops": {**asdict(self.flops), "total": self.flops.total},
+            "phase_seconds": dict(self.seconds),
+            "peak": asdict(self.peak),
+            "cores": self.cores,
+            "idle_core_s": idle,
+            "idle_core_fraction": idle / max(wall_s * self.cores, 1e-9),
+        }

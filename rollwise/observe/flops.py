@@ -1,0 +1,163 @@
+"""Model FLOPs of an RL loop: generation, training and evaluation, counted from token counts.
+
+The count is of *model* FLOPs (the work the algorithm needs, as in MFU), not of what the hardware
+happened to execute: padding, recomputation (activation checkpointing) and regenerated samples
+are not counted, and work the loop legitimately avoids is not counted either (prefix-cache hits,
+a group's shared prompt computed once, zero-advantage samples the trainer skips).
+
+One forward over a token position t of a dense decoder costs
+    2 · N_body                          every weight matrix of the layers, once per position
+  + 4 · layers · heads · head_dim · (t + 1)   attention scores and values against t + 1 keys (causal)
+  + 2 · hidden · vocab                  the LM head, only at positions whose next-token logits are used
+A backward costs twice its forward, so a trained position costs 3x its forward (the "6N" rule).
+
+Where logits are needed: generation samples one token per position it computes logits for (the
+last prompt position, then every decode step), and the trainer applies the LM head only at the
+positions that predict trained tokens (rollwise.train.logprobs). The last token of a sequence is
+never fed forward (nothing is predicted from it), so a sequence of P + R tokens needs positions
+0 .. P + R - 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from rollwise.types.microbatch import MicroBatchSettings, chunk_samples
+from rollwise.types.sample import Sample
+
+# Architectures whose MLP is two matrices (up, down) rather than gated (gate, up, down).
+_NON_GATED_MLP = {"gpt2", "gpt_neox", "gptj", "opt", "bloom", "phi", "falcon", "starcoder2"}
+# Config fields that mark a mixture of experts: the dense formula would overcount its MLP work.
+_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+
+
+@dataclass(frozen=True)
+class DenseModel:
+    """The shape of a dense decoder-only transformer, enough to count its FLOPs."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    gated_mlp: bool = True
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> DenseModel:
+        """From a Hugging Face model config (an object with attributes, or its to_dict())."""
+        get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+        model_type = get("model_type", "") or ""
+        for field in _MOE_FIELDS:
+            if get(field):
+                raise ValueError(f"model config has {field}={get(field)!r}: a mixture of experts is not a dense "
+                                 "model, and rollwise.observe.flops counts dense decoders only")
+
+        def need(*names: str) -> int:
+            for name in names:
+                if get(name) is not None:
+                    return int(get(name))
+            raise ValueError(f"model config ({model_type or 'unknown type'}) has none of {', '.join(names)}: "
+                             "rollwise.observe.flops cannot count this architecture's FLOPs")
+
+        hidden = need("hidden_size", "n_embd", "d_model")
+        heads = need("num_attention_heads", "n_head")
+        kv_heads = int(get("num_key_value_heads") or heads)
+        head_dim = int(get("head_dim") or hidden // heads)
+        intermediate = int(get("intermediate_size") or get("n_inner") or 4 * hidden)
+        return cls(layers=need("num_hidden_layers", "n_layer"), hidden=hidden, heads=heads, kv_heads=kv_heads,
+                   head_dim=head_dim, intermediate=intermediate, vocab=need("vocab_size"),
+                   gated_mlp=model_type not in _NON_GATED_MLP)
+
+    @property
+    def body_params(self) -> int:
+        """Weights of the layers' matrix multiplies (norms and biases are negligible and not counted)."""
+        attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)  # q, o; k, v
+        mlp = (3 if self.gated_mlp else 2) * self.hidden * self.intermediate
+        return self.layers * (attention + mlp)
+
+    @property
+    def head_params(self) -> int:
+        return self.hidden * self.vocab
+
+    def forward_flops(self, start: int, end: int, logits: int) -> float:
+        """One forward over positions start .. end - 1 of a sequence (keys 0 .. end - 1 are in the
+        KV cache or computed alongside), with the LM head at `logits` of those positions."""
+        if end <= start:
+            return 2.0 * self.head_params * logits
+        positions = end - start
+        keys = (end * (end + 1) - start * (start + 1)) // 2  # sum of (t + 1) over the positions
+        attention = 4.0 * self.layers * self.heads * self.head_dim * keys
+        return 2.0 * self.body_params * positions + attention + 2.0 * self.head_params * logits
+
+
+@dataclass
+class Flops:
+    """Model FLOPs by phase (what a step, an evaluation or a run did)."""
+
+    generate: float = 0.0
+    train: float = 0.0
+    eval: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.generate + self.train + self.eval
+
+    def __add__(self, other: Flops) -> Flops:
+        return Flops(self.generate + other.generate, self.train + other.train, self.eval + other.eval)
+
+
+def generation_flops(model: DenseModel, samples: Iterable[Sample]) -> float:
+    """Prefill of each sample's uncached prompt tokens and one decode forward per sampled token.
+
+    A multi-turn sample's template and tool tokens (loss mask 0) are prefilled, not sampled: they are
+    among the positions computed but take no logits."""
+    total = 0.0
+    for s in samples:
+        cached = int(s.extra.get("cached_prompt_tokens", 0) or 0)
+        end = len(s.prompt_ids) + len(s.response_ids) - 1  # the last sampled token is not fed forward
+        total += model.forward_flops(min(cached, end), end, logits=s.trained_tokens)
+    return total
+
+
+def trained_samples(samples: list[Sample], kl_reference: bool) -> list[Sample]:
+    """The samples the trainer computes on (rollwise.train.trainer.GRPOTrainer.train_step): without a
+    KL term, a zero-advantage sample adds nothing to the gradient and is skipped."""
+    return [s for s in samples if kl_reference or s.advantage != 0.0]
+
+
+def _micro_batch_forward(model: DenseModel, share: bool, chunk: list[Sample]) -> float:
+    """One forward over a micro-batch: a shared prompt once, or each sample's whole sequence."""
+    if not share:
+        return sum(model.forward_flops(0, len(s.prompt_ids) + len(s.response_ids) - 1, s.trained_tokens)
+                   for s in chunk)
+    prompt = len(chunk[0].prompt_ids)
+    flops = model.forward_flops(0, prompt, logits=0)
+    for s in chunk:  # the prompt's last position predicts the first response token: its logits count here
+        flops += model.forward_flops(prompt, prompt + len(s.response_ids) - 1, s.trained_tokens)
+    return flops
+
+
+def training_flops(model: DenseModel, samples: list[Sample], settings: MicroBatchSettings, *,
+                   updates: int = 1, kl_reference: bool = False) -> float:
+    """Forward + backward (3x the forward) per optimizer update over the trained samples, plus the
+    extra forwards: the frozen reference model's (KL term) per update, or, when no sample carries a
+    gradient, the one no-grad forward the trainer still runs to measure entropy and mismatch."""
+    trained = trained_samples(samples, kl_reference)
+    if not trained:
+        share, chunks = chunk_samples(samples, settings)
+        return _micro_batch_forward(model, share, chunks[0]) if chunks else 0.0
+    share, chunks = chunk_samples(trained, settings)
+    forward = sum(_micro_batch_forward(model, share, chunk) for chunk in chunks)
+    per_update = 3.0 * forward + (forward if kl_reference else 0.0)
+    return updates * per_update
+
+
+def utilisation(flops: float, seconds: float, peak_flops: float) -> float | None:
+    """Model-FLOPs utilisation: FLOPs done per second over the peak; None when no time passed."""
+    if seconds <= 0 or peak_flops <= 0:
+        return None
+    return flops / (seconds * peak_flops)

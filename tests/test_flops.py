@@ -1,0 +1,164 @@
+"""Model-FLOPs accounting (rollwise.observe.flops) against an independent count, and the peak cache.
+
+torch.utils.flop_counter.FlopCounterMode counts the FLOPs of every matmul a real forward / backward
+of a tiny Llama runs (eager attention, so attention's matmuls are counted too). Our count must match
+it exactly where the two count the same thing: the weight matmuls of a prefill, a whole decode step
+with a KV cache (its attention is causal by construction), and the 2x backward rule.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from rollwise.model.tiny import tiny_llama
+from rollwise.observe.flops import DenseModel, generation_flops, training_flops, utilisation
+from rollwise.observe.metrics import LoopMeter, StepTimes
+from rollwise.observe.peak import Peak, datasheet_peak, machine_peak
+from rollwise.types.microbatch import chunk_samples
+from rollwise.types.sample import Sample
+
+
+def _counted(fn) -> dict[str, int]:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return {str(op).removeprefix("aten."): n for op, n in counter.get_flop_counts()["Global"].items()}
+
+
+@pytest.fixture(scope="module")
+def model() -> nn.Module:
+    m = tiny_llama(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2)
+    m.set_attn_implementation("eager")  # attention as plain matmuls, which FlopCounterMode counts
+    return m.eval()
+
+
+def test_parameter_count_from_config_matches_the_models_matrices(model):
+    spec = DenseModel.from_hf_config(model.config)
+    layer_matrices = sum(mod.weight.numel() for name, mod in model.named_modules()
+                         if isinstance(mod, nn.Linear) and name.startswith("model.layers."))
+    assert spec.body_params == layer_matrices
+    assert spec.head_params == model.get_output_embeddings().weight.numel()
+
+
+def test_prefill_weight_matmuls_match_flop_counter(model):
+    spec = DenseModel.from_hf_config(model.config)
+    length, keep = 23, 5
+    ids = torch.randint(0, 50, (1, length))
+    counts = _counted(lambda: model(ids, logits_to_keep=keep))
+    # mm: every weight matrix (layers at every position, LM head at `keep`); bmm: eager attention,
+    # which computes the full length x length scores before masking (not model FLOPs: half is masked).
+    assert counts["mm"] == spec.forward_flops(0, length, keep) - _attention(spec, 0, length)
+    assert counts["bmm"] == 4 * spec.layers * spec.heads * spec.head_dim * length * length
+
+
+def _attention(spec: DenseModel, start: int, end: int) -> float:
+    return spec.forward_flops(start, end, 0) - 2 * spec.body_params * (end - start)
+
+
+def test_decode_step_matches_flop_counter_attention_included(model):
+    spec = DenseModel.from_hf_config(model.config)
+    with torch.no_grad():
+        cache = model(torch.randint(0, 50, (1, 17)), use_cache=True).past_key_values
+        counts = _counted(lambda: model(torch.tensor([[7]]), past_key_values=cache, use_cache=True))
+    # position 17 attends 18 keys: exactly what a decode step computes
+    assert counts["mm"] + counts["bmm"] == spec.forward_flops(17, 18, logits=1)
+
+
+def test_backward_costs_twice_the_forward_in_weight_matmuls(model):
+    ids = torch.randint(0, 50, (2, 11))
+    forward = _counted(lambda: model(ids))["mm"]
+    model.train()
+    both = _counted(lambda: model(ids).logits.sum().backward())["mm"]
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    assert both == 3 * forward  # the 6N rule: forward 2N, backward 4N
+
+
+def _sample(prompt: list[int], response: int, advantage: float = 1.0, cached: int = 0, group: str = "g") -> Sample:
+    return Sample(sample_id=f"{group}/{response}", group_id=group, problem_id="p", prompt_ids=prompt,
+                  response_ids=list(range(response)), behaviour_logprobs=[0.0] * response, versions=[0] * response,
+                  finish_reason="stop", advantage=advantage, extra={"cached_prompt_tokens": cached})
+
+
+def test_generation_excludes_prefix_cache_hits(model):
+    spec = DenseModel.from_hf_config(model.config)
+    cold, warm = _sample([1] * 20, 6), _sample([1] * 20, 6, cached=16)
+    # prompt 20 + response 6: positions 0..24 are fed forward, 6 of them give the sampled tokens' logits
+    assert generation_flops(spec, [cold]) == spec.forward_flops(0, 25, 6)
+    assert generation_flops(spec, [cold]) - generation_flops(spec, [warm]) == spec.forward_flops(0, 16, 0)
+
+
+class _Settings:
+    def __init__(self, share: bool, micro_batch_size: int = 8) -> None:
+        self.share_prompt_prefix, self.micro_batch_size = share, micro_batch_size
+
+
+def test_training_counts_a_shared_prompt_once_and_skips_zero_advantage_samples(model):
+    spec = DenseModel.from_hf_config(model.config)
+    prompt = [3] * 12
+    group = [_sample(prompt, n) for n in (4, 7, 9)]
+    padded = training_flops(spec, group, _Settings(share=False))
+    shared = training_flops(spec, group, _Settings(share=True))
+    assert padded == 3 * sum(spec.forward_flops(0, 12 + n - 1, n) for n in (4, 7, 9))
+    assert padded - shared == pytest.approx(3 * 2 * spec.forward_flops(0, 12, 0))  # 2 prompts not recomputed
+    # A zero-advantage sample carries no gradient: the trainer skips it (unless a KL term needs it).
+    with_zero = group + [_sample(prompt, 30, advantage=0.0)]
+    assert training_flops(spec, with_zero, _Settings(share=False)) == padded
+    assert training_flops(spec, with_zero, _Settings(share=False), kl_reference=True) > 4 / 3 * padded
+    # Two updates per batch: twice the work. No sample with signal: one measuring forward only.
+    assert training_flops(spec, group, _Settings(share=False), updates=2) == 2 * padded
+    flat = [_sample(prompt, 5, advantage=0.0)]
+    assert training_flops(spec, flat, _Settings(share=False)) == spec.forward_flops(0, 16, 5)
+    assert chunk_samples(group, _Settings(share=True))[0]  # the settings object is what the trainer reads
+
+
+def test_mixture_of_experts_config_is_refused_by_name():
+    with pytest.raises(ValueError, match="num_local_experts"):
+        DenseModel.from_hf_config({"model_type": "mixtral", "num_local_experts": 8, "hidden_size": 64,
+                                   "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 10})
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        DenseModel.from_hf_config({"model_type": "mystery", "hidden_size": 64, "num_attention_heads": 4,
+                                   "vocab_size": 10})
+
+
+def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("ROLLWISE_CACHE", str(tmp_path))
+    first = machine_peak(torch.float32, device="cpu")
+    assert first.source == "measured" and first.flops > 1e8
+    cache = tmp_path / "matmul_peak.json"
+    entries = json.loads(cache.read_text())
+    (key,) = entries
+    entries[key]["flops"] = 123.0  # a second call must read this back instead of measuring
+    cache.write_text(json.dumps(entries))
+    assert machine_peak(torch.float32, device="cpu").flops == 123.0
+    assert machine_peak(torch.float32, device="cpu", remeasure=True).flops > 1e8
+
+
+def test_gpu_peak_comes_from_the_datasheet_by_device_name():
+    assert datasheet_peak("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989e12
+    assert datasheet_peak("NVIDIA H100 PCIe", torch.bfloat16) == 756e12
+    assert datasheet_peak("NVIDIA A100-SXM4-80GB", torch.float32) == 156e12
+    assert datasheet_peak("Some Future GPU", torch.bfloat16) is None
+
+
+def test_loop_meter_reports_step_eval_and_run_utilisation(model):
+    spec = DenseModel.from_hf_config(model.config)
+    peak = Peak(flops=1e9, source="measured", device="test", dtype="float32", units=2)
+    meter = LoopMeter(spec, peak, _Settings(share=True))
+    samples = [_sample([3] * 12, n) for n in (4, 7)]
+    meter.step_begin()
+    step = meter.step_metrics(samples, StepTimes(generate=0.5, train=0.25, step=1.0))
+    assert step["mfu_generate"] == pytest.approx(generation_flops(spec, samples) / 0.5e9)
+    assert step["mfu_train"] == pytest.approx(step["flops_train"] / 0.25e9)
+    assert step["mfu_step"] == pytest.approx((step["flops_generate"] + step["flops_train"]) / 1e9)
+    assert step["idle_core_s"] >= 0
+    ev = meter.eval_metrics(samples, seconds=2.0)
+    run = meter.run_metrics(wall_s=10.0)
+    assert run["flops"]["total"] == step["flops_generate"] + step["flops_train"] + ev["flops_eval"]
+    assert run["mfu"]["run"] == pytest.approx(run["flops"]["total"] / 1e10)
+    assert run["mfu"]["eval"] == pytest.approx(ev["flops_eval"] / 2e9)
+    assert utilisation(1.0, 0.0, 1e9) is None
