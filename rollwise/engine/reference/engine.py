@@ -10,6 +10,7 @@ rollwise.engine.reference.speculative.
 from __future__ import annotations
 
 import heapq
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -18,13 +19,16 @@ import torch
 from torch import Tensor, nn
 
 from rollwise.engine.reference.model import LlamaFamilyModel
-from rollwise.engine.reference.prefix_cache import PrefixCache, prefill_with_prefix
+from rollwise.engine.reference.kv_tiers import KVTiers, SessionRetention
+from rollwise.engine.reference.prefix_cache import PrefixCache, prefill_suffix, prefill_with_prefix
 from rollwise.engine.reference.sampling import (
     needs_processing, process_logits, sample, scaled_logprobs, top_logprobs,
 )
 from rollwise.engine.reference.speculative import SpeculativeDecoding
 from rollwise.engine.speculation import Drafter
 from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, run_to_completion
+from rollwise.engine.retention import RetentionLimits
+from rollwise.engine.retention_policy import CostMeter, PolicyName
 from rollwise.engine.state import EngineState
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest
 from rollwise.types.sample import RoutedExperts
@@ -81,9 +85,14 @@ class Scheduler:
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self._free = list(range(num_slots))  # a min-heap: lowest slots first keeps the batch contiguous
 
-    def admit(self) -> list[tuple[GenerationRequest, list[int]]]:
+    def admit(self, reclaim: Callable[[int], None] | None = None) -> list[tuple[GenerationRequest, list[int]]]:
+        """reclaim(k): asked to free k more slots (held session KV) when the head of the queue needs them."""
         admitted = []
-        while self.waiting and self.waiting[0].params.n <= len(self._free):
+        while self.waiting:
+            if reclaim is not None and self.waiting[0].params.n > len(self._free):
+                reclaim(self.waiting[0].params.n - len(self._free))
+            if self.waiting[0].params.n > len(self._free):
+                break
             request = self.waiting.popleft()
             admitted.append((request, [heapq.heappop(self._free) for _ in range(request.params.n)]))
         return admitted
@@ -95,8 +104,15 @@ class Scheduler:
         self.running.pop(slot, None)
         heapq.heappush(self._free, slot)
 
+    def hold(self, slot: int) -> None:
+        """The sequence in `slot` is done but its KV stays (session retention); free(slot) later."""
+        self.running.pop(slot, None)
 
-class ReferenceEngine(SpeculativeDecoding, EngineState):
+    def free(self, slot: int) -> None:
+        heapq.heappush(self._free, slot)
+
+
+class ReferenceEngine(SessionRetention, SpeculativeDecoding, EngineState):
     """Continuous-batching generation with exact fp32 logprobs and per-token policy versions."""
 
     name = "reference"
@@ -115,6 +131,8 @@ class ReferenceEngine(SpeculativeDecoding, EngineState):
         model_name: str = "model",
         tokenizer_fingerprint: str | None = None,
         drafter: Drafter | None = None,
+        retention: RetentionLimits | None = None,
+        retention_policy: PolicyName = "min_waste",
     ) -> None:
         super().__init__()  # paused/sleeping flags, unfinished requests, timeline on time.monotonic
         # from_hf copies the weights: the trainer keeps training hf_model, the engine samples from its copy.
@@ -148,6 +166,20 @@ class ReferenceEngine(SpeculativeDecoding, EngineState):
                              "engine (verified drafts would need their routing kept); set engine.speculation: none")
         self.drafter = drafter
         self.spec_stats = {"drafted": 0, "accepted": 0, "rejected": 0, "verifications": 0}
+        self._init_retention(retention, retention_policy)
+
+    def _init_retention(self, retention: RetentionLimits | None, policy: PolicyName) -> None:
+        """Session KV retention across tool calls (rollwise.engine.reference.kv_tiers); None: off."""
+        if retention is not None and self.model.is_moe:
+            raise ValueError("session KV retention with a mixture-of-experts model is not supported by the reference "
+                             "engine (a resumed prefix would need its routing kept); turn engine retention off")
+        cfg = self.model.config
+        bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.model.dtype.itemsize
+        self.kv_tiers = None if retention is None else KVTiers(retention, self.max_model_len, bytes_per_token)
+        self.retention_policy = policy
+        self.recompute_cost = CostMeter(1e-4)  # seconds per prefilled token, measured by every prefill
+        self._resuming: dict = {}  # request id -> the pinned session it resumes (admitted into its slot)
+        self.stats["recomputed_prompt_tokens"] = 0  # prompt tokens whose KV the engine had and let go
 
     # ---------------------------------------------------------------- public state
 
@@ -165,6 +197,7 @@ class ReferenceEngine(SpeculativeDecoding, EngineState):
 
     def _free_memory(self) -> bool:
         """sleep(): free the KV cache (weights stay: they are the only copy); wake() allocates it again."""
+        self._release_retained("sleep")
         self.cache = None
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
@@ -176,7 +209,8 @@ class ReferenceEngine(SpeculativeDecoding, EngineState):
     def load(self) -> EngineLoad:
         return EngineLoad(
             running=self.num_running, waiting=self.num_waiting, max_num_seqs=self.max_num_seqs,
-            kv_cache_usage=self.num_running / self.max_num_seqs,  # one fixed-size slot per sequence
+            # one fixed-size slot per sequence or pinned session
+            kv_cache_usage=(self.num_running + (self.kv_tiers.pinned_slots() if self.kv_tiers else 0)) / self.max_num_seqs,
             prompt_tokens=self.stats["prompt_tokens"], cached_prompt_tokens=self.stats["cached_prompt_tokens"],
             generated_tokens=self.stats["generated_tokens"], paused=self.paused, sleeping=self.sleeping,
             policy_version=self._version,
@@ -200,7 +234,9 @@ class ReferenceEngine(SpeculativeDecoding, EngineState):
         self._unfinished[req.request_id] = req.params.n
 
     def abort(self, request_id: str) -> list[Completion]:
-        """Stop a request now; its samples come back with finish_reason 'abort' and the tokens so far."""
+        """Stop a request now; its samples come back with finish_reason 'abort' and the tokens so far.
+        A finished turn's request: whatever KV is held for it is released."""
+        self._release_retained("abort", request_id)
         if self._unfinished.pop(request_id, None) is None:
             return []
         aborted: list[Completion] = []
@@ -222,10 +258,13 @@ class ReferenceEngine(SpeculativeDecoding, EngineState):
         if self.paused:
             return []
         finished: list[Completion] = []
+        self._expire_retained()
         # Requests admitted together with the same prompt (e.g. GRPO samples submitted one request
         # each) share a single prefill, exactly like the n samples of one request.
-        groups: dict[tuple[int, ...], list[tuple[GenerationRequest, list[int]]]] = {}
-        for request, slots in self.scheduler.admit():
+        groups: dict[tuple, list[tuple[GenerationRequest, list[int]]]] = {}
+        for request, slots in self._admit_pinned():  # resumed pinned sessions: each in its own slot
+            groups[("pinned", request.request_id)] = [(request, slots)]
+        for request, slots in self.scheduler.admit(self._reclaim):
             groups.setdefault(tuple(request.prompt_ids), []).append((request, slots))
         for group in groups.values():
             finished += self._prefill(group)
@@ -256,6 +295,7 @@ class ReferenceEngine(SpeculativeDecoding, EngineState):
             self.drafter.on_policy_version(version)
         if self.prefix_cache is not None:  # cached KV was computed by the old weights
             self.prefix_cache.clear()
+        self._release_retained("weight_update")  # so was held session KV: the promise is released, explicitly
 
     # ---------------------------------------------------------------- internals
 
@@ -270,12 +310,18 @@ class ReferenceEngine(SpeculativeDecoding, EngineState):
         requests with this prompt), and sample each sample's first token from the shared logits."""
         prompt = group[0][0].prompt_ids
         all_slots = [slot for _, slots in group for slot in slots]
-        hit = self.prefix_cache.match(prompt) if self.prefix_cache is not None else None
-        if hit is None:
+        resumed = self._resume_start(group)  # a retained session's context, already in its slot
+        started = time.perf_counter()
+        hit = self.prefix_cache.match(prompt) if self.prefix_cache is not None and not resumed else None
+        if resumed:
+            logits = prefill_suffix(self.model, self.cache, prompt, all_slots, resumed)
+        elif hit is None:
             logits = self.model.prefill(self.cache, prompt, all_slots)
         else:
             logits = prefill_with_prefix(self.model, self.cache, prompt, all_slots, hit)
-        reused = hit.num_tokens if hit is not None else 0
+        reused = resumed or (hit.num_tokens if hit is not None else 0)
+        self.recompute_cost.observe(len(prompt) - reused, time.perf_counter() - started)
+        self.stats["recomputed_prompt_tokens"] += self._recomputed(prompt, reused)
         routing = self._prompt_routing(hit)
         seqs = [
             Sequence(request, i, slot, self._generator_for(request, i), cached_prompt_tokens=len(prompt),
@@ -286,7 +332,7 @@ class ReferenceEngine(SpeculativeDecoding, EngineState):
         seqs[0].cached_prompt_tokens = reused  # the one sample whose prompt was actually computed
         self.stats["prompt_tokens"] += len(prompt) * len(seqs)
         self.stats["cached_prompt_tokens"] += len(prompt) * (len(seqs) - 1) + reused
-        self.stats["prefix_cache_hit_tokens"] += reused
+        self.stats["prefix_cache_hit_tokens"] += reused - resumed
         if self.prefix_cache is not None:
             self.prefix_cache.insert(prompt, self.cache.k[:, all_slots[0]], self.cache.v[:, all_slots[0]], routing)
         for seq in seqs:
@@ -341,7 +387,10 @@ class ReferenceEngine(SpeculativeDecoding, EngineState):
         if reason is None:
             return None
         self._cache_history(seq)
-        self.scheduler.release(seq.slot)
+        fresh = all(v == self._version for v in seq.versions)
+        if not self._park(seq.request.request_id, list(seq.request.prompt_ids) + seq.token_ids, seq.slot,
+                          fresh and seq.request.params.n == 1):  # parked: a retain() may keep its KV
+            self.scheduler.release(seq.slot)
         self._sample_returned(seq.request.request_id)
         if self.drafter is not None:  # siblings still running draft from this sample at once
             self.drafter.observe(seq.request.prompt_ids, seq.token_ids, self._version,

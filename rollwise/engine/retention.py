@@ -1,0 +1,106 @@
+"""Session KV retention across tool calls (InferCept, arXiv 2402.01869): the contract's types.
+
+An agentic episode stops at every tool call and comes back seconds later with a longer prompt. When a
+turn ends in a tool call the caller tells the engine so (`Engine.retain(RetentionRequest)`), and the
+engine chooses, per interception, what happens to that turn's KV and reports it (`RetentionDecision`):
+
+- preserve: the KV stays where it is, pinned against eviction until the session's next turn, its end,
+  or a TTL (expected tool latency x a margin). The next turn recomputes none of its context.
+- discard:  the KV is freed now; the next turn recomputes it (or finds part of it in the prefix cache).
+- swap:     the KV moves to a second, slower tier and comes back when the session resumes.
+
+Promises are bounded, never blocking: pins and swapped KV live within memory budgets; a pin is released
+when its TTL expires, the session ends (`Engine.release_session`), its request is aborted, the weights
+change (the KV was computed by the old policy) or admission needs the memory (a pinned session never
+keeps a waiting request out). A released promise costs only recomputation: the next turn's request
+always carries the whole context, so nothing is lost, even if the engine restarts mid-tool-call.
+
+The next turn is matched to its retained KV by tokens, not by id: the retained tokens must be a prefix
+of the new prompt (invariant 1 makes every turn's prompt a token prefix of the next one's).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+RetentionAction = Literal["preserve", "discard", "swap"]
+RETENTION_ACTIONS: tuple[RetentionAction, ...] = ("preserve", "discard", "swap")
+# Why a promise ended: the session came back (resumed) or one of the releases listed above.
+ReleaseReason = Literal["resumed", "ttl", "session_end", "abort", "weight_update", "evicted", "sleep"]
+
+
+@dataclass(frozen=True)
+class RetentionRequest:
+    """A turn ended in a tool call. request_id: the engine request of that turn (its KV is what is kept);
+    expected_latency_s: how long the tool is expected to run (None: the engine's own estimate for tool_name)."""
+
+    session_id: str
+    request_id: str
+    tool_name: str = "tool"
+    expected_latency_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.session_id:
+            raise ValueError("retention request: session_id must be a non-empty string")
+        if not self.request_id:
+            raise ValueError("retention request: request_id (the engine request of the turn that ended) is empty")
+        latency = self.expected_latency_s
+        if latency is not None and not (math.isfinite(latency) and latency >= 0):
+            raise ValueError(f"retention request: expected_latency_s must be a finite number >= 0 (seconds), "
+                             f"got {latency}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RetentionRequest:
+        unknown = sorted(set(data) - {"session_id", "request_id", "tool_name", "expected_latency_s"})
+        if unknown:
+            raise ValueError(f"retention request: unknown fields {unknown}; expected session_id, request_id, "
+                             "tool_name, expected_latency_s")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class RetentionDecision:
+    """What the engine did with the session's KV. tokens: context tokens whose KV the decision concerns
+    (0 when the turn's KV was already gone); ttl_s: how long a preserve/swap promise holds at most."""
+
+    session_id: str
+    action: RetentionAction
+    tokens: int
+    ttl_s: float
+    reason: str  # why this action: the policy's waste comparison, a budget, or "kv already released"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RetentionLimits:
+    """The budgets that keep promises from blocking the engine.
+
+    pin_budget_tokens: KV tokens all preserved sessions may hold (the reference engine charges a pinned
+    session one whole KV slot, max_model_len tokens, because that is what it keeps from other requests);
+    swap_budget_tokens: tokens the swap tier holds; swap_bytes_per_s: the swap tier's bandwidth, charged
+    on every transfer (see rollwise.engine.reference.kv_tiers); ttl_factor/ttl_min_s/ttl_max_s: a promise
+    lasts expected latency x ttl_factor, clamped to [ttl_min_s, ttl_max_s]."""
+
+    pin_budget_tokens: int = 0
+    swap_budget_tokens: int = 0
+    swap_bytes_per_s: float = 8e9
+    ttl_factor: float = 2.0
+    ttl_min_s: float = 1.0
+    ttl_max_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name in ("pin_budget_tokens", "swap_budget_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"retention: {name} must be >= 0 (0 turns that tier off), got {getattr(self, name)}")
+        if not self.swap_bytes_per_s > 0:
+            raise ValueError(f"retention: swap_bytes_per_s must be > 0, got {self.swap_bytes_per_s}")
+        if not (self.ttl_factor > 0 and 0 < self.ttl_min_s <= self.ttl_max_s):
+            raise ValueError("retention: need ttl_factor > 0 and 0 < ttl_min_s <= ttl_max_s, got "
+                             f"{self.ttl_factor}, {self.ttl_min_s}, {self.ttl_max_s}")
+
+    def ttl(self, expected_latency_s: float) -> float:
+        return min(self.ttl_max_s, max(self.ttl_min_s, expected_latency_s * self.ttl_factor))

@@ -1,0 +1,183 @@
+"""Session KV retention across tool calls (issue 21, InferCept): the reference engine's preserve, swap
+and discard, their budgets and releases, and the pure policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollwise.engine.reference import ReferenceEngine
+from rollwise.engine.retention import RetentionLimits, RetentionRequest
+from rollwise.engine.retention_policy import EngineSnapshot, RetentionCosts, ToolLatencies, choose
+from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.model.tiny import tiny_llama
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+SLOT = 128  # max_model_len: what one pinned session costs the reference engine
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=0)
+
+
+def _engine(model, policy: str = "min_waste", *, pins: int = 4, swap_tokens: int = 0, slots: int = 4,
+            ttl_max_s: float = 60.0) -> ReferenceEngine:
+    limits = RetentionLimits(pin_budget_tokens=pins * SLOT, swap_budget_tokens=swap_tokens, swap_bytes_per_s=1e12,
+                             ttl_min_s=min(1.0, ttl_max_s), ttl_max_s=ttl_max_s)
+    return ReferenceEngine(model, max_num_seqs=slots, max_model_len=SLOT, eos_token_ids=[2],
+                           retention=limits, retention_policy=policy)
+
+
+def _turn(engine, rid: str, prompt: list[int], seed: int):
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=seed, ignore_eos=True)
+    return engine.generate([GenerationRequest(rid, prompt, params)])[0]
+
+
+def _episode(engine, session: str, turns: int = 3, tool_latency_s: float = 0.5):
+    """An agent's turns: each prompt = the previous prompt + answer + a tool result, retained in between."""
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(5, 90, (30,), generator=gen).tolist()
+    out, decisions = [], []
+    for t in range(turns):
+        done = _turn(engine, f"{session}-t{t}", prompt, seed=t)
+        out.append(done)
+        decisions.append(engine.retain(RetentionRequest(session, done.request_id, "python", tool_latency_s)))
+        prompt = prompt + done.token_ids + torch.randint(5, 90, (6,), generator=gen).tolist()
+    return out, decisions
+
+
+def test_preserved_session_resumes_without_recomputing_its_context(model):
+    engine = _engine(model, "always_preserve")
+    turns, decisions = _episode(engine, "s")
+    assert [d.action for d in decisions] == ["preserve"] * 3
+    for prev, turn in zip(turns, turns[1:]):
+        context = len(prev.prompt_ids) + len(prev.token_ids) - 1  # the last sampled token never had KV
+        assert turn.cached_prompt_tokens == context
+    assert engine.stats["recomputed_prompt_tokens"] == 0
+    assert engine.retention_stats()["pinned_sessions"] == 1  # the last turn's promise, until it ends
+    assert engine.release_session("s") and engine.retention_stats()["pinned_sessions"] == 0
+
+
+@pytest.mark.parametrize("policy", ["always_discard", "swap"])
+def test_discarded_or_swapped_session_gives_identical_tokens_and_logprobs(model, policy):
+    preserved, _ = _episode(_engine(model, "always_preserve"), "s")
+    if policy == "swap":  # min_waste with no pin budget and a free, fast swap tier: swap is least waste
+        engine = _engine(model, "min_waste", pins=0, swap_tokens=4 * SLOT)
+    else:
+        engine = _engine(model, policy)
+    other, decisions = _episode(engine, "s")
+    assert [d.action for d in decisions] == (["swap"] * 3 if policy == "swap" else ["discard"] * 3)
+    for a, b in zip(preserved, other):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    contexts = [len(p.prompt_ids) + len(p.token_ids) - 1 for p in other[:-1]]
+    if policy == "swap":
+        assert engine.stats["recomputed_prompt_tokens"] == 0
+        assert [t.cached_prompt_tokens for t in other[1:]] == contexts
+    else:  # exactly the context is recomputed, nothing more
+        assert engine.stats["recomputed_prompt_tokens"] == sum(contexts)
+        assert [t.cached_prompt_tokens for t in other] == [0, 0, 0]
+
+
+def test_ttl_expiry_releases_the_pin(model):
+    engine = _engine(model, "always_preserve", ttl_max_s=0.05)
+    done = _turn(engine, "t0", list(range(5, 40)), seed=0)
+    decision = engine.retain(RetentionRequest("s", "t0", "python", 10.0))
+    assert decision.action == "preserve" and decision.ttl_s == pytest.approx(0.05)
+    assert engine.load().kv_cache_usage == pytest.approx(1 / 4)
+    import time
+    time.sleep(0.06)
+    engine.step()  # expiry is checked at every step boundary
+    assert engine.retention_stats()["pinned_sessions"] == 0 and engine.load().kv_cache_usage == 0
+    assert engine.retention_stats()["released_ttl"] == 1
+    resumed = _turn(engine, "t1", done.prompt_ids + done.token_ids + [7, 8], seed=1)
+    assert resumed.cached_prompt_tokens == 0  # recomputed: the promise was released, nothing lost
+
+
+def test_pins_are_bounded_by_the_budget_and_never_block_admission(model):
+    engine = _engine(model, "always_preserve", pins=2, slots=3)
+    for i in range(3):
+        _turn(engine, f"t{i}", [5 + i] * 20, seed=i)
+    actions = [engine.retain(RetentionRequest(f"s{i}", f"t{i}", "python", 30.0)).action for i in range(3)]
+    assert actions == ["preserve", "preserve", "discard"]  # the budget holds two slots' worth
+    # Three fresh requests need all three slots: the engine takes back the pins instead of waiting.
+    params = SamplingParams(max_tokens=4, ignore_eos=True, seed=0)
+    done = engine.generate([GenerationRequest(f"new{i}", [40 + i] * 10, params) for i in range(3)])
+    assert len(done) == 3 and all(c.finish_reason == "length" for c in done)
+    assert engine.retention_stats().get("released_evicted") == 2
+
+
+def test_pins_are_released_on_abort_weight_update_and_session_end(model):
+    engine = _engine(model, "always_preserve")
+    for i in range(3):
+        _turn(engine, f"t{i}", [5 + i] * 20, seed=i)
+        assert engine.retain(RetentionRequest(f"s{i}", f"t{i}")).action == "preserve"
+    assert engine.retention_stats()["pinned_sessions"] == 3
+    engine.abort("t0")
+    assert engine.retention_stats()["pinned_sessions"] == 2
+    assert engine.release_session("s1") and not engine.release_session("s1")
+    norm = {"model.norm.weight": model.state_dict()["model.norm.weight"]}
+    engine.update_weights(norm, version=1)  # the KV was computed by the old weights
+    stats = engine.retention_stats()
+    assert stats["pinned_sessions"] == 0
+    assert (stats["released_abort"], stats["released_session_end"], stats["released_weight_update"]) == (1, 1, 1)
+    assert engine.load().kv_cache_usage == 0
+
+
+def test_engine_restart_mid_tool_call_loses_nothing(model):
+    first = _engine(model, "always_preserve")
+    done = _turn(first, "t0", list(range(5, 45)), seed=0)
+    assert first.retain(RetentionRequest("s", "t0", "python", 5.0)).action == "preserve"
+    nxt = done.prompt_ids + done.token_ids + [9, 9, 9]
+    expected = _turn(first, "t1", nxt, seed=1)
+    restarted = _engine(model, "always_preserve")  # the engine died during the tool call
+    again = _turn(restarted, "t1", nxt, seed=1)
+    assert again.token_ids == expected.token_ids
+    assert again.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
+    assert restarted.retain(RetentionRequest("s", "t0")).action == "discard"  # reported, not an error
+
+
+def test_retention_off_and_bad_requests_are_reported(model):
+    engine = ReferenceEngine(model, max_num_seqs=2, max_model_len=SLOT, eos_token_ids=[2])
+    _turn(engine, "t0", [5] * 10, seed=0)
+    decision = engine.retain(RetentionRequest("s", "t0"))
+    assert decision.action == "discard" and "off" in decision.reason
+    with pytest.raises(ValueError, match="expected_latency_s"):
+        RetentionRequest("s", "t0", "python", -1.0)
+    with pytest.raises(ValueError, match="unknown fields.*tool"):
+        RetentionRequest.from_dict({"session_id": "s", "request_id": "r", "tool": "x"})
+    with pytest.raises(ValueError, match="pin_budget_tokens"):
+        RetentionLimits(pin_budget_tokens=-1)
+
+
+def _snap(**kw) -> EngineSnapshot:
+    base = dict(context_tokens=1000, pin_cost_tokens=1000, running_tokens=8000, used_tokens=9000,
+                capacity_tokens=10000, waiting=1, pin_free_tokens=5000, swap_free_tokens=0)
+    return EngineSnapshot(**{**base, **kw})
+
+
+def test_policy_prefers_preserve_for_short_tools_and_discard_for_long_ones():
+    costs = RetentionCosts(recompute_s_per_token=1e-4, swap_s_per_token=1e-5)
+    # discard wastes 1e-4 * 1000 * 9000 = 900 token-s; preserve 1000 * latency.
+    assert choose("min_waste", _snap(), 0.5, costs).action == "preserve"
+    assert choose("min_waste", _snap(), 5.0, costs).action == "discard"
+    assert choose("min_waste", _snap(swap_free_tokens=5000), 5.0, costs).action == "swap"  # 180 token-s
+    assert choose("min_waste", _snap(pin_free_tokens=500), 0.5, costs).action == "discard"  # no room to pin
+    # An idle engine (nothing waiting, little memory in use) wastes little by preserving.
+    assert choose("min_waste", _snap(waiting=0, used_tokens=1000), 5.0, costs).action == "preserve"
+    assert choose("prefix_cache_only", _snap(), 0.5, costs).action == "discard"
+    assert choose("always_preserve", _snap(pin_free_tokens=0), 0.5, costs).action == "discard"
+    with pytest.raises(ValueError, match="unknown retention policy"):
+        choose("lru", _snap(), 1.0, costs)  # type: ignore[arg-type]
+
+
+def test_tool_latency_is_learned_per_tool():
+    latencies = ToolLatencies(default_s=1.0, window=3)
+    assert latencies.expected("python") == 1.0
+    for seconds in (2.0, 4.0, 6.0, 8.0):
+        latencies.observe("python", seconds)
+    latencies.observe("calculator", 0.01)
+    assert latencies.expected("python") == pytest.approx(6.0)  # the last three
+    assert latencies.expected("calculator") == pytest.approx(0.01)
