@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
+from rollwise.engine.retention import RetentionDecision, RetentionRequest
 from rollwise.engine.types import Completion, GenerationRequest
 
 
@@ -94,6 +95,12 @@ class Engine(Protocol):
     def sleep(self) -> bool:
         """Release what memory the backend can (engine must be idle); returns whether memory was freed."""
     def wake(self) -> None: ...
+    def retain(self, req: RetentionRequest) -> RetentionDecision:
+        """The turn `req.request_id` ended in a tool call: preserve, swap or discard its KV until the
+        session's next turn, and report which (rollwise.engine.retention). Never blocks the engine: held KV
+        is bounded by budgets and released on its TTL, abort, a weight update or release_session."""
+    def release_session(self, session_id: str) -> bool:
+        """The session ended: release what the engine holds for it; returns whether it held anything."""
     def load(self) -> EngineLoad: ...
     def model_info(self) -> ModelInfo: ...
     def reset_timeline(self) -> None: ...
