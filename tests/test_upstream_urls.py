@@ -57,11 +57,12 @@ def setup():
 
 def test_query_parameters_cannot_redirect_a_generation(setup):
     evil_hostport = setup.evil.removeprefix("http://")
-    for endpoint in ("/v1/completions", "/generate"):
+    bodies = {"/v1/completions": {"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+              "/generate": {"prompt_ids": [5, 6, 7], "max_tokens": 2},
+              "/inference/v1/generate": {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}}}
+    for endpoint, body in bodies.items():
         for name in ("endpoint", "path", "url", "replica"):
             for value in (f"@{evil_hostport}/steal", f"@{evil_hostport}", "/sleep", "/../sleep"):
-                body = ({"prompt_ids": [5, 6, 7], "max_tokens": 2} if endpoint == "/generate"
-                        else {"model": MODEL, "prompt": "Hi", "max_tokens": 2})
                 r = setup.http.post(endpoint, params={name: value}, json=body)
                 assert r.status_code == 200, r.text
                 assert r.headers["x-rollwise-replica"] == setup.replica

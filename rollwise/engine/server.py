@@ -14,6 +14,7 @@ Endpoints (JSON unless noted):
         policy_versions (one per token) and cached_prompt_tokens; the sampled tokens' logprobs are
         always returned, in OpenAI's logprobs layout.
     POST /generate               token level: {prompt_ids, sampling params, n} -> token ids, logprobs, versions
+    POST /inference/v1/generate  vLLM's token-in route: {token_ids, sampling_params} (vllm_generate.py)
     GET  /v1/models, /model_info (incl. the tokenizer fingerprint), /health, /metrics (Prometheus text)
     POST /pause, /resume, /abort {request_id}, /update_weights_from_disk {path, version}
     POST /flush_cache            empty the prefix cache (benchmarks compare routing policies from a cold cache)
@@ -36,6 +37,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from rollwise.engine.factory import describe_engine
 from rollwise.engine.service import EngineService
+from rollwise.engine.vllm_generate import add_vllm_generate_route
 from rollwise.model.loading import tokenizer_fingerprint
 from rollwise.serve.disconnect import ClientGone, client_gone
 from rollwise.serve.errors import APIError, error_responses, honest_openapi, install_error_handlers
@@ -97,6 +99,8 @@ def create_app(engine: Any, tokenizer: Any, model_name: str,
     @app.post("/generate", responses=error_responses(400, 409, 413, 503))
     async def generate(request: Request, body: GenerateRequest) -> dict[str, Any]:
         return await server.generate(request, body)
+
+    add_vllm_generate_route(app, server)  # POST /inference/v1/generate: vLLM's token-in shape (vllm-router's)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -22,7 +22,8 @@ from rollwise.router.policies import RouteRequest
 from rollwise.router.tokens import prompt_tokens
 
 # The engine's own prefixes for the ids it makes: an id the router chooses looks like one it would.
-ID_PREFIXES = {"/v1/completions": "cmpl", "/v1/chat/completions": "chatcmpl", "/generate": "gen"}
+ID_PREFIXES = {"/v1/completions": "cmpl", "/v1/chat/completions": "chatcmpl", "/generate": "gen",
+               "/inference/v1/generate": "gen"}
 
 
 class RouterError(Exception):
@@ -120,6 +121,9 @@ def read_meta(endpoint: str, raw: bytes, headers: Mapping[str, str],
 def build_route(endpoint: str, body: dict[str, Any], meta: RequestMeta, tokenizer: Any | None,
                 max_chars: int, default_max_tokens: int, pinned: str | None) -> RouteRequest:
     tokens = prompt_tokens(endpoint, body, tokenizer, max_chars)
+    if endpoint == "/inference/v1/generate":  # vLLM's token-in shape: sampling fields in sampling_params
+        params = body.get("sampling_params")
+        body = params if isinstance(params, dict) else {}
     n = body.get("n", 1)
     n = n if isinstance(n, int) and n > 0 else 1
     prompts = body.get("prompt") if endpoint == "/v1/completions" else None

@@ -47,8 +47,8 @@ def _chat_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
 def prompt_tokens(endpoint: str, body: dict[str, Any], tokenizer: Any | None, max_chars: int = 65536) -> list[int]:
     """Best effort: [] when the body is not well formed (the engine will name the problem)."""
     try:
-        if endpoint == "/generate":
-            ids = body.get("prompt_ids")
+        if endpoint in ("/generate", "/inference/v1/generate"):  # rollwise's and vLLM's token-in routes
+            ids = body.get("prompt_ids" if endpoint == "/generate" else "token_ids")
             return list(ids[:max_chars]) if _ids(ids) else []
         if endpoint == "/v1/completions":
             prompt = body.get("prompt")

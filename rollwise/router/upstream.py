@@ -10,7 +10,7 @@ from __future__ import annotations
 from rollwise.router.replicas import Replica
 from rollwise.router.requests import RouterError
 
-GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate")
+GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate", "/inference/v1/generate")
 CONTROL_ENDPOINTS = ("/pause", "/resume", "/flush_cache")
 UPSTREAM_PATHS = frozenset(GENERATION_ENDPOINTS + CONTROL_ENDPOINTS
                            + ("/abort", "/update_weights_from_disk", "/v1/models", "/model_info"))

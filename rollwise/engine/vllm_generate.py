@@ -1,0 +1,157 @@
+"""vLLM's token-in route on the engine server: `POST /inference/v1/generate`.
+
+vLLM 0.32 serves it (vllm/entrypoints/scale_out/token_in_token_out), and vLLM's own router
+(`vllm-router`) forwards token-in requests to it, adding `"stream": false`. Serving the same request
+and response shape lets that router, and other vLLM tooling, sit in front of rollwise engines unchanged.
+
+Request (vLLM's GenerateRequest):
+
+    {"token_ids": [...], "sampling_params": {max_tokens, temperature, top_p, top_k, n, seed,
+     stop_token_ids, ignore_eos, min_tokens, repetition_penalty, frequency_penalty, presence_penalty,
+     logprobs}, "request_id"?, "model"?, "stream"?: false, "return_token_ids"?, "output_mode"?: "tokens"}
+
+Response (vLLM's GenerateTokensResponse): {request_id, model, created, output_mode: "tokens", usage
+{prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details {cached_tokens}}, prompt_token_ids
+(with return_token_ids), choices [{index, finish_reason, stop_reason, token_ids, logprobs {content
+[{token_id, logprob, rank, top_logprobs}]} (when sampling_params.logprobs is set)}]}.
+
+Unknown fields (top level and in sampling_params) are accepted and ignored as vLLM ignores them, and
+named in the x-rollwise-ignored-fields header. What rollwise cannot do as asked is refused with a 400
+naming the field: stream=true, output_mode="text", multimodal inputs, a cache salt, a priority.
+Like vLLM without a max_tokens, a request generates until max_model_len.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from pydantic import ConfigDict, Field, field_validator
+
+from rollwise.engine.service import EngineService
+from rollwise.serve.errors import APIError, error_responses
+from rollwise.serve.openai_schemas import (
+    MAX_TOP_LOGPROBS,
+    GenerateRequest,
+    LenientBody,
+    SamplingFields,
+    report_ignored,
+)
+
+ROUTE = "/inference/v1/generate"
+
+
+class VLLMSamplingParams(SamplingFields):
+    """The vLLM SamplingParams fields the engine serves; vLLM's other fields are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # None: no logprobs; k: sampled + k best
+
+    def num_top_logprobs(self) -> int:
+        return self.logprobs or 0
+
+
+class VLLMGenerateRequest(LenientBody):
+    """vLLM 0.32's GenerateRequest, the fields rollwise can honour (see the module docstring)."""
+
+    request_id: str | None = Field(None, min_length=1, max_length=256)
+    token_ids: list[int] = Field(min_length=1)
+    sampling_params: VLLMSamplingParams
+    model: str | None = None
+    stream: bool | None = False
+    return_token_ids: bool | None = None
+    output_mode: Literal["tokens", "text"] = "tokens"
+    cache_salt: str | None = None
+    priority: int = 0
+    kv_transfer_params: dict[str, Any] | None = None  # disaggregated serving: nothing to transfer here
+    features: Any = None
+    content_parts: Any = None
+
+    @field_validator("stream")
+    @classmethod
+    def _not_streamed(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("must be false: streaming is not served on /inference/v1/generate "
+                             "(use /v1/completions with stream: true)")
+        return value
+
+    @field_validator("output_mode")
+    @classmethod
+    def _tokens_only(cls, value: str) -> str:
+        if value != "tokens":
+            raise ValueError("only 'tokens' is served; detokenize the token_ids, or use /v1/completions for text")
+        return value
+
+    @field_validator("cache_salt", "features", "content_parts")
+    @classmethod
+    def _unset(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("is not supported: the engine has no salted prefix cache and no multimodal inputs; "
+                             "leave it out")
+        return value
+
+    @field_validator("priority")
+    @classmethod
+    def _no_priority(cls, value: int) -> int:
+        if value != 0:
+            raise ValueError("must be 0: the engine schedules first come, first served (as vLLM without "
+                             "priority scheduling)")
+        return value
+
+
+def as_rollwise(body: VLLMGenerateRequest) -> GenerateRequest:
+    """The same request in /generate's terms (its checks and sampling run unchanged)."""
+    sampling = body.sampling_params
+    fields = {name: getattr(sampling, name) for name in SamplingFields.model_fields if name != "request_id"}
+    return GenerateRequest(prompt_ids=body.token_ids, top_logprobs=sampling.logprobs or 0,
+                           request_id=body.request_id, **fields)
+
+
+def _logprobs(choice: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's generate-shaped logprobs: the sampled token, then its top alternatives in rank order."""
+    tops = choice.get("top_logprobs") or [[] for _ in choice["token_ids"]]
+    content = []
+    for token, logprob, top in zip(choice["token_ids"], choice["logprobs"], tops):
+        alternatives = [{"token_id": int(t), "logprob": float(lp), "rank": rank}
+                        for rank, (t, lp) in enumerate(top, start=1)]
+        rank = next((a["rank"] for a in alternatives if a["token_id"] == token), None)
+        content.append({"token_id": token, "logprob": logprob, "rank": rank, "top_logprobs": alternatives})
+    return {"content": content}
+
+
+def as_vllm(result: dict[str, Any], body: VLLMGenerateRequest, model: str) -> dict[str, Any]:
+    """/generate's answer in vLLM's GenerateTokensResponse shape."""
+    choices = result["choices"]
+    with_logprobs = body.sampling_params.logprobs is not None
+    completion = sum(len(c["token_ids"]) for c in choices)
+    prompt = len(result["prompt_ids"])
+    cached = min((c["cached_prompt_tokens"] for c in choices), default=0)
+    return {
+        "request_id": result["request_id"],
+        "model": model,
+        "created": int(time.time()),
+        "output_mode": "tokens",
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                  "prompt_tokens_details": {"cached_tokens": cached}},
+        "prompt_token_ids": result["prompt_ids"] if body.return_token_ids else None,
+        "kv_transfer_params": None,
+        "choices": [{"index": c["index"], "finish_reason": c["finish_reason"] or "abort", "stop_reason": None,
+                     "token_ids": c["token_ids"], "logprobs": _logprobs(c) if with_logprobs else None}
+                    for c in choices],
+    }
+
+
+def add_vllm_generate_route(app: FastAPI, server: EngineService) -> None:
+    """Register POST /inference/v1/generate on the engine server's app."""
+
+    @app.post(ROUTE, responses=error_responses(400, 404, 409, 413, 503))
+    async def inference_generate(request: Request, body: VLLMGenerateRequest):  # noqa: ANN202
+        server.check_model(body.model)
+        server.check_prompt(body.token_ids, "token_ids")  # named as this route's field, before /generate's check
+        try:
+            result = await server.generate(request, as_rollwise(body))
+        except ValueError as exc:  # a field of GenerateRequest's own checks (e.g. top_logprobs range)
+            raise APIError(400, f"sampling_params: {exc}", "sampling_params") from exc
+        return report_ignored(body, as_vllm(result, body, server.model_name))
