@@ -22,7 +22,9 @@ from rollwise.config import TrainConfig
 from rollwise.types.microbatch import chunk_samples, computed_tokens
 from rollwise.types.sample import Sample
 from rollwise.train.grpo import clipped_surrogate_loss, off_policy_weights, token_weights
+from rollwise.train.lora import adapter_state, wrap_lora
 from rollwise.train.logprobs import sequence_logprobs, shared_prompt_logprobs
+from rollwise.train.routing_replay import ReplayBatch, RoutingReplay, find_routers, group_batch, rows_batch
 
 __all__ = ["GRPOTrainer", "MicroBatch", "GroupMicroBatch", "chunk_samples", "computed_tokens"]
 
@@ -40,6 +42,7 @@ class MicroBatch:
     # A sharded trainer's filler: every rank must run as many forwards as the others (FSDP's
     # collectives), so a rank with fewer micro-batches repeats one with zero weights, uncounted.
     padding: bool = False
+    routing: ReplayBatch | None = None  # MoE: the engine's routing, for replay (R3) and disagreement metrics
 
     def logprobs(self, model: nn.Module, temperature: float, chunk_tokens: int) -> tuple[Tensor, Tensor]:
         return sequence_logprobs(model, self.input_ids, self.attention_mask, self.target_mask,
@@ -61,6 +64,7 @@ class GroupMicroBatch:
     advantages: Tensor  # [N]
     weights: Tensor  # [N]
     padding: bool = False
+    routing: ReplayBatch | None = None
 
     def logprobs(self, model: nn.Module, temperature: float, chunk_tokens: int) -> tuple[Tensor, Tensor]:
         return shared_prompt_logprobs(model, self.prompt_ids, self.responses, self.response_mask,
@@ -93,6 +97,7 @@ def collate_group(samples: list[Sample], weights: Tensor, pad_id: int) -> GroupM
         behaviour_logp=torch.tensor([lp for s in samples for lp in s.behaviour_logprobs], dtype=torch.float32),
         advantages=torch.tensor([s.advantage for s in samples for _ in s.response_ids], dtype=torch.float32),
         weights=weights,
+        routing=group_batch(samples, length),
     )
 
 
@@ -118,6 +123,7 @@ def collate(samples: list[Sample], weights: Tensor, pad_id: int) -> MicroBatch:
         behaviour_logp=torch.tensor(behaviour, dtype=torch.float32),
         advantages=torch.tensor(advantages, dtype=torch.float32),
         weights=weights,
+        routing=rows_batch(samples, length),
     )
 
 
@@ -147,6 +153,11 @@ def lr_factor(cfg: TrainConfig, update: int) -> float:
 class GRPOTrainer:
     def __init__(self, model: nn.Module, cfg: TrainConfig, *, pad_token_id: int, temperature: float = 1.0,
                  tokenizer: Any = None):
+        # train.lora: PEFT adapters on a copy of `model` (rollwise.train.lora); only they are trainable,
+        # weights() hands out only them, and a checkpoint holds only them.
+        self.lora = cfg.lora
+        if cfg.lora is not None:
+            model = wrap_lora(model, cfg.lora)
         self.model = model
         self.tokenizer = tokenizer  # saved with each checkpoint (a checkpoint's model/ loads on its own)
         self.cfg = cfg
@@ -159,9 +170,15 @@ class GRPOTrainer:
         self.model.train()
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+            if cfg.lora is not None:  # frozen embeddings: checkpointed blocks need an input that requires grad
+                self.model.enable_input_require_grads()
         self.model.config.use_cache = False
         # Frozen initial policy for the KL term; only built when it is used (it doubles model memory).
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+        # MoE: hooks on the routers (after the copy above, which must route on its own) replay the engine's
+        # experts (train.routing_replay=r3) or only measure how often the trainer's routing differs.
+        replay = cfg.routing_replay == "r3" or bool(find_routers(model))
+        self.routing = RoutingReplay(model, cfg.routing_replay) if replay else None
         self._prepare_model()  # a sharded rank shards here, before the optimizer sees the parameters
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
@@ -174,7 +191,10 @@ class GRPOTrainer:
     # ------------------------------------------------------------ rollwise.protocols.Trainer
 
     def weights(self) -> dict[str, Tensor]:
-        """The current weights for a transport: detached views of the model's tensors (no copy)."""
+        """The current weights for a transport: detached views of the model's tensors (no copy). With
+        train.lora, the adapter's tensors only, by base-model module name (rollwise.sync.adapters)."""
+        if self.lora is not None:
+            return adapter_state(self.model)
         return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
 
     def save_checkpoint(self, run_dir: Path, step: int, extra: dict[str, Any], keep_last: int) -> Path:
@@ -194,7 +214,12 @@ class GRPOTrainer:
 
     def _logprobs(self, mb: MicroBatch | GroupMicroBatch) -> tuple[Tensor, Tensor]:
         """The policy's log-probs and entropy of a micro-batch's trained tokens."""
-        return mb.logprobs(self.model, self.temperature, self.cfg.logprob_chunk_tokens)
+        if self.routing is None:
+            return mb.logprobs(self.model, self.temperature, self.cfg.logprob_chunk_tokens)
+        self.routing.begin(mb.routing)
+        out = mb.logprobs(self.model, self.temperature, self.cfg.logprob_chunk_tokens)
+        self.routing.end()
+        return out
 
     def _micro_batches(self, samples: list[Sample]) -> list[MicroBatch | GroupMicroBatch]:
         share, chunks = chunk_samples(samples, self.cfg)
@@ -229,7 +254,8 @@ class GRPOTrainer:
             return {"loss": 0.0, "grad_norm": 0.0, "update_skipped_no_signal": 1.0,
                     "update_skipped_nonfinite_grad": 0.0, "trained_tokens": 0.0,
                     "trained_samples": 0.0, "clip_fraction": 0.0, "kl": 0.0,
-                    "lr": self.scheduler.get_last_lr()[0], **self._measure(self._micro_batches(samples)[:1])}
+                    "lr": self.scheduler.get_last_lr()[0], **self._measure(self._micro_batches(samples)[:1]),
+                    **(self.routing.take_metrics() if self.routing is not None else {})}
         batches = self._micro_batches(informative)
         metrics: dict[str, float] = {}
         # The proximal policy of decoupled PPO is the trainer's policy before this step's first
@@ -239,6 +265,8 @@ class GRPOTrainer:
         for update in range(self.cfg.updates_per_step):
             metrics = self._update(batches, record_mismatch=update == 0, proximal=proximal)
         metrics["trained_samples"] = float(len(informative))
+        if self.routing is not None:
+            metrics.update(self.routing.take_metrics())
         metrics["update_skipped_no_signal"] = 0.0
         return metrics
 

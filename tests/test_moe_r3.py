@@ -1,0 +1,165 @@
+"""Mixture-of-experts policies and rollout routing replay (R3, issue 20).
+
+A tiny random Mixtral is served by the real reference engine (which records the experts of every
+token), and trained by the real GRPO trainer with the routers hooked (rollwise.train.routing_replay).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from rollwise.config import TrainConfig
+from rollwise.engine.reference.engine import ReferenceEngine
+from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.model.tiny import tiny_mixtral
+from rollwise.train.logprobs import sequence_logprobs
+from rollwise.train.routing_replay import RoutingReplay, find_routers, rows_batch
+from rollwise.train.trainer import GRPOTrainer, collate
+from rollwise.types.sample import RoutedExperts, Sample
+
+PROMPTS = [list(range(5, 29)), list(range(40, 59))]
+
+
+def moe_model(seed: int = 0) -> torch.nn.Module:
+    model = tiny_mixtral(seed=seed)
+    with torch.no_grad():  # decisive routers: random init is near-uniform, where any rounding flips an expert
+        for router in find_routers(model):
+            router.weight.mul_(30)
+    return model
+
+
+def rollout(model, prompts=PROMPTS, n: int = 2, prefix_cache_tokens: int = 0, seed: int = 1) -> list[Sample]:
+    engine = ReferenceEngine(model, max_num_seqs=8, max_model_len=128, seed=0, prefix_cache_tokens=prefix_cache_tokens)
+    requests = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=10, n=n, seed=seed, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+    samples = [Sample.from_completion(c, problem_id=c.request_id) for c in engine.generate(requests)]
+    for i, s in enumerate(samples):
+        s.advantage = 1.0 if i % 2 else -1.0
+    return samples
+
+
+def trainer_logprobs(model, samples: list[Sample], mode: str) -> tuple[torch.Tensor, dict]:
+    """The trainer's forward (padded rows) over `samples` with the routers hooked in `mode`."""
+    batch = collate(samples, torch.ones(sum(len(s.response_ids) for s in samples)), pad_id=0)
+    replay = RoutingReplay(model, mode)
+    try:
+        replay.begin(batch.routing)
+        with torch.no_grad():
+            logp, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.target_mask)
+        replay.end()
+        return logp, replay.take_metrics()
+    finally:
+        replay.remove()
+
+
+def engine_logprobs(samples: list[Sample]) -> torch.Tensor:
+    return torch.tensor([lp for s in samples for lp in s.behaviour_logprobs])
+
+
+def test_engine_records_routing_of_every_token_compactly():
+    samples = rollout(moe_model())
+    for s in samples:
+        r = s.routed_experts
+        assert (r.num_tokens, r.num_layers, r.top_k, r.dtype) == (len(s.prompt_ids) + len(s.response_ids) - 1, 2, 2, "int8")
+        assert r.bytes_per_token == 4 and len(r.data) == 4 * r.num_tokens
+        assert RoutedExperts.from_wire(r.to_wire()) == r  # base64 on the wire, byte for byte
+
+
+def test_replay_of_engine_routing_reproduces_engine_logprobs():
+    """fp32 engine and trainer: replaying the engine's experts gives the engine's logprobs to 1e-5, and the
+    replay is really used: a record with other experts changes the logprobs (and is measured as disagreement)."""
+    model = moe_model()
+    samples = rollout(model)
+    logp, metrics = trainer_logprobs(model, samples, "r3")
+    assert torch.allclose(logp, engine_logprobs(samples), atol=1e-5, rtol=0)
+    assert metrics["routing_disagreement"] == 0.0
+
+    shifted = [dataclasses.replace(s, routed_experts=RoutedExperts.from_array(
+        (s.routed_experts.array() + 1) % 4, num_experts=4)) for s in samples]
+    logp_shifted, metrics = trainer_logprobs(model, shifted, "r3")
+    assert (logp_shifted - engine_logprobs(samples)).abs().max() > 1e-3
+    assert metrics["routing_disagreement"] == 0.0  # the forward used the records...
+    # ...which the live router disagrees with (layer 2's live routing follows the replayed layer 1, so it
+    # may happen to meet a shifted record)
+    assert metrics["routing_disagreement_live"] > 0.9 and metrics["routing_tokens_any_disagree_live"] == 1.0
+    logp_observed, metrics = trainer_logprobs(model, shifted, "none")  # observe only: live routing
+    assert torch.allclose(logp_observed, engine_logprobs(samples), atol=1e-5, rtol=0)
+    assert metrics["routing_disagreement"] == 1.0 and metrics["routing_tokens_any_disagree"] == 1.0
+
+
+def test_replay_when_engine_routes_differently_matches_engine_not_live():
+    """An engine whose routers differ slightly from the trainer's (a stand-in for kernel/precision
+    differences): with R3 the trainer uses the engine's experts, so it disagrees nowhere; without it the
+    trainer's own routing differs somewhere."""
+    model = moe_model()
+    engine_model = copy.deepcopy(model)
+    with torch.no_grad():
+        for router in find_routers(engine_model):
+            router.weight.add_(torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(3)) * 3)
+    samples = rollout(engine_model)
+    logp_live, observed = trainer_logprobs(model, samples, "none")
+    assert observed["routing_disagreement"] > 0 and observed["routing_tokens_any_disagree"] > 0
+    logp_replayed, replayed = trainer_logprobs(model, samples, "r3")
+    assert replayed["routing_disagreement"] == 0.0 and replayed["routing_tokens_any_disagree"] == 0.0
+    assert replayed["routing_disagreement_live"] > 0  # the live router still differs: it is measured, not used
+    assert (logp_replayed - logp_live).abs().max() > 1e-4  # the forward took the engine's experts
+
+
+@pytest.mark.parametrize("share_prompt_prefix,checkpointing", [(True, False), (False, False), (False, True)])
+def test_trainer_replays_and_router_learns(share_prompt_prefix, checkpointing):
+    """Through GRPOTrainer.train_step (shared-prompt and padded forwards, activation checkpointing's
+    recompute included): no disagreement, engine logprobs reproduced, and the routers get gradients."""
+    model = moe_model()
+    samples = rollout(model)
+    cfg = TrainConfig(lr=1e-3, micro_batch_size=4, routing_replay="r3", share_prompt_prefix=share_prompt_prefix,
+                      gradient_checkpointing=checkpointing, grad_clip=1e9)
+    trainer = GRPOTrainer(model, cfg, pad_token_id=0)
+    router_grads = []
+    trainer.before_step = lambda m: router_grads.extend(float(r.weight.grad.abs().sum()) for r in find_routers(m))
+    metrics = trainer.train_step(samples)
+    assert metrics["routing_disagreement"] == 0.0 and metrics["routing_replayed"] == 1.0
+    assert metrics["mismatch_abs_logp"] < 1e-5
+    assert len(router_grads) == 2 and all(g > 0 for g in router_grads)
+
+
+def test_prefix_cache_hit_keeps_complete_routing():
+    model = moe_model()
+    engine = ReferenceEngine(model, max_num_seqs=4, max_model_len=128, seed=0, prefix_cache_tokens=256)
+    prompt = list(range(5, 45))
+    params = SamplingParams(max_tokens=6, seed=1, ignore_eos=True)
+    cold = engine.generate([GenerationRequest("a", prompt, params)])[0]
+    warm = engine.generate([GenerationRequest("b", prompt + [50, 51], params)])[0]
+    assert warm.cached_prompt_tokens >= 32  # the hit skipped the MoE layers of those tokens
+    assert warm.routed_experts.num_tokens == len(warm.prompt_ids) + len(warm.token_ids) - 1
+    assert (warm.routed_experts.array()[:40] == cold.routed_experts.array()[:40]).all()
+    logp, _ = trainer_logprobs(model, [Sample.from_completion(warm, problem_id="p")], "r3")
+    assert torch.allclose(logp, torch.tensor(warm.logprobs), atol=1e-5, rtol=0)
+
+
+def test_bad_records_are_refused_naming_the_sample():
+    model = moe_model()
+    samples = rollout(model, prompts=PROMPTS[:1], n=1)
+    short = dataclasses.replace(samples[0], sample_id="short/0", routed_experts=RoutedExperts.from_array(
+        samples[0].routed_experts.array()[:-3], num_experts=4))
+    with pytest.raises(ValueError, match=r"sample short/0: routed_experts covers .* expected len\(prompt\)"):
+        rows_batch([short], 64)
+    missing = dataclasses.replace(samples[0], sample_id="none/0", routed_experts=None)
+    with pytest.raises(ValueError, match="sample none/0: no routed_experts"):
+        rows_batch([samples[0], missing], 64)
+    wrong = dataclasses.replace(samples[0], sample_id="wide/0", routed_experts=RoutedExperts.from_array(
+        samples[0].routed_experts.array() + 4, num_experts=8))
+    with pytest.raises(ValueError, match=r"sample wide/0: routed_experts names expert ids outside \[0, 4\)"):
+        trainer_logprobs(model, [wrong], "r3")
+    with pytest.raises(ValueError, match="routed_experts: malformed"):
+        RoutedExperts.from_wire({"data": "AAAA", "shape": [5, 2, 2], "dtype": "int8"})
+
+
+def test_r3_on_a_dense_model_is_refused():
+    from rollwise.model.tiny import tiny_llama
+
+    with pytest.raises(ValueError, match="routing_replay=r3 needs a mixture-of-experts model"):
+        GRPOTrainer(tiny_llama(), TrainConfig(routing_replay="r3"), pad_token_id=0)
