@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, run_to_completion
+from rollwise.engine.retention import RetentionDecision, RetentionRequest
 from rollwise.engine.state import EngineState
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest
 from rollwise.sim.routing import BlockLRU
@@ -203,6 +204,13 @@ class SimEngine(EngineState):
             self._start_stall()
         else:
             self._pending_version = version
+
+    def retain(self, req: RetentionRequest) -> RetentionDecision:
+        """This engine holds no session KV; retention is simulated by rollwise.sim.intercept."""
+        return RetentionDecision(req.session_id, "discard", 0, 0.0, "the simulated engine keeps no session KV")
+
+    def release_session(self, session_id: str) -> bool:
+        return False
 
     def pause(self) -> None:
         if not self.paused:
