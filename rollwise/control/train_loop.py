@@ -33,8 +33,8 @@ from rollwise.engine.speculation.counters import counters_of, run_summary, step_
 from rollwise.engine.types import SamplingParams
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.observe.bubble import bubble_ratio
-from rollwise.observe.metrics import MetricsLogger, read_metrics
-from rollwise.observe.plots import plot_rollout_timelines, plot_training_curve
+from rollwise.observe.metrics import LoopMeter, MetricsLogger, StepTimes, loop_meter, read_metrics
+from rollwise.observe.plots import plot_rollout_timelines, plot_time_split, plot_training_curve
 from rollwise.observe.summary import render_summary
 from rollwise.protocols import RolloutBackend, RolloutControl, Trainer
 from rollwise.reward.batch import score_samples
@@ -63,6 +63,7 @@ class Run:
     progress: Progress
     t0: float
     update_times: list[float] = field(default_factory=list)  # when each weight update landed (timeline plot)
+    meter: LoopMeter | None = None  # model FLOPs, MFU and idle cores (None: an architecture it cannot count)
 
 
 def _run_dir(cfg: RunConfig) -> Path:
@@ -147,6 +148,8 @@ def evaluate(run: Run, step: int, label: str) -> dict[str, Any]:
         "format_rate": sum(s.outcome != "unparseable" for s in samples) / n,
         "response_len_mean": sum(len(s.response_ids) for s in samples) / n,
     }
+    if run.meter is not None:
+        result.update(run.meter.eval_metrics(samples, result["eval_seconds"]))
     with (run.run_dir / "eval_samples.jsonl").open("a") as f:
         for s in samples:
             f.write(json.dumps({"step": step, "problem_id": s.problem_id, "response": s.response_text,
@@ -177,6 +180,8 @@ def _rollout_metrics(samples: list[Sample]) -> dict[str, float]:
 def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
     cfg = run.cfg
     t_step = time.monotonic()
+    if run.meter is not None:
+        run.meter.step_begin()
     timeline = run.engine.timeline  # appended by the engine thread; read-only here
 
     # 1. rollout (+ reward: the controller scores each group as it completes)
@@ -254,6 +259,8 @@ def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
     spec_after = counters_of(run.engine) if spec_before is not None else None
     if spec_before is not None and spec_after is not None:  # engines that keep no counters report none
         record.update(step_metrics(spec_before, spec_after))
+    if run.meter is not None:  # model FLOPs by phase, MFU overall and per phase, idle core-seconds
+        record.update(run.meter.step_metrics(samples, StepTimes(record["time_generate_s"], record["time_train_s"], step_s)))
     logger.log(record)
     with (run.run_dir / "samples.jsonl").open("a") as f:
         for s in samples[: cfg.rollout.group_size]:  # one group per step, for reading what the model writes
@@ -308,6 +315,8 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         task = make_task(cfg.task)
         train_problems = task.problems("train")
         eval_problems = task.problems("eval")[: cfg.eval.size]
+    with console.status("this machine's matmul peak (measured once, then cached)"):  # before any engine runs
+        meter = loop_meter(model, cfg.train, overlapped=cfg.rollout.mode != "sync")
     problems = {p.id: p for p in train_problems + eval_problems}
     fingerprint = tokenizer_fingerprint(tokenizer)
 
@@ -368,7 +377,8 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
     evals_path = run_dir / "evals.jsonl"
     try:
         with _progress(console) as progress:
-            run = Run(cfg, run_dir, task, problems, encoder, engine, worker, controller, trainer, placement, progress, t0)
+            run = Run(cfg, run_dir, task, problems, encoder, engine, worker, controller, trainer, placement, progress, t0,
+                      meter=meter)
 
             def record_eval(step: int, label: str) -> dict[str, Any]:
                 result = evaluate(run, step, label)
@@ -393,6 +403,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
                     f"  format {record['format_rate']:.1%}  len {record['response_len_mean']:.0f}"
                     f"  zero-var {record['zero_variance_groups']:.0%}  gen {record['time_generate_s']:.1f}s"
                     f"  train {record['time_train_s']:.1f}s  bubble {record['bubble_ratio']:.2f}"
+                    + (f"  MFU {record['mfu_step']:.0%}" if record.get("mfu_step") is not None else "")
                     + (f"  spec {record['spec_accepted']:.0f}/{record['spec_drafted']:.0f} accepted"
                        f"  tail {record['time_rollout_tail_s']:.1f}s" if "spec_drafted" in record else "")
                 )
@@ -448,6 +459,9 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         "artifacts": {"metrics": "metrics.jsonl", "evals": "evals.jsonl", "curve": curve.name, "timeline": timeline_png.name,
                       "tensorboard": "tensorboard/" if cfg.tensorboard else None, "checkpoints": "checkpoints/"},
     }
+    if meter is not None:  # MFU overall and per phase, idle core-seconds, FLOPs by phase, the peak
+        summary.update(meter.run_metrics(summary["wall_time_s"]))
+    summary["artifacts"]["time_split"] = plot_time_split(records, evals, summary, run_dir / "time_split.png").name
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     console.print(render_summary(summary, records))
     return summary

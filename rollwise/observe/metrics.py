@@ -6,14 +6,15 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 
 from rollwise.observe.flops import DenseModel, Flops, generation_flops, training_flops, utilisation
-from rollwise.observe.peak import Peak
+from rollwise.observe.peak import Peak, machine_peak
 from rollwise.types.microbatch import MicroBatchSettings
 from rollwise.types.sample import Sample
 
@@ -130,3 +131,24 @@ class LoopMeter:
             "idle_core_s": idle,
             "idle_core_fraction": idle / max(wall_s * self.cores, 1e-9),
         }
+
+
+class LoopTrainSettings(MicroBatchSettings, Protocol):
+    """The fields of the train section (rollwise.config.TrainConfig) the FLOP count reads."""
+
+    updates_per_step: int
+    kl_coef: float
+
+
+def loop_meter(model: Any, train: LoopTrainSettings, *, overlapped: bool) -> LoopMeter | None:
+    """A meter for the loop that trains `model` (a Hugging Face causal LM), with this machine's peak
+    in the model's dtype; None (and MFU left out of the logs) for an architecture the dense formula
+    cannot count, so that a mixture of experts still trains."""
+    try:
+        spec = DenseModel.from_hf_config(model.config)
+    except ValueError as exc:
+        warnings.warn(f"no MFU for this run: {exc}", stacklevel=2)
+        return None
+    peak = machine_peak(next(model.parameters()).dtype)
+    return LoopMeter(spec, peak, train, updates=train.updates_per_step, kl_reference=train.kl_coef > 0,
+                     overlapped=overlapped)

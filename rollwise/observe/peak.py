@@ -47,6 +47,7 @@ class Peak:
     device: str  # CPU model or GPU name
     dtype: str
     units: int  # cores measured together, or GPUs counted
+    kind: str = "cpu"  # "cpu" or "cuda"
 
 
 def cache_dir() -> Path:
@@ -103,7 +104,10 @@ def _cpu_peak(dtype: torch.dtype, remeasure: bool) -> Peak:
     path = cache_dir() / "matmul_peak.json"
     cached = _read_cache(path)
     if key in cached and not remeasure:
-        return Peak(**cached[key])
+        try:
+            return Peak(**cached[key])
+        except TypeError:
+            pass  # written by another version of this file: measure again
     before = torch.get_num_threads()
     torch.set_num_threads(cores)  # the machine's peak: every core at once
     try:
@@ -138,4 +142,4 @@ def machine_peak(dtype: torch.dtype = torch.float32, device: str | None = None, 
     source = "datasheet"
     if per_device is None:
         per_device, source = measure_matmul("cuda", dtype, size=8192, reps=10), "measured"
-    return Peak(per_device * count, source, name, str(dtype).removeprefix("torch."), count)
+    return Peak(per_device * count, source, name, str(dtype).removeprefix("torch."), count, kind="cuda")

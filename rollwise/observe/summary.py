@@ -37,6 +37,23 @@ def render_summary(summary: dict[str, Any], records: list[dict[str, Any]]) -> Ta
         table.add_row(f"samples ({summary.get('rollout_mode', 'sync')} rollout)",
                       f"{counts['trained']} trained, {counts['dropped']} dropped at the end, "
                       f"{summary.get('samples_regenerated', 0)} regenerated", "")
+    if summary.get("mfu"):
+        _add_utilisation_rows(table, summary)
     table.add_row("wall time", f"{summary['wall_time_s'] / 60:.1f} min", "")
     table.add_row("peak memory (RSS)", f"{summary['peak_rss_gb']:.1f} GB", "")
     return table
+
+
+def _add_utilisation_rows(table: Table, summary: dict[str, Any]) -> None:
+    """Model-FLOPs utilisation against the machine's peak, and the cores left idle."""
+    mfu, peak, phase_s = summary["mfu"], summary["peak"], summary.get("phase_seconds", {})
+    table.add_row("model-FLOPs utilisation (run)", _pct(mfu.get("run")),
+                  f"of {peak['flops'] / 1e9:,.0f} GFLOP/s ({peak['source']} {peak['dtype']} peak, "
+                  f"{peak['units']} {'GPUs' if peak.get('kind') == 'cuda' else 'cores'})")
+    table.add_row("MFU generate / train / eval",
+                  " / ".join(_pct(mfu.get(k)) for k in ("generate", "train", "eval")),
+                  " / ".join(f"{phase_s.get(k, 0.0):.0f}s" for k in ("generate", "train", "eval")))
+    table.add_row("model TFLOP (generate / train / eval)",
+                  " / ".join(f"{summary['flops'][k] / 1e12:.2f}" for k in ("generate", "train", "eval")), "")
+    table.add_row("idle core-seconds", f"{summary['idle_core_s']:.0f}",
+                  f"{summary['idle_core_fraction']:.0%} of {summary['cores']} cores x wall")
