@@ -45,11 +45,23 @@ import torch
 from torch import Tensor, nn
 
 from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, check_weights, run_to_completion
+from rollwise.engine.retention import RetentionDecision, RetentionRequest
 from rollwise.engine.speculation.history import HistoryDrafter
 from rollwise.engine.speculation.vllm_proposer import ProposerSource, register, unregister
 from rollwise.engine.state import EngineState
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest, SamplingParams
 from rollwise.types.weights import ExpectedWeights
+
+
+# Session KV retention (issue 21) on vLLM 0.32, checked against its source. A finished request's blocks go
+# back to the block pool's free queue, full blocks keep their hash and sit at its LRU end (the automatic
+# prefix cache): the next turn reuses them unless other requests needed the memory first. What is not
+# usable here: the KV offloading connectors (SimpleCPUOffloadConnector, OffloadingConnector) copy with
+# torch.cuda streams, so they do not run on the CPU build; BlockPool has no per-request pin or TTL (only
+# ref counts, `touch`/`free_blocks`, and `unpin_blocks` for its hisparse feature), and a pin through
+# `touch` would need the finished request's block hashes, which the scheduler drops at finish.
+RETENTION_ON_VLLM = ("vLLM backend: no preserve/swap (prefix cache only: freed blocks stay cached until LRU "
+                     "eviction; its offload connectors need CUDA)")
 
 
 def vllm_available() -> bool:
@@ -301,6 +313,14 @@ class VLLMEngine(EngineState):
         aborted = [self._samples.pop(vid).completion("abort") for vid in vids if vid in self._samples]
         self.mark_timeline()
         return sorted(aborted, key=lambda c: c.index)
+
+    def retain(self, req: RetentionRequest) -> RetentionDecision:
+        """Always discard, reported as such: see RETENTION_ON_VLLM. The turn's freed blocks stay in vLLM's
+        prefix cache until LRU eviction reuses them, so this backend is the prefix_cache_only policy."""
+        return RetentionDecision(req.session_id, "discard", 0, 0.0, RETENTION_ON_VLLM)
+
+    def release_session(self, session_id: str) -> bool:
+        return False  # nothing is held per session (the prefix cache is shared and evicts by LRU)
 
     # ---------------------------------------------------------------- the loop
 
