@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from rollwise.engine.retention import RetentionDecision, RetentionRequest
 from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
 from rollwise.engine.core import EngineWorker
 from rollwise.protocols import RolloutBackend
@@ -118,6 +119,17 @@ class LocalGenerator:
         [future] = self.submit([GenerationRequest(rid, list(prompt_ids), params)])
         return future.result()[0]
 
+    def retain(self, req: RetentionRequest) -> RetentionDecision | None:
+        """The turn req.request_id ended in a tool call: the engine keeps, swaps or drops its KV (issue 21).
+        None where the backend has no engine to call in process (a fleet of engine actors)."""
+        call = getattr(self.worker, "call", None)
+        return call(lambda engine: engine.retain(req)) if call is not None else None
+
+    def release_session(self, session_id: str) -> None:
+        call = getattr(self.worker, "call", None)
+        if call is not None:
+            call(lambda engine: engine.release_session(session_id))
+
     def close(self) -> None:
         self._stop.set()
         self._drain.join(timeout=5)
@@ -163,6 +175,24 @@ class HTTPGenerator:
         c = out["choices"][0]
         return Completion(out["request_id"], c["index"], out["prompt_ids"], c["token_ids"], c["logprobs"],
                           c["versions"], c["finish_reason"], c.get("cached_prompt_tokens", 0))
+
+    def retain(self, req: RetentionRequest) -> RetentionDecision | None:
+        """POST /retain (the engine's id for the turn is the request_id /generate returned); the session
+        header keeps a router's call on the replica that holds the session. None: the upstream has no /retain."""
+        try:
+            out = self._request("POST", "/retain", asdict(req), headers={"X-Session-Id": req.session_id})
+        except UpstreamError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return RetentionDecision(**out)
+
+    def release_session(self, session_id: str) -> None:
+        try:
+            self._request("POST", "/release_session", {"session_id": session_id}, headers={"X-Session-Id": session_id})
+        except UpstreamError as exc:
+            if exc.status != 404:
+                raise
 
     def close(self) -> None:
         self._http.close()
