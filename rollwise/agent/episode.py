@@ -15,12 +15,15 @@ episode. A limit (turns, tokens, context) ends it too, with that reason; the tra
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rollwise.agent.session import AgentSession, LimitReached, TurnResult
 from rollwise.agent.tools import ToolRegistry, ToolResult
 from rollwise.agent.trajectory import Trajectory
+from rollwise.engine.retention import RetentionRequest
+from rollwise.engine.retention_policy import ToolLatencies
 
 
 class StepAgent(Protocol):
@@ -31,16 +34,38 @@ class ToolAgent:
     """Runs the turn's tool calls; a reply without any tool call ends the episode. Malformed and
     unknown calls are answered with an error tool result, so the model can correct itself."""
 
-    def __init__(self, registry: ToolRegistry) -> None:
+    def __init__(self, registry: ToolRegistry, latencies: ToolLatencies | None = None) -> None:
         self.registry = registry
         self.results: list[ToolResult] = []
+        # Tool durations as measured here (sandboxed tools included): the expected latency the engine
+        # weighs when it decides whether to keep the session's KV during the call (issue 21).
+        self.latencies = latencies or ToolLatencies()
 
     def step(self, turn: TurnResult, session: AgentSession) -> list[dict[str, Any]] | None:
         if not turn.parsed.wants_tools:
             return None
-        results = [self.registry.execute(call) for call in [*turn.parsed.calls, *turn.parsed.errors]]
+        calls = [*turn.parsed.calls, *turn.parsed.errors]
+        tool = getattr(calls[0], "name", None) or "tool"
+        intercept(session, turn, tool, self.latencies.expected(tool))
+        started = time.monotonic()
+        results = [self.registry.execute(call) for call in calls]
+        self.latencies.observe(tool, time.monotonic() - started)
         self.results += results
         return [r.message() for r in results]
+
+
+def intercept(session: AgentSession, turn: TurnResult, tool: str, expected_latency_s: float | None) -> None:
+    """Tell the engine the turn ended in a tool call (when the session's generator can)."""
+    retain = getattr(session.generator, "retain", None)
+    if retain is not None:
+        retain(RetentionRequest(session.id, turn.completion.request_id, tool, expected_latency_s))
+
+
+def end_session(session: AgentSession) -> None:
+    """The episode is over: the engine may drop whatever it still holds for the session."""
+    release = getattr(session.generator, "release_session", None)
+    if release is not None:
+        release(session.id)
 
 
 @dataclass
@@ -65,4 +90,5 @@ def run_episode(session: AgentSession, messages: list[dict[str, Any]], agent: St
             break
         session.add_messages(follow)
     session.finish_reason = finish
+    end_session(session)
     return EpisodeResult(session.trajectory(), finish, list(session.turns))
