@@ -25,6 +25,7 @@ METRIC_KEYS = [
     "reward_mean", "reward_std", "strict_accuracy", "response_len_mean", "entropy", "kl", "grad_norm",
     "time_generate_s", "time_reward_s", "time_train_s", "time_weight_sync_s", "rollout_tokens_per_s",
     "bubble_ratio", "staleness_mean", "staleness_max", "mismatch_abs_logp",
+    "flops_generate", "flops_train", "mfu_step", "mfu_generate", "mfu_train", "idle_core_s",  # issue 23
 ]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -135,6 +136,11 @@ def test_train_tiny_run_writes_every_artifact(tmp_path):
         assert 0.0 <= summary[key]["strict_accuracy"] <= 1.0
     assert summary["eval_before"]["step"] == 0 and summary["eval_after"]["step"] == 2
     assert summary["steps"] == 2 and summary["policy_version"] == records[-1]["policy_version"]
+    # Model-FLOPs utilisation: for the run and per phase, against a measured peak; where the time went.
+    assert 0.0 < summary["mfu"]["run"] < 1.0 and summary["peak"]["source"] == "measured"
+    assert summary["flops"]["generate"] > 0 and summary["flops"]["eval"] > 0 and summary["idle_core_s"] >= 0
+    assert (run_dir / summary["artifacts"]["time_split"]).read_bytes()[:8] == PNG_MAGIC
+    assert "model-FLOPs utilisation (run)" in _output(proc)
 
     # evals.jsonl: the before and after evaluations, on eval.size problems.
     evals = [json.loads(line) for line in (run_dir / "evals.jsonl").read_text().splitlines()]
