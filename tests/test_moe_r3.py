@@ -163,3 +163,65 @@ def test_r3_on_a_dense_model_is_refused():
 
     with pytest.raises(ValueError, match="routing_replay=r3 needs a mixture-of-experts model"):
         GRPOTrainer(tiny_llama(), TrainConfig(routing_replay="r3"), pad_token_id=0)
+
+
+def test_routing_survives_engine_server_router_and_agent_proxy_byte_for_byte():
+    """One MoE engine behind the real HTTP server, the router in front of it, the agent proxy over the
+    router: routing arrives byte for byte on /generate, /v1/completions, through the router, and in the
+    proxy's trajectory (every token's routing, the second turn's prefill supplying the template tokens')."""
+    import httpx
+
+    from rollwise.agent.generator import HTTPGenerator
+    from rollwise.agent.proxy import create_proxy_app
+    from rollwise.agent.samples import trajectory_samples
+    from rollwise.engine.server import create_app
+    from rollwise.local_server import serve_in_thread
+    from rollwise.model.tiny import tiny_tokenizer
+    from rollwise.router.app import RouterConfig
+    from rollwise.router.app import create_app as create_router_app
+
+    model = moe_model()
+    tokenizer = tiny_tokenizer()
+    engine = ReferenceEngine(model, max_num_seqs=4, max_model_len=512, seed=0, prefix_cache_tokens=1024)
+    prompt = tokenizer.encode("route me through the experts")
+    params = {"max_tokens": 8, "seed": 5, "ignore_eos": True}
+    with serve_in_thread(create_app(engine, tokenizer, "tiny-moe")) as (engine_url, _):
+        router_config = RouterConfig(replicas=[engine_url], health_interval_s=0.2, model="tiny-moe")
+        with serve_in_thread(create_router_app(router_config)) as (router_url, _):
+            direct = httpx.post(f"{engine_url}/generate", json={"prompt_ids": prompt, **params}, timeout=60).json()
+            routed = httpx.post(f"{router_url}/generate", json={"prompt_ids": prompt, **params}, timeout=60).json()
+            wire = direct["choices"][0]["routed_experts"]
+            assert routed["choices"][0]["routed_experts"] == wire
+            completion = httpx.post(f"{router_url}/v1/completions", timeout=60, json={
+                "model": "tiny-moe", "prompt": prompt, "max_tokens": 8, "seed": 5, "ignore_eos": True}).json()
+            assert completion["choices"][0]["routed_experts"] == wire
+            experts = RoutedExperts.from_wire(wire)
+            assert experts.num_tokens == len(prompt) + 8 - 1
+            sample = Sample(sample_id="http/0", group_id="g", problem_id="p", prompt_ids=prompt,
+                            response_ids=direct["choices"][0]["token_ids"],
+                            behaviour_logprobs=direct["choices"][0]["logprobs"], versions=[0] * 8,
+                            finish_reason="length", routed_experts=experts)
+            logp, _ = trainer_logprobs(model, [sample], "r3")
+            assert torch.allclose(logp, torch.tensor(sample.behaviour_logprobs), atol=1e-5, rtol=0)
+
+            proxy = create_proxy_app(HTTPGenerator(router_url), tokenizer, model_name="tiny-moe")
+            with serve_in_thread(proxy) as (proxy_url, _):
+                chat = f"{proxy_url}/sessions/s1/v1/chat/completions"
+                turn = {"model": "tiny-moe", "max_tokens": 6, "seed": 1}
+                first = [{"role": "user", "content": "hi"}]
+                r1 = httpx.post(chat, json={**turn, "messages": first}, timeout=60).json()
+                second = first + [r1["choices"][0]["message"], {"role": "user", "content": "more"}]
+                httpx.post(chat, json={**turn, "messages": second}, timeout=60).raise_for_status()
+                traj = httpx.get(f"{proxy_url}/sessions/s1/trajectory", timeout=60).json()
+    segment = traj["segments"][0]
+    wire_traj = RoutedExperts.from_wire(segment["routed_experts"])
+    assert wire_traj.num_tokens == len(segment["token_ids"]) - 1
+    from rollwise.agent.trajectory import SampledSpan, Trajectory, TrajectorySegment
+
+    seg = TrajectorySegment(**{**segment, "routed_experts": wire_traj,
+                               "spans": [SampledSpan(**s) for s in segment["spans"]]})
+    samples = trajectory_samples(Trajectory("s1", [seg], [], traj["turns"], traj["sampled_tokens"]),
+                                 problem_id="p", group_id="g", episode_id="e")
+    logp, metrics = trainer_logprobs(model, samples, "r3")
+    sampled = torch.tensor([lp for lp, m in zip(samples[0].behaviour_logprobs, samples[0].loss_mask) if m])
+    assert torch.allclose(logp, sampled, atol=1e-5, rtol=0) and metrics["routing_disagreement"] == 0.0

@@ -23,6 +23,7 @@ from rollwise.engine.retention import RetentionDecision, RetentionRequest
 from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
 from rollwise.engine.core import EngineWorker
 from rollwise.protocols import RolloutBackend
+from rollwise.types.sample import RoutedExperts
 
 
 @dataclass
@@ -174,7 +175,8 @@ class HTTPGenerator:
         out = self._request("POST", "/generate", body, headers={"X-Session-Id": session_id} if session_id else None)
         c = out["choices"][0]
         return Completion(out["request_id"], c["index"], out["prompt_ids"], c["token_ids"], c["logprobs"],
-                          c["versions"], c["finish_reason"], c.get("cached_prompt_tokens", 0))
+                          c["versions"], c["finish_reason"], c.get("cached_prompt_tokens", 0),
+                          routed_experts=RoutedExperts.from_choice(c, out["request_id"]))
 
     def retain(self, req: RetentionRequest) -> RetentionDecision | None:
         """POST /retain (the engine's id for the turn is the request_id /generate returned); the session

@@ -33,6 +33,7 @@ def trajectory_samples(traj: Trajectory, *, problem_id: str, group_id: str, epis
             behaviour_logprobs=seg.logprobs[start:end], versions=seg.versions[start:end],
             finish_reason=traj.finish_reason or seg.spans[-1].finish_reason, response_text=response_text,
             loss_mask=seg.loss_mask[start:end],
+            routed_experts=seg.routed_experts.head(end - 1) if seg.routed_experts is not None else None,
             extra={"episode_id": episode_id, "segment": k, "turns": len(seg.spans), "split_reason": seg.split_reason},
         ))
     return samples

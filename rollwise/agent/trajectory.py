@@ -32,6 +32,7 @@ from typing import Any
 
 from rollwise.agent.template import ChatRenderer, Message
 from rollwise.engine.types import Completion
+from rollwise.types.sample import RoutedExperts
 
 NO_VERSION = -1  # policy version of tokens no policy sampled (prompt, template, tool results)
 
@@ -61,6 +62,8 @@ class TrajectorySegment:
     versions: list[int] = field(default_factory=list)  # policy version where mask is 1, else NO_VERSION
     spans: list[SampledSpan] = field(default_factory=list)
     split_reason: str | None = None  # why this segment started a new sample (None: the first)
+    # MoE: the engine's experts of token_ids[:n] (n = up to the last sampled token, exclusive), for replay.
+    routed_experts: RoutedExperts | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -86,6 +89,8 @@ class TrajectorySegment:
         if any(self.loss_mask[n:]):
             raise ValueError("refusing to take back sampled tokens")
         del self.token_ids[n:], self.loss_mask[n:], self.logprobs[n:], self.versions[n:]
+        if self.routed_experts is not None:
+            self.routed_experts = self.routed_experts.head(n - 1)
 
     def check(self) -> None:
         """Internal consistency; raises AssertionError naming the first problem."""
@@ -99,7 +104,9 @@ class TrajectorySegment:
         assert sampled == self.loss_mask, "loss mask is not exactly the sampled spans"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["routed_experts"] = self.routed_experts.to_wire() if self.routed_experts is not None else None
+        return out
 
 
 @dataclass
@@ -196,6 +203,9 @@ class TrajectoryBuilder:
             raise ValueError(f"completion {completion.request_id}: logprobs/versions do not match its token ids")
         start = len(segment)
         segment.append(ids, mask=1, logprobs=list(completion.logprobs), versions=list(completion.versions))
+        if completion.routed_experts is not None:
+            old = segment.routed_experts
+            segment.routed_experts = completion.routed_experts if old is None else old.followed_by(completion.routed_experts)
         span = SampledSpan(self.turns, start, len(segment), start, completion.finish_reason, completion.request_id)
         segment.spans.append(span)
         self.turns += 1

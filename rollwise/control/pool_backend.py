@@ -31,6 +31,7 @@ from rollwise.engine.client import EngineServerError, read_response
 from rollwise.engine.contract import ModelInfo
 from rollwise.engine.types import Completion, GenerationRequest
 from rollwise.sync.buckets import WeightUpdate, build_manifest, flatten_bucket
+from rollwise.types.sample import RoutedExperts
 
 
 # Weight updates travel in pieces of this size (httpcore re-slices a bytes body after every socket send, which
@@ -103,7 +104,8 @@ class PoolClient:
     def generate(self, prompt_ids: list[int], **sampling: Any) -> list[Completion]:
         out = self._request("POST", self._job_path("/generate"), json={"prompt_ids": list(prompt_ids), **sampling})
         return [Completion(out["request_id"], c["index"], out["prompt_ids"], c["token_ids"], c["logprobs"],
-                           c["versions"], c["finish_reason"], c["cached_prompt_tokens"]) for c in out["choices"]]
+                           c["versions"], c["finish_reason"], c["cached_prompt_tokens"],
+                           routed_experts=RoutedExperts.from_choice(c, out["request_id"])) for c in out["choices"]]
 
     def poll(self, after: int, timeout: float) -> dict[str, Any]:
         return self._request("GET", self._job_path("/completions"), params={"after": after, "timeout": timeout},
@@ -127,7 +129,8 @@ class PoolClient:
 
 def completion_of(entry: dict[str, Any]) -> Completion:
     return Completion(entry["request_id"], entry["index"], entry["prompt_ids"], entry["token_ids"], entry["logprobs"],
-                      entry["versions"], entry["finish_reason"], entry.get("cached_prompt_tokens", 0))
+                      entry["versions"], entry["finish_reason"], entry.get("cached_prompt_tokens", 0),
+                      routed_experts=RoutedExperts.from_choice(entry, entry["request_id"]))
 
 
 class PoolWorker:

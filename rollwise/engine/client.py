@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from rollwise.engine.types import Completion, SamplingParams
+from rollwise.types.sample import RoutedExperts
 
 
 class EngineServerError(RuntimeError):
@@ -65,6 +66,7 @@ class EngineClient:
                 request_id=out["request_id"], index=c["index"], prompt_ids=out["prompt_ids"],
                 token_ids=c["token_ids"], logprobs=c["logprobs"], versions=c["versions"],
                 finish_reason=c["finish_reason"], cached_prompt_tokens=c["cached_prompt_tokens"],
+                routed_experts=RoutedExperts.from_choice(c, f"choice {c['index']}"),
             )
             for c in out["choices"]
         ]

@@ -85,6 +85,8 @@ class OpenAIResponses:
             policy_versions=s.versions,
             cached_prompt_tokens=s.cached_prompt_tokens,
         )
+        if s.routed_experts is not None:  # MoE: the experts of prompt + token_ids[:-1], for routing replay
+            choice["routed_experts"] = s.routed_experts.to_wire()
         return choice
 
     @staticmethod
@@ -118,4 +120,6 @@ class OpenAIResponses:
         if closing:
             s.closed = True
             choice["cached_prompt_tokens"] = s.cached_prompt_tokens
+            if s.routed_experts is not None:
+                choice["routed_experts"] = s.routed_experts.to_wire()
         return choice

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rollwise.engine.types import Completion
+from rollwise.types.sample import RoutedExperts
 
 
 def longest_token_chars(tokenizer: Any) -> int:
@@ -47,6 +48,7 @@ class Sample:
         self.finish_reason: str | None = None
         self.cached_prompt_tokens = 0
         self.top_logprobs: list[list[tuple[int, float]]] = []  # per engine token, when asked (top_logprobs)
+        self.routed_experts: RoutedExperts | None = None  # MoE: prompt + token_ids[:-1], from the Completion
         self.engine_done = False  # the engine returned this sample's Completion
         self.sent_text, self.sent_tokens, self.announced, self.closed = "", 0, False, False
 
@@ -72,6 +74,11 @@ class Sample:
         self.engine_done = True
         self.cached_prompt_tokens = completion.cached_prompt_tokens
         self.top_logprobs = completion.top_logprobs  # token_ids is a prefix of completion.token_ids
+        self._finish_tokens(completion)
+        if completion.routed_experts is not None:  # cut to the tokens kept (a stop string may end them early)
+            self.routed_experts = completion.routed_experts.head(len(self.prompt_ids) + len(self.token_ids) - 1)
+
+    def _finish_tokens(self, completion: Completion) -> None:
         if self.finished:
             return
         if self.stops:  # replay tokens no event carried (none, normally), watching for stop strings

@@ -273,6 +273,7 @@ class EngineService:
             "choices": [
                 {"index": s.index, "token_ids": s.token_ids, "logprobs": s.logprobs, "versions": s.versions,
                  **({"top_logprobs": s.top_logprobs} if s.top_logprobs else {}),
+                 **({"routed_experts": s.routed_experts.to_wire()} if s.routed_experts is not None else {}),
                  "finish_reason": s.finish_reason, "cached_prompt_tokens": s.cached_prompt_tokens}
                 for s in samples
             ],

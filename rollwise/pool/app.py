@@ -175,7 +175,9 @@ def create_app(pool: EnginePool, max_request_bytes: int = DEFAULT_MAX_REQUEST_BY
         done = sorted(req.done, key=lambda c: c.index)
         return {"request_id": rid, "prompt_ids": body.prompt_ids, "job": j.name, "choices": [
             {"index": c.index, "token_ids": c.token_ids, "logprobs": c.logprobs, "versions": c.versions,
-             "finish_reason": c.finish_reason, "cached_prompt_tokens": c.cached_prompt_tokens} for c in done]}
+             "finish_reason": c.finish_reason, "cached_prompt_tokens": c.cached_prompt_tokens,
+             **({"routed_experts": c.routed_experts.to_wire()} if c.routed_experts is not None else {})}
+            for c in done]}
 
     @app.get("/jobs/{job}/completions", responses=error_responses(400, 403, 404))
     def completions(job: str, after: int = 0, timeout: float = 1.0,

@@ -110,7 +110,8 @@ class PoolError(Exception):
 def stamp(c: Completion, req: QueuedRequest, slot: int) -> dict[str, Any]:
     return {"request_id": req.public_id, "index": c.index, "prompt_ids": c.prompt_ids, "token_ids": c.token_ids,
             "logprobs": c.logprobs, "versions": c.versions, "finish_reason": c.finish_reason,
-            "cached_prompt_tokens": c.cached_prompt_tokens, "job": req.job, "slot": slot}
+            "cached_prompt_tokens": c.cached_prompt_tokens, "job": req.job, "slot": slot,
+            **({"routed_experts": c.routed_experts.to_wire()} if c.routed_experts is not None else {})}
 
 
 def empty_abort(req: QueuedRequest, index: int) -> Completion:

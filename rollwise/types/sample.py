@@ -56,9 +56,30 @@ class RoutedExperts:
         flat = np.frombuffer(self.data, dtype=np.dtype(self.dtype).newbyteorder("<"))
         return flat.reshape(self.num_tokens, self.num_layers, self.top_k)
 
+    def head(self, num_tokens: int) -> RoutedExperts:
+        """The first `num_tokens` rows (a sample cut short by a stop string keeps its tokens' routing)."""
+        n = max(0, min(num_tokens, self.num_tokens))
+        return RoutedExperts(self.data[: n * self.bytes_per_token], n, self.num_layers, self.top_k, self.dtype)
+
+    def followed_by(self, later: RoutedExperts) -> RoutedExperts:
+        """These rows, then `later`'s rows past them: a multi-turn trajectory keeps the routing each token
+        had when it was sampled, and takes the routing of tokens added since (template, tool results)
+        from the later turn's prefill."""
+        if (later.num_layers, later.top_k, later.dtype) != (self.num_layers, self.top_k, self.dtype):
+            raise ValueError("routed_experts of one trajectory come from differently shaped models")
+        tail = later.data[self.num_tokens * self.bytes_per_token:]
+        return RoutedExperts(self.data + tail, max(self.num_tokens, later.num_tokens), self.num_layers, self.top_k,
+                             self.dtype)
+
     def to_wire(self) -> dict[str, Any]:
         return {"data": base64.b64encode(self.data).decode("ascii"),
                 "shape": [self.num_tokens, self.num_layers, self.top_k], "dtype": self.dtype}
+
+    @classmethod
+    def from_choice(cls, choice: dict[str, Any], where: str = "choice") -> RoutedExperts | None:
+        """A response choice's `routed_experts` (None when the engine returned none: a dense model)."""
+        obj = choice.get("routed_experts")
+        return None if obj is None else cls.from_wire(obj, where)
 
     @classmethod
     def from_wire(cls, obj: Any, where: str = "routed_experts") -> RoutedExperts:
