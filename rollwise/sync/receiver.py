@@ -109,6 +109,11 @@ class WeightReceiver:
 
     def check(self, manifest: WeightManifest) -> None:
         """Reject a manifest this engine cannot take, before any bytes are read."""
+        if manifest.adapter is not None:  # a LoRA adapter, not the model (rollwise.sync.adapters)
+            from rollwise.sync.adapters import check_adapter
+
+            check_adapter(self, manifest)
+            return
         version, current = manifest.version, self.policy_version
         if current is not None and version < current:
             raise self._reject(version, [f"the engine is already at version {current}"],
@@ -152,6 +157,11 @@ class WeightReceiver:
     def commit(self, staged: StagedUpdate) -> None:
         """Phase two: verify everything, then apply the whole update at once (or nothing)."""
         manifest = staged.manifest
+        if manifest.adapter is not None:  # a LoRA adapter: loaded beside the base (rollwise.sync.adapters)
+            from rollwise.sync.adapters import commit_adapter
+
+            commit_adapter(self, staged)
+            return
         self.check(manifest)
         problems = list(staged.problems)
         problems += [f"bucket {i} never arrived" for i in staged.missing_buckets()]

@@ -20,6 +20,7 @@ from typing import Any, Literal, Protocol
 from torch import Tensor
 
 from rollwise.protocols import Trainer
+from rollwise.sync.adapters import AdapterSender, is_lora_trainer
 from rollwise.sync.buckets import WeightUpdate, build_manifest
 
 SenderKind = Literal["in-process", "object-store"]
@@ -35,6 +36,8 @@ class InProcessSender:
         self.tokenizer_fingerprint = tokenizer_fingerprint
 
     def update(self, trainer: Trainer) -> WeightUpdate:
+        if is_lora_trainer(trainer):  # train.lora: the adapter only (rollwise.sync.adapters)
+            return AdapterSender(self.tokenizer_fingerprint).update(trainer)
         return WeightUpdate.of_state(trainer.weights(), trainer.version, self.tokenizer_fingerprint)
 
 

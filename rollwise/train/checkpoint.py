@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from rollwise.train.lora import is_lora, load_adapter
 from rollwise.train.trainer import GRPOTrainer
 
 STATE_FILE = "state.json"
@@ -100,14 +101,10 @@ def optimizer_state_by_name(model: nn.Module, state: dict[str, Any]) -> dict[str
 def load_checkpoint(ckpt: Path, trainer: GRPOTrainer) -> dict[str, Any]:
     """Restore weights, optimizer, scheduler, policy version and RNG states; return state.json."""
     state = load_rng_and_state(ckpt)
-    weights: dict[str, torch.Tensor] = {}
-    for shard in sorted((ckpt / "model").glob("*.safetensors")):
-        weights.update(load_file(shard))
-    # strict=False only for tied weights that safetensors stores once; anything else missing is an error.
-    missing, unexpected = trainer.model.load_state_dict(weights, strict=False)
-    tied = {"lm_head.weight"} if getattr(trainer.model.config, "tie_word_embeddings", False) else set()
-    if set(missing) - tied or unexpected:
-        raise ValueError(f"checkpoint {ckpt} does not match the model: missing {missing}, unexpected {unexpected}")
+    if is_lora(trainer.model):  # train.lora: model/ holds the adapter only (the base is the run's model)
+        load_adapter(trainer.model, ckpt / "model")
+    else:
+        _load_model_weights(ckpt, trainer.model)
     if (ckpt / "optimizer.pt").exists():
         opt = torch.load(ckpt / "optimizer.pt", weights_only=False)
         trainer.optimizer.load_state_dict(opt["optimizer"])
@@ -116,6 +113,17 @@ def load_checkpoint(ckpt: Path, trainer: GRPOTrainer) -> dict[str, Any]:
         _load_sharded_optimizer(ckpt, trainer)
     trainer.version = int(state["policy_version"])
     return state
+
+
+def _load_model_weights(ckpt: Path, model: nn.Module) -> None:
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted((ckpt / "model").glob("*.safetensors")):
+        weights.update(load_file(shard))
+    # strict=False only for tied weights that safetensors stores once; anything else missing is an error.
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"checkpoint {ckpt} does not match the model: missing {missing}, unexpected {unexpected}")
 
 
 def _load_sharded_optimizer(ckpt: Path, trainer: GRPOTrainer) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from rollwise.engine.reference.lora import LoraServing
 from rollwise.engine.reference.model import LlamaFamilyModel
 from rollwise.engine.reference.kv_tiers import KVTiers, SessionRetention
 from rollwise.engine.reference.prefix_cache import PrefixCache, prefill_suffix, prefill_with_prefix
@@ -112,7 +113,7 @@ class Scheduler:
         heapq.heappush(self._free, slot)
 
 
-class ReferenceEngine(SessionRetention, SpeculativeDecoding, EngineState):
+class ReferenceEngine(SessionRetention, SpeculativeDecoding, LoraServing, EngineState):
     """Continuous-batching generation with exact fp32 logprobs and per-token policy versions."""
 
     name = "reference"
@@ -166,6 +167,7 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, EngineState):
                              "engine (verified drafts would need their routing kept); set engine.speculation: none")
         self.drafter = drafter
         self.spec_stats = {"drafted": 0, "accepted": 0, "rejected": 0, "verifications": 0}
+        self._init_adapters()  # LoRA adapters, unmerged, per sequence (rollwise.engine.reference.lora)
         self._init_retention(retention, retention_policy)
 
     def _init_retention(self, retention: RetentionLimits | None, policy: PolicyName) -> None:
@@ -230,6 +232,7 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, EngineState):
         check_request(req, max_model_len=self.max_model_len, vocab_size=self.model.config.vocab_size,
                       in_flight=req.request_id in self._unfinished, sleeping=self.sleeping,
                       max_num_seqs=self.max_num_seqs)
+        self.adapters.resolve(req.adapter)  # an adapter that is not loaded is refused here, named
         self.scheduler.waiting.append(req)
         self._unfinished[req.request_id] = req.params.n
 
@@ -265,7 +268,7 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, EngineState):
         for request, slots in self._admit_pinned():  # resumed pinned sessions: each in its own slot
             groups[("pinned", request.request_id)] = [(request, slots)]
         for request, slots in self.scheduler.admit(self._reclaim):
-            groups.setdefault(tuple(request.prompt_ids), []).append((request, slots))
+            groups.setdefault((request.adapter, *request.prompt_ids), []).append((request, slots))
         for group in groups.values():
             finished += self._prefill(group)
         self.mark_timeline()
@@ -312,13 +315,16 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, EngineState):
         all_slots = [slot for _, slots in group for slot in slots]
         resumed = self._resume_start(group)  # a retained session's context, already in its slot
         started = time.perf_counter()
-        hit = self.prefix_cache.match(prompt) if self.prefix_cache is not None and not resumed else None
-        if resumed:
-            logits = prefill_suffix(self.model, self.cache, prompt, all_slots, resumed)
-        elif hit is None:
-            logits = self.model.prefill(self.cache, prompt, all_slots)
-        else:
-            logits = prefill_with_prefix(self.model, self.cache, prompt, all_slots, hit)
+        # The prefix cache holds the default policy's KV: a named LoRA adapter's prompt neither reads nor feeds it.
+        shared_cache = self.prefix_cache if group[0][0].adapter is None else None
+        hit = shared_cache.match(prompt) if shared_cache is not None and not resumed else None
+        with self.adapters.rows([self.adapters.resolve(group[0][0].adapter)]):  # one adapter per group
+            if resumed:
+                logits = prefill_suffix(self.model, self.cache, prompt, all_slots, resumed)
+            elif hit is None:
+                logits = self.model.prefill(self.cache, prompt, all_slots)
+            else:
+                logits = prefill_with_prefix(self.model, self.cache, prompt, all_slots, hit)
         reused = resumed or (hit.num_tokens if hit is not None else 0)
         self.recompute_cost.observe(len(prompt) - reused, time.perf_counter() - started)
         self.stats["recomputed_prompt_tokens"] += self._recomputed(prompt, reused)
@@ -333,20 +339,21 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, EngineState):
         self.stats["prompt_tokens"] += len(prompt) * len(seqs)
         self.stats["cached_prompt_tokens"] += len(prompt) * (len(seqs) - 1) + reused
         self.stats["prefix_cache_hit_tokens"] += reused - resumed
-        if self.prefix_cache is not None:
-            self.prefix_cache.insert(prompt, self.cache.k[:, all_slots[0]], self.cache.v[:, all_slots[0]], routing)
+        if shared_cache is not None:
+            shared_cache.insert(prompt, self.cache.k[:, all_slots[0]], self.cache.v[:, all_slots[0]], routing)
         for seq in seqs:
             self.scheduler.start(seq)
         return self._append_tokens(seqs, logits.expand(len(seqs), -1))
 
     def _decode(self) -> list[Completion]:
         seqs = [self.scheduler.running[slot] for slot in sorted(self.scheduler.running)]
-        if self.drafter is not None:
+        if self.drafter is not None and not self.adapters.adapters:  # no drafting while serving LoRA adapters
             drafts = [self._draft(seq, len(seqs)) for seq in seqs]
             if any(drafts):
                 return self._verify(seqs, drafts)
         last_tokens = torch.tensor([seq.token_ids[-1] for seq in seqs])
-        logits = self.model.decode(self.cache, last_tokens, [seq.slot for seq in seqs])
+        with self._adapter_rows(seqs):  # each row with its own sequence's adapter
+            logits = self.model.decode(self.cache, last_tokens, [seq.slot for seq in seqs])
         if self.model.is_moe:
             for seq, row in zip(seqs, self.model.last_routing):
                 seq.routing.append(row[None])
@@ -380,9 +387,10 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, EngineState):
         seq.logprobs.append(logprob)
         if seq.request.params.top_logprobs:
             seq.top_logprobs.append(top)
-        seq.versions.append(self._version)
+        version = self._version_of(seq)  # a named LoRA adapter's own version, else the engine's
+        seq.versions.append(version)
         if self.on_tokens is not None:
-            self.on_tokens(seq.request.request_id, seq.index, token, logprob, self._version)
+            self.on_tokens(seq.request.request_id, seq.index, token, logprob, version)
         reason = self._finish_reason(seq, token)
         if reason is None:
             return None
@@ -433,7 +441,8 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, EngineState):
     def _cache_history(self, seq: Sequence) -> None:
         """A finished sequence's prompt + tokens (all but the last, which never got KV) into the prefix
         cache: the next turn of a conversation starts with them. Only if the current weights made all of it."""
-        if self.prefix_cache is not None and all(v == self._version for v in seq.versions):
+        if (self.prefix_cache is not None and seq.request.adapter is None
+                and all(v == self._version for v in seq.versions)):
             tokens = list(seq.request.prompt_ids) + seq.token_ids[:-1]
             routing = torch.cat([seq.prompt_routing, *seq.routing]) if seq.prompt_routing is not None else None
             self.prefix_cache.insert(tokens, self.cache.k[:, seq.slot], self.cache.v[:, seq.slot], routing)

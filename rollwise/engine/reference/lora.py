@@ -1,0 +1,217 @@
+"""LoRA adapters in the reference engine: unmerged, per row, many in one batch.
+
+The base weights are never touched. Each target projection's output gets `(x A^T) B^T * scaling`
+added for the rows (tokens) whose sequence uses an adapter, computed in the same op order as PEFT's
+LoRA Linear (`base(x) + lora_B(lora_A(x)) * scaling`), so the engine's logprobs equal the trainer's.
+Unmerged (rather than merged on the fly) because one decode batch mixes sequences of different
+jobs, each with its own adapter (multi-LoRA), and because loading an adapter then costs only its
+own few megabytes: nothing of the base is reloaded or restored.
+
+The model's projections call a hook (`lora_hook`, set by `AdapterSet.install`) with their input and
+output; before each forward the engine says which rows belong to which adapter (`AdapterSet.rows`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rollwise.types.weights import AdapterSpec
+
+LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
+
+
+@dataclass
+class LoadedAdapter:
+    spec: AdapterSpec
+    version: int
+    weights: dict[str, tuple[Tensor, Tensor]]  # module name -> (A [r, in], B [out, r])
+
+
+def split_adapter_state(state: Mapping[str, Tensor]) -> tuple[dict[str, tuple[Tensor, Tensor]], list[str]]:
+    """`<module>.lora_A.weight` / `<module>.lora_B.weight` pairs -> {module: (A, B)}, and problems."""
+    problems: list[str] = []
+    modules: dict[str, dict[str, Tensor]] = {}
+    for name, tensor in state.items():
+        for suffix, key in ((LORA_A, "A"), (LORA_B, "B")):
+            if name.endswith(suffix):
+                modules.setdefault(name.removesuffix(suffix), {})[key] = tensor
+                break
+        else:
+            problems.append(f"{name!r} is not a LoRA tensor (<module>{LORA_A} or <module>{LORA_B})")
+    pairs: dict[str, tuple[Tensor, Tensor]] = {}
+    for module, ab in modules.items():
+        if set(ab) != {"A", "B"}:
+            problems.append(f"{module}: lora_A and lora_B must both be sent")
+            continue
+        pairs[module] = (ab["A"], ab["B"])
+    return pairs, problems
+
+
+class AdapterSet:
+    """The adapters an engine has loaded, and the row -> adapter assignment of the current forward."""
+
+    def __init__(self, targets: Mapping[str, tuple[int, int]]) -> None:
+        self.targets = dict(targets)  # module name -> (out, in) of the base projection
+        self.adapters: dict[str, LoadedAdapter] = {}
+        self.default: str | None = None  # the adapter serving requests that name none
+        # The current forward's groups: (adapter, row index or None = every row).
+        self._groups: list[tuple[LoadedAdapter, Tensor | None]] = []
+
+    # ---------------------------------------------------------------- loading
+
+    def check(self, spec: AdapterSpec, state: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+        """The adapter's (A, B) per module, or ValueError naming every problem (nothing is loaded)."""
+        pairs, problems = split_adapter_state(state)
+        rank = spec.rank
+        for module, (a, b) in pairs.items():
+            if module not in self.targets:
+                problems.append(f"{module}: not a projection of the base model (targets: q/k/v/o, gate/up/down)")
+                continue
+            out_dim, in_dim = self.targets[module]
+            if tuple(a.shape) != (rank, in_dim):
+                problems.append(f"{module}{LORA_A}: shape {tuple(a.shape)} != ({rank}, {in_dim})")
+            if tuple(b.shape) != (out_dim, rank):
+                problems.append(f"{module}{LORA_B}: shape {tuple(b.shape)} != ({out_dim}, {rank})")
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                problems.append(f"{module}: non-finite values")
+        if not pairs:
+            problems.append("the adapter has no tensors")
+        if problems:
+            shown = "; ".join(problems[:8]) + (f"; ... ({len(problems)} problems)" if len(problems) > 8 else "")
+            raise ValueError(f"cannot load adapter {spec.name!r}: {shown}")
+        return pairs
+
+    def load(self, spec: AdapterSpec, state: Mapping[str, Tensor], version: int, dtype: torch.dtype) -> None:
+        """Check, then copy in (the caller's tensors may be views of a trainer's live parameters)."""
+        pairs = self.check(spec, state)
+        weights = {m: (a.detach().to(dtype=dtype, copy=True), b.detach().to(dtype=dtype, copy=True))
+                   for m, (a, b) in pairs.items()}
+        self.adapters[spec.name] = LoadedAdapter(spec, version, weights)
+        if spec.default:
+            self.default = spec.name
+
+    def remove(self, name: str) -> None:
+        self.adapters.pop(name, None)
+        if self.default == name:
+            self.default = None
+
+    def resolve(self, name: str | None) -> LoadedAdapter | None:
+        """The adapter a request naming `name` runs with (None: the default adapter, if any)."""
+        if name is None:
+            return self.adapters.get(self.default) if self.default is not None else None
+        if name not in self.adapters:
+            loaded = ", ".join(sorted(self.adapters)) or "none"
+            raise ValueError(f"adapter: {name!r} is not loaded on this engine (loaded: {loaded}); push it first "
+                             "or send the request without an adapter")
+        return self.adapters[name]
+
+    # ---------------------------------------------------------------- the forward
+
+    @contextmanager
+    def rows(self, adapters: Sequence[LoadedAdapter | None], sizes: Sequence[int] | None = None) -> Iterator[None]:
+        """During the block, row group i (sizes[i] consecutive rows, default 1) uses adapters[i]."""
+        sizes = sizes if sizes is not None else [1] * len(adapters)
+        distinct: list[LoadedAdapter] = []
+        for a in adapters:
+            if a is not None and all(a is not d for d in distinct):
+                distinct.append(a)
+        groups: list[tuple[LoadedAdapter, Tensor | None]] = []
+        if len(distinct) == 1 and all(a is not None for a in adapters):
+            groups = [(distinct[0], None)]  # every row: no gather/scatter
+        elif distinct:
+            # owner[row] = 1 + index of the row's adapter in `distinct` (0: no adapter)
+            keys = [0 if a is None else 1 + next(i for i, d in enumerate(distinct) if d is a) for a in adapters]
+            owner = torch.repeat_interleave(torch.tensor(keys), torch.tensor(list(sizes)))
+            groups = [(a, (owner == i + 1).nonzero().squeeze(1)) for i, a in enumerate(distinct)]
+        self._groups = groups
+        try:
+            yield
+        finally:
+            self._groups = []
+
+    def add_delta(self, modules: Sequence[str], splits: Sequence[int], x: Tensor, y: Tensor) -> None:
+        """y[:, part_i] += lora delta of modules[i] for each adapter's rows (in place)."""
+        for adapter, rows in self._groups:
+            xs = x if rows is None else x[rows]
+            offset = 0
+            for module, width in zip(modules, splits):
+                pair = adapter.weights.get(module)
+                if pair is not None:
+                    a, b = pair
+                    # PEFT's op order: lora_B(lora_A(x)) * scaling, then added to the base output.
+                    delta = F.linear(F.linear(xs, a), b) * adapter.spec.scaling
+                    if rows is None:
+                        y[:, offset : offset + width] += delta
+                    else:
+                        y[rows, offset : offset + width] += delta
+                offset += width
+
+    def install(self, model: nn.Module) -> None:
+        """Set the hooks of the model's projections (see module docstring)."""
+        for name, module in model.named_modules():
+            fused = getattr(module, "lora_fused", None)  # (child names, output widths) of a fused matmul
+            if fused is not None:
+                names, widths = fused
+                module.lora_hook = partial(self.add_delta, [f"{name}.{n}" for n in names], widths)
+            elif name.endswith(("o_proj", "down_proj")):
+                module.lora_hook = partial(self.add_delta, [name], [self.targets[name][0]])
+
+
+def projection_targets(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Every projection an adapter may target: module name -> (out, in) of its weight."""
+    targets: dict[str, tuple[int, int]] = {}
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            out_dim, in_dim = module.weight.shape
+            targets[name] = (int(out_dim), int(in_dim))
+    return targets
+
+
+class LoraServing:
+    """The reference engine's adapter side (mixed into ReferenceEngine): load adapters without touching
+    the base weights, and run each sequence with its request's adapter."""
+
+    model: nn.Module
+    _version: int
+    prefix_cache: object | None
+
+    def _init_adapters(self) -> None:
+        self.adapters = AdapterSet(projection_targets(self.model))
+        self.adapters.install(self.model)
+
+    def load_adapter(self, spec: AdapterSpec, state: Mapping[str, Tensor], version: int) -> None:
+        """Load (or replace) adapter `spec.name` at `version`; ValueError and nothing changed if it does
+        not fit the base. A default adapter is the run's policy: its version is the engine's."""
+        self.adapters.load(spec, state, version, self.model.dtype)
+        if spec.default:
+            self._version = version
+            if self.prefix_cache is not None:  # cached KV was computed by the old adapter
+                self.prefix_cache.clear()
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter `name` (requests naming it are refused from now on)."""
+        self.adapters.remove(name)
+
+    def loaded_adapters(self) -> dict[str, int]:
+        """Served adapter name -> its version."""
+        return {name: a.version for name, a in self.adapters.adapters.items()}
+
+    def _adapter_of(self, seq) -> LoadedAdapter | None:
+        return self.adapters.resolve(seq.request.adapter)
+
+    def _version_of(self, seq) -> int:
+        """The policy version sampling `seq`'s tokens: its named adapter's, else the engine's."""
+        if seq.request.adapter is None:
+            return self._version
+        return self.adapters.resolve(seq.request.adapter).version
+
+    def _adapter_rows(self, seqs: Sequence, sizes: Sequence[int] | None = None):
+        """Context for one forward over `seqs` (sizes[i] rows each; default 1)."""
+        return self.adapters.rows([self._adapter_of(s) for s in seqs], sizes)
