@@ -1,9 +1,12 @@
-"""Router benchmark: every routing policy side by side, on real engine replicas and on 64 simulated ones.
+"""Router benchmark: every routing arm side by side, on real engine replicas and on 64 simulated ones.
 
 Real: R reference-engine replicas (`rollwise serve engine`'s app over a random Llama-architecture
 model, sized so prefill costs real time: a 2-core CPU still runs them) in subprocesses, with their
-prefix caches on, and the router in this process. For each policy: a fresh router, the replicas'
-caches flushed, then the same closed-loop workload through the router's token-level /generate:
+prefix caches on. The arms: rollwise's router under each policy, and vLLM's router (`vllm-router`,
+policy cache_aware; skipped with a message when the optional extra is not installed). Every router
+runs in its own process (router_processes.py), started fresh for each round with the replicas'
+caches flushed; the same closed-loop workload goes through vLLM's token-in route
+(POST /inference/v1/generate, which every arm forwards unchanged):
 
 - GRPO groups: `group_size` samples of one prompt, sent as separate concurrent requests (as rollout
   workers send them, with X-Group-Id), `group_workers` groups in flight; all prompts share a
@@ -11,13 +14,15 @@ caches flushed, then the same closed-loop workload through the router's token-le
 - multi-turn sessions (X-Session-Id): each turn's prompt is the previous prompt + its answer + a
   new user message, run back to back.
 
-The workload runs in rounds; in each round every policy runs it (fresh router, caches flushed), in
-an order rotated from round to round, so the machine's noise falls on all policies alike.
+The workload runs in rounds; in each round every arm runs it, in an order rotated from round to
+round, so the machine's noise falls on all arms alike.
 
 Measured: prefix-cache hit rate (cached / prompt tokens, as the engines report them), prompt tokens
-actually computed (prefill), client-side latency p50/p99 over all requests, load imbalance (max /
-mean of tokens computed per replica: prefill + generated). Ratios are against round robin, in the
-same run. Simulated: the same policies and workload shape on 64 cost-model replicas (rollwise/sim/routing.py).
+actually computed (prefill), client-side latency p50/p99 over all requests (and per round, with the
+median round), load imbalance (max / mean of tokens computed per replica: prefill + generated), and
+the router process's CPU seconds per request (/proc, via psutil). Ratios are against round robin, in
+the same run. Simulated: the same policies and workload shape on 64 cost-model replicas
+(rollwise/sim/routing.py).
 """
 
 from __future__ import annotations
@@ -25,8 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -38,13 +41,16 @@ from rich import box
 from rich.console import Group
 from rich.table import Table
 
-from rollwise.bench import percentile
-from rollwise.local_server import free_port
+from rollwise.bench import percentile, router_processes
+from rollwise.bench.router_processes import MODEL_SIZE, Arm, arms, flush_caches, router_process
 from rollwise.router.policies import POLICIES, make_policy
 from rollwise.sim.cli import write_json
 from rollwise.sim.routing import SimConfig, Workload, make_workload, simulate
 
-MODEL_SIZE = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
+# vLLM's token-in route: every router arm forwards it to the replicas as sent (rollwise's /generate would
+# be rewritten by vllm-router into its own schema).
+ROUTE = "/inference/v1/generate"
+__all__ = ["MODEL_SIZE", "cli_bench_router", "measure_real", "replicas", "router", "run_router_bench"]
 
 
 @dataclass(frozen=True)
@@ -75,71 +81,21 @@ SIM_QUICK: dict[str, int] = {"groups": 128, "group_size": 8, "group_workers": 48
 SIM_FULL = {**SIM_QUICK, "groups": 512, "sessions": 256, "turns": 6}
 
 
-# ==================================================================== replica processes
-
-
-def _replica_main(argv: list[str]) -> None:
-    """One benchmark replica: `python -m rollwise.bench.router --replica-worker --port P`."""
-    p = argparse.ArgumentParser()
-    p.add_argument("--replica-worker", action="store_true")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=1536)
-    p.add_argument("--prefix-cache-tokens", type=int, default=16384)
-    args = p.parse_args(argv)
-    import torch
-    import uvicorn
-
-    from rollwise.engine.reference import ReferenceEngine
-    from rollwise.engine.server import create_app
-    from rollwise.model.tiny import tiny_llama, tiny_tokenizer
-
-    torch.set_num_threads(1)  # several replicas share 2 cores
-    tokenizer = tiny_tokenizer()
-    model = tiny_llama(seed=0, max_position_embeddings=args.max_model_len, **MODEL_SIZE)
-    engine = ReferenceEngine(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                             eos_token_ids=[tokenizer.eos_token_id], seed=0,
-                             prefix_cache_tokens=args.prefix_cache_tokens)
-    uvicorn.run(create_app(engine, tokenizer, "bench-replica"), host="127.0.0.1", port=args.port,
-                log_level="warning")
+# ==================================================================== processes
 
 
 @contextlib.contextmanager
 def replicas(shape: BenchShape):
-    ports = [free_port() for _ in range(shape.replicas)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "rollwise.bench.router", "--replica-worker", "--port", str(p),
-                               "--max-num-seqs", str(shape.max_num_seqs), "--max-model-len", str(shape.max_model_len)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for p in ports]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    try:
-        deadline = time.monotonic() + 180
-        for url, proc in zip(urls, procs):
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"benchmark replica exited: {proc.stderr.read().decode()[-2000:]}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"benchmark replica {url} did not start in 180 s")
-                time.sleep(0.2)
+    with router_processes.replicas(shape.replicas, shape.max_num_seqs, shape.max_model_len) as urls:
         yield urls
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 @contextlib.contextmanager
 def router(urls: list[str], policy: str):
-
-    from rollwise.model.tiny import tiny_tokenizer
+    """rollwise's router in this process's thread (the validation's serving-cost probe counts it as this
+    process's CPU); the benchmark's arms run every router in its own process (router_processes.py)."""
     from rollwise.local_server import serve_in_thread
+    from rollwise.model.tiny import tiny_tokenizer
     from rollwise.router.app import RouterConfig, bind_socket, create_app
 
     config = RouterConfig(replicas=urls, policy=policy, health_interval_s=0.5, queue_timeout_s=300)
@@ -170,15 +126,15 @@ async def _run_workload(router: str, workload: Workload) -> list[dict[str, Any]]
     async with httpx.AsyncClient(base_url=router, timeout=600, limits=limits) as http:
 
         async def one(prompt: list[int], headers: dict[str, str], kind: str) -> list[int]:
-            body = {"prompt_ids": prompt, "max_tokens": workload.max_tokens, "ignore_eos": True, "seed": len(records)}
+            params = {"max_tokens": workload.max_tokens, "ignore_eos": True, "seed": len(records)}
             started = time.monotonic()
-            r = await http.post("/generate", json=body, headers=headers)
+            r = await http.post(ROUTE, json={"token_ids": prompt, "sampling_params": params}, headers=headers)
             r.raise_for_status()
-            choice = r.json()["choices"][0]
+            answer = r.json()
             records.append({"kind": kind, "latency_s": time.monotonic() - started, "prompt_tokens": len(prompt),
-                            "cached_prompt_tokens": choice["cached_prompt_tokens"],
+                            "cached_prompt_tokens": answer["usage"]["prompt_tokens_details"]["cached_tokens"],
                             "replica": r.headers.get("x-rollwise-replica")})
-            return choice["token_ids"]
+            return answer["choices"][0]["token_ids"]
 
         groups = list(enumerate(workload.group_prompts))
 
@@ -214,16 +170,18 @@ def summarize(latencies: list[float], prompt: float, cached: float, work: list[f
     }
 
 
-def _real_round(urls: list[str], policy: str, workload: Workload) -> dict:
-    """One round of one policy: a fresh router, cold caches; latencies and per-replica engine counters."""
-    with router(urls, policy) as router_url:
-        httpx.post(f"{router_url}/flush_cache", timeout=60).raise_for_status()  # every policy starts cold
-        before = engine_counters(urls)
+def _real_round(urls: list[str], arm: Arm, workload: Workload) -> dict:
+    """One round of one arm: its router freshly started in its own process, the replicas' caches flushed;
+    latencies, per-replica engine counters and the router process's CPU seconds."""
+    flush_caches(urls)  # every arm starts cold
+    with router_process(arm, urls) as proc:
+        before, cpu_before = engine_counters(urls), proc.cpu_s()
         started = time.monotonic()
-        records = asyncio.run(_run_workload(router_url, workload))
+        records = asyncio.run(_run_workload(proc.url, workload))
         wall = time.monotonic() - started
+        cpu = proc.cpu_s() - cpu_before
         after = engine_counters(urls)
-    return {"latencies": [r["latency_s"] for r in records], "wall_s": wall,
+    return {"latencies": [r["latency_s"] for r in records], "wall_s": wall, "router_cpu_s": cpu,
             "delta": [{k: a[k] - b.get(k, 0.0) for k in a} for a, b in zip(after, before)],
             "served": [sum(r["replica"] == u for r in records) for u in urls]}
 
@@ -237,7 +195,13 @@ def _real_summary(rounds: list[dict]) -> dict:
     out = summarize([x for r in rounds for x in r["latencies"]], prompt, cached, work, sum(r["wall_s"] for r in rounds))
     out["requests_per_replica"] = [sum(r["served"][i] for r in rounds) for i in range(len(delta))]
     out["engine_busy_s"] = sum(d.get("step_seconds", 0.0) for d in delta)  # summed over replicas
+    out["p50_latency_s_per_round"] = [percentile(r["latencies"], 0.5) for r in rounds]
     out["p99_latency_s_per_round"] = [percentile(r["latencies"], 0.99) for r in rounds]
+    # Medians over rotated rounds: the goals compare these (one slow phase of the machine moves a mean).
+    out["p50_latency_s_median_round"] = percentile(out["p50_latency_s_per_round"], 0.5)
+    out["p99_latency_s_median_round"] = percentile(out["p99_latency_s_per_round"], 0.5)
+    out["router_cpu_s_per_round"] = [r["router_cpu_s"] for r in rounds]
+    out["router_cpu_s_per_request"] = sum(r["router_cpu_s"] for r in rounds) / max(out["requests"], 1)
     return out
 
 
@@ -264,21 +228,22 @@ def round_workload(shape: BenchShape, seed: int, rnd: int) -> Workload:
 
 
 def measure_real(shape: BenchShape, seed: int, policies: list[str], progress: Any = None,
-                 urls: list[str] | None = None) -> dict[str, dict]:
-    """Every policy on real replicas (started here, or `urls` already running): per-policy summaries
-    (rounds summed), ratios against round robin."""
-    # The machine is shared and noisy: policies take turns in short rounds (rotated order), so slow
-    # phases hit every policy alike, instead of one policy running entirely in a slow phase.
-    rounds: dict[str, list[dict]] = {name: [] for name in policies}
+                 urls: list[str] | None = None, arm_list: list[Arm] | None = None) -> dict[str, dict]:
+    """Every arm (rollwise's router under each policy, by default) on real replicas (started here, or `urls`
+    already running): per-arm summaries (rounds summed), ratios against round robin."""
+    # The machine is shared and noisy: arms take turns in short rounds (rotated order), so slow
+    # phases hit every arm alike, instead of one arm running entirely in a slow phase.
+    arm_list = arm_list or [Arm(p, "rollwise", p) for p in policies]
+    rounds: dict[str, list[dict]] = {arm.name: [] for arm in arm_list}
     with contextlib.nullcontext(urls) if urls else replicas(shape) as urls:
         for rnd in range(shape.rounds):
             workload = round_workload(shape, seed, rnd)
-            shift = rnd % len(policies)
-            for name in policies[shift:] + policies[:shift]:
+            shift = rnd % len(arm_list)
+            for arm in arm_list[shift:] + arm_list[:shift]:
                 if progress:
-                    progress(f"real replicas, round {rnd + 1}/{shape.rounds}: {name}")
-                rounds[name].append(_real_round(urls, name, workload))
-    real = {name: _real_summary(rounds[name]) for name in policies}
+                    progress(f"real replicas, round {rnd + 1}/{shape.rounds}: {arm.name}")
+                rounds[arm.name].append(_real_round(urls, arm, workload))
+    real = {arm.name: {"router": arm.router, **_real_summary(rounds[arm.name])} for arm in arm_list}
     _ratios(real)
     return real
 
@@ -289,7 +254,8 @@ def run_router_bench(quick: bool = False, seed: int = 0, plot: Path | None = Non
     if "round_robin" not in policies:
         policies = ["round_robin", *policies]
     shape = QUICK if quick else FULL
-    real = measure_real(shape, seed, policies, progress)
+    arm_list, skipped = arms(policies, with_vllm_router=True)
+    real = measure_real(shape, seed, policies, progress, arm_list=arm_list)
     sim_config = SimConfig()
     sim_workload = make_workload(seed, **(SIM_QUICK if quick else SIM_FULL))
     sim = {}
@@ -302,7 +268,7 @@ def run_router_bench(quick: bool = False, seed: int = 0, plot: Path | None = Non
         "benchmark": "router",
         "quick": quick,
         "real": {"replicas": shape.replicas, "model": {**MODEL_SIZE, "note": "random Llama-architecture weights"},
-                 "workload": asdict(shape), "policies": real},
+                 "workload": asdict(shape), "policies": real, "skipped": skipped, "route": ROUTE},
         "simulated": {"config": asdict(sim_config), "workload": dict(SIM_QUICK if quick else SIM_FULL),
                       "policies": sim},
         "goal": {"p99_vs_round_robin": 1.5, "prefill_vs_round_robin": 2.0, "policy": "prefix"},
@@ -337,21 +303,39 @@ def _plot(result: dict, path: Path) -> Path:
 
 
 def format_router_bench(result: dict) -> Group:
-    """Two tables (real replicas, simulated replicas), one row per policy."""
+    """Two tables (real replicas, simulated replicas), one row per arm; the real one adds the router's CPU."""
     tables = []
     for key, label in (("real", f"{result['real']['replicas']} real replicas"),
                        ("simulated", f"{result['simulated']['config']['replicas']} simulated replicas")):
         table = Table(title=f"rollwise bench router{' --quick' if result['quick'] else ''}: {label}", box=box.SIMPLE)
-        for col in ("policy", "hit", "prefill", "p50 s", "p99 s", "imbal", "p99÷", "prefill÷"):
-            table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+        real = key == "real"
+        for col in ("arm", "hit", "prefill", "p50 s", "p99 s", "imbal", "p99÷", "prefill÷",
+                    *(("router CPU ms/req",) if real else ())):
+            table.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
         for name, r in result[key]["policies"].items():
+            cpu = (f"{r['router_cpu_s_per_request'] * 1000:.2f}",) if real else ()
             table.add_row(name, f"{r['prefix_hit_rate']:.0%}", f"{r['prefill_tokens']:,}",
                           f"{r['p50_latency_s']:.3f}", f"{r['p99_latency_s']:.3f}", f"{r['load_imbalance']:.2f}",
-                          f"{r['p99_vs_round_robin']:.2f}x", f"{r['prefill_vs_round_robin']:.2f}x")
+                          f"{r['p99_vs_round_robin']:.2f}x", f"{r['prefill_vs_round_robin']:.2f}x", *cpu)
         tables.append(table)
     legend = ("hit: prefix-cache hit rate (engine-reported); prefill: prompt tokens computed; imbal: max/mean "
-              "tokens computed per replica; ÷: round robin's value / the policy's (higher is better)")
+              "tokens computed per replica; ÷: round robin's value / the arm's (higher is better); router CPU: "
+              "the router process's user+system CPU seconds per request (every router runs in its own process)")
     return Group(*tables, legend)
+
+
+def _peer_line(real: dict[str, dict]) -> str | None:
+    """rollwise's prefix against vllm-router's cache_aware, on the issue's goals (medians over rounds)."""
+    peer, ours = real.get("vllm-router:cache_aware"), real.get("prefix")
+    if peer is None or ours is None:
+        return None
+    cpu = ours["router_cpu_s_per_request"] / peer["router_cpu_s_per_request"] if peer["router_cpu_s_per_request"] \
+        else float("inf")
+    return (f"prefix vs vllm-router cache_aware: hit {ours['prefix_hit_rate']:.1%} vs {peer['prefix_hit_rate']:.1%}, "
+            f"prefill {ours['prefill_tokens']:,} vs {peer['prefill_tokens']:,}, median-round p50 "
+            f"{ours['p50_latency_s_median_round']:.3f} vs {peer['p50_latency_s_median_round']:.3f} s, p99 "
+            f"{ours['p99_latency_s_median_round']:.3f} vs {peer['p99_latency_s_median_round']:.3f} s, router CPU per "
+            f"request {cpu:.2f}x theirs (goal <= 2x)")
 
 
 def cli_bench_router(args: argparse.Namespace, console: Any) -> int:
@@ -361,9 +345,14 @@ def cli_bench_router(args: argparse.Namespace, console: Any) -> int:
         result = run_router_bench(quick=args.quick, seed=args.seed, plot=plot, progress=status.update)
     result["command"] = " ".join(["rollwise"] + sys.argv[1:])
     console.print(format_router_bench(result))
+    for message in result["real"]["skipped"]:
+        console.print(f"[yellow]skipped:[/yellow] {message}")
     prefix = result["real"]["policies"]["prefix"]
     console.print(f"prefix vs round robin on real replicas: p99 {prefix['p99_vs_round_robin']:.2f}x lower "
                   f"(goal 1.5x), prefill tokens {prefix['prefill_vs_round_robin']:.2f}x fewer (goal 2x)")
+    peer = _peer_line(result["real"]["policies"])
+    if peer:
+        console.print(peer)
     if result.get("plot"):
         console.print(f"plot: {result['plot']}")
     write_json(args.json, result, console)
@@ -371,5 +360,5 @@ def cli_bench_router(args: argparse.Namespace, console: Any) -> int:
 
 
 if __name__ == "__main__":
-    if "--replica-worker" in sys.argv:
-        _replica_main(sys.argv[1:])
+    if "--replica-worker" in sys.argv:  # older command lines: the worker lives in router_processes.py
+        router_processes.replica_main(sys.argv[1:])

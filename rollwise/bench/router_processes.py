@@ -1,0 +1,197 @@
+"""The processes of `rollwise bench router`: engine replicas, and every router arm in its own process.
+
+Each arm is a router in front of the same replicas: rollwise's router (`rollwise serve router --policy P`)
+or vLLM's (`vllm-router --policy cache_aware`, the optional extra `rollwise[vllm-router]`). A router in its
+own process pays its own costs (JSON, routing, HTTP) on its own CPU time, which the benchmark reads from
+/proc, instead of hiding them in the client's process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO
+
+import httpx
+import psutil
+
+from rollwise.local_server import free_port
+
+MODEL_SIZE = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
+VLLM_ROUTER = "vllm-router"
+VLLM_ROUTER_MISSING = ("vllm-router is not installed, so its cache_aware arm is skipped: "
+                       "pip install 'rollwise[vllm-router]' (vllm-router==0.1.17) to compare against it")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One router configuration the benchmark runs: `name` labels its results."""
+
+    name: str
+    router: str  # "rollwise" or "vllm-router"
+    policy: str
+
+
+def arms(policies: list[str], with_vllm_router: bool = True) -> tuple[list[Arm], list[str]]:
+    """rollwise's router under each policy, then vllm-router's cache_aware when it is installed; and the
+    messages for arms that were skipped."""
+    out = [Arm(p, "rollwise", p) for p in policies]
+    skipped = []
+    if with_vllm_router:
+        if shutil.which(VLLM_ROUTER) is None:
+            skipped.append(VLLM_ROUTER_MISSING)
+        else:
+            out.append(Arm("vllm-router:cache_aware", VLLM_ROUTER, "cache_aware"))
+    return out, skipped
+
+
+def _log_file() -> IO[bytes]:
+    """Where a child's stderr goes: a file, never a pipe nobody reads (a full pipe would block the child)."""
+    return tempfile.TemporaryFile()
+
+
+def _tail(log: IO[bytes]) -> str:
+    log.seek(0)
+    return log.read().decode(errors="replace")[-2000:]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log: IO[bytes], what: str, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited: {_tail(log)}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} at {url} did not answer /health in {timeout_s:g} s")
+        time.sleep(0.2)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+# ==================================================================== engine replicas
+
+
+def replica_main(argv: list[str]) -> None:
+    """One benchmark replica: `python -m rollwise.bench.router_processes --replica-worker --port P`."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--replica-worker", action="store_true")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=1536)
+    p.add_argument("--prefix-cache-tokens", type=int, default=16384)
+    args = p.parse_args(argv)
+    import torch
+    import uvicorn
+
+    from rollwise.engine.reference import ReferenceEngine
+    from rollwise.engine.server import create_app
+    from rollwise.model.tiny import tiny_llama, tiny_tokenizer
+
+    torch.set_num_threads(1)  # several replicas share 2 cores
+    tokenizer = tiny_tokenizer()
+    model = tiny_llama(seed=0, max_position_embeddings=args.max_model_len, **MODEL_SIZE)
+    engine = ReferenceEngine(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                             eos_token_ids=[tokenizer.eos_token_id], seed=0,
+                             prefix_cache_tokens=args.prefix_cache_tokens)
+    uvicorn.run(create_app(engine, tokenizer, "bench-replica"), host="127.0.0.1", port=args.port,
+                log_level="warning")
+
+
+@contextlib.contextmanager
+def replicas(count: int, max_num_seqs: int, max_model_len: int) -> Iterator[list[str]]:
+    ports = [free_port() for _ in range(count)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    logs = [_log_file() for _ in ports]
+    procs = [subprocess.Popen([sys.executable, "-m", "rollwise.bench.router_processes", "--replica-worker",
+                               "--port", str(p), "--max-num-seqs", str(max_num_seqs),
+                               "--max-model-len", str(max_model_len)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=log) for p, log in zip(ports, logs)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        for url, proc, log in zip(urls, procs, logs):
+            _wait_healthy(url, proc, log, "benchmark replica")
+        yield urls
+    finally:
+        _stop(procs)
+        for log in logs:
+            log.close()
+
+
+def flush_caches(urls: list[str]) -> None:
+    """Every replica's prefix cache emptied, directly (not every router forwards /flush_cache)."""
+    for url in urls:
+        httpx.post(f"{url}/flush_cache", timeout=60).raise_for_status()
+
+
+# ==================================================================== routers
+
+
+def _router_command(arm: Arm, urls: list[str], port: int) -> list[str]:
+    if arm.router == VLLM_ROUTER:
+        return [VLLM_ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", arm.policy,
+                "--worker-urls", *urls, "--request-timeout-secs", "600", "--queue-timeout-secs", "300",
+                "--log-level", "warning"]
+    replica_flags = [flag for url in urls for flag in ("--replica", url)]
+    # --model: the replicas' tokenizer (their /model_info names a model built in code); token-in requests
+    # route by their ids anyway.
+    return [sys.executable, "-m", "rollwise.cli", "serve", "router", *replica_flags, "--policy", arm.policy,
+            "--port", str(port), "--model", "tiny:0", "--queue-timeout", "300", "--health-interval", "0.5",
+            "--log-level", "warning"]
+
+
+@dataclass
+class RouterProcess:
+    url: str
+    pid: int
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) of the router and any process it started."""
+        try:
+            process = psutil.Process(self.pid)
+            total = sum(process.cpu_times()[:2])
+            for child in process.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    total += sum(child.cpu_times()[:2])
+            return total
+        except psutil.Error:
+            return 0.0
+
+
+@contextlib.contextmanager
+def router_process(arm: Arm, urls: list[str]) -> Iterator[RouterProcess]:
+    """The arm's router, started fresh (an empty prefix tree) in its own process."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log = _log_file()
+    proc = subprocess.Popen(_router_command(arm, urls, port), env=env, stdout=subprocess.DEVNULL, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc, log, f"router {arm.name}")
+        yield RouterProcess(url, proc.pid)
+    finally:
+        _stop([proc])
+        log.close()
+
+
+if __name__ == "__main__":
+    if "--replica-worker" in sys.argv:
+        replica_main(sys.argv[1:])
