@@ -25,6 +25,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
 RetentionAction = Literal["preserve", "discard", "swap"]
 RETENTION_ACTIONS: tuple[RetentionAction, ...] = ("preserve", "discard", "swap")
 # Why a promise ended: the session came back (resumed) or one of the releases listed above.
@@ -104,3 +106,38 @@ class RetentionLimits:
 
     def ttl(self, expected_latency_s: float) -> float:
         return min(self.ttl_max_s, max(self.ttl_min_s, expected_latency_s * self.ttl_factor))
+
+
+RETENTION_MODES = ("off", "min_waste", "always_discard", "always_preserve", "prefix_cache_only")
+
+
+def engine_retention(engine_cfg: Any, capacity_tokens: int) -> dict[str, Any]:
+    """ReferenceEngine keywords for the run's engine section (`engine.retention*`; {} when off or absent).
+    The pin budget is a fraction of the engine's KV capacity (max_num_seqs x max_model_len)."""
+    mode = getattr(engine_cfg, "retention", "off")
+    if mode == "off":
+        return {}
+    if mode not in RETENTION_MODES:
+        raise ValueError(f"engine.retention: unknown mode {mode!r}; choose one of {', '.join(RETENTION_MODES)}")
+    limits = RetentionLimits(
+        pin_budget_tokens=int(capacity_tokens * getattr(engine_cfg, "retention_pin_fraction", 0.5)),
+        swap_budget_tokens=getattr(engine_cfg, "retention_swap_tokens", 0),
+        swap_bytes_per_s=getattr(engine_cfg, "retention_swap_gbps", 8.0) * 1e9,
+        ttl_max_s=getattr(engine_cfg, "retention_ttl_max_s", 120.0),
+    )
+    return {"retention": limits, "retention_policy": mode}
+
+
+class RetainBody(BaseModel):
+    """POST /retain: the turn `request_id` (the id /generate returned) ended in a tool call."""
+
+    model_config = ConfigDict(extra="forbid")
+    session_id: str = Field(min_length=1)
+    request_id: str = Field(min_length=1)
+    tool_name: str = Field("tool", min_length=1)
+    expected_latency_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+
+
+class ReleaseSessionBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    session_id: str = Field(min_length=1)
