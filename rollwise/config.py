@@ -83,6 +83,14 @@ class EngineConfig(_Section):
     speculation_window_rollouts: int = Field(64, ge=1, description="recent rollouts kept per problem")
     speculation_max_versions: int = Field(4, ge=1, description="rollouts older than this many policy versions age out")
     speculation_max_tokens: int = Field(1_000_000, ge=1, description="response tokens the history holds in all")
+    # Session KV retention across tool calls (issue 21; rollwise.engine.retention): reference engine only.
+    retention: Literal["off", "min_waste", "always_discard", "always_preserve", "prefix_cache_only"] = Field(
+        "off", description="what an agent turn that ends in a tool call does with its KV: min_waste chooses "
+        "preserve/swap/discard by least memory x time waste; the others are fixed policies for comparison")
+    retention_pin_fraction: float = Field(0.5, ge=0, le=1, description="KV capacity pinned sessions may hold")
+    retention_swap_tokens: int = Field(0, ge=0, description="tokens the swap tier holds (0: no swap)")
+    retention_swap_gbps: float = Field(8.0, gt=0, description="the swap tier's bandwidth, charged per transfer")
+    retention_ttl_max_s: float = Field(120.0, gt=0, description="longest a preserved session is kept")
 
 
 class RayConfig(_Section):
