@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from rollwise.engine.contract import Engine
+from rollwise.engine.retention import engine_retention
 from rollwise.engine.speculation import drafter_for
 
 if TYPE_CHECKING:
@@ -95,7 +96,8 @@ def create_engine(
                           drafter=drafter, **common)
     from rollwise.engine.reference import ReferenceEngine
 
-    return ReferenceEngine(hf_model, prefix_cache_tokens=prefix_cache_tokens, drafter=drafter, **common)
+    retention = engine_retention(engine, cfg.max_num_seqs * cfg.max_model_len)  # engine.retention (issue 21)
+    return ReferenceEngine(hf_model, prefix_cache_tokens=prefix_cache_tokens, drafter=drafter, **retention, **common)
 
 
 def describe_engine(engine: Any) -> str:
