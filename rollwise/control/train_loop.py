@@ -35,7 +35,7 @@ from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.observe.bubble import bubble_ratio
 from rollwise.observe.metrics import LoopMeter, MetricsLogger, StepTimes, loop_meter, read_metrics
 from rollwise.observe.plots import plot_rollout_timelines, plot_time_split, plot_training_curve
-from rollwise.observe.summary import render_summary
+from rollwise.observe.summary import render_summary, total_time_split
 from rollwise.protocols import RolloutBackend, RolloutControl, Trainer
 from rollwise.reward.batch import score_samples
 from rollwise.rollout.data import ProblemStream
@@ -461,6 +461,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
     }
     if meter is not None:  # MFU overall and per phase, idle core-seconds, FLOPs by phase, the peak
         summary.update(meter.run_metrics(summary["wall_time_s"]))
+    summary["time_split_s"] = total_time_split(records, evals, summary["wall_time_s"])  # adds up to the wall time
     summary["artifacts"]["time_split"] = plot_time_split(records, evals, summary, run_dir / "time_split.png").name
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     console.print(render_summary(summary, records))

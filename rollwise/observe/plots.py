@@ -7,6 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import matplotlib.ticker
+
+from rollwise.observe.summary import PHASES, time_split
 
 matplotlib.use("Agg")  # headless: no display on training machines
 import matplotlib.pyplot as plt  # noqa: E402
@@ -88,32 +91,6 @@ def plot_run_comparison(runs: dict[str, tuple[list[dict[str, Any]], list[dict[st
     return _save(fig, out)
 
 
-# Where a step's wall time goes, in the order the bars stack (bottom first).
-_PHASES = [("generate", "tab:blue"), ("reward", "tab:cyan"), ("train", "tab:orange"), ("weight_sync", "tab:red"),
-           ("eval", "tab:green"), ("other", "tab:gray")]
-
-
-def time_split(records: list[dict[str, Any]], evals: list[dict[str, Any]], wall_time_s: float
-               ) -> tuple[dict[str, float], list[dict[str, float]]]:
-    """(before the first step, then per step) seconds by phase. A step's share holds what ran after
-    it until the next step began: a mid-run or final evaluation ("eval"), checkpoints and the rest
-    ("other"); the start holds loading, engine start-up ("other") and the first evaluation."""
-    eval_s: dict[int, float] = {}
-    for e in evals:
-        eval_s[e["step"]] = eval_s.get(e["step"], 0.0) + e.get("eval_seconds", 0.0)
-    starts = [r["elapsed_s"] - r["time_step_s"] for r in records] + [wall_time_s]
-    first_step = records[0]["step"] - 1 if records else 0
-    before = eval_s.get(first_step, 0.0)
-    start = {"eval": before, "other": max(starts[0] - before, 0.0)}
-    steps = []
-    for i, r in enumerate(records):
-        gap = max(starts[i + 1] - r["elapsed_s"], 0.0)
-        after_eval = min(eval_s.get(r["step"], 0.0), gap)
-        steps.append({"generate": r["time_generate_s"], "reward": r["time_reward_s"], "train": r["time_train_s"],
-                      "weight_sync": r["time_weight_sync_s"], "eval": after_eval, "other": gap - after_eval})
-    return start, steps
-
-
 def plot_time_split(records: list[dict[str, Any]], evals: list[dict[str, Any]], summary: dict[str, Any],
                     out: Path) -> Path:
     """A stacked bar per step of where the wall time went (the start: loading and the first
@@ -121,24 +98,26 @@ def plot_time_split(records: list[dict[str, Any]], evals: list[dict[str, Any]], 
     start, steps = time_split(records, evals, summary["wall_time_s"])
     bars = [start] + steps
     labels = ["start"] + [str(r["step"]) for r in records]
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(bars) + 2), 4))
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.5 * len(bars) + 4), 4))
     bottom = [0.0] * len(bars)
-    for phase, color in _PHASES:
+    for phase, color in PHASES:
         heights = [b.get(phase, 0.0) for b in bars]
         ax.bar(labels, heights, bottom=bottom, color=color, label=phase.replace("_", " "))
         bottom = [b + h for b, h in zip(bottom, heights)]
     title = "where the wall time went"
     mfu = (summary.get("mfu") or {}).get("run")
     if mfu is not None:
-        title += f" (run MFU {mfu:.1%} of {summary['peak']['flops'] / 1e9:.0f} GFLOP/s {summary['peak']['source']} peak)"
-    ax.set(title=title, xlabel="step", ylabel="seconds")
+        title += f"\nrun MFU {mfu:.1%} of a {summary['peak']['flops'] / 1e9:,.0f} GFLOP/s {summary['peak']['source']} peak"
+    ax.set_title(title, fontsize=10)
+    ax.set(xlabel="step (its bar: the step, then what ran until the next step)", ylabel="seconds")
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.1, 1.0), fontsize=8)
     if any(r.get("mfu_step") is not None for r in records):
         twin = ax.twinx()
         twin.plot([str(r["step"]) for r in records], [r.get("mfu_step") or 0.0 for r in records], "k.-", label="step MFU")
         twin.set(ylabel="step MFU", ylim=(0, max(0.05, 1.2 * max(r.get("mfu_step") or 0.0 for r in records))))
-        twin.legend(loc="upper right", fontsize=8)
+        twin.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+        twin.legend(loc="lower left", bbox_to_anchor=(1.1, 0.0), fontsize=8)
     return _save(fig, out)
 
 

@@ -7,6 +7,39 @@ from typing import Any
 from rich.table import Table
 
 
+# Where a step's wall time goes, in the order the bars stack (bottom first).
+PHASES = [("generate", "tab:blue"), ("reward", "tab:cyan"), ("train", "tab:orange"), ("weight_sync", "tab:red"),
+           ("eval", "tab:green"), ("startup", "tab:brown"), ("other", "tab:gray")]
+
+
+def time_split(records: list[dict[str, Any]], evals: list[dict[str, Any]], wall_time_s: float
+               ) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """(before the first step, then per step) seconds by phase. A step's share holds what ran after
+    it until the next step began: a mid-run or final evaluation ("eval"), checkpoints and the rest
+    ("other"); the start holds loading and engine start-up ("startup") and the first evaluation."""
+    eval_s: dict[int, float] = {}
+    for e in evals:
+        eval_s[e["step"]] = eval_s.get(e["step"], 0.0) + e.get("eval_seconds", 0.0)
+    starts = [r["elapsed_s"] - r["time_step_s"] for r in records] + [wall_time_s]
+    first_step = records[0]["step"] - 1 if records else 0
+    before = eval_s.get(first_step, 0.0)
+    start = {"eval": before, "startup": max(starts[0] - before, 0.0)}
+    steps = []
+    for i, r in enumerate(records):
+        gap = max(starts[i + 1] - r["elapsed_s"], 0.0)
+        after_eval = min(eval_s.get(r["step"], 0.0), gap)
+        steps.append({"generate": r["time_generate_s"], "reward": r["time_reward_s"], "train": r["time_train_s"],
+                      "weight_sync": r["time_weight_sync_s"], "eval": after_eval, "other": gap - after_eval})
+    return start, steps
+
+
+def total_time_split(records: list[dict[str, Any]], evals: list[dict[str, Any]], wall_time_s: float
+                     ) -> dict[str, float]:
+    """Seconds of the whole run by phase (the sum of time_split's bars: it adds up to the wall time)."""
+    start, steps = time_split(records, evals, wall_time_s)
+    return {phase: sum(bar.get(phase, 0.0) for bar in [start, *steps]) for phase, _ in PHASES}
+
+
 def _pct(x: float | None) -> str:
     return "—" if x is None else f"{x:.1%}"
 
@@ -25,9 +58,11 @@ def render_summary(summary: dict[str, Any], records: list[dict[str, Any]]) -> Ta
         table.add_row("train reward (step)", f"{first['reward_mean']:.3f}", f"{last['reward_mean']:.3f}")
         table.add_row("response length", f"{first['response_len_mean']:.0f}", f"{last['response_len_mean']:.0f}")
         n = len(records)
-        time_split = {k: sum(r[f"time_{k}_s"] for r in records) for k in ("generate", "reward", "train", "weight_sync")}
-        total = sum(time_split.values()) or 1.0
-        table.add_row("time split", ", ".join(f"{k} {v / total:.0%}" for k, v in time_split.items()), "")
+        split = summary.get("time_split_s") or {
+            k: sum(r[f"time_{k}_s"] for r in records) for k in ("generate", "reward", "train", "weight_sync")}
+        total = sum(split.values()) or 1.0
+        table.add_row("time split", ", ".join(f"{k.replace('_', ' ')} {v / total:.0%}" for k, v in split.items()),
+                      "of the wall time" if "time_split_s" in summary else "of the steps")
         table.add_row("mean bubble ratio", f"{sum(r['bubble_ratio'] for r in records) / n:.2f}", "")
         table.add_row("staleness mean / max", f"{sum(r['staleness_mean'] for r in records) / n:.2f} / "
                       f"{max(r['staleness_max'] for r in records)}", "")
@@ -53,7 +88,7 @@ def _add_utilisation_rows(table: Table, summary: dict[str, Any]) -> None:
     table.add_row("MFU generate / train / eval",
                   " / ".join(_pct(mfu.get(k)) for k in ("generate", "train", "eval")),
                   " / ".join(f"{phase_s.get(k, 0.0):.0f}s" for k in ("generate", "train", "eval")))
-    table.add_row("model TFLOP (generate / train / eval)",
-                  " / ".join(f"{summary['flops'][k] / 1e12:.2f}" for k in ("generate", "train", "eval")), "")
+    table.add_row("model GFLOP generate / train / eval",
+                  " / ".join(f"{summary['flops'][k] / 1e9:,.1f}" for k in ("generate", "train", "eval")), "")
     table.add_row("idle core-seconds", f"{summary['idle_core_s']:.0f}",
                   f"{summary['idle_core_fraction']:.0%} of {summary['cores']} cores x wall")
