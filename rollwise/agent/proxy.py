@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def load_tokenizer(spec: str) -> Any:
     """The tokenizer of a model spec, without loading weights."""
-    if spec.startswith("tiny:"):
+    if spec.startswith(("tiny:", "tiny-moe:")):
         from rollwise.model.tiny import tiny_tokenizer
 
         return tiny_tokenizer()

