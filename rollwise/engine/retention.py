@@ -111,10 +111,10 @@ class RetentionLimits:
 RETENTION_MODES = ("off", "min_waste", "always_discard", "always_preserve", "prefix_cache_only")
 
 
-def engine_retention(engine_cfg: Any, capacity_tokens: int) -> dict[str, Any]:
-    """ReferenceEngine keywords for the run's engine section (`engine.retention*`; {} when off or absent).
-    The pin budget is a fraction of the engine's KV capacity (max_num_seqs x max_model_len)."""
-    mode = getattr(engine_cfg, "retention", "off")
+def engine_retention(engine_cfg: Any, capacity_tokens: int, mode: str | None = None) -> dict[str, Any]:
+    """ReferenceEngine keywords for the run's engine section (`engine.retention*`; {} when off or absent;
+    `mode` overrides engine.retention). The pin budget is a fraction of the KV capacity (slots x length)."""
+    mode = mode or getattr(engine_cfg, "retention", "off")
     if mode == "off":
         return {}
     if mode not in RETENTION_MODES:
