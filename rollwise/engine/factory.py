@@ -75,6 +75,7 @@ def create_engine(
     max_model_len: int | None = None,
     kv_cache_gib: int | None = None,
     enforce_eager: bool | None = None,
+    retention: str | None = None,
 ) -> Engine:
     """An engine holding its own copy of hf_model's current weights (the trainer keeps hf_model).
 
@@ -96,8 +97,9 @@ def create_engine(
                           drafter=drafter, **common)
     from rollwise.engine.reference import ReferenceEngine
 
-    retention = engine_retention(engine, cfg.max_num_seqs * cfg.max_model_len)  # engine.retention (issue 21)
-    return ReferenceEngine(hf_model, prefix_cache_tokens=prefix_cache_tokens, drafter=drafter, **retention, **common)
+    # engine.retention (issue 21); `retention` overrides it (rollwise serve engine --retention)
+    held = engine_retention(engine, cfg.max_num_seqs * cfg.max_model_len, retention)
+    return ReferenceEngine(hf_model, prefix_cache_tokens=prefix_cache_tokens, drafter=drafter, **held, **common)
 
 
 def describe_engine(engine: Any) -> str:
