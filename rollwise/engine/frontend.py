@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +34,9 @@ class Generation:
     aborting: set[str] = field(default_factory=set)
 
 
+RECENT_IDS = 4096
+
+
 class EngineFrontend:
     """Routes an EngineWorker's output to asyncio: finished samples by request id, and optionally
     each token as it is sampled. Everything but the two hand-offs runs on the event loop."""
@@ -47,6 +50,9 @@ class EngineFrontend:
         self._routes: dict[str, asyncio.Queue] = {}  # engine request id -> its HTTP request's events
         self._token_routes: dict[str, asyncio.Queue] = {}  # the subset that wants tokens as sampled
         self._public: dict[str, Generation] = {}
+        # Finished requests' engine ids by public id (the newest RECENT_IDS): POST /retain names a turn by
+        # the request_id /generate returned, the engine knows it by its own id (issue 21).
+        self._recent: OrderedDict[str, list[str]] = OrderedDict()
         self._stop = threading.Event()
         self._drain_thread: threading.Thread | None = None
         self._background: set[asyncio.Future] = set()
@@ -141,6 +147,9 @@ class EngineFrontend:
         """Forget a request; samples still running are aborted in the background (client gone)."""
         if self._public.get(gen.public_id) is gen:
             del self._public[gen.public_id]
+        self._recent[gen.public_id] = gen.engine_ids
+        while len(self._recent) > RECENT_IDS:
+            self._recent.popitem(last=False)
         for rid in gen.engine_ids:
             self._routes.pop(rid, None)
             self._token_routes.pop(rid, None)
@@ -162,6 +171,10 @@ class EngineFrontend:
         for completion in completions:
             self._deliver(completion)
         return len(completions)
+
+    def engine_ids_of(self, public_id: str) -> list[str]:
+        """The engine request ids of a finished request (public id as /generate returned it); [] if unknown."""
+        return list(self._recent.get(public_id, []))
 
     async def abort(self, public_id: str) -> int:
         gen = self._public.get(public_id)
