@@ -18,6 +18,9 @@ Endpoints (JSON unless noted):
     GET  /v1/models, /model_info (incl. the tokenizer fingerprint), /health, /metrics (Prometheus text)
     POST /pause, /resume, /abort {request_id}, /update_weights_from_disk {path, version}
     POST /flush_cache            empty the prefix cache (benchmarks compare routing policies from a cold cache)
+    POST /retain                 {session_id, request_id, tool_name, expected_latency_s}: that turn ended in a
+                                 tool call; preserve/swap/discard its KV, reported (rollwise.engine.retention)
+    POST /release_session        {session_id}: the session ended; release what the engine holds for it
 
 Request ids: the engine only ever sees fresh uuid ids, so clients cannot collide. The public id
 (a response's `id` / `request_id`, or a client's own `request_id` while no other request in flight
@@ -36,6 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from rollwise.engine.factory import describe_engine
+from rollwise.engine.retention import ReleaseSessionBody, RetainBody, RetentionRequest
 from rollwise.engine.service import EngineService
 from rollwise.engine.vllm_generate import add_vllm_generate_route
 from rollwise.model.loading import tokenizer_fingerprint
@@ -171,12 +175,25 @@ def create_app(engine: Any, tokenizer: Any, model_name: str,
             return held
         return {"flushed_tokens": await server.frontend.call(flush)}
 
+    @app.post("/retain", responses=error_responses(400, 413, 503))
+    async def retain(body: RetainBody) -> dict[str, Any]:
+        """The turn `request_id` ended in a tool call: the engine's decision (discard, 0 tokens, when the
+        turn is unknown or its KV is gone: the next turn recomputes, nothing is lost)."""
+        engine_id = (server.frontend.engine_ids_of(body.request_id) or [body.request_id])[0]
+        req = RetentionRequest(body.session_id, engine_id, body.tool_name, body.expected_latency_s)
+        return (await server.frontend.call(lambda e: e.retain(req))).as_dict()
+
+    @app.post("/release_session", responses=error_responses(400, 413, 503))
+    async def release_session(body: ReleaseSessionBody) -> dict[str, Any]:
+        held = await server.frontend.call(lambda e: e.release_session(body.session_id))
+        return {"session_id": body.session_id, "released": held}
+
     return app
 
 
 def build_engine(
     model: str, max_num_seqs: int, max_model_len: int | None, seed: int | None = None, prefix_cache_tokens: int = 0,
-    kind: str = "reference", kv_cache_gib: int = 2,
+    kind: str = "reference", kv_cache_gib: int = 2, retention: str = "off",
 ):
     """(engine, tokenizer) for a model spec, the way `rollwise train` builds its engine."""
     from rollwise.engine.factory import create_engine
@@ -188,7 +205,8 @@ def build_engine(
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
     engine = create_engine(kind, hf_model, tokenizer, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                            eos_token_ids=eos_ids, seed=seed, model_name=model, prefix_cache_tokens=prefix_cache_tokens,
-                           tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), kv_cache_gib=kv_cache_gib)
+                           tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), kv_cache_gib=kv_cache_gib,
+                           retention=retention)
     return engine, tokenizer
 
 
@@ -196,7 +214,7 @@ def serve(
     model: str, host: str = "127.0.0.1", port: int = 8000, max_num_seqs: int = 16,
     max_model_len: int | None = None, served_model_name: str | None = None, seed: int | None = None,
     log_level: str = "info", prefix_cache_tokens: int = 16384, engine_kind: str = "auto",
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, retention: str = "off",
 ) -> None:
     import uvicorn
 
@@ -209,7 +227,8 @@ def serve(
         raise ValueError(f"--max-model-len must be >= 2, got {max_model_len}")
     if prefix_cache_tokens < 0:
         raise ValueError(f"--prefix-cache-tokens must be >= 0 (0 disables the cache), got {prefix_cache_tokens}")
-    engine, tokenizer = build_engine(model, max_num_seqs, max_model_len, seed, prefix_cache_tokens, engine_kind)
+    engine, tokenizer = build_engine(model, max_num_seqs, max_model_len, seed, prefix_cache_tokens, engine_kind,
+                                     retention=retention)
     print(f"rollwise serve engine: {describe_engine(engine)}", flush=True)
     app = create_app(engine, tokenizer, served_model_name or model, max_request_bytes)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
