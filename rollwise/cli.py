@@ -156,6 +156,10 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefix-cache-tokens", type=int, default=16384, metavar="N",
                        help="engine: KV of up to N recent prompt/history tokens reused across requests "
                        "(0 disables) (default: %(default)s)")
+    serve.add_argument("--retention", default="off", metavar="MODE",
+                       choices=["off", "min_waste", "always_discard", "always_preserve", "prefix_cache_only"],
+                       help="reference engine: session KV across tool calls (POST /retain): off, min_waste, "
+                       "always_discard, always_preserve, prefix_cache_only (default: %(default)s)")
     serve.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024, metavar="N",
                        help="refuse request bodies over N bytes with 413, before reading them (default: %(default)s)")
     serve.add_argument("--log-level", default="info", metavar="LEVEL",
@@ -324,7 +328,7 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
             args.model, host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len, served_model_name=args.served_model_name, seed=args.seed,
             log_level=args.log_level, prefix_cache_tokens=args.prefix_cache_tokens, engine_kind=args.engine,
-            max_request_bytes=args.max_request_bytes,
+            max_request_bytes=args.max_request_bytes, retention=args.retention,
         )
     except ValueError as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
