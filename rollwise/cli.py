@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -228,6 +229,17 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from rollwise.config import load_config
 
     cfg = load_config(args.config, args.overrides)  # before the heavy imports: config typos fail fast
+    from rollwise.train.torchrun import launched_rank
+
+    launched = launched_rank(os.environ, cfg)
+    if launched is not None and launched.rank > 0:  # torchrun: rank 0 runs the training, this rank follows it
+        from rollwise.model.loading import load_model
+        from rollwise.train.torchrun import follow
+
+        model, tokenizer = load_model(cfg.model)
+        follow(launched, model, cfg, tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+               else tokenizer.eos_token_id)
+        return 0
     from rollwise.control.train_loop import train
 
     train(cfg, console)

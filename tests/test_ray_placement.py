@@ -138,7 +138,7 @@ def test_train_on_ray_cluster_end_to_end(ray_cluster, tmp_path):
     assert proc.returncode == 0, out[-6000:]
     assert "Traceback" not in proc.stderr, out[-6000:]
     # Where the actors run is printed.
-    assert "trainer actor on" in out and "2 engine actor(s)" in out and "reward actor(s) on" in out, out[-4000:]
+    assert "1 trainer actor(s)" in out and "2 engine actor(s)" in out and "reward actor(s) on" in out, out[-4000:]
     run_dir = tmp_path / "run"
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -228,6 +228,61 @@ def test_engine_actor_killed_mid_rollout_is_restarted_and_resynced(ray_cluster, 
     assert "killed_again" in seen, "the restarted engine got no requests in the next step"
     assert not fleet.slots[victim].alive and fleet.slots[1 - victim].alive
     assert summary["engines_alive"] == 1
+
+
+def _cli(config: Path, tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "ROLLWISE_CACHE": str(tmp_path / "rollwise-cache")}
+    script = Path(sys.executable).parent / "rollwise"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "rollwise.cli"]
+    return subprocess.run(cmd + ["train", "--config", str(config), *overrides], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_two_trainer_rank_actors_train_then_a_killed_rank_fails_clearly_and_resume_continues(ray_cluster, tmp_path):
+    """`ray.trainer_ranks=2`: the sharded trainer as two Ray actors forming one gloo group (issue 18
+    item 5). The run trains and checkpoints sharded (dcp/); a rank actor killed mid-step fails the
+    run with an error naming the rank and the resume command; `checkpoint.resume=auto` continues."""
+    config = _config(tmp_path, ray_cluster, mode="sync", steps=2)
+    ranks = ["ray.trainer_ranks=2", "ray.num_engines=1"]  # 2 x 0.5 CPU trainers + 0.5 engine + 0.25 reward
+    proc = _cli(config, tmp_path, *ranks)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "2 trainer actor(s)" in out, out[-4000:]
+    run_dir = tmp_path / "run"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in records] == [1, 2]
+    assert all(r["trainer_rank_token_imbalance"] >= 1.0 for r in records)  # the step ran on the ranks
+    assert (run_dir / "checkpoints" / "step_000002" / "dcp").is_dir()  # every rank's shard
+    _check_ledger(json.loads((run_dir / "summary.json").read_text()), steps=2)
+
+    # Rank 1's actor killed during step 3's train step (the commands are out, rank 0 waits in a collective).
+    from rollwise.control.ray_trainer_ranks import RayRankGroup
+    from rollwise.train.rank_group import TrainerRankError
+
+    get, killed = RayRankGroup._get, []
+
+    def kill_rank_1_mid_step(group, refs, what):
+        if what == "train" and not killed:
+            time.sleep(0.2)
+            killed.append(True)
+            ray.kill(group.actors[1], no_restart=True)
+        return get(group, refs, what)
+
+    cfg = load_config(config, [*ranks, "train.steps=4", "checkpoint.resume=auto"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RayRankGroup, "_get", kill_rank_1_mid_step)
+        mp.chdir(tmp_path)
+        with pytest.raises(TrainerRankError, match=r"trainer rank 1 \(a Ray actor\) died during train.*"
+                                                   r"checkpoint.resume=auto"):
+            train(cfg)
+    assert killed
+
+    proc = _cli(config, tmp_path, *ranks, "train.steps=4", "checkpoint.resume=auto")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in records][-2:] == [3, 4]
 
 
 # ---------------------------------------------------------------- the engine actor's own class, no cluster

@@ -218,6 +218,32 @@ def test_train_loop_with_two_ranks(setup, tmp_path):
     assert any(r["trained_tokens"] > 0 for r in records)
     assert summary is not None and (out / "checkpoints" / "step_000002" / "dcp").is_dir()
 
+    # The same run with torchrun starting the two ranks (rank 0 drives, rank 1 follows): the same
+    # steps on the same samples, so the same losses and the same final weights.
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    out2 = tmp_path / "run_torchrun"
+    cfg2 = _write_config(tmp_path / "c2.yaml", task_path, str(model_dir), out2, steps=2, every=2)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "NO_COLOR": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "-m", "rollwise.cli", "train", "--config", str(cfg2), "trainer.world_size=2"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    records2 = [json.loads(line) for line in (out2 / "metrics.jsonl").read_text().splitlines()]
+    assert [r["trained_tokens"] for r in records2] == [r["trained_tokens"] for r in records]
+    for a, b in zip(records, records2):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(a["loss"])), (a["loss"], b["loss"])
+    final = {n: t for f in (out / "checkpoints" / "step_000002" / "model").glob("*.safetensors")
+             for n, t in load_file(f).items()}
+    final2 = {n: t for f in (out2 / "checkpoints" / "step_000002" / "model").glob("*.safetensors")
+              for n, t in load_file(f).items()}
+    assert final.keys() == final2.keys()
+    for name, tensor in final.items():
+        torch.testing.assert_close(final2[name], tensor, rtol=0, atol=1e-6, msg=name)
+
 
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (a rank idle at its pipe uses none)."""
@@ -303,11 +329,12 @@ def test_bench_trainer_quick_runs_and_two_ranks_halve_the_training_state():
     assert format_trainer_bench(result).row_count == 2
 
 
-def test_torchrun_launched_processes_are_refused_before_ranks_start(monkeypatch):
-    """Under torchrun every process would spawn its own N ranks: refused with what to run instead."""
+def test_spawning_ranks_inside_a_torchrun_process_is_refused(monkeypatch):
+    """Under torchrun, ShardedTrainer(model, ...) would spawn N ranks in every process: refused,
+    naming the ways that work (`rollwise train` under torchrun joins the launched ranks instead)."""
     from rollwise.train.rank_group import TrainerRankError
 
     for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}.items():
         monkeypatch.setenv(key, value)
-    with pytest.raises(TrainerRankError, match=r"torchrun.*rollwise train trainer.world_size=N.*without torchrun"):
+    with pytest.raises(TrainerRankError, match=r"torchrun.*--nproc-per-node=N -m rollwise.cli train trainer.world_size=N.*without torchrun"):
         ShardedTrainer(tiny_llama(seed=3), _cfg(), TrainerConfig(world_size=2, device="cpu"), pad_token_id=0)

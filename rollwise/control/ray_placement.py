@@ -39,8 +39,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rollwise.config import ConfigError, RunConfig, dump_config
 from rollwise.control.ray_engine_actor import engine_actor_class
 from rollwise.control.ray_fleet import RayEngineFleet, _get_all, _log
+from rollwise.control.ray_trainer_ranks import RayRankGroup, TrainerRankActor
 from rollwise.rollout.types import Sample
 from rollwise.sync.buckets import WeightUpdate
+from rollwise.train.sharded import ShardedTrainer
 
 # Called with every fleet place_on_ray creates (tests use it to kill actors mid-rollout).
 FLEET_HOOKS: list[Any] = []
@@ -80,12 +82,13 @@ class RaySession:
         self.cfg = cfg
         rc = cfg.ray
         self.owns_ray = False
-        # Bundles: engines first (index i = engine i), then the trainer, then the reward workers.
+        # Bundles: engines first (index i = engine i), then the trainer ranks, then the reward workers.
         self.engine_bundles = list(range(rc.num_engines))
-        self.trainer_bundle = rc.num_engines
-        self.reward_bundles = [rc.num_engines + 1 + i for i in range(rc.reward_workers)]
+        self.trainer_bundles = [rc.num_engines + i for i in range(rc.trainer_ranks)]
+        self.reward_bundles = [rc.num_engines + rc.trainer_ranks + i for i in range(rc.reward_workers)]
         bundles = ([_bundle(rc.engine_cpus, rc.engine_gpus)] * rc.num_engines
-                   + [_bundle(rc.trainer_cpus, rc.trainer_gpus)] + [_bundle(rc.reward_cpus, 0)] * rc.reward_workers)
+                   + [_bundle(rc.trainer_cpus, rc.trainer_gpus)] * rc.trainer_ranks
+                   + [_bundle(rc.reward_cpus, 0)] * rc.reward_workers)
         demand = {k: sum(b.get(k, 0.0) for b in bundles) for k in ("CPU", "GPU")}
         if not ray.is_initialized():
             env = {k: v for k, v in os.environ.items() if k.startswith("ROLLWISE_")}
@@ -111,10 +114,10 @@ class RaySession:
             raise ConfigError(
                 "the Ray cluster is too small for this run: it needs " + ", ".join(
                     f"{need:g} {k} (the cluster has {have:g})" for k, (need, have) in short.items())
-                + f" for {rc.num_engines} engines x ({rc.engine_cpus:g} CPU, {rc.engine_gpus:g} GPU), the trainer "
-                f"({rc.trainer_cpus:g} CPU, {rc.trainer_gpus:g} GPU) and {rc.reward_workers} reward workers x "
+                + f" for {rc.num_engines} engines x ({rc.engine_cpus:g} CPU, {rc.engine_gpus:g} GPU), {rc.trainer_ranks} "
+                f"trainer rank(s) x ({rc.trainer_cpus:g} CPU, {rc.trainer_gpus:g} GPU) and {rc.reward_workers} reward workers x "
                 f"{rc.reward_cpus:g} CPU: lower ray.engine_cpus / ray.trainer_cpus / ray.reward_cpus / ray.num_engines "
-                "(fractions are fine), or add nodes"
+                "/ ray.trainer_ranks (fractions are fine), or add nodes"
             )
         self.pg = placement_group(bundles, strategy=rc.placement_strategy, name="")
         try:
@@ -128,7 +131,8 @@ class RaySession:
                 "ray.trainer_cpus / ray.reward_cpus / ray.num_engines, or add nodes"
             ) from None
         self.actors: list[Any] = []
-        self.trainer: RayTrainer | None = None
+        self.trainer: RayTrainer | ShardedTrainer | None = None
+        self.trainer_ready: Callable[[], list[dict]] | None = None  # waits for the trainer's actors
         self.scorer: Any = None  # rollwise.control.ray_reward.RayScorer
         self.closed = False
 
@@ -239,16 +243,37 @@ class RayTrainer:
         return state
 
 
-def start_trainer(cfg: RunConfig, *, fingerprint: str) -> RayTrainer:
-    """The trainer actor (in the run's placement group), behind a proxy the loop drives like GRPOTrainer.
-    Not awaited here: it starts while the reward and engine actors start (place_on_ray waits for all)."""
+def start_trainer(cfg: RunConfig, *, fingerprint: str, tokenizer: Any = None) -> RayTrainer | ShardedTrainer:
+    """The trainer actor(s) (in the run's placement group), behind a Trainer the loop drives like
+    GRPOTrainer: one TrainerActor, or with ray.trainer_ranks=N a ShardedTrainer over N rank actors
+    (rollwise.control.ray_trainer_ranks; `tokenizer` is saved with its checkpoints). A single actor
+    is not awaited here: it starts while the reward and engine actors start (place_on_ray waits for
+    all); rank actors must join their process group before the trainer can answer, so they are."""
     s = session(cfg)
+    if cfg.ray.trainer_ranks > 1:
+        return _start_rank_actors(s, cfg, fingerprint, tokenizer)
     actor = ray.remote(TrainerActor).options(
         num_cpus=cfg.ray.trainer_cpus, num_gpus=cfg.ray.trainer_gpus, max_restarts=0,
-        scheduling_strategy=s.strategy(s.trainer_bundle),
+        scheduling_strategy=s.strategy(s.trainer_bundles[0]),
     ).remote(dump_config(cfg), fingerprint)
     s.actors.append(actor)
-    s.trainer = RayTrainer(actor)
+    trainer = RayTrainer(actor)
+    s.trainer = trainer
+    s.trainer_ready = lambda: _get_all([trainer.info_ref], cfg.ray.start_timeout_s, "the trainer actor to start")
+    return trainer
+
+
+def _start_rank_actors(s: RaySession, cfg: RunConfig, fingerprint: str, tokenizer: Any) -> ShardedTrainer:
+    n = cfg.ray.trainer_ranks
+    actors = [ray.remote(TrainerRankActor).options(
+        num_cpus=cfg.ray.trainer_cpus, num_gpus=cfg.ray.trainer_gpus, max_restarts=0, max_task_retries=0,
+        scheduling_strategy=s.strategy(bundle),
+    ).remote(dump_config(cfg), fingerprint, rank, n) for rank, bundle in enumerate(s.trainer_bundles)]
+    s.actors += actors
+    group = RayRankGroup(actors, timeout_s=cfg.ray.start_timeout_s)
+    infos = group.join()
+    s.trainer = ShardedTrainer.over(group, cfg.train, tokenizer=tokenizer)
+    s.trainer_ready = lambda: infos
     return s.trainer
 
 
@@ -275,9 +300,10 @@ def place_on_ray(cfg: RunConfig, *, fingerprint: str, eos_ids: list[int] | None,
     try:
         fleet = RayEngineFleet(actors, s.engine_bundles, initial=initial, max_restarts=rc.max_restarts,
                                restart_timeout_s=rc.restart_timeout_s, start_timeout_s=rc.start_timeout_s)
-        if s.trainer is not None:
-            info = _get_all([s.trainer.info_ref], rc.start_timeout_s, "the trainer actor to start")[0]
-            _log(f"trainer actor on {_where(info)} ({rc.trainer_cpus:g} CPU, {rc.trainer_gpus:g} GPU)")
+        if s.trainer_ready is not None:
+            infos = s.trainer_ready()
+            _log(f"{len(infos)} trainer actor(s) ({rc.trainer_cpus:g} CPU, {rc.trainer_gpus:g} GPU each) on "
+                 + ", ".join(_where(i) for i in infos))
         if s.scorer is not None:
             infos = _get_all(s.scorer.info_refs, rc.start_timeout_s, "the reward actors to start")
             _log(f"{len(infos)} reward actor(s) on " + ", ".join(_where(i) for i in infos))

@@ -30,11 +30,14 @@ class RankSpec:
 
     rank: int
     world_size: int
-    port: int  # the TCP store on 127.0.0.1
+    port: int  # the TCP store on `host` (rank 0's node)
     device: Literal["cpu", "cuda"]
     threads: int  # torch CPU threads of this rank (the machine's cores split between ranks)
     mixed_precision: Literal["none", "bf16"] = "none"
     cpu_offload: bool = False
+    host: str = "127.0.0.1"  # rank 0's node: loopback for local ranks, its address for Ray actors
+    local_rank: int | None = None  # the device index on this node (None: `rank`, one node)
+    from_env: bool = False  # a launcher (torchrun) started this rank: join with its env:// rendezvous
     # A collective waiting longer than this fails the rank: the backstop for a peer that hangs (a
     # peer that dies is seen at once by the controller, which watches every rank's process). Long
     # enough for rank 0 to write a full checkpoint while the others wait at the barrier.
@@ -57,12 +60,15 @@ def init_rank(spec: RankSpec) -> torch.device:
     """Join the process group; returns this rank's device. (Untested on CUDA/NCCL: no GPU here.)"""
     torch.set_num_threads(max(spec.threads, 1))
     if spec.device == "cuda":
-        torch.cuda.set_device(spec.rank)
-        device = torch.device("cuda", spec.rank)
+        index = spec.rank if spec.local_rank is None else spec.local_rank
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
     else:
         device = torch.device("cpu")
+    # env://: torchrun's agent hosts the store at MASTER_ADDR:MASTER_PORT (rank 0 must not bind it).
+    init_method = "env://" if spec.from_env else f"tcp://{spec.host}:{spec.port}"
     dist.init_process_group("nccl" if spec.device == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{spec.port}", rank=spec.rank,
+                            init_method=init_method, rank=spec.rank,
                             world_size=spec.world_size, timeout=timedelta(seconds=spec.timeout_s))
     return device
 

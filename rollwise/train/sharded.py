@@ -3,15 +3,16 @@
 `ShardedTrainer` (this process, the controller side) implements rollwise.protocols.Trainer and
 speaks for the group. It starts the ranks itself (torch.multiprocessing, spawn), one process per
 rank, each holding 1/N of the parameters, gradients and optimizer state (rollwise.train.rank).
-Ranks launched by torchrun are not joined (yet): a torchrun-started process is refused, naming
-`rollwise train trainer.world_size=N` (no launcher) as the way to run N ranks.
+The same trainer drives ranks started elsewhere through `ShardedTrainer.over(group)`: Ray actors
+(rollwise.control.ray_trainer_ranks) or torchrun-launched processes (rollwise.train.torchrun).
 
 A train step is exact: the controller weighs every trained token against the global batch (the
 token or sequence count over all ranks), then deals the micro-batches to the ranks balanced by
 token count; each rank runs GRPOTrainer's update on its share, and FSDP2 sums the gradients.
 Ranks with fewer micro-batches run zero-weight repeats, since every rank must run as many forwards
-as the others (FSDP's collectives). The weights come back gathered bucket by bucket (rank 0 never
-holds more than one bucket of full tensors) and leave through the one checked weight path.
+as the others (FSDP's collectives). The full weights come back through the group (local ranks write
+their shards into shared memory; remote ranks all-gather a bucket at a time, so no rank holds more
+than one bucket of full tensors) and leave through the one checked weight path.
 """
 
 from __future__ import annotations
@@ -173,14 +174,15 @@ class ShardedTrainer:
 
 
 def refuse_torchrun(env: Mapping[str, str]) -> None:
-    """Ranks launched by torchrun (RANK/WORLD_SIZE/MASTER_ADDR set) are not joined yet: each process
-    would start its own N ranks. Refused before any rank starts, saying what works instead."""
+    """`ShardedTrainer(model, ...)` starts N rank processes: in a launcher-started process (torchrun:
+    RANK/WORLD_SIZE set) every process would start N more. Refused, naming the two ways that work."""
     launched = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR") if k in env]
     if launched and int(env.get("WORLD_SIZE", "1")) > 1:
         raise TrainerRankError(
-            f"this process was started by torchrun (or another launcher: {', '.join(launched)} set), but "
-            "rollwise starts the trainer ranks itself: run `rollwise train trainer.world_size=N` once, "
-            "without torchrun (joining torchrun-launched ranks is not supported yet)")
+            f"this process was started by torchrun (or another launcher: {', '.join(launched)} set), and "
+            "ShardedTrainer(model, ...) would start its own ranks in every one of them: run `torchrun "
+            "--nproc-per-node=N -m rollwise.cli train trainer.world_size=N` (rank 0 drives, the others follow: "
+            "rollwise.train.torchrun), or `rollwise train trainer.world_size=N` without torchrun")
 
 
 def _imbalance(tokens: list[float]) -> float:

@@ -8,6 +8,7 @@ holds these and never asks which placement made them (rollwise.protocols).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from rollwise.rollout.types import Sample
 from rollwise.sync.senders import WeightSender
 from rollwise.tasks import Problem, Task
 from rollwise.train.sharded import ShardedTrainer
+from rollwise.train.torchrun import TorchrunRankGroup, launched_rank
 from rollwise.train.trainer import GRPOTrainer
 
 # Scores a complete group's samples in place (reward).
@@ -88,6 +90,10 @@ def local_trainer(req: PlaceRequest) -> GRPOTrainer | ShardedTrainer:
     tok = req.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     if req.cfg.trainer.world_size > 1:
+        launched = launched_rank(os.environ, req.cfg)
+        if launched is not None:  # torchrun started the ranks: this process is rank 0, the others follow
+            group = TorchrunRankGroup(launched, req.model, req.cfg, pad_id)
+            return ShardedTrainer.over(group, req.cfg.train, tokenizer=tok)
         return ShardedTrainer(req.model, req.cfg.train, req.cfg.trainer, pad_token_id=pad_id,
                               temperature=req.cfg.rollout.temperature or 1.0, tokenizer=tok,
                               threads=req.cfg.threads)

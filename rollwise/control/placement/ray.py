@@ -12,7 +12,7 @@ from rollwise.sync.senders import ObjectStoreSender
 
 def place_ray(req: PlaceRequest) -> Placement:
     cfg = req.cfg
-    trainer = start_trainer(cfg, fingerprint=req.fingerprint)  # starts while the others start
+    trainer = start_trainer(cfg, fingerprint=req.fingerprint, tokenizer=req.tokenizer)
     try:
         resumed = resume(trainer, req)
         score = start_reward_workers(cfg)
