@@ -7,6 +7,7 @@
     rollwise bench sync [--quick] [--json PATH]       weight transports (in-process, files, gloo) vs memcpy
     rollwise bench speculation [--quick] [--json PATH] rollouts with / without drafts from rollout history
     rollwise bench trainer [--quick] [--json PATH]    1 trainer rank vs 2 FSDP2 ranks: tokens/s, MFU, memory/rank, push
+    rollwise bench loop [--quick] [--json PATH]       the default `rollwise train`: wall, samples/s, MFU, idle cores
     rollwise compare RUN_DIR RUN_DIR ... [--out PNG]  reward vs wall time and vs samples, runs side by side
     rollwise serve engine [--model SPEC] [--host 127.0.0.1] [--port 8000] [--max-num-seqs N] [--max-model-len N]
                                                      the engine over HTTP: OpenAI-compatible completions,
@@ -84,7 +85,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Benchmarks print a table; --json writes machine-readable results. --quick finishes in < 1 min.",
     )
     bench.add_argument(
-        "name", choices=["engine", "rollout", "sync", "router", "sandbox", "mux", "speculation", "trainer"],
+        "name", choices=["engine", "rollout", "sync", "router", "sandbox", "mux", "speculation", "trainer", "loop"],
         help="router: routing policies (round robin ... prefix-aware) side by side on real tiny-model replicas and "
         "64 simulated ones (prefix hit rate, prefill tokens, p50/p99 latency, load imbalance); "
         "sandbox: create/exec/fork/destroy latency (p50/p99) and how many concurrent sandboxes this machine holds; "
@@ -97,7 +98,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "speculation: GRPO rollouts with and without drafts from rollout history on the reference engine "
         "(wall and tail time ratio, acceptance); trainer: one GRPO batch through 1 trainer rank (2 threads) and 2 "
         "FSDP2 ranks (1 thread each): trained tokens/s, MFU vs a measured matmul peak, memory per rank, weight "
-        "gather+push time (--quick: a tiny model)",
+        "gather+push time (--quick: a tiny model); loop: the default `rollwise train` run end to end: wall time, "
+        "samples/s, model-FLOPs utilisation (run and per phase) against this machine's matmul peak, idle "
+        "core-seconds, held-out accuracy (--quick: 2 steps of half the batch; --model overrides the config's model "
+        "only when given)",
     )
     bench.add_argument("--quick", action="store_true", help="small workload (< 1 minute on 2 CPU cores)")
     bench.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
@@ -274,6 +278,16 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
             result = run_mux_bench(quick=args.quick)
         result["command"] = " ".join(["rollwise"] + sys.argv[1:])
         console.print(format_mux_bench(result))
+        write_json(args.json, result, console)
+        return 0
+    if args.name == "loop":  # the default config, as `rollwise train` runs it
+        from rollwise.bench.loop import format_loop_bench, run_loop_bench
+
+        # --model has a default for the other benchmarks; here only a given one overrides the config's
+        explicit_model = any(a == "--model" or a.startswith("--model=") for a in sys.argv)
+        result = run_loop_bench(quick=args.quick, model=args.model if explicit_model else None, console=console)
+        result["command"] = " ".join(["rollwise"] + sys.argv[1:])
+        console.print(format_loop_bench(result))
         write_json(args.json, result, console)
         return 0
     if args.name == "trainer":  # --quick: a tiny model built in code instead of --model
