@@ -120,9 +120,11 @@ class EngineFrontend:
             raise APIError(503, f"the engine is not running: {exc}", kind="server_error") from exc
 
     async def submit(
-        self, public_id: str, units: list[tuple[list[int], SamplingParams]], stream_tokens: bool
+        self, public_id: str, units: list[tuple[list[int], SamplingParams]], stream_tokens: bool,
+        adapter: str | None = None,
     ) -> Generation:
-        """Add one engine request per (prompt ids, params) unit, under fresh uuid request ids."""
+        """Add one engine request per (prompt ids, params) unit, under fresh uuid request ids; `adapter`:
+        the loaded LoRA adapter they run with (None: the engine's default policy)."""
         if public_id in self._public:
             raise APIError(409, f"request_id {public_id!r} is already in flight; use another one", "request_id")
         gen = Generation(public_id, [uuid.uuid4().hex for _ in units], [params.n for _, params in units])
@@ -132,7 +134,8 @@ class EngineFrontend:
             self._routes[rid] = gen.queue
             if stream_tokens:
                 self._token_routes[rid] = gen.queue
-        requests = [GenerationRequest(rid, ids, params) for rid, (ids, params) in zip(gen.engine_ids, units)]
+        requests = [GenerationRequest(rid, ids, params, adapter=adapter)
+                    for rid, (ids, params) in zip(gen.engine_ids, units)]
         try:
             await self.call(lambda engine: add_all(engine, requests))
         except ValueError as exc:  # the engine's own checks (the handlers check first, naming fields)

@@ -108,8 +108,12 @@ def create_app(engine: Any, tokenizer: Any, model_name: str,
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
-                                            "owned_by": "rollwise", "max_model_len": engine.max_model_len}]}
+        base = {"id": model_name, "object": "model", "created": server.created, "owned_by": "rollwise",
+                "max_model_len": engine.max_model_len}
+        # Loaded LoRA adapters, as vLLM lists them: their own id, the base model as parent.
+        adapters = [{**base, "id": name, "parent": model_name, "policy_version": version}
+                    for name, version in sorted(server.adapters().items())]
+        return {"object": "list", "data": [base, *adapters]}
 
     @app.get("/model_info")
     async def model_info() -> dict[str, Any]:

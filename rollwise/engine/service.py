@@ -60,10 +60,20 @@ class EngineService:
 
     # ------------------------------------------------------------ checks shared by the endpoints
 
+    def adapters(self) -> dict[str, int]:
+        """The LoRA adapters the engine serves (name -> version); requests name one as their `model`."""
+        loaded = getattr(self.engine, "loaded_adapters", None)
+        return dict(loaded()) if callable(loaded) else {}
+
+    def adapter_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model / default policy)."""
+        return None if model is None or model == self.model_name else model
+
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"model {model!r} is not served here; this server serves {self.model_name!r}",
-                           "model", kind="not_found_error")
+        if model is not None and model != self.model_name and model not in self.adapters():
+            served = ", ".join([repr(self.model_name), *map(repr, sorted(self.adapters()))])
+            raise APIError(404, f"model {model!r} is not served here; this server serves {served} "
+                                "(a LoRA adapter is named after its push)", "model", kind="not_found_error")
 
     def check_prompt(self, ids: list[int], name: str) -> list[int]:
         if not ids:
@@ -158,7 +168,8 @@ class EngineService:
         else:
             units = [(ids, params) for ids in prompts]
         public_id = body.request_id or f"{prefix}-{uuid.uuid4().hex}"
-        gen = await self.frontend.submit(public_id, units, stream_tokens=stream or bool(stops))
+        gen = await self.frontend.submit(public_id, units, stream_tokens=stream or bool(stops),
+                                         adapter=self.adapter_of(getattr(body, "model", None)))
         detok = self.detok if decode else None
         ordered = [Sample(p * n + i, ids, detok, stops) for p, ids in enumerate(prompts) for i in range(n)]
         if split:
