@@ -157,6 +157,17 @@ def create_app(config: RouterConfig, tokenizer: Any | None = None) -> FastAPI:
     async def abort(request: Request) -> JSONResponse:
         return await router.abort(await request.body())
 
+    # Session KV retention (issue 21): a session's turns already stick to one replica (session affinity);
+    # /retain and /release_session go to every healthy replica and the one holding the turn answers with
+    # what it kept (the others know no such turn and report discard, 0 tokens).
+    @app.post("/retain", responses=errors(400, 401, 413, 503), openapi_extra=JSON_OBJECT_BODY)
+    async def retain(request: Request) -> JSONResponse:
+        return _held_answer(await router.fan_out("/retain", await request.body()), "tokens")
+
+    @app.post("/release_session", responses=errors(400, 401, 413, 503), openapi_extra=JSON_OBJECT_BODY)
+    async def release_session(request: Request) -> JSONResponse:
+        return _held_answer(await router.fan_out("/release_session", await request.body()), "released")
+
     @app.post("/update_weights_from_disk", responses=errors(400, 401, 404, 409, 413, 502),
               openapi_extra=JSON_OBJECT_BODY)
     async def update_weights(request: Request) -> dict[str, Any]:
@@ -166,6 +177,17 @@ def create_app(config: RouterConfig, tokenizer: Any | None = None) -> FastAPI:
     app.add_middleware(AuthAndMetrics, router=router)
     app.add_middleware(RequestSizeLimit, max_bytes=config.max_request_bytes, option="--max-request-bytes")
     return app
+
+
+def _held_answer(results: dict[str, Any], key: str) -> JSONResponse:
+    """The replicas' answers to a retention call: the one that holds most (by `key`); a 400 as it came."""
+    answers = [r for r in results.values() if r.get("status") is not None]
+    if not answers:
+        raise RouterError(503, "no replica answered", kind="server_error", code="no_healthy_replica", retry_after=1)
+    ok = [r["body"] for r in answers if r["status"] == 200 and isinstance(r["body"], dict)]
+    if not ok:
+        return JSONResponse(answers[0]["body"], answers[0]["status"])
+    return JSONResponse(max(ok, key=lambda body: body.get(key) or 0))
 
 
 def _is_loopback(host: str) -> bool:
