@@ -301,6 +301,17 @@ class RunConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _lora_placement(self) -> RunConfig:
+        """train.lora pushes adapters, which the in-process engines load (rollwise.sync.adapters); the
+        object-store sender, the sharded trainer and the pool's HTTP upload carry full weights only so far."""
+        if self.train.lora is None:
+            return self
+        if self.trainer.world_size > 1 or self.placement == "ray" or self.pool.url:
+            raise ValueError("train.lora runs with placement=local, trainer.world_size=1 and no pool.url for now "
+                             "(adapter-only sync reaches in-process engines only): unset train.lora, or use those")
+        return self
+
+    @model_validator(mode="after")
     def _one_engine_source(self) -> RunConfig:
         if self.pool.url and self.placement == "ray":
             raise ValueError("pool.url attaches to a shared engine pool, placement=ray starts engine actors: "
