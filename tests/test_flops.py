@@ -132,9 +132,17 @@ def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
     cache = tmp_path / "matmul_peak.json"
     entries = json.loads(cache.read_text())
     (key,) = entries
-    entries[key]["flops"] = 123.0  # a second call must read this back instead of measuring
+    # Measured on a calm machine: a second call reads it back instead of measuring.
+    entries[key] = {"peak": {**entries[key]["peak"], "flops": 123.0}, "load_1m": 0.0}
     cache.write_text(json.dumps(entries))
     assert machine_peak(torch.float32, device="cpu").flops == 123.0
+    # Measured on a machine busier than this one is now: measured again, and the higher one kept.
+    entries[key]["load_1m"] = 1e6
+    cache.write_text(json.dumps(entries))
+    assert machine_peak(torch.float32, device="cpu").flops > 1e8
+    assert json.loads(cache.read_text())[key]["peak"]["flops"] > 1e8
+    cache.write_text("{not json")  # damaged: measured again, not a crash
+    assert machine_peak(torch.float32, device="cpu").flops > 1e8
     assert machine_peak(torch.float32, device="cpu", remeasure=True).flops > 1e8
 
 

@@ -3,8 +3,9 @@
 On a CPU it is measured: the best of a few large matrix multiplies in the model's dtype on every
 core this process may use. A measurement takes about a second, so it is made once and cached
 (JSON under $ROLLWISE_CACHE, else ~/.cache/rollwise) keyed by CPU model, core count, dtype and
-torch version. Measure on an idle machine: a busy one gives a low peak (and a flattering MFU);
-delete the cache file, or call machine_peak(remeasure=True), to measure again.
+torch version. A busy machine gives a low peak (and a flattering MFU): a peak measured under load
+is measured again when a run starts on a calmer machine, the higher kept; delete the cache file,
+or call machine_peak(remeasure=True), to measure afresh.
 
 On CUDA GPUs the peak is the datasheet's dense tensor-core figure for the device (by name), and
 measured like a CPU's when the device is not in the table.
@@ -99,27 +100,43 @@ def datasheet_peak(device_name: str, dtype: torch.dtype) -> float | None:
 
 
 def _cpu_peak(dtype: torch.dtype, remeasure: bool) -> Peak:
+    """Cached per CPU model, cores, dtype and torch version. A peak measured on a busy machine (the
+    1-minute load average then above a quarter of the cores) is measured again when a later run
+    starts on a calmer one, and the higher of the two is kept: other work only ever lowers a peak."""
     cores, name = usable_cores(), _cpu_name()
     key = f"cpu|{name}|{cores}|{dtype}|torch {torch.__version__}"
     path = cache_dir() / "matmul_peak.json"
     cached = _read_cache(path)
-    if key in cached and not remeasure:
-        try:
-            return Peak(**cached[key])
-        except TypeError:
-            pass  # written by another version of this file: measure again
+    entry = _valid_entry(cached.get(key))
+    load = os.getloadavg()[0]
+    if entry is not None and not remeasure:
+        busy_then = entry["load_1m"] > 0.25 * cores
+        if not (busy_then and load < entry["load_1m"]):
+            return Peak(**entry["peak"])
     before = torch.get_num_threads()
     torch.set_num_threads(cores)  # the machine's peak: every core at once
     try:
         peak = Peak(measure_matmul("cpu", dtype), "measured", name, str(dtype).removeprefix("torch."), cores)
     finally:
         torch.set_num_threads(before)
-    cached[key] = asdict(peak)
+    if entry is not None and not remeasure and entry["peak"]["flops"] > peak.flops:
+        return Peak(**entry["peak"])  # the busy machine's measurement was still the higher one
+    cached[key] = {"peak": asdict(peak), "load_1m": load}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(cached, indent=2))
     tmp.replace(path)  # atomic: two runs starting together never read half a file
     return peak
+
+
+def _valid_entry(entry: object) -> dict | None:
+    """A cache entry this version wrote, or None (absent, damaged, or from another version)."""
+    try:
+        Peak(**entry["peak"])  # type: ignore[index]
+        float(entry["load_1m"])  # type: ignore[index]
+        return entry  # type: ignore[return-value]
+    except (TypeError, KeyError, ValueError):
+        return None
 
 
 def _read_cache(path: Path) -> dict[str, dict]:
