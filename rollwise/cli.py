@@ -85,7 +85,8 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Benchmarks print a table; --json writes machine-readable results. --quick finishes in < 1 min.",
     )
     bench.add_argument(
-        "name", choices=["engine", "rollout", "sync", "router", "sandbox", "mux", "speculation", "trainer", "loop"],
+        "name", choices=["engine", "rollout", "sync", "router", "sandbox", "mux", "speculation", "trainer", "loop",
+                 "intercept"],
         help="router: routing policies (round robin ... prefix-aware) side by side on real tiny-model replicas and "
         "64 simulated ones (prefix hit rate, prefill tokens, p50/p99 latency, load imbalance); "
         "sandbox: create/exec/fork/destroy latency (p50/p99) and how many concurrent sandboxes this machine holds; "
@@ -325,6 +326,12 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         with console.status("rollouts with and without speculation from rollout history (the same work)"):
             result = run_speculation_bench(model, tokenizer, quick=args.quick, seed=args.seed)
         table = format_speculation_bench(result)
+    elif args.name == "intercept":  # issue 21: session KV retention across tool calls
+        from rollwise.bench.intercept import format_intercept_bench, run_intercept_bench
+
+        with console.status("agentic sessions with tool calls under each retention policy (the same work)"):
+            result = run_intercept_bench(model, tokenizer, quick=args.quick, seed=args.seed)
+        table = format_intercept_bench(result)
     elif args.name == "sync":
         from rollwise.bench.sync import format_sync_bench, run_sync_bench
 
