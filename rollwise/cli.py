@@ -8,6 +8,7 @@
     rollwise bench speculation [--quick] [--json PATH] rollouts with / without drafts from rollout history
     rollwise bench trainer [--quick] [--json PATH]    1 trainer rank vs 2 FSDP2 ranks: tokens/s, MFU, memory/rank, push
     rollwise bench loop [--quick] [--json PATH]       the default `rollwise train`: wall, samples/s, MFU, idle cores
+    rollwise bench r3 [--quick] [--json PATH]         an MoE trained with / without rollout routing replay (mismatch)
     rollwise compare RUN_DIR RUN_DIR ... [--out PNG]  reward vs wall time and vs samples, runs side by side
     rollwise serve engine [--model SPEC] [--host 127.0.0.1] [--port 8000] [--max-num-seqs N] [--max-model-len N]
                                                      the engine over HTTP: OpenAI-compatible completions,
@@ -86,7 +87,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "name", choices=["engine", "rollout", "sync", "router", "sandbox", "mux", "speculation", "trainer", "loop",
-                 "intercept"],
+                 "intercept", "r3"],
         help="router: routing policies (round robin ... prefix-aware) side by side on real tiny-model replicas and "
         "64 simulated ones (prefix hit rate, prefill tokens, p50/p99 latency, load imbalance); "
         "sandbox: create/exec/fork/destroy latency (p50/p99) and how many concurrent sandboxes this machine holds; "
@@ -102,7 +103,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "gather+push time (--quick: a tiny model); loop: the default `rollwise train` run end to end: wall time, "
         "samples/s, model-FLOPs utilisation (run and per phase) against this machine's matmul peak, idle "
         "core-seconds, held-out accuracy (--quick: 2 steps of half the batch; --model overrides the config's model "
-        "only when given)",
+        "only when given); r3: the upcycled MoE (bundled:smollm2-moe unless --model is given; --quick: a tiny random "
+        "MoE) trained with and without rollout routing replay, engine in bf16 and trainer in fp32: router "
+        "disagreement, logprob mismatch, k3 KL, ratio>2 per step, held-out accuracy, replay cost, MoE-CAP counts",
     )
     bench.add_argument("--quick", action="store_true", help="small workload (< 1 minute on 2 CPU cores)")
     bench.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
@@ -289,6 +292,20 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         result = run_loop_bench(quick=args.quick, model=args.model if explicit_model else None, console=console)
         result["command"] = " ".join(["rollwise"] + sys.argv[1:])
         console.print(format_loop_bench(result))
+        write_json(args.json, result, console)
+        return 0
+    if args.name == "r3":  # --quick: a tiny random MoE; else the upcycled MoE unless --model is given
+        from rollwise.bench.r3 import format_r3_bench, run_r3_bench
+        from rollwise.model.loading import load_model
+
+        explicit_model = any(a == "--model" or a.startswith("--model=") for a in sys.argv)
+        spec = "tiny-moe:0" if args.quick else (args.model if explicit_model else "bundled:smollm2-moe")
+        with console.status(f"GRPO on {spec} with and without routing replay (engine bf16, trainer fp32)"):
+            model, tokenizer = load_model(spec)
+            result = run_r3_bench(model, tokenizer, quick=args.quick, seed=args.seed)
+        result["command"] = " ".join(["rollwise"] + sys.argv[1:])
+        result["model"] = spec
+        console.print(format_r3_bench(result))
         write_json(args.json, result, console)
         return 0
     if args.name == "trainer":  # --quick: a tiny model built in code instead of --model
