@@ -225,3 +225,32 @@ def test_routing_survives_engine_server_router_and_agent_proxy_byte_for_byte():
     logp, metrics = trainer_logprobs(model, samples, "r3")
     sampled = torch.tensor([lp for lp, m in zip(samples[0].behaviour_logprobs, samples[0].loss_mask) if m])
     assert torch.allclose(logp, sampled, atol=1e-5, rtol=0) and metrics["routing_disagreement"] == 0.0
+
+
+def test_upcycled_mixtral_keeps_the_dense_model_and_loads_as_a_standard_checkpoint(tmp_path):
+    """Sparse upcycling: the MoE's next-token distribution stays the dense model's (perturbed experts,
+    near-uniform router); the saved directory is a standard Mixtral checkpoint transformers reloads, and
+    the reference engine serves it with HF's logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    from rollwise.model.moe import upcycle
+    from rollwise.model.tiny import tiny_llama
+
+    dense = tiny_llama()
+    moe = upcycle(dense, num_experts=4, top_k=2)
+    ids = torch.tensor([list(range(5, 45))])
+    with torch.no_grad():
+        dense_logp = dense(ids).logits.log_softmax(-1)
+        moe_logp = moe(ids).logits.log_softmax(-1)
+    assert (dense_logp - moe_logp).abs().max() < 0.05
+    assert (dense_logp.argmax(-1) == moe_logp.argmax(-1)).all()
+    moe.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert type(reloaded).__name__ == "MixtralForCausalLM"
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, moe(ids).logits)
+    samples = rollout(reloaded, n=1)
+    logp, _ = trainer_logprobs(reloaded, samples, "r3")
+    assert torch.allclose(logp, engine_logprobs(samples), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="top_k must be in"):
+        upcycle(dense, num_experts=4, top_k=1)
