@@ -159,3 +159,5 @@ def test_resume_from_an_adapter_checkpoint_continues_exactly(tmp_path):
     assert resumed.version == first.version == 3
     for name, tensor in first.weights().items():
         assert torch.equal(resumed.weights()[name], tensor), name
+
+

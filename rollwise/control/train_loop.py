@@ -344,6 +344,8 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         pending_groups = list(state.get("pending_groups", []))
         _truncate_logs(run_dir, start_step)
         console.print(f"[green]resumed[/] from {resume_dir} at step {start_step} (policy version {trainer.version})")
+        if getattr(trainer, "lora", None) is not None:  # the engines start from the base: give them the adapter
+            placement.push_weights()
     engine, worker = placement.engine, placement.backend
     encoder = PromptEncoder(tokenizer, cfg.prompt, cfg.reward)
     stream = ProblemStream(train_problems, cfg.seed)
