@@ -110,6 +110,9 @@ def engine_counters(urls: list[str]) -> list[dict[str, float]]:
         counters: dict[str, float] = {}
         for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
             name, _, value = line.partition(" ")
+            if name.startswith("rollwise_engine_finished_samples_total{"):  # every finish reason: one per request
+                counters["finished_samples"] = counters.get("finished_samples", 0.0) + float(value)
+                continue
             if name in ("rollwise_engine_prompt_tokens_total", "rollwise_engine_cached_prompt_tokens_total",
                         "rollwise_engine_generated_tokens_total", "rollwise_engine_step_seconds_total"):
                 counters[name.removeprefix("rollwise_engine_").removesuffix("_total")] = float(value)
@@ -132,8 +135,7 @@ async def _run_workload(router: str, workload: Workload) -> list[dict[str, Any]]
             r.raise_for_status()
             answer = r.json()
             records.append({"kind": kind, "latency_s": time.monotonic() - started, "prompt_tokens": len(prompt),
-                            "cached_prompt_tokens": answer["usage"]["prompt_tokens_details"]["cached_tokens"],
-                            "replica": r.headers.get("x-rollwise-replica")})
+                            "cached_prompt_tokens": answer["usage"]["prompt_tokens_details"]["cached_tokens"]})
             return answer["choices"][0]["token_ids"]
 
         groups = list(enumerate(workload.group_prompts))
@@ -182,8 +184,7 @@ def _real_round(urls: list[str], arm: Arm, workload: Workload) -> dict:
         cpu = proc.cpu_s() - cpu_before
         after = engine_counters(urls)
     return {"latencies": [r["latency_s"] for r in records], "wall_s": wall, "router_cpu_s": cpu,
-            "delta": [{k: a[k] - b.get(k, 0.0) for k in a} for a, b in zip(after, before)],
-            "served": [sum(r["replica"] == u for r in records) for u in urls]}
+            "delta": [{k: a[k] - b.get(k, 0.0) for k in a} for a, b in zip(after, before)]}
 
 
 def _real_summary(rounds: list[dict]) -> dict:
@@ -193,7 +194,8 @@ def _real_summary(rounds: list[dict]) -> dict:
     cached = sum(d["cached_prompt_tokens"] for d in delta)
     work = [d["prompt_tokens"] - d["cached_prompt_tokens"] + d["generated_tokens"] for d in delta]
     out = summarize([x for r in rounds for x in r["latencies"]], prompt, cached, work, sum(r["wall_s"] for r in rounds))
-    out["requests_per_replica"] = [sum(r["served"][i] for r in rounds) for i in range(len(delta))]
+    # From the engines (every request is one sample): vllm-router does not say which replica answered.
+    out["requests_per_replica"] = [int(d.get("finished_samples", 0)) for d in delta]
     out["engine_busy_s"] = sum(d.get("step_seconds", 0.0) for d in delta)  # summed over replicas
     out["p50_latency_s_per_round"] = [percentile(r["latencies"], 0.5) for r in rounds]
     out["p99_latency_s_per_round"] = [percentile(r["latencies"], 0.99) for r in rounds]

