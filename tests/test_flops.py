@@ -76,6 +76,14 @@ def test_backward_costs_twice_the_forward_in_weight_matmuls(model):
     model.zero_grad(set_to_none=True)
     model.eval()
     assert both == 3 * forward  # the 6N rule: forward 2N, backward 4N
+    # Frozen weights (LoRA's base): only input gradients flow back, 1x the forward's matmuls.
+    model.requires_grad_(False)
+    try:
+        embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+        frozen = _counted(lambda: model(inputs_embeds=embeds).logits.sum().backward())["mm"]
+    finally:
+        model.requires_grad_(True)
+    assert frozen == 2 * forward
 
 
 def _sample(prompt: list[int], response: int, advantage: float = 1.0, cached: int = 0, group: str = "g") -> Sample:
@@ -111,6 +119,9 @@ def test_training_counts_a_shared_prompt_once_and_skips_zero_advantage_samples(m
     assert training_flops(spec, with_zero, _Settings(share=False), kl_reference=True) > 4 / 3 * padded
     # Two updates per batch: twice the work. No sample with signal: one measuring forward only.
     assert training_flops(spec, group, _Settings(share=False), updates=2) == 2 * padded
+    # LoRA: frozen base weights take no weight gradient: their backward is the input gradient alone.
+    weights, attention = (sum(x) for x in zip(*(spec.forward_parts(0, 12 + n - 1, n) for n in (4, 7, 9))))
+    assert training_flops(spec, group, _Settings(share=False), frozen_weights=True) == 2 * weights + 3 * attention
     flat = [_sample(prompt, 5, advantage=0.0)]
     assert training_flops(spec, flat, _Settings(share=False)) == spec.forward_flops(0, 16, 5)
     assert chunk_samples(group, _Settings(share=True))[0]  # the settings object is what the trainer reads

@@ -86,12 +86,15 @@ class DenseModel:
     def forward_flops(self, start: int, end: int, logits: int) -> float:
         """One forward over positions start .. end - 1 of a sequence (keys 0 .. end - 1 are in the
         KV cache or computed alongside), with the LM head at `logits` of those positions."""
+        return sum(self.forward_parts(start, end, logits))
+
+    def forward_parts(self, start: int, end: int, logits: int) -> tuple[float, float]:
+        """forward_flops as (weight matmuls, attention): their backwards differ when weights are frozen."""
+        weights = 2.0 * self.head_params * logits
         if end <= start:
-            return 2.0 * self.head_params * logits
-        positions = end - start
+            return weights, 0.0
         keys = (end * (end + 1) - start * (start + 1)) // 2  # sum of (t + 1) over the positions
-        attention = 4.0 * self.layers * self.heads * self.head_dim * keys
-        return 2.0 * self.body_params * positions + attention + 2.0 * self.head_params * logits
+        return weights + 2.0 * self.body_params * (end - start), 4.0 * self.layers * self.heads * self.head_dim * keys
 
 
 @dataclass
@@ -129,30 +132,38 @@ def trained_samples(samples: list[Sample], kl_reference: bool) -> list[Sample]:
     return [s for s in samples if kl_reference or s.advantage != 0.0]
 
 
-def _micro_batch_forward(model: DenseModel, share: bool, chunk: list[Sample]) -> float:
-    """One forward over a micro-batch: a shared prompt once, or each sample's whole sequence."""
-    if not share:
-        return sum(model.forward_flops(0, len(s.prompt_ids) + len(s.response_ids) - 1, s.trained_tokens)
-                   for s in chunk)
-    prompt = len(chunk[0].prompt_ids)
-    flops = model.forward_flops(0, prompt, logits=0)
-    for s in chunk:  # the prompt's last position predicts the first response token: its logits count here
-        flops += model.forward_flops(prompt, prompt + len(s.response_ids) - 1, s.trained_tokens)
-    return flops
+def _micro_batch_forward(model: DenseModel, share: bool, chunk: list[Sample]) -> tuple[float, float]:
+    """One forward over a micro-batch, (weight matmuls, attention): a shared prompt once, or each
+    sample's whole sequence."""
+    if share:
+        prompt = len(chunk[0].prompt_ids)
+        # the prompt's last position predicts the first response token: its logits count with the response
+        spans = [(0, prompt, 0)] + [(prompt, prompt + len(s.response_ids) - 1, s.trained_tokens) for s in chunk]
+    else:
+        spans = [(0, len(s.prompt_ids) + len(s.response_ids) - 1, s.trained_tokens) for s in chunk]
+    parts = [model.forward_parts(*span) for span in spans]
+    return sum(w for w, _ in parts), sum(a for _, a in parts)
 
 
 def training_flops(model: DenseModel, samples: list[Sample], settings: MicroBatchSettings, *,
-                   updates: int = 1, kl_reference: bool = False) -> float:
+                   updates: int = 1, kl_reference: bool = False, frozen_weights: bool = False) -> float:
     """Forward + backward (3x the forward) per optimizer update over the trained samples, plus the
     extra forwards: the frozen reference model's (KL term) per update, or, when no sample carries a
-    gradient, the one no-grad forward the trainer still runs to measure entropy and mismatch."""
+    gradient, the one no-grad forward the trainer still runs to measure entropy and mismatch.
+
+    frozen_weights (LoRA: the base model's weights take no gradient): the backward of a weight matmul
+    is then the input gradient alone (1x its forward, not 2x); attention's backward stays 2x. The
+    adapters' own FLOPs (rank << hidden) are not counted."""
     trained = trained_samples(samples, kl_reference)
     if not trained:
         share, chunks = chunk_samples(samples, settings)
-        return _micro_batch_forward(model, share, chunks[0]) if chunks else 0.0
+        return sum(_micro_batch_forward(model, share, chunks[0])) if chunks else 0.0
     share, chunks = chunk_samples(trained, settings)
-    forward = sum(_micro_batch_forward(model, share, chunk) for chunk in chunks)
-    per_update = 3.0 * forward + (forward if kl_reference else 0.0)
+    parts = [_micro_batch_forward(model, share, chunk) for chunk in chunks]
+    weights, attention = sum(w for w, _ in parts), sum(a for _, a in parts)
+    per_update = (2.0 if frozen_weights else 3.0) * weights + 3.0 * attention
+    if kl_reference:
+        per_update += weights + attention
     return updates * per_update
 
 

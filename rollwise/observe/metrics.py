@@ -79,9 +79,10 @@ class LoopMeter:
     so a step's generation FLOPs are spread over the whole step, not over its wait for the batch."""
 
     def __init__(self, model: DenseModel, peak: Peak, settings: MicroBatchSettings, *, updates: int = 1,
-                 kl_reference: bool = False, overlapped: bool = False) -> None:
+                 kl_reference: bool = False, frozen_weights: bool = False, overlapped: bool = False) -> None:
         self.model, self.peak, self.settings = model, peak, settings
         self.updates, self.kl_reference, self.overlapped = updates, kl_reference, overlapped
+        self.frozen_weights = frozen_weights
         self.cores = psutil.cpu_count() or 1  # idle time is read machine-wide, over every core
         self.flops = Flops()  # this process's totals (a resumed run counts from its resume)
         self.seconds = {"generate": 0.0, "train": 0.0, "eval": 0.0}
@@ -95,7 +96,7 @@ class LoopMeter:
         """The step's FLOPs by phase, MFU overall and per phase, and the cores' idle seconds."""
         gen = generation_flops(self.model, samples)
         train = training_flops(self.model, samples, self.settings, updates=self.updates,
-                               kl_reference=self.kl_reference)
+                               kl_reference=self.kl_reference, frozen_weights=self.frozen_weights)
         self.flops += Flops(generate=gen, train=train)
         self.seconds["generate"] += times.step if self.overlapped else times.generate
         self.seconds["train"] += times.train
@@ -138,6 +139,7 @@ class LoopTrainSettings(MicroBatchSettings, Protocol):
 
     updates_per_step: int
     kl_coef: float
+    lora: object | None  # LoRA adapters: the base weights are frozen
 
 
 def loop_meter(model: Any, train: LoopTrainSettings, *, overlapped: bool) -> LoopMeter | None:
@@ -151,4 +153,4 @@ def loop_meter(model: Any, train: LoopTrainSettings, *, overlapped: bool) -> Loo
         return None
     peak = machine_peak(next(model.parameters()).dtype)
     return LoopMeter(spec, peak, train, updates=train.updates_per_step, kl_reference=train.kl_coef > 0,
-                     overlapped=overlapped)
+                     frozen_weights=train.lora is not None, overlapped=overlapped)
