@@ -177,7 +177,8 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, LoraServing, Engine
                              "engine (a resumed prefix would need its routing kept); turn engine retention off")
         cfg = self.model.config
         bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.model.dtype.itemsize
-        self.kv_tiers = None if retention is None else KVTiers(retention, self.max_model_len, bytes_per_token)
+        self.kv_tiers = None if retention is None else KVTiers(retention, self.max_model_len, bytes_per_token,
+                                                               max_parked=max(1, self.max_num_seqs // 2))
         self.retention_policy = policy
         self.recompute_cost = CostMeter(1e-4)  # seconds per prefilled token, measured by every prefill
         self._resuming: dict = {}  # request id -> the pinned session it resumes (admitted into its slot)
