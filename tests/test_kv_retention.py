@@ -98,9 +98,10 @@ def test_ttl_expiry_releases_the_pin(model):
 
 def test_pins_are_bounded_by_the_budget_and_never_block_admission(model):
     engine = _engine(model, "always_preserve", pins=2, slots=3)
-    for i in range(3):
+    actions = []
+    for i in range(3):  # each turn is retained as it ends, as the agent does
         _turn(engine, f"t{i}", [5 + i] * 20, seed=i)
-    actions = [engine.retain(RetentionRequest(f"s{i}", f"t{i}", "python", 30.0)).action for i in range(3)]
+        actions.append(engine.retain(RetentionRequest(f"s{i}", f"t{i}", "python", 30.0)).action)
     assert actions == ["preserve", "preserve", "discard"]  # the budget holds two slots' worth
     # Three fresh requests need all three slots: the engine takes back the pins instead of waiting.
     params = SamplingParams(max_tokens=4, ignore_eos=True, seed=0)
@@ -230,3 +231,23 @@ def test_http_retain_keeps_the_session_between_turns():
         thread.join(timeout=15)
         with contextlib.suppress(OSError):
             sock.close()
+
+
+def test_a_finished_turn_waits_briefly_for_retain_even_under_pressure(model):
+    """Slots are contended: a waiting request may not take the just-finished turn's slot before the agent's
+    retain() (within park_grace_s); the pin it becomes is then taken back for the waiting request."""
+    engine = _engine(model, "always_preserve", slots=2)
+    lengths = [4, 12, 12]
+    for i, n in enumerate(lengths):
+        engine.add_request(GenerationRequest(f"r{i}", [5 + i] * 20, SamplingParams(max_tokens=n, ignore_eos=True)))
+    first: list = []
+    while not first:
+        first = engine.step()
+    assert [c.request_id for c in first] == ["r0"] and engine.num_waiting == 1
+    done = first + engine.step()  # the engine thread steps on while the agent reads the turn
+    assert engine.num_waiting == 1  # r0's slot was not handed to r2 before retain()
+    assert engine.retain(RetentionRequest("s0", "r0", "python", 30.0)).action == "preserve"
+    while engine.has_unfinished():
+        done += engine.step()
+    assert sorted(c.request_id for c in done) == ["r0", "r1", "r2"]
+    assert engine.retention_stats()["released_evicted"] == 1  # the waiting request got the pinned slot

@@ -93,6 +93,9 @@ class RetentionLimits:
     ttl_factor: float = 2.0
     ttl_min_s: float = 1.0
     ttl_max_s: float = 120.0
+    # A finished turn's KV is held this long for the caller's retain() (it comes milliseconds after the
+    # turn, from the agent), on at most half the engine's slots; admission may not take it meanwhile.
+    park_grace_s: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("pin_budget_tokens", "swap_budget_tokens"):
@@ -100,6 +103,8 @@ class RetentionLimits:
                 raise ValueError(f"retention: {name} must be >= 0 (0 turns that tier off), got {getattr(self, name)}")
         if not self.swap_bytes_per_s > 0:
             raise ValueError(f"retention: swap_bytes_per_s must be > 0, got {self.swap_bytes_per_s}")
+        if not 0 <= self.park_grace_s <= 10:
+            raise ValueError(f"retention: park_grace_s must be in [0, 10] seconds, got {self.park_grace_s}")
         if not (self.ttl_factor > 0 and 0 < self.ttl_min_s <= self.ttl_max_s):
             raise ValueError("retention: need ttl_factor > 0 and 0 < ttl_min_s <= ttl_max_s, got "
                              f"{self.ttl_factor}, {self.ttl_min_s}, {self.ttl_max_s}")

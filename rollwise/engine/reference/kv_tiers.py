@@ -15,8 +15,9 @@ tool call (`retain`). Then, as the policy chooses:
   host link (PCIe) on a GPU machine. The store is bounded by swap_budget_tokens.
 - discard: the slot is freed; the next turn recomputes the context (minus any prefix-cache hit).
 
-Admission never waits for a promise: when the head of the queue needs slots, parked slots are taken
-first (oldest first), then pinned ones (nearest deadline first). Every release records the session's
+Admission never waits for a promise: when the head of the queue needs slots, pinned ones are taken
+(nearest deadline first). A parked turn's slot is protected only for a short grace (park_grace_s, on at
+most half the slots), so that the caller's retain(), which follows the turn within milliseconds, finds it. Every release records the session's
 context, so the engine can count the prompt tokens it recomputes (`recomputed_prompt_tokens`).
 """
 
@@ -65,9 +66,10 @@ class Held:
 class KVTiers:
     """The sessions whose KV the engine holds on, and the budgets bounding them."""
 
-    def __init__(self, limits: RetentionLimits, slot_tokens: int, bytes_per_token: int,
+    def __init__(self, limits: RetentionLimits, slot_tokens: int, bytes_per_token: int, max_parked: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.limits = limits
+        self.max_parked = max_parked  # turns awaiting retain() at once (their slots are protected for the grace)
         self.slot_tokens = slot_tokens  # what a pinned slot costs: one whole slot
         self.bytes_per_token = bytes_per_token  # K and V over all layers, for the swap tier's charge
         self.clock = clock
@@ -97,8 +99,11 @@ class KVTiers:
 
     # ------------------------------------------------------------ transitions
 
-    def park(self, request_id: str, tokens: list[int], slot: int) -> None:
-        self.parked[request_id] = Held(request_id, tokens, slot=slot, deadline=self.clock() + self.limits.ttl_min_s)
+    def park(self, request_id: str, tokens: list[int], slot: int) -> bool:
+        if len(self.parked) >= self.max_parked or self.limits.park_grace_s <= 0:
+            return False
+        self.parked[request_id] = Held(request_id, tokens, slot=slot, deadline=self.clock() + self.limits.park_grace_s)
+        return True
 
     def unpark(self, request_id: str) -> Held | None:
         return self.parked.pop(request_id, None)
@@ -157,9 +162,9 @@ class KVTiers:
         return [h for h in [*self.parked.values(), *self.sessions.values()] if h.deadline <= now]
 
     def reclaim_order(self) -> list[Held]:
-        """What admission takes when it needs slots: parked turns oldest first, then pins by deadline."""
-        pins = sorted((h for h in self.sessions.values() if h.state == "preserve"), key=lambda h: h.deadline)
-        return [*self.parked.values(), *pins]
+        """What admission takes when it needs slots: pins, nearest deadline first. Parked turns are not
+        taken within their grace (a short, bounded wait: at most half the slots for park_grace_s)."""
+        return sorted((h for h in self.sessions.values() if h.state == "preserve"), key=lambda h: h.deadline)
 
     def everything(self) -> list[Held]:
         return [*self.parked.values(), *self.sessions.values()]
@@ -246,8 +251,9 @@ class SessionRetention:
         fresh: all of it was sampled by the current weights (older KV is never kept)."""
         if self.kv_tiers is None or not fresh:
             return False
+        if not self.kv_tiers.park(request_id, tokens[: self.cache.lengths[slot]], slot):
+            return False
         self.scheduler.hold(slot)
-        self.kv_tiers.park(request_id, tokens[: self.cache.lengths[slot]], slot)
         return True
 
     def _expire_retained(self) -> None:
@@ -270,7 +276,7 @@ class SessionRetention:
         return admitted
 
     def _reclaim(self, slots_needed: int) -> None:
-        """Admission needs slots: release parked turns, then pins (a promise never blocks the engine)."""
+        """Admission needs slots: release pins (a promise never blocks the engine)."""
         if self.kv_tiers is None:
             return
         for held in self.kv_tiers.reclaim_order()[:slots_needed]:
