@@ -9,9 +9,11 @@ Two update-batch policies (rollout.update_batch):
   trained (the batch in training included) are capped at oversubscription x prompts_per_step.
 - flexible (SortedRL's flexible update batch, issue 26): an update trains every complete group there is,
   at least prompts_per_step and at most max_batch_factor x prompts_per_step. Admission keeps the engines
-  full instead of keeping a count of batches: groups *generating* are capped at oversubscription x
-  prompts_per_step (size it to the engines' slots), and groups not yet trained at (eta + 1) x the largest
-  batch (a group started now is trained within eta more updates, or it is regenerated).
+  full instead of keeping a count of batches: new groups start while the samples running (submitted, not
+  finished) are fewer than oversubscription x prompts_per_step x group_size (size it to the engines'
+  slots: a group near its end holds one or two slots, not group_size), and while the groups not yet
+  trained are fewer than (eta + 1) x the largest batch (a group started now is trained within eta more
+  updates, or it is regenerated).
 
 Why flexible: under a fixed batch, groups that finished beyond the batch wait one more update, and at
 eta = 1 that makes them too stale to train (regenerated), so admission had to count the batch in
@@ -38,6 +40,7 @@ class AdmissionPolicy:
     eta: int  # rollout.max_staleness
     batch_groups: int  # prompts_per_step: the update batch (fixed), its minimum (flexible)
     oversubscription: float
+    group_size: int = 1
     update_batch: UpdateBatch = "fixed"
     max_batch_factor: float = 2.0
 
@@ -49,9 +52,9 @@ class AdmissionPolicy:
         return max(self.batch_groups, math.ceil(self.max_batch_factor * self.batch_groups))
 
     @property
-    def max_generating(self) -> int:
-        """flexible: the most groups generating at once (started, not complete)."""
-        return math.ceil(self.oversubscription * self.batch_groups)
+    def max_running_samples(self) -> int:
+        """flexible: the most samples submitted to the engines and not finished, at once."""
+        return math.ceil(self.oversubscription * self.batch_groups * self.group_size)
 
     @property
     def max_untrained(self) -> int:
@@ -68,6 +71,7 @@ class RolloutCounts:
     generating: int  # started, not all samples finished
     ready: int  # complete, waiting for an update batch
     training: int  # handed out by next_batch, not yet marked trained
+    running_samples: int = 0  # samples submitted to the engines and not finished
 
     @property
     def untrained(self) -> int:
@@ -81,7 +85,7 @@ def may_admit(p: AdmissionPolicy, counts: RolloutCounts, group_index: int, versi
         return False
     if counts.untrained >= p.max_untrained:
         return False
-    if p.update_batch == "flexible" and counts.generating >= p.max_generating:
+    if p.update_batch == "flexible" and counts.running_samples >= p.max_running_samples:
         return False
     # AReaL admission control: generation may run at most eta versions ahead of the trainer.
     return not (p.mode == "async" and group_index // p.batch_groups > version + p.eta)

@@ -30,6 +30,7 @@ identical prompts admitted in the same step).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -105,7 +106,14 @@ class RolloutController(ControllerDefaults):
         self.group_size = cfg.rollout.group_size
         # Which groups start and how many train per update: pure rules, shared with the simulator.
         self.policy = AdmissionPolicy(self.mode, self.eta, self.batch_groups, cfg.rollout.oversubscription,
-                                      cfg.rollout.update_batch, cfg.rollout.max_batch_factor)
+                                      self.group_size, cfg.rollout.update_batch, cfg.rollout.max_batch_factor)
+        self._running_samples = 0  # submitted and not finished (kept as a count: admission asks per completion)
+        # flexible: completions are taken and new groups started *while the trainer trains* (pump()); a
+        # controller only acting inside next_batch left the engines draining through every train step
+        # (docs/benchmarks.md, issue 26). A thread pumps for real engines; the simulator pumps at its events.
+        self.pump_in_background = True
+        self._pump_thread: threading.Thread | None = None
+        self._pump_stop = threading.Event()
         self.worker = worker
         self.encoder = encoder
         self.stream = stream
@@ -201,7 +209,7 @@ class RolloutController(ControllerDefaults):
     def counts(self) -> RolloutCounts:
         """Groups generating, complete and waiting, and in training (the admission policy's input)."""
         return RolloutCounts(generating=len(self.groups) - len(self.ready), ready=len(self.ready),
-                             training=self._training_groups)
+                             training=self._training_groups, running_samples=self._running_samples)
 
     def run_requests(self, requests: list[GenerationRequest], progress: Callable[[int], None] | None = None
                      ) -> list[Completion]:
@@ -241,8 +249,43 @@ class RolloutController(ControllerDefaults):
         if self.mode != "sync" and self.eta == 0:
             self.worker.pause()
             self.paused_for_update = True
+        elif self.pumps_while_training and self.pump_in_background:
+            self._pump_stop.clear()
+            self._pump_thread = threading.Thread(target=self._pump_until_stopped, name="rollout-pump", daemon=True)
+            self._pump_thread.start()
+
+    @property
+    def pumps_while_training(self) -> bool:
+        """flexible: admission keeps running through the train step (pump())."""
+        return self.policy.update_batch == "flexible" and self.mode != "sync" and self.eta > 0
+
+    def pump(self) -> int:
+        """Take every completion already there, start what admission allows, never wait. Called while
+        the trainer trains, from one thread at a time (the pump thread, or the simulator's loop)."""
+        n = 0
+        while (completion := self.worker.next_completion(timeout=0)) is not None:
+            self._on_completion(completion, None)
+            n += 1
+        self._top_up()
+        self._flush()
+        return n
+
+    def _pump_until_stopped(self) -> None:
+        while not self._pump_stop.is_set():
+            completion = self.worker.next_completion(timeout=0.05)
+            if completion is not None:
+                self._on_completion(completion, None)
+            self._top_up()
+            self._flush()
+
+    def _stop_pump(self) -> None:
+        if self._pump_thread is not None:
+            self._pump_stop.set()
+            self._pump_thread.join()
+            self._pump_thread = None
 
     def mark_trained(self, samples: list[Sample]) -> None:
+        self._stop_pump()  # nothing else touches the controller while the pump runs
         for s in samples:
             self.ledger.move(_slot(s), "trained")
         self._training_groups = 0
@@ -267,10 +310,12 @@ class RolloutController(ControllerDefaults):
 
     def close(self, reason: str = "the run ended") -> None:
         """Abort everything in flight; what was never trained is recorded as dropped, with the reason."""
+        self._stop_pump()
         self._flush()
         if self.running:
             self.worker.abort(list(self.running))
         self.running.clear()
+        self._running_samples = 0
         # Samples that finished just before the abort are already queued (the worker queues a step's
         # completions before it runs the next command): discard them, they are recorded as dropped.
         while self.worker.next_completion(timeout=0) is not None:
@@ -339,6 +384,7 @@ class RolloutController(ControllerDefaults):
             top_k=self.cfg.rollout.top_k, n=len(samples), seed=seed, ignore_eos=self.length_fn is not None,
         )
         self.running[request_id] = _Running(group.index, samples, self.version, set(range(len(samples))))
+        self._running_samples += len(samples)
         for i in samples:
             self.ledger.move((group.index, i), "running")
         self._outbox.append(GenerationRequest(request_id, group.prompt_ids, params))
@@ -355,6 +401,7 @@ class RolloutController(ControllerDefaults):
         if info is None or c.index not in info.remaining:
             raise RuntimeError(f"completion for unknown request {c.request_id!r} sample {c.index}")
         info.remaining.discard(c.index)
+        self._running_samples -= 1
         if not info.remaining:
             del self.running[c.request_id]
         if self.drafter is not None and c.finish_reason != "abort":
@@ -390,6 +437,7 @@ class RolloutController(ControllerDefaults):
         for c in aborted:
             info = self.running[c.request_id]
             info.remaining.discard(c.index)
+            self._running_samples -= 1
             if not info.remaining:
                 del self.running[c.request_id]
             i = info.samples[c.index]

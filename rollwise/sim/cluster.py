@@ -82,11 +82,13 @@ class SimCluster:
             self._sync(i)
 
     def next_completion(self, timeout: float) -> Completion | None:
-        if not self.completions:
+        if not self.completions and timeout > 0:  # timeout 0: only what is there, as a real queue's get
             self._advance(until=None, stop_on_completion=True)
         if self.completions:
             self._idle_polls = 0
             return self.completions.popleft()
+        if timeout <= 0:
+            return None
         # Nothing running anywhere: the controller's poll times out (virtual time passes). A real
         # controller would spin forever; the simulator says so.
         self.clock.now += timeout
@@ -149,10 +151,12 @@ class SimCluster:
 
     # ------------------------------------------------------------ simulator controls
 
-    def advance_to(self, t: float) -> None:
-        """Let virtual time pass until t (the trainer is busy); completions queue up."""
-        self._advance(until=t, stop_on_completion=False)
-        self.clock.now = max(self.clock.now, t)
+    def advance_to(self, t: float, stop_on_completion: bool = False) -> None:
+        """Let virtual time pass until t (the trainer is busy); completions queue up. With
+        stop_on_completion: stop early, at the first engine event that finishes a sample."""
+        self._advance(until=t, stop_on_completion=stop_on_completion)
+        if not (stop_on_completion and self.completions):
+            self.clock.now = max(self.clock.now, t)
 
     def next_event_time(self) -> float | None:
         self._drop_stale()

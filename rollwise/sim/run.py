@@ -72,7 +72,8 @@ def run_config(s: Scenario, prompts_per_step: int) -> RunConfig:
         "rollout": {"mode": s.rollout.mode, "prompts_per_step": prompts_per_step,
                     "group_size": s.workload.group_size, "max_tokens": s.workload.output.max_tokens,
                     "max_staleness": eta, "partial_rollout": s.rollout.partial_rollout,
-                    "oversubscription": s.rollout.oversubscription or eta + 1.0},
+                    "oversubscription": s.rollout.oversubscription or eta + 1.0,
+                    "update_batch": s.rollout.update_batch, "max_batch_factor": s.rollout.max_batch_factor},
     })
 
 
@@ -108,6 +109,7 @@ def build(s: Scenario, *, cost: CostModel | None = None, trainer: TrainerModel |
     encoder = encoder or SimEncoder(s.workload.prompt_tokens, s.workload.shared_prefix_tokens, vocab_size)
     controller = RolloutController(cfg, cluster, encoder, stream or SimStream(),  # type: ignore[arg-type]
                                    lambda group: None, length_fn=length_fn)
+    controller.pump_in_background = False  # virtual time: simulate() pumps at every engine event instead
     return SimRun(s, cost, trainer, cluster, controller, clock)
 
 
@@ -135,10 +137,13 @@ def simulate(run: SimRun, progress: Callable[[str], None] | None = None) -> dict
                 staleness_n += k
                 step_max = max(step_max, version - v)
         staleness_max = max(staleness_max, step_max)
+        if step_max > controller.eta:  # the bound every policy must keep (DESIGN.md invariant 2)
+            raise RuntimeError(f"update {step}: a trained token has staleness {step_max} > eta={controller.eta}")
         controller.before_update()
         tokens = trainer.batch_tokens(batch, controller.cfg.train)
         t_train = clock.now
-        train_through_contention(cluster, clock, trainer.step_s(tokens, s.trainer_gpus()), trainer, cost)
+        pump = controller.pump if controller.pumps_while_training else None
+        train_through_contention(cluster, clock, trainer.step_s(tokens, s.trainer_gpus()), trainer, cost, pump)
         train_s = clock.now - t_train
         controller.mark_trained(batch)
         trained_tokens += sum(len(x.response_ids) for x in batch)
@@ -148,7 +153,8 @@ def simulate(run: SimRun, progress: Callable[[str], None] | None = None) -> dict
         controller.after_update(version)
         updates_at.append(clock.now)
         per_step.append({"step": step, "t": clock.now - t0, "rollout_s": rollout_phases[-1][1] - ta,
-                         "train_s": train_s, "train_tokens": tokens, "staleness_max": step_max})
+                         "train_s": train_s, "train_tokens": tokens, "groups": len(batch) // controller.group_size,
+                         "staleness_max": step_max})
         if progress is not None:
             progress(f"update {step + 1}/{s.workload.updates} at t={clock.now - t0:.1f}s (virtual)")
     t1 = clock.now
@@ -165,7 +171,8 @@ def simulate(run: SimRun, progress: Callable[[str], None] | None = None) -> dict
     n_eng = len(engines)
     return {
         "scenario": s.name, "mode": s.rollout.mode, "routing": s.cluster.routing, "gpus": s.cluster.gpus,
-        "engines": n_eng, "capacity": capacity, "cost_model": cost.name,
+        "update_batch": s.rollout.update_batch if s.rollout.mode != "sync" else "fixed", "eta": s.rollout.max_staleness,
+        "trainer_gpus": s.trainer_gpus(), "engines": n_eng, "capacity": capacity, "cost_model": cost.name,
         "prompts_per_step": controller.batch_groups, "group_size": controller.group_size,
         "updates": len(per_step),
         "virtual_s": wall,
@@ -175,6 +182,7 @@ def simulate(run: SimRun, progress: Callable[[str], None] | None = None) -> dict
         "trained_tokens_per_s": trained_tokens / wall if wall > 0 else 0.0,
         "rollout_tokens_per_s": sum(e.stats["generated_tokens"] for e in engines) / wall if wall > 0 else 0.0,
         "trained_samples": trained_samples,
+        "samples_per_s_per_gpu": trained_samples / wall / (n_eng * cost.gpus_per_engine + s.trainer_gpus()) if wall > 0 else 0.0,
         "staleness_mean": staleness_sum / staleness_n if staleness_n else 0.0,
         "staleness_max": staleness_max,
         "samples_regenerated": regenerated,
@@ -189,15 +197,27 @@ def simulate(run: SimRun, progress: Callable[[str], None] | None = None) -> dict
 
 
 def train_through_contention(cluster: SimCluster, clock: VirtualClock, work_s: float, trainer: TrainerModel,
-                             cost: CostModel) -> None:
+                             cost: CostModel, pump: Callable[[], int] | None = None) -> None:
     """Let one train step of `work_s` uncontended seconds run. Where trainer and engines share cores
     (calibrated on this machine), the trainer runs slower while an engine step runs and at full speed once
     the engines are idle, and each engine's steps run slower while the trainer trains; both slowdowns
     depend on the engine's running batch (cost.engine_contention, trainer.contention_at). The batch only
     changes at engine events, so the rates are set afresh at each. (Charging the whole step at the
     full-batch contention whenever an engine had work at its start made overlapped modes look no faster
-    than sync: 20-28% off against bench rollout.)"""
+    than sync: 20-28% off against bench rollout.)
+
+    `pump` (flexible update batch): the controller's pump, run at every engine event while the trainer
+    trains, as its pump thread does on real engines."""
+    if pump is not None and _no_contention(cost, trainer):  # separate devices: only the pump needs events
+        end = clock.now + work_s
+        while clock.now < end:
+            cluster.advance_to(end, stop_on_completion=True)
+            if cluster.completions:
+                pump()
+        return
     while work_s > 1e-9:
+        if pump is not None and cluster.completions:
+            pump()
         busy = [e for e in cluster.engines if e.busy()]  # an engine step (or weight load) is running
         for i, e in enumerate(cluster.engines):
             cluster.set_engine_slowdown(i, cost.engine_contention(e.num_running))
@@ -213,6 +233,12 @@ def train_through_contention(cluster: SimCluster, clock: VirtualClock, work_s: f
         cluster.advance_to(until)
         work_s -= (clock.now - t) * rate
     cluster.set_slowdown(1.0)
+
+
+def _no_contention(cost: CostModel, trainer: TrainerModel) -> bool:
+    """Trainer and engines on separate devices: neither slows the other."""
+    return (cost.train_contention == 1.0 and not cost.train_contention_by_batch
+            and trainer.contention == 1.0 and not trainer.contention_by_batch)
 
 
 def cluster_timeline(engines: list[SimEngine], t0: float, t1: float, max_points: int = 4000) -> list[tuple[float, int]]:

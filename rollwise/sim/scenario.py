@@ -26,6 +26,8 @@ class ClusterSpec(_Section):
     shard_size: int = Field(64, ge=1, description="engines per router shard (one routing decision's scope)")
     max_num_seqs: int | None = Field(None, ge=1, description="override the cost file's per-engine concurrency")
     trainer_gpus_ratio: float = Field(0.5, gt=0, description="trainer GPUs per rollout GPU (disaggregated; an assumption)")
+    trainer_gpus: int | None = Field(None, ge=1, description="trainer GPUs (overrides trainer_gpus_ratio; "
+                                     "`rollwise sim plan` chooses it)")
 
 
 class OutputLengths(_Section):
@@ -57,6 +59,9 @@ class RolloutSpec(_Section):
     max_staleness: int = Field(1, ge=0)
     oversubscription: float | None = Field(None, ge=1.0, description="default: max_staleness + 1")
     partial_rollout: Literal["continue", "abort"] = "continue"
+    update_batch: Literal["fixed", "flexible"] = Field("fixed", description="rollout.update_batch (issue 26)")
+    max_batch_factor: float = Field(2.0, ge=1.0, description="update_batch=flexible: most groups per update "
+                                    "= this x prompts_per_step")
 
 
 class SessionsSpec(_Section):
@@ -96,6 +101,8 @@ class Scenario(_Section):
         return n
 
     def trainer_gpus(self) -> int:
+        if self.cluster.trainer_gpus is not None:
+            return self.cluster.trainer_gpus
         return max(1, round(self.cluster.gpus * self.cluster.trainer_gpus_ratio))
 
 
