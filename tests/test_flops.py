@@ -18,6 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from rollwise.model.tiny import tiny_llama
 from rollwise.observe.flops import DenseModel, generation_flops, training_flops, utilisation
 from rollwise.observe.metrics import LoopMeter, StepTimes
+from rollwise.observe import peak as peak_module
 from rollwise.observe.peak import Peak, datasheet_peak, machine_peak
 from rollwise.types.microbatch import chunk_samples
 from rollwise.types.sample import Sample
@@ -138,6 +139,7 @@ def test_mixture_of_experts_config_is_refused_by_name():
 
 def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("ROLLWISE_CACHE", str(tmp_path))
+    monkeypatch.setattr(peak_module, "CPU_MATMUL_SIZE", 512)  # the caching is under test, not the peak
     first = machine_peak(torch.float32, device="cpu")
     assert first.source == "measured" and first.flops > 1e8
     cache = tmp_path / "matmul_peak.json"

@@ -39,6 +39,9 @@ _DATASHEET: list[tuple[str, dict[str, float]]] = [
 ]
 
 
+CPU_MATMUL_SIZE = 2048  # 17 GFLOP a matmul: ~0.1 s on 2 cores, long enough for the cores to reach their peak
+
+
 @dataclass(frozen=True)
 class Peak:
     """A peak and where it came from (shown beside every MFU so a reader can judge it)."""
@@ -116,7 +119,7 @@ def _cpu_peak(dtype: torch.dtype, remeasure: bool) -> Peak:
     before = torch.get_num_threads()
     torch.set_num_threads(cores)  # the machine's peak: every core at once
     try:
-        peak = Peak(measure_matmul("cpu", dtype), "measured", name, str(dtype).removeprefix("torch."), cores)
+        peak = Peak(measure_matmul("cpu", dtype, size=CPU_MATMUL_SIZE), "measured", name, str(dtype).removeprefix("torch."), cores)
     finally:
         torch.set_num_threads(before)
     if entry is not None and not remeasure and entry["peak"]["flops"] > peak.flops:
