@@ -251,3 +251,19 @@ def test_a_finished_turn_waits_briefly_for_retain_even_under_pressure(model):
         done += engine.step()
     assert sorted(c.request_id for c in done) == ["r0", "r1", "r2"]
     assert engine.retention_stats()["released_evicted"] == 1  # the waiting request got the pinned slot
+
+
+def test_bench_intercept_runs_every_policy_on_the_same_work(model):
+    """Smoke test of `rollwise bench intercept` (untimed): a tiny model, two sessions of two turns."""
+    from rollwise.bench.intercept import Workload, run_intercept_bench
+    from rollwise.model.tiny import tiny_tokenizer
+
+    work = Workload(sessions=2, concurrency=2, turns=2, prompt_tokens=40, tool_tokens=4, output_tokens=3,
+                    slots=2, max_model_len=SLOT, slow_tool_median_s=0.01)
+    result = run_intercept_bench(model, tiny_tokenizer(), seed=0, work=work)
+    assert [a["policy"] for a in result["policies"]] == ["min_waste", "always_discard", "always_preserve",
+                                                         "prefix_cache_only"]
+    discard = result["policies"][1]
+    assert discard["actions"] == {"discard": 2} and discard["recomputed_tokens"] > 0
+    assert all(a["episodes"] == 2 and a["prompt_tokens"] == 2 * (40 + 40 + 3 + 4) for a in result["policies"])
+    assert result["simulation_inputs"]["workload"]["sessions"] == 2

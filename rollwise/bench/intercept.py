@@ -57,8 +57,9 @@ class Workload:
     slow_tool_median_s: float  # the long-tailed tool: lognormal(median, sigma=1), capped at 10x the median
 
 
-QUICK = Workload(sessions=12, concurrency=6, turns=3, prompt_tokens=192, tool_tokens=24, output_tokens=16,
-                 slots=4, max_model_len=512, slow_tool_median_s=0.3)
+# Turns decode few tokens over long contexts, so recomputing a context costs more than generating a turn.
+QUICK = Workload(sessions=8, concurrency=6, turns=3, prompt_tokens=256, tool_tokens=16, output_tokens=8,
+                 slots=4, max_model_len=384, slow_tool_median_s=0.2)
 FULL = Workload(sessions=48, concurrency=12, turns=4, prompt_tokens=384, tool_tokens=32, output_tokens=24,
                 slots=8, max_model_len=768, slow_tool_median_s=0.5)
 
@@ -93,21 +94,27 @@ class _Tools:
 
 
 def _engine(model: nn.Module, tokenizer: Any, work: Workload, policy: str) -> ReferenceEngine:
+    """The same KV memory in every arm: prefix_cache_only's cache (held outside the slots) is paid for with
+    the slots the other arms may pin, so its engine runs that many fewer slots."""
     capacity = work.slots * work.max_model_len
-    pin_budget = capacity // 2
-    limits = RetentionLimits(pin_budget_tokens=pin_budget,
+    pin_slots = work.slots // 2
+    limits = RetentionLimits(pin_budget_tokens=pin_slots * work.max_model_len,
                              swap_budget_tokens=capacity * 4 if policy == "min_waste" else 0,
                              swap_bytes_per_s=8e9, ttl_max_s=60.0)
-    return ReferenceEngine(model, max_num_seqs=work.slots, max_model_len=work.max_model_len,
+    cache_only = policy == "prefix_cache_only"
+    return ReferenceEngine(model, max_num_seqs=work.slots - (pin_slots if cache_only else 0),
+                           max_model_len=work.max_model_len,
                            eos_token_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None,
-                           prefix_cache_tokens=pin_budget if policy == "prefix_cache_only" else 0,
+                           prefix_cache_tokens=pin_slots * work.max_model_len if cache_only else 0,
                            retention=limits, retention_policy=policy)  # type: ignore[arg-type]
 
 
 def _episode(generator: LocalGenerator, tools: _Tools, latencies: ToolLatencies, work: Workload, index: int,
              seed: int, out: dict[str, list]) -> None:
     rng = random.Random(seed * 7919 + index)
-    prompt = [rng.randrange(100, 20000) for _ in range(work.prompt_tokens)]
+    vocab = out["vocab"][0]
+    low = min(100, vocab // 4)  # clear of special tokens
+    prompt = [rng.randrange(low, vocab) for _ in range(work.prompt_tokens)]
     session = f"s{index}"
     params = SamplingParams(max_tokens=work.output_tokens, temperature=1.0, ignore_eos=True)
     for turn in range(work.turns):
@@ -125,7 +132,7 @@ def _episode(generator: LocalGenerator, tools: _Tools, latencies: ToolLatencies,
         name, seconds = tools.run(turn, index)
         latencies.observe(name, seconds)
         out["tool_s"].append(seconds)
-        prompt = prompt + completion.token_ids + [rng.randrange(100, 20000) for _ in range(work.tool_tokens)]
+        prompt = prompt + completion.token_ids + [rng.randrange(low, vocab) for _ in range(work.tool_tokens)]
     generator.release_session(session)
 
 
@@ -134,7 +141,8 @@ def run_arm(model: nn.Module, tokenizer: Any, work: Workload, policy: str, seed:
     generator = LocalGenerator(engine)
     tools = _Tools(work, seed)
     latencies = ToolLatencies(default_s=work.slow_tool_median_s)
-    out: dict[str, list] = {"turn_s": [], "actions": [], "pins": [], "tool_s": []}
+    out: dict[str, list] = {"turn_s": [], "actions": [], "pins": [], "tool_s": [],
+                            "vocab": [engine.model.config.vocab_size]}
     semaphore = threading.Semaphore(work.concurrency)
     errors: list[BaseException] = []
 
@@ -160,6 +168,7 @@ def run_arm(model: nn.Module, tokenizer: Any, work: Workload, policy: str, seed:
     steps_s = generator.worker.step_seconds
     held = engine.retention_stats()
     recompute_s_per_token = engine.recompute_cost.s_per_token
+    prefilled = stats["prompt_tokens"] - stats["cached_prompt_tokens"]
     # Waste estimate (token-s): slots pinned while tools ran, and recomputation stalling the running batch
     # (half the slots busy on average, an assumption stated in the docs).
     pinned_waste = sum(1 for _ in out["pins"]) * statistics.fmean(out["tool_s"] or [0.0]) * work.max_model_len
@@ -178,7 +187,9 @@ def run_arm(model: nn.Module, tokenizer: Any, work: Workload, policy: str, seed:
         "actions": {a: out["actions"].count(a) for a in sorted(set(out["actions"]))},
         "retention": held,
         "engine_busy_s": steps_s,
-        "measured": {"prefill_s_per_token": recompute_s_per_token, "decode_s_per_step": steps_s / max(1, stats["steps"]),
+        # decode time per step: the engine's busy time less its prefills (at the measured rate per token)
+        "measured": {"prefill_s_per_token": recompute_s_per_token,
+                     "decode_s_per_step": max(0.0, steps_s - prefilled * recompute_s_per_token) / max(1, stats["steps"]),
                      "swap_s_per_token": engine.kv_tiers.swap_cost.s_per_token,
                      "tool_s_median": statistics.median(out["tool_s"]) if out["tool_s"] else 0.0},
     }
@@ -189,8 +200,9 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
-def run_intercept_bench(model: nn.Module, tokenizer: Any, *, quick: bool = False, seed: int = 0) -> dict[str, Any]:
-    work = QUICK if quick else FULL
+def run_intercept_bench(model: nn.Module, tokenizer: Any, *, quick: bool = False, seed: int = 0,
+                        work: Workload | None = None) -> dict[str, Any]:
+    work = work or (QUICK if quick else FULL)
     arms = [run_arm(model, tokenizer, work, policy, seed) for policy in POLICIES]
     by = {a["policy"]: a for a in arms}
     best = by["min_waste"]
@@ -210,12 +222,14 @@ def simulation_inputs(work: Workload, arms: list[dict[str, Any]]) -> dict[str, A
     tool = statistics.median(a["measured"]["tool_s_median"] for a in arms)
     capacity = work.slots * work.max_model_len
     return {
+        # prefix_cache_only ran on fewer slots (its cache is paid for with the pinnable ones): see _engine
+        "prefix_cache_only_slots": work.slots - work.slots // 2,
         "cost": {"name": "measured-by-bench-intercept", "prefill_s_per_token": prefill, "step_overhead_s": step,
                  "max_num_seqs": work.slots, "max_model_len": work.max_model_len, "kv_capacity_tokens": capacity},
-        "retention": {"slot_tokens": work.max_model_len, "pin_budget_tokens": capacity // 2,
+        "retention": {"slot_tokens": work.max_model_len, "pin_budget_tokens": work.slots // 2 * work.max_model_len,
                       "swap_budget_tokens": capacity * 4,
                       "swap_s_per_token": statistics.median(a["measured"]["swap_s_per_token"] for a in arms),
-                      "prefix_cache_tokens": capacity // 2},
+                      "prefix_cache_tokens": work.slots // 2 * work.max_model_len},
         "workload": {"sessions": work.sessions, "concurrency": work.concurrency, "turns": work.turns,
                      "prompt_tokens": work.prompt_tokens, "tool_result_tokens": work.tool_tokens,
                      "output_tokens": work.output_tokens,

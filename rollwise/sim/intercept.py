@@ -374,7 +374,11 @@ def _replay_bench(args: argparse.Namespace, console: Console) -> int:
         table.add_column(col, justify="right")
     rows = []
     for measured in bench["policies"]:
-        result = simulate(cost, model, work, measured["policy"], args.seed)
+        arm_cost = cost
+        if measured["policy"] == "prefix_cache_only" and "prefix_cache_only_slots" in sim:
+            slots = sim["prefix_cache_only_slots"]
+            arm_cost = cost.model_copy(update={"max_num_seqs": slots, "kv_capacity_tokens": slots * cost.max_model_len})
+        result = simulate(arm_cost, model, work, measured["policy"], args.seed)
         rows.append({"policy": measured["policy"], "bench": measured, "sim": result.as_dict()})
         table.add_row(measured["policy"], f"{measured['episodes_per_s']:.3f}", f"{result.episodes_per_s:.3f}",
                       f"{measured['turn_latency_p50_s']:.3f}", f"{result.turn_latency_p50_s:.3f}",
