@@ -174,9 +174,10 @@ def run_r3_bench(model: nn.Module, tokenizer: Any, *, quick: bool = False, seed:
     for step in range(steps):
         chosen = [train[(step * prompts_per_step + i) % len(train)] for i in range(prompts_per_step)]
         batches.append({"problems": chosen, "prompts": _prompts(tokenizer, chosen, cfg)})
-    prompt_len = max(len(p) for b in batches for p in b["prompts"])
+    eval_prompts = _prompts(tokenizer, eval_problems, cfg)
+    prompt_len = max(len(p) for p in eval_prompts + [p for b in batches for p in b["prompts"]])
     setup = {"cfg": cfg, "task": task, "steps": steps, "group": group, "max_tokens": max_tokens,
-             "batches": batches, "eval_problems": eval_problems, "eval_prompts": _prompts(tokenizer, eval_problems, cfg),
+             "batches": batches, "eval_problems": eval_problems, "eval_prompts": eval_prompts,
              "max_num_seqs": max(prompts_per_step * group, len(eval_problems)),
              "max_model_len": prompt_len + max_tokens + 8, "lr": 1e-5 if not quick else 1e-4}
     torch.manual_seed(seed)
