@@ -32,9 +32,14 @@ from rollwise.sync.buckets import (
     flatten_bucket,
 )
 from rollwise.sync.distributed import DistributedReceiver, DistributedSender, init_weight_group, loopback_init_method
+from rollwise.sync.adapters import adapter_update
+from rollwise.sync.buckets import StagedUpdate
 from rollwise.sync.files import FileReceiver, FileTransport
+from rollwise.engine.reference.lora import projection_targets
+from rollwise.types.weights import AdapterSpec
 
 BUCKET_MB = 64
+ADAPTER_RANK = 16  # train.lora's default rank
 ENGINE_KW = {"max_num_seqs": 1, "max_model_len": 8}  # the KV cache is irrelevant here: keep it tiny
 
 
@@ -144,6 +149,38 @@ def _time_local_transports(model: Any, state: dict, fingerprint: str, repeats: i
     return seconds, in_process_ratio
 
 
+def _time_adapter_push(model: Any, fingerprint: str, repeats: int, rank: int = ADAPTER_RANK) -> tuple[dict[str, float], int]:
+    """train.lora's push (rollwise.sync.adapters): a rank-`rank` adapter on every projection, the
+    default targets, into a ReferenceEngine through its EngineWorker (the training path), and the same
+    adapter checksummed and staged bucket by bucket as a byte-moving transport delivers it."""
+    engine = ReferenceEngine(model, **ENGINE_KW, tokenizer_fingerprint=fingerprint)
+    adapter: dict[str, torch.Tensor] = {}
+    for module, (out_dim, in_dim) in projection_targets(engine.model).items():
+        adapter[f"{module}.lora_A.weight"] = torch.randn(rank, in_dim) * 0.01
+        adapter[f"{module}.lora_B.weight"] = torch.randn(out_dim, rank) * 0.01
+    spec = AdapterSpec(name="policy", rank=rank, alpha=2.0 * rank, default=True,
+                       target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    versions = iter(range(1, 10**6))
+    seconds: dict[str, float] = {}
+    worker = EngineWorker(engine, name="bench-sync-adapter")
+    try:
+        seconds["adapter in-process"] = _median_seconds(
+            lambda: worker.update_weights(adapter_update(adapter, spec, next(versions), fingerprint)), repeats)
+    finally:
+        worker.close()
+    receiver = WeightReceiver(engine, fingerprint)
+
+    def checksummed() -> None:
+        update = adapter_update(adapter, spec, next(versions), fingerprint, checksum=True)
+        staged = StagedUpdate(update.manifest)
+        for bucket in update.manifest.buckets:
+            staged.add_flat(bucket.index, flatten_bucket(bucket, adapter))
+        receiver.commit(staged)
+
+    seconds["adapter checksummed"] = _median_seconds(checksummed, repeats)
+    return seconds, sum(t.numel() * t.element_size() for t in adapter.values())
+
+
 def run_sync_bench(model: Any, tokenizer: Any, *, model_spec: str, quick: bool, seed: int = 0,
                    bucket_mb: float = BUCKET_MB) -> dict:
     """Median seconds per push (quick: 2 timed repeats, full: 5, each after one warm-up)."""
@@ -161,12 +198,17 @@ def run_sync_bench(model: Any, tokenizer: Any, *, model_spec: str, quick: bool, 
     local, in_process_ratio = _time_local_transports(model, state, fingerprint, repeats, bucket_mb, memcpy_fn)
     seconds.update(local)
     seconds["gloo broadcast"] = _time_gloo(state, fingerprint, model_spec, repeats, bucket_mb)
+    adapter_seconds, adapter_bytes = _time_adapter_push(model, fingerprint, repeats)
+    seconds.update(adapter_seconds)
 
     memcpy = seconds["memcpy"]
+    row_bytes = {name: adapter_bytes if name.startswith("adapter") else nbytes for name in seconds}
     rows = [
-        {"name": name, "seconds": s, "gb_per_s": nbytes / s / 1e9, "x_memcpy_time": s / memcpy}
+        {"name": name, "seconds": s, "bytes": row_bytes[name], "gb_per_s": row_bytes[name] / s / 1e9,
+         "x_memcpy_time": s / memcpy}
         for name, s in seconds.items()
     ]
+    adapter_speedup = seconds["in-process"] / seconds["adapter in-process"]
     return {
         "config": {
             "model": model_spec, "quick": quick, "repeats": repeats, "bucket_mb": bucket_mb, "bytes": nbytes,
@@ -178,6 +220,9 @@ def run_sync_bench(model: Any, tokenizer: Any, *, model_spec: str, quick: bool, 
         # median ratio of back-to-back pairs (the table's rows are medians taken minutes apart).
         "in_process_vs_memcpy": in_process_ratio,
         "in_process_within_1_2x": in_process_ratio <= 1.2,
+        # train.lora (issue 22): the adapter push vs the full push, both the training path (goal >= 50x less time)
+        "adapter": {"rank": ADAPTER_RANK, "bytes": adapter_bytes, "bytes_vs_full": nbytes / adapter_bytes,
+                    "time_vs_full": adapter_speedup, "goal_50x_met": adapter_speedup >= 50},
         "rows": rows,
     }
 
@@ -190,6 +235,8 @@ NOTES = {
     "files: write": "crc32 + safetensors buckets + manifest (page cache)",
     "files: read + apply": "load + crc32 + verify + engine copy",
     "gloo broadcast": "to 1 engine process over loopback TCP, until it acked",
+    "adapter in-process": "train.lora: rank-16 adapter on every projection, the training path (its own bytes)",
+    "adapter checksummed": "the same adapter: crc32 + flat buckets + staged + verify + load (its own bytes)",
 }
 
 
@@ -206,6 +253,11 @@ def format_sync_bench(result: dict) -> Table:
         ratio = result["in_process_vs_memcpy"]
         table.caption = (f"in-process (the training path) / memcpy, median of back-to-back pairs: {ratio:.2f}x "
                          f"({'within' if ratio <= 1.2 else 'OVER'} the 1.2x goal)")
+    if "adapter" in result:
+        a = result["adapter"]
+        table.caption = (f"{table.caption or ''}\nadapter push (rank {a['rank']}, {a['bytes'] / 1e6:.1f} MB, "
+                         f"{a['bytes_vs_full']:.0f}x fewer bytes): {a['time_vs_full']:.0f}x less time than the full "
+                         f"in-process push ({'meets' if a['goal_50x_met'] else 'MISSES'} the 50x goal)")
     for row in result["rows"]:
         table.add_row(row["name"], f"{row['seconds']:.3f}", f"{row['gb_per_s']:.2f}", f"{row['x_memcpy_time']:.1f}x",
                       NOTES.get(row["name"], ""))
