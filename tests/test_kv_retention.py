@@ -267,3 +267,27 @@ def test_bench_intercept_runs_every_policy_on_the_same_work(model):
     assert discard["actions"] == {"discard": 2} and discard["recomputed_tokens"] > 0
     assert all(a["episodes"] == 2 and a["prompt_tokens"] == 2 * (40 + 40 + 3 + 4) for a in result["policies"])
     assert result["simulation_inputs"]["workload"]["sessions"] == 2
+
+
+def test_simulated_policies_rank_as_the_waste_model_says():
+    """rollwise.sim.intercept: the production policy on a virtual clock; short tools, KV for half the sessions."""
+    from rollwise.sim.cost import CostModel
+    from rollwise.sim.intercept import InterceptWorkload, RetentionModel, ToolSpec, projection, simulate
+
+    cost = CostModel(prefill_s_per_token=2e-4, step_overhead_s=0.01, max_num_seqs=8, max_model_len=1024,
+                     kv_capacity_tokens=8 * 700)
+    model = RetentionModel(pin_budget_tokens=4 * 700, prefix_cache_tokens=4 * 700)
+    work = InterceptWorkload(sessions=32, concurrency=8, turns=4, prompt_tokens=400, tool_result_tokens=20,
+                             output_tokens=16, tools=[ToolSpec(name="calculator", median_s=0.02, sigma=0.5)])
+    results = {p: simulate(cost, model, work, p, seed=1) for p in
+               ("min_waste", "always_discard", "always_preserve", "prefix_cache_only")}
+    assert simulate(cost, model, work, "min_waste", seed=1) == results["min_waste"]  # deterministic
+    assert all(r.episodes == 32 for r in results.values())
+    discard, best = results["always_discard"], results["min_waste"]
+    assert discard.recomputed_fraction > 0.4 and best.recomputed_fraction < 0.6 * discard.recomputed_fraction
+    assert best.episodes_per_s > discard.episodes_per_s and best.waste_token_s < discard.waste_token_s
+    assert results["prefix_cache_only"].recomputed_fraction < discard.recomputed_fraction
+    rows = projection(cost, model, work.model_copy(update={"sessions": 4}))
+    assert {r["gpus"] for r in rows} == {64, 256, 1024, 4096}
+    with pytest.raises(ValueError, match="policy"):
+        simulate(cost, model, work, "lru")  # type: ignore[arg-type]
