@@ -38,9 +38,11 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollwise.agent.client import chat_completion_dict, sampling_args
+from rollwise.agent.episode import end_session, intercept
 from rollwise.agent.generator import Generator, UpstreamError
 from rollwise.agent.messages import MessageError
 from rollwise.agent.session import AgentSession, LimitReached, SessionLimits
+from rollwise.engine.retention_policy import ToolLatencies
 from rollwise.serve.openai_schemas import report_ignored
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
@@ -111,6 +113,10 @@ class SessionStore:
         self.info = generator.info()
         self.sessions: dict[str, AgentSession] = {}
         self.finished: dict[str, float | None] = {}  # session id -> reward given at finish
+        # Session KV retention (issue 21): a turn that asks for tools is reported to the engine; the time
+        # until the agent's next call is that tool's latency, learned per tool.
+        self.latencies = ToolLatencies()
+        self.tool_out: dict[str, tuple[str, float]] = {}  # session id -> (tool, when its call was returned)
         self._lock = threading.Lock()
 
     def get(self, session_id: str, create: bool = False) -> AgentSession:
@@ -159,6 +165,9 @@ def _turn(store: SessionStore, session: AgentSession, body: ChatRequest, model: 
         if session.id in store.finished:
             raise ProxyError(409, f"session {session.id!r} is finished", "session_id", kind="conflict")
         tools = body.tools if body.tool_choice != "none" else None
+        if session.id in store.tool_out:  # the agent is back from its tool
+            tool, since = store.tool_out.pop(session.id)
+            store.latencies.observe(tool, time.monotonic() - since)
         try:
             turn = session.chat(body.messages, tools=tools, **args)
         except MessageError as exc:
@@ -169,7 +178,29 @@ def _turn(store: SessionStore, session: AgentSession, body: ChatRequest, model: 
             raise ProxyError(502, f"the engine failed: {exc.message}", kind="server_error") from exc
         except ValueError as exc:  # refused by the engine (e.g. a prompt past max_model_len)
             raise ProxyError(400, f"the engine refused the turn: {exc}") from exc
+        if turn.parsed.wants_tools:
+            _intercept(store, session, turn)
         return chat_completion_dict(session, turn, model)
+
+
+def _intercept(store: SessionStore, session: AgentSession, turn: Any) -> None:
+    """Tell the engine this turn ended in a tool call. Best effort: an engine that cannot keep the KV
+    costs only recomputation, so an upstream failure here is not the agent's problem."""
+    calls = [*turn.parsed.calls, *turn.parsed.errors]
+    tool = getattr(calls[0], "name", None) or "tool"
+    store.tool_out[session.id] = (tool, time.monotonic())
+    try:
+        intercept(session, turn, tool, store.latencies.expected(tool))
+    except UpstreamError:
+        pass
+
+
+def _end(store: SessionStore, session: AgentSession) -> None:
+    store.tool_out.pop(session.id, None)
+    try:
+        end_session(session)
+    except UpstreamError:
+        pass
 
 
 def create_proxy_app(generator: Generator, tokenizer: Any, *, model_name: str = "rollwise-policy",
@@ -235,6 +266,7 @@ def create_proxy_app(generator: Generator, tokenizer: Any, *, model_name: str = 
         store.finished[session_id] = body.reward if body else None
         if session.finish_reason is None:
             session.finish_reason = "done"
+        await _off_loop(_end, store, session)  # the engine may drop what it holds for the session
         return await _off_loop(_trajectory, session)
 
     @app.delete("/sessions/{session_id}")
