@@ -183,3 +183,21 @@ def test_loop_meter_reports_step_eval_and_run_utilisation(model):
     assert run["mfu"]["run"] == pytest.approx(run["flops"]["total"] / 1e10)
     assert run["mfu"]["eval"] == pytest.approx(ev["flops_eval"] / 2e9)
     assert utilisation(1.0, 0.0, 1e9) is None
+
+
+def test_time_split_accounts_for_the_whole_wall_time():
+    from rollwise.observe.summary import total_time_split, time_split
+
+    def step(n: int, end: float) -> dict[str, float]:
+        return {"step": n, "elapsed_s": end, "time_step_s": 4.0, "time_generate_s": 1.5, "time_reward_s": 0.5,
+                "time_train_s": 1.5, "time_weight_sync_s": 0.5}
+
+    # start 10 s (3 s of it the first evaluation); steps end at 14, 22 (a 2 s mid-run eval and a 2 s
+    # checkpoint before step 2 began at 18) and 26; then the final evaluation (3 s) and 1 s of the rest.
+    records = [step(1, 14.0), step(2, 22.0), step(3, 26.0)]
+    evals = [{"step": 0, "eval_seconds": 3.0}, {"step": 1, "eval_seconds": 2.0}, {"step": 3, "eval_seconds": 3.0}]
+    start, steps = time_split(records, evals, wall_time_s=30.0)
+    assert start == {"eval": 3.0, "startup": 7.0}
+    assert steps[0]["eval"] == 2.0 and steps[0]["other"] == 2.0
+    assert steps[2]["eval"] == 3.0 and steps[2]["other"] == 1.0
+    assert sum(total_time_split(records, evals, 30.0).values()) == pytest.approx(30.0)
