@@ -179,8 +179,9 @@ def build_parser(extra: Sequence[SimCommand] = ()) -> argparse.ArgumentParser:
 def main(argv: list[str], extra: Sequence[SimCommand] = ()) -> int:
     """`rollwise sim ARGV`; `extra`: the bench side's subcommands (calibrate, validate*), from rollwise/cli.py."""
     from rollwise.sim.intercept import command as intercept_command  # issue 21; imports this module back
+    from rollwise.sim.lora import command as lora_command
 
-    extra = (*extra, intercept_command())
+    extra = (*extra, intercept_command(), lora_command())  # lora: issue 22 (rollwise.sim.lora)
     parser = build_parser(extra)
     handlers = {"run": cmd_run, "sweep": cmd_sweep, **{c.name: c.run for c in extra}}
     if argv and argv[0] not in (*handlers, "-h", "--help"):

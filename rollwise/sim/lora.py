@@ -1,0 +1,216 @@
+"""LoRA jobs sharing engines (issue 22), on a virtual clock: `rollwise sim lora`.
+
+With full-parameter jobs a pool slot serves one job at a time and switching costs a weight load
+(rollwise.sim.mux). LoRA jobs on one base need no switch: every engine holds the base, and requests of
+all jobs run in the same batch, each row with its job's adapter (rollwise.engine.reference.lora; vLLM's
+multi-LoRA). Modelled here:
+
+- every engine admits queued requests of any job while its batch has room, the job with the least
+  engine service so far first (fair share, as the pool's scheduler ranks jobs);
+- a batch holding adapters steps `decode_overhead` slower than the base alone (the per-row adapter
+  matmuls: punica/S-LoRA's batched LoRA kernels; an assumption, set it from a measurement);
+- each job is a sync GRPO loop: generate a batch, train (its own trainer GPU, as in the dedicated arm),
+  push its adapter (`adapter_push_s`: megabytes, not the model), next batch;
+- dedicated arm: each job alone on one engine serving its adapter merged (no overhead) — the
+  comparison `rollwise bench mux` makes, in engine-hours (DESIGN.md: Σ engines × time held).
+
+Trainer GPUs are the same in both arms and not counted in engine-hours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.sim.cost import CostModel, TrainerModel, load_cost_file
+from rollwise.sim.engine import SimEngine, VirtualClock
+from rollwise.sim.mux import MuxJob
+
+
+@dataclass(frozen=True)
+class LoraServing:
+    decode_overhead: float = 0.10  # batch step time x (1 + this) while adapters are applied unmerged
+    adapter_push_s: float = 0.05  # a rank-16 adapter of a 7B model (~40 MB bf16) to the engines
+
+
+@dataclass
+class _Job:
+    spec: MuxJob
+    queue: deque = field(default_factory=deque)
+    outstanding: int = 0
+    tokens: int = 0
+    step: int = 0
+    served: float = 0.0  # engine samples admitted so far (fair-share key)
+    started_at: float = 0.0
+    finished_at: float | None = None
+
+
+def simulate_lora(jobs: list[MuxJob], engines: int, cost: CostModel, serving: LoraServing = LoraServing(),
+                  *, merged: bool = False, seed: int = 0) -> dict[str, Any]:
+    """All `jobs` on `engines` engines holding their shared base; per-job wall time, engine-hours.
+    merged=True: the adapter merged into the weights (a dedicated engine): no decode overhead."""
+    clock = VirtualClock()
+    rng = random.Random(seed)
+    by_name = {j.name: j for j in jobs}
+
+    def length(req: GenerationRequest, i: int) -> int:
+        spec = by_name[req.request_id.split(":", 1)[0]]
+        if not spec.mean_response_tokens:
+            return spec.max_tokens
+        return max(1, min(spec.max_tokens, round(rng.expovariate(1 / spec.mean_response_tokens))))
+
+    pool = [SimEngine(cost, clock=clock, length_sampler=length, engine_id=f"e{i}", seed=seed + i, cache_history=False)
+            for i in range(engines)]
+    for e in pool:
+        e.set_slowdown(1.0 if merged else 1.0 + serving.decode_overhead)
+    state = {j.name: _Job(j, started_at=j.start_s) for j in jobs}
+    events: list[tuple[float, int, Callable[[], None], Callable[[], bool] | None]] = []
+    serial = [0]
+
+    def at(t: float, fn: Callable[[], None], valid: Callable[[], bool] | None = None) -> None:
+        serial[0] += 1
+        heapq.heappush(events, (t, serial[0], fn, valid))
+
+    def submit_step(job: _Job) -> None:
+        spec = job.spec
+        params = SamplingParams(max_tokens=spec.max_tokens, temperature=1.0, n=spec.group_size, seed=job.step)
+        for g in range(spec.prompts_per_step):
+            prompt = [3 + (g * 7919 + k) % 1000 for k in range(spec.prompt_tokens)]
+            job.queue.append(GenerationRequest(f"{spec.name}:{job.step}:g{g}", prompt, params, adapter=spec.name))
+        job.outstanding = spec.prompts_per_step * spec.group_size
+        job.tokens = 0
+
+    def schedule() -> None:
+        waiting = [j for j in state.values() if j.queue]
+        for i, e in enumerate(pool):
+            room = cost.max_num_seqs - e.unfinished_samples
+            added = False
+            while waiting and room > 0:
+                job = min(waiting, key=lambda j: (j.served / j.spec.priority, j.spec.name))
+                if job.queue[0].params.n > room:
+                    break
+                req = job.queue.popleft()
+                room -= req.params.n
+                job.served += req.params.n
+                e.add_request(req)
+                added = True
+                if not job.queue:
+                    waiting.remove(job)
+            if added or (e.op is None and e.has_unfinished()):
+                start(i)
+
+    def start(i: int) -> None:
+        e = pool[i]
+        if e.op is None and e.has_unfinished():
+            e.start_op()
+        if e.op is not None:  # a request added mid-op cuts it short: the old end is superseded
+            at(e.op.end, lambda: op_done(i), valid=lambda s=e.op_serial: e.op is not None and e.op_serial == s)
+
+    def op_done(i: int) -> None:
+        for c in pool[i].finish_op():
+            job = state[c.request_id.split(":", 1)[0]]
+            job.outstanding -= 1
+            job.tokens += len(c.prompt_ids) + len(c.token_ids)
+            if job.outstanding == 0:
+                at(clock.now + job.spec.train_s(job.tokens) + serving.adapter_push_s, lambda job=job: trained(job))
+        start(i)
+
+    def trained(job: _Job) -> None:
+        job.step += 1
+        if job.step >= job.spec.steps:
+            job.finished_at = clock.now
+        else:
+            submit_step(job)
+
+    for job in state.values():
+        at(job.started_at + job.spec.startup_s, lambda job=job: submit_step(job))
+    while events:
+        t, _, fn, valid = heapq.heappop(events)
+        if valid is not None and not valid():
+            continue
+        clock.now = max(clock.now, t)
+        fn()
+        if not events or events[0][0] > clock.now:
+            schedule()
+    start_s = min(j.started_at for j in state.values())
+    makespan = max(j.finished_at or 0.0 for j in state.values()) - start_s
+    return {"engines": engines, "makespan_s": makespan, "engine_hours": engines * makespan / 3600,
+            "jobs": {n: {"wall_s": (j.finished_at or 0.0) - j.started_at} for n, j in state.items()}}
+
+
+def compare_lora(jobs: list[MuxJob], engines: int, cost: CostModel, serving: LoraServing = LoraServing(),
+                 seed: int = 0) -> dict[str, Any]:
+    """Each job on its own engine (adapter merged) vs all on `engines` shared engines (unmerged, one batch)."""
+    dedicated = {j.name: simulate_lora([replace(j, start_s=0.0)], 1, cost, serving, merged=True, seed=seed)
+                 for j in jobs}
+    shared = simulate_lora(jobs, engines, cost, serving, seed=seed)
+    dedicated_hours = sum(d["engine_hours"] for d in dedicated.values())
+    slowdowns = sorted(shared["jobs"][n]["wall_s"] / dedicated[n]["makespan_s"] - 1 for n in shared["jobs"])
+    return {"jobs": len(jobs), "engines": engines, "dedicated_engine_hours": dedicated_hours,
+            "shared_engine_hours": shared["engine_hours"],
+            "engine_hours_saved": 1 - shared["engine_hours"] / dedicated_hours,
+            "median_slowdown": slowdowns[len(slowdowns) // 2], "max_slowdown": slowdowns[-1]}
+
+
+def projection_jobs(n: int, trainer: TrainerModel, steps: int = 10, seed: int = 0) -> list[MuxJob]:
+    """n GRPO LoRA jobs on one 7B base: 8 prompts x 8 samples a step, 512-token prompts, responses of
+    ~512 tokens (exponential, at most 2048); launched within the first minute; each trains on one GPU."""
+    rng = random.Random(seed)
+    return [MuxJob(name=f"job{i:02d}", steps=steps, prompts_per_step=8, group_size=8, prompt_tokens=512,
+                   max_tokens=2048, mean_response_tokens=512.0, start_s=rng.uniform(0, 60),
+                   train_s=lambda tokens: trainer.step_s(tokens, gpus=1)) for i in range(n)]
+
+
+def project(cost_name: str = "h100-7b", jobs: int = 64, engine_counts: tuple[int, ...] = (8, 16, 32, 64),
+            serving: LoraServing = LoraServing(), steps: int = 10) -> list[dict[str, Any]]:
+    from rollwise.sim.cost import CONFIG_DIR
+
+    cost, trainer = load_cost_file(CONFIG_DIR / f"{cost_name}.yaml")
+    if trainer is None:
+        raise ValueError(f"cost model {cost_name!r} has no trainer section")
+    specs = projection_jobs(jobs, trainer, steps)
+    return [compare_lora(specs, e, cost, serving) for e in engine_counts]
+
+
+# ---------------------------------------------------------------------------- `rollwise sim lora`
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cost", default="h100-7b", help="bundled cost model (default: %(default)s)")
+    p.add_argument("--jobs", type=int, default=64)
+    p.add_argument("--engines", default="8,16,32,64", help="shared engine (GPU) counts (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--decode-overhead", type=float, default=LoraServing.decode_overhead,
+                   help="unmerged multi-adapter batch slowdown (default: %(default)s)")
+
+
+def _run(args: argparse.Namespace, console: Console) -> int:
+    from rollwise.sim.cli import write_json
+
+    engines = tuple(int(x) for x in args.engines.split(","))
+    rows = project(args.cost, args.jobs, engines, LoraServing(decode_overhead=args.decode_overhead), args.steps)
+    table = Table(title=f"{args.jobs} LoRA jobs on one base ({args.cost}): shared engines vs one dedicated engine each")
+    for col in ("engines", "engine-h dedicated", "engine-h shared", "saved", "median slowdown", "max slowdown"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["engines"]), f"{r['dedicated_engine_hours']:.2f}", f"{r['shared_engine_hours']:.2f}",
+                      f"{r['engine_hours_saved']:.0%}", f"{r['median_slowdown']:+.0%}", f"{r['max_slowdown']:+.0%}")
+    console.print(table)
+    write_json(args.json, rows, console)
+    return 0
+
+
+def command() -> Any:
+    from rollwise.sim.cli import SimCommand
+
+    return SimCommand("lora", "project N LoRA jobs sharing engines vs dedicated engines (issue 22)",
+                      _add_arguments, _run)
