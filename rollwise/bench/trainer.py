@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from rollwise.engine.factory import create_engine
 from rollwise.sync.buckets import WeightUpdate
 from rollwise.train.sharded import ShardedTrainer
 from rollwise.train.trainer import GRPOTrainer
+from rollwise.types.microbatch import chunk_samples
 from rollwise.types.sample import Sample
 
 THREADS = 2  # the machine's cores for the trainer: 1 rank × 2 threads, or 2 ranks × 1 thread
@@ -68,6 +70,20 @@ def bench_batch(vocab: int, groups: int, group_size: int, prompt_len: int, respo
     return samples
 
 
+def loopback_bytes() -> int:
+    """Bytes sent over this machine's loopback interface so far (/proc/net/dev): the local ranks'
+    gloo collectives travel over TCP on 127.0.0.1, so the difference across a step is their traffic
+    (on an idle machine; anything else on loopback is counted too). 0 where /proc is absent."""
+    try:
+        for line in Path("/proc/net/dev").read_text().splitlines():
+            name, _, fields = line.partition(":")
+            if name.strip() == "lo":
+                return int(fields.split()[8])  # transmit bytes
+    except OSError:
+        pass
+    return 0
+
+
 def _timed_push(trainer: Any, engine: Any) -> float:
     """Gather the full weights (from the ranks, for the sharded trainer) and commit them to `engine`."""
     start = time.perf_counter()
@@ -81,10 +97,13 @@ def _run_setting(label: str, world_size: int, model: nn.Module, tokenizer: Any, 
                              pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer, threads=THREADS)
     try:
         trainer.train_step(batch)  # warm-up: first-step allocations and optimizer state
-        start = time.perf_counter()
+        sent, start = loopback_bytes(), time.perf_counter()
         tokens = sum(trainer.train_step(batch)["trained_tokens"] for _ in range(steps))
         step_s = (time.perf_counter() - start) / steps
+        step_bytes = (loopback_bytes() - sent) / steps
+        sent = loopback_bytes()
         push_s = _timed_push(trainer, engine)
+        push_bytes = loopback_bytes() - sent
         memory = trainer.memory()
     finally:
         trainer.close()
@@ -93,7 +112,13 @@ def _run_setting(label: str, world_size: int, model: nn.Module, tokenizer: Any, 
             "step_s": step_s, "trained_tokens_per_step": tokens / steps,
             "trained_tokens_per_s": tokens / steps / step_s,
             "mfu": 6.0 * params * (tokens / steps) / (step_s * peak),
-            "push_s": push_s, "ranks": memory, "max_rank_param_grad_optim_bytes": max(held)}
+            "push_s": push_s, "ranks": memory, "max_rank_param_grad_optim_bytes": max(held),
+            # What the simulator's collective model charges (rollwise.sim.cost.CollectiveModel): bytes
+            # each rank sent per train step and per push, in units of the model's fp32 bytes.
+            "collective_bytes_per_step_per_rank": step_bytes / world_size,
+            "collective_model_bytes_per_step_per_rank": step_bytes / world_size / (4 * params),
+            "micro_batches_per_rank": -(-len(chunk_samples(batch, cfg)[1]) // world_size),
+            "push_collective_bytes": push_bytes}
 
 
 def _single_process_push(model: nn.Module, tokenizer: Any, cfg: TrainConfig, engine: Any) -> float:
@@ -142,7 +167,8 @@ def format_trainer_bench(result: dict[str, Any]) -> Table:
                         f"{b['samples']} samples × ({b['prompt_tokens']}+{b['response_tokens']}) tokens, "
                         f"matmul peak {result['matmul_peak_flops'] / 1e9:.1f} GFLOP/s on {result['threads']} threads")
     for col in ("setting", "step s", "trained tok/s", "MFU", "params MiB/rank", "grads MiB/rank",
-                "optim MiB/rank", "P+G+O vs 1 rank", "peak RSS MiB/rank", "gather+push s", "push vs 1 process"):
+                "optim MiB/rank", "P+G+O vs 1 rank", "peak RSS MiB/rank", "gather+push s", "push vs 1 process",
+                "collective model-bytes/micro-batch/rank"):
         table.add_column(col, justify="left" if col == "setting" else "right")
     for row in result["rows"]:
         ranks = row["ranks"]
@@ -151,7 +177,8 @@ def format_trainer_bench(result: dict[str, Any]) -> Table:
                       "/".join(_mib(m["grad_bytes"]) for m in ranks), "/".join(_mib(m["optim_bytes"]) for m in ranks),
                       f"{row['param_grad_optim_vs_one_rank']:.2f}×",
                       "/".join(_mib(m["peak_rss_bytes"]) for m in ranks), f"{row['push_s']:.3f}",
-                      f"{row['push_vs_single_process']:.2f}×")
+                      f"{row['push_vs_single_process']:.2f}×",
+                      f"{row['collective_model_bytes_per_step_per_rank'] / row['micro_batches_per_rank']:.2f}")
     goals = result["goals"]
     mem, push = goals["memory_per_rank_vs_one_rank"], goals["push_vs_single_process"]
     table.caption = (f"single-process push {result['single_process_push_s']:.3f} s; goals (2 ranks): "

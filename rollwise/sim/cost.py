@@ -84,6 +84,38 @@ class CostModel(BaseModel):
                 + self.decode_s_per_ctx_token * batch * k * (k - 1) / 2 * growth)
 
 
+class CollectiveModel(BaseModel):
+    """What a sharded (FSDP2) trainer step and push cost in collectives: all-gathers of parameters
+    and reduce-scatters of gradients, ring-style, at the link bandwidth a rank sees. Each rank sends
+    `passes_per_micro_batch` x model bytes x (N-1)/N per micro-batch (measured by `rollwise bench
+    trainer` over loopback: its "collective model-bytes/micro-batch/rank" at N=2, divided by 1/2),
+    and a weight push gathers the model once more. Compute hides up to `overlap` of it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_bytes: float = Field(..., gt=0, description="bytes of the parameters as the collectives move them")
+    passes_per_micro_batch: float = Field(3.0, gt=0, description="model-sized ring passes per micro-batch "
+                                          "(FSDP2: forward gather + backward gather + gradient reduce-scatter)")
+    micro_batches_per_step: int = Field(1, ge=1, description="gradient-accumulation micro-batches per update")
+    gpus_per_node: int = Field(8, ge=1)
+    intra_node_gbps: float = Field(..., gt=0, description="GB/s per rank inside a node (NVLink)")
+    inter_node_gbps: float = Field(..., gt=0, description="GB/s per rank across nodes (InfiniBand)")
+    overlap: float = Field(0.0, ge=0, le=1, description="share of the compute time that can hide collectives")
+
+    def bandwidth(self, ranks: int) -> float:
+        return (self.intra_node_gbps if ranks <= self.gpus_per_node else self.inter_node_gbps) * 1e9
+
+    def ring_s(self, passes: float, ranks: int) -> float:
+        if ranks <= 1:
+            return 0.0
+        return passes * self.model_bytes * (ranks - 1) / ranks / self.bandwidth(ranks)
+
+    def step_s(self, ranks: int, compute_s: float) -> float:
+        """Collective time a step adds beyond its compute (what overlap does not hide), plus the push gather."""
+        comm = self.ring_s(self.passes_per_micro_batch * self.micro_batches_per_step, ranks)
+        return max(comm - self.overlap * compute_s, 0.0) + self.ring_s(1.0, ranks)
+
+
 class TrainerModel(BaseModel):
     """The modelled trainer: one update = overhead + trained tokens x time per token, spread over the
     trainer's GPUs (assumes data-parallel scaling; state otherwise in the cost file). What a trained
@@ -98,6 +130,7 @@ class TrainerModel(BaseModel):
     tokens: Literal["packed", "micro_batches"] = Field("packed", description="what counts as a trained token")
     contention: float = Field(1.0, ge=1.0, description="train step slowdown while engines generate on shared cores")
     contention_by_batch: dict[int, float] = Field(default_factory=dict, description="by the engine's running batch")
+    collectives: CollectiveModel | None = Field(None, description="sharded-trainer collectives; None: free")
     sources: list[str] = Field(default_factory=list)
     assumptions: list[str] = Field(default_factory=list)
 
@@ -105,7 +138,9 @@ class TrainerModel(BaseModel):
         return interpolate(self.contention_by_batch, engine_batch, self.contention)
 
     def step_s(self, tokens: int, gpus: int = 1) -> float:
-        return self.step_overhead_s + self.s_per_token_gpu * tokens / max(gpus, 1)
+        compute = self.s_per_token_gpu * tokens / max(gpus, 1)
+        comm = self.collectives.step_s(gpus, compute) if self.collectives is not None else 0.0
+        return self.step_overhead_s + compute + comm
 
     def batch_tokens(self, samples: list[Any], train: Any) -> int:
         """Trained tokens of one update's samples, as `tokens` counts them (train: the run's TrainConfig)."""
