@@ -102,8 +102,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "FSDP2 ranks (1 thread each): trained tokens/s, MFU vs a measured matmul peak, memory per rank, weight "
         "gather+push time (--quick: a tiny model); loop: the default `rollwise train` run end to end: wall time, "
         "samples/s, model-FLOPs utilisation (run and per phase) against this machine's matmul peak, idle "
-        "core-seconds, held-out accuracy (--quick: 2 steps of 2 groups, 10 held-out problems; --model overrides the config's model "
-        "only when given); r3: the upcycled MoE (bundled:smollm2-moe unless --model is given; --quick: a tiny random "
+        "core-seconds, held-out accuracy (--quick: 2 steps of 2 groups, 10 held-out problems; --model overrides "
+        "the config's model only when given); r3: the upcycled MoE (bundled:smollm2-moe unless --model is given; --quick: a tiny random "
         "MoE) trained with and without rollout routing replay, engine in bf16 and trainer in fp32: router "
         "disagreement, logprob mismatch, k3 KL, ratio>2 per step, held-out accuracy, replay cost, MoE-CAP counts",
     )

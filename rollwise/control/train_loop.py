@@ -260,7 +260,8 @@ def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
     if spec_before is not None and spec_after is not None:  # engines that keep no counters report none
         record.update(step_metrics(spec_before, spec_after))
     if run.meter is not None:  # model FLOPs by phase, MFU overall and per phase, idle core-seconds
-        record.update(run.meter.step_metrics(samples, StepTimes(record["time_generate_s"], record["time_train_s"], step_s)))
+        times = StepTimes(generate=record["time_generate_s"], train=record["time_train_s"], step=step_s)
+        record.update(run.meter.step_metrics(samples, times))
     logger.log(record)
     with (run.run_dir / "samples.jsonl").open("a") as f:
         for s in samples[: cfg.rollout.group_size]:  # one group per step, for reading what the model writes

@@ -119,7 +119,8 @@ def _cpu_peak(dtype: torch.dtype, remeasure: bool) -> Peak:
     before = torch.get_num_threads()
     torch.set_num_threads(cores)  # the machine's peak: every core at once
     try:
-        peak = Peak(measure_matmul("cpu", dtype, size=CPU_MATMUL_SIZE), "measured", name, str(dtype).removeprefix("torch."), cores)
+        flops = measure_matmul("cpu", dtype, size=CPU_MATMUL_SIZE)
+        peak = Peak(flops, "measured", name, str(dtype).removeprefix("torch."), cores)
     finally:
         torch.set_num_threads(before)
     if entry is not None and not remeasure and entry["peak"]["flops"] > peak.flops:
