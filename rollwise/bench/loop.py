@@ -14,8 +14,8 @@ waits for and what the hardware did:
 
 --quick: 2 steps of a quarter of the batch (2 groups of 16), 10 held-out problems, no mid-run
 evaluation (checks that the benchmark runs; its numbers are not the goal's). Time it on an idle
-machine: the peak and the wall time both drop when other work shares the cores (delete ~/.cache/rollwise/matmul_peak.json, or
-$ROLLWISE_CACHE's, if it was measured on a busy machine).
+machine: the peak and the wall time both drop when other work shares the cores (delete
+~/.cache/rollwise/matmul_peak.json, or $ROLLWISE_CACHE's, if it was measured on a busy machine).
 
 Goals on a 2-core CPU with vLLM (issue 23): run MFU >= 45% of the measured peak; the default run in
 <= 7 minutes; held-out strict accuracy +50 points at the end and +40 at the first mid-run evaluation.
