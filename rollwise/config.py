@@ -112,6 +112,24 @@ class RayConfig(_Section):
         "PACK", description="Ray placement-group strategy for the run's bundles (engines, trainer, reward workers)")
     start_timeout_s: float = Field(300.0, gt=0, description="wait this long for the placement group and the actors")
     restart_timeout_s: float = Field(300.0, gt=0, description="wait this long for Ray to bring a dead engine back")
+    # Issue 26: the split chosen by `rollwise sim plan SCENARIO --out PLAN.yaml` replaces num_engines and
+    # engine_gpus (its engine replicas, GPUs per engine), trainer_ranks and trainer_gpus (one GPU per rank).
+    plan: str | None = Field(None, description="a plan file written by `rollwise sim plan --out`")
+
+    @model_validator(mode="after")
+    def _take_plan(self) -> RayConfig:
+        if self.plan is None:
+            return self
+        try:
+            choice = (yaml.safe_load(Path(self.plan).read_text()) or {})["choice"]
+            split = {"num_engines": int(choice["engine_replicas"]), "engine_gpus": float(choice["gpus_per_engine"]),
+                     "trainer_ranks": int(choice["trainer_gpus"]), "trainer_gpus": 1.0}
+        except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError) as exc:
+            raise ValueError(f"ray.plan={self.plan!r}: not a readable plan ({exc!r}); write one with "
+                             "`rollwise sim plan SCENARIO --out PLAN.yaml`") from exc
+        for key, value in split.items():
+            object.__setattr__(self, key, value)
+        return self
 
 
 class PoolConfig(_Section):
