@@ -291,3 +291,39 @@ def test_simulated_policies_rank_as_the_waste_model_says():
     assert {r["gpus"] for r in rows} == {64, 256, 1024, 4096}
     with pytest.raises(ValueError, match="policy"):
         simulate(cost, model, work, "lru")  # type: ignore[arg-type]
+
+
+def test_agent_episodes_report_tool_calls_to_the_engine():
+    """rollwise.agent.episode end to end: the toy tool-calling model, the real calculator, a real engine."""
+    import random
+
+    from rollwise.agent.episode import ToolAgent, run_episode
+    from rollwise.agent.generator import LocalGenerator
+    from rollwise.agent.session import AgentSession, SessionLimits
+    from rollwise.agent.tools import CalculatorTool, ToolRegistry
+    from rollwise.agent.toy import toy_question, toy_tool_model
+    from rollwise.engine.factory import create_engine
+    from rollwise.model.loading import tokenizer_fingerprint
+
+    toy, tokenizer = toy_tool_model(seed=0)
+    engine = create_engine("reference", toy, tokenizer, max_num_seqs=4, max_model_len=768, seed=0,
+                           eos_token_ids=[tokenizer.eos_token_id], retention="always_preserve",
+                           tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
+    generator = LocalGenerator(engine)
+    agent = ToolAgent(ToolRegistry([CalculatorTool()]))
+    try:
+        for seed in range(6):
+            session = AgentSession(generator, tokenizer, seed=seed, limits=SessionLimits(max_turns=3))
+            result = run_episode(session, toy_question(random.Random(seed)), agent, max_tokens=120)
+            if len(result.turns) > 1:
+                break
+        else:
+            pytest.fail("no tool call in 6 episodes")
+    finally:
+        generator.close()
+    stats = engine.retention_stats()
+    assert stats["preserve"] >= 1 and stats["resumed"] >= 1 and stats["pinned_sessions"] == 0
+    resumed = result.turns[1].completion
+    first = result.turns[0].completion
+    assert resumed.cached_prompt_tokens == len(first.prompt_ids) + len(first.token_ids) - 1
+    assert agent.latencies.expected("calculator") < 1.0  # learned from the measured call, not the 1 s default
