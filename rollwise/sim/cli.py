@@ -27,6 +27,10 @@ sources cited inside).
       bubble ratio, samples/s, staleness, prefix hit rate and engine-hours (DESIGN.md definitions)
   rollwise sim sweep CONFIG --sizes 8,64,512,4096 --modes sync,sorted,async [--routing a,b]
       the scenario at several cluster sizes (batch per GPU held constant) and policies: table + chart
+  rollwise sim plan CONFIG [--gpus N] [--etas 1,2] [--out PLAN.yaml] [--json PATH]
+      split N GPUs between trainer ranks and engine replicas (and choose eta) for the most trained
+      samples/s, with the flexible update batch; prints the choice and the runner-ups. `placement: ray`
+      takes the split from the written file (ray.plan: PLAN.yaml)
   rollwise sim calibrate [--engine reference|vllm] [--json PATH] [--out YAML]
       time a real engine and trainer here (~1-2 min) and fit the cost model
   rollwise sim validate [--cost YAML] [--rollout-only] [--json PATH]
@@ -138,6 +142,33 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    from rollwise.sim.plan import plan
+    from rollwise.sim.report import plan_table
+    from rollwise.sim.scenario import load_scenario
+
+    over = _overrides(args.set)
+    if args.updates is not None:
+        over["workload.updates"] = args.updates
+    base = load_scenario(_scenario_path(args.config), over)
+    total = args.gpus or base.cluster.gpus + base.trainer_gpus()
+    etas = [int(x) for x in args.etas.split(",")]
+    if any(e < 1 for e in etas):
+        raise ValueError(f"--etas {args.etas}: the planner overlaps training and generation, so eta >= 1")
+    result = plan(base, total, etas, args.bubble_target, progress=console.log)
+    console.print(plan_table(result, f"plan: {base.name}, {total} GPUs ({base.cluster.cost})"))
+    b = result.best
+    console.print(f"choice: {b.split.trainer_gpus} trainer GPUs, {b.split.engine_gpus} engine GPUs, "
+                  f"eta={b.split.eta}, update_batch=flexible: {b.samples_per_s_per_gpu:.3f} samples/s per GPU, "
+                  f"{result.as_dict()['speedup_per_gpu_vs_sync'] or 0:.2f}x sync on the same split")
+    doc = {"command": " ".join(["rollwise"] + sys.argv[1:]), **result.as_dict()}
+    if args.out is not None:
+        args.out.write_text(yaml.safe_dump(doc, sort_keys=False))
+        console.print(f"wrote {args.out} (placement: ray takes it as ray.plan={args.out})")
+    write_json(args.json, doc, console)
+    return 0
+
+
 @dataclass(frozen=True)
 class SimCommand:
     """A `rollwise sim` subcommand defined outside the simulator. calibrate and validate* run real engines
@@ -153,7 +184,7 @@ class SimCommand:
 def build_parser(extra: Sequence[SimCommand] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollwise sim", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = ",".join(["CONFIG", "sweep", *(c.name for c in extra)])
+    names = ",".join(["CONFIG", "sweep", "plan", *(c.name for c in extra)])
     sub = parser.add_subparsers(dest="sim_command", metavar=f"{{{names}}}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
@@ -171,6 +202,16 @@ def build_parser(extra: Sequence[SimCommand] = ()) -> argparse.ArgumentParser:
     sweep.add_argument("--plot", type=Path, metavar="PNG", default=Path("sim_sweep.png"),
                        help="chart of bubble ratio and samples/s per GPU (default: %(default)s)")
     sweep.add_argument("--set", nargs="*", default=[], metavar="key=value")
+    plan = sub.add_parser("plan", parents=[common], help="split GPUs between trainer and engines (and choose eta)")
+    plan.add_argument("config", help="scenario YAML (a path or a bundled name)")
+    plan.add_argument("--gpus", type=int, default=None,
+                      help="GPUs to split (default: the scenario's rollout GPUs + its trainer GPUs)")
+    plan.add_argument("--etas", default="1,2", help="staleness bounds to try (default: %(default)s)")
+    plan.add_argument("--bubble-target", type=float, default=0.25,
+                      help="splits within this whole-run bubble ratio rank first (default: %(default)s)")
+    plan.add_argument("--updates", type=int, default=None, help="trainer updates per simulation (default: the scenario's)")
+    plan.add_argument("--out", type=Path, metavar="YAML", help="write the plan (placement: ray reads it as ray.plan)")
+    plan.add_argument("--set", nargs="*", default=[], metavar="key=value")
     for command in extra:
         command.add_arguments(sub.add_parser(command.name, parents=[common], help=command.help))
     return parser
@@ -183,7 +224,7 @@ def main(argv: list[str], extra: Sequence[SimCommand] = ()) -> int:
 
     extra = (*extra, intercept_command(), lora_command())  # lora: issue 22 (rollwise.sim.lora)
     parser = build_parser(extra)
-    handlers = {"run": cmd_run, "sweep": cmd_sweep, **{c.name: c.run for c in extra}}
+    handlers = {"run": cmd_run, "sweep": cmd_sweep, "plan": cmd_plan, **{c.name: c.run for c in extra}}
     if argv and argv[0] not in (*handlers, "-h", "--help"):
         argv = ["run", *argv]  # rollwise sim CONFIG ...
     args = parser.parse_args(argv)

@@ -66,3 +66,18 @@ def plot_sweep(rows: list[dict[str, Any]], out: Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def plan_table(plan: Any, title: str) -> Table:
+    """The planner's splits, best first, and sync on the chosen split (rollwise.sim.plan.Plan)."""
+    table = Table(title=title)
+    for head in ("rank", "trainer GPUs", "engine GPUs", "eta", "samples/s", "per GPU", "bubble",
+                 "staleness max", "regenerated"):
+        table.add_column(head, justify="right")
+    rows = [(str(i + 1), r) for i, r in enumerate(plan.rows)] + [("sync", plan.sync)]
+    for label, r in rows:
+        table.add_row(label, str(r.split.trainer_gpus), str(r.split.engine_gpus),
+                      "-" if label == "sync" else str(r.split.eta), f"{r.samples_per_s:.1f}",
+                      f"{r.samples_per_s_per_gpu:.3f}", f"{r.bubble_ratio:.2f}", str(r.staleness_max),
+                      str(r.samples_regenerated), style="bold" if label == "1" else None)
+    return table
