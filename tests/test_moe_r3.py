@@ -124,6 +124,7 @@ def test_trainer_replays_and_router_learns(share_prompt_prefix, checkpointing):
     assert metrics["routing_disagreement"] == 0.0 and metrics["routing_replayed"] == 1.0
     assert metrics["mismatch_abs_logp"] < 1e-5
     assert len(router_grads) == 2 and all(g > 0 for g in router_grads)
+    assert (trainer.routing.recomputed_calls > 0) == checkpointing  # the recompute reused the replayed experts
 
 
 def test_prefix_cache_hit_keeps_complete_routing():
@@ -254,3 +255,22 @@ def test_upcycled_mixtral_keeps_the_dense_model_and_loads_as_a_standard_checkpoi
     assert torch.allclose(logp, engine_logprobs(samples), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="top_k must be in"):
         upcycle(dense, num_experts=4, top_k=1)
+
+
+def test_checkpoint_recompute_replays_the_same_experts():
+    """Activation checkpointing recomputes each layer in backward: with replay, the recompute must use the
+    experts the forward used, so the gradients equal those of a run without checkpointing."""
+    engine_model = moe_model()
+    with torch.no_grad():  # an engine that routes differently from the trainer: live routing would differ
+        for router in find_routers(engine_model):
+            router.weight.add_(torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(3)) * 3)
+    samples = rollout(engine_model)
+    grads = []
+    for checkpointing in (False, True):
+        cfg = TrainConfig(lr=1e-3, micro_batch_size=4, routing_replay="r3", share_prompt_prefix=False,
+                          gradient_checkpointing=checkpointing, grad_clip=1e9)
+        trainer = GRPOTrainer(moe_model(), cfg, pad_token_id=0)
+        trainer.before_step = lambda m: grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+        trainer.train_step(samples)
+    for name, grad in grads[0].items():
+        assert torch.allclose(grad, grads[1][name], atol=1e-6), name

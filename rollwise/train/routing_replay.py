@@ -123,6 +123,7 @@ class RoutingReplay:
         self._used: list[deque[Tensor]] = [deque() for _ in self.routers]  # served again in a recompute
         self._disagree: dict[int, Tensor] = {}  # call index -> per-token "any layer disagrees"
         self._calls = [0] * len(self.routers)
+        self.recomputed_calls = 0  # router calls served again in activation checkpointing's recompute
         self.reset_metrics()
         self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
 
@@ -185,6 +186,7 @@ class RoutingReplay:
                 if not self._used[layer]:
                     raise RuntimeError(f"routing replay: layer {layer} recomputed with no forward routing to reuse")
                 experts = self._used[layer].popleft()
+                self.recomputed_calls += 1
                 return (logits, self._gate_weights(logits, experts).to(output[1].dtype), experts)
             if not self._pending[layer]:
                 if self.mode == "r3":
