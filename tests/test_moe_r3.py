@@ -274,3 +274,18 @@ def test_checkpoint_recompute_replays_the_same_experts():
         trainer.train_step(samples)
     for name, grad in grads[0].items():
         assert torch.allclose(grad, grads[1][name], atol=1e-6), name
+
+
+def test_checkpoint_items_are_the_names_and_tensors_save_pretrained_writes(tmp_path):
+    """The per-expert names a weight push gives vLLM are exactly those (and the tensors) of the saved checkpoint."""
+    from safetensors.torch import load_file
+
+    from rollwise.model.moe import checkpoint_items
+
+    model = moe_model()
+    model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    pushed = dict(checkpoint_items(model.state_dict()))
+    assert set(pushed) - {"lm_head.weight"} == set(saved)  # tied lm_head: saved once, pushed by both names
+    for name, tensor in saved.items():
+        assert torch.equal(pushed[name], tensor), name

@@ -50,6 +50,7 @@ from rollwise.engine.speculation.history import HistoryDrafter
 from rollwise.engine.speculation.vllm_proposer import ProposerSource, register, unregister
 from rollwise.engine.state import EngineState
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest, SamplingParams
+from rollwise.model.moe import checkpoint_items
 from rollwise.types.sample import RoutedExperts
 from rollwise.types.weights import ExpectedWeights
 
@@ -395,7 +396,9 @@ class VLLMEngine(EngineState):
         if missing:
             # vLLM's layerwise reload processes whole layers: a partial update is refused, not half-applied.
             raise ValueError(f"incomplete update: {len(missing)} weights missing, e.g. {missing[:5]}")
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state_dict.items())})
+        # MoE: the trainer's names are transformers' in-memory ones (3-D expert tensors); vLLM loads checkpoint names.
+        items = checkpoint_items(state_dict) if self.num_experts else iter(state_dict.items())
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
         # KV computed by the old weights must not be reused by new requests; running ones re-prefill.
         self._llm.reset_prefix_cache(reset_running_requests=True)
         self._version = version

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
+from torch import Tensor
 from transformers import MixtralConfig, MixtralForCausalLM, PreTrainedModel
 
 UPCYCLE_ARCHITECTURES = ("llama", "mistral")
@@ -76,6 +78,28 @@ def upcycle(dense: PreTrainedModel, num_experts: int = 4, top_k: int = 2, noise:
         moe.tie_weights()
     moe.eval()
     return moe
+
+
+def checkpoint_items(state_dict: Mapping[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
+    """A Mixtral state dict under transformers' in-memory names (`mlp.gate`, 3-D `mlp.experts.gate_up_proj` /
+    `down_proj`) as the per-expert checkpoint names vLLM loads (`block_sparse_moe.gate`,
+    `block_sparse_moe.experts.N.w1/w3/w2.weight`: w1 the gate half, w3 the up half), as views (no copies).
+    Other names pass through; a state dict already in checkpoint names passes through unchanged."""
+    for name, tensor in state_dict.items():
+        if name.endswith(".mlp.gate.weight"):
+            yield name.replace(".mlp.gate.", ".block_sparse_moe.gate."), tensor
+        elif name.endswith(".mlp.experts.gate_up_proj"):
+            base = name.removesuffix("mlp.experts.gate_up_proj") + "block_sparse_moe.experts."
+            gate, up = tensor.chunk(2, dim=1)
+            for e in range(tensor.shape[0]):
+                yield f"{base}{e}.w1.weight", gate[e]
+                yield f"{base}{e}.w3.weight", up[e]
+        elif name.endswith(".mlp.experts.down_proj"):
+            base = name.removesuffix("mlp.experts.down_proj") + "block_sparse_moe.experts."
+            for e in range(tensor.shape[0]):
+                yield f"{base}{e}.w2.weight", tensor[e]
+        else:
+            yield name, tensor
 
 
 def save_upcycled(dense_spec: str, out_dir: Path, num_experts: int = 4, top_k: int = 2, seed: int = 0) -> Path:
