@@ -172,7 +172,10 @@ def test_loop_meter_reports_step_eval_and_run_utilisation(model):
     meter = LoopMeter(spec, peak, _Settings(share=True))
     samples = [_sample([3] * 12, n) for n in (4, 7)]
     meter.step_begin()
+    meter.phase_end("generate")
+    meter.phase_end("train")
     step = meter.step_metrics(samples, StepTimes(generate=0.5, train=0.25, step=1.0))
+    assert 0.0 <= step["idle_core_fraction_generate"] and 0.0 <= step["idle_core_fraction_train"]
     assert step["mfu_generate"] == pytest.approx(generation_flops(spec, samples) / 0.5e9)
     assert step["mfu_train"] == pytest.approx(step["flops_train"] / 0.25e9)
     assert step["mfu_step"] == pytest.approx((step["flops_generate"] + step["flops_train"]) / 1e9)

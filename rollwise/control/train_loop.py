@@ -203,6 +203,8 @@ def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
     # agent: one advantage per episode (a split episode's segments share it)
     zero_var = run.controller.assign_advantages(samples, cfg.train.advantage)
     t_reward_end = time.monotonic()
+    if run.meter is not None:
+        run.meter.phase_end("generate")  # idle cores while generating (and scoring)
 
     # 2. train
     version_at_update = run.trainer.version  # the policy the gradient is taken on
@@ -210,6 +212,8 @@ def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
     train_metrics = run.trainer.train_step(samples)
     run.controller.mark_trained(samples)
     t_train_end = time.monotonic()
+    if run.meter is not None:
+        run.meter.phase_end("train")
 
     # 3. weight sync: checked whole, lands between two engine steps; in-flight samples continue or are
     # regenerated. The placement's sender picks the transport (in-process views, Ray's object store, HTTP).

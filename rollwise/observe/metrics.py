@@ -88,9 +88,17 @@ class LoopMeter:
         self.seconds = {"generate": 0.0, "train": 0.0, "eval": 0.0}
         self._t0, self._idle0 = time.monotonic(), idle_core_seconds()
         self._step_idle0 = self._idle0
+        self._marks: list[tuple[str, float, float]] = []  # (phase that ended, monotonic time, idle core-s)
 
     def step_begin(self) -> None:
         self._step_idle0 = idle_core_seconds()
+        self._marks = [("", time.monotonic(), self._step_idle0)]
+
+    def phase_end(self, phase: str) -> None:
+        """The step's `phase` ends now: the record gets idle_core_fraction_<phase>, the share of the
+        cores idle while it ran (do generation and training each keep every core busy?)."""
+        if self._marks:
+            self._marks.append((phase, time.monotonic(), idle_core_seconds()))
 
     def step_metrics(self, samples: list[Sample], times: StepTimes) -> dict[str, float | None]:
         """The step's FLOPs by phase, MFU overall and per phase, and the cores' idle seconds."""
@@ -101,15 +109,23 @@ class LoopMeter:
         self.seconds["generate"] += times.step if self.overlapped else times.generate
         self.seconds["train"] += times.train
         idle = idle_core_seconds() - self._step_idle0
+        by_phase = {f"idle_core_fraction_{phase}": self._fraction(idle1 - idle0, t1 - t0)
+                    for (_, t0, idle0), (phase, t1, idle1) in zip(self._marks, self._marks[1:])}
         return {
+            **by_phase,
             "flops_generate": gen,
             "flops_train": train,
             "mfu_step": utilisation(gen + train, times.step, self.peak.flops),
             "mfu_generate": utilisation(gen, times.step if self.overlapped else times.generate, self.peak.flops),
             "mfu_train": utilisation(train, times.train, self.peak.flops),
             "idle_core_s": idle,
-            "idle_core_fraction": idle / max(times.step * self.cores, 1e-9),
+            "idle_core_fraction": self._fraction(idle, times.step),
         }
+
+    def _fraction(self, idle_core_s: float, seconds: float) -> float:
+        """Idle share of the cores over `seconds`; /proc/stat counts in 10 ms ticks, so a phase of a
+        few milliseconds can read above 1: clamped."""
+        return min(1.0, idle_core_s / max(seconds * self.cores, 1e-9))
 
     def eval_metrics(self, samples: list[Sample], seconds: float) -> dict[str, float | None]:
         flops = generation_flops(self.model, samples)
@@ -130,7 +146,7 @@ class LoopMeter:
             "peak": asdict(self.peak),
             "cores": self.cores,
             "idle_core_s": idle,
-            "idle_core_fraction": idle / max(wall_s * self.cores, 1e-9),
+            "idle_core_fraction": self._fraction(idle, wall_s),
         }
 
 
