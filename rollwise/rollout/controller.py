@@ -114,6 +114,7 @@ class RolloutController(ControllerDefaults):
         self.pump_in_background = True
         self._pump_thread: threading.Thread | None = None
         self._pump_stop = threading.Event()
+        self._pump_error: BaseException | None = None
         self.worker = worker
         self.encoder = encoder
         self.stream = stream
@@ -144,6 +145,7 @@ class RolloutController(ControllerDefaults):
 
     def next_batch(self, progress: Callable[[int], None] | None = None) -> list[Sample]:
         """Block until an update batch of complete groups is ready; return its samples (scored)."""
+        self._stop_pump()
         if self.mode == "sync":
             for _ in range(self.batch_groups):
                 self._start_group()
@@ -271,18 +273,25 @@ class RolloutController(ControllerDefaults):
         return n
 
     def _pump_until_stopped(self) -> None:
-        while not self._pump_stop.is_set():
-            completion = self.worker.next_completion(timeout=0.05)
-            if completion is not None:
-                self._on_completion(completion, None)
-            self._top_up()
-            self._flush()
+        try:
+            while not self._pump_stop.is_set():
+                completion = self.worker.next_completion(timeout=0.05)
+                if completion is not None:
+                    self._on_completion(completion, None)
+                self._top_up()
+                self._flush()
+        except BaseException as exc:  # re-raised on the caller's thread by _stop_pump
+            self._pump_error = exc
 
     def _stop_pump(self) -> None:
+        """Stop the pump thread (if one runs) before anything else touches the controller."""
         if self._pump_thread is not None:
             self._pump_stop.set()
             self._pump_thread.join()
             self._pump_thread = None
+        if self._pump_error is not None:
+            error, self._pump_error = self._pump_error, None
+            raise RuntimeError("the rollout pump failed while the trainer trained") from error
 
     def mark_trained(self, samples: list[Sample]) -> None:
         self._stop_pump()  # nothing else touches the controller while the pump runs
@@ -292,6 +301,7 @@ class RolloutController(ControllerDefaults):
 
     def after_update(self, version: int) -> None:
         """The engine now samples with `version`: regenerate whatever could not be trained within eta."""
+        self._stop_pump()
         self.version = version
         if self.mode != "sync":
             limit = admission.trainable_limit(self.policy, version)  # oldest version a trainable token may have
