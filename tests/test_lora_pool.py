@@ -115,3 +115,19 @@ def test_openai_endpoints_take_the_adapter_as_the_model_name():
         assert abs(base_out.choices[0].logprobs.token_logprobs[0] - expected.logprobs[0]) > 1e-2
         with pytest.raises(openai.NotFoundError, match="job-c"):
             client.completions.create(model="job-c", prompt=PROMPTS[0], max_tokens=2)
+
+
+def test_simulated_lora_jobs_share_engines_without_switching():
+    """rollwise.sim.lora: 2 LoRA jobs on 1 engine (one batch) hold far fewer engine-hours than 2 dedicated
+    engines; the same 2 jobs on 2 shared engines are slowed only by the unmerged-adapter overhead."""
+    from rollwise.sim.cost import CONFIG_DIR, load_cost_file
+    from rollwise.sim.lora import LoraServing, compare_lora, projection_jobs
+
+    cost, trainer = load_cost_file(CONFIG_DIR / "h100-7b.yaml")
+    jobs = projection_jobs(2, trainer, steps=3)
+    one = compare_lora(jobs, 1, cost, LoraServing(decode_overhead=0.1))
+    assert one["engine_hours_saved"] > 0.3
+    two = compare_lora(jobs, 2, cost, LoraServing(decode_overhead=0.1))
+    assert two["max_slowdown"] < one["max_slowdown"]
+    free = compare_lora(jobs, 2, cost, LoraServing(decode_overhead=0.0, adapter_push_s=0.0))
+    assert two["median_slowdown"] > free["median_slowdown"]
