@@ -154,7 +154,7 @@ def _router_command(arm: Arm, urls: list[str], port: int) -> list[str]:
     # --model: the replicas' tokenizer (their /model_info names a model built in code); token-in requests
     # route by their ids anyway.
     return [sys.executable, "-m", "rollwise.cli", "serve", "router", *replica_flags, "--policy", arm.policy,
-            "--port", str(port), "--model", "tiny:0", "--queue-timeout", "300", "--health-interval", "0.5",
+            "--port", str(port), "--model", "tiny:0", "--queue-timeout", "300", "--health-interval", "1.0",
             "--log-level", "warning"]
 
 

@@ -76,13 +76,13 @@ class Router:
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
             timeout=aiohttp.ClientTimeout(total=self.config.upstream_timeout_s, sock_connect=5.0),
             auto_decompress=False, skip_auto_headers=("User-Agent",))
-        await self.pool.probe_all(self.http)
+        await self.pool.probe_all(self.upstream)
         if self._tokenizer_task is not None:  # a replica answered: its model tells the tokenizer
             await self._tokenizer_task
         # After the tokenizer: adopting one forgets the prefixes learnt without it, not the saved ones.
         if self.config.state_file is not None:
             await self._load_state(self.config.state_file)
-        self.pool.start(self.http)
+        self.pool.start(self.upstream)
         if self.config.state_file is not None:
             self._state_task = asyncio.get_running_loop().create_task(self._save_periodically())
 

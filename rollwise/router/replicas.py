@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from rollwise.router.policies import ReplicaLoad
 
@@ -163,16 +163,20 @@ class ReplicaPool:
         except asyncio.TimeoutError:
             pass
 
-    async def probe(self, http: httpx.AsyncClient, replica: Replica) -> None:
+    async def probe(self, http: aiohttp.ClientSession, replica: Replica) -> None:
         refused = False
-        try:
-            response = await http.get(f"{replica.url}/health", timeout=max(5.0, self.health_interval_s * 2))
-            info = response.json() if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError) as exc:
+        timeout = aiohttp.ClientTimeout(total=max(5.0, self.health_interval_s * 2))
+        try:  # aiohttp: probes run all the time, and cost the router far less CPU than with httpx
+            async with http.get(f"{replica.url}/health", timeout=timeout) as response:
+                status = response.status
+                info = await response.json(content_type=None) if status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             info, error = None, f"{type(exc).__name__}: {exc}"
-            refused = isinstance(exc, httpx.ConnectError)
+            refused = isinstance(exc, aiohttp.ClientConnectorError)
         else:
-            error = None if info is not None else f"/health answered HTTP {response.status_code}"
+            if not isinstance(info, dict):
+                info = None
+            error = None if info is not None else f"/health answered HTTP {status}"
         was_healthy = replica.healthy
         if info is None:
             replica.probe_failures += 1
@@ -203,10 +207,10 @@ class ReplicaPool:
                 self.on_up(replica)
         self.notify()
 
-    async def probe_all(self, http: httpx.AsyncClient) -> None:
+    async def probe_all(self, http: aiohttp.ClientSession) -> None:
         await asyncio.gather(*(self.probe(http, r) for r in self))
 
-    def start(self, http: httpx.AsyncClient) -> None:
+    def start(self, http: aiohttp.ClientSession) -> None:
         """One probe loop per replica: a replica slow to answer never delays the probes of the others."""
         async def loop(replica: Replica) -> None:
             while True:

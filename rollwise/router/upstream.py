@@ -13,7 +13,8 @@ from rollwise.router.requests import RouterError
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate", "/inference/v1/generate")
 CONTROL_ENDPOINTS = ("/pause", "/resume", "/flush_cache")
 UPSTREAM_PATHS = frozenset(GENERATION_ENDPOINTS + CONTROL_ENDPOINTS
-                           + ("/abort", "/update_weights_from_disk", "/v1/models", "/model_info"))
+                           + ("/abort", "/update_weights_from_disk", "/v1/models", "/model_info",
+                              "/retain", "/release_session"))  # session KV retention (issue 21)
 
 
 def upstream_url(replica: Replica, path: str) -> str:
