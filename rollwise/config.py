@@ -224,9 +224,9 @@ class TrainerConfig(_Section):
 
     world_size: int = Field(1, ge=1, description="data-parallel FSDP2 ranks (torch.distributed); 1: in this process")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="ranks' device (auto: CUDA when present); "
-                                                   "world_size=1 trains on CPU in this process")
+                                                   "on CPU, world_size=1 without bf16/offload trains in this process")
     mixed_precision: Literal["none", "bf16"] = Field("none", description="bf16 compute, fp32 gradient reduction "
-                                                     "(FSDP2 MixedPrecisionPolicy; world_size > 1)")
+                                                     "(FSDP2 MixedPrecisionPolicy; any world size)")
     cpu_offload: bool = Field(False, description="parameters, gradients and optimizer state in CPU memory "
                                                  "(FSDP2 CPUOffloadPolicy; for CUDA ranks)")
 

@@ -338,3 +338,31 @@ def test_spawning_ranks_inside_a_torchrun_process_is_refused(monkeypatch):
         monkeypatch.setenv(key, value)
     with pytest.raises(TrainerRankError, match=r"torchrun.*--nproc-per-node=N -m rollwise.cli train trainer.world_size=N.*without torchrun"):
         ShardedTrainer(tiny_llama(seed=3), _cfg(), TrainerConfig(world_size=2, device="cpu"), pad_token_id=0)
+
+
+def test_one_rank_bf16_mixed_precision_trains_close_to_fp32():
+    """trainer.mixed_precision=bf16 at world size 1 runs a one-rank FSDP2 group (the path a single
+    GPU takes, on gloo here): bf16 compute, fp32 master weights and reduction, so the step's loss and
+    gradient norm stay within bf16 noise of fp32 and the pushed weights are fp32."""
+    from rollwise.control.placement.base import needs_ranks
+
+    assert not needs_ranks(TrainerConfig(device="cpu"))
+    assert needs_ranks(TrainerConfig(device="cpu", mixed_precision="bf16"))
+    assert load_config(None, ["trainer.mixed_precision=bf16"]).trainer.world_size == 1
+    tok, pad = _tok_pad()
+    results = {}
+    for mp_policy in ("none", "bf16"):
+        t = ShardedTrainer(tiny_llama(seed=3), _cfg(), TrainerConfig(world_size=1, device="cpu",
+                                                                     mixed_precision=mp_policy),
+                           pad_token_id=pad, tokenizer=tok)
+        try:
+            results[mp_policy] = (t.train_step(_samples(seed=4)), t.weights())
+        finally:
+            t.close()
+    single = GRPOTrainer(tiny_llama(seed=3), _cfg(), pad_token_id=pad).train_step(_samples(seed=4))
+    fp32, bf16 = results["none"][0], results["bf16"][0]
+    assert fp32["loss"] == pytest.approx(single["loss"], rel=1e-6)
+    assert bf16["loss"] != fp32["loss"]  # the policy really computed in bf16
+    assert bf16["loss"] == pytest.approx(fp32["loss"], rel=2e-2, abs=2e-3)
+    assert bf16["grad_norm"] == pytest.approx(fp32["grad_norm"], rel=2e-2)
+    assert all(w.dtype == torch.float32 for w in results["bf16"][1].values())

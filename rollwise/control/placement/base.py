@@ -16,12 +16,13 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from rollwise.config import ConfigError, RunConfig
+from rollwise.config import ConfigError, RunConfig, TrainerConfig
 from rollwise.protocols import RolloutBackend, Trainer
 from rollwise.reward.batch import score_samples
 from rollwise.rollout.types import Sample
 from rollwise.sync.senders import WeightSender
 from rollwise.tasks import Problem, Task
+from rollwise.train.distributed import resolve_device
 from rollwise.train.sharded import ShardedTrainer
 from rollwise.train.torchrun import TorchrunRankGroup, launched_rank
 from rollwise.train.trainer import GRPOTrainer
@@ -85,11 +86,12 @@ class Placement:
 
 
 def local_trainer(req: PlaceRequest) -> GRPOTrainer | ShardedTrainer:
-    """The trainer in this process, on `req.model`; with trainer.world_size > 1, FSDP2 ranks started
-    from here (each a process with a copy of `req.model`, which stays the engines' starting point)."""
+    """The trainer in this process, on `req.model`; FSDP2 ranks started from here (each a process with
+    a copy of `req.model`, which stays the engines' starting point) when the trainer needs them
+    (needs_ranks), or joined when torchrun started them."""
     tok = req.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    if req.cfg.trainer.world_size > 1:
+    if needs_ranks(req.cfg.trainer):
         launched = launched_rank(os.environ, req.cfg)
         if launched is not None:  # torchrun started the ranks: this process is rank 0, the others follow
             group = TorchrunRankGroup(launched, req.model, req.cfg, pad_id)
@@ -99,6 +101,13 @@ def local_trainer(req: PlaceRequest) -> GRPOTrainer | ShardedTrainer:
                               threads=req.cfg.threads)
     return GRPOTrainer(req.model, req.cfg.train, pad_token_id=pad_id, temperature=req.cfg.rollout.temperature or 1.0,
                        tokenizer=tok)
+
+
+def needs_ranks(trainer: TrainerConfig) -> bool:
+    """FSDP2 ranks (rollwise.train.sharded) for more than one rank, for a CUDA device (one rank on
+    NCCL), or for what only FSDP2 offers (bf16 mixed precision, CPU offload); else GRPOTrainer here."""
+    return (trainer.world_size > 1 or resolve_device(trainer.device) == "cuda"
+            or trainer.mixed_precision != "none" or trainer.cpu_offload)
 
 
 def local_score(req: PlaceRequest) -> ScoreFn:
