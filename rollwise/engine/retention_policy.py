@@ -9,7 +9,8 @@ multiplied by how long it is held.
   to the extent someone else could use the memory: scaled by the memory pressure (1 while requests
   wait for memory, else the fraction of KV capacity in use).
 - discard:  when the session comes back its context is recomputed; for that time the running batch
-  and the session itself hold memory without producing tokens: recompute_s(context) x (batch + context).
+  and the session itself hold memory without producing tokens: recompute_s(context) x (batch + context);
+  with a prefix cache, times the chance the cached KV is evicted before it returns (see EVICTION_FROM).
 - swap:     the KV goes out and comes back through the slower tier; the part of those transfers not
   hidden behind computation (1 - swap_overlap; 0 on the CPU reference engine, whose copies run on the
   engine thread) stalls the batch the same way.
@@ -30,6 +31,7 @@ from rollwise.engine.retention import RetentionAction
 
 PolicyName = Literal["min_waste", "always_discard", "always_preserve", "prefix_cache_only"]
 POLICY_NAMES: tuple[PolicyName, ...] = ("min_waste", "always_discard", "always_preserve", "prefix_cache_only")
+EVICTION_FROM = 0.75  # fraction of KV capacity in use from which a prefix cache starts losing entries
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class EngineSnapshot:
     waiting: int  # sequences queued for memory
     pin_free_tokens: int  # room left in the pin budget
     swap_free_tokens: int  # room left in the swap tier (0: no swap tier)
+    prefix_cached: bool = False  # a discarded context stays in the engine's prefix cache until memory is needed
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,13 @@ def wastes(snap: EngineSnapshot, expected_latency_s: float, costs: RetentionCost
     """Memory x time waste (token-seconds) of each feasible action."""
     stalled = snap.running_tokens + snap.context_tokens  # memory idle while the batch waits
     pressure = 1.0 if snap.waiting > 0 else min(1.0, snap.used_tokens / max(1, snap.capacity_tokens))
-    out = {"discard": costs.recompute_s_per_token * snap.context_tokens * stalled}
+    # With a prefix cache, discarded KV is only recomputed if something evicts it first. LRU eviction starts
+    # when memory runs out, so a ramp: none below EVICTION_FROM of capacity in use, certain when it is full
+    # or requests wait for memory (a heuristic; `rollwise sim intercept` shows its effect).
+    used = snap.used_tokens / max(1, snap.capacity_tokens)
+    evicted = (1.0 if snap.waiting > 0 else min(1.0, max(0.0, (used - EVICTION_FROM) / (1 - EVICTION_FROM)))
+               ) if snap.prefix_cached else 1.0
+    out = {"discard": costs.recompute_s_per_token * snap.context_tokens * stalled * evicted}
     if 0 < snap.pin_cost_tokens <= snap.pin_free_tokens:
         out["preserve"] = snap.pin_cost_tokens * expected_latency_s * pressure
     if 0 < snap.context_tokens <= snap.swap_free_tokens:

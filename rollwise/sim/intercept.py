@@ -7,8 +7,10 @@ plus the context again when it was discarded), one decode token for every runnin
 tier's transfers (swap_s_per_token per token each way). Memory: a running turn holds `slot_tokens` (the
 reference engine: one whole slot) or its context + output (paged engines: vLLM on GPU); a preserved
 session holds the same until its tool returns, its TTL expires, or admission needs the memory (oldest
-deadline first); swapped sessions hold the swap tier; prefix_cache_only keeps discarded contexts in an
-LRU prefix cache of prefix_cache_tokens. Tool latencies are lognormal per tool (long tails); the
+deadline first); swapped sessions hold the swap tier; every policy but always_discard keeps discarded
+contexts in an LRU prefix cache of at most prefix_cache_tokens: in free KV on paged engines (evicted first when admission
+needs memory, as vLLM's freed blocks are), beside the slots on the reference engine (whose bench arm pays
+for it with slots). Tool latencies are lognormal per tool (long tails); the
 expected latency the policy sees is learned per tool from the latencies seen so far, as in the agent.
 
 Engines are independent here (the router keeps a session on the replica holding its KV), so a cluster
@@ -190,7 +192,10 @@ class _Sim:
         return self.model.slot_tokens or prompt + self.work.output_tokens
 
     def _used(self) -> int:
-        return sum(r.memory for r in self.running) + sum(self._memory(s.context) for s in self.pins.values())
+        used = sum(r.memory for r in self.running) + sum(self._memory(s.context) for s in self.pins.values())
+        if self.model.slot_tokens is None:  # paged engines keep their prefix cache in free KV blocks
+            used += sum(s.context for s in self.cache.values())
+        return used
 
     def _admit(self) -> tuple[int, int, int]:
         prefill = recompute = swap_in = 0
@@ -216,8 +221,14 @@ class _Sim:
         return prefill, recompute, swap_in
 
     def _make_room(self, need: int, resuming: _Session) -> bool:
-        """Free memory for `need` tokens: pins go, nearest deadline first (they never block admission)."""
+        """Free memory for `need` tokens: the prefix cache's least recently used entries go first (paged),
+        then pins, nearest deadline first (they never block admission)."""
         while self._used() + need > self.cost.kv_capacity_tokens:
+            cached = [s for s in self.cache.values() if s is not resuming]
+            if self.model.slot_tokens is None and cached:
+                self.cache.pop(cached[0].sid)
+                cached[0].held = None
+                continue
             pins = sorted((s for s in self.pins.values() if s is not resuming), key=lambda s: s.deadline)
             if not pins:
                 return False
@@ -254,8 +265,11 @@ class _Sim:
         snap = EngineSnapshot(
             context_tokens=session.context, pin_cost_tokens=pin_cost, running_tokens=sum(r.memory for r in others),
             used_tokens=sum(r.memory for r in others) + pinned + pin_cost, capacity_tokens=self.cost.kv_capacity_tokens,
-            waiting=len(self.waiting), pin_free_tokens=self.model.pin_budget_tokens - pinned,
-            swap_free_tokens=self.model.swap_budget_tokens - self.swapped)
+            # queued for memory: a full batch (max_num_seqs) keeps them waiting whatever the KV holds
+            waiting=len(self.waiting) if len(others) < self.cost.max_num_seqs - 1 or self.model.slot_tokens else 0,
+            pin_free_tokens=self.model.pin_budget_tokens - pinned,
+            swap_free_tokens=self.model.swap_budget_tokens - self.swapped,
+            prefix_cached=self.policy != "always_discard" and self.model.prefix_cache_tokens > 0)
         costs = RetentionCosts(self.cost.prefill_s_per_token, self.model.swap_s_per_token, self.model.swap_overlap)
         action = choose(self.policy, snap, expected, costs).action
         self.actions[action] = self.actions.get(action, 0) + 1
@@ -267,7 +281,7 @@ class _Sim:
             session.held = "swap"
             self.swapped += session.context
             self.pending_swap += session.context
-        elif self.policy == "prefix_cache_only" and self.model.prefix_cache_tokens:
+        elif self.policy != "always_discard" and self.model.prefix_cache_tokens:  # discarded KV stays cached
             session.held = "cache"
             self.cache[session.sid] = session
             while sum(s.context for s in self.cache.values()) > self.model.prefix_cache_tokens:

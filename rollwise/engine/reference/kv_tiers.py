@@ -43,6 +43,7 @@ from rollwise.engine.types import GenerationRequest
 if TYPE_CHECKING:
     from rollwise.engine.reference.engine import Scheduler
     from rollwise.engine.reference.model import KVCache
+    from rollwise.engine.reference.prefix_cache import PrefixCache
 
 KNOWN_CONTEXTS = 4096  # released sessions remembered for recompute accounting (oldest forgotten first)
 
@@ -188,6 +189,7 @@ class SessionRetention:
 
     # The engine's state these methods use (set by ReferenceEngine.__init__).
     kv_tiers: KVTiers | None
+    prefix_cache: PrefixCache | None
     retention_policy: PolicyName
     recompute_cost: CostMeter
     scheduler: Scheduler
@@ -333,4 +335,5 @@ class SessionRetention:
             context_tokens=context_tokens, pin_cost_tokens=L, running_tokens=self.num_running * L,
             used_tokens=(self.num_running + held_slots) * L, capacity_tokens=self.max_num_seqs * L,
             waiting=self.num_waiting, pin_free_tokens=tiers.pin_free_tokens(), swap_free_tokens=tiers.swap_free_tokens(),
+            prefix_cached=self.prefix_cache is not None,
         )
