@@ -57,7 +57,7 @@ from rollwise.router.policies import (
     make_policy,
 )
 from rollwise.router.radix import RadixTree
-from rollwise.sim.routing import SimConfig, make_workload, simulate
+from rollwise.sim.routing import ROUTER_S_PER_REQUEST, SimConfig, make_workload, simulate
 
 MODEL = "tiny:0"
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -143,7 +143,7 @@ def test_simulated_replicas_sharing_cores():
     workload = make_workload(1, groups=8, group_size=4, group_workers=4, sessions=4, turns=2, shared_tokens=32,
                              question_tokens=64, opening_tokens=64, user_tokens=16, max_tokens=6)
     base = SimConfig(replicas=4, step_s=0.01, prefill_s_per_token=1e-4, decode_s_per_seq=1e-3,
-                     decode_s_per_ctx_token=1e-6)
+                     decode_s_per_ctx_token=1e-6, router_s=0.0)  # replicas only: no router process
     alone = simulate(make_policy("round_robin"), workload, base)
     enough = simulate(make_policy("round_robin"), workload, replace(base, cores=4))
     assert enough["makespan_s"] == pytest.approx(alone["makespan_s"])
@@ -160,12 +160,26 @@ def test_serving_jitter_breaks_lockstep_affinity_and_stays_deterministic():
     measured), it no longer does. Same seed, same result."""
     workload = make_workload(0, groups=8, group_size=8, group_workers=2, sessions=4, turns=5, shared_tokens=64,
                              question_tokens=128, opening_tokens=256, user_tokens=32, max_tokens=8)
-    base = SimConfig(replicas=4, request_s=0.005)
+    base = SimConfig(replicas=4, request_s=0.005, router_s=0.0)
     lockstep = simulate(make_policy("round_robin"), workload, base)
     jittered = simulate(make_policy("round_robin"), workload, replace(base, request_cv=0.3))
     again = simulate(make_policy("round_robin"), workload, replace(base, request_cv=0.3))
     assert jittered["latencies"] == again["latencies"]
     assert jittered["cached_prompt_tokens"] < lockstep["cached_prompt_tokens"]
+
+
+def test_simulated_router_cost_is_charged_on_its_one_core():
+    """router_s per request runs in the router's own process, one core: it adds latency, and requests
+    that arrive together wait for it in turn (the router caps throughput at 1 / router_s)."""
+    workload = make_workload(2, groups=4, group_size=8, group_workers=4, sessions=2, turns=2, shared_tokens=32,
+                             question_tokens=64, opening_tokens=64, user_tokens=16, max_tokens=4)
+    free = simulate(make_policy("prefix"), workload, SimConfig(replicas=4, router_s=0.0))
+    costly = simulate(make_policy("prefix"), workload, SimConfig(replicas=4, router_s=0.05))
+    requests = 4 * 8 + 2 * 2
+    assert free["requests"] == costly["requests"] == requests
+    assert costly["makespan_s"] >= requests * 0.05 - 1e-9 > free["makespan_s"]
+    assert min(costly["latencies"]) >= 0.05 - 1e-9
+    assert SimConfig().router_s == ROUTER_S_PER_REQUEST > 0  # the default charges the measured cost
 
 
 def test_radix_tree_split_evict_and_persist():

@@ -164,6 +164,7 @@ def sim_config(shape: BenchShape, fit: dict[str, Any], cores: float, serving: di
                      cores=cores, request_s=serving["request_s"] if serving else 0.0,
                      replica_request_s=serving.get("replica_request_s", 0.0) if serving else 0.0,
                      request_cv=serving.get("request_cv", 0.0) if serving else 0.0,
+                     router_s=0.0,  # request_s already holds the router's work: it runs in the measuring process
                      padded_context=True)
 
 

@@ -238,7 +238,8 @@ def serve(config: RouterConfig, host: str = "127.0.0.1", port: int = 8080, reuse
     app = create_app(config)  # validates the config before binding
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     # No access log: a log record per request is CPU the router need not spend (/metrics counts requests).
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False))
+    # No proxy-headers middleware: the router reads no client address, so X-Forwarded-For is never needed.
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False, proxy_headers=False))
 
     async def main() -> None:
         await app.state.router.start()

@@ -12,7 +12,8 @@ prefill), and decodes one token for every running sequence. A step takes
 
 of its own device, plus `request_s` of serving work per request (the client's and router's HTTP, JSON,
 routing) done by a serving process of `serving_cores` cores (requests in it share them), and
-`replica_request_s` in the replica's own process (its HTTP side) before the engine sees it. With
+`replica_request_s` in the replica's own process (its HTTP side) before the engine sees it, and
+`router_s` in the router's own process (one core; the measured router cost, ROUTER_S_PER_REQUEST). With
 `cores` set, the replicas are single-threaded processes sharing that many CPU cores with the serving
 process (bench router: 4 replicas and the router on 2 cores): processor sharing, every task advances
 at min(1, cores / demand) of its own speed.
@@ -33,6 +34,13 @@ from dataclasses import dataclass, field, replace
 
 from rollwise.router.policies import Policy, ReplicaLoad, RouteRequest
 from rollwise.sim.cores import SharedCores
+
+
+# The router process's own CPU seconds per request (parse, choose, relay both ways) as `rollwise bench
+# router` measures it: `router_cpu_s_per_request` of the rollwise `prefix` arm, every router in its own
+# process. PROVISIONAL: 1.1 ms is a CPU-time reading on a shared, loaded 2-core machine (issue 25);
+# the lead replaces it with the idle-machine full run's value (docs/benchmarks.md, bench router).
+ROUTER_S_PER_REQUEST = 0.0011
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,9 @@ class SimConfig:
     # Cores the serving work can use at once: bench router's client and router are one Python process,
     # whose threads take turns under one interpreter lock.
     serving_cores: float = 1.0
+    # The router's own work per request, in its own single-threaded process (one event loop: one core at
+    # most), after request_s and before the request can be queued at a replica. 0: a router that costs nothing.
+    router_s: float = ROUTER_S_PER_REQUEST
 
 
 class BlockLRU:
@@ -136,7 +147,8 @@ class Simulation:
         self.done: list[SimRequest] = []
         # Engine steps (when replicas share `cores`) and requests' serving work (always: the serving process
         # runs one request's work at a time per `serving_cores`) share the machine (rollwise.sim.cores).
-        self._cores = SharedCores(config.cores, self.at, lambda: self.now, caps={"serving": config.serving_cores})
+        self._cores = SharedCores(config.cores, self.at, lambda: self.now,
+                                  caps={"serving": config.serving_cores, "router": 1.0})
         self._jitter = random.Random(seed * 7919 + 1)
 
     def at(self, t: float, fn: Callable[[], None]) -> None:
@@ -155,7 +167,14 @@ class Simulation:
             work = self.cfg.request_s
             if self.cfg.request_cv > 0:  # real serving times vary; without it, lockstep clients never reorder
                 work *= self._jitter.lognormvariate(-self.cfg.request_cv ** 2 / 2, self.cfg.request_cv)
-            self._share(work, lambda: self._enqueue(request), serving=True)
+            self._share(work, lambda: self._route(request), serving=True)
+        else:
+            self._route(request)
+
+    def _route(self, request: SimRequest) -> None:
+        """The router process's own work (router_s), then the queue; requests in it share its one core."""
+        if self.cfg.router_s > 0:
+            self._cores.run(self.cfg.router_s, lambda: self._enqueue(request), "router")
         else:
             self._enqueue(request)
 
