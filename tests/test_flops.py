@@ -204,3 +204,22 @@ def test_time_split_accounts_for_the_whole_wall_time():
     assert steps[0]["eval"] == 2.0 and steps[0]["other"] == 2.0
     assert steps[2]["eval"] == 3.0 and steps[2]["other"] == 1.0
     assert sum(total_time_split(records, evals, 30.0).values()) == pytest.approx(30.0)
+
+
+def test_bench_loop_runs_the_default_config_and_checks_the_goals():
+    from rollwise.bench.loop import loop_overrides, summarise
+    from rollwise.config import load_config
+
+    default, quick = load_config(), load_config(None, loop_overrides(True, None, "runs/x"))
+    full = load_config(None, loop_overrides(False, None, "runs/x"))
+    assert full.model_copy(update={"output_dir": default.output_dir}) == default  # the default run, unchanged
+    assert quick.train.steps == 2 and quick.model == default.model
+    evals = [{"label": "before", "step": 0, "strict_accuracy": 0.06}, {"label": "mid", "step": 3, "strict_accuracy": 0.5},
+             {"label": "after", "step": 15, "strict_accuracy": 0.6}]
+    summary = {"run_dir": "runs/x", "engine": "vllm", "steps": 15, "eval_after": evals[-1],
+               "samples": {"trained": 1920}, "mfu": {"run": 0.3}}
+    r = summarise(default.model, False, wall=400.0, cpu=700.0, idle=100.0, summary=summary, evals=evals)
+    assert r["samples_per_s"] == pytest.approx(4.8) and r["gain_first_mid"] == pytest.approx(0.44)
+    assert r["goals"] == {"run MFU >= 45% of the measured peak": False, "wall <= 7 min (default run)": True,
+                          "held-out strict +50 points at the end": True,
+                          "held-out strict +40 points at the first mid-run eval": True}
