@@ -63,10 +63,13 @@ def _rank_gradients(rank: int, port: int, cfg: TrainConfig, samples: list[Sample
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("loss_agg,share", [("token_mean", True), ("seq_mean_token_mean", True),
-                                            ("token_mean", False), ("seq_mean_token_mean", False)])
-def test_two_ranks_compute_the_single_process_gradient(loss_agg, share):
-    cfg = _cfg(loss_agg=loss_agg, share_prompt_prefix=share)
+@pytest.mark.parametrize("loss_agg,share,recompute", [
+    ("token_mean", True, False), ("seq_mean_token_mean", True, False), ("token_mean", False, False),
+    ("seq_mean_token_mean", False, False),
+    ("token_mean", False, True),  # activation checkpointing: the recompute re-gathers the layer's shards
+])
+def test_two_ranks_compute_the_single_process_gradient(loss_agg, share, recompute):
+    cfg = _cfg(loss_agg=loss_agg, share_prompt_prefix=share, gradient_checkpointing=recompute)
     samples = _samples(seed=1)
     work = split_work(samples, cfg, 2)
     tokens = [int(w.weights.numel()) for w in work]
