@@ -89,7 +89,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "name", choices=["engine", "rollout", "sync", "router", "sandbox", "mux", "speculation", "trainer", "loop",
                  "intercept", "r3"],
         help="router: routing policies (round robin ... prefix-aware) side by side on real tiny-model replicas and "
-        "64 simulated ones (prefix hit rate, prefill tokens, p50/p99 latency, load imbalance); "
+        "64 simulated ones, every router in its own process, vllm-router's cache_aware too when installed "
+        "(prefix hit rate, prefill tokens, p50/p99 latency, load imbalance, router CPU per request); "
         "sandbox: create/exec/fork/destroy latency (p50/p99) and how many concurrent sandboxes this machine holds; "
         "engine: HF generate, the reference engine and vLLM (through our contract and its own LLM.generate), "
         "tokens/s; rollout: sync vs sorted vs async rollout "
