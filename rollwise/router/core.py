@@ -71,11 +71,12 @@ class Router:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(self.config.upstream_timeout_s, connect=5.0),
                                       limits=limits)
-        # Non-streamed generations (the hot path) go through aiohttp: keep-alive HTTP/1.1 connections, no cap.
+        # Non-streamed generations (the hot path) and health probes go through aiohttp (keep-alive HTTP/1.1,
+        # no connection cap); streams and control calls through httpx.
         self.upstream = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
             timeout=aiohttp.ClientTimeout(total=self.config.upstream_timeout_s, sock_connect=5.0),
-            auto_decompress=False, skip_auto_headers=("User-Agent",))
+            skip_auto_headers=("User-Agent",))
         await self.pool.probe_all(self.upstream)
         if self._tokenizer_task is not None:  # a replica answered: its model tells the tokenizer
             await self._tokenizer_task
