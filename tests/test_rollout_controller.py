@@ -220,3 +220,39 @@ def test_ledger_refuses_moves_that_lose_or_repeat_samples():
         ledger.add_group(0, 2)  # a group is tracked once
     with pytest.raises(LedgerError):
         ledger.move((5, 0), "running")
+
+
+def test_flexible_batch_pumps_while_training_and_keeps_eta(task_path):
+    """update_batch=flexible on a real engine: while the 'trainer' trains (a sleep between before_update
+    and mark_trained), the pump thread takes completions and starts new groups; every batch holds complete
+    groups (prompts_per_step .. 2x), nothing is lost or trained twice, and staleness stays within eta."""
+    import time
+
+    eta = 1
+    cfg = _cfg(task_path, mode="sorted", max_staleness=eta, oversubscription=1.0, update_batch="flexible",
+               max_batch_factor=2.0)
+    setup = Setup(cfg, length_fn=_lognormal_lengths(2))
+    trained: list[str] = []
+    started_while_training = 0
+    try:
+        for _ in range(4):
+            batch = setup.controller.next_batch()
+            groups = {s.group_id for s in batch}
+            assert B <= len(groups) <= 2 * B and len(batch) == len(groups) * G
+            assert all(0 <= setup.version - min(s.versions) <= eta for s in batch)
+            trained += [s.sample_id for s in batch]
+            setup.controller.before_update()
+            before = setup.controller.next_group
+            time.sleep(0.3)  # training: the engine keeps generating, the pump keeps it fed
+            setup.controller.mark_trained(batch)
+            started_while_training += setup.controller.next_group - before
+            setup.version += 1
+            push_weights(setup.model, [setup.worker], setup.version)
+            setup.controller.after_update(setup.version)
+        ledger = setup.controller.ledger
+        setup.controller.close("test over")
+        assert started_while_training > 0  # without the pump nothing starts until next_batch
+        assert len(trained) == len(set(trained)) == ledger.counts()["trained"]
+        assert ledger.counts()["trained"] + ledger.counts()["dropped"] == len(ledger.slots)
+    finally:
+        setup.worker.close()
