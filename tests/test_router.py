@@ -182,6 +182,27 @@ def test_simulated_router_cost_is_charged_on_its_one_core():
     assert SimConfig().router_s == ROUTER_S_PER_REQUEST > 0  # the default charges the measured cost
 
 
+def test_radix_tree_match_is_the_longest_common_prefix_per_replica():
+    """match() against a brute-force answer on random token sequences over a tiny vocabulary (many shared
+    prefixes, splits at every depth): each replica's value is its longest common prefix with the query."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        tree, held = RadixTree(), {"a": [], "b": []}
+        for _ in range(6):
+            replica, seq = rng.choice("ab"), [rng.randrange(3) for _ in range(rng.randrange(1, 40))]
+            tree.insert(seq, replica)
+            held[replica].append(seq)
+        query = [rng.randrange(3) for _ in range(rng.randrange(1, 50))]
+
+        def lcp(x: list[int]) -> int:
+            return next((i for i, (p, q) in enumerate(zip(x, query)) if p != q), min(len(x), len(query)))
+
+        expected = {r: max(map(lcp, seqs)) for r, seqs in held.items() if seqs and max(map(lcp, seqs)) > 0}
+        assert tree.match(query) == expected
+
+
 def test_radix_tree_split_evict_and_persist():
     tree = RadixTree(max_tokens_per_replica=100)
     tree.insert([1, 2, 3, 4, 5], "a", now=1)

@@ -151,8 +151,17 @@ class RadixTree:
 
 
 def _common_prefix(edge: tuple[int, ...], tokens: Sequence[int], start: int) -> int:
+    """How many leading tokens of `edge` equal tokens[start:]. Runs on the router's event loop for every
+    request (match, insert, insert of the output): whole-slice comparisons (in C) halve the span each
+    time, so a 500-token edge costs ~10 comparisons of slices instead of 500 Python iterations."""
     n = min(len(edge), len(tokens) - start)
-    i = 0
-    while i < n and edge[i] == tokens[start + i]:
-        i += 1
-    return i
+    if edge[:n] == tuple(tokens[start:start + n]):  # the common case: the whole edge matches
+        return n
+    lo, hi = 0, n  # edge[:lo] matches; edge[:hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if edge[lo:mid] == tuple(tokens[start + lo:start + mid]):
+            lo = mid
+        else:
+            hi = mid
+    return lo
