@@ -68,6 +68,9 @@ class SimCluster:
         self.affinity: dict[str, int] = {}  # session/group key -> engine (the router's affinity table)
         self._idle_polls = 0
         self.weights_loaded_at = clock.now  # when the last engine finished loading the latest version
+        # While the trainer trains, the controller's pump may only take what has finished by now: the
+        # simulator's loop moves time (run.train_through_contention), a poll must not.
+        self.queued_only = False
 
     # ------------------------------------------------------------ the EngineWorker interface
 
@@ -82,12 +85,12 @@ class SimCluster:
             self._sync(i)
 
     def next_completion(self, timeout: float) -> Completion | None:
-        if not self.completions and timeout > 0:  # timeout 0: only what is there, as a real queue's get
+        if not self.completions and not self.queued_only:
             self._advance(until=None, stop_on_completion=True)
         if self.completions:
             self._idle_polls = 0
             return self.completions.popleft()
-        if timeout <= 0:
+        if self.queued_only:
             return None
         # Nothing running anywhere: the controller's poll times out (virtual time passes). A real
         # controller would spin forever; the simulator says so.

@@ -142,7 +142,7 @@ def simulate(run: SimRun, progress: Callable[[str], None] | None = None) -> dict
         controller.before_update()
         tokens = trainer.batch_tokens(batch, controller.cfg.train)
         t_train = clock.now
-        pump = controller.pump if controller.pumps_while_training else None
+        pump = (lambda: _pump_queued(cluster, controller)) if controller.pumps_while_training else None
         train_through_contention(cluster, clock, trainer.step_s(tokens, s.trainer_gpus()), trainer, cost, pump)
         train_s = clock.now - t_train
         controller.mark_trained(batch)
@@ -233,6 +233,15 @@ def train_through_contention(cluster: SimCluster, clock: VirtualClock, work_s: f
         cluster.advance_to(until)
         work_s -= (clock.now - t) * rate
     cluster.set_slowdown(1.0)
+
+
+def _pump_queued(cluster: SimCluster, controller: RolloutController) -> int:
+    """The controller's pump on what the engines finished by now (no poll moves virtual time)."""
+    cluster.queued_only = True
+    try:
+        return controller.pump()
+    finally:
+        cluster.queued_only = False
 
 
 def _no_contention(cost: CostModel, trainer: TrainerModel) -> bool:
