@@ -75,6 +75,8 @@ class EngineConfig(_Section):
     speculation: Literal["none", "history"] = Field(
         "none", description="history: draft from recent rollouts of the same problem (GRPO siblings, earlier "
         "steps), verified exactly by the engine (reference; vLLM through its custom-proposer hook)")
+    max_loras: int = Field(0, ge=0, description="vLLM: LoRA adapters in one batch (enable_lora); train.lora "
+                                                "on vLLM needs >= 1. The reference engine serves any number")
     speculation_max_draft: int = Field(8, ge=1, description="most tokens drafted per request per step")
     speculation_batch_knee: int = Field(8, ge=1, description="running sequences beyond which drafts shrink "
                                         "(a large batch is compute-bound: drafted tokens cost real work)")
@@ -327,6 +329,8 @@ class RunConfig(_Section):
         if self.trainer.world_size > 1 or self.placement == "ray" or self.pool.url:
             raise ValueError("train.lora runs with placement=local, trainer.world_size=1 and no pool.url for now "
                              "(adapter-only sync reaches in-process engines only): unset train.lora, or use those")
+        if self.engine.kind == "vllm" and self.engine.max_loras < 1:
+            raise ValueError("train.lora on vLLM serves the adapter through vLLM's LoRA support: set engine.max_loras=1")
         return self
 
     @model_validator(mode="after")

@@ -9,6 +9,8 @@ Real parts: a tiny random Llama, PEFT adapters, the reference engine, a uvicorn 
 
 from __future__ import annotations
 
+import importlib.util
+
 import httpx
 import openai
 import pytest
@@ -131,3 +133,31 @@ def test_simulated_lora_jobs_share_engines_without_switching():
     assert two["max_slowdown"] < one["max_slowdown"]
     free = compare_lora(jobs, 2, cost, LoraServing(decode_overhead=0.0, adapter_push_s=0.0))
     assert two["median_slowdown"] > free["median_slowdown"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_vllm_serves_several_adapters_in_one_batch_like_the_reference_engine():
+    """vLLM (enable_lora, one LoRARequest per adapter version) and the reference engine (unmerged per-row
+    adapters) serve the same pushed adapters: same greedy tokens, logprobs within 1e-4, versions stamped."""
+    from rollwise.engine.vllm_backend import VLLMEngine
+
+    base = tiny_llama(hidden_size=128, num_heads=2, num_kv_heads=1)  # vLLM's CPU attention needs head_dim 64
+    a, b = LoraConfig(rank=8, alpha=16.0), LoraConfig(rank=8, alpha=8.0, target_modules=["q_proj", "v_proj"])
+    reference = ReferenceEngine(base, max_num_seqs=16, max_model_len=64, seed=0)
+    engine = VLLMEngine(base, tiny_tokenizer(), max_num_seqs=16, max_model_len=64, seed=0, kv_cache_gib=1, max_loras=2)
+    try:
+        for target in (reference, engine):
+            _push(target, base, "job-a", a, seed=1, version=3)
+            _push(target, base, "job-b", b, seed=2, version=5)
+        assert engine.loaded_adapters() == {"job-a": 3, "job-b": 5}
+        requests = _requests("a", "job-a") + _requests("b", "job-b") + _requests("n", None)
+        want, got = reference.generate(requests), engine.generate(requests)
+        for w, g in zip(want, got):
+            assert g.token_ids == w.token_ids and g.versions == w.versions, g.request_id
+            torch.testing.assert_close(g.logprobs, w.logprobs, atol=1e-4, rtol=0)
+        _push(engine, base, "job-a", a, seed=4, version=4)  # a new version: a new LoRARequest
+        assert engine.generate(_requests("a2", "job-a")[:1])[0].versions == [4] * 8
+        with pytest.raises(ValueError, match="'job-c' is not loaded"):
+            engine.add_request(_requests("c", "job-c")[0])
+    finally:
+        engine.close()

@@ -94,7 +94,7 @@ def create_engine(
 
         # engine.speculation=history: the same drafter, inside vLLM through its custom-proposer hook.
         return VLLMEngine(hf_model, tokenizer, kv_cache_gib=cfg.kv_cache_gib, enforce_eager=cfg.enforce_eager,
-                          drafter=drafter, **common)
+                          drafter=drafter, max_loras=getattr(engine, "max_loras", 0), **common)
     from rollwise.engine.reference import ReferenceEngine
 
     # engine.retention (issue 21); `retention` overrides it (rollwise serve engine --retention)

