@@ -155,6 +155,10 @@ def test_bad_records_are_refused_naming_the_sample():
         samples[0].routed_experts.array() + 4, num_experts=8))
     with pytest.raises(ValueError, match=r"sample wide/0: routed_experts names expert ids outside \[0, 4\)"):
         trainer_logprobs(model, [wrong], "r3")
+    bare = dataclasses.replace(samples[0], sample_id="bare/0", routed_experts=None)
+    trainer = GRPOTrainer(model, TrainConfig(routing_replay="r3"), pad_token_id=0)
+    with pytest.raises(ValueError, match="samples bare/0.* carry no routed_experts"):
+        trainer.train_step([bare, dataclasses.replace(bare, advantage=1.0)])
     with pytest.raises(ValueError, match="routed_experts: malformed"):
         RoutedExperts.from_wire({"data": "AAAA", "shape": [5, 2, 2], "dtype": "int8"})
 

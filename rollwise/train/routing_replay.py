@@ -69,11 +69,11 @@ def _records(s: Sample) -> Tensor:
     return torch.from_numpy(s.routed_experts.array().astype("int64"))
 
 
-def rows_batch(samples: list[Sample], length: int) -> ReplayBatch | None:
+def rows_batch(samples: list[Sample], length: int) -> ReplayBatch:
     """Records for right-padded prompt + response rows of `length` (rollwise.train.trainer.collate);
-    None when no sample carries routing (a dense model)."""
+    no records when no sample carries routing (a dense model, or an engine that captures none)."""
     if all(s.routed_experts is None for s in samples):
-        return None
+        return ReplayBatch([], samples)
     recs = [_records(s) for s in samples]
     _, layers, k = recs[0].shape
     out = torch.full((len(samples), length, layers, k), FREE, dtype=torch.long)
@@ -82,11 +82,11 @@ def rows_batch(samples: list[Sample], length: int) -> ReplayBatch | None:
     return ReplayBatch([out.view(-1, layers, k)], samples)
 
 
-def group_batch(samples: list[Sample], response_length: int) -> ReplayBatch | None:
+def group_batch(samples: list[Sample], response_length: int) -> ReplayBatch:
     """Records for a shared-prompt group (rollwise.train.trainer.collate_group): the prompt's (from the
     first sample; the group's samples share the prompt), then the right-padded responses'."""
     if all(s.routed_experts is None for s in samples):
-        return None
+        return ReplayBatch([], samples)
     recs = [_records(s) for s in samples]
     prompt_len = len(samples[0].prompt_ids)
     _, layers, k = recs[0].shape
@@ -134,14 +134,17 @@ class RoutingReplay:
     # ------------------------------------------------------------ one forward
 
     def begin(self, batch: ReplayBatch | None) -> None:
-        """Queue a micro-batch's records before its forward (None: no routing was captured)."""
-        if batch is None and self.mode == "r3":
-            raise ValueError("train.routing_replay=r3: the micro-batch carries no routed_experts")
+        """Queue a micro-batch's records before its forward (None or no records: no routing was captured)."""
+        if (batch is None or not batch.calls) and self.mode == "r3":
+            names = ", ".join(s.sample_id for s in batch.samples[:3]) if batch is not None else "(unknown)"
+            raise ValueError(f"train.routing_replay=r3: samples {names} carry no routed_experts (the engine "
+                             "captured no routing: vLLM on CPU cannot, see docs/benchmarks.md); use an engine that "
+                             "captures routing (engine.kind=reference) or set train.routing_replay=none")
         for queue in self._pending + self._used:
             queue.clear()
         self._calls = [0] * len(self.routers)
         self._disagree = {}
-        if batch is None:
+        if batch is None or not batch.calls:
             return
         batch.check(len(self.routers), self.top_k, self.num_experts)
         for layer, queue in enumerate(self._pending):

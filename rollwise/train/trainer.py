@@ -42,7 +42,7 @@ class MicroBatch:
     # A sharded trainer's filler: every rank must run as many forwards as the others (FSDP's
     # collectives), so a rank with fewer micro-batches repeats one with zero weights, uncounted.
     padding: bool = False
-    routing: ReplayBatch | None = None  # MoE: the engine's routing, for replay (R3) and disagreement metrics
+    routing: ReplayBatch | None = None  # the engine's MoE routing, for replay (R3) and disagreement metrics
 
     def logprobs(self, model: nn.Module, temperature: float, chunk_tokens: int) -> tuple[Tensor, Tensor]:
         return sequence_logprobs(model, self.input_ids, self.attention_mask, self.target_mask,
