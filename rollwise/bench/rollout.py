@@ -73,14 +73,16 @@ def _random_rewards(samples: list[Sample], seed: int) -> None:
     assign_advantages(samples, "mean_std")
 
 
-def bench_config(mode: str, w: Workload, seed: int) -> RunConfig:
-    """The run config of one mode of this benchmark (the simulator's validation uses it too)."""
+def bench_config(mode: str, w: Workload, seed: int, update_batch: str = "fixed") -> RunConfig:
+    """The run config of one mode of this benchmark (the simulator's validation uses it too);
+    update_batch: rollout.update_batch (issue 26: `rollwise sim validate --update-batch flexible`)."""
     return RunConfig.model_validate({
         "model": "bench", "seed": seed,
         "task": {"kind": "reasoning_gym", "name": "basic_arithmetic", "train_size": 64, "eval_size": 0,
                  "params": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}},
         "rollout": {"mode": mode, "prompts_per_step": w.prompts_per_step, "group_size": w.group_size,
-                    "max_tokens": w.max_tokens, "max_staleness": w.eta, "oversubscription": w.eta + 1.0},
+                    "max_tokens": w.max_tokens, "max_staleness": w.eta, "oversubscription": w.eta + 1.0,
+                    "update_batch": update_batch},
         "engine": {"max_num_seqs": w.max_num_seqs, "max_model_len": w.max_tokens + 128},
         "train": {"steps": w.updates, "lr": 1e-6, "micro_batch_size": 8},
     })
@@ -92,9 +94,9 @@ def with_kind(section: EngineConfig, kind: str) -> EngineConfig:
 
 
 def _run_mode(mode: str, model: Any, tokenizer: Any, base_state: dict, w: Workload, seed: int,
-              engine_kind: str = "reference") -> dict[str, Any]:
+              engine_kind: str = "reference", update_batch: str = "fixed") -> dict[str, Any]:
     model.load_state_dict(base_state)  # every mode starts from the same weights
-    cfg = bench_config(mode, w, seed)
+    cfg = bench_config(mode, w, seed, update_batch)
     task = make_task(cfg.task)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = GRPOTrainer(model, cfg.train, pad_token_id=pad)
@@ -130,7 +132,7 @@ def _run_mode(mode: str, model: Any, tokenizer: Any, base_state: dict, w: Worklo
     getattr(engine, "close", lambda: None)()
     timeline = list(engine.timeline)
     wall = t1 - t0
-    n_samples = w.updates * w.prompts_per_step * w.group_size
+    n_samples = controller.ledger.counts()["trained"]  # a flexible update batch trains what finished
     return {
         "mode": mode,
         "wall_s": wall,
@@ -150,11 +152,11 @@ def _run_mode(mode: str, model: Any, tokenizer: Any, base_state: dict, w: Worklo
 
 def run_rollout_bench(model: Any, tokenizer: Any, *, quick: bool = False, seed: int = 0,
                       plot: Path | None = None, modes: tuple[str, ...] = MODES,
-                      engine_kind: str = "reference") -> dict[str, Any]:
+                      engine_kind: str = "reference", update_batch: str = "fixed") -> dict[str, Any]:
     """engine_kind: "reference" or "vllm" (the CLI passes vLLM when installed)."""
     w = QUICK if quick else FULL
     base_state = copy.deepcopy(model.state_dict())
-    results = [_run_mode(mode, model, tokenizer, base_state, w, seed, engine_kind) for mode in modes]
+    results = [_run_mode(mode, model, tokenizer, base_state, w, seed, engine_kind, update_batch) for mode in modes]
     model.load_state_dict(base_state)
     sync = next((r for r in results if r["mode"] == "sync"), None)
     if sync is not None:

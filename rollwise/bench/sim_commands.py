@@ -74,13 +74,15 @@ def cmd_validate(args: argparse.Namespace, console: Console) -> int:
     kind = resolve_engine_kind(args.engine, args.model)
     with console.status(f"measured runs (rollwise bench rollout, {args.rounds} round(s)), then the simulation"):
         result = validate(model, tokenizer, cost, trainer, engine_kind=kind, quick=not args.full, seed=args.seed,
-                          rounds=args.rounds)
+                          rounds=args.rounds, update_batch=args.update_batch)
     return _print_validation(result, kind, cost.name, args, console)
 
 
 def _print_validation(result: dict[str, Any], kind: str, cost_name: str, args: argparse.Namespace,
                       console: Console) -> int:
     what = "generation only (no trainer)" if result.get("rollout_only") else "bench rollout"
+    if result.get("update_batch", "fixed") != "fixed":
+        what += f" (update_batch={result['update_batch']})"
     table = Table(title=f"{what} {'full' if args.full else '--quick'}: measured ({kind}) vs simulated ({cost_name})")
     for col in ("mode", "bubble meas.", "bubble sim", "error", "samples/s meas.", "samples/s sim", "error",
                 "meas. runs", "wall meas.", "wall sim"):
@@ -189,6 +191,8 @@ def _validate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure every mode this many times (rotated order) and compare medians (default: 1)")
     parser.add_argument("--rollout-only", action="store_true",
                         help="take the trainer out on both sides: validates the engine cost model and the scheduling")
+    parser.add_argument("--update-batch", default="fixed", choices=["fixed", "flexible"],
+                        help="rollout.update_batch on both sides (flexible: issue 26's policy; default: %(default)s)")
 
 
 def _validate_router_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,11 +16,11 @@ from rollwise.tasks import make_task
 
 
 def simulate_bench(tokenizer: Any, cost: CostModel, trainer: TrainerModel, *, quick: bool = True, seed: int = 0,
-                   modes: tuple[str, ...] = MODES) -> list[dict[str, Any]]:
+                   modes: tuple[str, ...] = MODES, update_batch: str = "fixed") -> list[dict[str, Any]]:
     w = QUICK if quick else FULL
     out = []
     for mode in modes:
-        cfg = bench_config(mode, w, seed)
+        cfg = bench_config(mode, w, seed, update_batch)
         task = make_task(cfg.task)
         engine_cost = cost.model_copy(update={"max_num_seqs": w.max_num_seqs, "max_model_len": cfg.engine.max_model_len})
         scenario = Scenario.model_validate({
@@ -28,7 +28,8 @@ def simulate_bench(tokenizer: Any, cost: CostModel, trainer: TrainerModel, *, qu
             "cluster": {"gpus": 1, "routing": "round_robin", "trainer_gpus_ratio": 1.0},
             "workload": {"updates": w.updates, "prompts_per_step": w.prompts_per_step, "group_size": w.group_size,
                          "output": {"max_tokens": w.max_tokens}},
-            "rollout": {"mode": mode, "max_staleness": w.eta, "oversubscription": w.eta + 1.0},
+            "rollout": {"mode": mode, "max_staleness": w.eta, "oversubscription": w.eta + 1.0,
+                        "update_batch": update_batch},
         })
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 2
         run = build(scenario, cost=engine_cost, trainer=trainer, length_fn=_lengths(seed, w),
@@ -56,7 +57,7 @@ def compare(measured: dict[str, Any], simulated: list[dict[str, Any]]) -> list[d
 
 
 def measure_rounds(model: Any, tokenizer: Any, *, engine_kind: str, quick: bool = True, seed: int = 0,
-                   rounds: int = 1) -> dict[str, Any]:
+                   rounds: int = 1, update_batch: str = "fixed") -> dict[str, Any]:
     """The benchmark `rounds` times, the modes in an order rotated each round (the machine's slow
     phases fall on every mode alike). Per mode: the median run by wall time, with every run's wall
     time and bubble ratio beside it (on this shared 2-core machine the same run varies by 10-30%)."""
@@ -64,7 +65,8 @@ def measure_rounds(model: Any, tokenizer: Any, *, engine_kind: str, quick: bool 
     result: dict[str, Any] = {}
     for r in range(rounds):
         order = MODES[r % len(MODES):] + MODES[: r % len(MODES)]
-        result = run_rollout_bench(model, tokenizer, quick=quick, seed=seed, engine_kind=engine_kind, modes=order)
+        result = run_rollout_bench(model, tokenizer, quick=quick, seed=seed, engine_kind=engine_kind, modes=order,
+                                   update_batch=update_batch)
         for m in result["modes"]:
             runs[m["mode"]].append(m)
     modes = []
@@ -78,10 +80,12 @@ def measure_rounds(model: Any, tokenizer: Any, *, engine_kind: str, quick: bool 
 
 
 def validate(model: Any, tokenizer: Any, cost: CostModel, trainer: TrainerModel, *, engine_kind: str,
-             quick: bool = True, seed: int = 0, rounds: int = 1) -> dict[str, Any]:
-    measured = measure_rounds(model, tokenizer, quick=quick, seed=seed, engine_kind=engine_kind, rounds=rounds)
-    simulated = simulate_bench(tokenizer, cost, trainer, quick=quick, seed=seed)
-    return {"engine": engine_kind, "cost_model": cost.name, "measured": measured,
+             quick: bool = True, seed: int = 0, rounds: int = 1, update_batch: str = "fixed") -> dict[str, Any]:
+    """update_batch=flexible (issue 26): both sides run the flexible update batch (sync is unchanged by it)."""
+    measured = measure_rounds(model, tokenizer, quick=quick, seed=seed, engine_kind=engine_kind, rounds=rounds,
+                              update_batch=update_batch)
+    simulated = simulate_bench(tokenizer, cost, trainer, quick=quick, seed=seed, update_batch=update_batch)
+    return {"engine": engine_kind, "cost_model": cost.name, "update_batch": update_batch, "measured": measured,
             "simulated": [{k: v for k, v in r.items() if not k.startswith("_")} for r in simulated],
             "comparison": compare(measured, simulated)}
 
