@@ -89,6 +89,10 @@ def test_a_request_for_an_adapter_that_is_not_loaded_is_refused():
     engine = _engine(tiny_llama())
     with pytest.raises(ValueError, match=r"adapter: 'job-c' is not loaded .*loaded: job-a, job-b"):
         engine.add_request(_requests("c", "job-c")[0])
+    engine.add_request(_requests("a", "job-a")[0])
+    with pytest.raises(ValueError, match="adapter 'job-a' still serves requests"):
+        engine.unload_adapter("job-a")
+    engine.abort("a-0")
     engine.unload_adapter("job-a")
     with pytest.raises(ValueError, match="'job-a' is not loaded"):
         engine.add_request(_requests("a", "job-a")[0])
@@ -123,15 +127,15 @@ def test_simulated_lora_jobs_share_engines_without_switching():
     """rollwise.sim.lora: 2 LoRA jobs on 1 engine (one batch) hold far fewer engine-hours than 2 dedicated
     engines; the same 2 jobs on 2 shared engines are slowed only by the unmerged-adapter overhead."""
     from rollwise.sim.cost import CONFIG_DIR, load_cost_file
-    from rollwise.sim.lora import LoraServing, compare_lora, projection_jobs
+    from rollwise.sim.lora import AdapterCost, compare_lora, projection_jobs
 
     cost, trainer = load_cost_file(CONFIG_DIR / "h100-7b.yaml")
     jobs = projection_jobs(2, trainer, steps=3)
-    one = compare_lora(jobs, 1, cost, LoraServing(decode_overhead=0.1))
+    one = compare_lora(jobs, 1, cost, AdapterCost(decode_overhead=0.1))
     assert one["engine_hours_saved"] > 0.3
-    two = compare_lora(jobs, 2, cost, LoraServing(decode_overhead=0.1))
+    two = compare_lora(jobs, 2, cost, AdapterCost(decode_overhead=0.1))
     assert two["max_slowdown"] < one["max_slowdown"]
-    free = compare_lora(jobs, 2, cost, LoraServing(decode_overhead=0.0, adapter_push_s=0.0))
+    free = compare_lora(jobs, 2, cost, AdapterCost(decode_overhead=0.0, adapter_push_s=0.0))
     assert two["median_slowdown"] > free["median_slowdown"]
 
 

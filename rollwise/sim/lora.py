@@ -37,7 +37,7 @@ from rollwise.sim.mux import MuxJob
 
 
 @dataclass(frozen=True)
-class LoraServing:
+class AdapterCost:
     decode_overhead: float = 0.10  # batch step time x (1 + this) while adapters are applied unmerged
     adapter_push_s: float = 0.05  # a rank-16 adapter of a 7B model (~40 MB bf16) to the engines
 
@@ -54,7 +54,7 @@ class _Job:
     finished_at: float | None = None
 
 
-def simulate_lora(jobs: list[MuxJob], engines: int, cost: CostModel, serving: LoraServing = LoraServing(),
+def simulate_lora(jobs: list[MuxJob], engines: int, cost: CostModel, serving: AdapterCost = AdapterCost(),
                   *, merged: bool = False, seed: int = 0) -> dict[str, Any]:
     """All `jobs` on `engines` engines holding their shared base; per-job wall time, engine-hours.
     merged=True: the adapter merged into the weights (a dedicated engine): no decode overhead."""
@@ -147,7 +147,7 @@ def simulate_lora(jobs: list[MuxJob], engines: int, cost: CostModel, serving: Lo
             "jobs": {n: {"wall_s": (j.finished_at or 0.0) - j.started_at} for n, j in state.items()}}
 
 
-def compare_lora(jobs: list[MuxJob], engines: int, cost: CostModel, serving: LoraServing = LoraServing(),
+def compare_lora(jobs: list[MuxJob], engines: int, cost: CostModel, serving: AdapterCost = AdapterCost(),
                  seed: int = 0) -> dict[str, Any]:
     """Each job on its own engine (adapter merged) vs all on `engines` shared engines (unmerged, one batch)."""
     dedicated = {j.name: simulate_lora([replace(j, start_s=0.0)], 1, cost, serving, merged=True, seed=seed)
@@ -171,7 +171,7 @@ def projection_jobs(n: int, trainer: TrainerModel, steps: int = 10, seed: int = 
 
 
 def project(cost_name: str = "h100-7b", jobs: int = 64, engine_counts: tuple[int, ...] = (8, 16, 32, 64),
-            serving: LoraServing = LoraServing(), steps: int = 10) -> list[dict[str, Any]]:
+            serving: AdapterCost = AdapterCost(), steps: int = 10) -> list[dict[str, Any]]:
     from rollwise.sim.cost import CONFIG_DIR
 
     cost, trainer = load_cost_file(CONFIG_DIR / f"{cost_name}.yaml")
@@ -189,7 +189,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, default=64)
     p.add_argument("--engines", default="8,16,32,64", help="shared engine (GPU) counts (default: %(default)s)")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--decode-overhead", type=float, default=LoraServing.decode_overhead,
+    p.add_argument("--decode-overhead", type=float, default=AdapterCost.decode_overhead,
                    help="unmerged multi-adapter batch slowdown (default: %(default)s)")
 
 
@@ -197,7 +197,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     from rollwise.sim.cli import write_json
 
     engines = tuple(int(x) for x in args.engines.split(","))
-    rows = project(args.cost, args.jobs, engines, LoraServing(decode_overhead=args.decode_overhead), args.steps)
+    rows = project(args.cost, args.jobs, engines, AdapterCost(decode_overhead=args.decode_overhead), args.steps)
     table = Table(title=f"{args.jobs} LoRA jobs on one base ({args.cost}): shared engines vs one dedicated engine each")
     for col in ("engines", "engine-h dedicated", "engine-h shared", "saved", "median slowdown", "max slowdown"):
         table.add_column(col, justify="right")

@@ -196,7 +196,14 @@ class LoraServing:
                 self.prefix_cache.clear()
 
     def unload_adapter(self, name: str) -> None:
-        """Stop serving adapter `name` (requests naming it are refused from now on)."""
+        """Stop serving adapter `name` (requests naming it are refused from now on). Refused while
+        requests of it are queued or running: they would lose their adapter mid-sequence."""
+        scheduler = getattr(self, "scheduler", None)
+        pending = [] if scheduler is None else [
+            *(r.request_id for r in scheduler.waiting if r.adapter == name),
+            *(s.request.request_id for s in scheduler.running.values() if s.request.adapter == name)]
+        if pending:
+            raise ValueError(f"adapter {name!r} still serves requests {pending[:4]}: abort them or let them finish")
         self.adapters.remove(name)
 
     def loaded_adapters(self) -> dict[str, int]:
