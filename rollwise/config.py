@@ -189,6 +189,8 @@ class TrainConfig(_Section):
     share_prompt_prefix: bool = Field(True, description="compute each group's shared prompt once in the forward")
     routing_replay: Literal["none", "r3"] = Field(
         "none", description="MoE: r3 replays the experts the engine routed each token to (rollwise.train.routing_replay)")
+    router_aux_loss_coef: float = Field(
+        0.0, ge=0, description="MoE: weight of the load-balancing auxiliary loss (Switch/Mixtral); 0 = off, as usual in RL")
 
     @model_validator(mode="after")
     def _prefix_sharing_needs_cache(self) -> TrainConfig:

@@ -293,3 +293,17 @@ def test_checkpoint_items_are_the_names_and_tensors_save_pretrained_writes(tmp_p
     assert set(pushed) - {"lm_head.weight"} == set(saved)  # tied lm_head: saved once, pushed by both names
     for name, tensor in saved.items():
         assert torch.equal(pushed[name], tensor), name
+
+
+def test_load_balancing_loss_is_optional_and_reaches_the_router():
+    """train.router_aux_loss_coef: off by default (gradients unchanged); on, it adds to the router's gradient."""
+    samples = rollout(moe_model())
+    grads = []
+    for coef in (0.0, 1.0):
+        cfg = TrainConfig(lr=1e-3, micro_batch_size=4, routing_replay="r3", share_prompt_prefix=False, grad_clip=1e9,
+                          router_aux_loss_coef=coef)
+        trainer = GRPOTrainer(moe_model(), cfg, pad_token_id=0)
+        trainer.before_step = lambda m: grads.append([r.weight.grad.clone() for r in find_routers(m)])
+        trainer.train_step(samples)
+    assert TrainConfig().router_aux_loss_coef == 0.0
+    assert all((with_aux - without).abs().max() > 1e-6 for without, with_aux in zip(*grads))

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rollwise.types.sample import Sample
@@ -124,6 +125,8 @@ class RoutingReplay:
         self._disagree: dict[int, Tensor] = {}  # call index -> per-token "any layer disagrees"
         self._calls = [0] * len(self.routers)
         self.recomputed_calls = 0  # router calls served again in activation checkpointing's recompute
+        self.collect_aux = False  # keep router logits for the load-balancing loss (train.router_aux_loss_coef > 0)
+        self._aux: list[tuple[Tensor, Tensor, Tensor | None]] = []  # (logits, experts used, valid tokens)
         self.reset_metrics()
         self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
 
@@ -144,6 +147,7 @@ class RoutingReplay:
             queue.clear()
         self._calls = [0] * len(self.routers)
         self._disagree = {}
+        self._aux = []
         if batch is None or not batch.calls:
             return
         batch.check(len(self.routers), self.top_k, self.num_experts)
@@ -195,6 +199,8 @@ class RoutingReplay:
                 if self.mode == "r3":
                     raise RuntimeError(f"routing replay: layer {layer}'s router ran with no record left "
                                        "(a forward outside begin()/end(), or more router calls than records)")
+                if self.collect_aux and torch.is_grad_enabled():
+                    self._aux.append((logits, output[2], None))
                 return None  # observe mode, nothing captured: plain routing
             record = self._pending[layer].popleft()
             if record.shape[0] != logits.shape[0]:
@@ -204,12 +210,29 @@ class RoutingReplay:
             live = output[2]
             experts = torch.where(record >= 0, record, live) if self.mode == "r3" else live
             self._tally(layer, record, live, experts)
+            if self.collect_aux and torch.is_grad_enabled():
+                self._aux.append((logits, experts, record[:, 0] >= 0))
             if self.mode != "r3":
                 return None
             self._used[layer].append(experts)  # (a reentrant checkpoint's forward runs without grad: keep always)
             return (logits, self._gate_weights(logits, experts).to(output[1].dtype), experts)
 
         return hook
+
+    def aux_loss(self) -> Tensor | None:
+        """The load-balancing loss of the latest forward (Switch Transformer / Mixtral): num_experts x
+        sum over experts of (share of routed slots on the expert) x (its mean router probability), averaged
+        over router calls, on recorded tokens (padding excluded); None when no router ran with grad."""
+        terms = []
+        for logits, experts, valid in self._aux:
+            if valid is not None:
+                logits, experts = logits[valid], experts[valid]
+            if logits.shape[0]:
+                probs = torch.softmax(logits.float(), dim=-1)
+                share = F.one_hot(experts, self.num_experts).float().mean(dim=(0, 1))
+                terms.append(self.num_experts * (share * probs.mean(dim=0)).sum())
+        self._aux = []
+        return torch.stack(terms).mean() if terms else None
 
     @staticmethod
     def _gate_weights(logits: Tensor, experts: Tensor) -> Tensor:

@@ -179,6 +179,8 @@ class GRPOTrainer:
         # experts (train.routing_replay=r3) or only measure how often the trainer's routing differs.
         replay = cfg.routing_replay == "r3" or bool(find_routers(model))
         self.routing = RoutingReplay(model, cfg.routing_replay) if replay else None
+        if self.routing is not None:
+            self.routing.collect_aux = cfg.router_aux_loss_coef > 0
         self._prepare_model()  # a sharded rank shards here, before the optimizer sees the parameters
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
@@ -220,6 +222,12 @@ class GRPOTrainer:
         out = mb.logprobs(self.model, self.temperature, self.cfg.logprob_chunk_tokens)
         self.routing.end()
         return out
+
+    def _with_router_aux(self, loss: Tensor, mb: MicroBatch | GroupMicroBatch) -> Tensor:
+        """MoE with train.router_aux_loss_coef > 0: plus the load-balancing loss of the forward just run,
+        weighted by the micro-batch's share of the batch's tokens (as its policy loss is)."""
+        aux = self.routing.aux_loss() if self.routing is not None and self.routing.collect_aux else None
+        return loss if aux is None else loss + self.cfg.router_aux_loss_coef * aux * mb.weights.sum()
 
     def _micro_batches(self, samples: list[Sample]) -> list[MicroBatch | GroupMicroBatch]:
         share, chunks = chunk_samples(samples, self.cfg)
@@ -327,7 +335,7 @@ class GRPOTrainer:
                 proximal_logp=prox,
                 is_weights=is_weights,
             )
-            terms.loss.backward()
+            self._with_router_aux(terms.loss, mb).backward()
             if mb.padding:
                 continue  # its weights are 0: no gradient, and it is not counted in the metrics
             loss_total += float(terms.loss.detach())
