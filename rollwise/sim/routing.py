@@ -38,9 +38,10 @@ from rollwise.sim.cores import SharedCores
 
 # The router process's own CPU seconds per request (parse, choose, relay both ways) as `rollwise bench
 # router` measures it: `router_cpu_s_per_request` of the rollwise `prefix` arm, every router in its own
-# process. PROVISIONAL: 1.1 ms is a CPU-time reading on a shared, loaded 2-core machine (issue 25);
-# the lead replaces it with the idle-machine full run's value (docs/benchmarks.md, bench router).
-ROUTER_S_PER_REQUEST = 0.0011
+# process. PROVISIONAL: 0.8 ms rounds up a CPU-time reading (0.75 ms per request, 2 replicas, short
+# requests) on a shared, loaded 2-core machine (issue 25); the lead replaces it with the idle-machine
+# full run's value (docs/benchmarks.md, bench router).
+ROUTER_S_PER_REQUEST = 0.0008
 
 
 @dataclass(frozen=True)
