@@ -1,7 +1,8 @@
 """`rollwise serve router`: an HTTP gateway in front of N engine replicas (`rollwise serve engine`,
 or any server speaking the same contract).
 
-It serves the engine's API: POST /v1/completions, /v1/chat/completions (stream=true too), /generate;
+It serves the engine's API: POST /v1/completions, /v1/chat/completions (stream=true too), /generate,
+/inference/v1/generate (vLLM's token-in route, routed by its token_ids like /generate);
 GET /v1/models, /model_info; plus /health, /metrics, and the control endpoints fanned out to every
 replica: /pause, /resume, /abort, /flush_cache, and /update_weights_from_disk as a rolling update
 (one replica drained, paused, updated and resumed at a time while the others serve).
