@@ -35,6 +35,7 @@ def plot_run(result: dict[str, Any], timeline: list[tuple[float, int]], out: Pat
         xs = [t for t, _ in timeline]
         ax.step(xs, [n for _, n in timeline], where="post", color="tab:blue", lw=0.8, label="running sequences")
     ax.axhline(result["capacity"], color="gray", ls="--", lw=1, label="capacity")
+    ax.set_ylim(0, result["capacity"] * 1.05)  # from zero: a drain and a dip must look like what they are
     for t in result.get("_updates", []):
         ax.axvline(t, color="tab:red", lw=0.6, alpha=0.7)
     ax.set(xlabel="simulated seconds", ylabel="sequences",
