@@ -71,6 +71,7 @@ def test_route_answers_vllms_shape_with_generates_samples(cluster):
     content = choice["logprobs"]["content"]
     assert [c["token_id"] for c in content] == choice["token_ids"]
     assert all(len(c["top_logprobs"]) == 2 for c in content)
+    assert choice["weight_versions"] == [{"version": "0", "start": 0, "end": 5}]  # one policy, every token
 
     # /generate with the same seed samples the same tokens and logprobs; the prompt is now cached.
     native = {k: v for k, v in sampling.items() if k != "logprobs"}
@@ -135,3 +136,11 @@ def test_vllm_router_fronts_rollwise_engines(cluster):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_weight_versions_are_spans_of_output_tokens():
+    from rollwise.engine.vllm_generate import weight_versions
+
+    assert weight_versions([]) == []
+    assert weight_versions([3, 3, 4, 4, 4]) == [{"version": "3", "start": 0, "end": 2},
+                                                {"version": "4", "start": 2, "end": 5}]

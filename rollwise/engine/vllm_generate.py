@@ -13,7 +13,9 @@ Request (vLLM's GenerateRequest):
 Response (vLLM's GenerateTokensResponse): {request_id, model, created, output_mode: "tokens", usage
 {prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details {cached_tokens}}, prompt_token_ids
 (with return_token_ids), choices [{index, finish_reason, stop_reason, token_ids, logprobs {content
-[{token_id, logprob, rank, top_logprobs}]} (when sampling_params.logprobs is set)}]}.
+[{token_id, logprob, rank, top_logprobs}]} (when sampling_params.logprobs is set), weight_versions
+[{version, start, end}] (the policy version of every output token, as spans)}]}. `rank` is the sampled
+token's place among the returned alternatives (None when it is not among them), not its vocabulary rank.
 
 Unknown fields (top level and in sampling_params) are accepted and ignored as vLLM ignores them, and
 named in the x-rollwise-ignored-fields header. What rollwise cannot do as asked is refused with a 400
@@ -121,6 +123,18 @@ def _logprobs(choice: dict[str, Any]) -> dict[str, Any]:
     return {"content": content}
 
 
+def weight_versions(versions: list[int]) -> list[dict[str, Any]]:
+    """vLLM's WeightVersionSpan list: output tokens [start, end) sampled by weights labelled `version`
+    (rollwise's per-token policy versions, run-length encoded; a weight update mid-sample makes two)."""
+    spans: list[dict[str, Any]] = []
+    for i, version in enumerate(versions):
+        if spans and spans[-1]["version"] == str(version):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(version), "start": i, "end": i + 1})
+    return spans
+
+
 def as_vllm(result: dict[str, Any], body: VLLMGenerateRequest, model: str) -> dict[str, Any]:
     """/generate's answer in vLLM's GenerateTokensResponse shape."""
     choices = result["choices"]
@@ -138,7 +152,8 @@ def as_vllm(result: dict[str, Any], body: VLLMGenerateRequest, model: str) -> di
         "prompt_token_ids": result["prompt_ids"] if body.return_token_ids else None,
         "kv_transfer_params": None,
         "choices": [{"index": c["index"], "finish_reason": c["finish_reason"] or "abort", "stop_reason": None,
-                     "token_ids": c["token_ids"], "logprobs": _logprobs(c) if with_logprobs else None}
+                     "token_ids": c["token_ids"], "logprobs": _logprobs(c) if with_logprobs else None,
+                     "weight_versions": weight_versions(c["versions"])}
                     for c in choices],
     }
 
