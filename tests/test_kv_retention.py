@@ -327,3 +327,44 @@ def test_agent_episodes_report_tool_calls_to_the_engine():
     first = result.turns[0].completion
     assert resumed.cached_prompt_tokens == len(first.prompt_ids) + len(first.token_ids) - 1
     assert agent.latencies.expected("calculator") < 1.0  # learned from the measured call, not the 1 s default
+
+
+def test_router_forwards_retain_to_the_replica_holding_the_session(model):
+    """agent HTTPGenerator -> router (session affinity) -> two real engine servers with retention on."""
+    import time
+
+    import httpx
+
+    from rollwise.agent.generator import HTTPGenerator
+    from rollwise.engine.factory import create_engine
+    from rollwise.engine.server import create_app
+    from rollwise.local_server import serve_in_thread
+    from rollwise.model.tiny import tiny_tokenizer
+    from rollwise.router.app import RouterConfig
+    from rollwise.router.app import create_app as create_router_app
+
+    tokenizer = tiny_tokenizer()
+
+    def replica():
+        engine = create_engine("reference", model, tokenizer, max_num_seqs=2, max_model_len=SLOT, eos_token_ids=[2],
+                               seed=0, retention="always_preserve")
+        return engine, serve_in_thread(create_app(engine, tokenizer, "tiny"))
+
+    (engine_a, serve_a), (engine_b, serve_b) = replica(), replica()
+    with serve_a as (url_a, _), serve_b as (url_b, _):
+        config = RouterConfig(replicas=[url_a, url_b], policy="consistent_hash", health_interval_s=0.2)
+        with serve_in_thread(create_router_app(config, tokenizer)) as (router_url, _):
+            deadline = time.monotonic() + 20
+            while httpx.get(f"{router_url}/health").status_code != 200 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            generator = HTTPGenerator(router_url, timeout=60)
+            params = SamplingParams(max_tokens=4, seed=0, ignore_eos=True)
+            first = generator.generate(list(range(5, 45)), params, session_id="routed")
+            decision = generator.retain(RetentionRequest("routed", first.request_id, "python", 2.0))
+            assert decision is not None and decision.action == "preserve" and decision.tokens > 0
+            second = generator.generate(first.prompt_ids + first.token_ids + [8, 8], params, session_id="routed")
+            assert second.cached_prompt_tokens == decision.tokens  # same replica, its pinned KV
+            generator.release_session("routed")
+            generator.close()
+    held = [e.retention_stats() for e in (engine_a, engine_b)]
+    assert sum(h.get("preserve", 0) for h in held) == 1 and sum(h.get("resumed", 0) for h in held) == 1
