@@ -6,7 +6,8 @@ train steps ahead of the trainer. If a train step takes longer than generating t
 engines wait whatever the admission policy does; if generation takes longer, the trainer waits. So the
 planner first balances the two from the cost model (a closed form, below), then simulates the few
 splits around that balance point, at each eta asked for, with the production controller and the
-flexible update batch, and ranks them by trained samples/s. Staleness never exceeds eta in any of
+flexible update batch (one or two more past the edge when the best is the smallest or largest
+trainer tried), and ranks them by trained samples/s. Staleness never exceeds eta in any of
 them (the simulator raises if it would).
 
 Closed form (the screen): one engine at its full batch B emits B tokens per decode step, so it finishes
@@ -127,6 +128,32 @@ def rank(rows: list[PlanRow], bubble_target: float) -> list[PlanRow]:
     return sorted(rows, key=lambda r: (r.bubble_ratio > bubble_target, -r.samples_per_s))
 
 
+def _extend_at_the_edge(base: Scenario, total_gpus: int, gpus_per_engine: int, rows: list[PlanRow],
+                        bubble_target: float, progress: Any, steps: int = 2) -> list[PlanRow]:
+    """The closed form is only a screen: where the best split is the smallest (largest) trainer tried,
+    try a smaller (larger) one at its eta, up to `steps` times, until the best is inside the range."""
+    rows, added = list(rows), []
+    for _ in range(steps):
+        best = rank(rows, bubble_target)[0]
+        trainers = sorted({r.split.trainer_gpus for r in rows})
+        t = best.split.trainer_gpus
+        if t == trainers[0] and t > 1:
+            t = max(1, round(t * 0.85))
+        elif t == trainers[-1] and t < total_gpus - gpus_per_engine:
+            t = min(total_gpus - gpus_per_engine, round(t * 1.15))
+        else:
+            break
+        t = total_gpus - (total_gpus - t) // gpus_per_engine * gpus_per_engine  # whole engines
+        if t in trainers:
+            break
+        added.append(evaluate(base, Split(t, total_gpus - t, best.split.eta)))
+        rows.append(added[-1])
+        if progress is not None:
+            progress(f"trainer {t} / engines {total_gpus - t} GPUs, eta {best.split.eta}: "
+                     f"{added[-1].samples_per_s:.1f} samples/s, bubble {added[-1].bubble_ratio:.2f} (past the edge)")
+    return added
+
+
 def plan(base: Scenario, total_gpus: int, etas: list[int], bubble_target: float = 0.25,
          progress: Any = None) -> Plan:
     cost, trainer = base.cost()
@@ -138,6 +165,7 @@ def plan(base: Scenario, total_gpus: int, etas: list[int], bubble_target: float 
             r = rows[-1]
             progress(f"trainer {split.trainer_gpus} / engines {split.engine_gpus} GPUs, eta {split.eta}: "
                      f"{r.samples_per_s:.1f} samples/s, bubble {r.bubble_ratio:.2f}")
+    rows += _extend_at_the_edge(base, total_gpus, cost.gpus_per_engine, rows, bubble_target, progress)
     ranked = rank(rows, bubble_target)
     sync = evaluate(base, Split(ranked[0].split.trainer_gpus, ranked[0].split.engine_gpus, 0), mode="sync",
                     update_batch="fixed")
