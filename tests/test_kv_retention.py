@@ -253,7 +253,7 @@ def test_a_finished_turn_waits_briefly_for_retain_even_under_pressure(model):
     assert engine.retention_stats()["released_evicted"] == 1  # the waiting request got the pinned slot
 
 
-def test_bench_intercept_runs_every_policy_on_the_same_work(model):
+def test_bench_intercept_runs_every_policy_on_the_same_work(model, tmp_path):
     """Smoke test of `rollwise bench intercept` (untimed): a tiny model, two sessions of two turns."""
     from rollwise.bench.intercept import Workload, run_intercept_bench
     from rollwise.model.tiny import tiny_tokenizer
@@ -267,6 +267,17 @@ def test_bench_intercept_runs_every_policy_on_the_same_work(model):
     assert discard["actions"] == {"discard": 2} and discard["recomputed_tokens"] > 0
     assert all(a["episodes"] == 2 and a["prompt_tokens"] == 2 * (40 + 40 + 3 + 4) for a in result["policies"])
     assert result["simulation_inputs"]["workload"]["sessions"] == 2
+    # the simulator replays the bench's workload with the costs it measured (rollwise sim intercept --from-bench)
+    import json
+
+    from rollwise.sim.cli import main as sim_main
+
+    path = tmp_path / "intercept.json"
+    path.write_text(json.dumps(result))
+    assert sim_main(["intercept", "--from-bench", str(path), "--json", str(tmp_path / "replay.json")]) == 0
+    replay = json.loads((tmp_path / "replay.json").read_text())["rows"]
+    assert [r["policy"] for r in replay] == [a["policy"] for a in result["policies"]]
+    assert all(r["sim"]["episodes"] == 2 for r in replay)
 
 
 def test_simulated_policies_rank_as_the_waste_model_says():
