@@ -12,7 +12,8 @@ engine chooses, per interception, what happens to that turn's KV and reports it 
 Promises are bounded, never blocking: pins and swapped KV live within memory budgets; a pin is released
 when its TTL expires, the session ends (`Engine.release_session`), its request is aborted, the weights
 change (the KV was computed by the old policy) or admission needs the memory (a pinned session never
-keeps a waiting request out). A released promise costs only recomputation: the next turn's request
+keeps a waiting request out; a just-finished turn's KV waits at most park_grace_s, on at most half the
+engine, for the caller's retain()). A released promise costs only recomputation: the next turn's request
 always carries the whole context, so nothing is lost, even if the engine restarts mid-tool-call.
 
 The next turn is matched to its retained KV by tokens, not by id: the retained tokens must be a prefix
