@@ -84,7 +84,9 @@ def scenario_for(base: Scenario, split: Split, mode: str = "sorted", update_batc
     data["cluster"].update(gpus=split.engine_gpus, trainer_gpus=split.trainer_gpus)
     data["rollout"].update(mode=mode, max_staleness=split.eta, update_batch=update_batch)
     if update_batch == "flexible" and base.rollout.oversubscription is None:
-        data["rollout"]["oversubscription"] = 1.0  # running samples = one batch: size it to the slots
+        # Running samples up to 1.25 batches (the batch sized to the slots): whole groups queue on one
+        # engine while another has free slots, so exactly one batch left engines idle at 256+ GPUs.
+        data["rollout"]["oversubscription"] = 1.25
     s = Scenario.model_validate(data)
     s.base_dir = base.base_dir
     return s
