@@ -84,9 +84,10 @@ def scenario_for(base: Scenario, split: Split, mode: str = "sorted", update_batc
     data["cluster"].update(gpus=split.engine_gpus, trainer_gpus=split.trainer_gpus)
     data["rollout"].update(mode=mode, max_staleness=split.eta, update_batch=update_batch)
     if update_batch == "flexible" and base.rollout.oversubscription is None:
-        # Running samples up to 1.25 batches (the batch sized to the slots): whole groups queue on one
-        # engine while another has free slots, so exactly one batch left engines idle at 256+ GPUs.
-        data["rollout"]["oversubscription"] = 1.25
+        # Running samples up to 2 batches (the batch sized to the slots): whole groups queue on one engine
+        # while another has free slots, and long contexts fill the KV cache before the slots; with 1.0-1.25
+        # batches engines idled at 256 GPUs (bubble 0.21-0.37; 0.09-0.16 with 2; docs/benchmarks.md).
+        data["rollout"]["oversubscription"] = 2.0
     s = Scenario.model_validate(data)
     s.base_dir = base.base_dir
     return s
