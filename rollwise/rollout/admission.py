@@ -11,9 +11,10 @@ Two update-batch policies (rollout.update_batch):
   at least prompts_per_step and at most max_batch_factor x prompts_per_step. Admission keeps the engines
   full instead of keeping a count of batches: new groups start while the samples running (submitted, not
   finished) are fewer than oversubscription x prompts_per_step x group_size (size it to the engines'
-  slots: a group near its end holds one or two slots, not group_size), and while the groups not yet
-  trained are fewer than (eta + 1) x the largest batch (a group started now is trained within eta more
-  updates, or it is regenerated).
+  slots: a group near its end holds one or two slots, not group_size), and while the complete groups
+  waiting or in training are fewer than (eta + 1) x the largest batch (more could not be trained within
+  eta: the trainer is the bottleneck, and generating more would only be regenerated). Groups still
+  generating do not count: a group in its long tail holds one slot, and counting it drained the engines.
 
 Why flexible: under a fixed batch, groups that finished beyond the batch wait one more update, and at
 eta = 1 that makes them too stale to train (regenerated), so admission had to count the batch in
@@ -58,7 +59,8 @@ class AdmissionPolicy:
 
     @property
     def max_untrained(self) -> int:
-        """The most groups started and not yet trained (ready and in training included)."""
+        """fixed: the most groups started and not yet trained (ready and in training included);
+        flexible: the most complete groups waiting or in training."""
         if self.update_batch == "fixed" or self.mode == "sync":
             return math.ceil(self.oversubscription * self.batch_groups)
         return (self.eta + 1) * self.max_batch_groups
@@ -77,15 +79,20 @@ class RolloutCounts:
     def untrained(self) -> int:
         return self.generating + self.ready + self.training
 
+    @property
+    def complete_untrained(self) -> int:
+        return self.ready + self.training
+
 
 def may_admit(p: AdmissionPolicy, counts: RolloutCounts, group_index: int, version: int) -> bool:
     """May group `group_index` (the k-th problem of the stream) start now, at policy `version`?
     sync admits its batch itself (next_batch), never here."""
     if p.mode == "sync":
         return False
-    if counts.untrained >= p.max_untrained:
-        return False
-    if p.update_batch == "flexible" and counts.running_samples >= p.max_running_samples:
+    if p.update_batch == "flexible":
+        if counts.running_samples >= p.max_running_samples or counts.complete_untrained >= p.max_untrained:
+            return False
+    elif counts.untrained >= p.max_untrained:
         return False
     # AReaL admission control: generation may run at most eta versions ahead of the trainer.
     return not (p.mode == "async" and group_index // p.batch_groups > version + p.eta)
