@@ -244,8 +244,8 @@ def test_train_loop_with_two_ranks(setup, tmp_path):
     final2 = {n: t for f in (out2 / "checkpoints" / "step_000002" / "model").glob("*.safetensors")
               for n, t in load_file(f).items()}
     assert final.keys() == final2.keys()
-    for name, tensor in final.items():
-        torch.testing.assert_close(final2[name], tensor, rtol=0, atol=1e-6, msg=name)
+    for name, tensor in final.items():  # float noise only: one step moves weights by ~lr = 1e-3
+        torch.testing.assert_close(final2[name], tensor, rtol=0, atol=2e-5, msg=name)
 
 
 def _cpu_seconds(pid: int) -> float:
