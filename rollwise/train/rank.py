@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import resource
+import time
 import traceback
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -189,16 +190,23 @@ def _local_bytes(tensor: Tensor) -> int:
     return local.numel() * local.element_size()
 
 
+# Commands after which a local rank's weights changed: it writes them into the landing right away.
+CHANGES_WEIGHTS = ("train", "load")
+
+
 def rank_main(spec: RankSpec, model: nn.Module, cfg: TrainConfig, pad_token_id: int, temperature: float,
               landing: Mapping[str, Tensor], conn: Connection) -> None:
     """A rank process: join the group, shard a private copy of `model`, then serve commands over
-    `conn`. `write_shards` writes into `landing` (the controller's shared-memory weights)."""
+    `conn`. Whenever its weights change (start, train, load) it writes its shards into `landing`
+    (the controller's shared-memory weights) before replying, so a push finds them there already:
+    the copy (~1/N of the model, all ranks at once) is part of the step, not of the push."""
     trainer = None
     try:
         device = init_rank(spec)
         trainer = RankTrainer(copy.deepcopy(model), cfg, spec, device, pad_token_id=pad_token_id,
                               temperature=temperature)
         del model  # the controller's copy (shared memory): this rank keeps only its shard
+        trainer.write_shards(landing)  # also faults the landing's pages in once, here, not in a push
         conn.send(("ok", None))
     except Exception:
         conn.send(("error", traceback.format_exc()))
@@ -209,7 +217,13 @@ def rank_main(spec: RankSpec, model: nn.Module, cfg: TrainConfig, pad_token_id: 
             if cmd == "stop":
                 break
             try:
-                conn.send(("ok", trainer.handle(cmd, landing if cmd == "write_shards" else arg)))
+                result = trainer.handle(cmd, landing if cmd == "write_shards" else arg)
+                if cmd in CHANGES_WEIGHTS:
+                    start = time.perf_counter()
+                    trainer.write_shards(landing)
+                    if cmd == "train":
+                        result["metrics"]["weights_landing_s"] = time.perf_counter() - start
+                conn.send(("ok", result))
             except Exception:
                 conn.send(("error", traceback.format_exc()))
                 break

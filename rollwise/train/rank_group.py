@@ -97,9 +97,9 @@ class ProcessRankGroup:
         return self._collect(cmd)
 
     def weights(self, bucket_mb: float) -> dict[str, Tensor]:
-        # Every rank copies its rows into the shared landing at once: no collective, no pickling,
+        # The ranks wrote their rows into the shared landing when their weights last changed (every
+        # rank at once, inside the step: rank_main): no collective, no pickling, nothing to wait for,
         # and no process ever holds more than its shard plus the landing it shares with us.
-        self.call("write_shards", [None] * self.world_size)
         return dict(self.landing)
 
     def _collect(self, what: str) -> list[Any]:

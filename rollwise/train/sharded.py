@@ -82,6 +82,8 @@ def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     out = dict(per_rank[0])
     out["loss"] = sum(m["loss"] for m in per_rank)
     out["trained_tokens"] = total
+    if "weights_landing_s" in out:  # the slowest rank's copy into the shared landing
+        out["weights_landing_s"] = max(m["weights_landing_s"] for m in per_rank)
     for key in ("clip_fraction", "entropy", "kl", "is_weight_mean", "mismatch_abs_logp", "mismatch_k3"):
         if key in out:
             out[key] = sum(m[key] * n for m, n in zip(per_rank, tokens)) / max(total, 1.0)
