@@ -171,6 +171,26 @@ def test_async_admission_control_bounds_how_far_generation_runs_ahead(task_path)
         setup.close()
 
 
+@pytest.mark.timeout(120)
+def test_async_admission_keeps_going_when_updates_are_skipped(task_path):
+    """A step whose batch carries no signal trains nothing and leaves the policy version where it
+    was; async admission must still run ahead of the *steps* taken (it counted versions and stopped
+    for good at step eta + 2: the trainer waited for a batch that could never start)."""
+    eta = 1
+    cfg = _cfg(task_path, mode="async", max_staleness=eta, oversubscription=10.0)
+    setup = Setup(cfg, length_fn=_lognormal_lengths(2))
+    try:
+        for step in range(eta + 4):
+            batch = setup.controller.next_batch()
+            assert len(batch) == B * G
+            assert setup.controller.next_group <= (step + eta + 1) * B
+            setup.controller.before_update()
+            setup.controller.mark_trained(batch)
+            setup.controller.after_update(setup.version)  # skipped: same version
+    finally:
+        setup.close()
+
+
 def test_partial_rollout_version_stamps_are_exact():
     model = tiny_llama(seed=0)
     engine = ReferenceEngine(model, max_num_seqs=4, max_model_len=128)

@@ -42,12 +42,12 @@ def test_fixed_policy_keeps_the_original_rules():
     p = AdmissionPolicy("sorted", eta=1, batch_groups=4, oversubscription=2.0, group_size=8)
     assert p.max_batch_groups == 4 and batch_size(p, ready=7) == 4
     # Groups started and not trained, the batch in training included, capped at 2 x 4.
-    assert may_admit(p, RolloutCounts(generating=3, ready=0, training=4), 10, version=0)
-    assert not may_admit(p, RolloutCounts(generating=4, ready=0, training=4), 10, version=0)
+    assert may_admit(p, RolloutCounts(generating=3, ready=0, training=4), 10, updates=0)
+    assert not may_admit(p, RolloutCounts(generating=4, ready=0, training=4), 10, updates=0)
     # async: at most eta versions ahead of the trainer.
     a = AdmissionPolicy("async", eta=1, batch_groups=4, oversubscription=10.0)
-    assert may_admit(a, RolloutCounts(0, 0, 0), group_index=7, version=0)
-    assert not may_admit(a, RolloutCounts(0, 0, 0), group_index=8, version=0)
+    assert may_admit(a, RolloutCounts(0, 0, 0), group_index=7, updates=0)
+    assert not may_admit(a, RolloutCounts(0, 0, 0), group_index=8, updates=0)
     assert not may_admit(AdmissionPolicy("sync", 1, 4, 2.0), RolloutCounts(0, 0, 0), 0, 0)
 
 
@@ -57,8 +57,8 @@ def test_flexible_policy_admits_by_running_samples_and_takes_every_complete_grou
     assert batch_size(p, ready=7) == 7 and batch_size(p, ready=20) == 8  # up to 2 x prompts_per_step
     # 12 groups in their long tails hold 10 slots of 32: more may start (the fixed rule would refuse).
     tails = RolloutCounts(generating=12, ready=0, training=4, running_samples=10)
-    assert may_admit(p, tails, 30, version=0)
-    assert not may_admit(AdmissionPolicy("sorted", 1, 4, 1.0, 8), tails, 30, version=0)
+    assert may_admit(p, tails, 30, updates=0)
+    assert not may_admit(AdmissionPolicy("sorted", 1, 4, 1.0, 8), tails, 30, updates=0)
     assert not may_admit(p, RolloutCounts(generating=4, ready=0, training=0, running_samples=32), 30, 0)
     # Complete groups beyond what eta more updates can train: stop (the trainer is the bottleneck).
     assert not may_admit(p, RolloutCounts(generating=0, ready=8, training=8, running_samples=0), 30, 0)

@@ -364,8 +364,8 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         )
     else:
         controller = RolloutController(
-            cfg, worker, encoder, stream, score,
-            policy_version=trainer.version, start_group=start_group, pending_groups=pending_groups,
+            cfg, worker, encoder, stream, score, policy_version=trainer.version, updates=start_step,
+            start_group=start_group, pending_groups=pending_groups,
         )
 
     n_params = sum(p.numel() for p in model.parameters())

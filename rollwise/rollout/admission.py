@@ -84,8 +84,11 @@ class RolloutCounts:
         return self.ready + self.training
 
 
-def may_admit(p: AdmissionPolicy, counts: RolloutCounts, group_index: int, version: int) -> bool:
-    """May group `group_index` (the k-th problem of the stream) start now, at policy `version`?
+def may_admit(p: AdmissionPolicy, counts: RolloutCounts, group_index: int, updates: int) -> bool:
+    """May group `group_index` (the k-th problem of the stream) start now, after `updates` train
+    steps? Steps, not the policy version: a step skipped for lack of signal leaves the version where
+    it was, and counting versions would then stop admission for good (the trainer waits for a batch
+    that may never start). Token staleness is still bounded by version (trainable_limit).
     sync admits its batch itself (next_batch), never here."""
     if p.mode == "sync":
         return False
@@ -94,8 +97,8 @@ def may_admit(p: AdmissionPolicy, counts: RolloutCounts, group_index: int, versi
             return False
     elif counts.untrained >= p.max_untrained:
         return False
-    # AReaL admission control: generation may run at most eta versions ahead of the trainer.
-    return not (p.mode == "async" and group_index // p.batch_groups > version + p.eta)
+    # AReaL admission control: generation may run at most eta updates ahead of the trainer.
+    return not (p.mode == "async" and group_index // p.batch_groups > updates + p.eta)
 
 
 def batch_ready(p: AdmissionPolicy, ready: int) -> bool:

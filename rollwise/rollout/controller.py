@@ -94,6 +94,7 @@ class RolloutController(ControllerDefaults):
         score: ScoreFn,
         *,
         policy_version: int = 0,
+        updates: int | None = None,
         start_group: int = 0,
         pending_groups: list[int] | None = None,
         length_fn: LengthFn | None = None,
@@ -121,6 +122,9 @@ class RolloutController(ControllerDefaults):
         self.score = score
         self.length_fn = length_fn
         self.version = policy_version
+        # Train steps taken (skipped ones included): async admission runs ahead of these, not of the
+        # version, which a step without signal leaves unchanged. Resumed: the checkpoint's step.
+        self.updates = policy_version if updates is None else updates
         self.ledger = RolloutLedger()
         self.groups: dict[int, _Group] = {}
         self.running: dict[str, _Running] = {}  # request id -> what it is
@@ -303,6 +307,7 @@ class RolloutController(ControllerDefaults):
         """The engine now samples with `version`: regenerate whatever could not be trained within eta."""
         self._stop_pump()
         self.version = version
+        self.updates += 1
         if self.mode != "sync":
             limit = admission.trainable_limit(self.policy, version)  # oldest version a trainable token may have
             if self.cfg.rollout.partial_rollout == "abort":
@@ -357,7 +362,7 @@ class RolloutController(ControllerDefaults):
     def _top_up(self) -> None:
         while True:
             next_index = self._redo[0] if self._redo else self.next_group
-            if not admission.may_admit(self.policy, self.counts(), next_index, self.version):
+            if not admission.may_admit(self.policy, self.counts(), next_index, self.updates):
                 return
             self._start_group()
 
