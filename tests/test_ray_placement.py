@@ -263,8 +263,7 @@ def test_two_trainer_rank_actors_train_then_a_killed_rank_fails_clearly_and_resu
     get, killed = RayRankGroup._get, []
 
     def kill_rank_1_mid_step(group, refs, what):
-        if what == "train" and not killed:
-            time.sleep(0.2)
+        if what == "train" and not killed:  # the step's commands are out: kill at once
             killed.append(True)
             ray.kill(group.actors[1], no_restart=True)
         return get(group, refs, what)
@@ -273,8 +272,10 @@ def test_two_trainer_rank_actors_train_then_a_killed_rank_fails_clearly_and_resu
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(RayRankGroup, "_get", kill_rank_1_mid_step)
         mp.chdir(tmp_path)
-        with pytest.raises(TrainerRankError, match=r"trainer rank 1 \(a Ray actor\) died during train.*"
-                                                   r"checkpoint.resume=auto"):
+        # The step's train or the gather right after it (a tiny model's step can finish before the
+        # kill lands): either way the death is named and the run stops.
+        with pytest.raises(TrainerRankError, match=r"trainer rank 1 \(a Ray actor\) died during "
+                                                   r"(train|the weight gather).*checkpoint.resume=auto"):
             train(cfg)
     assert killed
 

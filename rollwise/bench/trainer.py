@@ -25,6 +25,7 @@ from torch import nn
 
 from rollwise.config import EngineConfig, TrainConfig, TrainerConfig
 from rollwise.engine.factory import create_engine
+from rollwise.observe.peak import measure_matmul
 from rollwise.sync.buckets import WeightUpdate
 from rollwise.train.sharded import ShardedTrainer
 from rollwise.train.trainer import GRPOTrainer
@@ -37,19 +38,13 @@ PUSH_GOAL = 1.5  # sharded gather+push time vs the single-process push
 FINGERPRINT = "bench"
 
 
-def measure_matmul_peak(threads: int, size: int, reps: int = 3) -> float:
-    """FLOP/s of the best of `reps` fp32 matmuls of two size×size matrices on `threads` threads."""
+def measure_matmul_peak(threads: int, size: int) -> float:
+    """FLOP/s of this machine's fp32 matmuls on `threads` threads (rollwise.observe.peak's measurement,
+    uncached: the bench's peak is taken in the same run as its steps)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a, b = torch.randn(size, size), torch.randn(size, size)
-        torch.mm(a, b)  # warm-up (allocations, thread pool)
-        best = float("inf")
-        for _ in range(reps):
-            start = time.perf_counter()
-            torch.mm(a, b)
-            best = min(best, time.perf_counter() - start)
-        return 2.0 * size**3 / best
+        return measure_matmul("cpu", torch.float32, size)
     finally:
         torch.set_num_threads(before)
 
