@@ -39,7 +39,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rollwise.config import ConfigError, RunConfig, dump_config
 from rollwise.control.ray_engine_actor import engine_actor_class
 from rollwise.control.ray_fleet import RayEngineFleet, _get_all, _log
-from rollwise.control.ray_trainer_ranks import RayRankGroup, TrainerRankActor
+from rollwise.control.ray_trainer_ranks import RayRankGroup, TrainerRankActor, kill_actors
 from rollwise.rollout.types import Sample
 from rollwise.sync.buckets import WeightUpdate
 from rollwise.train.sharded import ShardedTrainer
@@ -144,11 +144,7 @@ class RaySession:
         if self.closed:
             return
         self.closed = True
-        for actor in self.actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:
-                pass
+        kill_actors(self.actors)
         try:
             remove_placement_group(self.pg)
         except Exception:

@@ -133,11 +133,16 @@ class RayRankGroup:
         if self.closed:
             return
         self.closed = True
-        for actor in self.actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # already gone
-                pass
+        kill_actors(self.actors)
 
 
-__all__ = ["RayRankGroup", "TrainerRankActor"]
+def kill_actors(actors: list[Any]) -> None:
+    """Kill each actor for good (no restart); one already gone is not an error."""
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # already gone
+            pass
+
+
+__all__ = ["RayRankGroup", "TrainerRankActor", "kill_actors"]

@@ -42,6 +42,16 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
+def _decoder_fields(vocab_size: int | None, hidden_size: int, num_layers: int, num_heads: int,
+                    num_kv_heads: int, tie_word_embeddings: bool, max_position_embeddings: int) -> dict:
+    """The HF config fields every tiny decoder shares (Llama and Mixtral name them alike)."""
+    return {"vocab_size": len(tiny_tokenizer()) if vocab_size is None else vocab_size,
+            "hidden_size": hidden_size, "intermediate_size": hidden_size * 2, "num_hidden_layers": num_layers,
+            "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
+            "max_position_embeddings": max_position_embeddings, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "tie_word_embeddings": tie_word_embeddings, "bos_token_id": None, "eos_token_id": 2, "pad_token_id": 0}
+
+
 def tiny_llama(
     vocab_size: int | None = None,
     hidden_size: int = 64,
@@ -53,23 +63,8 @@ def tiny_llama(
     max_position_embeddings: int = 1024,
 ) -> LlamaForCausalLM:
     """A randomly initialised Llama-architecture model (fp32) sized for unit tests."""
-    if vocab_size is None:
-        vocab_size = len(tiny_tokenizer())
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=None,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    config = LlamaConfig(**_decoder_fields(vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
+                                           tie_word_embeddings, max_position_embeddings))
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.eval()
@@ -90,25 +85,9 @@ def tiny_mixtral(
 ) -> MixtralForCausalLM:
     """A randomly initialised Mixtral-architecture mixture of experts (fp32) sized for unit tests:
     Llama attention, and in every layer a top-k router over `num_experts` SwiGLU experts."""
-    if vocab_size is None:
-        vocab_size = len(tiny_tokenizer())
-    config = MixtralConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        num_local_experts=num_experts,
-        num_experts_per_tok=top_k,
-        max_position_embeddings=max_position_embeddings,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=None,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    config = MixtralConfig(num_local_experts=num_experts, num_experts_per_tok=top_k,
+                           **_decoder_fields(vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
+                                             tie_word_embeddings, max_position_embeddings))
     torch.manual_seed(seed)
     model = MixtralForCausalLM(config)
     model.eval()
