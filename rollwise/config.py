@@ -145,6 +145,9 @@ class PoolConfig(_Section):
 # Which weight sender carries the trainer's weights to the engines, for each place the engines run
 # (rollwise.sync.senders; rollwise.control.placement uses the one this names). `auto` picks it.
 SENDER_FOR_PLACEMENT = {"local": "inprocess", "ray": "ray", "pool": "http"}
+# Senders a placement takes besides its own: Ray engine actors can also join a weight group and
+# receive each update as one gloo/NCCL broadcast from the driver (rollwise.control.ray_fleet_collective).
+OTHER_SENDERS = {"ray": ("collective",)}
 
 
 class SyncConfig(_Section):
@@ -152,7 +155,8 @@ class SyncConfig(_Section):
 
     sender: Literal["auto", "inprocess", "ray", "http", "collective"] = Field(
         "auto", description="auto: the placement's own (local: inprocess, ray: ray object store, pool.url: http); "
-        "collective (gloo/NCCL broadcast) is measured by `bench sync`, not yet a training sender")
+        "collective: placement=ray only, each update one torch.distributed broadcast from the driver to every "
+        "engine actor (NCCL when the engines are on GPUs, gloo otherwise)")
 
 
 class LoraConfig(_Section):
@@ -357,9 +361,10 @@ class RunConfig(_Section):
         # Each placement has one way to reach its engines; a sender that cannot reach them is refused
         # here, before anything starts (e.g. the Ray object store with engines in this process).
         sender, at = self.sync.sender, self.engines_at
-        if sender not in ("auto", SENDER_FOR_PLACEMENT[at]):
+        if sender not in ("auto", SENDER_FOR_PLACEMENT[at], *OTHER_SENDERS.get(at, ())):
             where = {"local": "placement=local", "ray": "placement=ray", "pool": "pool.url"}[at]
             fits = {v: k for k, v in SENDER_FOR_PLACEMENT.items()}.get(sender)
+            fits = fits or next((k for k, extra in OTHER_SENDERS.items() if sender in extra), None)
             how = ({"local": "placement=local (and no pool.url)", "ray": "placement=ray",
                     "pool": "pool.url=http://..."}[fits] if fits else "no placement in training yet")
             raise ValueError(f"sync.sender={sender!r} cannot reach the engines of {where} (its sender is "
