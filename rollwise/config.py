@@ -328,13 +328,15 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _lora_placement(self) -> RunConfig:
-        """train.lora pushes adapters, which the in-process engines load (rollwise.sync.adapters); the
-        object-store sender, the sharded trainer and the pool's HTTP upload carry full weights only so far."""
+        """train.lora pushes adapters, which the in-process engines and the shared pool (pool.url: a LoRA job
+        sharing its base's engines) load (rollwise.sync.adapters); the object-store sender and the sharded
+        trainer carry full weights only so far."""
         if self.train.lora is None:
             return self
-        if self.trainer.world_size > 1 or self.placement == "ray" or self.pool.url:
-            raise ValueError("train.lora runs with placement=local, trainer.world_size=1 and no pool.url for now "
-                             "(adapter-only sync reaches in-process engines only): unset train.lora, or use those")
+        if self.trainer.world_size > 1 or self.placement == "ray":
+            raise ValueError("train.lora runs with placement=local or pool.url, and trainer.world_size=1, for now "
+                             "(adapter-only sync reaches in-process engines and the pool only): unset train.lora, "
+                             "or use those")
         if self.engine.kind == "vllm" and self.engine.max_loras < 1:
             raise ValueError("train.lora on vLLM serves the adapter through vLLM's LoRA support: set engine.max_loras=1")
         return self
