@@ -339,13 +339,21 @@ def test_engine_server_metrics_report_speculation(hf_model):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-def test_vllm_drafts_from_history_through_its_custom_proposer():
+def test_vllm_drafts_from_history_and_reports_acceptance():
     """engine.speculation=history on vLLM: its custom-proposer hook drafts from the HistoryDrafter fed by
     the engine's finished samples; the same greedy request twice (the second drafts from the first) gives
-    the same tokens and logprobs, one logprob and version per token."""
+    the same tokens and logprobs, one logprob and version per token. vLLM's own acceptance counts (its
+    rejection sampler's, reported per finished request) become the per-step spec_* metrics and the engine
+    server's /metrics (one vLLM start for both: it is the slow part)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
     from rollwise.config import EngineConfig
     from rollwise.engine.factory import create_engine
+    from rollwise.engine.server import create_app
     from rollwise.engine.speculation import vllm_proposer
+    from rollwise.engine.speculation.counters import counters_of, step_metrics
+    from rollwise.local_server import serve_in_thread
     from rollwise.model.tiny import tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
@@ -353,16 +361,37 @@ def test_vllm_drafts_from_history_through_its_custom_proposer():
     model = tiny_llama(hidden_size=128, num_heads=2, num_kv_heads=1, seed=0)
     cfg = EngineConfig(kind="vllm", max_num_seqs=4, max_model_len=128, kv_cache_gib=1, speculation="history")
     engine = create_engine(cfg, model, tokenizer, model_name="tiny:0", eos_token_ids=[tokenizer.eos_token_id], seed=0)
-    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     try:
         [source] = vllm_proposer.registered().values()  # the one live vLLM engine's
+        before = counters_of(engine)
         first = engine.generate([GenerationRequest("a", [5, 6, 7, 8], params)])[0]
         assert source.drafted == 0 and engine.drafter.memory()["rollouts"] == 1
+        assert counters_of(engine)["drafted"] == 0
         second = engine.generate([GenerationRequest("b", [5, 6, 7, 8], params)])[0]
         assert source.drafted > 0  # drafted from the first rollout
+        step = step_metrics(before, counters_of(engine))
+        with serve_in_thread(create_app(engine, tokenizer, "tiny")) as (url, _server):
+            httpx.post(f"{url}/v1/completions", json=body, timeout=60).raise_for_status()
+            text = httpx.get(f"{url}/metrics").text
+        totals = engine.speculation_metrics()
     finally:
         engine.close()
     assert vllm_proposer.registered() == {}  # unregistered at close
-    assert second.token_ids == first.token_ids and len(second.token_ids) == 20
-    assert len(second.logprobs) == len(second.versions) == 20
+    assert second.token_ids == first.token_ids and len(second.token_ids) == 24
+    assert len(second.logprobs) == len(second.versions) == 24
     assert second.logprobs == pytest.approx(first.logprobs, abs=1e-5)
+
+    assert 0 < step["spec_accepted"] <= step["spec_drafted"]
+    assert step["spec_accepted"] + step["spec_rejected"] == step["spec_drafted"]
+    assert 0 < step["spec_acceptance_rate"] <= 1 and step["spec_mean_accepted_length"] > 0
+    assert 0 < step["spec_acceptance_at_1"] <= 1
+    assert step["spec_acceptance_at_1"] >= step["spec_acceptance_at_2"]  # acceptance is a prefix
+    assert totals["spec_proposed"] >= totals["spec_drafted"]  # vLLM verifies what the proposer offered, or less
+    metrics = {(s.name, s.labels.get("position")): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    drafted = metrics[("rollwise_engine_spec_drafted_tokens_total", None)]
+    assert drafted == totals["spec_drafted"] > step["spec_drafted"]  # the server's request drafted too
+    assert 0 < metrics[("rollwise_engine_spec_accepted_tokens_total", None)] <= drafted
+    assert metrics[("rollwise_engine_spec_accepted_at_position_total", "1")] > 0

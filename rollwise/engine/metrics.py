@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from rollwise.engine.speculation.counters import POSITION_PREFIX
+
 if TYPE_CHECKING:
     from rollwise.engine.frontend import EngineFrontend
 
@@ -61,3 +63,11 @@ def _speculation(counters: dict[str, int] | None):  # noqa: ANN202 - yields metr
     drafted = counters.get("drafted", 0)
     yield GaugeMetricFamily("rollwise_engine_spec_acceptance_rate", "accepted / drafted draft tokens so far",
                             value=counters.get("accepted", 0) / drafted if drafted else 0.0)
+    positions = sorted((int(k.removeprefix(POSITION_PREFIX)), v) for k, v in counters.items()
+                       if k.startswith(POSITION_PREFIX))
+    if positions:  # vLLM: verifications that accepted draft position i (1-based)
+        by_position = CounterMetricFamily("rollwise_engine_spec_accepted_at_position", "verifications that "
+                                          "accepted the draft token at this position", labels=["position"])
+        for position, count in positions:
+            by_position.add_metric([str(position)], count)
+        yield by_position

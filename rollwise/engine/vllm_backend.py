@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, check_weights, run_to_completion
 from rollwise.engine.retention import RetentionDecision, RetentionRequest
 from rollwise.engine.speculation.history import HistoryDrafter
+from rollwise.engine.speculation.counters import add_accept_histogram, new_counters, step_metrics
 from rollwise.engine.speculation.vllm_proposer import ProposerSource, register, unregister
 from rollwise.engine.state import EngineState
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest, SamplingParams
@@ -193,8 +194,14 @@ class VLLMEngine(EngineState):
         # engine.speculation=history: vLLM's custom-proposer hook drafts from this drafter (vllm_proposer).
         self.drafter = drafter
         self._samples: dict[str, _Sample] = {}  # vLLM request id -> sample
-        spec = ({"speculative_config": register(str(self._dir), ProposerSource(drafter, self._running_prompts))}
-                if drafter is not None else {})
+        # Acceptance counts come from vLLM's per-request spec-decode metrics ("summary": a histogram of accepted
+        # draft tokens per verification, returned with the finished request). They are independent of
+        # disable_log_stats, whose per-step SchedulerStats/IterationStats and stat loggers rollwise does not need.
+        self._proposer = ProposerSource(drafter, self._running_prompts) if drafter is not None else None
+        spec = ({"speculative_config": register(str(self._dir), self._proposer),
+                 "per_request_spec_decode_metrics": "summary"} if self._proposer is not None else {})
+        # Running totals for the per-step spec_* metrics and /metrics (rollwise.engine.speculation.counters).
+        self.spec_stats: dict[str, int] | None = new_counters(drafter.budget.max_draft) if drafter is not None else None
         args = EngineArgs(
             model=str(self._dir),
             dtype=str(dtype).removeprefix("torch."),
@@ -392,6 +399,9 @@ class VLLMEngine(EngineState):
         self.stats["cached_prompt_tokens"] += cached
         if self.drafter is not None and reason != "abort":  # siblings still running draft from it at once
             self.drafter.observe(sample.request.prompt_ids, sample.token_ids, self._version, key=vid)
+        spec = getattr(out.outputs[0], "spec_decode_metrics", None) if out.outputs else None
+        if spec is not None and self.spec_stats is not None:  # vLLM's verifications of this sample's drafts
+            add_accept_histogram(self.spec_stats, spec.histogram, spec.num_draft_tokens)
         completion = sample.completion(reason if reason in ("stop", "length", "abort") else "stop", cached)
         routed = getattr(out.outputs[0], "routed_experts", None) if out.outputs else None
         if routed is not None:  # [tokens, layers, top_k]; the trainer checks it covers prompt + response - 1
@@ -402,6 +412,18 @@ class VLLMEngine(EngineState):
         self, requests: list[GenerationRequest], progress: Callable[[int], None] | None = None
     ) -> list[Completion]:
         return run_to_completion(self, requests, progress)
+
+    def speculation_metrics(self) -> dict[str, float]:
+        """Over the engine's life (finished samples): drafted, accepted and rejected tokens as vLLM's rejection
+        sampler counted them, acceptance rate, mean accepted length per verification, per-position acceptance,
+        the tokens the proposer offered (vLLM may trim a draft at a request's end) and the drafter's memory."""
+        if self.spec_stats is None or self.drafter is None or self._proposer is None:
+            return {}
+        out = step_metrics({}, self.spec_stats)
+        out["spec_verifications"] = float(self.spec_stats["verifications"])
+        out["spec_proposed"] = float(self._proposer.drafted)
+        out.update({f"spec_history_{k}": float(v) for k, v in self.drafter.memory().items()})
+        return out
 
     # ---------------------------------------------------------------- weights and memory
 
