@@ -41,6 +41,7 @@ class EngineActor:
         self._outbox: Outbox[Completion] = Outbox()
         self._drain_lock = threading.Lock()  # one drain or abort at a time (the actor runs 8 calls at once)
         self.worker = None
+        self.weight_rx: Any = None  # sync.sender=collective: this engine's rank in the fleet's weight group
         self.error: str | None = None
         try:
             self._start(cfg_data, fingerprint, eos_ids, policy_version)
@@ -85,7 +86,8 @@ class EngineActor:
         m = self._check().model_info()
         return {"token": self.token, "pid": os.getpid(), "host": socket.gethostname(),
                 "node_ip": ray.util.get_node_ip_address(), "name": m.engine, "max_num_seqs": m.max_num_seqs,
-                "policy_version": m.policy_version, "wall_minus_monotonic": time.time() - time.monotonic()}
+                "policy_version": m.policy_version, "wall_minus_monotonic": time.time() - time.monotonic(),
+                "weight_device": _weight_device(self.engine)}
 
     def submit(self, requests: list[GenerationRequest], token: str | None = None) -> None:
         self._check(token).submit(requests)  # all or none
@@ -116,6 +118,33 @@ class EngineActor:
         self._check(token).update_weights(WeightUpdate(manifest, state_dict))
         return manifest.version
 
+    def join_weight_group(self, init_method: str, rank: int, world_size: int, device: str, timeout_s: float,
+                          token: str | None = None) -> None:
+        """Join the fleet's weight group as `rank` (sync.sender=collective; rollwise.sync.distributed),
+        leaving the one joined before (the fleet re-forms the group when its engines change). Returns
+        once every rank has joined; `device` is cuda (NCCL) or cpu (gloo), the fleet's choice for all."""
+        from rollwise.sync.buckets import WeightReceiver
+        from rollwise.sync.distributed import DistributedReceiver, init_weight_group
+
+        worker = self._check(token)
+        if self.weight_rx is not None:
+            self.weight_rx.group.abandon()
+            self.weight_rx = None
+        group = init_weight_group(rank, world_size, init_method, device=device, timeout_s=timeout_s)
+        self.weight_rx = DistributedReceiver(group, WeightReceiver(worker, worker.model_info().tokenizer_fingerprint))
+
+    def receive_weights_collective(self, token: str | None = None) -> Any:
+        """Receive the next broadcast update and commit it through the same checked WeightReceiver as
+        update_weights. Returns the ReceiveResult (a refusal included: the engine keeps its version);
+        raises only when the transfer itself broke."""
+        self._check(token)
+        if self.weight_rx is None:
+            raise RuntimeError(f"engine actor {self.index} is in no weight group: the fleet calls join_weight_group first")
+        result = self.weight_rx.receive()
+        if result is None:
+            raise RuntimeError(f"engine actor {self.index}: the weight group was closed")
+        return result
+
     def model_info(self) -> Any:
         return self._check().model_info()
 
@@ -132,6 +161,16 @@ class EngineActor:
         """Timeline points from index `cursor` on, and this process's wall - monotonic clock offset."""
         tl = self._check(token).engine.timeline
         return list(tl[cursor:]), time.time() - time.monotonic()
+
+
+def _weight_device(engine: Any) -> str:
+    """cuda when the engine's weights live on a GPU (its rank then joins over NCCL), else cpu (gloo)."""
+    device = getattr(engine, "device", None)  # the vLLM backend says
+    if device is None:
+        model = getattr(engine, "model", None)  # the reference engine holds its model
+        param = next(model.parameters(), None) if model is not None else None
+        device = param.device if param is not None else "cpu"
+    return "cuda" if str(device).startswith("cuda") else "cpu"
 
 
 def _ready(worker: Any, wait: float = 0.0) -> list[Completion]:

@@ -5,7 +5,8 @@
 is the RolloutBackend (rollwise.protocols) the rollout controller drives: submit / next_completion /
 abort / pause / resume / update_weights over `ray.num_engines` actors. A weight update travels as
 its manifest plus an ObjectRef: each actor fetches the tensors from the object store and commits
-them through the checked two-phase path.
+them through the checked two-phase path; with `sync.sender: collective` it is one gloo/NCCL broadcast
+from this process to every actor instead (rollwise.control.ray_fleet_collective), committed the same way.
 
 Nothing lost, nothing twice (DESIGN.md invariant 3), through actor deaths:
 
@@ -39,6 +40,7 @@ import ray
 from ray.exceptions import GetTimeoutError
 
 from rollwise.control.ray_engine_actor import _GONE
+from rollwise.control.ray_fleet_collective import FleetWeightGroup
 from rollwise.control.ray_fleet_recovery import FleetRecovery, _log  # _log: ray_placement imports it from here
 from rollwise.control.ray_fleet_timeline import TIMELINE_REFRESH_S, FleetView, merge_from
 from rollwise.engine.contract import ModelInfo
@@ -106,8 +108,10 @@ class RayEngineFleet(FleetRecovery):
     """The EngineWorker interface over engine actors (see the module docstring for the guarantees)."""
 
     def __init__(self, actors: list[Any], bundles: list[int], *, initial: WeightUpdate,
-                 max_restarts: int, restart_timeout_s: float, start_timeout_s: float) -> None:
+                 max_restarts: int, restart_timeout_s: float, start_timeout_s: float,
+                 collective: FleetWeightGroup | None = None) -> None:
         self.slots = [_Slot(i, a, b) for i, (a, b) in enumerate(zip(actors, bundles))]
+        self.collective = collective  # sync.sender=collective: updates are broadcast over this group
         self.max_restarts = max_restarts
         self.restart_timeout_s = restart_timeout_s
         self._update = _in_store(initial)  # the weights engines must hold now (an ObjectRef payload)
@@ -132,8 +136,11 @@ class RayEngineFleet(FleetRecovery):
         infos = _get_all([a.info.remote() for a in actors], start_timeout_s, "engine actors to start")
         for slot, info in zip(self.slots, infos):
             slot.info = info
-        # Every engine starts from the trainer's current weights (a resumed run's included).
+        # Every engine starts from the trainer's current weights (a resumed run's included), through
+        # the object store; with sync.sender=collective every engine then joins the weight group.
         ray.get([self._send(s) for s in self.slots])
+        if self.collective is not None:
+            self.collective.form(self.slots)
         self.view = FleetView(self, infos[0]["name"], sum(i["max_num_seqs"] for i in infos))
         self.engine = self.view  # what a local EngineWorker calls its engine (read-only here)
 
@@ -205,16 +212,33 @@ class RayEngineFleet(FleetRecovery):
 
     def _send(self, slot: _Slot) -> Any:
         """The current update to one actor: the manifest, and the payload's ObjectRef (Ray hands the
-        actor the tensors from the object store)."""
+        actor the tensors from the object store). With sync.sender=collective the fleet keeps the
+        tensors here and puts them in the store only when a restarted engine needs them."""
+        self._update = _in_store(self._update)
         return slot.actor.update_weights.remote(self._update.manifest, self._update.payload, slot.token)
 
     @_locked
     def update_weights(self, update: WeightUpdate) -> None:
         """Every live engine checks the whole update, then applies it between two steps; a refusal
         (WeightUpdateError) is raised here, and an engine restarted later gets this update too."""
-        self._update = _in_store(update)
-        self._broadcast(self._send)
+        if self.collective is None:
+            self._update = _in_store(update)
+            self._broadcast(self._send)
+        else:
+            self._push_collective(update)
         self.refresh_timeline(force=True)
+
+    def _push_collective(self, update: WeightUpdate) -> None:
+        """One broadcast to every live engine (rollwise.control.ray_fleet_collective). Only an update
+        every engine took becomes the one a restarted engine is re-synced to."""
+        assert self.collective is not None
+        tensors = update.tensors()  # a trainer actor's weights come here from the object store first
+        self.collective.push(self.slots, tensors, update.version, self._recover)
+        if isinstance(update.payload, Mapping):
+            # The trainer's own tensors change with its next step: keep this version's bytes (one CPU copy)
+            # for an engine Ray restarts later. An ObjectRef payload is already such a copy.
+            update = update.with_payload({name: t.detach().to("cpu", copy=True) for name, t in tensors.items()})
+        self._update = update
 
     @_locked
     def pause(self) -> None:
@@ -241,6 +265,8 @@ class RayEngineFleet(FleetRecovery):
         except Exception:  # teardown must not fail on a dying cluster
             pass
         self._closed = True
+        if self.collective is not None:
+            self.collective.abandon()
         for slot in self.slots:
             try:
                 ray.kill(slot.actor, no_restart=True)

@@ -39,6 +39,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rollwise.config import ConfigError, RunConfig, dump_config
 from rollwise.control.ray_engine_actor import engine_actor_class
 from rollwise.control.ray_fleet import RayEngineFleet, _get_all, _log
+from rollwise.control.ray_fleet_collective import FleetWeightGroup
 from rollwise.control.ray_trainer_ranks import RayRankGroup, TrainerRankActor, kill_actors
 from rollwise.rollout.types import Sample
 from rollwise.sync.buckets import WeightUpdate
@@ -293,9 +294,13 @@ def place_on_ray(cfg: RunConfig, *, fingerprint: str, eos_ids: list[int] | None,
         for i, bundle in enumerate(s.engine_bundles)
     ]
     s.actors += actors
+    # sync.sender=collective: this process is rank 0 of a weight group every engine actor joins.
+    collective = (FleetWeightGroup(fingerprint, timeout_s=rc.start_timeout_s)
+                  if cfg.weight_sender == "collective" else None)
     try:
         fleet = RayEngineFleet(actors, s.engine_bundles, initial=initial, max_restarts=rc.max_restarts,
-                               restart_timeout_s=rc.restart_timeout_s, start_timeout_s=rc.start_timeout_s)
+                               restart_timeout_s=rc.restart_timeout_s, start_timeout_s=rc.start_timeout_s,
+                               collective=collective)
         if s.trainer_ready is not None:
             infos = s.trainer_ready()
             _log(f"{len(infos)} trainer actor(s) ({rc.trainer_cpus:g} CPU, {rc.trainer_gpus:g} GPU each) on "
@@ -314,6 +319,8 @@ def place_on_ray(cfg: RunConfig, *, fingerprint: str, eos_ids: list[int] | None,
          f"placement group {rc.placement_strategy}, max_restarts={rc.max_restarts}): {where}")
     for hook in FLEET_HOOKS:
         hook(fleet)
+    weights = (f", weights by {'NCCL' if collective.device == 'cuda' else 'gloo'} broadcast"
+               if collective is not None else "")
     description = (f"ray: {rc.num_engines} x {fleet.view.name} engine actor(s) "
-                   f"(cluster {ray.get_runtime_context().gcs_address})")
+                   f"(cluster {ray.get_runtime_context().gcs_address}{weights})")
     return fleet, description, s.close

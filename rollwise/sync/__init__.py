@@ -7,8 +7,10 @@ configuration picks:
 
     placement: local      EngineWorker.update_weights      in-process, zero-copy views
     placement: ray        RayEngineFleet.update_weights    Ray object store (an ObjectRef payload)
+      + sync.sender:      RayEngineFleet.update_weights    one torch.distributed broadcast from the driver
+        collective                                         to every engine actor (DistributedSender /
+                                                           DistributedReceiver; gloo on CPU, NCCL on GPU)
     pool.url              PoolWorker.update_weights        HTTP: checksummed buckets, the pool commits
-    collective            DistributedSender / DistributedReceiver (torch.distributed)
 
 The byte-moving transports share one format (rollwise.sync.buckets: manifest, buckets, CRC32):
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pickle
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -55,12 +55,18 @@ class ReceiveResult:
     seconds: float  # from the header's arrival to the end of the apply (or the rejection)
 
 
-def loopback_init_method() -> str:
-    """A tcp:// init_method on a free loopback port (for single-machine groups: tests, benches).
+def free_init_method(host: str = "127.0.0.1") -> str:
+    """A tcp:// init_method on a free port of `host`, an address of this machine that the other ranks
+    reach (loopback for single-machine groups; the node's IP for a Ray cluster of several nodes).
     The port is free when chosen; another process could still take it before rank 0 binds it."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        s.bind((host, 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"
+
+
+def loopback_init_method() -> str:
+    """A tcp:// init_method on a free loopback port (tests, benches)."""
+    return free_init_method("127.0.0.1")
 
 
 class WeightGroup:
@@ -121,6 +127,13 @@ class WeightGroup:
         self.pg = None
         self.store = None
 
+    def abandon(self) -> None:
+        """Drop the group without the goodbye (a rank died, or a transfer broke): on rank 0 this stops the
+        store, so a rank still blocked on it fails at once instead of at its timeout. The group is then
+        re-formed from scratch (a new init_method) by whoever owns it."""
+        self.pg = None
+        self.store = None
+
 
 def init_weight_group(rank: int, world_size: int, init_method: str, *, device: torch.device | str = "cpu",
                       timeout_s: float = 300.0) -> WeightGroup:
@@ -132,13 +145,19 @@ class DistributedSender:
     """Trainer side. `push` returns once every engine has applied the version, or raises
     WeightUpdateError naming the engines that refused it (they stay on their previous version)."""
 
-    def __init__(self, group: WeightGroup, tokenizer_fingerprint: str, *, bucket_mb: float = 64, src: int = 0) -> None:
+    def __init__(self, group: WeightGroup, tokenizer_fingerprint: str, *, bucket_mb: float = 64, src: int = 0,
+                 rank_names: Sequence[str] | None = None) -> None:
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.bucket_mb = bucket_mb
         self.group = group
         self.src = src
         self.device = group.device
+        # How a refusal names each rank ("engine 3" where the ranks hold a fleet's engines).
+        self.rank_names = list(rank_names) if rank_names is not None else None
         self._buffers: list[Tensor] = []
+
+    def name_of(self, rank: int) -> str:
+        return self.rank_names[rank] if self.rank_names is not None else f"rank {rank}"
 
     def _buffer(self, slot: int, nbytes: int) -> Tensor:
         while len(self._buffers) <= slot:
@@ -148,6 +167,14 @@ class DistributedSender:
         return self._buffers[slot]
 
     def push(self, state_dict: Mapping[str, Tensor], version: int) -> list[ReceiveResult]:
+        """Send the update, then wait for every engine's verdict (`send` + `collect`)."""
+        self.send(state_dict, version)
+        return self.collect(version)
+
+    def send(self, state_dict: Mapping[str, Tensor], version: int) -> WeightManifest:
+        """The header, then every bucket; returns once the last broadcast left this rank. A caller that
+        can see the receivers die some other way (a Ray fleet) checks them before it calls `collect`,
+        which would otherwise wait for a dead rank's verdict until the group's timeout."""
         state = {name: tensor.detach() for name, tensor in state_dict.items()}
         manifest = build_manifest(state, version, self.tokenizer_fingerprint, self.bucket_mb)
         header = {"kind": "update", "bucket_nbytes": [b.nbytes for b in manifest.buckets],
@@ -163,8 +190,13 @@ class DistributedSender:
         for work in in_flight:
             if work is not None:
                 work.wait()
+        return manifest
+
+    def collect(self, version: int) -> list[ReceiveResult]:
+        """Every receiver's verdict on `version`; WeightUpdateError naming each rank that refused it."""
         results = self._gather()
-        raise_if_rejected(version, [(f"rank {r.rank}", r.error or "") for r in results if not r.ok], len(results))
+        raise_if_rejected(version, [(self.name_of(r.rank), r.error or "") for r in results if not r.ok],
+                          len(results))
         return results
 
     def _gather(self) -> list[ReceiveResult]:

@@ -6,10 +6,13 @@ Placement picks the sender from the run's configuration (rollwise.control.placem
                                                    job's PoolWorker then ships them over HTTP
     object store  placement: ray                   an ObjectRef: engine actors fetch the weights from
                                                    Ray's object store, never through the driver
+    collective    placement: ray,                  the tensors as they are: the fleet broadcasts them
+                  sync.sender: collective          from the driver to every engine actor at once over
+                                                   torch.distributed (rollwise.sync.distributed: gloo on
+                                                   CPU, NCCL on GPU; rollwise.control.ray_fleet_collective)
 
-(The collective transport, rollwise.sync.distributed, streams the same manifest + buckets over
-torch.distributed; no training placement uses it yet.) Every update lands through
-WeightReceiver.commit on the engine side: checked whole, then applied.
+Every update lands through WeightReceiver.commit on the engine side: checked whole, then applied.
+LoRA adapter-only updates (rollwise.sync.adapters) go in process only: train.lora refuses placement=ray.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from rollwise.protocols import Trainer
 from rollwise.sync.adapters import AdapterSender, is_lora_trainer
 from rollwise.sync.buckets import WeightUpdate, build_manifest
 
-SenderKind = Literal["in-process", "object-store"]
+SenderKind = Literal["in-process", "object-store", "collective"]
 
 
 class WeightSender(Protocol):
@@ -61,9 +64,23 @@ class ObjectStoreSender:
         return WeightUpdate(manifest, payload)
 
 
+class CollectiveSender(ObjectStoreSender):
+    """Weights for the fleet's broadcast (sync.sender=collective): the same manifest as the object
+    store's, with the payload left as the trainer gives it. Tensors in this process (the sharded
+    trainer's gathered weights) are broadcast from here as they are; a trainer actor's ObjectRef is
+    fetched here once and broadcast (the driver is rank 0 of the weight group)."""
+
+    def update(self, trainer: Trainer) -> WeightUpdate:
+        manifest = build_manifest(self.layout, trainer.version, self.tokenizer_fingerprint, bucket_mb=None,
+                                  checksum=False)
+        return WeightUpdate(manifest, trainer.weights())
+
+
 def make_sender(kind: SenderKind, tokenizer_fingerprint: str, layout: Mapping[str, Tensor]) -> WeightSender:
     if kind == "in-process":
         return InProcessSender(tokenizer_fingerprint)
     if kind == "object-store":
         return ObjectStoreSender(tokenizer_fingerprint, layout)
-    raise ValueError(f"weight sender must be 'in-process' or 'object-store', got {kind!r}")
+    if kind == "collective":
+        return CollectiveSender(tokenizer_fingerprint, layout)
+    raise ValueError(f"weight sender must be 'in-process', 'object-store' or 'collective', got {kind!r}")

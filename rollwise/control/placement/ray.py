@@ -1,13 +1,14 @@
 """`placement: ray`: the trainer, the engines and the reward workers as Ray actors
 (rollwise.control.ray_placement); weights go from the trainer actor to the engine actors through
-Ray's object store."""
+Ray's object store, or with `sync.sender: collective` as one gloo/NCCL broadcast from this process
+(rollwise.control.ray_fleet_collective)."""
 
 from __future__ import annotations
 
 from rollwise.control.placement.base import Placement, PlaceRequest, resume
 from rollwise.control.ray_placement import place_on_ray, session, start_trainer
 from rollwise.control.ray_reward import start_reward_workers
-from rollwise.sync.senders import ObjectStoreSender
+from rollwise.sync.senders import CollectiveSender, ObjectStoreSender
 
 
 def place_ray(req: PlaceRequest) -> Placement:
@@ -17,7 +18,8 @@ def place_ray(req: PlaceRequest) -> Placement:
         resumed = resume(trainer, req)
         score = start_reward_workers(cfg)
         # The driver's model is only the layout of the trainer actor's (same spec): names, shapes, ties.
-        sender = ObjectStoreSender(req.fingerprint, req.model.state_dict())
+        kind = CollectiveSender if cfg.weight_sender == "collective" else ObjectStoreSender
+        sender = kind(req.fingerprint, req.model.state_dict())
         fleet, description, close = place_on_ray(cfg, fingerprint=req.fingerprint, eos_ids=req.eos_ids,
                                                  initial=sender.update(trainer))
     except BaseException:
