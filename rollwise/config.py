@@ -82,6 +82,8 @@ class EngineConfig(_Section):
                                         "(a large batch is compute-bound: drafted tokens cost real work)")
     speculation_tokens_per_draft: float = Field(4.0, gt=0, description="draft length = expected remaining "
                                                 "tokens / this (capped at speculation_max_draft)")
+    speculation_max_step_tokens: int = Field(32, ge=0, description="running sequences x (draft + 1) one "
+                                             "verification forward may hold (the memory-bound knee; 0: no bound)")
     speculation_window_rollouts: int = Field(64, ge=1, description="recent rollouts kept per problem")
     speculation_max_versions: int = Field(4, ge=1, description="rollouts older than this many policy versions age out")
     speculation_max_tokens: int = Field(1_000_000, ge=1, description="response tokens the history holds in all")
