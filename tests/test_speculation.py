@@ -94,8 +94,15 @@ def test_budget_grows_with_remaining_length_and_shrinks_with_the_batch():
     for b in (1, 8, 32):
         row = [draft_budget(r, b, policy) for r in range(0, 100)]
         assert row == sorted(row)
+    # The whole verification forward (running * (k + 1) tokens) stays under the memory-bound knee.
+    capped = BudgetPolicy(max_draft=8, min_draft=1, batch_knee=8, tokens_per_draft=4, max_step_tokens=32)
+    assert [draft_budget(1000, b, capped) for b in (1, 4, 8, 16, 17, 64)] == [8, 7, 3, 1, 0, 0]
+    for b in range(1, 40):
+        assert b * (draft_budget(1000, b, capped) + 1) <= max(32, b)
     with pytest.raises(ValueError, match="min_draft"):
         BudgetPolicy(max_draft=1, min_draft=2)
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        BudgetPolicy(max_step_tokens=-1)
 
 
 # ---------------------------------------------------------------- exactness

@@ -31,7 +31,8 @@ def drafter_for(engine_cfg: object) -> HistoryDrafter | None:
         return None
     get = engine_cfg.__getattribute__
     budget = BudgetPolicy(max_draft=get("speculation_max_draft"), min_draft=1, batch_knee=get("speculation_batch_knee"),
-                          tokens_per_draft=get("speculation_tokens_per_draft"))
+                          tokens_per_draft=get("speculation_tokens_per_draft"),
+                          max_step_tokens=getattr(engine_cfg, "speculation_max_step_tokens", 0))
     history = HistorySettings(window_rollouts=get("speculation_window_rollouts"),
                               max_versions=get("speculation_max_versions"), max_tokens=get("speculation_max_tokens"))
     return HistoryDrafter(history, budget)
