@@ -67,19 +67,21 @@ class PoolClient:
             raise RuntimeError("attach() first")
         return f"/jobs/{self.job}{suffix}"
 
-    def attach(self, job: str, model: str, priority: float = 1.0, tokenizer_fingerprint: str | None = None
-               ) -> dict[str, Any]:
+    def attach(self, job: str, model: str, priority: float = 1.0, tokenizer_fingerprint: str | None = None,
+               lora: bool = False) -> dict[str, Any]:
         info = self._request("POST", "/jobs", json={"job": job, "model": model, "priority": priority,
-                                                    "tokenizer_fingerprint": tokenizer_fingerprint})
+                                                    "tokenizer_fingerprint": tokenizer_fingerprint, "lora": lora})
         self.job, self.token, self.info = info["job"], info["token"], info
         return info
 
     def push_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, tokenizer_fingerprint: str,
-                     timeout: float = 600.0) -> dict[str, Any]:
+                     timeout: float = 600.0, adapter: Any = None) -> dict[str, Any]:
         """One whole update: manifest (names, shapes, dtypes, CRC32s) + the flat bytes; the pool checks it
-        all before applying any of it."""
+        all before applying any of it. `adapter` (an AdapterSpec): the tensors are a LoRA job's adapter."""
         state = {name: t.detach().cpu() for name, t in state_dict.items()}
         manifest = build_manifest(state, version, tokenizer_fingerprint, bucket_mb=CHUNK_BYTES / 2**20, checksum=True)
+        if adapter is not None:
+            manifest = manifest.model_copy(update={"adapter": adapter})
         head = manifest.model_dump_json().encode()
 
         def body():  # noqa: ANN202 - bytes in pieces: no second copy of the model, and no quadratic send
@@ -193,13 +195,15 @@ class PoolWorker:
         """Ship the update's tensors to the pool as checksummed buckets; the pool checks the whole update
         against the job's model and tokenizer, then commits it (or refuses it: PoolServerError).
         `update_weights(state_dict, version)` is the same push from a plain mapping."""
+        adapter = None
         if isinstance(update, WeightUpdate):
             state, version, fingerprint = update.tensors(), update.version, update.tokenizer_fingerprint
+            adapter = update.manifest.adapter  # train.lora: the adapter only
         elif version is None:
             raise TypeError("update_weights takes a WeightUpdate (or a state dict and a version)")
         else:
             state, fingerprint = update, self.fingerprint
-        self.client.push_weights(state, version, fingerprint)
+        self.client.push_weights(state, version, fingerprint, adapter=adapter)
         self.policy_version = version
 
     def model_info(self) -> ModelInfo:
@@ -275,13 +279,16 @@ class PoolAttachment:
     detach: Callable[[], None]
 
 
-def attach_to_pool(cfg: Any, model: Any, tokenizer: Any, *, fingerprint: str, policy_version: int) -> PoolAttachment:
-    """Attach this run to the pool at cfg.pool.url as job cfg.pool.job; push the trainer's weights."""
+def attach_to_pool(cfg: Any, model: Any, tokenizer: Any, *, fingerprint: str, policy_version: int,
+                   initial: WeightUpdate | None = None) -> PoolAttachment:
+    """Attach this run to the pool at cfg.pool.url as job cfg.pool.job; push the trainer's weights (`initial`:
+    this update instead, e.g. a train.lora run's adapter: the job then attaches as a LoRA job)."""
     url = cfg.pool.url
     job = cfg.pool.job or _default_job_name(cfg)
     client = PoolClient(url)
     try:
-        info = client.attach(job, cfg.model, cfg.pool.priority, fingerprint)
+        info = client.attach(job, cfg.model, cfg.pool.priority, fingerprint,
+                             lora=initial is not None and initial.manifest.adapter is not None)
     except httpx.HTTPError as exc:
         client.close()
         raise ConfigError(f"pool.url={url}: no pool answers there ({exc}); start one with "
@@ -296,7 +303,7 @@ def attach_to_pool(cfg: Any, model: Any, tokenizer: Any, *, fingerprint: str, po
                           f"{str(info.get('tokenizer_fingerprint'))[:16]}..., the trainer's {fingerprint[:16]}...")
     worker = PoolWorker(client, fingerprint)
     try:
-        worker.update_weights(WeightUpdate.of_state(model.state_dict(), policy_version, fingerprint))
+        worker.update_weights(initial or WeightUpdate.of_state(model.state_dict(), policy_version, fingerprint))
     except Exception:
         worker.close()
         client.detach()

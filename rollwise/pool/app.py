@@ -28,6 +28,9 @@ class AttachRequest(RequestBody):
     model: str = Field(min_length=1)
     priority: float = Field(1.0, gt=0)
     tokenizer_fingerprint: str | None = None
+    # a LoRA job (train.lora): it pushes adapters on `model` as base and shares that base's engines with the
+    # other LoRA jobs on it, in one batch
+    lora: bool = False
 
 
 class PoolSampling(RequestBody):
@@ -139,8 +142,8 @@ def create_app(pool: EnginePool, max_request_bytes: int = DEFAULT_MAX_REQUEST_BY
 
     @app.post("/jobs", responses=error_responses(400, 409, 413))
     def attach(body: AttachRequest) -> dict[str, Any]:
-        job = pool.attach(body.job, body.model, body.priority, body.tokenizer_fingerprint)
-        return {"job": job.name, "token": job.token, "model": job.model, "engines": len(pool.slots),
+        job = pool.attach(body.job, body.model, body.priority, body.tokenizer_fingerprint, lora=body.lora)
+        return {"job": job.name, "token": job.token, "model": job.model, "lora": job.lora, "engines": len(pool.slots),
                 "max_num_seqs": pool.max_num_seqs, "max_model_len": job.max_model_len,
                 "vocab_size": job.vocab_size, "tokenizer_fingerprint": job.fingerprint, "engine": "reference",
                 "eos_token_ids": list(job.eos_ids or [])}
@@ -150,6 +153,16 @@ def create_app(pool: EnginePool, max_request_bytes: int = DEFAULT_MAX_REQUEST_BY
         j = auth(job, authorization)
         body = await request.body()
         return await asyncio.to_thread(pool.update_weights, j, body)
+
+    @app.get("/jobs/{job}/adapter", responses=_JOB_CALL)
+    def adapter(job: str, authorization: str | None = Header(None)) -> dict[str, Any]:
+        """A LoRA job's adapter as the pool serves it (spec and version; the tensors never leave the pool)."""
+        j = auth(job, authorization)
+        if not j.lora or j.adapter is None:
+            raise PoolError(404, f"job {j.name!r} has no adapter" + ("" if j.lora else
+                                 " (it attached for full-parameter weights; attach with lora=true for adapters)"))
+        return {"job": j.name, "adapter": j.adapter.name, "policy_version": j.version, "base": j.model,
+                "rank": j.adapter.rank, "alpha": j.adapter.alpha, "target_modules": list(j.adapter.target_modules)}
 
     @app.post("/jobs/{job}/requests", responses=_JOB_BODY)
     def submit(job: str, body: SubmitRequest, authorization: str | None = Header(None)) -> dict[str, Any]:

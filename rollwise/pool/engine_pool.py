@@ -3,7 +3,8 @@
 `EnginePool` holds the state and answers the API's calls (attach, weights, submit, abort, poll, pause, detach,
 state); its slot threads run `SlotLoops` (rollwise.pool.slots). rollwise.pool.app puts it on HTTP.
 Locks: `lock` guards jobs, queues, slot assignments and accounting; each `Job.lock` a job's weights,
-activation and pause (taken before `lock` when both are held).
+activation and pause (taken before `lock` when both are held). LoRA jobs of one base share their
+LoraBase's lock as their Job.lock (rollwise.pool.jobs): they share that base's engines.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from typing import Any
 from rollwise.config import EngineConfig
 from rollwise.engine.core import EngineWorker
 from rollwise.engine.types import GenerationRequest, SamplingParams
-from rollwise.pool.jobs import Job, PoolError, QueuedRequest, Slot, Waiter, empty_abort, stamp
+from rollwise.pool.jobs import Job, LoraBase, PoolError, QueuedRequest, Slot, Waiter, empty_abort, stamp
 from rollwise.pool.scheduler import Policy
 from rollwise.pool.slots import SlotLoops
 from rollwise.pool.states import ACTIVE, EVICTED, StateMachine
-from rollwise.pool.weights import JobWeights, parse_weight_upload
+from rollwise.pool.weights import JobAdapter, JobWeights, own_adapter, parse_weight_upload
 from rollwise.sync.buckets import ExpectedWeights, WeightReceiver, WeightUpdateError
 
 
@@ -53,6 +54,7 @@ class EnginePool(SlotLoops):
         self.lock = threading.RLock()  # jobs, queues, slot assignments, accounting
         self.states = StateMachine(num_engines)
         self.jobs: dict[str, Job] = {}
+        self.bases: dict[str, LoraBase] = {}  # LoRA tenancies (Job.key) -> the jobs sharing that base's engines
         self.detached: dict[str, dict[str, Any]] = {}  # accounting of jobs that left
         self._by_internal: dict[str, QueuedRequest] = {}
         self.slots = [Slot(i, max_num_seqs, EngineWorker(None, name=f"pool-engine-{i}"))
@@ -91,7 +93,7 @@ class EnginePool(SlotLoops):
 
     # ------------------------------------------------------------ jobs
 
-    def attach(self, name: str, model: str, priority: float, fingerprint: str | None) -> Job:
+    def attach(self, name: str, model: str, priority: float, fingerprint: str | None, lora: bool = False) -> Job:
         from rollwise.model.loading import load_model, tokenizer_fingerprint
 
         with self.lock:
@@ -110,16 +112,23 @@ class EnginePool(SlotLoops):
                                  "same model/tokenizer files", "tokenizer_fingerprint")
         template.eval()
         max_len = min(self.max_model_len, getattr(template.config, "max_position_embeddings", None) or self.max_model_len)
+        eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
         job = Job(name=name, token=secrets.token_urlsafe(24), priority=priority, model=model, fingerprint=own,
-                   template=template, tokenizer=tokenizer, expected=ExpectedWeights.of_module(template),
-                   vocab_size=int(template.config.vocab_size),
-                   eos_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None,
-                   max_model_len=max_len)
+                  template=template, tokenizer=tokenizer, expected=ExpectedWeights.of_module(template),
+                  vocab_size=int(template.config.vocab_size), eos_ids=eos_ids, max_model_len=max_len, lora=lora)
         with self.lock:
             if name in self.jobs:
                 raise PoolError(409, f"job {name!r} is already attached to this pool", "job")
+            if lora:  # the LoRA jobs of one base model share its engines: one lock for all of them
+                base = self.bases.setdefault(job.key, LoraBase(job.key, model, template, tokenizer, own, eos_ids, max_len))
+                job.lock = base.lock
+                base.members[name] = job
             self.jobs[name] = job
         return job
+
+    def tenancy(self, key: str) -> Job | LoraBase | None:
+        """What a slot's active key names: a full-parameter job, or a LoRA base shared by its jobs."""
+        return self.bases.get(key) or self.jobs.get(key)
 
     def job(self, name: str, token: str | None) -> Job:
         """The job, if `token` is its token: unknown job 404, any other token 403."""
@@ -162,37 +171,69 @@ class EnginePool(SlotLoops):
             job.detached = True
         self.abort(job, list(job.requests))
         with job.lock:
+            base = self.bases.get(job.key) if job.lora else None
+            if base is not None:
+                base.members.pop(job.name, None)
+                if base.members:  # other LoRA jobs keep the base engines: take only this job's adapter off them
+                    self._unload_adapter(job)
+                    job.out.close()
+                    report = self._job_report(job)
+                    with self.lock:
+                        self.detached[job.name] = report
+                        for slot in self.slots:
+                            slot.running_by.pop(job.name, None)
+                    return report
+                with self.lock:
+                    self.bases.pop(job.key, None)
             for slot in self.slots:
-                inst = slot.instances.pop(job.name, None)
-                state = self.states.state(slot.index, job.name)
+                inst = slot.instances.pop(job.key, None)
+                state = self.states.state(slot.index, job.key)
                 if inst is None or state is EVICTED:
                     continue
                 t = time.perf_counter()
                 # Under job.lock no switch moves this job's engine in or out of the slot: the check holds.
                 if state is ACTIVE and slot.worker.engine is inst:
                     slot.worker.swap_engine(None)
-                self.states.transition(slot.index, job.name, EVICTED, time.perf_counter() - t, "job detached")
+                self.states.transition(slot.index, job.key, EVICTED, time.perf_counter() - t, "job detached")
                 with self.lock:
                     self._account(slot, time.monotonic())
-                    if slot.job == job.name:
+                    if slot.job == job.key:
                         slot.job, slot.running = None, 0
+                        slot.running_by.clear()
         job.out.close()  # its long polls return now
         report = self._job_report(job)
         with self.lock:
             self.detached[job.name] = report
         return report
 
+    def _unload_adapter(self, job: Job) -> None:
+        """Take a detached LoRA job's adapter off its base's engines (caller holds job.lock; its requests are
+        aborted, so no row of the engines uses the adapter any more)."""
+        for slot in self.slots:
+            inst = slot.instances.get(job.key)
+            if inst is None or job.name not in inst.loaded_adapters():
+                continue
+            unload = lambda _e, inst=inst: inst.unload_adapter(job.name)  # noqa: E731
+            try:
+                if self.states.state(slot.index, job.key) is ACTIVE:
+                    slot.worker.call(unload)  # between two steps of the shared engine
+                else:
+                    unload(None)  # sleeping: nothing steps it
+            except ValueError as exc:  # still in use (cannot happen after the abort): report, keep serving
+                slot.errors.append(f"detach {job.name}: {exc}")
+
     # ------------------------------------------------------------ weights
 
     def update_weights(self, job: Job, body: bytes) -> dict[str, Any]:
         """A whole update (manifest + flat buckets), checked like any transport's (rollwise.sync.buckets)."""
         staged = parse_weight_upload(body)
+        own_adapter(staged, job)  # an adapter loads as this job's own, a full upload only for a full job
         t = time.perf_counter()
         with job.lock:
             if job.detached:
                 raise PoolError(404, f"job {job.name!r} detached")
             previous = job.version
-            target = JobWeights(self.slots, self.states, job)
+            target = (JobAdapter if job.lora else JobWeights)(self.slots, self.states, job)
             try:
                 WeightReceiver(target, job.fingerprint, expected=job.expected).commit(staged)
             except WeightUpdateError as exc:
@@ -237,8 +278,9 @@ class EnginePool(SlotLoops):
                                      "for this job; use another", f"requests[{taken}].request_id")
             for rid, prompt, params in requests:
                 internal = uuid.uuid4().hex
-                req = QueuedRequest(internal, rid, job.name, GenerationRequest(internal, list(prompt), params), params.n,
-                               waiter=waiter)
+                # A LoRA job's requests always name its own adapter: a job cannot ask for another's.
+                request = GenerationRequest(internal, list(prompt), params, adapter=job.name if job.lora else None)
+                req = QueuedRequest(internal, rid, job.name, request, params.n, waiter=waiter)
                 job.queue.append(req)
                 job.requests[rid] = req
                 self._by_internal[internal] = req
@@ -268,7 +310,7 @@ class EnginePool(SlotLoops):
             with slot.route_lock:
                 # On the job's own engine there (the slot may have switched away since: then the requests
                 # finished, and their samples are routed by _drain below).
-                inst = slot.instances.get(job.name)
+                inst = slot.instances.get(job.key)
                 ids = [r.internal_id for r in reqs]
                 aborted = [] if inst is None else slot.worker.call(
                     lambda _e, inst=inst, ids=ids: [c for rid in ids for c in inst.abort(rid)])
@@ -293,7 +335,8 @@ class EnginePool(SlotLoops):
     def set_paused(self, job: Job, paused: bool) -> None:
         with job.lock:
             job.paused = paused
-            for slot in self.slots:
+            # A LoRA job shares its engine with other jobs: pausing stops its admissions only (what runs finishes).
+            for slot in ([] if job.lora else self.slots):
                 inst = slot.instances.get(job.name)
                 if inst is not None and self.states.state(slot.index, job.name) is ACTIVE:
                     slot.worker.call(lambda _e, inst=inst: inst.pause() if paused else inst.resume())
@@ -307,6 +350,7 @@ class EnginePool(SlotLoops):
     def _job_report(self, job: Job) -> dict[str, Any]:
         return {
             "job": job.name, "model": job.model, "priority": job.priority, "policy_version": job.version,
+            "lora": job.lora, "engine_tenancy": job.key,
             "paused": job.paused, "queued_samples": job.queued_samples(), "running_samples": job.running,
             "requests_in_flight": len(job.requests), "requests_admitted": job.requests_admitted,
             "samples": job.samples, "tokens": job.tokens,
@@ -329,6 +373,7 @@ class EnginePool(SlotLoops):
                 "min_slice_s": self.policy.min_slice_s, "max_sleeping": self.max_sleeping,
                 "uptime_s": uptime, "engine_hours": held / 3600, "engine_hours_unallocated": max(held - allocated, 0) / 3600,
                 "slots": [{"index": s.index, "job": s.job, "running": s.running, "switching": s.switching,
+                           "running_by_job": {j: n for j, n in s.running_by.items() if n},
                            "since_s": now - s.since if s.job else None, "states": self.states.snapshot()[str(s.index)],
                            "errors": list(s.errors)} for s in self.slots],
                 "jobs": {name: self._job_report(j) for name, j in sorted(self.jobs.items())},

@@ -17,7 +17,9 @@ import torch
 from rollwise.engine.core import EngineWorker
 from rollwise.engine.outbox import Outbox
 from rollwise.engine.types import Completion, GenerationRequest
+from rollwise.pool.scheduler import LORA_PREFIX
 from rollwise.sync.buckets import ExpectedWeights
+from rollwise.types.weights import AdapterSpec
 
 
 class Waiter(Protocol):
@@ -52,8 +54,10 @@ class Job:
     eos_ids: list[int] | None
     max_model_len: int
     lock: threading.RLock = field(default_factory=threading.RLock)  # weights, activation, pause
+    lora: bool = False  # a LoRA job: it pushes adapters and runs on its base's shared engine (engine_key)
     version: int | None = None  # latest pushed policy version (None: nothing pushed yet)
-    weights: dict[str, torch.Tensor] | None = None  # the pool's copy of that version (host memory)
+    weights: dict[str, torch.Tensor] | None = None  # the pool's copy of that version (host memory; LoRA: the adapter)
+    adapter: AdapterSpec | None = None  # LoRA: the pushed adapter's spec, named after the job
     versions: set[int] = field(default_factory=set)  # every version this job pushed
     queue: deque[QueuedRequest] = field(default_factory=deque)
     requests: dict[str, QueuedRequest] = field(default_factory=dict)  # public id -> request in flight
@@ -73,6 +77,11 @@ class Job:
     attached_at: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)  # last authenticated call (the receiver polls)
 
+    @property
+    def key(self) -> str:
+        """The engine tenancy this job runs in (rollwise.pool.scheduler.engine_key): its own, or its base's."""
+        return LORA_PREFIX + self.model if self.lora else self.name
+
     def queued_samples(self) -> int:
         return sum(r.remaining for r in self.queue)
 
@@ -85,12 +94,13 @@ class Slot:
     index: int
     capacity: int
     worker: EngineWorker
-    job: str | None = None  # active job (or the job being switched in)
+    job: str | None = None  # active tenancy (Job.key: a job, or a LoRA base shared by its jobs), or the one switched in
     since: float = 0.0
-    running: int = 0  # samples of the active job on the engine
+    running: int = 0  # samples of the active tenancy on the engine
+    running_by: dict[str, int] = field(default_factory=dict)  # job -> its samples among them
     switching: bool = False
-    instances: dict[str, Any] = field(default_factory=dict)  # job -> its engine here (active or sleeping)
-    last_active: dict[str, float] = field(default_factory=dict)  # job -> when it last left the slot
+    instances: dict[str, Any] = field(default_factory=dict)  # tenancy -> its engine here (active or sleeping)
+    last_active: dict[str, float] = field(default_factory=dict)  # tenancy -> when it last left the slot
     route_lock: threading.Lock = field(default_factory=threading.Lock)
     accounted_at: float = field(default_factory=time.monotonic)
     errors: list[str] = field(default_factory=list)
@@ -106,11 +116,37 @@ class PoolError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
+@dataclass(eq=False)
+class LoraBase:
+    """The LoRA jobs sharing one base model: one engine per slot serves all of them (one batch, each row with
+    its job's adapter). Its `lock` is every member's `Job.lock`: an adapter push and a switch of the shared
+    engine never interleave."""
+
+    key: str
+    model: str
+    template: Any  # the base model (every member attached with this model spec)
+    tokenizer: Any
+    fingerprint: str
+    eos_ids: list[int] | None
+    max_model_len: int
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    members: dict[str, Job] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.key
+
+    @property
+    def detached(self) -> bool:
+        return not self.members
+
+
 
 def stamp(c: Completion, req: QueuedRequest, slot: int) -> dict[str, Any]:
     return {"request_id": req.public_id, "index": c.index, "prompt_ids": c.prompt_ids, "token_ids": c.token_ids,
             "logprobs": c.logprobs, "versions": c.versions, "finish_reason": c.finish_reason,
             "cached_prompt_tokens": c.cached_prompt_tokens, "job": req.job, "slot": slot,
+            "adapter": req.request.adapter,
             **({"routed_experts": c.routed_experts.to_wire()} if c.routed_experts is not None else {})}
 
 

@@ -20,12 +20,20 @@ Policy, in order:
 "Deserving" is weighted fair share: the job with the fewest engine-seconds used per unit of
 priority (virtual time = used / priority) goes first; ties by higher priority, then name.
 Paused jobs admit nothing and keep their slots while requests of theirs are frozen on them.
+
+LoRA jobs (issue 22): jobs whose `base` is set train adapters on that base model. One engine holding the
+base serves all of them in the same batch (each row with its job's adapter), so the policy plans *engine
+tenancies* (`engine_key`): a full-parameter job is a tenancy of its own, the LoRA jobs of one base share
+one. A LoRA job whose base is active on a slot is served there at once: no switch, no weight load, and
+the other LoRA jobs on that base keep their place (`Decision.tenants` lists every job the slot admits
+from, most deserving first). A tenancy's fair-share rank is its members' engine-seconds per unit of
+their summed priority.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 
@@ -36,6 +44,7 @@ class JobView:
     queued: int  # samples waiting in the pool, not yet on an engine
     engine_seconds: float  # engine time charged so far (busy time + transition costs)
     paused: bool = False
+    base: str | None = None  # a LoRA job: the base model its adapter runs on (None: full-parameter job)
 
     @property
     def virtual_time(self) -> float:
@@ -45,9 +54,9 @@ class JobView:
 @dataclass(frozen=True)
 class SlotView:
     index: int
-    job: str | None  # the active job, None: no engine loaded
+    job: str | None  # the active tenancy (engine_key of its jobs), None: no engine loaded
     since: float  # when the active job got the slot (same clock as `now`)
-    running: int  # samples of the active job on this slot now
+    running: int  # samples of the active tenancy on this slot now
     capacity: int  # max_num_seqs
 
 
@@ -55,9 +64,39 @@ class SlotView:
 class Decision:
     slot: int
     action: Literal["serve", "drain", "switch", "idle"]
-    job: str | None  # serve/drain: the active job; switch: the job to activate; idle: None
-    target: str | None = None  # drain: the job the slot will switch to once empty
+    job: str | None  # serve/drain: the active tenancy; switch: the tenancy to activate; idle: None
+    target: str | None = None  # drain: the tenancy the slot will switch to once empty
     reason: str = ""
+    tenants: tuple[str, ...] = ()  # serve: the jobs whose queued work the slot admits, most deserving first
+
+    @property
+    def switches(self) -> bool:
+        """Whether the decision costs an engine switch (a sleep and a wake or load) on this slot."""
+        return self.action in ("switch", "drain")
+
+
+LORA_PREFIX = "lora:"  # tenancy names of LoRA bases; ':' is not allowed in job names, so they never collide
+
+
+def engine_key(job: JobView) -> str:
+    """The engine tenancy a job runs in: its own engine (full parameters), or its base's (LoRA)."""
+    return job.name if job.base is None else LORA_PREFIX + job.base
+
+
+def _tenancies(jobs: Sequence[JobView]) -> tuple[list[JobView], dict[str, list[JobView]]]:
+    """Jobs grouped by engine_key: one JobView per tenancy (LoRA members summed), and its members."""
+    members: dict[str, list[JobView]] = {}
+    for j in jobs:
+        members.setdefault(engine_key(j), []).append(j)
+    views = []
+    for key, group in members.items():
+        if len(group) == 1 and group[0].base is None:
+            views.append(group[0])
+            continue
+        active = [j for j in group if not j.paused]
+        views.append(JobView(key, sum(j.priority for j in group), sum(j.queued for j in active),
+                             sum(j.engine_seconds for j in group), paused=not active))
+    return views, members
 
 
 @dataclass(frozen=True)
@@ -70,7 +109,18 @@ def _rank(job: JobView) -> tuple[float, float, str]:
 
 
 def plan(slots: Sequence[SlotView], jobs: Sequence[JobView], now: float, policy: Policy = Policy()) -> list[Decision]:
-    """One decision per slot (in slot order) for the pool state given."""
+    """One decision per slot (in slot order) for the pool state given; slots name tenancies (engine_key)."""
+    views, members = _tenancies(jobs)
+    out = []
+    for d in _plan_tenancies(slots, views, now, policy):
+        if d.action == "serve" and d.job is not None:
+            wanting = sorted((j for j in members.get(d.job, []) if j.queued > 0 and not j.paused), key=_rank)
+            d = replace(d, tenants=tuple(j.name for j in wanting))
+        out.append(d)
+    return out
+
+
+def _plan_tenancies(slots: Sequence[SlotView], jobs: Sequence[JobView], now: float, policy: Policy) -> list[Decision]:
     by_name = {j.name: j for j in jobs}
     wants = {j.name for j in jobs if j.queued > 0 and not j.paused}
     served = {s.job for s in slots if s.job is not None}

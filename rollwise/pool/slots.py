@@ -1,6 +1,8 @@
 """The pool's slot loops: each slot's control thread plans (rollwise.pool.scheduler.plan), admits a job's
 queued requests to that job's own engine, routes finished samples to the job's outbox, and switches the slot
 between jobs (sleep the outgoing engine, wake or build the incoming one, through EngineWorker.swap_engine).
+A slot's engine belongs to a *tenancy* (Job.key): a full-parameter job, or a LoRA base whose engine serves
+every LoRA job on that base in one batch, each request with its own job's adapter (no switch between them).
 
 `SlotLoops` is EnginePool's half that runs on the slot threads (rollwise.pool.engine_pool holds the other:
 jobs, weights, requests, reports); it reads the pool's state through the attributes declared below.
@@ -16,7 +18,7 @@ from rollwise.config import EngineConfig
 from rollwise.engine.contract import add_all
 from rollwise.engine.factory import create_engine
 from rollwise.engine.types import Completion, GenerationRequest
-from rollwise.pool.jobs import Job, QueuedRequest, Slot, empty_abort, stamp
+from rollwise.pool.jobs import Job, LoraBase, QueuedRequest, Slot, empty_abort, stamp
 from rollwise.pool.scheduler import JobView, Policy, SlotView, plan
 from rollwise.pool.states import ACTIVE, EVICTED, SLEEPING, StateMachine
 
@@ -28,6 +30,7 @@ class SlotLoops:
     # EnginePool's state these loops work on (EnginePool.__init__ sets it)
     lock: threading.RLock
     jobs: dict[str, Job]
+    bases: dict[str, LoraBase]
     slots: list[Slot]
     states: StateMachine
     policy: Policy
@@ -41,6 +44,8 @@ class SlotLoops:
     _stop: threading.Event
     _kick: threading.Condition
     _kicks: int
+
+    def tenancy(self, key: str) -> Job | LoraBase | None: ...  # EnginePool.tenancy
 
     def kick(self) -> None:
         """New work (or a resumed job): idle slot loops re-plan now instead of at their next idle tick."""
@@ -97,6 +102,7 @@ class SlotLoops:
         self._account(slot, now)
         req.remaining -= 1
         slot.running -= 1
+        slot.running_by[job.name] = slot.running_by.get(job.name, 0) - 1
         job.running -= 1
         job.samples += 1
         job.tokens += len(c.token_ids)
@@ -116,16 +122,28 @@ class SlotLoops:
         """Charge the time since the last call to the slot's active job (caller holds self.lock)."""
         dt = now - slot.accounted_at
         slot.accounted_at = now
-        job = self.jobs.get(slot.job) if slot.job is not None else None
-        if job is not None and dt > 0:
-            job.allocated_s += dt
+        tenancy = self.tenancy(slot.job) if slot.job is not None else None
+        if tenancy is None or dt <= 0:
+            return
+        if isinstance(tenancy, Job):
+            tenancy.allocated_s += dt
             if slot.running > 0:
-                job.busy_s += dt
+                tenancy.busy_s += dt
+            return
+        # A LoRA base's engine: its time is split among its jobs, evenly while it is held, and by their share
+        # of the running samples while it is busy (engine-hours add up to the slot's time, never more).
+        members = list(tenancy.members.values())
+        for job in members:
+            job.allocated_s += dt / len(members)
+            running = slot.running_by.get(job.name, 0)
+            if running > 0 and slot.running > 0:
+                job.busy_s += dt * running / slot.running
 
     def _views(self) -> tuple[list[SlotView], list[JobView]]:
         slots = [SlotView(s.index, s.job, s.since, s.running, s.capacity) for s in self.slots]
         jobs = [JobView(j.name, j.priority, j.queued_samples() if j.version is not None else 0,
-                        j.busy_s + j.transition_s, j.paused) for j in self.jobs.values()]
+                        j.busy_s + j.transition_s, j.paused, base=j.model if j.lora else None)
+                for j in self.jobs.values()]
         return slots, jobs
 
     def _tick(self, slot: Slot) -> bool:
@@ -146,50 +164,64 @@ class SlotLoops:
                     slot.job = None  # the switch failed (see the slot's errors): the slot is free
         return True
 
-    def _decide_and_admit(self, slot: Slot) -> tuple[Job | None, Job] | None:
+    def _decide_and_admit(self, slot: Slot) -> tuple[Job | LoraBase | None, Job | LoraBase] | None:
         admit: list[QueuedRequest] = []
-        switch: tuple[Job | None, Job] | None = None
+        switch: tuple[Job | LoraBase | None, Job | LoraBase] | None = None
         with self.lock:
             now = time.monotonic()
             self._account(slot, now)
-            if slot.job is not None and slot.job not in self.jobs:
+            if slot.job is not None and self.tenancy(slot.job) is None:
                 return None  # its job is detaching: detach() evicts its engine and frees the slot
             slots, jobs = self._views()
             decision = plan(slots, jobs, now, self.policy)[slot.index]
             if decision.action == "serve":
-                job = self.jobs[decision.job]
                 room = slot.capacity - slot.running
-                while job.queue and not job.paused and job.queue[0].remaining <= room:
-                    req = job.queue.popleft()
-                    req.slot = slot.index
-                    room -= req.remaining
-                    slot.running += req.remaining
-                    job.running += req.remaining
-                    job.requests_admitted += 1
-                    admit.append(req)
-                if admit:
-                    job.timeline.append((now, job.running))
+                for name in decision.tenants:  # a LoRA base's jobs share the batch, most deserving first
+                    admitted, room = self._take(slot, self.jobs[name], room, now)
+                    admit += admitted
             elif decision.action == "switch":
-                switch = (self.jobs.get(slot.job) if slot.job is not None else None, self.jobs[decision.job])
+                incoming = self.tenancy(decision.job)
+                assert incoming is not None  # plan() names only tenancies of attached jobs
+                switch = (self.tenancy(slot.job) if slot.job is not None else None, incoming)
                 slot.job, slot.since, slot.switching = decision.job, now, True
-        if admit:
-            self._admit(slot, admit)
+                slot.running_by.clear()
+        for name in dict.fromkeys(r.job for r in admit):
+            self._admit(slot, [r for r in admit if r.job == name])
         return switch
+
+    def _take(self, slot: Slot, job: Job, room: int, now: float) -> tuple[list[QueuedRequest], int]:
+        """Whole queued requests of `job` that fit in `room` samples, assigned to `slot` (caller holds self.lock)."""
+        taken = []
+        while job.queue and not job.paused and job.queue[0].remaining <= room:
+            req = job.queue.popleft()
+            req.slot = slot.index
+            room -= req.remaining
+            slot.running += req.remaining
+            slot.running_by[job.name] = slot.running_by.get(job.name, 0) + req.remaining
+            job.running += req.remaining
+            job.requests_admitted += 1
+            taken.append(req)
+        if taken:
+            job.timeline.append((now, job.running))
+        return taken, room
 
     def _admit(self, slot: Slot, reqs: list[QueuedRequest]) -> None:
         job = self.jobs.get(reqs[0].job)
         if job is None:
             return
         with job.lock:
-            inst = slot.instances.get(job.name)
-            # The isolation invariant: this job's request runs only on this job's engine, holding its current weights.
+            inst = slot.instances.get(job.key)
+            # The isolation invariant: this job's request runs only on this job's engine (a LoRA job's: its base's,
+            # with the job's own adapter), holding its current weights.
             problem = None
-            if inst is None or self.states.state(slot.index, job.name) is not ACTIVE:
+            held = inst.loaded_adapters().get(job.name) if job.lora and inst is not None else getattr(
+                inst, "policy_version", None)
+            if inst is None or self.states.state(slot.index, job.key) is not ACTIVE:
                 problem = f"slot {slot.index}: job {job.name!r} is not active there"
-            elif getattr(inst, "pool_owner", None) != job.name:
-                problem = f"slot {slot.index}: engine belongs to {getattr(inst, 'pool_owner', None)!r}, not {job.name!r}"
-            elif inst.policy_version != job.version:
-                problem = (f"slot {slot.index}: job {job.name!r} engine holds version {inst.policy_version}, "
+            elif getattr(inst, "pool_owner", None) != job.key:
+                problem = f"slot {slot.index}: engine belongs to {getattr(inst, 'pool_owner', None)!r}, not {job.key!r}"
+            elif held != job.version:
+                problem = (f"slot {slot.index}: job {job.name!r} engine holds version {held}, "
                            f"the job's current version is {job.version}")
             if problem is None:
                 self.isolation_checks += 1
@@ -207,7 +239,7 @@ class SlotLoops:
                     if req.waiter is None:
                         job.post(stamp(c, req, slot.index) | {"error": problem})
 
-    def _switch(self, slot: Slot, prev_job: Job | None, new_job: Job) -> None:
+    def _switch(self, slot: Slot, prev_job: Job | LoraBase | None, new_job: Job | LoraBase) -> None:
         worker = slot.worker
         target = new_job.name
         if prev_job is not None:
@@ -235,14 +267,18 @@ class SlotLoops:
                 return
             inst = slot.instances.get(new_job.name)
             state = self.states.state(slot.index, new_job.name)
-            weights, version, paused = new_job.weights, new_job.version, new_job.paused
+            lora = isinstance(new_job, LoraBase)
+            weights, version = (None, None) if lora else (new_job.weights, new_job.version)
+            paused = False if lora else new_job.paused  # a LoRA job's pause holds its admissions only
             t = time.perf_counter()
             if inst is not None and state is SLEEPING:
-                why = "wake" + ("" if inst.policy_version == version else " + weights")
+                why = "wake" + ("" if lora or inst.policy_version == version else " + weights")
 
                 def wake(_e: Any, inst: Any = inst) -> None:
                     inst.wake()
-                    if inst.policy_version != version:
+                    if lora:
+                        _sync_adapters(inst, new_job)
+                    elif inst.policy_version != version:
                         inst.update_weights(weights, version)
                     inst.resume() if not paused else inst.pause()
 
@@ -259,15 +295,22 @@ class SlotLoops:
             self.states.transition(slot.index, new_job.name, ACTIVE, seconds,
                                    f"{why} for {target}" + (f" (after {prev_job.name})" if prev_job else ""))
             with self.lock:
-                new_job.transition_s += seconds
+                charged = list(new_job.members.values()) if lora else [new_job]
+                for job in charged:  # a LoRA base's switch is shared by its jobs
+                    job.transition_s += seconds / len(charged)
 
-    def _build(self, job: Job) -> Any:
-        engine = create_engine(self.engine_config, job.template, job.tokenizer, max_model_len=job.max_model_len,
-                               eos_token_ids=job.eos_ids, policy_version=job.version, seed=self.seed,
-                               model_name=job.model, tokenizer_fingerprint=job.fingerprint,
+    def _build(self, tenancy: Job | LoraBase) -> Any:
+        lora = isinstance(tenancy, LoraBase)
+        engine = create_engine(self.engine_config, tenancy.template, tenancy.tokenizer,
+                               max_model_len=tenancy.max_model_len, eos_token_ids=tenancy.eos_ids,
+                               policy_version=0 if lora else tenancy.version, seed=self.seed,
+                               model_name=tenancy.model, tokenizer_fingerprint=tenancy.fingerprint,
                                prefix_cache_tokens=self.prefix_cache_tokens)
-        engine.update_weights(job.weights, job.version)  # the job's latest pushed weights, validated whole
-        engine.pool_owner = job.name
+        if lora:  # the base as loaded (LoRA jobs never change it), and every member's latest adapter
+            _sync_adapters(engine, tenancy)
+        else:
+            engine.update_weights(tenancy.weights, tenancy.version)  # the job's latest pushed weights, validated whole
+        engine.pool_owner = tenancy.name
         return engine
 
     def _evict_beyond_budget(self, slot: Slot, keep: str) -> None:
@@ -276,7 +319,7 @@ class SlotLoops:
         sleeping.sort(key=lambda j: slot.last_active.get(j, 0.0))
         for name in sleeping[: max(0, len(sleeping) - self.max_sleeping)]:
             with self.lock:
-                job = self.jobs.get(name)
+                job = self.tenancy(name)
             lock = job.lock if job is not None else threading.Lock()
             with lock:
                 if self.states.state(slot.index, name) is not SLEEPING:
@@ -293,3 +336,14 @@ def _submit_to(current: Any, inst: Any, requests: list[GenerationRequest]) -> No
         raise RuntimeError("the slot is stepping another engine than the job's")
     add_all(inst, requests)
 
+
+
+def _sync_adapters(inst: Any, base: LoraBase) -> None:
+    """A LoRA base's engine serves exactly its jobs' latest adapters (caller holds base.lock; the engine is
+    not being stepped): detached jobs' adapters off, pushed versions on."""
+    loaded = inst.loaded_adapters()
+    for name in set(loaded) - set(base.members):
+        inst.unload_adapter(name)
+    for job in base.members.values():
+        if job.version is not None and job.adapter is not None and loaded.get(job.name) != job.version:
+            inst.load_adapter(job.adapter, job.weights, job.version)

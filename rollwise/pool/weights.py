@@ -4,6 +4,10 @@ receiver's target that stores the version and applies it to the job's active eng
 The body: an 8-byte big-endian manifest length, the rollwise.weights/v1 manifest (JSON), then every
 bucket's flat bytes. The whole update is checked by rollwise.sync.buckets.WeightReceiver (names, shapes,
 dtypes, checksums, tokenizer) before anything is applied, like every other transport's.
+
+A LoRA job (attached with lora=true) uploads its adapter the same way (the manifest's `adapter` spec,
+rollwise.sync.adapters): it is loaded under the job's own name only, whatever name the trainer gave it, so a
+job can never replace or serve another job's adapter (`own_adapter`, `JobAdapter`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 from rollwise.pool.jobs import Job, PoolError, Slot
 from rollwise.pool.states import ACTIVE, StateMachine
 from rollwise.sync.buckets import StagedUpdate, WeightUpdateError, parse_manifest
+from rollwise.types.weights import AdapterSpec
 
 
 def parse_weight_upload(body: bytes) -> StagedUpdate:
@@ -61,4 +66,46 @@ class JobWeights:
                 slot.worker.call(lambda _e, inst=inst: inst.update_weights(state, version))  # between two steps
                 self.applied.append(slot.index)
         self.job.weights, self.job.version = state, version
+        self.job.versions.add(version)
+
+
+def own_adapter(staged: StagedUpdate, job: Job) -> None:
+    """The upload must match how the job attached (adapter for a LoRA job, full weights otherwise); an adapter
+    is renamed to the job (not the pool's default policy): it serves only requests of this job."""
+    spec = staged.manifest.adapter
+    if job.lora and spec is None:
+        raise PoolError(400, f"job {job.name!r} attached as a LoRA job (lora=true): push its adapter (a manifest "
+                             "with an `adapter` spec, as train.lora's sender builds it), not full weights", "manifest")
+    if not job.lora and spec is not None:
+        raise PoolError(400, f"job {job.name!r} attached for full-parameter weights: this upload is LoRA adapter "
+                             f"{spec.name!r}; attach the job with lora=true (train.lora) to push adapters", "manifest")
+    if spec is not None:
+        mine = spec.model_copy(update={"name": job.name, "default": False})
+        staged.manifest = staged.manifest.model_copy(update={"adapter": mine})
+
+
+class JobAdapter:
+    """WeightReceiver's target for a LoRA job: store its adapter, load it on the job's base engines that are
+    active (a sleeping one loads it when it wakes). Nothing of the base, or of another job's adapter, changes."""
+
+    def __init__(self, slots: Sequence[Slot], states: StateMachine, job: Job) -> None:
+        self.slots, self.states, self.job = slots, states, job
+        self.applied: list[int] = []
+
+    @property
+    def policy_version(self) -> int | None:
+        return self.job.version
+
+    def loaded_adapters(self) -> dict[str, int]:
+        return {} if self.job.version is None else {self.job.name: self.job.version}
+
+    def load_adapter(self, spec: AdapterSpec, state: dict[str, torch.Tensor], version: int) -> None:
+        # caller holds job.lock (its base's lock): no switch of the shared engine interleaves
+        assert spec.name == self.job.name, "own_adapter renames every adapter to its job"
+        for slot in self.slots:
+            inst = slot.instances.get(self.job.key)
+            if inst is not None and self.states.state(slot.index, self.job.key) is ACTIVE:
+                slot.worker.call(lambda _e, inst=inst: inst.load_adapter(spec, state, version))  # between two steps
+                self.applied.append(slot.index)
+        self.job.weights, self.job.version, self.job.adapter = dict(state), version, spec
         self.job.versions.add(version)

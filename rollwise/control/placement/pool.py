@@ -12,7 +12,9 @@ def place_pool(req: PlaceRequest) -> Placement:
     trainer = local_trainer(req)
     resumed = resume(trainer, req)
     # Attaching pushes the trainer's current weights (checked and committed whole by the pool).
+    sender = InProcessSender(req.fingerprint)  # train.lora: adapters only, and the job attaches as a LoRA job
     attached = attach_to_pool(req.cfg, req.model, req.tokenizer, fingerprint=req.fingerprint,
-                              policy_version=trainer.version)
-    return Placement(trainer, attached.worker, InProcessSender(req.fingerprint), local_score(req), attached.view,
+                              policy_version=trainer.version,
+                              initial=sender.update(trainer) if req.cfg.train.lora is not None else None)
+    return Placement(trainer, attached.worker, sender, local_score(req), attached.view,
                      attached.description, resumed, on_close=[attached.detach])
