@@ -5,7 +5,8 @@
     rollwise bench engine [--quick] [--json PATH]     reference engine vs. HF generate, side by side
     rollwise bench rollout [--quick] [--json PATH]    rollout modes sync / sorted / async, side by side
     rollwise bench sync [--quick] [--json PATH]       weight transports (in-process, files, gloo) vs memcpy
-    rollwise bench speculation [--quick] [--json PATH] rollouts with / without drafts from rollout history
+    rollwise bench speculation [--quick] [--engine both|vllm|reference] [--json PATH]
+                                                     rollouts with / without drafts from rollout history
     rollwise bench trainer [--quick] [--json PATH]    1 trainer rank vs 2 FSDP2 ranks: tokens/s, MFU, memory/rank, push
     rollwise bench loop [--quick] [--json PATH]       the default `rollwise train`: wall, samples/s, MFU, idle cores
     rollwise bench r3 [--quick] [--json PATH]         an MoE trained with / without rollout routing replay (mismatch)
@@ -98,8 +99,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "files, gloo broadcast) in seconds and GB/s next to a memory copy of the same bytes; mux: `rollwise train` "
         "jobs sharing one engine pool vs. each on a dedicated engine (engine-hours, wall time per job, slowdown; "
         "tiny models; --quick: 2 jobs on 1 engine, full: also 4 jobs on 2 engines; --model is not used); "
-        "speculation: GRPO rollouts with and without drafts from rollout history on the reference engine "
-        "(wall and tail time ratio, acceptance); trainer: one GRPO batch through 1 trainer rank (2 threads) and 2 "
+        "speculation: GRPO rollouts with and without drafts from rollout history on vLLM and/or the reference "
+        "engine (--engine; wall and tail time ratio, tokens/s by batch size, acceptance); "
+        "trainer: one GRPO batch through 1 trainer rank (2 threads) and 2 "
         "FSDP2 ranks (1 thread each): trained tokens/s, MFU vs a measured matmul peak, memory per rank, weight "
         "gather+push time (--quick: a tiny model); loop: the default `rollwise train` run end to end: wall time, "
         "samples/s, model-FLOPs utilisation (run and per phase) against this machine's matmul peak, idle "
@@ -112,6 +114,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
     bench.add_argument("--model", default="bundled:smollm2-135m-instruct", help="model spec (default: bundled)")
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--engine", default="both", choices=["both", "vllm", "reference"],
+                       help="speculation: the engines to run (both: vLLM, when installed, and the reference engine)")
     bench.add_argument("--plot", type=Path, metavar="PNG", default=Path("rollout_timeline.png"),
                        help="rollout: where to write the timeline plot (default: rollout_timeline.png)")
     compare = sub.add_parser(
@@ -339,10 +343,11 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
                                        engine_kind=resolve_engine_kind("auto", args.model))
         table = format_rollout_bench(result)
     elif args.name == "speculation":
-        from rollwise.bench.speculation import format_speculation_bench, run_speculation_bench
+        from rollwise.bench.speculation import format_speculation_bench, run_speculation_bench, speculation_engines
 
         with console.status("rollouts with and without speculation from rollout history (the same work)"):
-            result = run_speculation_bench(model, tokenizer, quick=args.quick, seed=args.seed)
+            result = run_speculation_bench(model, tokenizer, quick=args.quick, seed=args.seed,
+                                           engines=speculation_engines(args.engine, args.model))
         table = format_speculation_bench(result)
     elif args.name == "intercept":  # issue 21: session KV retention across tool calls
         from rollwise.bench.intercept import format_intercept_bench, run_intercept_bench

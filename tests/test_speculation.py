@@ -267,11 +267,15 @@ def test_bench_speculation_quick_smoke():
     from rollwise.bench.speculation import format_speculation_bench, run_speculation_bench
     from rollwise.model.tiny import tiny_tokenizer
 
-    result = run_speculation_bench(tiny_llama(num_layers=1), tiny_tokenizer(), quick=True)
-    assert [r["temperature"] for r in result["rows"]] == [0.3, 1.0]
+    result = run_speculation_bench(tiny_llama(num_layers=1), tiny_tokenizer(), quick=True, engines=["reference"])
+    assert [r["temperature"] for r in result["rows"]] == [0.3, 1.0, 0.3]  # task late, task early, long tail
     for row in result["rows"]:
         assert row["metrics"]["spec_drafted"] > 0 and row["speedup"] > 0
-    assert format_speculation_bench(result).row_count == 2
+        buckets = row["plain"]["tokens_per_s_by_running"]
+        assert buckets and set(buckets) <= {"1", "2-3", "4-7", "8-15"}  # quick: at most 8 running
+    tail = result["rows"][2]
+    assert tail["plain"]["tokens"] == tail["spec"]["tokens"]  # forced lengths: identical token counts
+    assert format_speculation_bench(result).row_count == 3
 
 
 # ---------------------------------------------------------------- the training loop

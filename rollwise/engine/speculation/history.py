@@ -106,6 +106,11 @@ class HistoryDrafter:
 
     # ------------------------------------------------------------ feeding
 
+    def clear(self) -> None:
+        """Forget every rollout (a benchmark starting a new workload on the same engine)."""
+        self.__init__(self.settings, self.budget)  # type: ignore[misc]
+
+
     def observe(self, prompt_ids: list[int], token_ids: list[int], version: int, key: str | None = None) -> None:
         """Add one finished rollout (its response tokens, sampled by policy `version`)."""
         if not token_ids or (key is not None and key in self._keys):
