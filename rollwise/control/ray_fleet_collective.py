@@ -23,7 +23,7 @@ is tried once more on a re-formed group.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -61,7 +61,8 @@ class FleetWeightGroup:
     group: WeightGroup | None = None
     sender: DistributedSender | None = None
     members: tuple[tuple[int, str], ...] = ()  # (slot index, incarnation token) of ranks 1..N
-    formed: int = field(default=0)  # how many times the group was formed (the first at fleet start)
+    formed: int = 0  # how many times the group was formed (the first at fleet start)
+    pushes: int = 0  # updates every live engine received over the group
 
     @property
     def device(self) -> str:
@@ -100,6 +101,7 @@ class FleetWeightGroup:
                 self.form(live)
             broken = self._push_once(live, tensors, version, recover)
             if broken is None:
+                self.pushes += 1
                 return
         raise CollectivePushError(f"the collective weight push of version {version} broke twice "
                                   f"(last: {broken!r}); the engines keep their previous version") from broken
