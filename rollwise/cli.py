@@ -20,7 +20,7 @@
     rollwise serve pool [--engines N] [--port 8300] [--host 127.0.0.1] [--max-num-seqs N] [--max-model-len N]
                                                      engines shared by several `rollwise train pool.url=...` jobs:
                                                      time-sliced, per-job weights/tokens/engine-hours, /state
-    rollwise bench mux [--quick] [--json PATH]        jobs sharing one pool vs. each on dedicated engines:
+    rollwise bench mux [--quick] [--lora] [--json PATH] jobs sharing one pool vs. each on dedicated engines:
                                                      engine-hours, wall time per job, slowdown
     rollwise bench router [--quick] [--json PATH] [--plot PNG]
                                                      routing policies side by side on real replicas + 64 simulated
@@ -116,6 +116,9 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--engine", default="both", choices=["both", "vllm", "reference"],
                        help="speculation: the engines to run (both: vLLM, when installed, and the reference engine)")
+    bench.add_argument("--lora", action="store_true",
+                       help="mux: train.lora jobs on one base sharing one engine batch (2 jobs; full: also 4) "
+                       "vs. dedicated engines (issue 22)")
     bench.add_argument("--plot", type=Path, metavar="PNG", default=Path("rollout_timeline.png"),
                        help="rollout: where to write the timeline plot (default: rollout_timeline.png)")
     compare = sub.add_parser(
@@ -284,7 +287,7 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         from rollwise.bench.mux import format_mux_bench, run_mux_bench
 
         with console.status("running the jobs on dedicated engines, then sharing one pool (same steps)"):
-            result = run_mux_bench(quick=args.quick)
+            result = run_mux_bench(quick=args.quick, lora=args.lora)
         result["command"] = " ".join(["rollwise"] + sys.argv[1:])
         console.print(format_mux_bench(result))
         write_json(args.json, result, console)
