@@ -129,9 +129,10 @@ def cmd_validate_mux(args: argparse.Namespace, console: Console) -> int:
 
     _check_rounds(args)
     with console.status("measuring this machine") as status:
-        result = validate_mux(full=args.full, rounds=args.rounds, progress=status.update)
+        result = validate_mux(full=args.full, rounds=args.rounds, progress=status.update, lora=args.lora)
     host = result["host"]
-    table = Table(title=f"bench mux {'full' if args.full else '--quick'}: shared arm measured vs simulated "
+    table = Table(title=f"bench mux {'full' if args.full else '--quick'}{' --lora' if args.lora else ''}: "
+                        "shared arm measured vs simulated "
                         f"({describe_cores(host)}, measured; medians of {args.rounds} round(s), "
                         "each a shared arm between two dedicated arms)")
     for col in ("scenario", "job", "shared wall meas.", "runs", "shared wall sim", "error", "dedicated drift",
@@ -210,6 +211,8 @@ def _validate_mux_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="shared arms per scenario, each between two dedicated arms; each job's median over "
                              "them is compared (default: 1)")
+    parser.add_argument("--lora", action="store_true",
+                        help="bench mux --lora's scenarios: train.lora jobs on one base in one engine batch (issue 22)")
 
 
 SIM_COMMANDS = (

@@ -42,7 +42,7 @@ def _measure_rounds(root: Path, spec: dict[str, Any], rounds: int, host: Host,
     arms on either side of it, simulated on `host`)."""
     tag = f"{spec['jobs']}x{spec['engines']}"
     base = root / tag
-    configs = prepare_scenario(base, spec["jobs"], spec["models"], spec["steps"], spec["workload"])
+    configs = prepare_scenario(base, spec["jobs"], spec["models"], spec["steps"], spec["workload"], spec.get("lora"))
     args = {"workload": spec["workload"], "min_slice_s": spec["min_slice_s"]}
     progress(f"{tag}: dedicated arm 1/{rounds + 1}")
     before = run_dedicated(base, configs, **args, arm="dedicated0")
@@ -53,19 +53,20 @@ def _measure_rounds(root: Path, spec: dict[str, Any], rounds: int, host: Host,
         progress(f"{tag}: dedicated arm {r + 2}/{rounds + 1}")
         after = run_dedicated(base, configs, **args, arm=f"dedicated{r + 1}")
         results.append(summarize_between(spec["engines"], spec["models"], spec["steps"], spec["workload"],
-                                         before, shared, after, spec["min_slice_s"], host))
+                                         before, shared, after, spec["min_slice_s"], host, spec.get("lora")))
         before = after
     return results
 
 
 def validate_mux(full: bool = False, rounds: int = 1, root: Path | None = None,
-                 progress: Callable[[str], None] = lambda _msg: None) -> dict[str, Any]:
+                 progress: Callable[[str], None] = lambda _msg: None, lora: bool = False) -> dict[str, Any]:
+    """lora: the LoRA scenarios (bench mux --lora: train.lora jobs on one base, one engine batch)."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     root = Path(tempfile.mkdtemp(prefix="rollwise-validate-mux-")) if root is None else root
     t0 = time.monotonic()
     progress("measuring this machine's effective cores (~1 min)")
-    specs = scenario_specs(quick=not full)
+    specs = scenario_specs(quick=not full, lora=lora)
     measured_host, host = measure_host(specs)
     # scenario -> its rounds' results
     rounds_by_scenario = [_measure_rounds(root, spec, rounds, host, progress) for spec in specs]
@@ -91,6 +92,7 @@ def validate_mux(full: bool = False, rounds: int = 1, root: Path | None = None,
             "engine_hours_saving_separate_devices": statistics.median(
                 s["projection"]["engine_hours_saving"] for s in per_round),
         })
-    return {"validation": "bench mux", "full": full, "rounds": rounds, "host": measured_host,
+    return {"validation": "bench mux" + (" --lora" if lora else ""), "full": full, "lora": lora, "rounds": rounds,
+            "host": measured_host,
             "comparison": comparison, "rounds_by_scenario": rounds_by_scenario, "workdir": str(root),
             "seconds": time.monotonic() - t0}

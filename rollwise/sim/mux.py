@@ -14,6 +14,9 @@ What is modelled, and what is not:
   are threads of one Python process, which take turns under its interpreter lock: together they do
   `pool_cores` (1) cores' worth of steps.
   Processor sharing (rollwise.sim.cores), engines stepping one decode step at a time;
+- LoRA jobs (`MuxJob.base`): the jobs on one base share that base's engine on a slot and run in one batch,
+  as the pool serves them (the scheduler plans engine tenancies, rollwise.pool.scheduler.engine_key): no
+  switch between them; a tenancy's engine time is split evenly among its jobs for fair share;
 - not modelled: the HTTP hops (they are inside the measured phase times bench mux feeds in).
 """
 
@@ -28,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollwise.engine.types import GenerationRequest, SamplingParams
-from rollwise.pool.scheduler import JobView, Policy, SlotView, plan
+from rollwise.pool.scheduler import JobView, Policy, SlotView, engine_key, plan
 from rollwise.sim.cores import SharedCores
 from rollwise.sim.cost import CostModel
 from rollwise.sim.engine import SimEngine, VirtualClock
@@ -54,6 +57,7 @@ class MuxJob:
     # interleave perfectly forever; measured, they drift and collide on the shared engine and cores.
     generate_cv: float = 0.0  # the step's engine steps all run this much slower or faster
     train_cv: float = 0.0
+    base: str | None = None  # a LoRA job: its base model (jobs on one base share its engine, in one batch)
 
 
 @dataclass(frozen=True)
@@ -167,10 +171,17 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
         js.tokens = 0
         js.generate_factor = _lognormal(variation, spec.generate_cv)
 
+    def view(js: _JobState) -> JobView:
+        return JobView(js.spec.name, js.spec.priority, sum(r.params.n for r in js.queue), js.busy_s,
+                       base=js.spec.base)
+
     def account(s: _SlotState) -> None:
         now = clock.now
         if s.job is not None and (s.engine.has_unfinished() or s.switching_until is not None):
-            state[s.job].busy_s += now - s.accounted_at
+            # the slot's tenancy: one job, or the LoRA jobs sharing a base (its time split evenly, as the pool does)
+            members = [js for js in state.values() if js.finished_at is None and engine_key(view(js)) == s.job]
+            for js in members:
+                js.busy_s += (now - s.accounted_at) / len(members)
         s.accounted_at = now
 
     def schedule() -> None:
@@ -179,8 +190,7 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
             account(s)
         views = [SlotView(i, s.job, s.since, s.engine.unfinished_samples, cost.max_num_seqs)
                  for i, s in enumerate(slots)]
-        job_views = [JobView(n, js.spec.priority, sum(r.params.n for r in js.queue), js.busy_s)
-                     for n, js in state.items() if js.finished_at is None and js.started_at <= now]
+        job_views = [view(js) for js in state.values() if js.finished_at is None and js.started_at <= now]
         for decision in plan(views, job_views, now, policy):
             s = slots[decision.slot]
             if s.switching_until is not None:
@@ -193,16 +203,17 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
                 s.switching_until = now + cost_s
                 at(now + cost_s, lambda s=s: setattr(s, "switching_until", None))
             elif decision.action == "serve":
-                js = state[decision.job]
                 room = cost.max_num_seqs - s.engine.unfinished_samples
                 added = False
-                if js.queue and js.queue[0].params.n <= room:  # this step's generation speed (its variation)
-                    s.engine.set_slowdown(js.generate_factor)
-                while js.queue and js.queue[0].params.n <= room:
-                    req = js.queue.popleft()
-                    room -= req.params.n
-                    s.engine.add_request(req)
-                    added = True
+                for name in decision.tenants:  # LoRA jobs of one base: one batch, most deserving first
+                    js = state[name]
+                    if js.queue and js.queue[0].params.n <= room and not added:  # this step's generation speed
+                        s.engine.set_slowdown(js.generate_factor)
+                    while js.queue and js.queue[0].params.n <= room:
+                        req = js.queue.popleft()
+                        room -= req.params.n
+                        s.engine.add_request(req)
+                        added = True
                 if added or (s.engine.op is None and s.engine.has_unfinished()):
                     start(decision.slot)
 
