@@ -191,6 +191,11 @@ class TrainConfig(_Section):
     kl_coef: float = Field(0.0, ge=0, description="k3 KL to the initial policy; 0 skips the reference model")
     loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
     logprob_chunk_tokens: int = Field(1024, ge=1, description="LM-head rows computed at once (bounds fp32 logits)")
+    fused_logprobs: bool = Field(True, description="LM head + log-softmax + entropy as one autograd function with a "
+                                 "hand-written backward (rollwise.train.logprobs.FusedLogprobs); false: autograd "
+                                 "through log_softmax under activation checkpointing")
+    fused_optimizer: bool = Field(True, description="AdamW's fused kernel (one pass over each parameter) instead of "
+                                  "its per-parameter loop; same update to float rounding")
     gradient_checkpointing: bool = False
     share_prompt_prefix: bool = Field(True, description="compute each group's shared prompt once in the forward")
     routing_replay: Literal["none", "r3"] = Field(
