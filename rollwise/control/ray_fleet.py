@@ -224,21 +224,9 @@ class RayEngineFleet(FleetRecovery):
         if self.collective is None:
             self._update = _in_store(update)
             self._broadcast(self._send)
-        else:
-            self._push_collective(update)
+        else:  # one broadcast to every live engine; only an update all of them took is kept for restarts
+            self._update = self.collective.push_update(self.slots, update, self._recover)
         self.refresh_timeline(force=True)
-
-    def _push_collective(self, update: WeightUpdate) -> None:
-        """One broadcast to every live engine (rollwise.control.ray_fleet_collective). Only an update
-        every engine took becomes the one a restarted engine is re-synced to."""
-        assert self.collective is not None
-        tensors = update.tensors()  # a trainer actor's weights come here from the object store first
-        self.collective.push(self.slots, tensors, update.version, self._recover)
-        if isinstance(update.payload, Mapping):
-            # The trainer's own tensors change with its next step: keep this version's bytes (one CPU copy)
-            # for an engine Ray restarts later. An ObjectRef payload is already such a copy.
-            update = update.with_payload({name: t.detach().to("cpu", copy=True) for name, t in tensors.items()})
-        self._update = update
 
     @_locked
     def pause(self) -> None:

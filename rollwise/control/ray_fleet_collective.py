@@ -32,6 +32,7 @@ from ray.exceptions import GetTimeoutError, RayTaskError
 from torch import Tensor
 
 from rollwise.control.ray_engine_actor import _GONE
+from rollwise.sync.buckets import WeightUpdate
 from rollwise.sync.distributed import DistributedSender, WeightGroup, free_init_method, init_weight_group
 
 if TYPE_CHECKING:
@@ -89,6 +90,17 @@ class FleetWeightGroup:
                                         rank_names=["the trainer"] + [f"engine {s.index}" for s in slots])
         self.members = tuple((s.index, s.token) for s in slots)
         self.formed += 1
+
+    def push_update(self, slots: Sequence[_Slot], update: WeightUpdate, recover: Recover) -> WeightUpdate:
+        """Broadcast `update` to every live engine; returns it as the fleet keeps it for an engine Ray
+        restarts later (re-synced through the object store)."""
+        tensors = update.tensors()  # a trainer actor's weights (an ObjectRef) come here from the store first
+        self.push(slots, tensors, update.version, recover)
+        if isinstance(update.payload, Mapping):
+            # The trainer's own tensors change with its next step: keep this version's bytes (one CPU copy).
+            # A fetched ObjectRef payload is already such a copy, in the store.
+            return update.with_payload({name: t.detach().to("cpu", copy=True) for name, t in tensors.items()})
+        return update
 
     def push(self, slots: Sequence[_Slot], tensors: Mapping[str, Tensor], version: int, recover: Recover) -> None:
         """`tensors` as `version` to every live engine; WeightUpdateError if any refused it (named)."""

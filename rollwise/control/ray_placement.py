@@ -7,7 +7,8 @@ The training loop (rollwise.control.train_loop) runs unchanged; what it holds ar
 - the trainer: `RayTrainer`, the Trainer (rollwise.protocols) proxying a `TrainerActor` that holds the
   model, the optimizer and the GRPOTrainer, and runs train steps and checkpoint save/load; weights go
   from the trainer actor to the engine actors through Ray's object store, never through the driver
-  (rollwise.sync.senders.ObjectStoreSender);
+  (rollwise.sync.senders.ObjectStoreSender), or with `sync.sender: collective` as one gloo/NCCL
+  broadcast from the driver to every engine actor (rollwise.control.ray_fleet_collective);
 - the reward: `RayScorer` (rollwise.control.ray_reward), which scores each finished group on one of
   `ray.reward_workers` actors (round robin; Ray retries a call on a restarted actor: scoring is idempotent).
   Held-out evaluation is still scored in the driver.

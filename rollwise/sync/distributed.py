@@ -83,6 +83,8 @@ class WeightGroup:
             raise ValueError(f"init_method must look like tcp://HOST:PORT, got {init_method!r}")
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": this process's current GPU
+            self.device = torch.device("cuda", torch.cuda.current_device())
         timeout = timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0, timeout=timeout)
         if self.device.type == "cuda":
