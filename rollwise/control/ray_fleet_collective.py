@@ -127,9 +127,12 @@ class FleetWeightGroup:
         broken: BaseException | None = None
         try:
             self.sender.send(tensors, version)
-        except Exception as exc:  # a gloo/NCCL error: a peer went away mid-broadcast
+        except Exception as exc:  # a gloo/NCCL error (a peer went away mid-broadcast), or bad tensors
             broken = exc
             self.abandon()  # receivers still waiting on the store fail now, not at their timeout
+            if not isinstance(exc, RuntimeError):  # not the transport (e.g. a tensor changed under us):
+                _settle(refs)  # the receivers fail with the group; no retry would fix this
+                raise
         dead: list[tuple[int, BaseException]] = []
         for slot, ref in zip(live, refs):
             try:
@@ -150,6 +153,11 @@ class FleetWeightGroup:
         if self.group is not None:
             self.group.abandon()
         self.group, self.sender, self.members = None, None, ()
+
+
+def _settle(refs: list[Any]) -> None:
+    """Wait (bounded) for calls whose outcome no longer matters, so none is left running."""
+    ray.wait(refs, num_returns=len(refs), timeout=30)
 
 
 def _errors(refs: list[Any]) -> str:
