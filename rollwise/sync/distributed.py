@@ -14,7 +14,9 @@ not exercised on CPU-only machines). One push is:
   3. every receiver verifies and applies (WeightReceiver.commit), then the results are gathered on
      the trainer (through the store), which raises WeightUpdateError naming every engine that refused.
 
-Engine processes run `DistributedReceiver.serve()`, which returns when the trainer calls `close()`.
+Engine processes run `DistributedReceiver.serve()`, which returns when the trainer calls `close()`; a
+Ray fleet (rollwise.control.ray_fleet_collective) instead asks each engine actor to `receive()` once per
+update, and calls `send` and `collect` itself so it can notice a dead actor before waiting for its verdict.
 """
 
 from __future__ import annotations
