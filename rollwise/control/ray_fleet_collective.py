@@ -70,7 +70,9 @@ class FleetWeightGroup:
         return str(self.group.device.type) if self.group is not None else "cpu"
 
     def form(self, slots: Sequence[_Slot]) -> None:
-        """A fresh group of this process (rank 0) and `slots` (ranks 1..N), all joining at once."""
+        """A fresh group of this process (rank 0) and `slots` (ranks 1..N), all joining at once. An engine
+        that dies while the group forms is noticed only at timeout_s (the rendezvous cannot be
+        interrupted): the error then names the engines' join errors."""
         self.abandon()
         device = group_device([s.info.get("weight_device", "cpu") for s in slots])
         init = free_init_method(ray.util.get_node_ip_address())
