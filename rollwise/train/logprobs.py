@@ -4,6 +4,13 @@ The LM head is applied only at the positions that are trained (response tokens),
 at a time, and each chunk runs under activation checkpointing: its [chunk, vocab] logits are freed
 after the forward and recomputed in the backward. Peak memory for logits is one chunk, not
 batch x length x vocab (4 GB for 8 x 2048 x 64k in fp32).
+
+`fused=True` (train.fused_logprobs) runs the same math as one autograd function (FusedLogprobs):
+log-softmax, the sampled token's log-prob and the entropy from one logits buffer per chunk, and a
+backward that writes d(logp)/d(logits) = g * (onehot - softmax) in place, with no [rows, vocab]
+scatter for the gather, no second entropy pass and no autograd graph over the softmax. It keeps
+each chunk's softmax for the backward (no recomputed LM-head matmul) while the micro-batch's
+probabilities fit `keep_mib`, and recomputes them chunk by chunk beyond that.
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+
+KEEP_PROBS_MIB = 512  # fused path: softmax kept for the backward up to this size (else recomputed)
 
 
 def _chunk_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float):
@@ -22,6 +31,79 @@ def _chunk_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets
     return logp, entropy
 
 
+def _softmax_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                   temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """One chunk's (softmax [n, V], logp of targets [n], entropy [n]), every [n, V] step in place."""
+    logits = F.linear(hidden, weight, bias).float()
+    if temperature != 1.0:
+        logits.div_(temperature)
+    logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))  # now log-softmax
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    probs = logits.exp()
+    # entropy = -sum p log p, as a batched row dot product (no [n, V] temporary)
+    entropy = -torch.bmm(probs.unsqueeze(1), logits.unsqueeze(2)).view(-1)
+    return probs, logp, entropy
+
+
+def _fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
+                   chunk_tokens: int, keep: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """(logp [N], entropy [N], each chunk's softmax when `keep`)."""
+    logps, entropies, kept = [], [], []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        probs, logp, entropy = _softmax_stats(hidden[start : start + chunk_tokens], weight, bias,
+                                              targets[start : start + chunk_tokens], temperature)
+        logps.append(logp)
+        entropies.append(entropy)
+        if keep:
+            kept.append(probs)
+    return torch.cat(logps), torch.cat(entropies), kept
+
+
+class FusedLogprobs(torch.autograd.Function):
+    """(hidden [N, H], LM head weight [V, H], bias, targets [N]) -> (logp [N], entropy [N]).
+
+    The math of `_chunk_logprobs` (tested to 1e-5), with the gradient of the log-prob written by
+    hand: d logp_i / d logits_i = (onehot(t_i) - softmax_i) / temperature. Entropy is a reported
+    metric: no gradient flows through it."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,  # type: ignore[override]
+                temperature: float, chunk_tokens: int, keep_mib: float) -> tuple[Tensor, Tensor]:
+        keep = hidden.shape[0] * weight.shape[0] * 4 <= keep_mib * 2**20
+        logp, entropy, kept = _fused_forward(hidden, weight, bias, targets, temperature, chunk_tokens, keep)
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.kept, ctx.temperature, ctx.chunk_tokens = kept, temperature, chunk_tokens
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor, _grad_entropy: Tensor):  # type: ignore[override]
+        hidden, weight, bias, targets = ctx.saved_tensors
+        kept, chunk, temperature = ctx.kept, ctx.chunk_tokens, ctx.temperature
+        ctx.kept = []  # overwritten below (a second backward would be wrong): free them as we go
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
+        for i, start in enumerate(range(0, hidden.shape[0], chunk)):
+            h, t = hidden[start : start + chunk], targets[start : start + chunk]
+            g = (grad_logp[start : start + chunk] / temperature).float().unsqueeze(-1)
+            probs = kept[i] if kept else _softmax_stats(h, weight, bias, t, temperature)[0]
+            if kept:
+                kept[i] = None  # type: ignore[call-overload]
+            # d loss / d logits = g * (onehot - softmax) / temperature, built in the softmax's buffer
+            grad_logits = probs.mul_(-g)
+            grad_logits.scatter_add_(-1, t.unsqueeze(-1), g)
+            if grad_hidden is not None:
+                torch.mm(grad_logits.to(hidden.dtype), weight, out=grad_hidden[start : start + chunk])
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.t(), h.float())
+            if grad_bias is not None:
+                grad_bias.add_(grad_logits.sum(0))
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
 def lm_head_logprobs(
     hidden: Tensor,
     lm_head: nn.Linear,
@@ -29,10 +111,19 @@ def lm_head_logprobs(
     *,
     temperature: float = 1.0,
     chunk_tokens: int = 1024,
+    fused: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """hidden [N, H] (the positions that predict `targets` [N]) -> (logprobs [N], entropy [N])."""
     if temperature <= 0:
         temperature = 1.0  # greedy sampling reports logprobs of the untempered distribution
+    if fused and torch.is_grad_enabled() and hidden.requires_grad:
+        return FusedLogprobs.apply(hidden, lm_head.weight, lm_head.bias, targets, float(temperature),
+                                   chunk_tokens, KEEP_PROBS_MIB)
+    if fused:  # no graph to build (reference model, measurement): the same math, nothing kept
+        with torch.no_grad():
+            logp, entropy, _ = _fused_forward(hidden, lm_head.weight, lm_head.bias, targets, float(temperature),
+                                              chunk_tokens, keep=False)
+        return logp, entropy
     logps, entropies = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
         h = hidden[start : start + chunk_tokens]
@@ -56,6 +147,7 @@ def sequence_logprobs(
     *,
     temperature: float = 1.0,
     chunk_tokens: int = 1024,
+    fused: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Log-probs of input_ids[:, t] for every t where target_mask[:, t] is set (flattened, row-major).
 
@@ -67,9 +159,8 @@ def sequence_logprobs(
     predict_mask = target_mask[:, 1:]
     selected_hidden = hidden[:, :-1][predict_mask]
     targets = input_ids[:, 1:][predict_mask]
-    return lm_head_logprobs(
-        selected_hidden, model.get_output_embeddings(), targets, temperature=temperature, chunk_tokens=chunk_tokens
-    )
+    return lm_head_logprobs(selected_hidden, model.get_output_embeddings(), targets, temperature=temperature,
+                            chunk_tokens=chunk_tokens, fused=fused)
 
 
 def shared_prompt_logprobs(
@@ -80,6 +171,7 @@ def shared_prompt_logprobs(
     *,
     temperature: float = 1.0,
     chunk_tokens: int = 1024,
+    fused: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Log-probs of G responses that share one prompt, running the prompt through the model once.
 
@@ -108,5 +200,5 @@ def shared_prompt_logprobs(
     predictors = torch.cat([last_prompt, response_hidden[:, :-1]], dim=1)
     return lm_head_logprobs(
         predictors[response_mask], model.get_output_embeddings(), responses[response_mask],
-        temperature=temperature, chunk_tokens=chunk_tokens,
+        temperature=temperature, chunk_tokens=chunk_tokens, fused=fused,
     )

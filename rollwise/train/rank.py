@@ -64,13 +64,13 @@ class PolicyLogprobs(nn.Module):
     LM head) are gathered by FSDP's own hooks even though the LM head is applied outside the
     Hugging Face forward (rollwise.train.logprobs)."""
 
-    def __init__(self, model: nn.Module, temperature: float, chunk_tokens: int) -> None:
+    def __init__(self, model: nn.Module, temperature: float, chunk_tokens: int, fused: bool = False) -> None:
         super().__init__()
         self.model = model
-        self.temperature, self.chunk_tokens = temperature, chunk_tokens
+        self.temperature, self.chunk_tokens, self.fused = temperature, chunk_tokens, fused
 
     def forward(self, mb: MicroBatch | GroupMicroBatch) -> tuple[Tensor, Tensor]:
-        return mb.logprobs(self.model, self.temperature, self.chunk_tokens)
+        return mb.logprobs(self.model, self.temperature, self.chunk_tokens, self.fused)
 
 
 class RankTrainer(GRPOTrainer):
@@ -82,7 +82,8 @@ class RankTrainer(GRPOTrainer):
         self.before_step = self._record_grad_bytes
 
     def _prepare_model(self) -> None:
-        self.policy = PolicyLogprobs(self.model, self.temperature, self.cfg.logprob_chunk_tokens)
+        self.policy = PolicyLogprobs(self.model, self.temperature, self.cfg.logprob_chunk_tokens,
+                                     self.cfg.fused_logprobs)
         shard_model(self.policy, self.model.get_decoder().layers, self.spec)
 
     def _logprobs(self, mb: MicroBatch | GroupMicroBatch) -> tuple[Tensor, Tensor]:

@@ -44,9 +44,10 @@ class MicroBatch:
     padding: bool = False
     routing: ReplayBatch | None = None  # the engine's MoE routing, for replay (R3) and disagreement metrics
 
-    def logprobs(self, model: nn.Module, temperature: float, chunk_tokens: int) -> tuple[Tensor, Tensor]:
+    def logprobs(self, model: nn.Module, temperature: float, chunk_tokens: int,
+                 fused: bool = False) -> tuple[Tensor, Tensor]:
         return sequence_logprobs(model, self.input_ids, self.attention_mask, self.target_mask,
-                                 temperature=temperature, chunk_tokens=chunk_tokens)
+                                 temperature=temperature, chunk_tokens=chunk_tokens, fused=fused)
 
     @property
     def n_tokens(self) -> int:
@@ -66,9 +67,10 @@ class GroupMicroBatch:
     padding: bool = False
     routing: ReplayBatch | None = None
 
-    def logprobs(self, model: nn.Module, temperature: float, chunk_tokens: int) -> tuple[Tensor, Tensor]:
+    def logprobs(self, model: nn.Module, temperature: float, chunk_tokens: int,
+                 fused: bool = False) -> tuple[Tensor, Tensor]:
         return shared_prompt_logprobs(model, self.prompt_ids, self.responses, self.response_mask,
-                                      temperature=temperature, chunk_tokens=chunk_tokens)
+                                      temperature=temperature, chunk_tokens=chunk_tokens, fused=fused)
 
     @property
     def n_tokens(self) -> int:
@@ -187,6 +189,9 @@ class GRPOTrainer:
             lr=cfg.lr,
             betas=cfg.adam_betas,
             weight_decay=cfg.weight_decay,
+            # fused: one vectorised pass per parameter (the default per-parameter loop makes ~6 passes
+            # over 4 bytes x N each; on a 2-core CPU it was ~7% of a train step)
+            fused=cfg.fused_optimizer or None,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_factor, cfg))
 
@@ -217,9 +222,9 @@ class GRPOTrainer:
     def _logprobs(self, mb: MicroBatch | GroupMicroBatch) -> tuple[Tensor, Tensor]:
         """The policy's log-probs and entropy of a micro-batch's trained tokens."""
         if self.routing is None:
-            return mb.logprobs(self.model, self.temperature, self.cfg.logprob_chunk_tokens)
+            return mb.logprobs(self.model, self.temperature, self.cfg.logprob_chunk_tokens, self.cfg.fused_logprobs)
         self.routing.begin(mb.routing)
-        out = mb.logprobs(self.model, self.temperature, self.cfg.logprob_chunk_tokens)
+        out = mb.logprobs(self.model, self.temperature, self.cfg.logprob_chunk_tokens, self.cfg.fused_logprobs)
         self.routing.end()
         return out
 
@@ -322,7 +327,8 @@ class GRPOTrainer:
             ref_logp = None
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref_logp, _ = mb.logprobs(self.ref_model, self.temperature, self.cfg.logprob_chunk_tokens)
+                    ref_logp, _ = mb.logprobs(self.ref_model, self.temperature, self.cfg.logprob_chunk_tokens,
+                                              self.cfg.fused_logprobs)
             terms = clipped_surrogate_loss(
                 logp,
                 mb.behaviour_logp,
