@@ -15,6 +15,13 @@ multi-LoRA). Modelled here:
   comparison `rollwise bench mux` makes, in engine-hours (DESIGN.md: Σ engines × time held).
 
 Trainer GPUs are the same in both arms and not counted in engine-hours.
+
+`--pool` adds the same jobs through the pool's own scheduler (rollwise.sim.mux, which drives
+rollwise.pool.scheduler.plan, validated against `rollwise bench mux --lora` by `rollwise sim validate-mux
+--lora`): once as LoRA jobs on one base (one engine tenancy, one batch, no switches) and once as
+full-parameter jobs, time-sliced as the pool serves them (a full weight push per step, a switch costs a
+sleep and a wake, or an engine load: `FULL_SWITCH`, assumptions stated there). The gap between the two is
+what adapters add to multiplexing (PlexRL's time-slicing of full models measured 37.58% fewer GPU-hours).
 """
 
 from __future__ import annotations
@@ -33,7 +40,12 @@ from rich.table import Table
 from rollwise.engine.types import GenerationRequest, SamplingParams
 from rollwise.sim.cost import CostModel, TrainerModel, load_cost_file
 from rollwise.sim.engine import SimEngine, VirtualClock
-from rollwise.sim.mux import MuxJob
+from rollwise.sim.mux import MuxJob, Transitions, simulate_mux
+
+# Full-parameter 7B on an H100, switching jobs (assumptions): sleep offloads the weights to host memory
+# (15 GB at ~25 GB/s pinned PCIe, ~0.6 s) and wake brings them back (~0.6 s + KV cache re-allocation); a
+# load builds an engine and reads the weights from the job's store (~20 s: engine start, CUDA graphs).
+FULL_SWITCH = Transitions(load_s=20.0, wake_s=1.0, sleep_s=0.7)
 
 
 @dataclass(frozen=True)
@@ -161,6 +173,33 @@ def compare_lora(jobs: list[MuxJob], engines: int, cost: CostModel, serving: Ada
             "median_slowdown": slowdowns[len(slowdowns) // 2], "max_slowdown": slowdowns[-1]}
 
 
+def compare_pool(jobs: list[MuxJob], engines: int, cost: CostModel, serving: AdapterCost = AdapterCost(),
+                 full_switch: Transitions = FULL_SWITCH, seed: int = 0) -> dict[str, Any]:
+    """The jobs through the pool's scheduler (rollwise.sim.mux) on `engines` shared engines vs one dedicated
+    engine each: as LoRA jobs on one base (adapter pushes; unmerged overhead on the shared engines only) and
+    as full-parameter jobs (full weight pushes, time-sliced with `full_switch` costs)."""
+    from rollwise.pool.scheduler import Policy
+
+    policy = Policy(min_slice_s=5.0)
+    out: dict[str, Any] = {"jobs": len(jobs), "engines": engines}
+    for kind in ("lora", "full"):
+        lora = kind == "lora"
+        specs = [replace(j, base="base" if lora else None,
+                         push_s=serving.adapter_push_s if lora else cost.weight_update_s) for j in jobs]
+        dedicated = {j.name: simulate_mux([replace(j, start_s=0.0)], 1, cost, Transitions(), policy, seed)
+                     for j in specs}
+        shared = simulate_mux(specs, engines, cost, Transitions() if lora else full_switch, policy, seed,
+                              engine_slowdown=1.0 + serving.decode_overhead if lora else 1.0)
+        dedicated_hours = sum(d["engine_hours"] for d in dedicated.values())
+        start = min(j.start_s for j in specs)
+        span = max(j.start_s + shared["jobs"][j.name]["wall_s"] for j in specs) - start
+        slowdowns = sorted(shared["jobs"][n]["wall_s"] / dedicated[n]["makespan_s"] - 1 for n in dedicated)
+        out[kind] = {"dedicated_engine_hours": dedicated_hours, "shared_engine_hours": engines * span / 3600,
+                     "engine_hours_saved": 1 - engines * span / 3600 / dedicated_hours,
+                     "median_slowdown": slowdowns[len(slowdowns) // 2], "max_slowdown": slowdowns[-1]}
+    return out
+
+
 def projection_jobs(n: int, trainer: TrainerModel, steps: int = 10, seed: int = 0) -> list[MuxJob]:
     """n GRPO LoRA jobs on one 7B base: 8 prompts x 8 samples a step, 512-token prompts, responses of
     ~512 tokens (exponential, at most 2048); launched within the first minute; each trains on one GPU."""
@@ -171,14 +210,19 @@ def projection_jobs(n: int, trainer: TrainerModel, steps: int = 10, seed: int = 
 
 
 def project(cost_name: str = "h100-7b", jobs: int = 64, engine_counts: tuple[int, ...] = (8, 16, 32, 64),
-            serving: AdapterCost = AdapterCost(), steps: int = 10) -> list[dict[str, Any]]:
+            serving: AdapterCost = AdapterCost(), steps: int = 10, pool: bool = False) -> list[dict[str, Any]]:
+    """compare_lora per engine count; pool=True adds compare_pool's two arms (key "pool")."""
     from rollwise.sim.cost import CONFIG_DIR
 
     cost, trainer = load_cost_file(CONFIG_DIR / f"{cost_name}.yaml")
     if trainer is None:
         raise ValueError(f"cost model {cost_name!r} has no trainer section")
     specs = projection_jobs(jobs, trainer, steps)
-    return [compare_lora(specs, e, cost, serving) for e in engine_counts]
+    rows = [compare_lora(specs, e, cost, serving) for e in engine_counts]
+    if pool:
+        for row in rows:
+            row["pool"] = compare_pool(specs, row["engines"], cost, serving)
+    return rows
 
 
 # ---------------------------------------------------------------------------- `rollwise sim lora`
@@ -191,13 +235,16 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--decode-overhead", type=float, default=AdapterCost.decode_overhead,
                    help="unmerged multi-adapter batch slowdown (default: %(default)s)")
+    p.add_argument("--pool", action="store_true",
+                   help="also through the pool's scheduler: the jobs as LoRA jobs, and as full-parameter jobs time-sliced")
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
     from rollwise.sim.cli import write_json
 
     engines = tuple(int(x) for x in args.engines.split(","))
-    rows = project(args.cost, args.jobs, engines, AdapterCost(decode_overhead=args.decode_overhead), args.steps)
+    rows = project(args.cost, args.jobs, engines, AdapterCost(decode_overhead=args.decode_overhead), args.steps,
+                   pool=args.pool)
     table = Table(title=f"{args.jobs} LoRA jobs on one base ({args.cost}): shared engines vs one dedicated engine each")
     for col in ("engines", "engine-h dedicated", "engine-h shared", "saved", "median slowdown", "max slowdown"):
         table.add_column(col, justify="right")
@@ -205,8 +252,24 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         table.add_row(str(r["engines"]), f"{r['dedicated_engine_hours']:.2f}", f"{r['shared_engine_hours']:.2f}",
                       f"{r['engine_hours_saved']:.0%}", f"{r['median_slowdown']:+.0%}", f"{r['max_slowdown']:+.0%}")
     console.print(table)
+    if args.pool:
+        console.print(_pool_table(rows, args))
     write_json(args.json, rows, console)
     return 0
+
+
+def _pool_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> Table:
+    table = Table(title=f"the same {args.jobs} jobs through the pool's scheduler: LoRA (one batch) vs full-parameter "
+                        "(time-sliced)")
+    for col in ("engines", "LoRA saved", "LoRA median / max slowdown", "full saved", "full median / max slowdown"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        lora, full = r["pool"]["lora"], r["pool"]["full"]
+        table.add_row(str(r["engines"]), f"{lora['engine_hours_saved']:.0%}",
+                      f"{lora['median_slowdown']:+.0%} / {lora['max_slowdown']:+.0%}",
+                      f"{full['engine_hours_saved']:.0%}",
+                      f"{full['median_slowdown']:+.0%} / {full['max_slowdown']:+.0%}")
+    return table
 
 
 def command() -> Any:

@@ -123,8 +123,10 @@ def _lognormal(rng: random.Random, cv: float) -> float:
 
 
 def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions: Transitions = Transitions(),
-                 policy: Policy = Policy(), seed: int = 0, host: Host = Host()) -> dict[str, Any]:
-    """Run the jobs to their last step on `engines` shared slots; per-job wall time and engine-hours."""
+                 policy: Policy = Policy(), seed: int = 0, host: Host = Host(),
+                 engine_slowdown: float = 1.0) -> dict[str, Any]:
+    """Run the jobs to their last step on `engines` shared slots; per-job wall time and engine-hours.
+    engine_slowdown: every engine step takes this much longer (e.g. unmerged multi-LoRA batches)."""
     clock = VirtualClock()
     rng = random.Random(seed)
     by_name = {j.name: j for j in jobs}
@@ -208,7 +210,7 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
                 for name in decision.tenants:  # LoRA jobs of one base: one batch, most deserving first
                     js = state[name]
                     if js.queue and js.queue[0].params.n <= room and not added:  # this step's generation speed
-                        s.engine.set_slowdown(js.generate_factor)
+                        s.engine.set_slowdown(js.generate_factor * engine_slowdown)
                     while js.queue and js.queue[0].params.n <= room:
                         req = js.queue.popleft()
                         room -= req.params.n
