@@ -8,6 +8,7 @@
     rollwise bench speculation [--quick] [--engine both|vllm|reference] [--json PATH]
                                                      rollouts with / without drafts from rollout history
     rollwise bench trainer [--quick] [--json PATH]    1 trainer rank vs 2 FSDP2 ranks: tokens/s, MFU, memory/rank, push
+    rollwise bench trainer-step [--quick] [--json PATH] one train step per trainer variant, interleaved: ratios
     rollwise bench loop [--quick] [--json PATH]       the default `rollwise train`: wall, samples/s, MFU, idle cores
     rollwise bench r3 [--quick] [--json PATH]         an MoE trained with / without rollout routing replay (mismatch)
     rollwise compare RUN_DIR RUN_DIR ... [--out PNG]  reward vs wall time and vs samples, runs side by side
@@ -88,7 +89,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "name", choices=["engine", "rollout", "sync", "router", "sandbox", "mux", "speculation", "trainer", "loop",
-                 "intercept", "r3"],
+                 "intercept", "r3", "trainer-step"],
         help="router: routing policies (round robin ... prefix-aware) side by side on real tiny-model replicas and "
         "64 simulated ones, every router in its own process, vllm-router's cache_aware too when installed "
         "(prefix hit rate, prefill tokens, p50/p99 latency, load imbalance, router CPU per request); "
@@ -108,7 +109,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "core-seconds, held-out accuracy (--quick: 2 steps of 2 groups, 10 held-out problems; --model overrides "
         "the config's model only when given); r3: the upcycled MoE (bundled:smollm2-moe unless --model is given; --quick: a tiny random "
         "MoE) trained with and without rollout routing replay, engine in bf16 and trainer in fp32: router "
-        "disagreement, logprob mismatch, k3 KL, ratio>2 per step, held-out accuracy, replay cost, MoE-CAP counts",
+        "disagreement, logprob mismatch, k3 KL, ratio>2 per step, held-out accuracy, replay cost, MoE-CAP counts; "
+        "trainer-step: one default-shaped train step under trainer variants (train.fused_*), interleaved in one "
+        "process, step-time ratios to the baseline (--quick: a tiny model, 1 round)",
     )
     bench.add_argument("--quick", action="store_true", help="small workload (< 1 minute on 2 CPU cores)")
     bench.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
@@ -314,6 +317,19 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         result["command"] = " ".join(["rollwise"] + sys.argv[1:])
         result["model"] = spec
         console.print(format_r3_bench(result))
+        write_json(args.json, result, console)
+        return 0
+    if args.name == "trainer-step":  # --quick: a tiny model built in code instead of --model
+        from rollwise.bench.trainer import format_trainer_step_bench, run_trainer_step_bench
+        from rollwise.model.loading import load_model
+
+        spec = "tiny:0" if args.quick else args.model
+        with console.status(f"one train step per trainer variant, interleaved ({spec})"):
+            model, tokenizer = load_model(spec)
+            result = run_trainer_step_bench(model, tokenizer, model_spec=spec, quick=args.quick,
+                                            rounds=1 if args.quick else 3, seed=args.seed)
+        result["command"] = " ".join(["rollwise"] + sys.argv[1:])
+        console.print(format_trainer_step_bench(result))
         write_json(args.json, result, console)
         return 0
     if args.name == "trainer":  # --quick: a tiny model built in code instead of --model

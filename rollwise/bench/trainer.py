@@ -9,12 +9,21 @@ the time to gather the weights from the ranks and push them into an engine throu
 weight path, next to the single-process trainer's push.
 Goals (issue 18): each of 2 ranks holds ≤ 0.6× the single-process parameter+gradient+optimizer
 bytes, and the sharded push takes ≤ 1.5× the single-process push.
+
+`rollwise bench trainer-step` (issue 23 item 2, `run_trainer_step_bench`): ONE train step of a batch
+shaped like the default run's (8 groups × 16 samples, a ~100-token prompt, responses up to 48
+tokens, two groups with zero advantage), under trainer variants ("arms": the train.* switches that
+change how a step computes, not what it learns), run interleaved in one process (A, B, ..., B, A,
+...) so that load from other work hits every arm alike. Reported: each arm's median step time and
+its median ratio to the baseline arm over the rounds, and its MFU against a matmul peak measured in
+the same run.
 """
 
 from __future__ import annotations
 
 import copy
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +34,7 @@ from torch import nn
 
 from rollwise.config import EngineConfig, TrainConfig, TrainerConfig
 from rollwise.engine.factory import create_engine
+from rollwise.observe.flops import DenseModel, training_flops
 from rollwise.observe.peak import measure_matmul
 from rollwise.sync.buckets import WeightUpdate
 from rollwise.train.sharded import ShardedTrainer
@@ -185,4 +195,96 @@ def format_trainer_bench(result: dict[str, Any]) -> Table:
     table.caption = (f"single-process push {result['single_process_push_s']:.3f} s; goals (2 ranks): "
                      f"P+G+O per rank ≤ {mem['goal']}× → {mem['measured']:.2f}× ({'met' if mem['met'] else 'NOT met'}), "
                      f"push ≤ {push['goal']}× → {push['measured']:.2f}× ({'met' if push['met'] else 'NOT met'})")
+    return table
+
+
+# ---------------------------------------------------------------- rollwise bench trainer-step
+
+# Each arm is a set of train.* overrides on the default TrainConfig; "baseline" is the step before
+# issue 23 item 2, "default" today's defaults. Ratios are to the baseline.
+STEP_ARMS: dict[str, dict[str, Any]] = {
+    "baseline": {"fused_logprobs": False, "fused_optimizer": False},
+    "fused_optimizer": {"fused_logprobs": False, "fused_optimizer": True},
+    "fused_logprobs": {"fused_logprobs": True, "fused_optimizer": False},
+    "default": {},
+}
+
+
+def default_like_batch(vocab: int, groups: int, group_size: int, prompt_len: int, max_response: int,
+                       zero_groups: int, seed: int) -> list[Sample]:
+    """GRPO groups like the default run's: one prompt per group, responses of 1/4 to all of
+    `max_response` tokens, the first `zero_groups` groups with zero advantage (skipped by the trainer)."""
+    rng = random.Random(seed)
+    samples = []
+    for g in range(groups):
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        for i in range(group_size):
+            length = rng.randint(max(max_response // 4, 1), max_response)
+            advantage = 0.0 if g < zero_groups else (1.0 if i % 2 else -1.0) * rng.uniform(0.5, 1.5)
+            samples.append(Sample(sample_id=f"{g}/{i}", group_id=str(g), problem_id=str(g), prompt_ids=prompt,
+                                  response_ids=[rng.randrange(3, vocab) for _ in range(length)],
+                                  behaviour_logprobs=[-5.0] * length, versions=[0] * length, finish_reason="stop",
+                                  advantage=advantage))
+    return samples
+
+
+def _timed_step(trainer: GRPOTrainer, batch: list[Sample]) -> float:
+    start = time.perf_counter()
+    trainer.train_step(batch)
+    return time.perf_counter() - start
+
+
+def run_trainer_step_bench(model: nn.Module, tokenizer: Any, *, model_spec: str, quick: bool = False,
+                           rounds: int = 3, arms: list[str] | None = None, groups: int | None = None,
+                           seed: int = 0) -> dict[str, Any]:
+    """Every arm's trainer shares `model` (lr 1e-9: the weights barely move, so each arm steps on the
+    same weights) and keeps its own optimizer state; one warm-up step each, then `rounds` rounds,
+    every other round in reverse order (drift in the machine's load falls on all arms alike)."""
+    arms = arms or list(STEP_ARMS)
+    unknown = [a for a in arms if a not in STEP_ARMS]
+    if unknown or "baseline" not in arms:
+        raise ValueError(f"trainer-step arms must include 'baseline' and be among {', '.join(STEP_ARMS)}; got {arms}")
+    default_groups, group_size, prompt_len, max_response, matmul = (
+        (2, 4, 16, 16, 512) if quick else (8, 16, 100, 48, 2048))
+    groups = groups or default_groups
+    batch = default_like_batch(int(model.config.vocab_size), groups, group_size, prompt_len, max_response,
+                               zero_groups=groups // 4, seed=seed)
+    base = dict(lr=1e-9, micro_batch_size=16, off_policy_correction="none")
+    trainers = {arm: GRPOTrainer(model, TrainConfig(**base, **STEP_ARMS[arm]), pad_token_id=tokenizer.pad_token_id)
+                for arm in arms}
+    cfg = trainers["baseline"].cfg
+    flops = training_flops(DenseModel.from_hf_config(model.config), batch, cfg)
+    threads = torch.get_num_threads()
+    peak = measure_matmul_peak(threads, matmul)
+    for trainer in trainers.values():
+        trainer.train_step(batch)  # warm-up: allocations, optimizer state
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
+    for r in range(rounds):
+        for arm in (arms if r % 2 == 0 else arms[::-1]):
+            times[arm].append(_timed_step(trainers[arm], batch))
+    rows = []
+    for arm in arms:
+        ratios = [t / b for t, b in zip(times[arm], times["baseline"])]
+        step_s = statistics.median(times[arm])
+        rows.append({"arm": arm, "overrides": STEP_ARMS[arm], "step_s": times[arm], "median_step_s": step_s,
+                     "median_ratio_to_baseline": statistics.median(ratios), "mfu": flops / (step_s * peak)})
+    trained = [s for s in batch if s.advantage != 0.0]
+    return {"benchmark": "trainer-step", "model": model_spec, "quick": quick, "rounds": rounds, "threads": threads,
+            "batch": {"samples": len(batch), "trained_samples": len(trained), "groups": groups,
+                      "prompt_tokens": prompt_len, "max_response_tokens": max_response,
+                      "trained_tokens": sum(s.trained_tokens for s in trained)},
+            "train_flops_per_step": flops, "matmul_peak_flops": peak, "rows": rows}
+
+
+def format_trainer_step_bench(result: dict[str, Any]) -> Table:
+    b = result["batch"]
+    table = Table(title=f"trainer-step: {result['model']}, {b['samples']} samples ({b['trained_samples']} trained, "
+                        f"{b['trained_tokens']} tokens), {result['rounds']} interleaved rounds, "
+                        f"peak {result['matmul_peak_flops'] / 1e9:.1f} GFLOP/s on {result['threads']} threads")
+    for col in ("arm", "overrides", "median step s", "vs baseline (median of rounds)", "MFU"):
+        table.add_column(col, justify="left" if col in ("arm", "overrides") else "right")
+    for row in result["rows"]:
+        table.add_row(row["arm"], ", ".join(f"{k}={v}" for k, v in row["overrides"].items()) or "(defaults)",
+                      f"{row['median_step_s']:.2f}", f"{row['median_ratio_to_baseline']:.3f}×", f"{row['mfu']:.1%}")
+    table.caption = "ratios from arms run interleaved in one process: valid on a loaded machine; step times are not"
     return table
