@@ -178,17 +178,15 @@ def compare_pool(jobs: list[MuxJob], engines: int, cost: CostModel, serving: Ada
     """The jobs through the pool's scheduler (rollwise.sim.mux) on `engines` shared engines vs one dedicated
     engine each: as LoRA jobs on one base (adapter pushes; unmerged overhead on the shared engines only) and
     as full-parameter jobs (full weight pushes, time-sliced with `full_switch` costs)."""
-    from rollwise.pool.scheduler import Policy
-
-    policy = Policy(min_slice_s=5.0)
     out: dict[str, Any] = {"jobs": len(jobs), "engines": engines}
     for kind in ("lora", "full"):
         lora = kind == "lora"
         specs = [replace(j, base="base" if lora else None,
                          push_s=serving.adapter_push_s if lora else cost.weight_update_s) for j in jobs]
-        dedicated = {j.name: simulate_mux([replace(j, start_s=0.0)], 1, cost, Transitions(), policy, seed)
+        # (the pool's default policy: a job with work keeps a slot at least 5 s)
+        dedicated = {j.name: simulate_mux([replace(j, start_s=0.0)], 1, cost, Transitions(), seed=seed)
                      for j in specs}
-        shared = simulate_mux(specs, engines, cost, Transitions() if lora else full_switch, policy, seed,
+        shared = simulate_mux(specs, engines, cost, Transitions() if lora else full_switch, seed=seed,
                               engine_slowdown=1.0 + serving.decode_overhead if lora else 1.0)
         dedicated_hours = sum(d["engine_hours"] for d in dedicated.values())
         start = min(j.start_s for j in specs)
