@@ -1,0 +1,122 @@
+"""The faster train step computes what the plain one does (issue 23 item 2): the fused LM-head
+log-probs (train.fused_logprobs) and fused AdamW (train.fused_optimizer) against the checkpointed
+log_softmax path and AdamW's per-parameter loop, to a max relative error of 1e-5 in fp32, on a tiny
+model with unequal prompt/response lengths and zero-advantage groups. Exactness, not timing
+(`rollwise bench trainer-step` times them)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from rollwise.config import TrainConfig
+from rollwise.model.tiny import tiny_llama
+from rollwise.train.logprobs import FusedLogprobs, lm_head_logprobs
+from rollwise.train.trainer import GRPOTrainer
+from rollwise.types.sample import Sample
+
+MAX_REL = 1e-5
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def _samples(seed: int, groups: int = 4, group_size: int = 3, zero_groups: int = 1) -> list[Sample]:
+    """GRPO groups with unequal prompt and response lengths; the first `zero_groups` groups have
+    advantage 0 (skipped without a KL term, trained with one)."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        prompt = [rng.randrange(3, 90) for _ in range(rng.randint(2, 9))]
+        for i in range(group_size):
+            response = [rng.randrange(3, 90) for _ in range(rng.randint(1, 12))]
+            advantage = 0.0 if g < zero_groups else rng.uniform(-1, 1)
+            out.append(Sample(sample_id=f"{g}/{i}", group_id=str(g), problem_id=str(g), prompt_ids=prompt,
+                              response_ids=response, behaviour_logprobs=[rng.uniform(-6, -2) for _ in response],
+                              versions=[0] * len(response), finish_reason="stop", advantage=advantage))
+    return out
+
+
+@pytest.mark.parametrize("temperature,bias", [(1.0, False), (0.7, True)])
+@pytest.mark.parametrize("keep_mib", [512.0, 0.0])  # softmax kept for the backward, or recomputed per chunk
+def test_fused_logprobs_equal_the_checkpointed_log_softmax(temperature, bias, keep_mib):
+    torch.manual_seed(0)
+    lm_head = torch.nn.Linear(24, 97, bias=bias)
+    hidden = torch.randn(23, 24, requires_grad=True)
+    targets = torch.randint(0, 97, (23,))
+    upstream = torch.randn(23)  # any loss: its gradient w.r.t. the log-probs
+
+    def run(fused: bool):
+        lm_head.zero_grad()
+        hidden.grad = None
+        if fused:
+            logp, entropy = FusedLogprobs.apply(hidden, lm_head.weight, lm_head.bias, targets, temperature, 5,
+                                                keep_mib)
+        else:
+            logp, entropy = lm_head_logprobs(hidden, lm_head, targets, temperature=temperature, chunk_tokens=5)
+        (logp * upstream).sum().backward()
+        grads = [hidden.grad.clone(), lm_head.weight.grad.clone()] + ([lm_head.bias.grad.clone()] if bias else [])
+        return [logp.detach(), entropy.detach()] + grads
+
+    for got, want in zip(run(True), run(False)):
+        assert _rel(got, want) <= MAX_REL
+
+
+def test_fused_logprobs_without_a_graph_equal_the_plain_path():
+    """The reference model and the measuring forward run without grad: same log-probs and entropy."""
+    model = tiny_llama(seed=7)
+    hidden = torch.randn(9, 64)
+    targets = torch.randint(0, model.config.vocab_size, (9,))
+    with torch.no_grad():
+        fused = lm_head_logprobs(hidden, model.get_output_embeddings(), targets, temperature=0.8, fused=True)
+        plain = lm_head_logprobs(hidden, model.get_output_embeddings(), targets, temperature=0.8)
+    for got, want in zip(fused, plain):
+        assert _rel(got, want) <= MAX_REL
+
+
+def _step(cfg: TrainConfig, samples: list[Sample]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
+                                                            dict[str, float]]:
+    """(gradients before clipping, each weight's update, metrics) of one train step."""
+    model = tiny_llama(seed=3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = GRPOTrainer(model, cfg, pad_token_id=0)
+    grads: dict[str, torch.Tensor] = {}
+    trainer.before_step = lambda m: grads.update({n: p.grad.clone() for n, p in m.named_parameters()})
+    metrics = trainer.train_step(samples)
+    return grads, {n: p.detach() - before[n] for n, p in model.named_parameters()}, metrics
+
+
+CASES = [(True, 0.0, "token_mean"), (False, 0.0, "seq_mean_token_mean"),
+         (True, 0.05, "token_mean")]  # with a KL term the zero-advantage group is trained; the reference runs fused
+
+
+@pytest.mark.parametrize("share,kl_coef,loss_agg", CASES)
+def test_fused_logprobs_train_step_equals_the_plain_step(share, kl_coef, loss_agg):
+    """Same gradients and metrics (the optimizer is the same on both sides)."""
+    samples = _samples(seed=1)
+    base = dict(lr=1e-3, micro_batch_size=2, off_policy_correction="none", share_prompt_prefix=share,
+                kl_coef=kl_coef, loss_agg=loss_agg, fused_optimizer=False)
+    want_grads, _, want_metrics = _step(TrainConfig(**base, fused_logprobs=False), samples)
+    got_grads, _, got_metrics = _step(TrainConfig(**base, fused_logprobs=True), samples)
+    assert want_grads.keys() == got_grads.keys()
+    for name in want_grads:
+        assert _rel(got_grads[name], want_grads[name]) <= MAX_REL, name
+    assert got_metrics["trained_tokens"] == want_metrics["trained_tokens"] > 0
+    for key in ("loss", "grad_norm", "entropy", "mismatch_abs_logp", "kl", "clip_fraction"):
+        assert got_metrics[key] == pytest.approx(want_metrics[key], rel=MAX_REL, abs=1e-9), key
+
+
+def test_fused_optimizer_makes_the_same_update():
+    """Identical gradients (same log-prob path) give the same AdamW update with the fused kernel,
+    weight decay and gradient clipping included."""
+    samples = _samples(seed=2)
+    base = dict(lr=1e-3, micro_batch_size=2, off_policy_correction="none", weight_decay=0.1, grad_clip=0.05)
+    _, want, _ = _step(TrainConfig(**base, fused_optimizer=False), samples)
+    _, got, metrics = _step(TrainConfig(**base, fused_optimizer=True), samples)
+    assert metrics["grad_norm"] > 0.05  # the clip is active
+    for name in want:
+        assert want[name].abs().max() > 0, name
+        assert _rel(got[name], want[name]) <= MAX_REL, name
