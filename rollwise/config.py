@@ -196,6 +196,8 @@ class TrainConfig(_Section):
                                  "through log_softmax under activation checkpointing")
     fused_optimizer: bool = Field(True, description="AdamW's fused kernel (one pass over each parameter) instead of "
                                   "its per-parameter loop; same update to float rounding")
+    pack_responses: bool = Field(True, description="shared-prompt micro-batches: several responses per row (block-"
+                                 "diagonal causal mask), so a group costs its tokens, not group size x its longest")
     gradient_checkpointing: bool = False
     share_prompt_prefix: bool = Field(True, description="compute each group's shared prompt once in the forward")
     routing_replay: Literal["none", "r3"] = Field(
