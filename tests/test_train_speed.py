@@ -1,6 +1,7 @@
 """The faster train step computes what the plain one does (issue 23 item 2): the fused LM-head
-log-probs (train.fused_logprobs) and fused AdamW (train.fused_optimizer) against the checkpointed
-log_softmax path and AdamW's per-parameter loop, to a max relative error of 1e-5 in fp32, on a tiny
+log-probs (train.fused_logprobs), fused AdamW (train.fused_optimizer) and packed responses
+(train.pack_responses) against the checkpointed log_softmax path, AdamW's per-parameter loop and
+one padded row per response, to a max relative error of 1e-5 in fp32, on a tiny
 model with unequal prompt/response lengths and zero-advantage groups. Exactness, not timing
 (`rollwise bench trainer-step` times them)."""
 
@@ -13,8 +14,8 @@ import torch
 
 from rollwise.config import TrainConfig
 from rollwise.model.tiny import tiny_llama
-from rollwise.train.logprobs import FusedLogprobs, lm_head_logprobs
-from rollwise.train.trainer import GRPOTrainer
+from rollwise.train.logprobs import FusedLogprobs, lm_head_logprobs, pack_responses
+from rollwise.train.trainer import GRPOTrainer, collate_group
 from rollwise.types.sample import Sample
 
 MAX_REL = 1e-5
@@ -120,3 +121,32 @@ def test_fused_optimizer_makes_the_same_update():
     for name in want:
         assert want[name].abs().max() > 0, name
         assert _rel(got[name], want[name]) <= MAX_REL, name
+
+
+def test_pack_responses_fills_rows_first_fit_decreasing():
+    rows, width = pack_responses([3, 12, 5, 7, 9, 2, 1])
+    assert width == 12
+    assert rows == [[1], [4, 0], [3, 2], [5, 6]]  # 12 | 9+3 | 7+5 | 2+1: four rows instead of seven
+
+
+def test_packed_group_computes_fewer_positions():
+    samples = [s for s in _samples(seed=3, groups=1, group_size=8, zero_groups=0)]
+    n = sum(len(s.response_ids) for s in samples)
+    padded = collate_group(samples, torch.ones(n), pad_id=0)
+    packed = collate_group(samples, torch.ones(n), pad_id=0, pack=True)
+    assert packed.responses.numel() < padded.responses.numel()
+    assert packed.n_tokens == padded.n_tokens == n
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.05])
+def test_packed_train_step_equals_the_padded_step(kl_coef):
+    """Several responses per row (block-diagonal causal mask, positions per response) give the
+    padded shared-prompt step's gradients and metrics."""
+    samples = _samples(seed=4, groups=3, group_size=5)
+    base = dict(lr=1e-3, micro_batch_size=5, off_policy_correction="none", kl_coef=kl_coef)
+    want_grads, _, want_metrics = _step(TrainConfig(**base, pack_responses=False), samples)
+    got_grads, _, got_metrics = _step(TrainConfig(**base, pack_responses=True), samples)
+    for name in want_grads:
+        assert _rel(got_grads[name], want_grads[name]) <= MAX_REL, name
+    for key in ("loss", "grad_norm", "entropy", "mismatch_abs_logp", "kl", "trained_tokens"):
+        assert got_metrics[key] == pytest.approx(want_metrics[key], rel=MAX_REL, abs=1e-9), key

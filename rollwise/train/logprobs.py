@@ -202,3 +202,68 @@ def shared_prompt_logprobs(
         predictors[response_mask], model.get_output_embeddings(), responses[response_mask],
         temperature=temperature, chunk_tokens=chunk_tokens, fused=fused,
     )
+
+
+def pack_responses(lengths: list[int]) -> tuple[list[list[int]], int]:
+    """Responses of these lengths packed into rows as wide as the longest (first-fit decreasing):
+    (the response indices of each row, in order, the row width). A group's responses then cost
+    about their total length in the forward, not group size x the longest."""
+    width = max(lengths)
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
+        if row is None:
+            rows.append([])
+            room.append(width)
+            row = len(rows) - 1
+        rows[row].append(i)
+        room[row] -= lengths[i]
+    return rows, width
+
+
+def packed_prompt_logprobs(
+    model: nn.Module,
+    prompt_ids: Tensor,
+    tokens: Tensor,
+    segment_start: Tensor,
+    order: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+    fused: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """shared_prompt_logprobs with several responses per row (train.pack_responses): no padding
+    computed beyond each row's tail.
+
+    tokens [rows, W]         responses laid end to end (pack_responses), padding after them
+    segment_start [rows, W]  the column where each token's response starts; -1 on padding
+    order [N]                flat index into [rows, W] of every response token, in sample order
+    A token attends to the whole prompt and to its own response's earlier tokens (a block-diagonal
+    causal mask over the row), at the positions it has in its own sequence: prompt_len + its offset.
+    """
+    backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    rows, width = tokens.shape
+    prompt_len = prompt_ids.shape[0]
+    prompt_out = backbone(input_ids=prompt_ids[None], use_cache=True)
+    cache = prompt_out.past_key_values
+    cache.batch_repeat_interleave(rows)
+    cols = torch.arange(width, device=tokens.device)
+    real = segment_start >= 0
+    same_segment = segment_start[:, :, None] == segment_start[:, None, :]  # [rows, q, k]
+    causal = cols[None, :, None] >= cols[None, None, :]
+    own = same_segment & causal & real[:, None, :] & real[:, :, None]
+    # padding queries see the prompt only (a row of all-False would give NaN in softmax)
+    mask = torch.cat([torch.ones(rows, width, prompt_len, dtype=torch.bool, device=tokens.device), own], dim=2)
+    offsets = torch.where(real, cols[None, :] - segment_start, 0)
+    response_hidden = backbone(
+        input_ids=tokens, attention_mask=mask[:, None], position_ids=prompt_len + offsets,
+        past_key_values=cache, use_cache=True,
+    ).last_hidden_state
+    # A response's first token is predicted by the prompt's last position, the others by the column before.
+    hidden_size = response_hidden.shape[-1]
+    shifted = torch.cat([response_hidden[:, :1], response_hidden[:, :-1]], dim=1)
+    first = (offsets == 0)[..., None]
+    predictors = torch.where(first, prompt_out.last_hidden_state[:, -1:], shifted).reshape(-1, hidden_size)
+    return lm_head_logprobs(predictors[order], model.get_output_embeddings(), tokens.reshape(-1)[order],
+                            temperature=temperature, chunk_tokens=chunk_tokens, fused=fused)

@@ -23,7 +23,8 @@ from rollwise.types.microbatch import chunk_samples, computed_tokens
 from rollwise.types.sample import Sample
 from rollwise.train.grpo import clipped_surrogate_loss, off_policy_weights, token_weights
 from rollwise.train.lora import adapter_state, wrap_lora
-from rollwise.train.logprobs import sequence_logprobs, shared_prompt_logprobs
+from rollwise.train.logprobs import (pack_responses, packed_prompt_logprobs, sequence_logprobs,
+                                    shared_prompt_logprobs)
 from rollwise.train.routing_replay import ReplayBatch, RoutingReplay, find_routers, group_batch, rows_batch
 
 __all__ = ["GRPOTrainer", "MicroBatch", "GroupMicroBatch", "chunk_samples", "computed_tokens"]
@@ -56,19 +57,25 @@ class MicroBatch:
 
 @dataclass
 class GroupMicroBatch:
-    """Samples of one GRPO group: one shared prompt, right-padded responses (prompt computed once)."""
+    """Samples of one GRPO group: one shared prompt, right-padded responses (prompt computed once),
+    or, packed (train.pack_responses), several responses per row (see packed_prompt_logprobs)."""
 
     prompt_ids: Tensor  # [P]
-    responses: Tensor  # [G, R]
-    response_mask: Tensor  # [G, R] the loss mask
+    responses: Tensor  # [G, R], or packed [rows, W]
+    response_mask: Tensor  # [G, R] the loss mask (packed: True on response tokens)
     behaviour_logp: Tensor  # [N]
     advantages: Tensor  # [N]
     weights: Tensor  # [N]
     padding: bool = False
     routing: ReplayBatch | None = None
+    segment_start: Tensor | None = None  # packed: [rows, W] column where each token's response starts, -1 padding
+    order: Tensor | None = None  # packed: [N] flat index into [rows, W] of each response token, in sample order
 
     def logprobs(self, model: nn.Module, temperature: float, chunk_tokens: int,
                  fused: bool = False) -> tuple[Tensor, Tensor]:
+        if self.order is not None:
+            return packed_prompt_logprobs(model, self.prompt_ids, self.responses, self.segment_start, self.order,
+                                          temperature=temperature, chunk_tokens=chunk_tokens, fused=fused)
         return shared_prompt_logprobs(model, self.prompt_ids, self.responses, self.response_mask,
                                       temperature=temperature, chunk_tokens=chunk_tokens, fused=fused)
 
@@ -85,7 +92,9 @@ def to_device(mb: MicroBatch | GroupMicroBatch, device: torch.device) -> MicroBa
     return replace(mb, **moved)
 
 
-def collate_group(samples: list[Sample], weights: Tensor, pad_id: int) -> GroupMicroBatch:
+def collate_group(samples: list[Sample], weights: Tensor, pad_id: int, pack: bool = False) -> GroupMicroBatch:
+    if pack:
+        return collate_packed_group(samples, weights, pad_id)
     length = max(len(s.response_ids) for s in samples)
     responses = torch.full((len(samples), length), pad_id, dtype=torch.long)
     mask = torch.zeros((len(samples), length), dtype=torch.bool)
@@ -100,6 +109,32 @@ def collate_group(samples: list[Sample], weights: Tensor, pad_id: int) -> GroupM
         advantages=torch.tensor([s.advantage for s in samples for _ in s.response_ids], dtype=torch.float32),
         weights=weights,
         routing=group_batch(samples, length),
+    )
+
+
+def collate_packed_group(samples: list[Sample], weights: Tensor, pad_id: int) -> GroupMicroBatch:
+    """One group's responses laid end to end in rows as wide as the longest (pack_responses)."""
+    rows, width = pack_responses([len(s.response_ids) for s in samples])
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    segment_start = torch.full((len(rows), width), -1, dtype=torch.long)
+    flat_index: list[Tensor] = [torch.empty(0, dtype=torch.long)] * len(samples)
+    for r, members in enumerate(rows):
+        col = 0
+        for i in members:
+            n = len(samples[i].response_ids)
+            tokens[r, col : col + n] = torch.tensor(samples[i].response_ids)
+            segment_start[r, col : col + n] = col
+            flat_index[i] = r * width + col + torch.arange(n)
+            col += n
+    return GroupMicroBatch(
+        prompt_ids=torch.tensor(samples[0].prompt_ids),
+        responses=tokens,
+        response_mask=segment_start >= 0,
+        behaviour_logp=torch.tensor([lp for s in samples for lp in s.behaviour_logprobs], dtype=torch.float32),
+        advantages=torch.tensor([s.advantage for s in samples for _ in s.response_ids], dtype=torch.float32),
+        weights=weights,
+        segment_start=segment_start,
+        order=torch.cat(flat_index),
     )
 
 
@@ -245,7 +280,9 @@ class GRPOTrainer:
         `padding` zero-weight repeats of the first chunk (see MicroBatch.padding)."""
         batches: list[MicroBatch | GroupMicroBatch] = []
         offset = 0
-        build = collate_group if share else collate
+        # MoE routing replay reads the engine's routes in the padded layout: no packing there
+        pack = self.cfg.pack_responses and self.routing is None
+        build = partial(collate_group, pack=pack) if share else collate
         for chunk in chunks:
             n_tokens = sum(s.trained_tokens for s in chunk)
             batches.append(build(chunk, weights[offset : offset + n_tokens], self.pad_token_id))
