@@ -202,10 +202,10 @@ def format_trainer_bench(result: dict[str, Any]) -> Table:
 
 # Each arm is a set of train.* overrides on the default TrainConfig; "baseline" is the step before
 # issue 23 item 2, "default" today's defaults. Ratios are to the baseline.
+_BEFORE = {"fused_logprobs": False, "fused_optimizer": False, "pack_responses": False}
 STEP_ARMS: dict[str, dict[str, Any]] = {
-    "baseline": {"fused_logprobs": False, "fused_optimizer": False},
-    "fused_optimizer": {"fused_logprobs": False, "fused_optimizer": True},
-    "fused_logprobs": {"fused_logprobs": True, "fused_optimizer": False},
+    "baseline": _BEFORE,
+    **{switch: {**_BEFORE, switch: True} for switch in _BEFORE},  # each change on its own
     "default": {},
 }
 
