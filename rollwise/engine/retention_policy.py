@@ -15,7 +15,10 @@ multiplied by how long it is held.
   hidden behind computation (1 - swap_overlap; 0 on the CPU reference engine, whose copies run on the
   engine thread) stalls the batch the same way.
 
-Preserve and swap are only candidates while their budgets have room; discard always is. The fixed
+Preserve and swap are only candidates while their budgets have room; discard always is. When a request
+later waits for memory that a held session occupies, reclaim() weighs the same way whether admission keeps
+the slot (the request waits for the soonest of a running sequence's end and the session's return), moves
+the KV to the swap tier, or drops it: pins are not taken back merely because memory is short. The fixed
 policies (always_discard, always_preserve, prefix_cache_only) are the comparison points of
 `rollwise bench intercept`; prefix_cache_only discards and leaves reuse to the engine's LRU prefix cache.
 """
@@ -103,6 +106,45 @@ def choose(policy: PolicyName, snap: EngineSnapshot, expected_latency_s: float, 
     action = min(options, key=lambda a: (options[a], a != "preserve"))  # ties keep the KV where it is
     detail = ", ".join(f"{a} {w:.3g}" for a, w in sorted(options.items()))
     return Choice(action, options, f"least waste (token-s): {detail}")  # type: ignore[arg-type]
+
+
+ReclaimAction = Literal["keep", "swap", "discard"]
+
+
+@dataclass(frozen=True)
+class HeldSlot:
+    """A slot admission could take from a held session (a pin, or a finished turn awaiting retain()) for a
+    request that waits for memory. remaining_s: how long the session is expected to stay away (its tool's
+    expected remaining time); wait_s: how long the waiting request would otherwise wait for a slot (the
+    soonest a running sequence finishes; inf when nothing runs: then only taking a slot keeps the engine busy)."""
+
+    context_tokens: int  # the held KV: what discarding makes the session recompute
+    slot_tokens: int  # the memory the waiting request needs from it
+    remaining_s: float
+    wait_s: float
+    stalled_tokens: int  # KV of the running batch, idle while a recomputation or a transfer runs
+    swap_free_tokens: int  # room left in the swap tier (0: none)
+
+
+def reclaim_wastes(held: HeldSlot, costs: RetentionCosts) -> dict[str, float]:
+    """Memory x time waste (token-seconds) of keeping the held slot, moving its KV to the swap tier, or
+    dropping it (recomputed later), when a request waits for its memory."""
+    stalled = held.stalled_tokens + held.context_tokens
+    out = {"discard": costs.recompute_s_per_token * held.context_tokens * stalled}
+    if 0 < held.context_tokens <= held.swap_free_tokens:
+        out["swap"] = 2 * costs.swap_s_per_token * held.context_tokens * (1.0 - costs.swap_overlap) * stalled
+    idle_s = min(held.remaining_s, held.wait_s)  # the waiting request gets a slot when either ends
+    if math.isfinite(held.wait_s) and math.isfinite(idle_s):
+        out["keep"] = held.slot_tokens * max(0.0, idle_s)
+    return out
+
+
+def reclaim(held: HeldSlot, costs: RetentionCosts) -> ReclaimAction:
+    """What admission does with a held slot it could take: the least waste (ties: keep, then swap). A
+    promise never idles the engine: with nothing running, keeping is not an option. Pure, like choose()."""
+    options = reclaim_wastes(held, costs)
+    order = {"keep": 0, "swap": 1, "discard": 2}
+    return min(options, key=lambda a: (options[a], order[a]))  # type: ignore[return-value]
 
 
 class ToolLatencies:

@@ -179,6 +179,7 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, LoraServing, Engine
         bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.model.dtype.itemsize
         self.kv_tiers = None if retention is None else KVTiers(retention, self.max_model_len, bytes_per_token,
                                                                max_parked=max(1, self.max_num_seqs // 2))
+        self.decode_step_cost = CostMeter(1e-2)  # seconds per decode step: when a running sequence frees its slot
         self.retention_policy = policy
         self.recompute_cost = CostMeter(1e-4)  # seconds per prefilled token, measured by every prefill
         self._resuming: dict = {}  # request id -> the pinned session it resumes (admitted into its slot)
@@ -274,7 +275,9 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, LoraServing, Engine
             finished += self._prefill(group)
         self.mark_timeline()
         if self.scheduler.running:
+            started = time.perf_counter()
             finished += self._decode()
+            self.decode_step_cost.observe(1, time.perf_counter() - started)
         self.stats["steps"] += 1
         self.mark_timeline()
         return finished
@@ -328,7 +331,7 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, LoraServing, Engine
                 logits = prefill_with_prefix(self.model, self.cache, prompt, all_slots, hit)
         reused = resumed or (hit.num_tokens if hit is not None else 0)
         self.recompute_cost.observe(len(prompt) - reused, time.perf_counter() - started)
-        self.stats["recomputed_prompt_tokens"] += self._recomputed(prompt, reused)
+        self.stats["recomputed_prompt_tokens"] += self._recomputed(group[0][0].request_id, prompt, reused)
         routing = self._prompt_routing(hit)
         seqs = [
             Sequence(request, i, slot, self._generator_for(request, i), cached_prompt_tokens=len(prompt),

@@ -15,10 +15,16 @@ tool call (`retain`). Then, as the policy chooses:
   host link (PCIe) on a GPU machine. The store is bounded by swap_budget_tokens.
 - discard: the slot is freed; the next turn recomputes the context (minus any prefix-cache hit).
 
-Admission never waits for a promise: when the head of the queue needs slots, pinned ones are taken
-(nearest deadline first). A parked turn's slot is protected only for a short grace (park_grace_s, on at
-most half the slots), so that the caller's retain(), which follows the turn within milliseconds, finds it. Every release records the session's
-context, so the engine can count the prompt tokens it recomputes (`recomputed_prompt_tokens`).
+When the head of the queue needs slots that held sessions occupy, admission weighs each held slot by the
+policy's reclaim() (least waste, as retain() does): keep it (the request waits for the sooner of a running
+sequence's end and the session's expected return), move its KV to the swap tier (a demotion: the KV is
+kept), or drop it. With nothing running a held slot is always taken, so a promise never idles the engine.
+Every fresh finished turn is parked; up to half the slots are *protected* for a short grace (park_grace_s),
+so that the caller's retain(), which follows the turn within milliseconds, finds its KV even when turns
+finish together; the rest are parked unprotected (admission may demote or drop them by reclaim()). Every
+release records the session's context, and so does a turn that was not parked, so the engine counts every
+prompt token it recomputes (`recomputed_prompt_tokens`). A turn that resumes a session is known to belong
+to it, so release_session() also frees that session's last, parked turn at once.
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ from rollwise.engine.retention import (
     ReleaseReason, RetentionAction, RetentionDecision, RetentionLimits, RetentionRequest,
 )
 from rollwise.engine.retention_policy import (
-    CostMeter, EngineSnapshot, PolicyName, RetentionCosts, ToolLatencies, choose,
+    CostMeter, EngineSnapshot, HeldSlot, PolicyName, RetentionCosts, ToolLatencies, choose, reclaim,
+    reclaim_wastes,
 )
 from rollwise.engine.types import GenerationRequest
 
@@ -62,6 +69,8 @@ class Held:
     v: Tensor | None = field(default=None, repr=False)
     deadline: float = float("inf")
     since: float = 0.0  # when the tool call started (retain), for learning its latency
+    expected_s: float = 0.0  # the tool's expected latency (retain), for reclaim()
+    protected: bool = False  # parked within its grace: admission may not take it
 
 
 class KVTiers:
@@ -76,7 +85,9 @@ class KVTiers:
         self.clock = clock
         self.parked: OrderedDict[str, Held] = OrderedDict()  # request id -> turn, oldest first
         self.sessions: dict[str, Held] = {}  # session id -> preserved or swapped turn
-        self.contexts: OrderedDict[str, list[int]] = OrderedDict()  # released sessions: what a resume recomputes
+        # released turns, by session id (else request id): (session id or None, the context a resume recomputes)
+        self.contexts: OrderedDict[str, tuple[str | None, list[int]]] = OrderedDict()
+        self.owners: OrderedDict[str, str] = OrderedDict()  # request id -> the session it resumed
         self.latencies = ToolLatencies()
         self.swap_cost = CostMeter(bytes_per_token / limits.swap_bytes_per_s)
         self.counts: dict[str, int] = {}
@@ -86,8 +97,8 @@ class KVTiers:
     def pinned_slots(self) -> int:
         return sum(1 for h in self.sessions.values() if h.state == "preserve")
 
-    def swapped_tokens(self) -> int:
-        return sum(len(h.tokens) for h in self.sessions.values() if h.state == "swap")
+    def swapped_tokens(self) -> int:  # swapped sessions and parked turns demoted to the swap tier
+        return sum(len(h.tokens) for h in self.everything() if h.k is not None)
 
     def pin_free_tokens(self) -> int:
         return self.limits.pin_budget_tokens - self.pinned_slots() * self.slot_tokens
@@ -95,27 +106,38 @@ class KVTiers:
     def swap_free_tokens(self) -> int:
         return self.limits.swap_budget_tokens - self.swapped_tokens()
 
-    def _count(self, key: str) -> None:
+    def count(self, key: str) -> None:
         self.counts[key] = self.counts.get(key, 0) + 1
 
     # ------------------------------------------------------------ transitions
 
-    def park(self, request_id: str, tokens: list[int], slot: int) -> bool:
-        if len(self.parked) >= self.max_parked or self.limits.park_grace_s <= 0:
+    def park(self, held: Held, slot: int) -> bool:
+        """Keep a finished turn's slot until retain() decides (or its grace ends); False: grace is off."""
+        if self.limits.park_grace_s <= 0:
             return False
-        self.parked[request_id] = Held(request_id, tokens, slot=slot, deadline=self.clock() + self.limits.park_grace_s)
+        held.slot, held.deadline = slot, self.clock() + self.limits.park_grace_s
+        held.protected = sum(1 for h in self.parked.values() if h.protected) < self.max_parked
+        self.parked[held.request_id] = held
         return True
+
+    def own(self, request_id: str, session_id: str | None) -> None:
+        """Request `request_id` resumes `session_id` (its parked turn is that session's)."""
+        if session_id is not None:
+            self.owners[request_id] = session_id
+            while len(self.owners) > KNOWN_CONTEXTS:
+                self.owners.popitem(last=False)
 
     def unpark(self, request_id: str) -> Held | None:
         return self.parked.pop(request_id, None)
 
-    def hold(self, held: Held, session_id: str, tool_name: str, action: RetentionAction, ttl_s: float) -> None:
+    def hold(self, held: Held, session_id: str, tool_name: str, action: RetentionAction, ttl_s: float,
+             expected_s: float) -> None:
         """Keep a decided turn for `session_id` (preserve: in its slot; swap: k/v already set)."""
         held.state, held.session_id, held.tool_name = action, session_id, tool_name
-        held.since = self.clock()
+        held.since, held.expected_s, held.protected = self.clock(), expected_s, False
         held.deadline = held.since + ttl_s
         self.sessions[session_id] = held
-        self._count(action)
+        self.count(action)
 
     def take_resume(self, prompt: list[int], state: RetentionAction) -> Held | None:
         """The session held in `state` whose tokens the prompt extends (by at least one token), removed
@@ -125,7 +147,8 @@ class KVTiers:
             if held.state == state and n < len(prompt) and prompt[:n] == held.tokens:
                 del self.sessions[session_id]
                 self.latencies.observe(held.tool_name, self.clock() - held.since)
-                self._count("resumed")
+                self.forget_context(session_id)
+                self.count("resumed")
                 return held
         return None
 
@@ -134,17 +157,19 @@ class KVTiers:
 
     def remember_context(self, held: Held) -> None:
         key = held.session_id or held.request_id
-        self.contexts[key] = held.tokens
+        self.contexts[key] = (held.session_id, held.tokens)
         self.contexts.move_to_end(key)
         while len(self.contexts) > KNOWN_CONTEXTS:
             self.contexts.popitem(last=False)
 
-    def recomputed(self, prompt: list[int], reused: int) -> int:
-        """Prompt tokens of a released context that this prefill computes again (reused: prefix-cache hit)."""
-        for key, tokens in self.contexts.items():
+    def recomputed(self, request_id: str, prompt: list[int], reused: int) -> int:
+        """Prompt tokens of a released context that this prefill computes again (reused: prefix-cache hit).
+        The request is then known to continue that context's session."""
+        for key, (session_id, tokens) in self.contexts.items():
             n = len(tokens)
             if n < len(prompt) and prompt[:n] == tokens:
                 del self.contexts[key]
+                self.own(request_id, session_id)
                 return max(0, n - reused)
         return 0
 
@@ -154,18 +179,29 @@ class KVTiers:
             self.parked.pop(held.request_id, None)
         elif held.session_id is not None:
             self.sessions.pop(held.session_id, None)
-            self._count(f"released_{reason}")
-        self.remember_context(held)
+            self.count(f"released_{reason}")
+        if reason != "session_end":  # an ended session never comes back: nothing to recompute
+            self.remember_context(held)
         held.k = held.v = None
-        return held.slot if held.state != "swap" else None
+        slot, held.slot = held.slot, None
+        return slot
 
     def expired(self, now: float) -> list[Held]:
         return [h for h in [*self.parked.values(), *self.sessions.values()] if h.deadline <= now]
 
-    def reclaim_order(self) -> list[Held]:
-        """What admission takes when it needs slots: pins, nearest deadline first. Parked turns are not
-        taken within their grace (a short, bounded wait: at most half the slots for park_grace_s)."""
-        return sorted((h for h in self.sessions.values() if h.state == "preserve"), key=lambda h: h.deadline)
+    def reclaimable(self) -> list[Held]:
+        """Held slots admission may take when it needs slots: pins and unprotected parked turns (protected
+        ones wait for retain(): a short, bounded wait, at most half the slots for park_grace_s)."""
+        parked = [h for h in self.parked.values() if not h.protected and h.slot is not None]
+        return parked + [h for h in self.sessions.values() if h.state == "preserve"]
+
+    def remaining_s(self, held: Held, now: float) -> float:
+        """How long the session is expected to stay away: a parked turn until its retain() (at most its grace),
+        a pin for its tool's expected remaining time (past that, until its TTL: a long tail's remaining is unknown)."""
+        if held.state is None:
+            return max(0.0, held.deadline - now)
+        left = held.expected_s - (now - held.since)
+        return left if left > 0 else max(0.0, held.deadline - now)
 
     def everything(self) -> list[Held]:
         return [*self.parked.values(), *self.sessions.values()]
@@ -192,6 +228,7 @@ class SessionRetention:
     prefix_cache: PrefixCache | None
     retention_policy: PolicyName
     recompute_cost: CostMeter
+    decode_step_cost: CostMeter
     scheduler: Scheduler
     cache: KVCache
     max_model_len: int
@@ -215,29 +252,32 @@ class SessionRetention:
         if req.session_id in tiers.sessions:  # an older turn of the same session: superseded
             self._free(tiers.release(tiers.sessions[req.session_id], "session_end"))
         latency = req.expected_latency_s if req.expected_latency_s is not None else tiers.latencies.expected(req.tool_name)
-        choice = choose(self.retention_policy, self._snapshot(len(held.tokens)), latency,
-                        RetentionCosts(self.recompute_cost.s_per_token, tiers.swap_cost.s_per_token))
+        choice = choose(self.retention_policy, self._snapshot(len(held.tokens)), latency, self._costs())
+        action, reason = choice.action, choice.reason
+        if held.slot is None and action == "preserve":  # admission already moved it to the swap tier
+            action, reason = "swap", f"{reason}; moved to the swap tier while awaiting retain (memory was needed)"
         ttl = tiers.limits.ttl(latency)
         held.session_id = req.session_id
-        if choice.action == "discard":
+        if action == "discard":
             self._free(tiers.release(held, "evicted"))
-            tiers.counts["discard"] = tiers.counts.get("discard", 0) + 1
+            tiers.count("discard")
             ttl = 0.0
         else:
-            if choice.action == "swap":
+            if action == "swap" and held.slot is not None:
                 self._swap_out(held)
-            tiers.hold(held, req.session_id, req.tool_name, choice.action, ttl)
-        return RetentionDecision(req.session_id, choice.action, len(held.tokens), ttl, choice.reason)
+            tiers.hold(held, req.session_id, req.tool_name, action, ttl, latency)
+        return RetentionDecision(req.session_id, action, len(held.tokens), ttl, reason)
 
     def release_session(self, session_id: str) -> bool:
         """The session ended: drop what is held for it. Returns whether anything was held."""
         if self.kv_tiers is None:
             return False
-        held = self.kv_tiers.sessions.get(session_id)
-        if held is not None:
-            self._free(self.kv_tiers.release(held, "session_end"))
-        self.kv_tiers.forget_context(session_id)
-        return held is not None
+        tiers = self.kv_tiers
+        held = [h for h in tiers.everything() if h.session_id == session_id]  # a pin, a swap, its last turn
+        for h in held:
+            self._free(tiers.release(h, "session_end"))
+        tiers.forget_context(session_id)
+        return any(h.state is not None for h in held)
 
     def retention_stats(self) -> dict[str, int]:
         tiers = self.kv_tiers
@@ -251,9 +291,11 @@ class SessionRetention:
     def _park(self, request_id: str, tokens: list[int], slot: int, fresh: bool) -> bool:
         """A finished turn: keep its slot parked (instead of freeing it) when a retain may follow.
         fresh: all of it was sampled by the current weights (older KV is never kept)."""
-        if self.kv_tiers is None or not fresh:
+        if self.kv_tiers is None:
             return False
-        if not self.kv_tiers.park(request_id, tokens[: self.cache.lengths[slot]], slot):
+        held = Held(request_id, tokens[: self.cache.lengths[slot]], session_id=self.kv_tiers.owners.pop(request_id, None))
+        if not fresh or not self.kv_tiers.park(held, slot):
+            self.kv_tiers.remember_context(held)  # let go at once: a next turn recomputes it, and is counted
             return False
         self.scheduler.hold(slot)
         return True
@@ -274,15 +316,35 @@ class SessionRetention:
             if held is not None:
                 self.scheduler.waiting.remove(request)
                 self._resuming[request.request_id] = held
+                self.kv_tiers.own(request.request_id, held.session_id)
                 admitted.append((request, [held.slot]))
         return admitted
 
     def _reclaim(self, slots_needed: int) -> None:
-        """Admission needs slots: release pins (a promise never blocks the engine)."""
-        if self.kv_tiers is None:
+        """Admission needs slots that held sessions occupy: take those whose keeping wastes more than moving
+        them to the swap tier or dropping them (reclaim(), least waste first). With nothing running every
+        held slot may be taken: a promise never idles the engine."""
+        tiers = self.kv_tiers
+        if tiers is None:
             return
-        for held in self.kv_tiers.reclaim_order()[:slots_needed]:
-            self._free(self.kv_tiers.release(held, "evicted"))
+        now, costs, wait_s = tiers.clock(), self._costs(), self._slot_wait_s()
+        running = self.num_running * self.max_model_len
+        taken: list[tuple[float, str, Held]] = []
+        for held in tiers.reclaimable():
+            case = HeldSlot(len(held.tokens), self.max_model_len, tiers.remaining_s(held, now), wait_s, running,
+                            tiers.swap_free_tokens())
+            action = reclaim(case, costs)
+            if action != "keep":
+                waste = min(w for a, w in reclaim_wastes(case, costs).items() if a != "keep")
+                taken.append((waste, action, held))
+        for _, action, held in sorted(taken, key=lambda t: t[0])[:slots_needed]:
+            if action == "swap" and len(held.tokens) <= tiers.swap_free_tokens():
+                self._swap_out(held)  # demoted, the KV kept (a parked turn's retain() still decides)
+                if held.state == "preserve":
+                    held.state = "swap"
+                tiers.count("demoted")
+            else:
+                self._free(tiers.release(held, "evicted"))
 
     def _resume_start(self, group: list[tuple[GenerationRequest, list[int]]]) -> int:
         """Positions of the group's prompt already in its slot: a resumed pinned or swapped session's
@@ -293,6 +355,7 @@ class SessionRetention:
         held = self._resuming.pop(request.request_id, None) or self.kv_tiers.take_resume(request.prompt_ids, "swap")
         if held is None:
             return 0
+        self.kv_tiers.own(request.request_id, held.session_id)
         n = len(held.tokens)
         if held.state == "swap":
             started = time.perf_counter()
@@ -302,8 +365,8 @@ class SessionRetention:
             held.k = held.v = None
         return n
 
-    def _recomputed(self, prompt: list[int], reused: int) -> int:
-        return self.kv_tiers.recomputed(prompt, reused) if self.kv_tiers is not None else 0
+    def _recomputed(self, request_id: str, prompt: list[int], reused: int) -> int:
+        return self.kv_tiers.recomputed(request_id, prompt, reused) if self.kv_tiers is not None else 0
 
     def _release_retained(self, reason: ReleaseReason, request_id: str | None = None) -> None:
         """Release what is held (only what came from `request_id`, if given): abort, weight update, sleep."""
@@ -322,6 +385,17 @@ class SessionRetention:
         self.kv_tiers.charge_transfer(n, started)
         self._free(slot)
         held.slot = None
+
+    def _costs(self) -> RetentionCosts:
+        return RetentionCosts(self.recompute_cost.s_per_token, self.kv_tiers.swap_cost.s_per_token)
+
+    def _slot_wait_s(self) -> float:
+        """How long until a running sequence finishes and frees its slot (its token budget at the measured
+        seconds per decode step; inf when nothing runs)."""
+        left = [min(s.request.params.max_tokens - len(s.token_ids),
+                    self.max_model_len - len(s.request.prompt_ids) - len(s.token_ids))
+                for s in self.scheduler.running.values()]
+        return max(1, min(left)) * self.decode_step_cost.s_per_token if left else float("inf")
 
     def _free(self, slot: int | None) -> None:
         if slot is not None:
