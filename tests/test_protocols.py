@@ -168,7 +168,7 @@ def test_weight_sender_follows_the_placement_and_refuses_one_that_cannot_reach_t
     assert RunConfig.model_validate({**base, "pool": {"url": "http://127.0.0.1:1"}}).weight_sender == "http"
     # naming the placement's own sender is accepted
     assert RunConfig.model_validate({**base, "placement": "ray", "sync": {"sender": "ray"}}).weight_sender == "ray"
-    # the Ray object store cannot reach engines in this process; nor can a collective (no training sender yet)
+    # the Ray object store cannot reach engines in this process; nor can a collective (engine actors only)
     for placement, sender in (("local", "ray"), ("local", "collective"), ("ray", "inprocess"), ("ray", "http")):
         with pytest.raises(ValidationError, match=rf"sync.sender='{sender}'.*placement={placement}.*sync.sender=auto"):
             RunConfig.model_validate({**base, "placement": placement, "sync": {"sender": sender}})
