@@ -7,14 +7,19 @@ model with unequal prompt/response lengths and zero-advantage groups. Exactness,
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from rollwise.config import TrainConfig
 from rollwise.model.tiny import tiny_llama
 from rollwise.train.logprobs import FusedLogprobs, lm_head_logprobs, pack_responses
+from rollwise.train.distributed import RankSpec, free_port, init_rank
+from rollwise.train.rank import RankTrainer
+from rollwise.train.sharded import split_work
 from rollwise.train.trainer import GRPOTrainer, collate_group
 from rollwise.types.sample import Sample
 
@@ -150,3 +155,35 @@ def test_packed_train_step_equals_the_padded_step(kl_coef):
         assert _rel(got_grads[name], want_grads[name]) <= MAX_REL, name
     for key in ("loss", "grad_norm", "entropy", "mismatch_abs_logp", "kl", "trained_tokens"):
         assert got_metrics[key] == pytest.approx(want_metrics[key], rel=MAX_REL, abs=1e-9), key
+
+
+def _rank_gradients(rank: int, port: int, cfg: TrainConfig, samples: list[Sample], out: dict) -> None:
+    spec = RankSpec(rank, 2, port, "cpu", threads=1)
+    trainer = RankTrainer(tiny_llama(seed=3), cfg, spec, init_rank(spec), pad_token_id=0, temperature=1.0)
+
+    def gather(model):  # every rank all-gathers its gradient shards; rank 0 reports them
+        full = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+        if rank == 0:
+            out.update(full)
+    trainer.before_step = gather
+    informative = [s for s in samples if s.advantage != 0.0]  # as ShardedTrainer.train_step deals them
+    trainer.train(split_work(informative, cfg, 2)[rank])
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="2 ranks need 2 CPU cores")
+def test_two_ranks_with_every_switch_compute_the_plain_single_process_gradient():
+    """FSDP2 ranks (rollwise.train.rank) with fused log-probs and packed responses: the gradient of
+    one process running the plain padded, unfused step."""
+    samples = _samples(seed=5, groups=4, group_size=3)
+    base = dict(lr=1e-3, micro_batch_size=3, off_policy_correction="none")
+    want, _, _ = _step(TrainConfig(**base, fused_logprobs=False, fused_optimizer=False, pack_responses=False),
+                       samples)
+    cfg = TrainConfig(**base, fused_logprobs=True, fused_optimizer=True, pack_responses=True)
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_rank_gradients, args=(free_port(), cfg, samples, out), nprocs=2)
+        got = dict(out)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert _rel(got[name], want[name]) <= MAX_REL, name
