@@ -6,8 +6,9 @@ Per engine step (the cost model's shape, rollwise.sim.cost): prefill of admitted
 plus the context again when it was discarded), one decode token for every running turn, plus the swap
 tier's transfers (swap_s_per_token per token each way). Memory: a running turn holds `slot_tokens` (the
 reference engine: one whole slot) or its context + output (paged engines: vLLM on GPU); a preserved
-session holds the same until its tool returns, its TTL expires, or admission needs the memory (oldest
-deadline first); swapped sessions hold the swap tier; every policy but always_discard keeps discarded
+session holds the same until its tool returns or its TTL expires; when admission needs its memory the
+engine's reclaim() (the same pure function) keeps it (the request waits for a running turn to end or the
+session to return), moves it to the swap tier, or drops it, whichever wastes least; swapped sessions hold the swap tier; every policy but always_discard keeps discarded
 contexts in an LRU prefix cache of at most prefix_cache_tokens: in free KV on paged engines (evicted first when admission
 needs memory, as vLLM's freed blocks are), beside the slots on the reference engine (whose bench arm pays
 for it with slots). Tool latencies are lognormal per tool (long tails); the
@@ -37,7 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rollwise.engine.retention_policy import (
-    POLICY_NAMES, EngineSnapshot, PolicyName, RetentionCosts, ToolLatencies, choose,
+    POLICY_NAMES, EngineSnapshot, HeldSlot, PolicyName, RetentionCosts, ToolLatencies, choose, reclaim,
 )
 from rollwise.sim.cost import CostModel, load_cost_file
 
@@ -107,6 +108,7 @@ class InterceptResult:
     turn_latency_p50_s: float
     turn_latency_p99_s: float
     actions: dict[str, int] = field(default_factory=dict)
+    reclaimed: dict[str, int] = field(default_factory=dict)  # pins admission took: demoted to swap, or dropped
 
     @property
     def recomputed_fraction(self) -> float:
@@ -142,6 +144,7 @@ class _Sim:
         self.waste = 0.0
         self.turn_latencies: list[float] = []
         self.actions: dict[str, int] = {}
+        self.reclaimed: dict[str, int] = {}
         self.pending_swap = 0  # swap-out tokens charged to the next step
 
     # ------------------------------------------------------------ the loop
@@ -170,7 +173,7 @@ class _Sim:
         return InterceptResult(
             self.policy, self.done, self.t, self.done / self.t if self.t else 0.0, self.prompt_tokens,
             self.recomputed, self.waste, _quantile(self.turn_latencies, 0.5), _quantile(self.turn_latencies, 0.99),
-            dict(self.actions))
+            dict(self.actions), dict(self.reclaimed))
 
     def _start_session(self) -> None:
         session = _Session(self.started, ready_at=self.t)
@@ -182,7 +185,14 @@ class _Sim:
             back, _, session = heapq.heappop(self.tools)
             self.latencies.observe(session.tool, back - session.since)
             session.ready_at = back
-            self.waiting.append(session)
+            if session.held == "preserve":
+                # Back with its KV pinned: the promise is kept until its turn runs (a TTL bounds tools that
+                # do not return, not a queue), and it goes first, as the engine admits a pinned session into
+                # its own memory ahead of the queue (ReferenceEngine._admit_pinned).
+                session.deadline = math.inf
+                self.waiting.appendleft(session)
+            else:
+                self.waiting.append(session)
 
     def _expire(self) -> None:
         for session in [s for s in self.pins.values() if s.deadline <= self.t]:
@@ -222,18 +232,49 @@ class _Sim:
 
     def _make_room(self, need: int, resuming: _Session) -> bool:
         """Free memory for `need` tokens: the prefix cache's least recently used entries go first (paged),
-        then pins, nearest deadline first (they never block admission)."""
+        then pins that reclaim() says to take (demoted to the swap tier or dropped), least waste first;
+        False: the request waits (for a running turn to end, or a pinned session to return)."""
         while self._used() + need > self.cost.kv_capacity_tokens:
             cached = [s for s in self.cache.values() if s is not resuming]
             if self.model.slot_tokens is None and cached:
                 self.cache.pop(cached[0].sid)
                 cached[0].held = None
                 continue
-            pins = sorted((s for s in self.pins.values() if s is not resuming), key=lambda s: s.deadline)
-            if not pins:
+            taken = self._pin_to_take(resuming)
+            if taken is None:
                 return False
-            self._release(pins[0])
+            action, pin = taken
+            self.reclaimed[action] = self.reclaimed.get(action, 0) + 1
+            if action == "swap":
+                self.pins.pop(pin.sid)
+                self.waste += self._memory(pin.context) * (self.t - pin.since)
+                pin.held = "swap"
+                self.swapped += pin.context
+                self.pending_swap += pin.context
+            else:
+                self._release(pin)
         return True
+
+    def _pin_to_take(self, resuming: _Session) -> tuple[str, _Session] | None:
+        """The pin whose taking wastes least, with what reclaim() does with it; None: keeping them all is cheaper."""
+        costs = RetentionCosts(self.cost.prefill_s_per_token, self.model.swap_s_per_token, self.model.swap_overlap)
+        step_s = self.cost.decode_s(max(1, len(self.running)), sum(r.tokens for r in self.running))
+        wait_s = min((r.remaining for r in self.running), default=math.inf) * step_s
+        stalled = sum(r.memory for r in self.running)
+        best: tuple[float, str, _Session] | None = None
+        for pin in (s for s in self.pins.values() if s is not resuming):
+            left = self.latencies.expected(pin.tool) - (self.t - pin.since)
+            remaining = left if left > 0 else max(0.0, pin.deadline - self.t)
+            held = HeldSlot(pin.context, self._memory(pin.context), remaining, wait_s, stalled,
+                            self.model.swap_budget_tokens - self.swapped)
+            action = reclaim(held, costs)
+            if action == "keep":
+                continue
+            taking = (2 * costs.swap_s_per_token * (1 - costs.swap_overlap) if action == "swap"
+                      else costs.recompute_s_per_token) * pin.context
+            if best is None or taking < best[0]:
+                best = (taking, action, pin)
+        return None if best is None else (best[1], best[2])
 
     def _decode(self) -> None:
         still = []
@@ -340,8 +381,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _default_scenario(cost: CostModel, kv_bytes_per_token: int) -> tuple[RetentionModel, InterceptWorkload]:
-    """Sessions of ~2-4k-token contexts whose KV fills the engine; tools from 50 ms to seconds, long-tailed."""
-    work = InterceptWorkload(sessions=512, concurrency=int(cost.kv_capacity_tokens // 2500), turns=6,
+    """Sessions of ~2-4k-token contexts whose KV fills the engine; tools from 50 ms to seconds, long-tailed.
+    Four waves of sessions, so that episodes/s is a steady state: with one wave the run's length is the
+    longest chain of long-tailed tool calls, whatever the engine does."""
+    concurrency = int(cost.kv_capacity_tokens // 2500)
+    work = InterceptWorkload(sessions=4 * concurrency, concurrency=concurrency, turns=6,
                              prompt_tokens=1500, tool_result_tokens=200, output_tokens=150,
                              tools=[ToolSpec(name="calculator", median_s=0.05, sigma=0.5, weight=2),
                                     ToolSpec(name="python", median_s=1.0, sigma=1.0, weight=2),
