@@ -14,7 +14,9 @@
 from __future__ import annotations
 
 import json
-import threading
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -202,19 +204,15 @@ def test_scheduler_serves_a_lora_job_on_its_base_without_a_switch():
 
 
 def test_a_full_parameter_job_and_a_lora_job_train_on_one_pool(tmp_path: Path):
-    from rich.console import Console
-
-    from rollwise.config import load_config
-    from rollwise.control.train_loop import train
-
+    """Two `rollwise train` processes (as users run them) on one pool: one full-parameter, one train.lora."""
     task = tmp_path / "add.jsonl"
     task.write_text("".join(json.dumps({"prompt": f"{i % 8}+{i // 8}=?", "answer": i % 8 + i // 8}) + "\n"
                             for i in range(24)))
     pool = EnginePool(1, max_num_seqs=8, max_model_len=MAX_LEN, policy=Policy(min_slice_s=0.05))
-    results: dict[str, dict] = {}
-    errors: list[BaseException] = []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     with serve_in_thread(create_app(pool)) as (url, _):
-        def run(name: str, lora: dict | None) -> None:
+        procs = {}
+        for name, lora in (("full", None), ("adapter", {"rank": 4, "alpha": 8.0})):
             cfg = {"model": BASE, "seed": 0, "output_dir": str(tmp_path / name), "threads": 1,
                    "task": {"kind": "jsonl", "path": str(task)}, "prompt": {"system": None, "few_shot": []},
                    "rollout": {"prompts_per_step": 2, "group_size": 4, "max_tokens": 8},
@@ -223,26 +221,16 @@ def test_a_full_parameter_job_and_a_lora_job_train_on_one_pool(tmp_path: Path):
                    "eval": {"size": 2}, "tensorboard": False, "pool": {"url": url, "job": name}}
             path = tmp_path / f"{name}.yaml"
             path.write_text(yaml.safe_dump(cfg))
-            try:
-                import io
-
-                results[name] = train(load_config(path), Console(file=io.StringIO()))
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=("full", None)),
-                   threading.Thread(target=run, args=("adapter", {"rank": 4, "alpha": 8.0}))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
+            procs[name] = subprocess.Popen([sys.executable, "-m", "rollwise.cli", "train", "--config", str(path)],
+                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        outputs = {name: proc.communicate(timeout=300)[0] for name, proc in procs.items()}
         state = pool.state()
-    assert not errors, errors
-    for name in ("full", "adapter"):
-        assert results[name]["policy_version"] == 2, name
-        assert results[name]["samples"]["trained"] == 16, name
+    for name, proc in procs.items():
+        assert proc.returncode == 0, f"{name}:\n{outputs[name][-3000:]}"
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["policy_version"] == 2 and summary["samples"]["trained"] == 16, name
         report = state["detached_jobs"][name]
-        assert report["policy_version"] == 2 and report["engine_seconds_busy"] > 0
+        assert report["policy_version"] == 2 and report["engine_seconds_busy"] > 0, name
     assert state["detached_jobs"]["adapter"]["lora"] and not state["detached_jobs"]["full"]["lora"]
     assert state["detached_jobs"]["adapter"]["engine_tenancy"] == "lora:" + BASE
     assert state["isolation"]["violations"] == []
