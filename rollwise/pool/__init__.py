@@ -1,7 +1,8 @@
 """The shared engine pool: several training jobs time-slice one set of engines (`rollwise serve pool`).
 
 states.py     the per-(slot, job) state machine: active / sleeping / evicted, with measured transition costs
-scheduler.py  the pure time-slicing policy (weighted fair share, minimum slice, no preemption of running work)
+scheduler.py  the pure time-slicing policy (weighted fair share, minimum slice, no preemption of running work) over
+              engine tenancies: a full-parameter job, or the LoRA jobs of one base sharing one engine batch
 engine_pool.py the pool: jobs, tokens, queues, weights, accounting (EnginePool); slots.py its slot loops
 jobs.py       the records (Job, QueuedRequest, Slot); weights.py the weight upload; metrics.py /metrics
 app.py        the HTTP API (routes only); server.py `rollwise serve pool` (starts it)

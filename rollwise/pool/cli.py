@@ -12,6 +12,8 @@ DESCRIPTION = (
     "transition. A slot switches when its job has no work and another has (one job's generation fills another's "
     "training gap), and after --min-slice seconds when a job with less engine time per unit of priority waits. "
     "Every request and weight update carries its job's token: jobs never see each other's weights or samples. "
+    "LoRA jobs (`rollwise train train.lora.rank=8 pool.url=...`) on one base share one engine per slot and run in "
+    "one batch, each request with its own job's adapter: no switch between them. "
     "GET /state shows slots, states, queues, per-job engine-hours and measured transition costs; /metrics is "
     "Prometheus text."
 )
