@@ -117,6 +117,9 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
     bench.add_argument("--model", default="bundled:smollm2-135m-instruct", help="model spec (default: bundled)")
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="loop: a config override as for `rollwise train` (repeatable), e.g. "
+                       "--set train.pack_responses=false for the row before one change")
     bench.add_argument("--engine", default="both", choices=["both", "vllm", "reference"],
                        help="speculation: the engines to run (both: vLLM, when installed, and the reference engine)")
     bench.add_argument("--lora", action="store_true",
@@ -300,7 +303,8 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
         # --model has a default for the other benchmarks; here only a given one overrides the config's
         explicit_model = any(a == "--model" or a.startswith("--model=") for a in sys.argv)
-        result = run_loop_bench(quick=args.quick, model=args.model if explicit_model else None, console=console)
+        result = run_loop_bench(quick=args.quick, model=args.model if explicit_model else None, console=console,
+                                overrides=args.set)
         result["command"] = " ".join(["rollwise"] + sys.argv[1:])
         console.print(format_loop_bench(result))
         write_json(args.json, result, console)

@@ -187,3 +187,28 @@ def test_two_ranks_with_every_switch_compute_the_plain_single_process_gradient()
     assert got.keys() == want.keys()
     for name in want:
         assert _rel(got[name], want[name]) <= MAX_REL, name
+
+
+def test_bench_trainer_step_runs_interleaved_arms_and_refuses_unknown_ones():
+    from rollwise.bench.trainer import run_trainer_step_bench
+    from rollwise.model.tiny import tiny_tokenizer
+
+    model, tokenizer = tiny_llama(seed=0), tiny_tokenizer()
+    result = run_trainer_step_bench(model, tokenizer, model_spec="tiny:0", quick=True, rounds=2,
+                                    arms=["baseline", "pack_responses"])
+    rows = {row["arm"]: row for row in result["rows"]}
+    assert rows["baseline"]["median_ratio_to_baseline"] == 1.0
+    assert len(rows["pack_responses"]["step_s"]) == 2 and rows["pack_responses"]["mfu"] > 0
+    assert result["batch"]["trained_samples"] < result["batch"]["samples"]  # a zero-advantage group is skipped
+    with pytest.raises(ValueError, match="arms must include 'baseline'"):
+        run_trainer_step_bench(model, tokenizer, model_spec="tiny:0", quick=True, arms=["fused"])
+
+
+def test_bench_loop_takes_overrides_for_a_before_row():
+    from rollwise.bench.loop import loop_overrides
+    from rollwise.config import load_config
+
+    before = ["train.fused_logprobs=false", "train.fused_optimizer=false", "train.pack_responses=false"]
+    cfg = load_config(None, loop_overrides(False, None, "runs/x", before))
+    assert not (cfg.train.fused_logprobs or cfg.train.fused_optimizer or cfg.train.pack_responses)
+    assert load_config(None, loop_overrides(False, None, "runs/x")).train.pack_responses

@@ -42,19 +42,21 @@ GOAL_GAIN_FIRST_MID = 0.40
 QUICK = ["train.steps=2", "rollout.prompts_per_step=2", "eval.size=10", "eval.every=0", "checkpoint.every=0"]
 
 
-def loop_overrides(quick: bool, model: str | None, output_dir: str) -> list[str]:
-    """The default config, as `rollwise train` runs it, with the bench's own run directory."""
+def loop_overrides(quick: bool, model: str | None, output_dir: str, extra: list[str] | None = None) -> list[str]:
+    """The default config, as `rollwise train` runs it, with the bench's own run directory, and
+    `extra` overrides last (`--set train.pack_responses=false`: a before/after row of one change)."""
     overrides = [f"output_dir={output_dir}"]
     if model is not None:
         overrides.append(f"model={model}")
-    return overrides + (QUICK if quick else [])
+    return overrides + (QUICK if quick else []) + list(extra or [])
 
 
 def run_loop_bench(quick: bool = False, model: str | None = None, console: Console | None = None,
-                   output_dir: str = "runs/bench-loop-{model_name}-{timestamp}") -> dict[str, Any]:
+                   output_dir: str = "runs/bench-loop-{model_name}-{timestamp}",
+                   overrides: list[str] | None = None) -> dict[str, Any]:
     from rollwise.control.train_loop import train  # heavy: torch, the engines
 
-    cfg = load_config(None, loop_overrides(quick, model, output_dir))
+    cfg = load_config(None, loop_overrides(quick, model, output_dir, overrides))
     process = psutil.Process()
     cpu0, idle0, t0 = _process_cpu_s(process), idle_core_seconds(), time.monotonic()
     summary = train(cfg, console or Console())
@@ -62,7 +64,9 @@ def run_loop_bench(quick: bool = False, model: str | None = None, console: Conso
     cpu, idle = _process_cpu_s(process) - cpu0, idle_core_seconds() - idle0
     run_dir = Path(summary["run_dir"])
     evals = [json.loads(line) for line in (run_dir / "evals.jsonl").read_text().splitlines() if line.strip()]
-    return summarise(cfg.model, quick, wall, cpu, idle, summary, evals)
+    result = summarise(cfg.model, quick, wall, cpu, idle, summary, evals)
+    result["overrides"] = list(overrides or [])
+    return result
 
 
 def _process_cpu_s(process: psutil.Process) -> float:
@@ -113,7 +117,8 @@ def _pct(x: float | None) -> str:
 def format_loop_bench(r: dict[str, Any]) -> Table:
     peak = r.get("peak") or {}
     table = Table(title=f"rollwise bench loop — {r['model']} on {r['engine']}, {r['steps']} steps"
-                        + (" (--quick)" if r["quick"] else ""))
+                        + (" (--quick)" if r["quick"] else "")
+                        + (f" with {' '.join(r['overrides'])}" if r.get("overrides") else ""))
     table.add_column("measure")
     table.add_column("value", justify="right")
     mfu = r["mfu"]

@@ -248,7 +248,7 @@ def run_trainer_step_bench(model: nn.Module, tokenizer: Any, *, model_spec: str,
         (2, 4, 16, 16, 512) if quick else (8, 16, 100, 48, 2048))
     groups = groups or default_groups
     batch = default_like_batch(int(model.config.vocab_size), groups, group_size, prompt_len, max_response,
-                               zero_groups=groups // 4, seed=seed)
+                               zero_groups=max(groups // 4, 1) if groups > 1 else 0, seed=seed)
     base = dict(lr=1e-9, micro_batch_size=16, off_policy_correction="none")
     trainers = {arm: GRPOTrainer(model, TrainConfig(**base, **STEP_ARMS[arm]), pad_token_id=tokenizer.pad_token_id)
                 for arm in arms}
