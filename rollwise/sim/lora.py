@@ -174,18 +174,23 @@ def compare_lora(jobs: list[MuxJob], engines: int, cost: CostModel, serving: Ada
 
 
 def compare_pool(jobs: list[MuxJob], engines: int, cost: CostModel, serving: AdapterCost = AdapterCost(),
-                 full_switch: Transitions = FULL_SWITCH, seed: int = 0) -> dict[str, Any]:
+                 full_switch: Transitions = FULL_SWITCH, seed: int = 0,
+                 dedicated_runs: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The jobs through the pool's scheduler (rollwise.sim.mux) on `engines` shared engines vs one dedicated
     engine each: as LoRA jobs on one base (adapter pushes; unmerged overhead on the shared engines only) and
-    as full-parameter jobs (full weight pushes, time-sliced with `full_switch` costs)."""
+    as full-parameter jobs (full weight pushes, time-sliced with `full_switch` costs). `dedicated_runs`: a cache
+    of the dedicated arms (they do not depend on `engines`), filled on first use."""
+    dedicated_runs = {} if dedicated_runs is None else dedicated_runs
     out: dict[str, Any] = {"jobs": len(jobs), "engines": engines}
     for kind in ("lora", "full"):
         lora = kind == "lora"
         specs = [replace(j, base="base" if lora else None,
                          push_s=serving.adapter_push_s if lora else cost.weight_update_s) for j in jobs]
         # (the pool's default policy: a job with work keeps a slot at least 5 s)
-        dedicated = {j.name: simulate_mux([replace(j, start_s=0.0)], 1, cost, Transitions(), seed=seed)
-                     for j in specs}
+        if kind not in dedicated_runs:
+            dedicated_runs[kind] = {j.name: simulate_mux([replace(j, start_s=0.0)], 1, cost, Transitions(), seed=seed)
+                                    for j in specs}
+        dedicated = dedicated_runs[kind]
         shared = simulate_mux(specs, engines, cost, Transitions() if lora else full_switch, seed=seed,
                               engine_slowdown=1.0 + serving.decode_overhead if lora else 1.0)
         dedicated_hours = sum(d["engine_hours"] for d in dedicated.values())
@@ -218,8 +223,9 @@ def project(cost_name: str = "h100-7b", jobs: int = 64, engine_counts: tuple[int
     specs = projection_jobs(jobs, trainer, steps)
     rows = [compare_lora(specs, e, cost, serving) for e in engine_counts]
     if pool:
+        dedicated_runs: dict[str, dict[str, Any]] = {}
         for row in rows:
-            row["pool"] = compare_pool(specs, row["engines"], cost, serving)
+            row["pool"] = compare_pool(specs, row["engines"], cost, serving, dedicated_runs=dedicated_runs)
     return rows
 
 

@@ -173,17 +173,28 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
         js.tokens = 0
         js.generate_factor = _lognormal(variation, spec.generate_cv)
 
+    # A LoRA base's engine time is charged to the base and split evenly among its running jobs, as the pool does.
+    key_of = {j.name: engine_key(JobView(j.name, j.priority, 0, 0.0, base=j.base)) for j in jobs}
+    base_busy = {key: 0.0 for name, key in key_of.items() if key != name}
+    running_jobs = {key: sum(1 for n in key_of if key_of[n] == key) for key in base_busy}  # not finished yet
+
+    def busy_of(js: _JobState) -> float:
+        if js.spec.base is None:
+            return js.busy_s
+        key = key_of[js.spec.name]
+        return base_busy[key] / max(1, running_jobs[key])
+
     def view(js: _JobState) -> JobView:
-        return JobView(js.spec.name, js.spec.priority, sum(r.params.n for r in js.queue), js.busy_s,
-                       base=js.spec.base)
+        busy = busy_of(js)
+        return JobView(js.spec.name, js.spec.priority, sum(r.params.n for r in js.queue), busy, base=js.spec.base)
 
     def account(s: _SlotState) -> None:
         now = clock.now
         if s.job is not None and (s.engine.has_unfinished() or s.switching_until is not None):
-            # the slot's tenancy: one job, or the LoRA jobs sharing a base (its time split evenly, as the pool does)
-            members = [js for js in state.values() if js.finished_at is None and engine_key(view(js)) == s.job]
-            for js in members:
-                js.busy_s += (now - s.accounted_at) / len(members)
+            if s.job in base_busy:
+                base_busy[s.job] += now - s.accounted_at
+            else:
+                state[s.job].busy_s += now - s.accounted_at
         s.accounted_at = now
 
     def schedule() -> None:
@@ -246,6 +257,9 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
         js.step += 1
         if js.step >= js.spec.steps:
             js.finished_at = clock.now
+            if js.spec.base is not None:
+                js.busy_s = busy_of(js)  # its share of the base's engine time so far
+                running_jobs[key_of[js.spec.name]] -= 1
         else:
             submit_step(js)
 
@@ -266,7 +280,7 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
         "engines": engines,
         "makespan_s": makespan,
         "engine_hours": engines * makespan / 3600,
-        "jobs": {n: {"wall_s": (js.finished_at or 0.0) - js.started_at, "engine_busy_s": js.busy_s}
+        "jobs": {n: {"wall_s": (js.finished_at or 0.0) - js.started_at, "engine_busy_s": js.busy_s if js.finished_at else busy_of(js)}
                  for n, js in state.items()},
     }
 
