@@ -8,7 +8,9 @@ import torch
 
 from rollwise.engine.reference import ReferenceEngine
 from rollwise.engine.retention import RetentionLimits, RetentionRequest
-from rollwise.engine.retention_policy import EngineSnapshot, RetentionCosts, ToolLatencies, choose
+from rollwise.engine.retention_policy import (
+    CostMeter, EngineSnapshot, HeldSlot, RetentionCosts, ToolLatencies, choose, reclaim,
+)
 from rollwise.engine.types import GenerationRequest, SamplingParams
 from rollwise.model.tiny import tiny_llama
 
@@ -233,10 +235,18 @@ def test_http_retain_keeps_the_session_between_turns():
             sock.close()
 
 
+def _fixed_costs(engine, recompute_s_per_token: float, decode_step_s: float = 1e-3) -> None:
+    """Pin the engine's measured costs (weight 0: no measurement moves them), so reclaim()'s choice is known."""
+    engine.recompute_cost = CostMeter(recompute_s_per_token, weight=0.0)
+    engine.decode_step_cost = CostMeter(decode_step_s, weight=0.0)
+
+
 def test_a_finished_turn_waits_briefly_for_retain_even_under_pressure(model):
     """Slots are contended: a waiting request may not take the just-finished turn's slot before the agent's
-    retain() (within park_grace_s); the pin it becomes is then taken back for the waiting request."""
+    retain() (within park_grace_s); the pin it becomes is then taken back for the waiting request, because
+    recomputing it costs nothing here while the request would wait."""
     engine = _engine(model, "always_preserve", slots=2)
+    _fixed_costs(engine, recompute_s_per_token=0.0)
     lengths = [4, 12, 12]
     for i, n in enumerate(lengths):
         engine.add_request(GenerationRequest(f"r{i}", [5 + i] * 20, SamplingParams(max_tokens=n, ignore_eos=True)))
@@ -379,3 +389,70 @@ def test_router_forwards_retain_to_the_replica_holding_the_session(model):
             generator.close()
     held = [e.retention_stats() for e in (engine_a, engine_b)]
     assert sum(h.get("preserve", 0) for h in held) == 1 and sum(h.get("resumed", 0) for h in held) == 1
+
+
+def test_a_pin_is_kept_while_the_waiting_request_soon_gets_a_running_sequences_slot(model):
+    """Admission takes a pin only when keeping it wastes more (reclaim()): here recomputing is expensive and
+    the running sequence frees its slot within a few steps, so the waiting request waits and the pin holds."""
+    engine = _engine(model, "always_preserve", slots=3)
+    _fixed_costs(engine, recompute_s_per_token=1.0)
+    for i, (n, samples) in enumerate([(4, 1), (12, 2), (4, 1)]):  # r1's two samples free their slots at once
+        engine.add_request(GenerationRequest(f"r{i}", [5 + i] * 20, SamplingParams(max_tokens=n, n=samples,
+                                                                                    ignore_eos=True)))
+    done: list = []
+    while not done:
+        done = engine.step()
+    assert engine.retain(RetentionRequest("s0", "r0", "python", 30.0)).action == "preserve"
+    while engine.has_unfinished():
+        done += engine.step()
+    assert sorted(c.request_id for c in done) == ["r0", "r1", "r1", "r2"]  # r2 got a slot when r1 ended
+    stats = engine.retention_stats()
+    assert stats["pinned_sessions"] == 1 and "released_evicted" not in stats
+    resumed = _turn(engine, "r0-next", done[0].prompt_ids + done[0].token_ids + [7, 7], seed=1)
+    assert resumed.cached_prompt_tokens == 20 + 4 - 1 and engine.stats["recomputed_prompt_tokens"] == 0
+
+
+def test_admission_moves_a_pin_to_the_swap_tier_instead_of_dropping_it(model):
+    """With nothing running, admission takes the pinned slot (a promise never idles the engine), but a swap
+    tier with room keeps the KV: the session resumes with nothing recomputed."""
+    engine = _engine(model, "always_preserve", pins=2, slots=2, swap_tokens=4 * SLOT)
+    first = _turn(engine, "t0", list(range(5, 35)), seed=0)
+    assert engine.retain(RetentionRequest("s", "t0", "python", 30.0)).action == "preserve"
+    params = SamplingParams(max_tokens=4, ignore_eos=True, seed=0)
+    others = engine.generate([GenerationRequest(f"new{i}", [40 + i] * 10, params) for i in range(2)])
+    assert len(others) == 2
+    stats = engine.retention_stats()
+    assert stats["demoted"] == 1 and stats["pinned_sessions"] == 0 and stats["swapped_tokens"] == 30 + 8 - 1
+    resumed = _turn(engine, "t1", first.prompt_ids + first.token_ids + [7, 7], seed=1)
+    assert resumed.cached_prompt_tokens == 30 + 8 - 1 and engine.stats["recomputed_prompt_tokens"] == 0
+
+
+def test_turns_finishing_together_all_keep_their_kv_and_every_recomputation_is_counted(model):
+    """Four turns end in the same step on four slots: each waits for its retain() (half the slots protected,
+    the rest parked until memory is needed), and always_discard's recomputation is counted for all four."""
+    engine = _engine(model, "always_discard", slots=4)
+    params = SamplingParams(max_tokens=5, ignore_eos=True, seed=0)
+    prompts = [[10 + i] * 20 for i in range(4)]
+    firsts = engine.generate([GenerationRequest(f"t{i}", p, params) for i, p in enumerate(prompts)])
+    decisions = [engine.retain(RetentionRequest(f"s{i}", f"t{i}", "python", 1.0)) for i in range(4)]
+    assert [(d.action, d.tokens) for d in decisions] == [("discard", 20 + 5 - 1)] * 4
+    nexts = [GenerationRequest(f"u{i}", c.prompt_ids + c.token_ids + [7], params) for i, c in enumerate(firsts)]
+    engine.generate(nexts)
+    assert engine.stats["recomputed_prompt_tokens"] == 4 * (20 + 5 - 1)
+    for i in range(4):  # each last turn is known to be its session's, so the session's end frees its slot
+        assert engine.release_session(f"s{i}") is False
+    assert engine.retention_stats()["parked_turns"] == 0
+
+
+def test_reclaim_keeps_swaps_or_drops_by_least_waste():
+    costs = RetentionCosts(recompute_s_per_token=1e-3, swap_s_per_token=1e-6)
+    held = HeldSlot(context_tokens=1000, slot_tokens=2000, remaining_s=5.0, wait_s=0.05, stalled_tokens=4000,
+                    swap_free_tokens=0)
+    # keep: 2000 x 0.05 = 100 token-s; drop: 1e-3 x 1000 x 5000 = 5000 token-s
+    assert reclaim(held, costs) == "keep"
+    assert reclaim(HeldSlot(**{**held.__dict__, "wait_s": 10.0, "remaining_s": 10.0}), costs) == "discard"
+    assert reclaim(HeldSlot(**{**held.__dict__, "wait_s": 10.0, "swap_free_tokens": 1000}), costs) == "swap"
+    # the session is about to return: keeping costs little even when the queue would wait long
+    assert reclaim(HeldSlot(**{**held.__dict__, "wait_s": 10.0, "remaining_s": 0.01}), costs) == "keep"
+    # nothing runs (no slot will free itself): the engine is never idled by a promise
+    assert reclaim(HeldSlot(**{**held.__dict__, "wait_s": float("inf"), "remaining_s": 0.0}), costs) == "discard"

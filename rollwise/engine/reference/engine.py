@@ -263,12 +263,12 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, LoraServing, Engine
         if self.paused:
             return []
         finished: list[Completion] = []
-        self._expire_retained()
         # Requests admitted together with the same prompt (e.g. GRPO samples submitted one request
         # each) share a single prefill, exactly like the n samples of one request.
         groups: dict[tuple, list[tuple[GenerationRequest, list[int]]]] = {}
         for request, slots in self._admit_pinned():  # resumed pinned sessions: each in its own slot
             groups[("pinned", request.request_id)] = [(request, slots)]
+        self._expire_retained()  # after: a session already back is not made to recompute by its TTL
         for request, slots in self.scheduler.admit(self._reclaim):
             groups.setdefault((request.adapter, *request.prompt_ids), []).append((request, slots))
         for group in groups.values():

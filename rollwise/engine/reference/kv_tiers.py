@@ -17,11 +17,13 @@ tool call (`retain`). Then, as the policy chooses:
 
 When the head of the queue needs slots that held sessions occupy, admission weighs each held slot by the
 policy's reclaim() (least waste, as retain() does): keep it (the request waits for the sooner of a running
-sequence's end and the session's expected return), move its KV to the swap tier (a demotion: the KV is
-kept), or drop it. With nothing running a held slot is always taken, so a promise never idles the engine.
+sequence's end, a parked turn's grace, and the session's expected return), move its KV to the swap tier
+(a demotion: the KV is kept), or drop it. When no slot will free itself (nothing runs, no turn awaits its
+retain()), a held slot is always taken, so a promise never idles the engine.
 Every fresh finished turn is parked; up to half the slots are *protected* for a short grace (park_grace_s),
 so that the caller's retain(), which follows the turn within milliseconds, finds its KV even when turns
-finish together; the rest are parked unprotected (admission may demote or drop them by reclaim()). Every
+finish together; the rest, and every parked turn past its grace, stay parked unprotected: admission may
+demote or drop them by reclaim(), and a late retain() still finds them (they go at ttl_max_s). Every
 release records the session's context, and so does a turn that was not parked, so the engine counts every
 prompt token it recomputes (`recomputed_prompt_tokens`). A turn that resumes a session is known to belong
 to it, so release_session() also frees that session's last, parked turn at once.
@@ -70,7 +72,7 @@ class Held:
     deadline: float = float("inf")
     since: float = 0.0  # when the tool call started (retain), for learning its latency
     expected_s: float = 0.0  # the tool's expected latency (retain), for reclaim()
-    protected: bool = False  # parked within its grace: admission may not take it
+    protected_until: float = 0.0  # a parked turn within its grace: admission may not take it before then
 
 
 class KVTiers:
@@ -79,7 +81,7 @@ class KVTiers:
     def __init__(self, limits: RetentionLimits, slot_tokens: int, bytes_per_token: int, max_parked: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.limits = limits
-        self.max_parked = max_parked  # turns awaiting retain() at once (their slots are protected for the grace)
+        self.max_parked = max_parked  # turns whose slots are protected at once (for the grace)
         self.slot_tokens = slot_tokens  # what a pinned slot costs: one whole slot
         self.bytes_per_token = bytes_per_token  # K and V over all layers, for the swap tier's charge
         self.clock = clock
@@ -115,8 +117,10 @@ class KVTiers:
         """Keep a finished turn's slot until retain() decides (or its grace ends); False: grace is off."""
         if self.limits.park_grace_s <= 0:
             return False
-        held.slot, held.deadline = slot, self.clock() + self.limits.park_grace_s
-        held.protected = sum(1 for h in self.parked.values() if h.protected) < self.max_parked
+        now = self.clock()
+        held.slot, held.deadline = slot, now + self.limits.ttl_max_s
+        if len(self.protected(now)) < self.max_parked:
+            held.protected_until = now + self.limits.park_grace_s
         self.parked[held.request_id] = held
         return True
 
@@ -134,7 +138,7 @@ class KVTiers:
              expected_s: float) -> None:
         """Keep a decided turn for `session_id` (preserve: in its slot; swap: k/v already set)."""
         held.state, held.session_id, held.tool_name = action, session_id, tool_name
-        held.since, held.expected_s, held.protected = self.clock(), expected_s, False
+        held.since, held.expected_s, held.protected_until = self.clock(), expected_s, 0.0
         held.deadline = held.since + ttl_s
         self.sessions[session_id] = held
         self.count(action)
@@ -192,14 +196,18 @@ class KVTiers:
     def reclaimable(self) -> list[Held]:
         """Held slots admission may take when it needs slots: pins and unprotected parked turns (protected
         ones wait for retain(): a short, bounded wait, at most half the slots for park_grace_s)."""
-        parked = [h for h in self.parked.values() if not h.protected and h.slot is not None]
+        protected = self.protected(self.clock())
+        parked = [h for h in self.parked.values() if h not in protected and h.slot is not None]
         return parked + [h for h in self.sessions.values() if h.state == "preserve"]
+
+    def protected(self, now: float) -> list[Held]:
+        return [h for h in self.parked.values() if now < h.protected_until and h.slot is not None]
 
     def remaining_s(self, held: Held, now: float) -> float:
         """How long the session is expected to stay away: a parked turn until its retain() (at most its grace),
         a pin for its tool's expected remaining time (past that, until its TTL: a long tail's remaining is unknown)."""
-        if held.state is None:
-            return max(0.0, held.deadline - now)
+        if held.state is None:  # within its grace retain() is due; past it, nothing is known
+            return held.protected_until - now if now < held.protected_until else float("inf")
         left = held.expected_s - (now - held.since)
         return left if left > 0 else max(0.0, held.deadline - now)
 
@@ -322,12 +330,13 @@ class SessionRetention:
 
     def _reclaim(self, slots_needed: int) -> None:
         """Admission needs slots that held sessions occupy: take those whose keeping wastes more than moving
-        them to the swap tier or dropping them (reclaim(), least waste first). With nothing running every
-        held slot may be taken: a promise never idles the engine."""
+        them to the swap tier or dropping them (reclaim(), least waste first). When no slot will free itself
+        every held slot may be taken: a promise never idles the engine."""
         tiers = self.kv_tiers
         if tiers is None:
             return
-        now, costs, wait_s = tiers.clock(), self._costs(), self._slot_wait_s()
+        now, costs = tiers.clock(), self._costs()
+        wait_s = self._slot_wait_s(now)
         running = self.num_running * self.max_model_len
         taken: list[tuple[float, str, Held]] = []
         for held in tiers.reclaimable():
@@ -389,13 +398,14 @@ class SessionRetention:
     def _costs(self) -> RetentionCosts:
         return RetentionCosts(self.recompute_cost.s_per_token, self.kv_tiers.swap_cost.s_per_token)
 
-    def _slot_wait_s(self) -> float:
-        """How long until a running sequence finishes and frees its slot (its token budget at the measured
-        seconds per decode step; inf when nothing runs)."""
+    def _slot_wait_s(self, now: float) -> float:
+        """How long until a slot frees itself: a running sequence finishing (its token budget at the measured
+        seconds per decode step) or a protected parked turn's grace ending; inf when neither can happen."""
         left = [min(s.request.params.max_tokens - len(s.token_ids),
                     self.max_model_len - len(s.request.prompt_ids) - len(s.token_ids))
                 for s in self.scheduler.running.values()]
-        return max(1, min(left)) * self.decode_step_cost.s_per_token if left else float("inf")
+        running = max(1, min(left)) * self.decode_step_cost.s_per_token if left else float("inf")
+        return min([running, *(h.protected_until - now for h in self.kv_tiers.protected(now))])
 
     def _free(self, slot: int | None) -> None:
         if slot is not None:
