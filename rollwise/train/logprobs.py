@@ -82,7 +82,7 @@ class FusedLogprobs(torch.autograd.Function):
         kept, chunk, temperature = ctx.kept, ctx.chunk_tokens, ctx.temperature
         ctx.kept = []  # overwritten below (a second backward would be wrong): free them as we go
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        grad_weight: Tensor | None = None  # the first chunk's product, then the others added in place
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
         for i, start in enumerate(range(0, hidden.shape[0], chunk)):
             h, t = hidden[start : start + chunk], targets[start : start + chunk]
@@ -95,8 +95,11 @@ class FusedLogprobs(torch.autograd.Function):
             grad_logits.scatter_add_(-1, t.unsqueeze(-1), g)
             if grad_hidden is not None:
                 torch.mm(grad_logits.to(hidden.dtype), weight, out=grad_hidden[start : start + chunk])
-            if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.t(), h.float())
+            if ctx.needs_input_grad[1]:
+                if grad_weight is None:
+                    grad_weight = torch.mm(grad_logits.t(), h.float())
+                else:
+                    grad_weight.addmm_(grad_logits.t(), h.float())
             if grad_bias is not None:
                 grad_bias.add_(grad_logits.sum(0))
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
