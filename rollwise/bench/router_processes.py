@@ -26,6 +26,10 @@ import psutil
 from rollwise.local_server import free_port
 
 MODEL_SIZE = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
+# Every arm probes each replica's health this often: rollwise's router by default, vllm-router told so (its
+# default is 60 s). A probe is an HTTP round trip on the router's CPU, so arms probing at different rates
+# would not compare per-request CPU on the same footing.
+HEALTH_INTERVAL_S = 1.0
 VLLM_ROUTER = "vllm-router"
 VLLM_ROUTER_MISSING = ("vllm-router is not installed, so its cache_aware arm is skipped: "
                        "pip install 'rollwise[vllm-router]' (vllm-router==0.1.17) to compare against it")
@@ -149,13 +153,24 @@ def _router_command(arm: Arm, urls: list[str], port: int) -> list[str]:
     if arm.router == VLLM_ROUTER:
         return [VLLM_ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", arm.policy,
                 "--worker-urls", *urls, "--request-timeout-secs", "600", "--queue-timeout-secs", "300",
-                "--log-level", "warning"]
+                "--health-check-interval-secs", f"{HEALTH_INTERVAL_S:g}", "--log-level", "warning"]
     replica_flags = [flag for url in urls for flag in ("--replica", url)]
     # --model: the replicas' tokenizer (their /model_info names a model built in code); token-in requests
     # route by their ids anyway.
     return [sys.executable, "-m", "rollwise.cli", "serve", "router", *replica_flags, "--policy", arm.policy,
-            "--port", str(port), "--model", "tiny:0", "--queue-timeout", "300", "--health-interval", "1.0",
+            "--port", str(port), "--model", "tiny:0", "--queue-timeout", "300", "--health-interval", f"{HEALTH_INTERVAL_S:g}",
             "--log-level", "warning"]
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used, every thread included (those that ended too), to the
+    nanosecond: the kernel's per-process CPU clock (clock_gettime on MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)).
+    /proc's user and system times count whole clock ticks (10 ms), as coarse as a quick round's whole
+    router cost. Falls back to them (psutil) where the clock cannot be read."""
+    try:
+        return time.clock_gettime((~pid << 3) | 2)  # CPUCLOCK_SCHED of the process `pid`
+    except OSError:
+        return sum(psutil.Process(pid).cpu_times()[:2])
 
 
 @dataclass
@@ -167,12 +182,12 @@ class RouterProcess:
         """CPU seconds (user + system) of the router and any process it started."""
         try:
             process = psutil.Process(self.pid)
-            total = sum(process.cpu_times()[:2])
+            total = process_cpu_s(self.pid)
             for child in process.children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    total += sum(child.cpu_times()[:2])
+                with contextlib.suppress(psutil.Error, OSError):
+                    total += process_cpu_s(child.pid)
             return total
-        except psutil.Error:
+        except (psutil.Error, OSError):
             return 0.0
 
 
