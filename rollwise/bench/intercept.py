@@ -127,6 +127,8 @@ def _episode(generator: LocalGenerator, tools: _Tools, latencies: ToolLatencies,
         tool = ("calculator", "python", "slow")[(turn + index) % 3]
         decision = generator.retain(RetentionRequest(session, completion.request_id, tool, latencies.expected(tool)))
         out["actions"].append(decision.action if decision is not None else "none")
+        if decision is not None and decision.tokens == 0:  # its KV was gone before retain(): admission took it
+            out["no_kv"].append(session)
         if decision is not None and decision.action == "preserve":
             out["pins"].append((time.monotonic(), decision.tokens))
         name, seconds = tools.run(turn, index)
@@ -141,7 +143,7 @@ def run_arm(model: nn.Module, tokenizer: Any, work: Workload, policy: str, seed:
     generator = LocalGenerator(engine)
     tools = _Tools(work, seed)
     latencies = ToolLatencies(default_s=work.slow_tool_median_s)
-    out: dict[str, list] = {"turn_s": [], "actions": [], "pins": [], "tool_s": [],
+    out: dict[str, list] = {"turn_s": [], "actions": [], "pins": [], "tool_s": [], "no_kv": [],
                             "vocab": [engine.model.config.vocab_size]}
     semaphore = threading.Semaphore(work.concurrency)
     errors: list[BaseException] = []
@@ -185,6 +187,10 @@ def run_arm(model: nn.Module, tokenizer: Any, work: Workload, policy: str, seed:
         "turn_latency_p50_s": _quantile(out["turn_s"], 0.5),
         "turn_latency_p99_s": _quantile(out["turn_s"], 0.99),
         "actions": {a: out["actions"].count(a) for a in sorted(set(out["actions"]))},
+        # held KV admission took for waiting requests: moved to the swap tier, dropped (pins; parked turns,
+        # which retain() then finds gone); and pins whose TTL ran out
+        "taken_by_admission": {"demoted_to_swap": held.get("demoted", 0), "pins_dropped": held.get("released_evicted", 0),
+                               "turns_dropped_before_retain": len(out["no_kv"]), "pins_expired": held.get("released_ttl", 0)},
         "retention": held,
         "engine_busy_s": steps_s,
         # decode time per step: the engine's busy time less its prefills (at the measured rate per token)
@@ -241,12 +247,15 @@ def simulation_inputs(work: Workload, arms: list[dict[str, Any]]) -> dict[str, A
 
 def format_intercept_bench(result: dict[str, Any]) -> Table:
     table = Table(title="rollwise bench intercept: session KV retention across tool calls (reference engine)")
-    for col in ("policy", "episodes/s", "recomputed", "waste (token-s)", "turn p50 s", "turn p99 s", "actions"):
+    for col in ("policy", "episodes/s", "recomputed", "waste (token-s)", "turn p50 s", "turn p99 s", "actions",
+                "taken by admission"):
         table.add_column(col, justify="right")
     for arm in result["policies"]:
+        taken = arm["taken_by_admission"]
         table.add_row(arm["policy"], f"{arm['episodes_per_s']:.3f}", f"{arm['recomputed_fraction']:.1%}",
                       f"{arm['waste_token_s']:.3g}", f"{arm['turn_latency_p50_s']:.3f}",
-                      f"{arm['turn_latency_p99_s']:.3f}", ", ".join(f"{k} {v}" for k, v in arm["actions"].items()))
+                      f"{arm['turn_latency_p99_s']:.3f}", ", ".join(f"{k} {v}" for k, v in arm["actions"].items()),
+                      f"swap {taken['demoted_to_swap']}, drop {taken['pins_dropped'] + taken['turns_dropped_before_retain']}")
     g = result["goals"]
     table.caption = (f"min_waste vs always_discard {g['vs_always_discard']:.2f}x (goal >= 1.5), vs prefix cache "
                      f"{g['vs_prefix_cache_only']:.2f}x (goal >= 1.2); recomputed {g['recomputed_fraction']:.1%} "
