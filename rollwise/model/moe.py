@@ -53,10 +53,32 @@ def mixtral_config(dense: object, num_experts: int, top_k: int) -> MixtralConfig
     )
 
 
+def drop_reinit(gate_up: Tensor, down: Tensor, drop: float, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Drop-Upcycling's diversity re-initialisation (Nakamura et al., ICLR 2025, arXiv 2502.19261): a random
+    `drop` share of the intermediate neurons (rows of gate/up, columns of down) re-drawn from a normal with each
+    matrix's own mean and std, so the experts differ in a share of their neurons, not by a little everywhere."""
+    if not 0.0 <= drop <= 1.0:
+        raise ValueError(f"drop must be in [0, 1] (the share of each expert's intermediate neurons re-drawn), got {drop}")
+    intermediate = down.shape[1]
+    if round(drop * intermediate) == 0:  # draw nothing: the plain upcycle's random stream stays as it was
+        return gate_up, down
+    chosen = torch.randperm(intermediate, generator=generator)[: round(drop * intermediate)]
+    gate_up, down = gate_up.clone(), down.clone()
+    for half in (0, intermediate):  # gate rows, then up rows
+        block = gate_up[half: half + intermediate]
+        block[chosen] = block.mean() + block.std() * torch.randn((len(chosen), block.shape[1]), generator=generator)
+    down[:, chosen] = down.mean() + down.std() * torch.randn((down.shape[0], len(chosen)), generator=generator)
+    return gate_up, down
+
+
 @torch.no_grad()
 def upcycle(dense: PreTrainedModel, num_experts: int = 4, top_k: int = 2, noise: float = 0.01,
-            router_std: float = 1e-3, seed: int = 0) -> MixtralForCausalLM:
-    """A Mixtral MoE (fp32) whose experts are perturbed copies of `dense`'s MLPs (see the module docstring)."""
+            router_std: float = 1e-3, seed: int = 0, drop: float = 0.0) -> MixtralForCausalLM:
+    """A Mixtral MoE (fp32) whose experts are perturbed copies of `dense`'s MLPs (see the module docstring):
+    each weight times (1 + `noise` x N(0, 1)), and with `drop` > 0 that share of each expert's neurons re-drawn
+    (`drop_reinit`)."""
+    if noise < 0:
+        raise ValueError(f"noise must be >= 0 (the std of each expert weight's multiplicative perturbation), got {noise}")
     config = mixtral_config(dense.config, num_experts, top_k)
     moe = MixtralForCausalLM(config).to(torch.float32)
     generator = torch.Generator().manual_seed(seed)
@@ -71,8 +93,9 @@ def upcycle(dense: PreTrainedModel, num_experts: int = 4, top_k: int = 2, noise:
         down = source[prefix + "down_proj.weight"].float()
         experts = layer.mlp.experts
         for e in range(num_experts):
-            experts.gate_up_proj[e] = gate_up * (1 + noise * torch.randn(gate_up.shape, generator=generator))
-            experts.down_proj[e] = down * (1 + noise * torch.randn(down.shape, generator=generator))
+            expert_gate_up, expert_down = drop_reinit(gate_up, down, drop, generator)
+            experts.gate_up_proj[e] = expert_gate_up * (1 + noise * torch.randn(gate_up.shape, generator=generator))
+            experts.down_proj[e] = expert_down * (1 + noise * torch.randn(down.shape, generator=generator))
         layer.mlp.gate.weight.copy_(torch.randn(layer.mlp.gate.weight.shape, generator=generator) * router_std)
     if config.tie_word_embeddings:
         moe.tie_weights()
@@ -102,12 +125,13 @@ def checkpoint_items(state_dict: Mapping[str, Tensor]) -> Iterator[tuple[str, Te
             yield name, tensor
 
 
-def save_upcycled(dense_spec: str, out_dir: Path, num_experts: int = 4, top_k: int = 2, seed: int = 0) -> Path:
+def save_upcycled(dense_spec: str, out_dir: Path, num_experts: int = 4, top_k: int = 2, seed: int = 0,
+                  noise: float = 0.01, drop: float = 0.0) -> Path:
     """Load a dense model spec, upcycle it and save a Hugging Face Mixtral directory (atomically)."""
     from rollwise.model.loading import load_model
 
     dense, tokenizer = load_model(dense_spec)
-    moe = upcycle(dense, num_experts=num_experts, top_k=top_k, seed=seed)
+    moe = upcycle(dense, num_experts=num_experts, top_k=top_k, seed=seed, noise=noise, drop=drop)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     moe.save_pretrained(tmp, safe_serialization=True)
@@ -123,10 +147,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--experts", type=int, default=4)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--noise", type=float, default=0.01,
+                        help="std of each expert weight's multiplicative perturbation (0.01: experts are near-copies)")
+    parser.add_argument("--drop", type=float, default=0.0,
+                        help="Drop-Upcycling: share of each expert's intermediate neurons re-drawn at random")
     args = parser.parse_args(argv)
     if args.out.exists():
         parser.error(f"--out {args.out} exists; choose a new directory")
-    print(save_upcycled(args.model, args.out, args.experts, args.top_k, args.seed))
+    print(save_upcycled(args.model, args.out, args.experts, args.top_k, args.seed, args.noise, args.drop))
 
 
 if __name__ == "__main__":
