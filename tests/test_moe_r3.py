@@ -307,3 +307,34 @@ def test_load_balancing_loss_is_optional_and_reaches_the_router():
         trainer.train_step(samples)
     assert TrainConfig().router_aux_loss_coef == 0.0
     assert all((with_aux - without).abs().max() > 1e-6 for without, with_aux in zip(*grads))
+
+
+def test_upcycle_divergence_knobs_noise_and_drop_upcycling():
+    """`noise` scales each expert's perturbation and `drop` (Drop-Upcycling) re-draws exactly that share of
+    each expert's intermediate neurons, the same neurons in gate, up and down; the rest stay the dense MLP's.
+    Bad values are refused naming the knob."""
+    from rollwise.model.moe import upcycle
+    from rollwise.model.tiny import tiny_llama
+
+    dense = tiny_llama()
+    mlp = dense.model.layers[0].mlp
+    gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+    inter = mlp.down_proj.weight.shape[1]
+    exact = upcycle(dense, noise=0.0).model.layers[0].mlp.experts
+    assert all(torch.equal(exact.gate_up_proj[e], gate_up) for e in range(4))
+    noisy = upcycle(dense, noise=0.3).model.layers[0].mlp.experts
+    spread = ((noisy.gate_up_proj[0] / gate_up - 1)).std()
+    assert 0.25 < spread < 0.35
+    dropped = upcycle(dense, noise=0.0, drop=0.5).model.layers[0].mlp.experts
+    redrawn = []
+    for e in range(4):
+        kept_rows = (dropped.gate_up_proj[e] == gate_up).all(dim=1)
+        kept = kept_rows[:inter] & kept_rows[inter:] & (dropped.down_proj[e] == mlp.down_proj.weight).all(dim=0)
+        assert int(kept.sum()) == inter - round(0.5 * inter)
+        assert torch.equal(kept_rows[:inter], kept) and torch.equal(kept_rows[inter:], kept)
+        redrawn.append(~kept)
+    assert not all(torch.equal(redrawn[0], r) for r in redrawn[1:])  # each expert re-draws its own neurons
+    with pytest.raises(ValueError, match="drop must be in"):
+        upcycle(dense, drop=1.5)
+    with pytest.raises(ValueError, match="noise must be >= 0"):
+        upcycle(dense, noise=-0.1)
