@@ -456,3 +456,27 @@ def test_reclaim_keeps_swaps_or_drops_by_least_waste():
     assert reclaim(HeldSlot(**{**held.__dict__, "wait_s": 10.0, "remaining_s": 0.01}), costs) == "keep"
     # nothing runs (no slot will free itself): the engine is never idled by a promise
     assert reclaim(HeldSlot(**{**held.__dict__, "wait_s": float("inf"), "remaining_s": 0.0}), costs) == "discard"
+
+
+def test_a_swapped_session_whose_next_turn_waits_for_a_slot_outlives_its_ttl(model):
+    """The TTL bounds a tool that never returns, not a queue: the session is back (its next turn waits for
+    the only slot), so its swapped KV is kept past the TTL and swapped in when the turn is admitted."""
+    import time
+
+    engine = _engine(model, "min_waste", pins=0, swap_tokens=4 * SLOT, slots=1, ttl_max_s=0.05)
+    first = _turn(engine, "t0", list(range(5, 35)), seed=0)
+    assert engine.retain(RetentionRequest("s", "t0", "python", 1.0)).action == "swap"
+    engine.add_request(GenerationRequest("other", [9] * 10, SamplingParams(max_tokens=20, ignore_eos=True)))
+    engine.step()  # "other" holds the only slot
+    nxt = GenerationRequest("t1", first.prompt_ids + first.token_ids + [7, 7], SamplingParams(max_tokens=3, seed=1))
+    engine.add_request(nxt)
+    time.sleep(0.06)  # the promise's TTL passes while t1 waits
+    done: list = []
+    while engine.has_unfinished():
+        for c in engine.step():
+            done.append(c)
+            if c.request_id == "other":
+                engine.abort("other")  # not a session's turn: its parked slot goes at once
+    resumed = next(c for c in done if c.request_id == "t1")
+    assert resumed.cached_prompt_tokens == 30 + 8 - 1 and engine.stats["recomputed_prompt_tokens"] == 0
+    assert "released_ttl" not in engine.retention_stats()

@@ -309,9 +309,20 @@ class SessionRetention:
         return True
 
     def _expire_retained(self) -> None:
-        if self.kv_tiers is not None:
-            for held in self.kv_tiers.expired(self.kv_tiers.clock()):
-                self._free(self.kv_tiers.release(held, "ttl"))
+        """Release promises past their TTL, except those whose session is back: its next turn already waits
+        for a slot (a swapped session is swapped in only when admitted). A TTL bounds a tool that does not
+        return, not a queue."""
+        if self.kv_tiers is None:
+            return
+        expired = self.kv_tiers.expired(self.kv_tiers.clock())
+        if not expired:
+            return
+        waiting = [r.prompt_ids for r in self.scheduler.waiting if r.params.n == 1]
+        for held in expired:
+            n = len(held.tokens)
+            if held.state is not None and any(n < len(p) and p[:n] == held.tokens for p in waiting):
+                continue
+            self._free(self.kv_tiers.release(held, "ttl"))
 
     def _admit_pinned(self) -> list[tuple[GenerationRequest, list[int]]]:
         """Waiting single-sample requests that resume a pinned session go straight into its slot
