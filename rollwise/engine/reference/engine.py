@@ -20,7 +20,8 @@ from torch import Tensor, nn
 
 from rollwise.engine.reference.lora import LoraServing
 from rollwise.engine.reference.model import LlamaFamilyModel
-from rollwise.engine.reference.kv_tiers import KVTiers, SessionRetention
+from rollwise.engine.reference.kv_tiers import KVTiers
+from rollwise.engine.reference.session_retention import SessionRetention
 from rollwise.engine.reference.prefix_cache import PrefixCache, prefill_suffix, prefill_with_prefix
 from rollwise.engine.reference.sampling import (
     needs_processing, process_logits, sample, scaled_logprobs, top_logprobs,
