@@ -128,14 +128,20 @@ async def _run_workload(router: str, workload: Workload) -> list[dict[str, Any]]
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=router, timeout=600, limits=limits) as http:
 
+        round_started = time.monotonic()
+
         async def one(prompt: list[int], headers: dict[str, str], kind: str) -> list[int]:
             params = {"max_tokens": workload.max_tokens, "ignore_eos": True, "seed": len(records)}
             started = time.monotonic()
             r = await http.post(ROUTE, json={"token_ids": prompt, "sampling_params": params}, headers=headers)
             r.raise_for_status()
             answer = r.json()
-            records.append({"kind": kind, "latency_s": time.monotonic() - started, "prompt_tokens": len(prompt),
-                            "cached_prompt_tokens": answer["usage"]["prompt_tokens_details"]["cached_tokens"]})
+            # Per request, for the JSON's log (what makes a tail): rollwise's router names the replica that
+            # answered (x-rollwise-replica); vllm-router does not.
+            records.append({"kind": kind, "key": next(iter(headers.values())), "start_s": started - round_started,
+                            "latency_s": time.monotonic() - started, "prompt_tokens": len(prompt),
+                            "cached_prompt_tokens": answer["usage"]["prompt_tokens_details"]["cached_tokens"],
+                            "replica": r.headers.get("x-rollwise-replica")})
             return answer["choices"][0]["token_ids"]
 
         groups = list(enumerate(workload.group_prompts))
@@ -183,7 +189,7 @@ def _real_round(urls: list[str], arm: Arm, workload: Workload) -> dict:
         wall = time.monotonic() - started
         cpu = proc.cpu_s() - cpu_before
         after = engine_counters(urls)
-    return {"latencies": [r["latency_s"] for r in records], "wall_s": wall, "router_cpu_s": cpu,
+    return {"latencies": [r["latency_s"] for r in records], "records": records, "wall_s": wall, "router_cpu_s": cpu,
             "delta": [{k: a[k] - b.get(k, 0.0) for k in a} for a, b in zip(after, before)]}
 
 
@@ -204,6 +210,7 @@ def _real_summary(rounds: list[dict]) -> dict:
     out["p99_latency_s_median_round"] = percentile(out["p99_latency_s_per_round"], 0.5)
     out["router_cpu_s_per_round"] = [r["router_cpu_s"] for r in rounds]
     out["router_cpu_s_per_request"] = sum(r["router_cpu_s"] for r in rounds) / max(out["requests"], 1)
+    out["requests_log"] = [r["records"] for r in rounds]  # per round, per request: kind, start, latency, replica
     return out
 
 

@@ -38,9 +38,11 @@ from rollwise.sim.cores import SharedCores
 
 # The router process's own CPU seconds per request (parse, choose, relay both ways) as `rollwise bench
 # router` measures it: `router_cpu_s_per_request` of the rollwise `prefix` arm, every router in its own
-# process. PROVISIONAL: 0.8 ms rounds up a CPU-time reading (0.75 ms per request, 2 replicas, short
-# requests) on a shared, loaded 2-core machine (issue 25); the lead replaces it with the idle-machine
-# full run's value (docs/benchmarks.md, bench router).
+# process, read from the kernel's per-process CPU clock. PROVISIONAL: 0.8 ms rounds up a CPU-time reading
+# (0.75 ms per request, 2 replicas, short requests) on a shared, loaded 2-core machine (issue 25).
+# TODO(lead): replace with `real.policies.prefix.router_cpu_s_per_request` from the idle-machine full run,
+#   rollwise bench router --json docs/bench/router.json
+# (docs/benchmarks.md, "Routers as peers"), then rerun `rollwise sim validate-router`.
 ROUTER_S_PER_REQUEST = 0.0008
 
 
