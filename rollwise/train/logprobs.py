@@ -83,7 +83,8 @@ class FusedLogprobs(torch.autograd.Function):
         ctx.kept = []  # overwritten below (a second backward would be wrong): free them as we go
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight: Tensor | None = None  # the first chunk's product, then the others added in place
-        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
+        wants_bias = bias is not None and ctx.needs_input_grad[2]
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if wants_bias else None
         for i, start in enumerate(range(0, hidden.shape[0], chunk)):
             h, t = hidden[start : start + chunk], targets[start : start + chunk]
             g = (grad_logp[start : start + chunk] / temperature).float().unsqueeze(-1)
