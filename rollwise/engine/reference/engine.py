@@ -36,6 +36,11 @@ from rollwise.engine.types import Completion, FinishReason, GenerationRequest
 from rollwise.types.sample import RoutedExperts
 
 
+# Prefills of at least this many new tokens measure the recompute cost the retention policy weighs
+# (recomputing a context is a long prefill; a resumed turn's few new tokens would overstate it).
+RECOMPUTE_SAMPLE_MIN = 64
+
+
 @dataclass
 class Sequence:
     """One of a request's n samples while it is running."""
@@ -331,7 +336,8 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, LoraServing, Engine
             else:
                 logits = prefill_with_prefix(self.model, self.cache, prompt, all_slots, hit)
         reused = resumed or (hit.num_tokens if hit is not None else 0)
-        self.recompute_cost.observe(len(prompt) - reused, time.perf_counter() - started)
+        if len(prompt) - reused >= RECOMPUTE_SAMPLE_MIN:  # a short suffix's time per token is mostly overhead
+            self.recompute_cost.observe(len(prompt) - reused, time.perf_counter() - started)
         self.stats["recomputed_prompt_tokens"] += self._recomputed(group[0][0].request_id, prompt, reused)
         routing = self._prompt_routing(hit)
         seqs = [
