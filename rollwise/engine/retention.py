@@ -10,11 +10,14 @@ engine chooses, per interception, what happens to that turn's KV and reports it 
 - swap:     the KV moves to a second, slower tier and comes back when the session resumes.
 
 Promises are bounded, never blocking: pins and swapped KV live within memory budgets; a pin is released
-when its TTL expires, the session ends (`Engine.release_session`), its request is aborted, the weights
-change (the KV was computed by the old policy) or admission needs the memory (a pinned session never
-keeps a waiting request out; a just-finished turn's KV waits at most park_grace_s, on at most half the
-engine, for the caller's retain()). A released promise costs only recomputation: the next turn's request
-always carries the whole context, so nothing is lost, even if the engine restarts mid-tool-call.
+when its TTL expires (unless the session is back, its next turn queued), the session ends
+(`Engine.release_session`), its request is aborted or the weights change (the KV was computed by the old
+policy). When a request waits for memory a held session occupies, admission keeps it, moves it to the
+swap tier or drops it, whichever wastes least (retention_policy.reclaim); with no slot about to free
+itself it always takes one, so a promise never idles the engine. A just-finished turn's KV is protected
+for at most park_grace_s, on at most half the engine, for the caller's retain(). A released promise costs
+only recomputation: the next turn's request always carries the whole context, so nothing is lost, even
+if the engine restarts mid-tool-call.
 
 The next turn is matched to its retained KV by tokens, not by id: the retained tokens must be a prefix
 of the new prompt (invariant 1 makes every turn's prompt a token prefix of the next one's).
@@ -96,6 +99,7 @@ class RetentionLimits:
     ttl_max_s: float = 120.0
     # A finished turn's KV is held this long for the caller's retain() (it comes milliseconds after the
     # turn, from the agent), on at most half the engine's slots; admission may not take it meanwhile.
+    # Past it the turn stays parked, reclaimable like a pin, until ttl_max_s (a late retain() finds it).
     park_grace_s: float = 0.5
 
     def __post_init__(self) -> None:
