@@ -220,7 +220,8 @@ class SessionRetention:
     def _snapshot(self, context_tokens: int) -> EngineSnapshot:
         """The engine in tokens, as the policy sees it: every slot costs max_model_len tokens."""
         tiers, L = self.kv_tiers, self.max_model_len
-        held_slots = tiers.pinned_slots() + len(tiers.parked) + 1  # + 1: this turn's own slot
+        parked = sum(h.slot is not None for h in tiers.parked.values())  # not those already moved to the swap tier
+        held_slots = tiers.pinned_slots() + parked + 1  # + 1: this turn's own slot
         return EngineSnapshot(
             context_tokens=context_tokens, pin_cost_tokens=L, running_tokens=self.num_running * L,
             used_tokens=(self.num_running + held_slots) * L, capacity_tokens=self.max_num_seqs * L,
