@@ -14,7 +14,8 @@ Arms: min_waste (with a swap tier), always_discard (no prefix cache), always_pre
 prefix_cache_only (an LRU prefix cache as large as the pin budget, so both hold the same memory).
 Reported per arm: episodes/s, recomputed prompt tokens / prompt tokens, memory x time waste (pinned
 slot-seconds x slot tokens while held, plus recomputed tokens x the engine's measured prefill time per
-token x the KV of the batch it stalled: an estimate from the engine's counters), p50/p99 turn latency.
+token x the KV of the batch it stalled: an estimate from the engine's counters), p50/p99 turn latency,
+and the held KV admission took for waiting requests (demoted to the swap tier, or dropped).
 Goals (issue 21): min_waste >= 1.5x the episodes/s of always_discard and >= 1.2x prefix_cache_only;
 recomputed <= 10% of prompt tokens. `rollwise sim intercept --from-bench JSON` replays the workload
 with the costs measured here (simulation_inputs) and compares medians.
