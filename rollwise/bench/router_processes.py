@@ -162,7 +162,7 @@ def _router_command(arm: Arm, urls: list[str], port: int) -> list[str]:
             "--log-level", "warning"]
 
 
-def process_cpu_s(pid: int) -> float:
+def cpu_clock_s(pid: int) -> float:
     """CPU seconds (user + system) a process has used, every thread included (those that ended too), to the
     nanosecond: the kernel's per-process CPU clock (clock_gettime on MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)).
     /proc's user and system times count whole clock ticks (10 ms), as coarse as a quick round's whole
@@ -182,10 +182,10 @@ class RouterProcess:
         """CPU seconds (user + system) of the router and any process it started."""
         try:
             process = psutil.Process(self.pid)
-            total = process_cpu_s(self.pid)
+            total = cpu_clock_s(self.pid)
             for child in process.children(recursive=True):
                 with contextlib.suppress(psutil.Error, OSError):
-                    total += process_cpu_s(child.pid)
+                    total += cpu_clock_s(child.pid)
             return total
         except (psutil.Error, OSError):
             return 0.0

@@ -24,7 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 from rollwise.router.core import Router
 from rollwise.router.policies import RouteRequest
 from rollwise.router.replicas import Replica
-from rollwise.router.requests import RequestMeta, RouterError
+from rollwise.router.requests import RequestMeta, RouterError, loads
 from rollwise.router.sessions import IdempotencyConflict, StoredResponse
 from rollwise.router.upstream import upstream_url
 from rollwise.serve.disconnect import ClientGone, unless_disconnected
@@ -173,7 +173,7 @@ class Relay:
         if not route.tokens:
             return
         try:
-            choices = json.loads(content).get("choices") or []
+            choices = loads(content).get("choices") or []
             outputs = [c["token_ids"] for c in choices if isinstance(c.get("token_ids"), list)]
         except (ValueError, AttributeError, TypeError):
             return

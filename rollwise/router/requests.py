@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from fastapi.responses import JSONResponse
 
 from rollwise.router.policies import RouteRequest
@@ -59,9 +60,20 @@ class RequestMeta:
     request_id: str | None  # the engine's request id (for /abort), when the body names one
 
 
-def parse_object(raw: bytes) -> dict[str, Any]:
+def loads(raw: bytes) -> Any:
+    """JSON from bytes, on the hot path: orjson (C, ~5x less CPU than json for a prompt of token ids), and the
+    standard library where orjson refuses what json accepts (UTF-16 bodies, NaN), so what the router accepts
+    and its error messages stay as json has them. orjson reads an integer beyond 64 bits as a float: fine to
+    route by, never to forward (parse_object(exact=True) where a body is re-serialised)."""
     try:
-        body = json.loads(raw)
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
+
+
+def parse_object(raw: bytes, exact: bool = False) -> dict[str, Any]:
+    try:
+        body = json.loads(raw) if exact else loads(raw)
     except ValueError as exc:
         raise RouterError(400, f"request body is not valid JSON ({exc})") from exc
     if not isinstance(body, dict):
@@ -105,6 +117,8 @@ def read_meta(endpoint: str, raw: bytes, headers: Mapping[str, str],
     the router can abort it at the engine (POST /abort) when its client leaves."""
     body = parse_object(raw)
     had = {k for k in ("session_id", "group_id", "min_policy_version") if k in body}
+    if had:  # the body is re-serialised below: every number must come back as the client wrote it
+        body = parse_object(raw, exact=True)
     session = _key_field(body, headers, "session_id", "x-session-id")
     group = _key_field(body, headers, "group_id", "x-group-id")
     version = _min_version(body, headers)

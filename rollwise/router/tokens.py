@@ -31,7 +31,9 @@ def load_tokenizer(spec: str) -> Any:
 
 
 def _ids(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    # Exact ints only (a JSON true is a bool, never a token id); set(map(type, ...)) runs in C: a 500-token
+    # prompt costs a few microseconds instead of ~40 in a Python-level loop, on every request.
+    return isinstance(value, list) and set(map(type, value)) <= {int}
 
 
 def _chat_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
@@ -49,7 +51,7 @@ def prompt_tokens(endpoint: str, body: dict[str, Any], tokenizer: Any | None, ma
     try:
         if endpoint in ("/generate", "/inference/v1/generate"):  # rollwise's and vLLM's token-in routes
             ids = body.get("prompt_ids" if endpoint == "/generate" else "token_ids")
-            return list(ids[:max_chars]) if _ids(ids) else []
+            return ids[:max_chars] if _ids(ids) else []  # a slice is a new list already
         if endpoint == "/v1/completions":
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and not _ids(prompt):
