@@ -22,9 +22,12 @@ BUNDLED_MODELS = {
 }
 BUNDLED_PREFIX = "bundled:"
 # Mixtures of experts sparse-upcycled from a bundled dense model (rollwise.model.moe), built once into the cache:
-# name -> (dense bundled name, experts, top-k, cache folder name)
+# name -> (dense bundled name, experts, top-k, cache folder name, multiplicative expert noise)
 UPCYCLED_MODELS = {
-    "smollm2-moe": ("smollm2-135m-instruct", 4, 2, "SmolLM2-135M-Instruct-MoE-4x2"),
+    "smollm2-moe": ("smollm2-135m-instruct", 4, 2, "SmolLM2-135M-Instruct-MoE-4x2", 0.01),
+    # Experts 30% apart: a routing flip changes the output (as in trained MoEs), at a cost in quality
+    # (docs/benchmarks.md "MoE and rollout routing replay": held-out accuracy and mismatch per noise level).
+    "smollm2-moe-diverged": ("smollm2-135m-instruct", 4, 2, "SmolLM2-135M-Instruct-MoE-4x2-noise0.3", 0.3),
 }
 
 
@@ -94,10 +97,10 @@ def _upcycled_path(name: str) -> Path:
     """The upcycled MoE's directory, built from its dense bundled model on first use."""
     from rollwise.model.moe import save_upcycled
 
-    dense, experts, top_k, folder = UPCYCLED_MODELS[name]
+    dense, experts, top_k, folder, noise = UPCYCLED_MODELS[name]
     out_dir = cache_dir() / "models" / folder
     if not (out_dir / "config.json").exists():
-        save_upcycled(BUNDLED_PREFIX + dense, out_dir, num_experts=experts, top_k=top_k)
+        save_upcycled(BUNDLED_PREFIX + dense, out_dir, num_experts=experts, top_k=top_k, noise=noise)
     return out_dir
 
 
