@@ -12,6 +12,11 @@ and live routing), whichever run is training:
 Also held-out accuracy after training, the capture size (bytes per token), the cost of replay in the
 trainer (fwd+bwd tokens/s with and without the replay hooks: timed, run on an idle machine), and the
 MoE-CAP sparsity-aware efficiency (activated parameters only) next to the dense model's.
+
+Which model: `bundled:smollm2-moe` by default (1%-perturbed experts: it answers like the dense model, but a
+routing flip barely changes a token, so R3 barely changes the mismatch); `--model
+bundled:smollm2-moe-diverged` has experts 30% apart, where flips matter as in trained MoEs and R3 cuts the
+mismatch 2.5x, at a cost in the untrained model's accuracy (docs/benchmarks.md, "Expert divergence").
 """
 
 from __future__ import annotations
