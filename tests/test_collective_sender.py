@@ -20,7 +20,7 @@ import torch
 
 ray = pytest.importorskip("ray", reason="placement: ray needs Ray: pip install -e '.[ray]'")
 
-from test_ray_placement import _config, ray_cluster  # noqa: E402,F401 (the module's Ray cluster fixture)
+from ray_local import ray_cluster, ray_config  # noqa: E402,F401 (the Ray cluster fixture)
 
 from rollwise.config import RunConfig, load_config  # noqa: E402
 from rollwise.control import ray_placement  # noqa: E402
@@ -51,7 +51,7 @@ def test_collective_sender_is_refused_without_ray_engine_actors():
 def test_train_pushes_every_step_by_broadcast_and_engines_match_the_trainer(ray_cluster, tmp_path, monkeypatch):
     """Sync rollout: step 2 samples with the weights step 1 pushed over the group, so the trainer's
     recomputed logprobs equal the engines' (the mismatch every sender must reach, ~1e-5)."""
-    cfg = load_config(_config(tmp_path, ray_cluster, mode="sync", steps=2),
+    cfg = load_config(ray_config(tmp_path, ray_cluster, mode="sync", steps=2),
                       ["sync.sender=collective", "checkpoint.every=0"])
     fleets = []
     monkeypatch.setattr(ray_placement, "FLEET_HOOKS", [fleets.append])
@@ -104,7 +104,7 @@ def _versions(fleet) -> list[int]:
 
 def test_fleet_broadcast_applies_refuses_bad_updates_whole_and_rejoins_a_restarted_engine(
         ray_cluster, tmp_path, monkeypatch):
-    cfg = load_config(_config(tmp_path, ray_cluster, mode="sync"),
+    cfg = load_config(ray_config(tmp_path, ray_cluster, mode="sync"),
                       ["sync.sender=collective", "ray.max_restarts=1"])
     model, tokenizer = load_model(cfg.model)
     fp = tokenizer_fingerprint(tokenizer)

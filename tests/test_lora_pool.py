@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 import torch
+from adapters import random_adapter
 
 from rollwise.config import LoraConfig
 from rollwise.engine.reference.engine import ReferenceEngine
@@ -24,25 +25,14 @@ from rollwise.local_server import serve_in_thread
 from rollwise.model.loading import tokenizer_fingerprint
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer
 from rollwise.sync.adapters import adapter_update
-from rollwise.train.lora import adapter_spec, adapter_state, wrap_lora
+from rollwise.train.lora import adapter_spec
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 
 
-def _random_adapter(base, cfg: LoraConfig, seed: int) -> dict[str, torch.Tensor]:
-    """A trained-looking adapter: PEFT's init (B = 0) with B randomised so it changes the outputs."""
-    torch.manual_seed(seed)
-    peft_model = wrap_lora(base, cfg)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.3)
-    return {k: v.clone() for k, v in adapter_state(peft_model).items()}
-
-
 def _push(engine, base, name: str, cfg: LoraConfig, seed: int, version: int, fp: str | None = None) -> None:
     spec = adapter_spec(cfg, name, default=False)
-    adapter_update(_random_adapter(base, cfg, seed), spec, version, fp or "").apply_to(engine, fp)
+    adapter_update(random_adapter(base, cfg, seed), spec, version, fp or "").apply_to(engine, fp)
 
 
 JOB_A = LoraConfig(rank=4, alpha=8.0)

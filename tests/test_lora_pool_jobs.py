@@ -21,9 +21,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 import yaml
 
+from adapters import random_adapter
 from completions import collect
 
 from rollwise.config import LoraConfig
@@ -36,7 +36,7 @@ from rollwise.pool.scheduler import JobView, Policy, SlotView, plan
 from rollwise.pool.server import EnginePool, create_app
 from rollwise.pool.states import check_log
 from rollwise.sync.adapters import adapter_update
-from rollwise.train.lora import adapter_spec, adapter_state, wrap_lora
+from rollwise.train.lora import adapter_spec
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -44,18 +44,6 @@ MAX_LEN = 64
 BASE = "tiny:0"
 LORA = {"a": LoraConfig(rank=4, alpha=8.0), "b": LoraConfig(rank=2, alpha=2.0, target_modules=["q_proj", "v_proj"])}
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
-
-
-def _adapter(cfg: LoraConfig, seed: int) -> dict[str, torch.Tensor]:
-    """A trained-looking adapter on BASE: PEFT's init (B = 0) with B randomised so it changes the outputs."""
-    base, _ = load_model(BASE)
-    torch.manual_seed(seed)
-    peft_model = wrap_lora(base, cfg)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.3)
-    return {k: v.detach().clone() for k, v in adapter_state(peft_model).items()}
 
 
 def _lora_job(url: str, name: str, fp: str) -> PoolWorker:
@@ -67,7 +55,7 @@ def _lora_job(url: str, name: str, fp: str) -> PoolWorker:
 def _push(worker: PoolWorker, cfg: LoraConfig, seed: int, version: int, fp: str, name: str | None = None) -> dict:
     """Push an adapter as train.lora's sender builds it (named `name`, default: the pool's policy adapter)."""
     spec = adapter_spec(cfg, name or "policy", default=name is None)
-    update = adapter_update(_adapter(cfg, seed), spec, version, fp)
+    update = adapter_update(random_adapter(load_model(BASE)[0], cfg, seed), spec, version, fp)
     return worker.client.push_weights(update.tensors(), version, fp, adapter=update.manifest.adapter)
 
 
@@ -81,7 +69,7 @@ def _alone(cfg: LoraConfig, seed: int, version: int, tag: str) -> tuple[dict, in
     base, _ = load_model(BASE)
     engine = ReferenceEngine(base, max_num_seqs=8, max_model_len=MAX_LEN, seed=0)
     spec = adapter_spec(cfg, tag, default=False)
-    adapter_update(_adapter(cfg, seed), spec, version, "").apply_to(engine, None)
+    adapter_update(random_adapter(load_model(BASE)[0], cfg, seed), spec, version, "").apply_to(engine, None)
     reqs = [GenerationRequest(rid, p, params, adapter=tag) for rid, p, params in _greedy(tag)]
     return {c.request_id: c for c in engine.generate(reqs)}, engine.stats["steps"]
 

@@ -13,108 +13,19 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 ray = pytest.importorskip("ray", reason="placement: ray needs Ray: pip install -e '.[ray]'")
 
 from rollwise.config import load_config  # noqa: E402
 from rollwise.control import ray_placement  # noqa: E402
 from rollwise.control.train_loop import train  # noqa: E402
-from rollwise.local_server import free_port  # noqa: E402
-
-STEPS, PROMPTS, GROUP = 3, 4, 4
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A one-node Ray cluster (`ray start --head --block`) in its own process group and temp dir; killed
-    by that process group at the end (never `ray stop`, which would stop every cluster on the machine)."""
-    temp = tempfile.mkdtemp(prefix="rwray-", dir="/tmp")  # short: Ray's socket paths have a length limit
-    port = free_port()
-    ports = {flag: free_port() for flag in ("--ray-client-server-port", "--dashboard-agent-listen-port",
-                                             "--dashboard-agent-grpc-port", "--metrics-export-port",
-                                             "--runtime-env-agent-port", "--node-manager-port",
-                                             "--object-manager-port")}
-    ray_bin = Path(sys.executable).parent / "ray"
-    cmd = [str(ray_bin) if ray_bin.exists() else "ray", "start", "--head", "--block", f"--port={port}",
-           "--num-cpus=2", "--object-store-memory=200000000", "--include-dashboard=false",
-           f"--temp-dir={temp}", "--disable-usage-stats", *(f"{k}={v}" for k, v in ports.items())]
-    # A private cluster for the test: no token auth (a ~/.ray/auth_token left by another local cluster
-    # would otherwise switch one side to token mode); drivers here and in subprocesses inherit this.
-    saved_auth = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "RAY_USAGE_STATS_ENABLED": "0", "ROLLWISE_CACHE": os.path.join(temp, "rollwise-cache")}
-    log = open(os.path.join(temp, "ray-start.log"), "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    address = f"127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while "Ray runtime started" not in Path(log.name).read_text():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"ray start failed:\n{Path(log.name).read_text()[-3000:]}")
-            time.sleep(0.3)
-        yield address
-    finally:
-        for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(proc.pid, sig)  # the process group we started: ray start, GCS, raylet, workers
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        log.close()
-        shutil.rmtree(temp, ignore_errors=True)
-        if saved_auth is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = saved_auth
-
-
-def _write_task(path: Path, n: int = 40) -> Path:
-    with path.open("w") as f:
-        for i in range(n):
-            a, b = i % 10, (i * 7 // 10) % 10
-            f.write(json.dumps({"prompt": f"What is {a} + {b}?", "answer": a + b}) + "\n")
-    return path
-
-
-def _config(tmp_path: Path, address: str, mode: str, steps: int = STEPS) -> Path:
-    cfg = {
-        "model": "tiny:0",
-        "seed": 0,
-        "output_dir": str(tmp_path / "run"),
-        "threads": 1,
-        "task": {"kind": "jsonl", "path": str(_write_task(tmp_path / "add.jsonl"))},
-        "prompt": {"system": "Reply with {answer_open}N{answer_close}.", "few_shot": []},
-        "rollout": {"prompts_per_step": PROMPTS, "group_size": GROUP, "max_tokens": 32, "mode": mode},
-        "engine": {"kind": "reference", "max_num_seqs": 8, "max_model_len": 256},
-        # kl_coef > 0: every step updates the weights (the tiny random model earns no reward signal),
-        # so policy versions move and the re-sync after a restart is to a version > 0.
-        "train": {"steps": steps, "lr": 1e-3, "kl_coef": 0.01},
-        "eval": {"size": 2},
-        "checkpoint": {"every": 1},
-        "tensorboard": False,
-        "placement": "ray",
-        "ray": {"address": address, "num_engines": 2, "engine_cpus": 0.5, "trainer_cpus": 0.5,
-                "reward_workers": 1, "reward_cpus": 0.25, "max_restarts": 2},
-    }
-    path = tmp_path / "ray.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
-
+from ray_local import GROUP, PROMPTS, STEPS, ray_cluster, ray_config  # noqa: E402,F401 (the fixture)
 
 def _check_ledger(summary: dict, steps: int = STEPS) -> None:
     counts = summary["samples"]
@@ -127,7 +38,7 @@ def _check_ledger(summary: dict, steps: int = STEPS) -> None:
 
 def test_train_on_ray_cluster_end_to_end(ray_cluster, tmp_path):
     """The CLI run, async rollout (pause/abort/continue across updates all go through the fleet)."""
-    config = _config(tmp_path, ray_cluster, mode="async", steps=2)
+    config = ray_config(tmp_path, ray_cluster, mode="async", steps=2)
     env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "ROLLWISE_CACHE": str(tmp_path / "rollwise-cache")}
     script = Path(sys.executable).parent / "rollwise"
@@ -158,7 +69,7 @@ def test_engine_actor_killed_mid_rollout_is_restarted_and_resynced(ray_cluster, 
     after the first weight update, while the killed engine still has samples to generate."""
     # max_restarts=1: the first kill is restarted; a second kill of the same engine is for good, and
     # its requests move to the other engine.
-    cfg = load_config(_config(tmp_path, ray_cluster, mode="sync"), ["ray.max_restarts=1"])
+    cfg = load_config(ray_config(tmp_path, ray_cluster, mode="sync"), ["ray.max_restarts=1"])
     seen: dict = {}
 
     def kill_mid_rollout(fleet, slot, completion):
@@ -243,7 +154,7 @@ def test_two_trainer_rank_actors_train_then_a_killed_rank_fails_clearly_and_resu
     """`ray.trainer_ranks=2`: the sharded trainer as two Ray actors forming one gloo group (issue 18
     item 5). The run trains and checkpoints sharded (dcp/); a rank actor killed mid-step fails the
     run with an error naming the rank and the resume command; `checkpoint.resume=auto` continues."""
-    config = _config(tmp_path, ray_cluster, mode="sync", steps=2)
+    config = ray_config(tmp_path, ray_cluster, mode="sync", steps=2)
     ranks = ["ray.trainer_ranks=2", "ray.num_engines=1"]  # 2 x 0.5 CPU trainers + 0.5 engine + 0.25 reward
     proc = _cli(config, tmp_path, *ranks)
     out = proc.stdout + proc.stderr

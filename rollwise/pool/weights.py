@@ -12,10 +12,11 @@ job can never replace or serve another job's adapter (`own_adapter`, `JobAdapter
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from rollwise.engine.contract import Engine
 from rollwise.pool.jobs import Job, PoolError, Slot
 from rollwise.pool.states import ACTIVE, StateMachine
 from rollwise.sync.buckets import StagedUpdate, WeightUpdateError, parse_manifest
@@ -47,8 +48,8 @@ def parse_weight_upload(body: bytes) -> StagedUpdate:
     return staged
 
 
-class JobWeights:
-    """WeightReceiver's target for one job: store the version, apply it to the job's active engines."""
+class JobTarget:
+    """What both WeightReceiver targets of a job share: its version, and calling its active engines."""
 
     def __init__(self, slots: Sequence[Slot], states: StateMachine, job: Job) -> None:
         self.slots, self.states, self.job = slots, states, job
@@ -58,13 +59,21 @@ class JobWeights:
     def policy_version(self) -> int | None:
         return self.job.version
 
+    def on_active_engines(self, key: str, call: Callable[[Engine], None]) -> None:
+        """Run `call` on every active instance under `key`, between two of its engine's steps."""
+        for slot in self.slots:
+            inst = slot.instances.get(key)
+            if inst is not None and self.states.state(slot.index, key) is ACTIVE:
+                slot.worker.call(lambda _e, inst=inst: call(inst))
+                self.applied.append(slot.index)
+
+
+class JobWeights(JobTarget):
+    """WeightReceiver's target for one job: store the version, apply it to the job's active engines."""
+
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         # caller holds job.lock: no activation or admission of this job interleaves
-        for slot in self.slots:
-            inst = slot.instances.get(self.job.name)
-            if inst is not None and self.states.state(slot.index, self.job.name) is ACTIVE:
-                slot.worker.call(lambda _e, inst=inst: inst.update_weights(state, version))  # between two steps
-                self.applied.append(slot.index)
+        self.on_active_engines(self.job.name, lambda inst: inst.update_weights(state, version))
         self.job.weights, self.job.version = state, version
         self.job.versions.add(version)
 
@@ -84,17 +93,9 @@ def own_adapter(staged: StagedUpdate, job: Job) -> None:
         staged.manifest = staged.manifest.model_copy(update={"adapter": mine})
 
 
-class JobAdapter:
+class JobAdapter(JobTarget):
     """WeightReceiver's target for a LoRA job: store its adapter, load it on the job's base engines that are
     active (a sleeping one loads it when it wakes). Nothing of the base, or of another job's adapter, changes."""
-
-    def __init__(self, slots: Sequence[Slot], states: StateMachine, job: Job) -> None:
-        self.slots, self.states, self.job = slots, states, job
-        self.applied: list[int] = []
-
-    @property
-    def policy_version(self) -> int | None:
-        return self.job.version
 
     def loaded_adapters(self) -> dict[str, int]:
         return {} if self.job.version is None else {self.job.name: self.job.version}
@@ -102,10 +103,6 @@ class JobAdapter:
     def load_adapter(self, spec: AdapterSpec, state: dict[str, torch.Tensor], version: int) -> None:
         # caller holds job.lock (its base's lock): no switch of the shared engine interleaves
         assert spec.name == self.job.name, "own_adapter renames every adapter to its job"
-        for slot in self.slots:
-            inst = slot.instances.get(self.job.key)
-            if inst is not None and self.states.state(slot.index, self.job.key) is ACTIVE:
-                slot.worker.call(lambda _e, inst=inst: inst.load_adapter(spec, state, version))  # between two steps
-                self.applied.append(slot.index)
+        self.on_active_engines(self.job.key, lambda inst: inst.load_adapter(spec, state, version))
         self.job.weights, self.job.version, self.job.adapter = dict(state), version, spec
         self.job.versions.add(version)
