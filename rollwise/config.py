@@ -198,6 +198,11 @@ class TrainConfig(_Section):
                                   "its per-parameter loop; same update to float rounding")
     pack_responses: bool = Field(True, description="shared-prompt micro-batches: several responses per row (block-"
                                  "diagonal causal mask), so a group costs its tokens, not group size x its longest")
+    pack_groups: bool = Field(True, description="with pack_responses: several whole groups per micro-batch (each "
+                              "prompt once, rows over their own prompt's KV; rollwise.train.packing), up to "
+                              "micro_batch_tokens computed positions")
+    micro_batch_tokens: int = Field(2048, ge=1, description="pack_groups: positions a micro-batch of several groups "
+                                    "may compute (prompts + packed response rows); bounds its activation memory")
     gradient_checkpointing: bool = False
     share_prompt_prefix: bool = Field(True, description="compute each group's shared prompt once in the forward")
     routing_replay: Literal["none", "r3"] = Field(
