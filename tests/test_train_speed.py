@@ -212,3 +212,69 @@ def test_bench_loop_takes_overrides_for_a_before_row():
     cfg = load_config(None, loop_overrides(False, None, "runs/x", before))
     assert not (cfg.train.fused_logprobs or cfg.train.fused_optimizer or cfg.train.pack_responses)
     assert load_config(None, loop_overrides(False, None, "runs/x")).train.pack_responses
+
+
+# ---------------------------------------------------------------- several groups per forward (train.pack_groups)
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.05])
+def test_several_groups_in_one_forward_equal_one_group_per_forward(kl_coef):
+    """train.pack_groups: groups of unequal prompt lengths in one micro-batch (prompts batched and
+    right-padded, each row over its own prompt's KV) give the one-group packed step's gradients,
+    log-probs and metrics; a zero-advantage group included (trained with the KL term)."""
+    from rollwise.types.microbatch import chunk_samples
+
+    samples = _samples(seed=6, groups=4, group_size=3)
+    assert len({len(s.prompt_ids) for s in samples}) > 1
+    base = dict(lr=1e-3, micro_batch_size=3, off_policy_correction="none", kl_coef=kl_coef, pack_responses=True)
+    before, after = TrainConfig(**base, pack_groups=False), TrainConfig(**base, pack_groups=True)
+    assert len(chunk_samples(samples, after)[1]) < len(chunk_samples(samples, before)[1])
+    want_grads, _, want_metrics = _step(before, samples)
+    got_grads, _, got_metrics = _step(after, samples)
+    for name in want_grads:
+        assert _rel(got_grads[name], want_grads[name]) <= MAX_REL, name
+    for key in ("loss", "grad_norm", "entropy", "mismatch_abs_logp", "kl", "trained_tokens"):
+        assert got_metrics[key] == pytest.approx(want_metrics[key], rel=MAX_REL, abs=1e-9), key
+
+
+def test_packed_groups_logprobs_equal_each_group_alone():
+    """Per-token log-probs and their gradient into the model, micro-batch against micro-batch."""
+    from rollwise.train.packing import collate_packed_groups
+
+    samples = _samples(seed=7, groups=3, group_size=4)
+    model = tiny_llama(seed=3)
+    upstream = torch.randn(sum(len(s.response_ids) for s in samples), generator=torch.Generator().manual_seed(0))
+
+    def run(batches):
+        model.zero_grad()
+        logp = torch.cat([mb.logprobs(model, 0.9, 7, fused=True)[0] for mb in batches])
+        (logp * upstream).sum().backward()
+        return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want_logp, want_grads = run([collate_group(samples[g * 4 : g * 4 + 4], torch.ones(1), 0, pack=True)
+                                 for g in range(3)])
+    got_logp, got_grads = run([collate_packed_groups(samples, torch.ones(1), 0)])
+    assert _rel(got_logp, want_logp) <= MAX_REL
+    for name in want_grads:
+        assert _rel(got_grads[name], want_grads[name]) <= MAX_REL, name
+
+
+def test_pack_groups_chunks_whole_groups_within_the_token_budget_and_counts_what_it_computes():
+    from rollwise.types.microbatch import chunk_samples, computed_tokens
+
+    def group(g: int, prompt: int, lengths: list[int]) -> list[Sample]:
+        return [Sample(f"{g}/{i}", f"g{g}", "p", [100 + g] * prompt, [5] * n, [0.0] * n, [0] * n, "stop",
+                       advantage=1.0) for i, n in enumerate(lengths)]
+
+    a, b, c = group(0, 10, [4, 4, 4, 4]), group(1, 6, [1, 1, 1, 8]), group(2, 10, [8, 8])
+    cfg = TrainConfig(micro_batch_size=4, pack_groups=True, micro_batch_tokens=60)
+    _, chunks = chunk_samples(a + b + c, cfg)
+    assert [len(ch) for ch in chunks] == [8, 2]  # a + b fit in 60 positions, c does not join them
+    # a + b: 2 prompts padded to 10, rows 8 wide: a packs 4+4 | 4+4, b packs 8 | 1+1+1 -> 4 rows
+    assert computed_tokens(a + b, cfg) == 2 * 10 + 4 * 8
+    # one packed group: its prompt + rows x its longest (not group size x its longest, as before)
+    assert computed_tokens(b, cfg) == 6 + 2 * 8
+    assert computed_tokens(b, cfg.model_copy(update={"pack_responses": False})) == 6 + 4 * 8
+    # a group over micro_batch_size samples is cut in pieces, which may go back together within the budget
+    assert [len(ch) for ch in chunk_samples(group(3, 2, [1] * 9), cfg)[1]] == [9]
+    assert [len(ch) for ch in chunk_samples(group(3, 2, [1] * 9), cfg.model_copy(
+        update={"pack_groups": False}))[1]] == [4, 4, 1]

@@ -20,6 +20,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from rollwise.types.microbatch import pack_responses  # re-exported: the packed forward's row layout
+
+__all__ = ["KEEP_PROBS_MIB", "FusedLogprobs", "lm_head_logprobs", "sequence_logprobs", "shared_prompt_logprobs",
+           "pack_responses", "packed_prompt_logprobs"]
+
 KEEP_PROBS_MIB = 512  # fused path: softmax kept for the backward up to this size (else recomputed)
 
 
@@ -206,24 +211,6 @@ def shared_prompt_logprobs(
         predictors[response_mask], model.get_output_embeddings(), responses[response_mask],
         temperature=temperature, chunk_tokens=chunk_tokens, fused=fused,
     )
-
-
-def pack_responses(lengths: list[int]) -> tuple[list[list[int]], int]:
-    """Responses of these lengths packed into rows as wide as the longest (first-fit decreasing):
-    (the response indices of each row, in order, the row width). A group's responses then cost
-    about their total length in the forward, not group size x the longest."""
-    width = max(lengths)
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        row = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
-        if row is None:
-            rows.append([])
-            room.append(width)
-            row = len(rows) - 1
-        rows[row].append(i)
-        room[row] -= lengths[i]
-    return rows, width
 
 
 def packed_prompt_logprobs(

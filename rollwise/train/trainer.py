@@ -19,10 +19,11 @@ import torch
 from torch import Tensor, nn
 
 from rollwise.config import TrainConfig
-from rollwise.types.microbatch import chunk_samples, computed_tokens
+from rollwise.types.microbatch import chunk_samples, computed_tokens, prompt_groups
 from rollwise.types.sample import Sample
 from rollwise.train.grpo import clipped_surrogate_loss, off_policy_weights, token_weights
 from rollwise.train.lora import adapter_state, wrap_lora
+from rollwise.train.packing import collate_packed_groups
 from rollwise.train.logprobs import (pack_responses, packed_prompt_logprobs, sequence_logprobs,
                                     shared_prompt_logprobs)
 from rollwise.train.routing_replay import ReplayBatch, RoutingReplay, find_routers, group_batch, rows_batch
@@ -280,16 +281,26 @@ class GRPOTrainer:
         `padding` zero-weight repeats of the first chunk (see MicroBatch.padding)."""
         batches: list[MicroBatch | GroupMicroBatch] = []
         offset = 0
-        # MoE routing replay reads the engine's routes in the padded layout: no packing there
-        pack = self.cfg.pack_responses and self.routing is None
-        build = partial(collate_group, pack=pack) if share else collate
         for chunk in chunks:
             n_tokens = sum(s.trained_tokens for s in chunk)
-            batches.append(build(chunk, weights[offset : offset + n_tokens], self.pad_token_id))
+            batches.append(self._collate(share, chunk)(chunk, weights[offset : offset + n_tokens], self.pad_token_id))
             offset += n_tokens
         for _ in range(padding):
             batches.append(replace(batches[0], weights=torch.zeros_like(batches[0].weights), padding=True))
         return batches
+
+    def _collate(self, share: bool, chunk: list[Sample]) -> Callable[[list[Sample], Tensor, int], Any]:
+        """How a chunk becomes a micro-batch: padded rows; one group's prompt once, its responses
+        one to a row or packed (train.pack_responses); several groups packed (train.pack_groups)."""
+        if not share:
+            return collate
+        # MoE routing replay reads the engine's routes in the padded layout: no packing there, and a
+        # chunk of several groups (train.pack_groups) takes the padded forward
+        if self.routing is not None:
+            return collate_group if len(prompt_groups(chunk)) == 1 else collate
+        if self.cfg.pack_responses and self.cfg.pack_groups:
+            return collate_packed_groups
+        return partial(collate_group, pack=self.cfg.pack_responses)
 
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
         """One rollout batch -> `updates_per_step` optimizer updates. Returns metrics of the last update."""

@@ -1,0 +1,147 @@
+"""Several GRPO groups in one forward (train.pack_groups, issue 23 item 2).
+
+A micro-batch of several groups runs their prompts once, as one right-padded batch, and then rows
+of responses packed end to end (rollwise.types.microbatch.pack_responses), each row over its own
+group's prompt KV with a block-diagonal causal mask. Fewer, larger micro-batches than one group
+each: fewer gradient accumulations into every parameter and fewer [vocab, hidden] LM-head weight
+gradients per step, and larger matmuls. Exact: a token attends to exactly what it attends to in
+the one-group packed forward (its prompt and its own response's earlier tokens), at the same positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from rollwise.train.logprobs import lm_head_logprobs
+from rollwise.train.routing_replay import ReplayBatch
+from rollwise.types.microbatch import pack_responses, prompt_groups
+from rollwise.types.sample import Sample
+
+__all__ = ["PackedGroupsMicroBatch", "collate_packed_groups", "packed_groups_logprobs"]
+
+
+@dataclass
+class PackedGroupsMicroBatch:
+    """Samples of one or more groups: prompts once, responses several to a row (see module doc)."""
+
+    prompts: Tensor  # [groups, P] right-padded prompts
+    prompt_lens: Tensor  # [groups]
+    tokens: Tensor  # [rows, W] responses laid end to end, padding after them
+    row_group: Tensor  # [rows] the group (prompt) of each row
+    segment_start: Tensor  # [rows, W] column where each token's response starts, -1 on padding
+    order: Tensor  # [N] flat index into [rows, W] of each response token, in sample order
+    behaviour_logp: Tensor  # [N]
+    advantages: Tensor  # [N]
+    weights: Tensor  # [N]
+    padding: bool = False  # a sharded rank's zero-weight repeat (see rollwise.train.trainer.MicroBatch)
+    routing: ReplayBatch | None = None  # never set: MoE routing replay takes the padded layout
+
+    def logprobs(self, model: nn.Module, temperature: float, chunk_tokens: int,
+                 fused: bool = False) -> tuple[Tensor, Tensor]:
+        return packed_groups_logprobs(model, self.prompts, self.prompt_lens, self.tokens, self.row_group,
+                                      self.segment_start, self.order, temperature=temperature,
+                                      chunk_tokens=chunk_tokens, fused=fused)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.order.numel())
+
+
+def _long(ids) -> Tensor:
+    return torch.as_tensor(ids, dtype=torch.long)
+
+
+def collate_packed_groups(samples: list[Sample], weights: Tensor, pad_id: int) -> PackedGroupsMicroBatch:
+    """A micro-batch of whole groups (rollwise.types.microbatch.chunk_samples with pack_groups):
+    each group's responses packed into rows as wide as the micro-batch's longest response."""
+    groups = prompt_groups(samples)
+    width = max(len(s.response_ids) for s in samples)
+    prompt_width = max(len(g[0].prompt_ids) for g in groups)
+    prompts = torch.full((len(groups), prompt_width), pad_id, dtype=torch.long)
+    for g, members in enumerate(groups):
+        prompts[g, : len(members[0].prompt_ids)] = _long(members[0].prompt_ids)
+    rows: list[tuple[int, list[Sample]]] = []  # (group, the samples laid in the row)
+    for g, members in enumerate(groups):
+        layout, _ = pack_responses([len(s.response_ids) for s in members], width)
+        rows.extend((g, [members[i] for i in row]) for row in layout)
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    segment_start = torch.full((len(rows), width), -1, dtype=torch.long)
+    flat_index: dict[int, Tensor] = {}  # by id(sample)
+    for r, (_, members) in enumerate(rows):
+        col = 0
+        for s in members:
+            n = len(s.response_ids)
+            tokens[r, col : col + n] = _long(s.response_ids)
+            segment_start[r, col : col + n] = col
+            flat_index[id(s)] = r * width + col + torch.arange(n)
+            col += n
+    return PackedGroupsMicroBatch(
+        prompts=prompts,
+        prompt_lens=_long([len(g[0].prompt_ids) for g in groups]),
+        tokens=tokens,
+        row_group=_long([g for g, _ in rows]),
+        segment_start=segment_start,
+        # the loss weights come flattened in the chunk's sample order: so do the tokens
+        order=torch.cat([flat_index[id(s)] for s in samples]),
+        behaviour_logp=torch.tensor([float(lp) for s in samples for lp in s.behaviour_logprobs], dtype=torch.float32),
+        advantages=torch.tensor([s.advantage for s in samples for _ in range(len(s.response_ids))],
+                                dtype=torch.float32),
+        weights=weights,
+    )
+
+
+def _row_mask(prompt_keys: Tensor, segment_start: Tensor) -> Tensor:
+    """[rows, 1, W, P + W] boolean attention mask: a real token sees its group's prompt (prompt_keys
+    [rows, P]) and its own response's earlier tokens; a padding query sees the prompt only (a row of
+    all-False would give NaN in softmax)."""
+    rows, width = segment_start.shape
+    cols = torch.arange(width, device=segment_start.device)
+    real = segment_start >= 0
+    same_segment = segment_start[:, :, None] == segment_start[:, None, :]  # [rows, q, k]
+    causal = cols[None, :, None] >= cols[None, None, :]
+    own = same_segment & causal & real[:, None, :] & real[:, :, None]
+    prompt = prompt_keys[:, None, :].expand(rows, width, prompt_keys.shape[1])
+    return torch.cat([prompt, own], dim=2)[:, None]
+
+
+def packed_groups_logprobs(
+    model: nn.Module,
+    prompts: Tensor,
+    prompt_lens: Tensor,
+    tokens: Tensor,
+    row_group: Tensor,
+    segment_start: Tensor,
+    order: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+    fused: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Log-probs (and entropy) of the response tokens of several groups, flattened by `order`.
+
+    The prompts run once, batched and right-padded; each row's cache is its group's prompt KV
+    (selected with grad, so gradients into a prompt sum over its rows, as in the padded forward).
+    Response tokens sit at their own sequence's positions: prompt length + offset in the response.
+    """
+    backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    prompt_keys = torch.arange(prompts.shape[1], device=prompts.device)[None, :] < prompt_lens[:, None]
+    prompt_out = backbone(input_ids=prompts, attention_mask=prompt_keys.long(), use_cache=True)
+    cache = prompt_out.past_key_values
+    cache.batch_select_indices(row_group)
+    cols = torch.arange(tokens.shape[1], device=tokens.device)
+    offsets = torch.where(segment_start >= 0, cols[None, :] - segment_start, 0)
+    response_hidden = backbone(
+        input_ids=tokens, attention_mask=_row_mask(prompt_keys[row_group], segment_start),
+        position_ids=prompt_lens[row_group][:, None] + offsets, past_key_values=cache, use_cache=True,
+    ).last_hidden_state
+    # A response's first token is predicted by its prompt's last position, the others by the column before.
+    hidden_size = response_hidden.shape[-1]
+    last_prompt = prompt_out.last_hidden_state[torch.arange(prompts.shape[0], device=prompts.device), prompt_lens - 1]
+    shifted = torch.cat([response_hidden[:, :1], response_hidden[:, :-1]], dim=1)
+    first = (offsets == 0)[..., None]
+    predictors = torch.where(first, last_prompt[row_group][:, None, :], shifted).reshape(-1, hidden_size)
+    return lm_head_logprobs(predictors[order], model.get_output_embeddings(), tokens.reshape(-1)[order],
+                            temperature=temperature, chunk_tokens=chunk_tokens, fused=fused)
