@@ -31,16 +31,19 @@ import sys
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 from rich.table import Table
 
+from rollwise.engine.retention import RetentionLimits
 from rollwise.engine.retention_policy import (
-    POLICY_NAMES, EngineSnapshot, HeldSlot, PolicyName, RetentionCosts, ToolLatencies, choose, reclaim,
+    POLICY_NAMES, EngineSnapshot, HeldSlot, PolicyName, ReclaimAction, RetentionCosts, ToolLatencies, choose,
+    reclaim, reclaim_wastes,
 )
 from rollwise.sim.cost import CostModel, load_cost_file
+from rollwise.sim.intercept_cache import BlockPrefixCache
 
 
 class ToolSpec(BaseModel):
@@ -48,7 +51,9 @@ class ToolSpec(BaseModel):
     name: str
     median_s: float = Field(gt=0, description="median latency (lognormal)")
     sigma: float = Field(1.0, ge=0, description="lognormal sigma: 1.0 puts p99 at ~10x the median")
-    weight: float = Field(1.0, gt=0, description="relative frequency of this tool")
+    weight: float = Field(1.0, gt=0, description="relative frequency of this tool (tool_order: random)")
+    cap_factor: float | None = Field(None, gt=0, description="latency capped at this multiple of the median "
+                                     "(rollwise bench intercept caps its slow tool at 10x); None: no cap")
 
 
 class InterceptWorkload(BaseModel):
@@ -60,6 +65,14 @@ class InterceptWorkload(BaseModel):
     tool_result_tokens: int = Field(32, ge=0)
     output_tokens: int = Field(32, ge=1)
     tools: list[ToolSpec] = Field(default_factory=lambda: [ToolSpec(name="python", median_s=1.0)])
+    tool_order: Literal["random", "rotate"] = Field("random", description="random: drawn by weight; rotate: "
+                                                    "session i's k-th call uses tools[(i + k) % len(tools)], "
+                                                    "as rollwise bench intercept does")
+    expected_default_s: float | None = Field(None, gt=0, description="expected latency of a tool before its "
+                                             "first return (None: the median of the tools' medians)")
+
+
+_LIMITS = RetentionLimits()  # the engine's defaults for what the bench does not set
 
 
 class RetentionModel(BaseModel):
@@ -72,8 +85,13 @@ class RetentionModel(BaseModel):
     swap_budget_tokens: int = Field(0, ge=0)
     swap_s_per_token: float = Field(1e-6, ge=0, description="one-way swap transfer per token")
     swap_overlap: float = Field(0.0, ge=0, le=1, description="fraction of swaps hidden behind compute")
-    prefix_cache_tokens: int = Field(0, ge=0, description="LRU prefix cache (prefix_cache_only) in tokens")
-    ttl_factor: float = Field(2.0, gt=0)
+    prefix_cache_tokens: int = Field(0, ge=0, description="prefix cache in tokens (every policy but always_discard)")
+    ttl_factor: float = Field(_LIMITS.ttl_factor, gt=0, description="a promise lasts expected latency x this ...")
+    ttl_min_s: float = Field(_LIMITS.ttl_min_s, gt=0, description="... clamped to [ttl_min_s, ttl_max_s]")
+    ttl_max_s: float = Field(_LIMITS.ttl_max_s, gt=0)
+    park_grace_s: float = Field(_LIMITS.park_grace_s, ge=0, description="a finished turn's slot is protected "
+                                "this long for the caller's retain(), on at most half the slots; 0: not parked "
+                                "(the turn's KV is gone before retain(), which then discards)")
 
 
 @dataclass
@@ -81,11 +99,13 @@ class _Session:
     sid: int
     turn: int = 0
     context: int = 0  # tokens with KV after the last turn
-    held: str | None = None  # preserve | swap | cache | None
+    held: str | None = None  # preserve | swap | cache (paged prefix cache) | None
     deadline: float = math.inf
-    since: float = 0.0
+    since: float = 0.0  # when its tool call started
+    expected: float = 0.0  # its tool's expected latency then
     ready_at: float = 0.0
     tool: str = ""
+    calls: int = 0  # tool calls so far (tool_order: rotate)
 
 
 @dataclass
@@ -94,6 +114,20 @@ class _Run:
     remaining: int
     tokens: int  # context + tokens so far
     memory: int
+
+
+@dataclass
+class _Parked:
+    """A finished turn whose KV stays in its memory until the caller's retain() (or, after the episode's
+    last turn, release_session()) is served. The caller learns of the turn when the step ends and its call
+    reaches the engine while the next step runs, so it is served after that step: the next step's
+    admission sees the turn parked (protected, or reclaimable like a pin)."""
+
+    session: _Session
+    memory: int  # 0 once admission took it (dropped, or demoted to the swap tier)
+    protected_until: float
+    last: bool  # the episode's last turn
+    demoted: bool = False
 
 
 @dataclass
@@ -108,7 +142,8 @@ class InterceptResult:
     turn_latency_p50_s: float
     turn_latency_p99_s: float
     actions: dict[str, int] = field(default_factory=dict)
-    reclaimed: dict[str, int] = field(default_factory=dict)  # pins admission took: demoted to swap, or dropped
+    # held KV admission took for waiting requests, in the bench's terms (its taken_by_admission)
+    reclaimed: dict[str, int] = field(default_factory=dict)
 
     @property
     def recomputed_fraction(self) -> float:
@@ -135,10 +170,18 @@ class _Sim:
         self.waiting: deque[_Session] = deque()
         self.tools: list[tuple[float, int, _Session]] = []  # (return time, sid, session)
         self.running: list[_Run] = []
-        self.pins: dict[int, _Session] = {}
+        self.held: dict[int, _Session] = {}  # preserved and swapped sessions (the engine's tiers.sessions)
+        self.parked: list[_Parked] = []  # turns finished in the last step, their retain() not served yet
         self.swapped = 0
-        self.cache: OrderedDict[int, _Session] = OrderedDict()
-        self.latencies = ToolLatencies(default_s=statistics.median(t.median_s for t in work.tools))
+        self.max_protected = max(1, cost.max_num_seqs // 2)  # as the reference engine's max_parked
+        cached = policy != "always_discard" and model.prefix_cache_tokens > 0
+        # The prefix cache: in free KV blocks on paged engines (discarded contexts, evicted first when memory
+        # is needed); beside the slots on the reference engine (BlockPrefixCache: every prompt and history).
+        self.cache: OrderedDict[int, _Session] | None = OrderedDict() if cached and model.slot_tokens is None else None
+        self.blocks = BlockPrefixCache(model.prefix_cache_tokens, cost.block_size) if cached and model.slot_tokens else None
+        default_s = work.expected_default_s or statistics.median(t.median_s for t in work.tools)
+        self.latencies = ToolLatencies(default_s=default_s)
+        self.costs = RetentionCosts(cost.prefill_s_per_token, model.swap_s_per_token, model.swap_overlap)
         self.started = self.done = 0
         self.prompt_tokens = self.recomputed = 0
         self.waste = 0.0
@@ -156,7 +199,11 @@ class _Sim:
             self._returns()
             self._expire()
             prefill, recompute, swap_in = self._admit()
-            if not self.running:
+            if not self.running:  # an empty step: the calls queued behind it are served at once
+                if self.parked:
+                    served, self.parked = self.parked, []
+                    self._serve(served)
+                    continue
                 if not self.tools:
                     raise RuntimeError("intercept sim: nothing runs and no tool is out (a turn never fits: "
                                        "raise kv_capacity_tokens or lower the workload's token counts)")
@@ -169,7 +216,10 @@ class _Sim:
             self.waste += (recompute * self.cost.prefill_s_per_token + swap_s) * held
             self.pending_swap = 0
             self.t += dt
-            self._decode()
+            served, self.parked = self.parked, []
+            self._decode(served)
+            self._returns()  # sessions back during the step are queued when the calls are served
+            self._serve(served)
         return InterceptResult(
             self.policy, self.done, self.t, self.done / self.t if self.t else 0.0, self.prompt_tokens,
             self.recomputed, self.waste, _quantile(self.turn_latencies, 0.5), _quantile(self.turn_latencies, 0.99),
@@ -185,30 +235,35 @@ class _Sim:
             back, _, session = heapq.heappop(self.tools)
             self.latencies.observe(session.tool, back - session.since)
             session.ready_at = back
-            if session.held == "preserve":
-                # Back with its KV pinned: the promise is kept until its turn runs (a TTL bounds tools that
-                # do not return, not a queue), and it goes first, as the engine admits a pinned session into
-                # its own memory ahead of the queue (ReferenceEngine._admit_pinned).
-                session.deadline = math.inf
-                self.waiting.appendleft(session)
+            # Back: a promise is kept until its turn runs (a TTL bounds tools that do not return, not a queue).
+            session.deadline = math.inf
+            if session.held == "preserve":  # it goes first, as the engine admits a pinned session into its own
+                self.waiting.appendleft(session)  # memory ahead of the queue (ReferenceEngine._admit_pinned)
             else:
                 self.waiting.append(session)
 
     def _expire(self) -> None:
-        for session in [s for s in self.pins.values() if s.deadline <= self.t]:
+        for session in [s for s in self.held.values() if s.deadline <= self.t]:
             self._release(session)
+
+    # ------------------------------------------------------------ memory
 
     def _memory(self, prompt: int) -> int:
         return self.model.slot_tokens or prompt + self.work.output_tokens
 
+    def _pins(self) -> list[_Session]:
+        return [s for s in self.held.values() if s.held == "preserve"]
+
     def _used(self) -> int:
-        used = sum(r.memory for r in self.running) + sum(self._memory(s.context) for s in self.pins.values())
-        if self.model.slot_tokens is None:  # paged engines keep their prefix cache in free KV blocks
+        used = (sum(r.memory for r in self.running) + sum(self._memory(s.context) for s in self._pins())
+                + sum(p.memory for p in self.parked))
+        if self.cache is not None:  # paged engines keep their prefix cache in free KV blocks
             used += sum(s.context for s in self.cache.values())
         return used
 
     def _admit(self) -> tuple[int, int, int]:
         prefill = recompute = swap_in = 0
+        first = 1 if self.cost.decode_after_prefill else 0  # the prefill samples a token, decoded in its step
         while self.waiting and len(self.running) < self.cost.max_num_seqs:
             session = self.waiting[0]
             prompt = self.work.prompt_tokens if session.turn == 0 else session.context + 1 + self.work.tool_result_tokens
@@ -217,66 +272,107 @@ class _Sim:
             if not self._make_room(need - own, session):
                 break
             self.waiting.popleft()
-            reused = session.context if session.held in ("preserve", "swap", "cache") else 0
+            reused = self._reused(session, prompt)
             if session.held == "swap":
                 swap_in += session.context
                 self.swapped -= session.context
             self._drop(session)
-            again = session.context - reused  # context computed before and computed again now
+            again = max(0, session.context - reused)  # context computed before and computed again now
             recompute += again
             self.recomputed += again
             self.prompt_tokens += prompt
             prefill += prompt - reused
-            self.running.append(_Run(session, self.work.output_tokens, prompt, need))
+            if self.blocks is not None:
+                self.blocks.insert(session.sid, prompt)
+            remaining = max(1, self.work.output_tokens - first)
+            self.running.append(_Run(session, remaining, prompt + self.work.output_tokens - remaining, need))
         return prefill, recompute, swap_in
+
+    def _reused(self, session: _Session, prompt: int) -> int:
+        """Context tokens whose KV the session's prefill finds: held for it, or in the prefix cache."""
+        if session.held in ("preserve", "swap", "cache"):
+            return session.context
+        if self.blocks is not None:
+            return min(session.context, self.blocks.match(session.sid, prompt))
+        return 0
 
     def _make_room(self, need: int, resuming: _Session) -> bool:
         """Free memory for `need` tokens: the prefix cache's least recently used entries go first (paged),
-        then pins that reclaim() says to take (demoted to the swap tier or dropped), least waste first;
-        False: the request waits (for a running turn to end, or a pinned session to return)."""
+        then held KV (pins, unprotected parked turns) that reclaim() says to take, least waste first;
+        False: the request waits (for a running turn to end, a parked turn's retain(), or a pin to return)."""
         while self._used() + need > self.cost.kv_capacity_tokens:
-            cached = [s for s in self.cache.values() if s is not resuming]
-            if self.model.slot_tokens is None and cached:
+            cached = [s for s in self.cache.values() if s is not resuming] if self.cache is not None else []
+            if cached:
                 self.cache.pop(cached[0].sid)
                 cached[0].held = None
                 continue
-            taken = self._pin_to_take(resuming)
+            taken = self._to_take(resuming)
             if taken is None:
                 return False
-            action, pin = taken
-            self.reclaimed[action] = self.reclaimed.get(action, 0) + 1
-            if action == "swap":
-                self.pins.pop(pin.sid)
-                self.waste += self._memory(pin.context) * (self.t - pin.since)
-                pin.held = "swap"
-                self.swapped += pin.context
-                self.pending_swap += pin.context
+            action, held = taken
+            if isinstance(held, _Parked):
+                self._take_parked(held, action)
+            elif action == "swap":
+                self._count(self.reclaimed, "demoted_to_swap")
+                self.waste += self._memory(held.context) * (self.t - held.since)
+                held.held = "swap"
+                self.swapped += held.context
+                self.pending_swap += held.context
             else:
-                self._release(pin)
+                self._count(self.reclaimed, "pins_dropped")
+                self._release(held)
         return True
 
-    def _pin_to_take(self, resuming: _Session) -> tuple[str, _Session] | None:
-        """The pin whose taking wastes least, with what reclaim() does with it; None: keeping them all is cheaper."""
-        costs = RetentionCosts(self.cost.prefill_s_per_token, self.model.swap_s_per_token, self.model.swap_overlap)
-        step_s = self.cost.decode_s(max(1, len(self.running)), sum(r.tokens for r in self.running))
-        wait_s = min((r.remaining for r in self.running), default=math.inf) * step_s
+    def _take_parked(self, parked: _Parked, action: ReclaimAction) -> None:
+        """Admission takes a parked turn's memory before its retain() is served: its KV moves to the swap
+        tier (retain() then decides with it there) or is dropped (retain() finds nothing and discards)."""
+        parked.memory = 0
+        if action == "swap":
+            self._count(self.reclaimed, "demoted_to_swap")
+            parked.demoted = True
+            self.swapped += parked.session.context
+            self.pending_swap += parked.session.context
+        else:
+            self._count(self.reclaimed, "turns_dropped_before_retain")
+
+    def _to_take(self, resuming: _Session) -> tuple[ReclaimAction, _Session | _Parked] | None:
+        """The held KV whose taking wastes least, with what reclaim() does with it (the engine's _reclaim);
+        None: keeping it all is cheaper."""
+        wait_s = self._slot_wait_s()
         stalled = sum(r.memory for r in self.running)
-        best: tuple[float, str, _Session] | None = None
-        for pin in (s for s in self.pins.values() if s is not resuming):
-            left = self.latencies.expected(pin.tool) - (self.t - pin.since)
+        swap_free = self.model.swap_budget_tokens - self.swapped
+        best: tuple[float, ReclaimAction, _Session | _Parked] | None = None
+        candidates: list[tuple[_Session | _Parked, HeldSlot]] = []
+        for pin in self._pins():
+            if pin is resuming:
+                continue
+            left = pin.expected - (self.t - pin.since)  # past its expected return: until its TTL
             remaining = left if left > 0 else max(0.0, pin.deadline - self.t)
-            held = HeldSlot(pin.context, self._memory(pin.context), remaining, wait_s, stalled,
-                            self.model.swap_budget_tokens - self.swapped)
-            action = reclaim(held, costs)
+            candidates.append((pin, HeldSlot(pin.context, self._memory(pin.context), remaining, wait_s, stalled, swap_free)))
+        for parked in self.parked:  # unprotected: nothing is known of when its session returns
+            if parked.memory and self.t >= parked.protected_until:
+                context = parked.session.context
+                candidates.append((parked, HeldSlot(context, parked.memory, math.inf, wait_s, stalled, swap_free)))
+        for held, case in candidates:
+            action = reclaim(case, self.costs)
             if action == "keep":
                 continue
-            taking = (2 * costs.swap_s_per_token * (1 - costs.swap_overlap) if action == "swap"
-                      else costs.recompute_s_per_token) * pin.context
-            if best is None or taking < best[0]:
-                best = (taking, action, pin)
+            waste = reclaim_wastes(case, self.costs)[action]
+            if best is None or waste < best[0]:
+                best = (waste, action, held)
         return None if best is None else (best[1], best[2])
 
-    def _decode(self) -> None:
+    def _slot_wait_s(self) -> float:
+        """How long until memory frees itself: a running turn ends, or a protected parked turn's grace does."""
+        step_s = self.cost.decode_s(max(1, len(self.running)), sum(r.tokens for r in self.running))
+        running = max(1, min(r.remaining for r in self.running)) * step_s if self.running else math.inf
+        graces = [p.protected_until - self.t for p in self.parked if p.memory and self.t < p.protected_until]
+        return min([running, *graces])
+
+    # ------------------------------------------------------------ turns end, calls are served
+
+    def _decode(self, unserved: list[_Parked]) -> None:
+        """One token for every running turn; finished turns park (unserved: last step's, still parked)."""
         still = []
         for run in self.running:
             run.remaining -= 1
@@ -288,61 +384,114 @@ class _Sim:
             self.turn_latencies.append(self.t - session.ready_at)
             session.turn += 1
             session.context = run.tokens - 1
-            if session.turn >= self.work.turns:
-                self.done += 1
-                if self.started < self.work.sessions:
-                    self._start_session()
-            else:
-                self._intercept(session, exclude=run)
+            if self.blocks is not None:  # the finished history (all but the last token) is cached
+                self.blocks.insert(session.sid, session.context)
+            self._park(session, run.memory, unserved)
         self.running = still
 
-    def _intercept(self, session: _Session, exclude: _Run) -> None:
-        tool = self.rng.choices(self.work.tools, weights=[t.weight for t in self.work.tools])[0]
+    def _park(self, session: _Session, memory: int, unserved: list[_Parked]) -> None:
+        protected = sum(1 for p in [*unserved, *self.parked] if p.memory and self.t < p.protected_until)
+        grace = self.model.park_grace_s
+        until = self.t + grace if protected < self.max_protected else 0.0
+        last = session.turn >= self.work.turns
+        self.parked.append(_Parked(session, memory if grace > 0 else 0, until, last))
+
+    def _serve(self, parked: list[_Parked]) -> None:
+        """The callers' calls for turns parked before the step that just ran: retain(), or the end of the
+        episode (release_session(); a new episode starts and queues its first turn)."""
+        for p in parked:
+            if not p.last:
+                self._retain(p)
+                continue
+            if p.demoted:
+                self.swapped -= p.session.context
+            self.done += 1
+            if self.started < self.work.sessions:
+                self._start_session()
+
+    def _pick_tool(self, session: _Session) -> tuple[ToolSpec, float]:
+        tools = self.work.tools
+        if self.work.tool_order == "rotate":
+            tool = tools[(session.sid + session.calls) % len(tools)]
+        else:
+            tool = self.rng.choices(tools, weights=[t.weight for t in tools])[0]
+        session.calls += 1
         latency = tool.median_s * math.exp(self.rng.gauss(0.0, tool.sigma))
+        if tool.cap_factor is not None:
+            latency = min(latency, tool.median_s * tool.cap_factor)
+        return tool, latency
+
+    def _retain(self, parked: _Parked) -> None:
+        """The turn ended in a tool call: the policy decides (the engine's retain()), and the tool runs."""
+        session = parked.session
+        tool, latency = self._pick_tool(session)
         expected = self.latencies.expected(tool.name)
-        others = [r for r in self.running if r is not exclude and r.remaining > 0]
-        pin_cost = self._memory(session.context)
-        pinned = sum(self._memory(s.context) for s in self.pins.values())
-        snap = EngineSnapshot(
-            context_tokens=session.context, pin_cost_tokens=pin_cost, running_tokens=sum(r.memory for r in others),
-            used_tokens=sum(r.memory for r in others) + pinned + pin_cost, capacity_tokens=self.cost.kv_capacity_tokens,
-            # queued for memory: a full batch (max_num_seqs) keeps them waiting whatever the KV holds
-            waiting=len(self.waiting) if len(others) < self.cost.max_num_seqs - 1 or self.model.slot_tokens else 0,
-            pin_free_tokens=self.model.pin_budget_tokens - pinned,
-            swap_free_tokens=self.model.swap_budget_tokens - self.swapped,
-            prefix_cached=self.policy != "always_discard" and self.model.prefix_cache_tokens > 0)
-        costs = RetentionCosts(self.cost.prefill_s_per_token, self.model.swap_s_per_token, self.model.swap_overlap)
-        action = choose(self.policy, snap, expected, costs).action
-        self.actions[action] = self.actions.get(action, 0) + 1
-        session.tool, session.since = tool.name, self.t
-        if action == "preserve":
-            session.held, session.deadline = "preserve", self.t + expected * self.model.ttl_factor
-            self.pins[session.sid] = session
-        elif action == "swap":
-            session.held = "swap"
-            self.swapped += session.context
-            self.pending_swap += session.context
-        elif self.policy != "always_discard" and self.model.prefix_cache_tokens:  # discarded KV stays cached
-            session.held = "cache"
-            self.cache[session.sid] = session
-            while sum(s.context for s in self.cache.values()) > self.model.prefix_cache_tokens:
-                _, evicted = self.cache.popitem(last=False)
-                evicted.held = None
+        session.tool, session.since, session.expected = tool.name, self.t, expected
+        if parked.memory == 0 and not parked.demoted:
+            action: str = "discard"  # its KV was taken before retain() (or never parked): nothing to keep
+        else:
+            action = choose(self.policy, self._snapshot(session), expected, self.costs).action
+            if parked.demoted and action == "preserve":  # admission already moved it to the swap tier
+                action = "swap"
+        self._count(self.actions, action)
+        ttl = min(self.model.ttl_max_s, max(self.model.ttl_min_s, expected * self.model.ttl_factor))
+        if action in ("preserve", "swap"):
+            session.held, session.deadline = action, self.t + ttl
+            self.held[session.sid] = session
+            if action == "swap" and not parked.demoted:
+                self.swapped += session.context
+                self.pending_swap += session.context
+        else:
+            if parked.demoted:
+                self.swapped -= session.context
+            if self.cache is not None:  # paged: the discarded KV stays in free blocks until memory is needed
+                self._cache_context(session)
         heapq.heappush(self.tools, (self.t + latency, session.sid, session))
 
+    def _snapshot(self, session: _Session) -> EngineSnapshot:
+        """The engine as retain() sees it: the running batch, pins, other parked turns and this turn's own."""
+        running = sum(r.memory for r in self.running)
+        pinned = sum(self._memory(s.context) for s in self._pins())
+        parked = sum(p.memory for p in self.parked)
+        pin_cost = self._memory(session.context)
+        # queued for memory: a full batch (max_num_seqs) keeps them waiting whatever a paged KV holds
+        waiting = len(self.waiting) if len(self.running) < self.cost.max_num_seqs or self.model.slot_tokens else 0
+        return EngineSnapshot(
+            context_tokens=session.context, pin_cost_tokens=pin_cost, running_tokens=running,
+            used_tokens=running + pinned + parked + pin_cost, capacity_tokens=self.cost.kv_capacity_tokens,
+            waiting=waiting, pin_free_tokens=self.model.pin_budget_tokens - pinned,
+            swap_free_tokens=self.model.swap_budget_tokens - self.swapped,
+            prefix_cached=self.cache is not None or self.blocks is not None)
+
+    def _cache_context(self, session: _Session) -> None:
+        assert self.cache is not None
+        session.held = "cache"
+        self.cache[session.sid] = session
+        while sum(s.context for s in self.cache.values()) > self.model.prefix_cache_tokens:
+            _, evicted = self.cache.popitem(last=False)
+            evicted.held = None
+
     def _release(self, session: _Session) -> None:
-        """A pin ends before its session returns (TTL or memory needed): its context will be recomputed."""
-        self.waste += self._memory(session.context) * (self.t - session.since)
-        self.pins.pop(session.sid, None)
+        """A promise ends before its session returns (TTL or memory needed): its context will be recomputed."""
+        if session.held == "preserve":
+            self.waste += self._memory(session.context) * (self.t - session.since)
+        elif session.held == "swap":
+            self.swapped -= session.context
+        self.held.pop(session.sid, None)
         session.held = None
 
     def _drop(self, session: _Session) -> None:
         """The session resumes: whatever was held for it is used now."""
         if session.held == "preserve":
             self.waste += self._memory(session.context) * (self.t - session.since)
-        self.pins.pop(session.sid, None)
-        self.cache.pop(session.sid, None)
+        self.held.pop(session.sid, None)
+        if self.cache is not None:
+            self.cache.pop(session.sid, None)
         session.held = None
+
+    @staticmethod
+    def _count(counts: dict[str, int], key: str) -> None:
+        counts[key] = counts.get(key, 0) + 1
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -369,18 +518,7 @@ def projection(cost: CostModel, model: RetentionModel, work: InterceptWorkload, 
     return rows
 
 
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cost", default="h100-7b", help="cost model YAML or bundled name (default: %(default)s)")
-    parser.add_argument("--scenario", type=Path, help="YAML with workload: and retention: sections "
-                        "(default: a long-tailed agentic mix on a KV-pressured engine)")
-    parser.add_argument("--from-bench", type=Path, metavar="JSON", help="replay `rollwise bench intercept --json` "
-                        "with the costs it measured, and compare medians with what it measured")
-    parser.add_argument("--kv-bytes-per-token", type=int, default=57344, help="KV bytes per token, all layers "
-                        "(default: Qwen2.5-7B in bf16, 2*28*4*128*2); swap time = this / 25 GB/s (PCIe 5 x16, effective)")
-    parser.add_argument("--seed", type=int, default=0)
-
-
-def _default_scenario(cost: CostModel, kv_bytes_per_token: int) -> tuple[RetentionModel, InterceptWorkload]:
+def default_scenario(cost: CostModel, kv_bytes_per_token: int) -> tuple[RetentionModel, InterceptWorkload]:
     """Sessions of ~2-4k-token contexts whose KV fills the engine; tools from 50 ms to seconds, long-tailed.
     Four waves of sessions, so that episodes/s is a steady state: with one wave the run's length is the
     longest chain of long-tailed tool calls, whatever the engine does."""
@@ -396,60 +534,9 @@ def _default_scenario(cost: CostModel, kv_bytes_per_token: int) -> tuple[Retenti
     return model, work
 
 
-def _run(args: argparse.Namespace, console: Console) -> int:
-    if args.from_bench:
-        return _replay_bench(args, console)
-    from rollwise.sim.cli import write_json  # noqa: PLC0415 - the cli imports this module lazily
-
-    cost, _ = load_cost_file(args.cost)  # a path or a bundled name
-    model, work = _default_scenario(cost, args.kv_bytes_per_token)
-    if args.scenario:
-        import yaml
-
-        raw = yaml.safe_load(args.scenario.read_text()) or {}
-        model, work = RetentionModel.model_validate(raw.get("retention", {})), InterceptWorkload.model_validate(raw.get("workload", {}))
-    rows = projection(cost, model, work, args.seed)
-    table = Table(title=f"intercept-aware KV retention at scale ({cost.name})")
-    for col in ("gpus", "policy", "episodes/s", "recomputed", "waste (token-s)", "turn p50 s", "turn p99 s"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(str(r["gpus"]), r["policy"], f"{r['episodes_per_s']:.1f}", f"{r['recomputed_fraction']:.1%}",
-                      f"{r['waste_token_s']:.3g}", f"{r['turn_latency_p50_s']:.3f}", f"{r['turn_latency_p99_s']:.3f}")
-    console.print(table)
-    write_json(args.json, {"command": " ".join(["rollwise"] + sys.argv[1:]), "cost": cost.name, "rows": rows,
-                           "workload": work.model_dump(), "retention": model.model_dump()}, console)
-    return 0
-
-
-def _replay_bench(args: argparse.Namespace, console: Console) -> int:
-    """The bench's workload and measured costs in simulation, medians side by side (goal: within 10%)."""
-    bench = json.loads(args.from_bench.read_text())
-    sim = bench["simulation_inputs"]
-    cost = CostModel.model_validate(sim["cost"])
-    model, work = RetentionModel.model_validate(sim["retention"]), InterceptWorkload.model_validate(sim["workload"])
-    table = Table(title="rollwise bench intercept vs its simulation (medians)")
-    for col in ("policy", "episodes/s bench", "sim", "turn p50 bench", "sim", "recomputed bench", "sim"):
-        table.add_column(col, justify="right")
-    rows = []
-    for measured in bench["policies"]:
-        arm_cost = cost
-        if measured["policy"] == "prefix_cache_only" and "prefix_cache_only_slots" in sim:
-            slots = sim["prefix_cache_only_slots"]
-            arm_cost = cost.model_copy(update={"max_num_seqs": slots, "kv_capacity_tokens": slots * cost.max_model_len})
-        result = simulate(arm_cost, model, work, measured["policy"], args.seed)
-        rows.append({"policy": measured["policy"], "bench": measured, "sim": result.as_dict()})
-        table.add_row(measured["policy"], f"{measured['episodes_per_s']:.3f}", f"{result.episodes_per_s:.3f}",
-                      f"{measured['turn_latency_p50_s']:.3f}", f"{result.turn_latency_p50_s:.3f}",
-                      f"{measured['recomputed_fraction']:.1%}", f"{result.recomputed_fraction:.1%}")
-    console.print(table)
-    from rollwise.sim.cli import write_json  # noqa: PLC0415
-
-    write_json(args.json, {"rows": rows}, console)
-    return 0
-
-
 def command() -> Any:
     from rollwise.sim.cli import SimCommand  # noqa: PLC0415 - sim.cli imports this module lazily
+    from rollwise.sim.intercept_cli import add_arguments, run  # noqa: PLC0415 - it imports this module
 
     return SimCommand("intercept", "session KV retention policies at 64-4096 GPUs (--from-bench: validate)",
-                      _add_arguments, _run)
+                      add_arguments, run)
