@@ -48,6 +48,7 @@ from rollwise.router.app import serve as serve_router
 from rollwise.router.policies import (
     POLICIES,
     ConsistentHash,
+    Decision,
     GroupAffinity,
     LeastLoad,
     PrefixAware,
@@ -127,6 +128,31 @@ def test_prefix_policy_exploits_explores_and_rebalances():
     # Unknown history but a pinned session (e.g. after a router restart): back to its replica.
     d = policy.choose(RouteRequest(tokens=prompt, session_key="s", pinned="b"), idle)
     assert (d.replica, d.reason) == ("b", "affinity")
+
+
+def test_prefix_policy_does_not_let_a_shared_system_prompt_pull_new_groups():
+    # Issue 25: every group prompt starts with the same system prompt. Counting that short match as saved
+    # prefill sent each new group to a replica already holding it, so a replica that never got one stayed
+    # cold for whole rounds (21/21/21/5 requests per replica per round in bench router).
+    system, question = list(range(1000, 1128)), list(range(2000, 2384))
+    policy = PrefixAware()
+    policy.on_routed(RouteRequest(tokens=system + list(range(3000, 3384))), Decision("holder", "explore"))
+    policy.on_routed(RouteRequest(tokens=list(range(5000, 5064))), Decision("cold", "explore"))  # a session's turn
+    new_group = RouteRequest(tokens=system + question, group_key="g9")
+    # Equal load: the replica holding less (not the system prompt's holder) gets the new group.
+    even = [ReplicaLoad("holder", 1, 64, 16), ReplicaLoad("cold", 1, 64, 16)]
+    d = policy.choose(new_group, even)
+    assert (d.replica, d.reason, d.matched_tokens) == ("cold", "explore", 0)
+    # The holder somewhat busier: the least-loaded replica, though the holder would save 128 tokens.
+    busier = [ReplicaLoad("holder", 1, 64 + 100, 16), ReplicaLoad("cold", 1, 64, 16)]
+    assert policy.choose(new_group, busier).replica == "cold"
+    # Fewer requests in flight breaks a load tie before the tree size does.
+    crowded = [ReplicaLoad("holder", 1, 64, 16), ReplicaLoad("cold", 2, 64, 16)]
+    d = policy.choose(new_group, crowded)
+    assert (d.replica, d.matched_tokens) == ("holder", 128)  # the matched prefix is still accounted
+    # A real match (the group's own prompt) still exploits its holder.
+    policy.on_routed(new_group, Decision("cold", "explore"))
+    assert policy.choose(new_group, busier).reason == "exploit"
 
 
 def test_simulated_replicas_lose_nothing_and_prefix_routing_saves_prefill():

@@ -36,14 +36,12 @@ from rollwise.router.policies import Policy, ReplicaLoad, RouteRequest
 from rollwise.sim.cores import SharedCores
 
 
-# The router process's own CPU seconds per request (parse, choose, relay both ways) as `rollwise bench
-# router` measures it: `router_cpu_s_per_request` of the rollwise `prefix` arm, every router in its own
-# process, read from the kernel's per-process CPU clock. PROVISIONAL: 0.8 ms rounds up a CPU-time reading
-# (0.75 ms per request, 2 replicas, short requests) on a shared, loaded 2-core machine (issue 25).
-# TODO(lead): replace with `real.policies.prefix.router_cpu_s_per_request` from the idle-machine full run,
-#   rollwise bench router --json docs/bench/router.json
-# (docs/benchmarks.md, "Routers as peers"), then rerun `rollwise sim validate-router`.
-ROUTER_S_PER_REQUEST = 0.0008
+# The router process's own CPU seconds per request (parse, choose, relay both ways, its share of the health
+# probes), as `rollwise bench router` measures it: `real.policies.prefix.router_cpu_s_per_request` of the full
+# run on an idle machine (docs/bench/router.json: 4 rounds x 68 requests, 4 reference-engine replicas, every
+# router in its own process, read from the kernel's per-process CPU clock): 0.98 ms per request, against
+# vllm-router cache_aware's 0.53 ms in the same run (docs/benchmarks.md, "Routers as peers").
+ROUTER_S_PER_REQUEST = 0.00098
 
 
 @dataclass(frozen=True)
