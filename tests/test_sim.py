@@ -265,8 +265,10 @@ def test_trainer_model_counts_the_tokens_the_trainer_computes():
         return [Sample(f"{g}/{i}", f"g{g}", "p", [100 + g] * 10, [5] * n, [0.0] * n, [0] * n, "stop", advantage=1.0)
                 for i, n in enumerate(lengths)]
 
-    cfg = TrainConfig(micro_batch_size=8)
+    cfg = TrainConfig(micro_batch_size=8, pack_responses=False)  # one response per row
     even, long_tail = group(0, [4, 4, 4, 4]), group(1, [1, 1, 1, 40])
+    packed = cfg.model_copy(update={"pack_responses": True, "pack_groups": False})
+    assert computed_tokens(long_tail, packed) == 10 + 2 * 40  # packed rows: 40 | 1+1+1
     # a shared-prompt micro-batch: the prompt once + rows x the longest response
     assert computed_tokens(even, cfg) == 10 + 4 * 4
     assert computed_tokens(long_tail, cfg) == 10 + 4 * 40

@@ -268,8 +268,11 @@ def test_pack_groups_chunks_whole_groups_within_the_token_budget_and_counts_what
     a, b, c = group(0, 10, [4, 4, 4, 4]), group(1, 6, [1, 1, 1, 8]), group(2, 10, [8, 8])
     cfg = TrainConfig(micro_batch_size=4, pack_groups=True, micro_batch_tokens=60)
     _, chunks = chunk_samples(a + b + c, cfg)
-    assert [len(ch) for ch in chunks] == [8, 2]  # a + b fit in 60 positions, c does not join them
-    # a + b: 2 prompts padded to 10, rows 8 wide: a packs 4+4 | 4+4, b packs 8 | 1+1+1 -> 4 rows
+    # longest responses first: b + c fit in 60 positions (2 prompts padded to 10, b packs 8 | 1+1+1,
+    # c 8 | 8: 4 rows 8 wide = 52), a joining them would make 78
+    assert [[s.group_id for s in ch] for ch in chunks] == [["g1"] * 4 + ["g2"] * 2, ["g0"] * 4]
+    assert computed_tokens(a + b + c, cfg) == (2 * 10 + 4 * 8) + (10 + 4 * 4)
+    # a + b: rows 8 wide: a packs 4+4 | 4+4, b 8 | 1+1+1 -> 4 rows
     assert computed_tokens(a + b, cfg) == 2 * 10 + 4 * 8
     # one packed group: its prompt + rows x its longest (not group size x its longest, as before)
     assert computed_tokens(b, cfg) == 6 + 2 * 8

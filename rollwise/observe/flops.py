@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from rollwise.types.microbatch import MicroBatchSettings, chunk_samples
+from rollwise.types.microbatch import MicroBatchSettings, chunk_samples, prompt_groups
 from rollwise.types.sample import Sample
 
 # Architectures whose MLP is two matrices (up, down) rather than gated (gate, up, down).
@@ -132,13 +132,17 @@ def trained_samples(samples: list[Sample], kl_reference: bool) -> list[Sample]:
     return [s for s in samples if kl_reference or s.advantage != 0.0]
 
 
+def _group_spans(group: list[Sample]) -> list[tuple[int, int, int]]:
+    prompt = len(group[0].prompt_ids)
+    # the prompt's last position predicts the first response token: its logits count with the response
+    return [(0, prompt, 0)] + [(prompt, prompt + len(s.response_ids) - 1, s.trained_tokens) for s in group]
+
+
 def _micro_batch_forward(model: DenseModel, share: bool, chunk: list[Sample]) -> tuple[float, float]:
     """One forward over a micro-batch, (weight matmuls, attention): a shared prompt once, or each
     sample's whole sequence."""
-    if share:
-        prompt = len(chunk[0].prompt_ids)
-        # the prompt's last position predicts the first response token: its logits count with the response
-        spans = [(0, prompt, 0)] + [(prompt, prompt + len(s.response_ids) - 1, s.trained_tokens) for s in chunk]
+    if share:  # one group, or several (train.pack_groups): each prompt once
+        spans = [span for group in prompt_groups(chunk) for span in _group_spans(group)]
     else:
         spans = [(0, len(s.prompt_ids) + len(s.response_ids) - 1, s.trained_tokens) for s in chunk]
     parts = [model.forward_parts(*span) for span in spans]

@@ -71,10 +71,11 @@ def _shared_cost(chunk: list[Sample], packed: bool) -> int:
 
 def _pack_group_pieces(pieces: list[list[Sample]], cfg: MicroBatchSettings) -> list[list[Sample]]:
     """Whole groups (pieces of at most micro_batch_size samples) together in a micro-batch while it
-    computes at most micro_batch_tokens positions (next fit, in order)."""
+    computes at most micro_batch_tokens positions (next fit). Longest response first: a micro-batch's
+    rows are as wide as its longest response, so groups of similar widths go together."""
     budget = int(getattr(cfg, "micro_batch_tokens", 2048))
     chunks: list[list[Sample]] = []
-    for piece in pieces:
+    for piece in sorted(pieces, key=lambda p: -max(len(s.response_ids) for s in p)):
         if chunks and _shared_cost(chunks[-1] + piece, packed=True) <= budget:
             chunks[-1].extend(piece)
         else:
