@@ -155,6 +155,24 @@ def test_prefix_policy_does_not_let_a_shared_system_prompt_pull_new_groups():
     assert policy.choose(new_group, busier).reason == "exploit"
 
 
+def test_bench_router_tail_reconstructs_what_was_in_flight():
+    from rollwise.bench.router_tail import tail_of
+
+    def req(key: str, start: float, latency: float, replica: str | None) -> dict:
+        return {"kind": "group" if key[0] == "g" else "session", "key": key, "start_s": start, "latency_s": latency,
+                "prompt_tokens": 512, "cached_prompt_tokens": 128, "replica": replica}
+
+    # One round: g0 shares replica A with s0 from t=0 and is slowest; g1 runs alone on B; s1 later on B.
+    log = [req("s0", 0.0, 0.3, "A"), req("g0", 0.01, 0.6, "A"), req("g0", 0.01, 0.5, "A"),
+           req("g1", 0.02, 0.2, "B"), req("s1", 0.4, 0.1, "B")]
+    result = {"real": {"policies": {"prefix": {"requests_log": [log]},
+                                    "vllm-router:cache_aware": {"requests_log": [[{**r, "replica": None} for r in log]]}}}}
+    ours, peer = tail_of(result)
+    assert (ours.key, ours.latency_s, ours.replica, ours.in_flight_replica, ours.in_flight_all) == ("g0", 0.6, 0, 3, 3)  # s0 and both g0
+    assert ours.requests_per_replica == (3, 2) and ours.p99_s == 0.6
+    assert (peer.arm, peer.replica, peer.in_flight_replica, peer.in_flight_all) == ("vllm-router:cache_aware", None, None, 3)
+
+
 def test_simulated_replicas_lose_nothing_and_prefix_routing_saves_prefill():
     workload = make_workload(0, groups=16, group_size=8, group_workers=4, sessions=8, turns=3, shared_tokens=64,
                              question_tokens=128, opening_tokens=128, user_tokens=32, max_tokens=8)

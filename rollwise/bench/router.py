@@ -43,6 +43,7 @@ from rich.table import Table
 
 from rollwise.bench import percentile, router_processes
 from rollwise.bench.router_processes import MODEL_SIZE, Arm, arms, flush_caches, router_process
+from rollwise.bench.router_tail import format_tail, tail_of
 from rollwise.router.policies import POLICIES, make_policy
 from rollwise.sim.cli import write_json
 from rollwise.sim.routing import SimConfig, Workload, make_workload, simulate
@@ -362,6 +363,7 @@ def cli_bench_router(args: argparse.Namespace, console: Any) -> int:
     peer = _peer_line(result["real"]["policies"])
     if peer:
         console.print(peer)
+    console.print(format_tail(tail_of(result)))  # which requests make each round's p99, and where they ran
     if result.get("plot"):
         console.print(f"plot: {result['plot']}")
     write_json(args.json, result, console)
