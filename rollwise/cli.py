@@ -375,8 +375,9 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     elif args.name == "intercept":  # issue 21: session KV retention across tool calls
         from rollwise.bench.intercept import format_intercept_bench, run_intercept_bench
 
-        with console.status("agentic sessions with tool calls under each retention policy (the same work)"):
-            result = run_intercept_bench(model, tokenizer, quick=args.quick, seed=args.seed)
+        with console.status("agentic sessions with tool calls under each retention policy (the same work)") as status:
+            result = run_intercept_bench(model, tokenizer, quick=args.quick, seed=args.seed,
+                                         progress=lambda msg: status.update(f"{msg} (4 policies, the same work)"))
         table = format_intercept_bench(result)
     elif args.name == "sync":
         from rollwise.bench.sync import format_sync_bench, run_sync_bench

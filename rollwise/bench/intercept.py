@@ -28,6 +28,7 @@ import random
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,7 +140,8 @@ def _episode(generator: LocalGenerator, tools: _Tools, latencies: ToolLatencies,
     generator.release_session(session)
 
 
-def run_arm(model: nn.Module, tokenizer: Any, work: Workload, policy: str, seed: int) -> dict[str, Any]:
+def run_arm(model: nn.Module, tokenizer: Any, work: Workload, policy: str, seed: int,
+            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     engine = _engine(model, tokenizer, work, policy)
     generator = LocalGenerator(engine)
     tools = _Tools(work, seed)
@@ -148,6 +150,7 @@ def run_arm(model: nn.Module, tokenizer: Any, work: Workload, policy: str, seed:
                             "vocab": [engine.model.config.vocab_size]}
     semaphore = threading.Semaphore(work.concurrency)
     errors: list[BaseException] = []
+    done = [0]
 
     def one(i: int) -> None:
         with semaphore:
@@ -155,6 +158,9 @@ def run_arm(model: nn.Module, tokenizer: Any, work: Workload, policy: str, seed:
                 _episode(generator, tools, latencies, work, i, seed, out)
             except BaseException as exc:  # noqa: BLE001 - re-raised below, on the bench's thread
                 errors.append(exc)
+            done[0] += 1  # under the GIL; a progress line, not a count anything depends on
+            if progress:
+                progress(f"{policy}: {done[0]}/{work.sessions} episodes")
 
     started = time.monotonic()
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(work.sessions)]
@@ -208,9 +214,9 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def run_intercept_bench(model: nn.Module, tokenizer: Any, *, quick: bool = False, seed: int = 0,
-                        work: Workload | None = None) -> dict[str, Any]:
+                        work: Workload | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     work = work or (QUICK if quick else FULL)
-    arms = [run_arm(model, tokenizer, work, policy, seed) for policy in POLICIES]
+    arms = [run_arm(model, tokenizer, work, policy, seed, progress) for policy in POLICIES]
     by = {a["policy"]: a for a in arms}
     best = by["min_waste"]
     goals = {
