@@ -56,8 +56,12 @@ def split_work(samples: list[Sample], cfg: TrainConfig, ranks: int) -> list[Rank
     per_sample: list[Tensor] = list(torch.split(weights, [s.trained_tokens for s in ordered]))
     weight_of = {id(s): w for s, w in zip(ordered, per_sample)}
     if share:
-        # A shared-prompt micro-batch is one group's prompt: deal whole micro-batches.
-        dealt = [[chunks[i] for i in b] for b in balance([computed_tokens(c, cfg) for c in chunks], ranks)]
+        # A shared-prompt micro-batch holds whole groups: deal the groups (pieces of at most
+        # micro_batch_size samples), then cut each rank's share into micro-batches (with
+        # train.pack_groups several groups to one, which must not leave a rank without work).
+        pieces = chunk_samples(samples, cfg.model_copy(update={"pack_groups": False}))[1]
+        bins = balance([computed_tokens(p, cfg) for p in pieces], ranks)
+        dealt = [chunk_samples([s for i in b for s in pieces[i]], cfg)[1] for b in bins]
     else:
         # Padded micro-batches: deal samples by tokens, then cut each rank's share into micro-batches.
         costs = [len(s.prompt_ids) + len(s.response_ids) for s in ordered]
