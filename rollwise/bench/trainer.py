@@ -202,10 +202,12 @@ def format_trainer_bench(result: dict[str, Any]) -> Table:
 
 # Each arm is a set of train.* overrides on the default TrainConfig; "baseline" is the step before
 # issue 23 item 2, "default" today's defaults. Ratios are to the baseline.
-_BEFORE = {"fused_logprobs": False, "fused_optimizer": False, "pack_responses": False}
+_BEFORE = {"fused_logprobs": False, "fused_optimizer": False, "pack_responses": False, "pack_groups": False}
 STEP_ARMS: dict[str, dict[str, Any]] = {
     "baseline": _BEFORE,
-    **{switch: {**_BEFORE, switch: True} for switch in _BEFORE},  # each change on its own
+    **{switch: {**_BEFORE, switch: True} for switch in list(_BEFORE)[:3]},  # each change on its own
+    "pack_groups": {**_BEFORE, "pack_responses": True, "pack_groups": True},  # it extends pack_responses
+    "default_without_pack_groups": {"pack_groups": False},  # today's defaults less the latest change
     "default": {},
 }
 
