@@ -75,8 +75,9 @@ class EngineConfig(_Section):
     speculation: Literal["none", "history"] = Field(
         "none", description="history: draft from recent rollouts of the same problem (GRPO siblings, earlier "
         "steps), verified exactly by the engine (reference; vLLM through its custom-proposer hook)")
-    max_loras: int = Field(0, ge=0, description="vLLM: LoRA adapters in one batch (enable_lora); train.lora "
-                                                "on vLLM needs >= 1. The reference engine serves any number")
+    max_loras: int = Field(0, ge=0, description="vLLM: LoRA adapters in one batch (enable_lora); 1 when "
+                                                "train.lora is set and this is left unset. The reference engine "
+                                                "serves any number")
     speculation_max_draft: int = Field(8, ge=1, description="most tokens drafted per request per step")
     speculation_batch_knee: int = Field(8, ge=1, description="running sequences beyond which drafts shrink "
                                         "(a large batch is compute-bound: drafted tokens cost real work)")
@@ -351,8 +352,14 @@ class RunConfig(_Section):
             raise ValueError("train.lora runs with placement=local or pool.url, and trainer.world_size=1, for now "
                              "(adapter-only sync reaches in-process engines and the pool only): unset train.lora, "
                              "or use those")
-        if self.engine.kind == "vllm" and self.engine.max_loras < 1:
-            raise ValueError("train.lora on vLLM serves the adapter through vLLM's LoRA support: set engine.max_loras=1")
+        if self.engine.max_loras < 1:
+            if "max_loras" not in self.engine.model_fields_set:
+                # Left at its default: serve the one adapter this run trains (vLLM needs LoRA enabled at
+                # start; with engine.kind=auto the engine is not known yet, and the reference engine ignores it).
+                self.engine.max_loras = 1
+            elif self.engine.kind in ("vllm", "auto"):
+                raise ValueError("train.lora on vLLM serves the adapter through vLLM's LoRA support: set "
+                                 "engine.max_loras=1 (or leave it unset)")
         return self
 
     @model_validator(mode="after")

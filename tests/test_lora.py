@@ -164,6 +164,18 @@ def test_resume_from_an_adapter_checkpoint_continues_exactly(tmp_path):
 
 
 
+def test_train_lora_on_the_default_config_turns_on_the_engines_lora_support():
+    """`rollwise train train.lora.rank=16` on the default config (engine.kind=auto: vLLM when installed) must
+    start its engine able to serve the adapter; it used to fail at the first push, after the first evaluation."""
+    from rollwise.config import load_config
+
+    assert load_config(None, []).engine.max_loras == 0
+    assert load_config(None, ["train.lora.rank=16"]).engine.max_loras == 1
+    assert load_config(None, ["train.lora.rank=16", "engine.max_loras=3"]).engine.max_loras == 3
+    with pytest.raises(ValueError, match="engine.max_loras=1"):
+        load_config(None, ["train.lora.rank=16", "engine.max_loras=0"])
+
+
 @pytest.mark.skipif(os.environ.get("ROLLWISE_LORA_LEARNING") != "1",
                     reason="a LoRA run of the default config (long): set ROLLWISE_LORA_LEARNING=1")
 def test_a_lora_run_of_the_default_config_learns(tmp_path):
