@@ -44,6 +44,7 @@ from rollwise.rollout.admission import AdmissionPolicy, RolloutCounts
 from rollwise.rollout.data import ProblemStream
 from rollwise.rollout.ledger import RolloutLedger
 from rollwise.rollout.sync_rollout import PromptEncoder, RolloutPlan, build_requests, sampling_seed, to_samples
+from rollwise.types.compact import lowest_version, token_array
 from rollwise.types.sample import Sample
 from rollwise.tasks import Problem
 from rollwise.train.grpo import assign_advantages
@@ -62,6 +63,11 @@ class _Group:
     seed: int
     finished: dict[int, Sample] = field(default_factory=dict)  # sample index -> finished sample
     completed_at: float | None = None
+
+    def __post_init__(self) -> None:
+        # The prompt once per group in compact form, shared by its samples (16 copies cost as much as
+        # a sample's response); requests keep the list (it goes over the wire as JSON).
+        self.prompt_array = token_array(self.prompt_ids, f"group {self.index} prompt_ids")
 
 
 @dataclass
@@ -177,7 +183,7 @@ class RolloutController(ControllerDefaults):
             group = self.groups.pop(g)
             for i in range(self.group_size):
                 sample = group.finished[i]
-                staleness = self.version - min(sample.versions, default=self.version)
+                staleness = self.version - lowest_version(sample.versions, self.version)
                 if staleness > self.eta:  # after_update guarantees this never happens
                     raise RuntimeError(f"group {g} sample {i} has staleness {staleness} > eta={self.eta}")
                 self.ledger.move((g, i), "batched")
@@ -200,7 +206,7 @@ class RolloutController(ControllerDefaults):
 
     def _oldest_version(self, g: int, running: dict[int, int]) -> int:
         """The oldest policy version that sampled (or may sample) a token of group g."""
-        versions = [min(s.versions, default=self.version) for s in self.groups[g].finished.values()]
+        versions = [lowest_version(s.versions, self.version) for s in self.groups[g].finished.values()]
         if g in running:
             versions.append(running[g])
         return min(versions, default=self.version)
@@ -354,7 +360,7 @@ class RolloutController(ControllerDefaults):
         self._abort_and_requeue(stale, reason=f"in flight, {reason}")
         for group in list(self.groups.values()):
             for i, sample in list(group.finished.items()):
-                if min(sample.versions, default=self.version) < limit:
+                if lowest_version(sample.versions, self.version) < limit:
                     self._regenerate(group, i, reason=reason)
 
     # ------------------------------------------------------------ admission
@@ -426,6 +432,7 @@ class RolloutController(ControllerDefaults):
         group = self.groups[info.group]
         sample = Sample.from_completion(
             c, problem_id=group.problem.id, sample_id=f"g{info.group}/{index}", group_id=f"g{info.group}",
+            prompt_ids=group.prompt_array,
             response_text=self.encoder.tokenizer.decode(c.token_ids, skip_special_tokens=True),
             group_index=info.group, sample_index=index, request_id=c.request_id,
         )
@@ -434,7 +441,7 @@ class RolloutController(ControllerDefaults):
         if progress is not None:
             progress(1)
         # It may have finished in the engine step just before a weight update's abort reached it.
-        if self.mode != "sync" and min(sample.versions, default=self.version) < self.version - self.eta:
+        if self.mode != "sync" and lowest_version(sample.versions, self.version) < self.version - self.eta:
             self._regenerate(group, index, reason=f"stale on arrival at v{self.version}")
             return
         if len(group.finished) == self.group_size:

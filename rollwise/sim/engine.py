@@ -36,6 +36,7 @@ from rollwise.engine.state import EngineState
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest
 from rollwise.sim.routing import BlockLRU
 from rollwise.sim.cost import CostModel
+from rollwise.types.compact import VersionRuns
 
 # (request, sample index) -> the length the sample would have if nothing capped it (EOS after it).
 LengthSampler = Callable[[GenerationRequest, int], int]
@@ -407,10 +408,10 @@ class SimEngine(EngineState):
         if self._sample_returned(request_id):
             del self._n_of[request_id]
 
-    def _versions(self, seq: _Seq, n: int) -> list[int]:
+    def _versions(self, seq: _Seq, n: int) -> VersionRuns:
         """Version of each of the first n tokens: token t (1-based) is sampled in iteration
         max(join_d + 1, base + t), under the version in force when that iteration started."""
-        out: list[int] = []
+        out: list[tuple[int, int]] = []  # (version, tokens): run-length, no per-token list
         t = 1
         changes = self._changes
         while t <= n:
@@ -426,9 +427,9 @@ class SimEngine(EngineState):
                 last_t = min(n, max(t, last_d - seq.base))
             else:
                 last_t = n
-            out += [version] * (last_t - t + 1)
+            out.append((version, last_t - t + 1))
             t = last_t + 1
-        return out
+        return VersionRuns.from_runs(out)
 
     def _completion(self, seq: _Seq, n: int, reason: FinishReason) -> Completion:
         self.stats["generated_tokens"] += n

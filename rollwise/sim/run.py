@@ -22,6 +22,7 @@ from rollwise.sim.cost import CostModel, TrainerModel
 from rollwise.sim.engine import SimEngine, VirtualClock
 from rollwise.sim.scenario import LengthModel, Scenario
 from rollwise.tasks import Problem
+from rollwise.types.compact import version_runs
 
 
 class _NullTokenizer:
@@ -131,8 +132,7 @@ def simulate(run: SimRun, progress: Callable[[str], None] | None = None) -> dict
         rollout_phases.append((ta, clock.now))
         step_max = 0
         for sample in batch:
-            for v in set(sample.versions):
-                k = sample.versions.count(v)
+            for v, k in version_runs(sample.versions):
                 staleness_sum += (version - v) * k
                 staleness_n += k
                 step_max = max(step_max, version - v)
