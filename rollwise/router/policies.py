@@ -16,14 +16,15 @@ Policies:
 - group_affinity: a session or GRPO group stays where its first request was placed (least load);
   the router passes that placement in as `request.pinned`.
 - prefix (Preble): a radix tree of what each replica has cached. Exploit the replica holding the
-  longest prefix when it covers enough of the prompt; else explore: the lowest load cost, ties to fewer
-  requests in flight, then to the replica whose tree holds least (vllm-router's cache_aware explores by
-  smallest tree too). A match below the exploit threshold does not steer exploring: it is typically the
-  system prompt every request shares, and letting it count pulled each new GRPO group onto the replicas
-  that already held it, so one replica served only a session for whole rounds (issue 25: 21/21/21/5
-  requests per replica per round in `bench router`'s full run). Rebalance: when the exploited replica's
-  load exceeds `imbalance` times the lightest one's (plus a slack), send the request to the lightest
-  replica instead, which then caches the hot prefix too.
+  longest prefix when it covers enough of the prompt; else explore: the lowest load cost including
+  this request's own uncached prefill there, so a short match (the system prompt every group shares)
+  still counts: a new group goes where that prefix is cached unless the replica is busier by more than
+  the prefill it saves. On a lightly loaded cluster this consolidates (bench router's full run: 21/21/21/5
+  requests per replica per round), and that is where prefix's hit-rate edge over vllm-router's cache_aware
+  comes from; exploring by load or smallest tree instead spreads groups like cache_aware and loses the
+  edge, without touching the tail, which is the t=0 burst (issue 25, docs/benchmarks.md).
+  Rebalance: when the exploited replica's load exceeds `imbalance` times the lightest one's (plus a
+  slack), send the request to the lightest replica instead, which then caches the hot prefix too.
 """
 
 from __future__ import annotations
@@ -193,14 +194,7 @@ class PrefixAware(Policy):
             if chosen.name != lightest.name and cost > cfg.imbalance * (self.load(lightest) + uncached[lightest.name]) + cfg.slack:
                 return Decision(lightest.name, "rebalance", matches.get(lightest.name, 0))
             return Decision(chosen.name, reason, matches.get(chosen.name, 0))
-        return self._explore(replicas, matches)
-
-    def _explore(self, replicas: Sequence[ReplicaLoad], matches: dict[str, int]) -> Decision:
-        """No replica holds enough of the prompt: place by load alone (every replica would prefill about the
-        whole prompt), ties to fewer in flight, then the smallest tree, so a replica that holds little gets
-        new prefixes instead of staying cold."""
-        chosen = min(replicas, key=lambda r: (self.load(r), r.in_flight, self.tree.tokens_held(r.name), r.name))
-        return Decision(chosen.name, "explore", matches.get(chosen.name, 0))
+        return Decision(lightest.name, "explore", matches.get(lightest.name, 0))
 
     def on_routed(self, request: RouteRequest, decision: Decision, now: float | None = None) -> None:
         if request.tokens:
