@@ -125,6 +125,9 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--lora", action="store_true",
                        help="mux: train.lora jobs on one base sharing one engine batch (2 jobs; full: also 4) "
                        "vs. dedicated engines (issue 22)")
+    bench.add_argument("--rounds", type=int, default=None, metavar="N",
+                       help="router: rotated rounds of the workload per arm (default: 2 with --quick, else 4); "
+                       "more rounds make the median-round p50/p99 steadier")
     bench.add_argument("--plot", type=Path, metavar="PNG", default=Path("rollout_timeline.png"),
                        help="rollout: where to write the timeline plot (default: rollout_timeline.png)")
     compare = sub.add_parser(
