@@ -171,6 +171,13 @@ def test_bench_router_tail_reconstructs_what_was_in_flight():
     assert (peer.arm, peer.replica, peer.in_flight_replica, peer.in_flight_all) == ("vllm-router:cache_aware", None, None, 3)
 
 
+def test_bench_router_refuses_zero_rounds_before_starting_anything():
+    from rollwise.bench.router import run_router_bench
+
+    with pytest.raises(ValueError, match="--rounds must be at least 1"):
+        run_router_bench(quick=True, rounds=0)
+
+
 def test_simulated_replicas_lose_nothing_and_prefix_routing_saves_prefill():
     workload = make_workload(0, groups=16, group_size=8, group_workers=4, sessions=8, turns=3, shared_tokens=64,
                              question_tokens=128, opening_tokens=128, user_tokens=32, max_tokens=8)

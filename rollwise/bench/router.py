@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -259,11 +259,15 @@ def measure_real(shape: BenchShape, seed: int, policies: list[str], progress: An
 
 
 def run_router_bench(quick: bool = False, seed: int = 0, plot: Path | None = None,
-                     policies: list[str] | None = None, progress: Any = None) -> dict:
+                     policies: list[str] | None = None, progress: Any = None, rounds: int | None = None) -> dict:
     policies = policies or list(POLICIES)
     if "round_robin" not in policies:
         policies = ["round_robin", *policies]
     shape = QUICK if quick else FULL
+    if rounds is not None:
+        if rounds < 1:
+            raise ValueError(f"--rounds must be at least 1, got {rounds}")
+        shape = replace(shape, rounds=rounds)
     arm_list, skipped = arms(policies, with_vllm_router=True)
     real = measure_real(shape, seed, policies, progress, arm_list=arm_list)
     sim_config = SimConfig()
@@ -341,18 +345,22 @@ def _peer_line(real: dict[str, dict]) -> str | None:
         return None
     cpu = ours["router_cpu_s_per_request"] / peer["router_cpu_s_per_request"] if peer["router_cpu_s_per_request"] \
         else float("inf")
+    # Round k of every arm runs the same workload, arms side by side in time: compare them round by round too.
+    diffs = [a - b for a, b in zip(ours["p99_latency_s_per_round"], peer["p99_latency_s_per_round"])]
     return (f"prefix vs vllm-router cache_aware: hit {ours['prefix_hit_rate']:.1%} vs {peer['prefix_hit_rate']:.1%}, "
             f"prefill {ours['prefill_tokens']:,} vs {peer['prefill_tokens']:,}, median-round p50 "
             f"{ours['p50_latency_s_median_round']:.3f} vs {peer['p50_latency_s_median_round']:.3f} s, p99 "
-            f"{ours['p99_latency_s_median_round']:.3f} vs {peer['p99_latency_s_median_round']:.3f} s, router CPU per "
-            f"request {cpu:.2f}x theirs (goal <= 2x)")
+            f"{ours['p99_latency_s_median_round']:.3f} vs {peer['p99_latency_s_median_round']:.3f} s (paired by round: "
+            f"{sum(diffs) / len(diffs) * 1000:+.0f} ms on average, lower in {sum(d < 0 for d in diffs)} of {len(diffs)}), "
+            f"router CPU per request {cpu:.2f}x theirs (goal <= 2x)")
 
 
 def cli_bench_router(args: argparse.Namespace, console: Any) -> int:
     # --plot defaults to the rollout bench's file name; the router bench plots only when asked.
     plot = args.plot if args.plot != Path("rollout_timeline.png") else None
     with console.status("starting replicas") as status:
-        result = run_router_bench(quick=args.quick, seed=args.seed, plot=plot, progress=status.update)
+        result = run_router_bench(quick=args.quick, seed=args.seed, plot=plot, progress=status.update,
+                                  rounds=getattr(args, "rounds", None))
     result["command"] = " ".join(["rollwise"] + sys.argv[1:])
     console.print(format_router_bench(result))
     for message in result["real"]["skipped"]:
