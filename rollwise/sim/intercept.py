@@ -198,11 +198,13 @@ class _Sim:
         while self.done < self.work.sessions:
             self._returns()
             self._expire()
-            prefill, recompute, swap_in = self._admit()
-            if not self.running:  # an empty step: the calls queued behind it are served at once
+            prefills, recompute, swap_in = self._admit()
+            if not self.running:
+                # An empty step: the engine spins, admitting whenever a caller's call is served; the calls
+                # arrive one at a time (milliseconds apart), so between two of them admission may take a
+                # parked turn whose retain() has not come (once no protected one is left, it must).
                 if self.parked:
-                    served, self.parked = self.parked, []
-                    self._serve(served)
+                    self._serve([self.parked.pop(0)])
                     continue
                 if not self.tools:
                     raise RuntimeError("intercept sim: nothing runs and no tool is out (a turn never fits: "
@@ -211,7 +213,7 @@ class _Sim:
                 continue
             held = sum(r.memory for r in self.running)
             swap_s = (swap_in + self.pending_swap) * self.model.swap_s_per_token * (1 - self.model.swap_overlap)
-            dt = (self.cost.prefill_s_per_token * prefill + swap_s
+            dt = (sum(self._prefill_s(n) for n in prefills) + swap_s
                   + self.cost.decode_s(len(self.running), sum(r.tokens for r in self.running)))
             self.waste += (recompute * self.cost.prefill_s_per_token + swap_s) * held
             self.pending_swap = 0
@@ -261,8 +263,19 @@ class _Sim:
             used += sum(s.context for s in self.cache.values())
         return used
 
-    def _admit(self) -> tuple[int, int, int]:
-        prefill = recompute = swap_in = 0
+    def _prefill_s(self, tokens: int) -> float:
+        """One admitted turn's prefill. The reference engine (slots) runs each in a forward pass of its own, which
+        costs at least what a decode step costs (both read every weight once): a resumed turn's few new tokens
+        cost a step, not tokens x the per-token rate measured on long prefills. Paged engines (vLLM) batch
+        prefill chunks into the decode step's forward pass: per token only."""
+        linear = self.cost.prefill_s_per_token * tokens
+        return max(linear, self.cost.decode_s(1, 0.0)) if self.model.slot_tokens else linear
+
+    def _admit(self) -> tuple[list[int], int, int]:
+        """Admit waiting turns while memory allows; returns their prefilled token counts, the context tokens
+        computed again, and the tokens swapped in."""
+        prefills: list[int] = []
+        recompute = swap_in = 0
         first = 1 if self.cost.decode_after_prefill else 0  # the prefill samples a token, decoded in its step
         while self.waiting and len(self.running) < self.cost.max_num_seqs:
             session = self.waiting[0]
@@ -281,12 +294,12 @@ class _Sim:
             recompute += again
             self.recomputed += again
             self.prompt_tokens += prompt
-            prefill += prompt - reused
+            prefills.append(prompt - reused)
             if self.blocks is not None:
                 self.blocks.insert(session.sid, prompt)
             remaining = max(1, self.work.output_tokens - first)
             self.running.append(_Run(session, remaining, prompt + self.work.output_tokens - remaining, need))
-        return prefill, recompute, swap_in
+        return prefills, recompute, swap_in
 
     def _reused(self, session: _Session, prompt: int) -> int:
         """Context tokens whose KV the session's prefill finds: held for it, or in the prefix cache."""
