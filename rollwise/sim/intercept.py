@@ -1,97 +1,54 @@
 """The simulator's model of intercept-aware KV retention (issue 21): agentic sessions that stop at tool
 calls, on one engine under KV pressure, with the production retention policy (rollwise.engine.
-retention_policy.choose, unchanged) deciding at every interception.
+retention_policy.choose and reclaim, unchanged) deciding at every interception.
 
-Per engine step (the cost model's shape, rollwise.sim.cost): prefill of admitted turns (their new tokens,
-plus the context again when it was discarded), one decode token for every running turn, plus the swap
-tier's transfers (swap_s_per_token per token each way). Memory: a running turn holds `slot_tokens` (the
-reference engine: one whole slot) or its context + output (paged engines: vLLM on GPU); a preserved
-session holds the same until its tool returns or its TTL expires; when admission needs its memory the
-engine's reclaim() (the same pure function) keeps it (the request waits for a running turn to end or the
-session to return), moves it to the swap tier, or drops it, whichever wastes least; swapped sessions hold the swap tier; every policy but always_discard keeps discarded
-contexts in an LRU prefix cache of at most prefix_cache_tokens: in free KV on paged engines (evicted first when admission
-needs memory, as vLLM's freed blocks are), beside the slots on the reference engine (whose bench arm pays
-for it with slots). Tool latencies are lognormal per tool (long tails); the
-expected latency the policy sees is learned per tool from the latencies seen so far, as in the agent.
+Per engine step (the cost model's shape, rollwise.sim.cost): the prefills of admitted turns (their new
+tokens, plus the context again when it was discarded; on the reference engine each its own forward pass,
+at least a decode step's cost), one decode token for every running turn (the reference engine also
+decodes a turn in its prefill's step: cost.decode_after_prefill), plus the swap tier's transfers.
+
+Memory: a running turn holds `slot_tokens` (the reference engine: one whole slot) or its context + output
+(paged engines: vLLM on GPU). What the engine does with a finished turn, as rollwise.engine.reference does:
+- it parks: the turn's KV stays until the caller's retain() (or, after the last turn, release_session())
+  is served. The caller learns of the turn when its step ends and its call arrives while the next step
+  runs, so it is served after that step; on up to half the slots the turn is protected, the rest
+  admission may take by reclaim() (moved to the swap tier, or dropped: retain() then discards). When a
+  step runs nothing the calls are served one by one, admission trying between them.
+- retain(): the policy preserves (the memory stays pinned until the session is back and its turn runs, or
+  its TTL ends), swaps (the swap tier, with a TTL too) or discards. A TTL does not end a promise whose
+  session is back. Admission weighs pins by reclaim() as well: keep, demote to swap, or drop.
+- the prefix cache (every policy but always_discard, when prefix_cache_tokens > 0): on paged engines the
+  discarded contexts in free KV, evicted first when admission needs memory (as vLLM's freed blocks are);
+  on the reference engine an LRU over blocks of every prompt and history, beside the slots
+  (rollwise.sim.intercept_cache).
+Tool latencies are lognormal per tool (long tails, optionally capped); the expected latency the policy
+sees is learned per tool from the latencies seen so far, as in the agent.
 
 Engines are independent here (the router keeps a session on the replica holding its KV), so a cluster
 of G GPUs is G / gpus_per_engine copies of one engine: `rollwise sim intercept` reports one engine's
-run and its projection to 64..4096 GPUs with a cost model (bundled: h100-7b, h100-32b).
+run and its projection to 64..4096 GPUs with a cost model (bundled: h100-7b, h100-32b), or replays
+`rollwise bench intercept` (rollwise.sim.intercept_cli).
 """
 
 from __future__ import annotations
 
-import argparse
 import heapq
-import json
 import math
 import random
 import statistics
-import sys
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-from rich.console import Console
-from rich.table import Table
-
-from rollwise.engine.retention import RetentionLimits
 from rollwise.engine.retention_policy import (
     POLICY_NAMES, EngineSnapshot, HeldSlot, PolicyName, ReclaimAction, RetentionCosts, ToolLatencies, choose,
     reclaim, reclaim_wastes,
 )
-from rollwise.sim.cost import CostModel, load_cost_file
+from rollwise.sim.cost import CostModel
 from rollwise.sim.intercept_cache import BlockPrefixCache
+from rollwise.sim.intercept_models import InterceptResult, InterceptWorkload, RetentionModel, ToolSpec
 
-
-class ToolSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str
-    median_s: float = Field(gt=0, description="median latency (lognormal)")
-    sigma: float = Field(1.0, ge=0, description="lognormal sigma: 1.0 puts p99 at ~10x the median")
-    weight: float = Field(1.0, gt=0, description="relative frequency of this tool (tool_order: random)")
-    cap_factor: float | None = Field(None, gt=0, description="latency capped at this multiple of the median "
-                                     "(rollwise bench intercept caps its slow tool at 10x); None: no cap")
-
-
-class InterceptWorkload(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    sessions: int = Field(64, ge=1, description="episodes to run")
-    concurrency: int = Field(16, ge=1, description="episodes in flight at once (per engine)")
-    turns: int = Field(4, ge=1, description="engine turns per episode; a tool call between two turns")
-    prompt_tokens: int = Field(256, ge=1)
-    tool_result_tokens: int = Field(32, ge=0)
-    output_tokens: int = Field(32, ge=1)
-    tools: list[ToolSpec] = Field(default_factory=lambda: [ToolSpec(name="python", median_s=1.0)])
-    tool_order: Literal["random", "rotate"] = Field("random", description="random: drawn by weight; rotate: "
-                                                    "session i's k-th call uses tools[(i + k) % len(tools)], "
-                                                    "as rollwise bench intercept does")
-    expected_default_s: float | None = Field(None, gt=0, description="expected latency of a tool before its "
-                                             "first return (None: the median of the tools' medians)")
-
-
-_LIMITS = RetentionLimits()  # the engine's defaults for what the bench does not set
-
-
-class RetentionModel(BaseModel):
-    """The engine's retention side: budgets, the swap tier and how memory is charged."""
-
-    model_config = ConfigDict(extra="forbid")
-    slot_tokens: int | None = Field(None, ge=1, description="a turn/pin costs one slot of this many tokens "
-                                    "(reference engine); None: context + output (paged KV)")
-    pin_budget_tokens: int = Field(0, ge=0)
-    swap_budget_tokens: int = Field(0, ge=0)
-    swap_s_per_token: float = Field(1e-6, ge=0, description="one-way swap transfer per token")
-    swap_overlap: float = Field(0.0, ge=0, le=1, description="fraction of swaps hidden behind compute")
-    prefix_cache_tokens: int = Field(0, ge=0, description="prefix cache in tokens (every policy but always_discard)")
-    ttl_factor: float = Field(_LIMITS.ttl_factor, gt=0, description="a promise lasts expected latency x this ...")
-    ttl_min_s: float = Field(_LIMITS.ttl_min_s, gt=0, description="... clamped to [ttl_min_s, ttl_max_s]")
-    ttl_max_s: float = Field(_LIMITS.ttl_max_s, gt=0)
-    park_grace_s: float = Field(_LIMITS.park_grace_s, ge=0, description="a finished turn's slot is protected "
-                                "this long for the caller's retain(), on at most half the slots; 0: not parked "
-                                "(the turn's KV is gone before retain(), which then discards)")
+__all__ = ["InterceptResult", "InterceptWorkload", "RetentionModel", "ToolSpec", "projection", "simulate"]
 
 
 @dataclass
@@ -128,29 +85,6 @@ class _Parked:
     protected_until: float
     last: bool  # the episode's last turn
     demoted: bool = False
-
-
-@dataclass
-class InterceptResult:
-    policy: str
-    episodes: int
-    sim_seconds: float
-    episodes_per_s: float
-    prompt_tokens: int
-    recomputed_tokens: int
-    waste_token_s: float
-    turn_latency_p50_s: float
-    turn_latency_p99_s: float
-    actions: dict[str, int] = field(default_factory=dict)
-    # held KV admission took for waiting requests, in the bench's terms (its taken_by_admission)
-    reclaimed: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def recomputed_fraction(self) -> float:
-        return self.recomputed_tokens / max(1, self.prompt_tokens)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "recomputed_fraction": self.recomputed_fraction}
 
 
 def simulate(cost: CostModel, model: RetentionModel, work: InterceptWorkload, policy: PolicyName,
@@ -246,6 +180,7 @@ class _Sim:
 
     def _expire(self) -> None:
         for session in [s for s in self.held.values() if s.deadline <= self.t]:
+            self._count(self.reclaimed, "pins_expired")  # as the bench counts them: pins and swapped sessions
             self._release(session)
 
     # ------------------------------------------------------------ memory
@@ -385,8 +320,9 @@ class _Sim:
     # ------------------------------------------------------------ turns end, calls are served
 
     def _decode(self, unserved: list[_Parked]) -> None:
-        """One token for every running turn; finished turns park (unserved: last step's, still parked)."""
-        still = []
+        """One token for every running turn; finished turns park (unserved: last step's, still parked), or,
+        without parking (park_grace_s None), have their calls served at once."""
+        still, finished = [], []
         for run in self.running:
             run.remaining -= 1
             run.tokens += 1
@@ -399,15 +335,22 @@ class _Sim:
             session.context = run.tokens - 1
             if self.blocks is not None:  # the finished history (all but the last token) is cached
                 self.blocks.insert(session.sid, session.context)
-            self._park(session, run.memory, unserved)
+            finished.append(run)
         self.running = still
+        for run in finished:
+            self._park(run.session, run.memory, unserved)
 
     def _park(self, session: _Session, memory: int, unserved: list[_Parked]) -> None:
-        protected = sum(1 for p in [*unserved, *self.parked] if p.memory and self.t < p.protected_until)
-        grace = self.model.park_grace_s
-        until = self.t + grace if protected < self.max_protected else 0.0
         last = session.turn >= self.work.turns
-        self.parked.append(_Parked(session, memory if grace > 0 else 0, until, last))
+        grace = self.model.park_grace_s
+        if grace is None:  # the engine learns of the tool call with the turn's end: decided now
+            self._serve([_Parked(session, memory, 0.0, last)])
+            return
+        protected = sum(1 for p in [*unserved, *self.parked] if p.memory and self.t < p.protected_until)
+        until = self.t + grace if protected < self.max_protected else 0.0
+        self.parked.append(_Parked(session, memory, until, last))
+        if grace <= 0:  # not parked: the memory is free at once
+            self._take_parked(self.parked[-1], "discard")
 
     def _serve(self, parked: list[_Parked]) -> None:
         """The callers' calls for turns parked before the step that just ran: retain(), or the end of the
@@ -529,22 +472,6 @@ def projection(cost: CostModel, model: RetentionModel, work: InterceptWorkload, 
             rows.append({"gpus": gpus, "engines": engines, "episodes_per_s": result.episodes_per_s * engines,
                          **{k: v for k, v in result.as_dict().items() if k != "episodes_per_s"}})
     return rows
-
-
-def default_scenario(cost: CostModel, kv_bytes_per_token: int) -> tuple[RetentionModel, InterceptWorkload]:
-    """Sessions of ~2-4k-token contexts whose KV fills the engine; tools from 50 ms to seconds, long-tailed.
-    Four waves of sessions, so that episodes/s is a steady state: with one wave the run's length is the
-    longest chain of long-tailed tool calls, whatever the engine does."""
-    concurrency = int(cost.kv_capacity_tokens // 2500)
-    work = InterceptWorkload(sessions=4 * concurrency, concurrency=concurrency, turns=6,
-                             prompt_tokens=1500, tool_result_tokens=200, output_tokens=150,
-                             tools=[ToolSpec(name="calculator", median_s=0.05, sigma=0.5, weight=2),
-                                    ToolSpec(name="python", median_s=1.0, sigma=1.0, weight=2),
-                                    ToolSpec(name="search", median_s=4.0, sigma=1.5, weight=1)])
-    model = RetentionModel(pin_budget_tokens=cost.kv_capacity_tokens // 2, swap_budget_tokens=cost.kv_capacity_tokens * 4,
-                           swap_s_per_token=kv_bytes_per_token / cost.gpus_per_engine / 25e9, swap_overlap=0.8,
-                           prefix_cache_tokens=cost.kv_capacity_tokens // 2)
-    return model, work
 
 
 def command() -> Any:

@@ -23,9 +23,8 @@ from rich.console import Console
 from rich.table import Table
 
 from rollwise.sim.cost import CostModel, load_cost_file
-from rollwise.sim.intercept import (
-    InterceptResult, InterceptWorkload, RetentionModel, ToolSpec, default_scenario, projection, simulate,
-)
+from rollwise.sim.intercept import projection, simulate
+from rollwise.sim.intercept_models import InterceptResult, InterceptWorkload, RetentionModel, ToolSpec
 
 REPLAY_TOLERANCE = 0.10  # issue 21: the simulator within 10% of the bench on medians
 COMPARED = (("episodes_per_s", "episodes/s"), ("turn_latency_p50_s", "turn p50"))
@@ -92,6 +91,22 @@ def replay_bench(args: argparse.Namespace, console: Console) -> int:
     write_json(args.json, {"source": str(args.from_bench), "tolerance": REPLAY_TOLERANCE,
                            "pass": all(r["pass"] for r in rows), "rows": rows}, console)
     return 0
+
+
+def default_scenario(cost: CostModel, kv_bytes_per_token: int) -> tuple[RetentionModel, InterceptWorkload]:
+    """Sessions of ~2-4k-token contexts whose KV fills the engine; tools from 50 ms to seconds, long-tailed.
+    Four waves of sessions, so that episodes/s is a steady state: with one wave the run's length is the
+    longest chain of long-tailed tool calls, whatever the engine does."""
+    concurrency = int(cost.kv_capacity_tokens // 2500)
+    work = InterceptWorkload(sessions=4 * concurrency, concurrency=concurrency, turns=6,
+                             prompt_tokens=1500, tool_result_tokens=200, output_tokens=150,
+                             tools=[ToolSpec(name="calculator", median_s=0.05, sigma=0.5, weight=2),
+                                    ToolSpec(name="python", median_s=1.0, sigma=1.0, weight=2),
+                                    ToolSpec(name="search", median_s=4.0, sigma=1.5, weight=1)])
+    model = RetentionModel(pin_budget_tokens=cost.kv_capacity_tokens // 2, swap_budget_tokens=cost.kv_capacity_tokens * 4,
+                           swap_s_per_token=kv_bytes_per_token / cost.gpus_per_engine / 25e9, swap_overlap=0.8,
+                           prefix_cache_tokens=cost.kv_capacity_tokens // 2, park_grace_s=None)
+    return model, work
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
