@@ -72,3 +72,24 @@ def test_replay_of_the_full_bench_is_within_ten_percent_on_medians(policy):
 def test_replay_of_the_quick_bench_is_within_ten_percent_on_medians(policy):
     row = _replay("intercept_quick.json")[policy]
     assert row["pass"], row["error"]
+
+
+def test_a_finished_turn_is_parked_until_its_retain_and_admission_may_take_it_first():
+    """Two slots finish together while a third session waits: the caller's retain() is served after the next
+    step, so that step's admission sees both turns parked; one slot is protected (half the slots), the other
+    is taken for the waiting turn (recomputing it costs less than idling a slot), and its retain() then finds
+    nothing to keep: always_preserve discards it, as the bench's engine did (turns_dropped_before_retain)."""
+    from rollwise.sim.cost import CostModel
+    from rollwise.sim.intercept import InterceptWorkload, RetentionModel, ToolSpec, simulate
+
+    cost = CostModel(prefill_s_per_token=1e-4, step_overhead_s=0.1, max_num_seqs=2, max_model_len=256,
+                     kv_capacity_tokens=2 * 256)
+    work = InterceptWorkload(sessions=3, concurrency=3, turns=2, prompt_tokens=100, tool_result_tokens=4,
+                             output_tokens=4, tools=[ToolSpec(name="calculator", median_s=0.01, sigma=0.0)])
+    parked = simulate(cost, RetentionModel(slot_tokens=256, pin_budget_tokens=512), work, "always_preserve")
+    assert parked.reclaimed.get("turns_dropped_before_retain") == 1
+    assert parked.actions["discard"] >= 1 and parked.recomputed_tokens > 0
+    decided_at_once = simulate(cost, RetentionModel(slot_tokens=256, pin_budget_tokens=512, park_grace_s=None),
+                               work, "always_preserve")
+    assert "turns_dropped_before_retain" not in decided_at_once.reclaimed
+    assert decided_at_once.actions == {"preserve": 3}  # every retain() found its KV (admission may drop a pin later)
