@@ -23,7 +23,7 @@
                                                      time-sliced, per-job weights/tokens/engine-hours, /state
     rollwise bench mux [--quick] [--lora] [--json PATH] jobs sharing one pool vs. each on dedicated engines:
                                                      engine-hours, wall time per job, slowdown
-    rollwise bench router [--quick] [--json PATH] [--plot PNG]
+    rollwise bench router [--quick] [--rounds N] [--json PATH] [--plot PNG]
                                                      routing policies side by side on real replicas + 64 simulated
     rollwise sim CONFIG [--json PATH] [--plot PNG] | sim sweep CONFIG --sizes 8,64,512,4096 | sim calibrate | sim validate
                                                      the cluster simulator: production controller and routing
