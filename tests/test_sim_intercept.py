@@ -56,9 +56,9 @@ def test_replay_counts_the_recomputation_the_bench_counted(name):
 
 @pytest.mark.parametrize("policy", [
     "min_waste", "always_discard",
-    # Not yet: the simulated pin budget is full at retain() 36 times where the bench's was 9 (pins held
-    # through the long prefill steps that follow re-admissions), so it recomputes 20% (bench 11%) and its
-    # turn p50 is ~12% high. Remove the mark when the replay passes.
+    # Not yet: its turn latencies form two clusters (pinned resumes ~3-5 s; queued or recomputing turns
+    # ~10-20 s) and the median sits between them: over simulator seeds 0-7 its p50 error spans -12%..+14%
+    # (seed 0: -12%). Remove the mark when the replay passes.
     pytest.param("always_preserve", marks=pytest.mark.xfail(strict=True, reason="pin budget dynamics")),
     "prefix_cache_only",
 ])
@@ -75,21 +75,22 @@ def test_replay_of_the_quick_bench_is_within_ten_percent_on_medians(policy):
 
 
 def test_a_finished_turn_is_parked_until_its_retain_and_admission_may_take_it_first():
-    """Two slots finish together while a third session waits: the caller's retain() is served after the next
-    step, so that step's admission sees both turns parked; one slot is protected (half the slots), the other
-    is taken for the waiting turn (recomputing it costs less than idling a slot), and its retain() then finds
-    nothing to keep: always_preserve discards it, as the bench's engine did (turns_dropped_before_retain)."""
+    """Two slots, five sessions: the caller's retain() is served after the next step, so that step's admission
+    sees the finished turns parked; half the slots are protected, the others may be taken for a waiting turn
+    (with nothing running, keeping a slot would idle the engine), and their retain() then finds nothing to
+    keep: always_preserve discards them, as the bench's engine did (turns_dropped_before_retain). Decided
+    when the turn ends instead (park_grace_s None), every retain() finds its KV."""
     from rollwise.sim.cost import CostModel
     from rollwise.sim.intercept import InterceptWorkload, RetentionModel, ToolSpec, simulate
 
     cost = CostModel(prefill_s_per_token=1e-4, step_overhead_s=0.1, max_num_seqs=2, max_model_len=256,
                      kv_capacity_tokens=2 * 256)
-    work = InterceptWorkload(sessions=3, concurrency=3, turns=2, prompt_tokens=100, tool_result_tokens=4,
+    work = InterceptWorkload(sessions=5, concurrency=5, turns=2, prompt_tokens=100, tool_result_tokens=4,
                              output_tokens=4, tools=[ToolSpec(name="calculator", median_s=0.01, sigma=0.0)])
     parked = simulate(cost, RetentionModel(slot_tokens=256, pin_budget_tokens=512), work, "always_preserve")
-    assert parked.reclaimed.get("turns_dropped_before_retain") == 1
-    assert parked.actions["discard"] >= 1 and parked.recomputed_tokens > 0
+    assert parked.reclaimed.get("turns_dropped_before_retain", 0) >= 1
+    assert parked.actions.get("discard", 0) >= 1 and parked.recomputed_tokens > 0
     decided_at_once = simulate(cost, RetentionModel(slot_tokens=256, pin_budget_tokens=512, park_grace_s=None),
                                work, "always_preserve")
     assert "turns_dropped_before_retain" not in decided_at_once.reclaimed
-    assert decided_at_once.actions == {"preserve": 3}  # every retain() found its KV (admission may drop a pin later)
+    assert decided_at_once.actions == {"preserve": 5}  # every retain() found its KV (admission may drop a pin later)

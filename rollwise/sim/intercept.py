@@ -104,6 +104,7 @@ class _Sim:
         self.waiting: deque[_Session] = deque()
         self.tools: list[tuple[float, int, _Session]] = []  # (return time, sid, session)
         self.running: list[_Run] = []
+        self.admitting: list[_Run] = []  # admitted in the admission under way
         self.held: dict[int, _Session] = {}  # preserved and swapped sessions (the engine's tiers.sessions)
         self.parked: list[_Parked] = []  # turns finished in the last step, their retain() not served yet
         self.swapped = 0
@@ -127,12 +128,15 @@ class _Sim:
     # ------------------------------------------------------------ the loop
 
     def run(self) -> InterceptResult:
-        for _ in range(min(self.work.concurrency, self.work.sessions)):
-            self._start_session()
+        # The first turn finds the engine idle, and it steps at once; the other sessions' first turns (the
+        # callers start one after another) arrive while that first step runs.
+        self._start_session()
         while self.done < self.work.sessions:
             self._returns()
             self._expire()
             prefills, recompute, swap_in = self._admit()
+            while self.started < min(self.work.concurrency, self.work.sessions):
+                self._start_session()
             if not self.running:
                 # An empty step: the engine spins, admitting whenever a caller's call is served; the calls
                 # arrive one at a time (milliseconds apart), so between two of them admission may take a
@@ -192,7 +196,7 @@ class _Sim:
         return [s for s in self.held.values() if s.held == "preserve"]
 
     def _used(self) -> int:
-        used = (sum(r.memory for r in self.running) + sum(self._memory(s.context) for s in self._pins())
+        used = (sum(r.memory for r in [*self.running, *self.admitting]) + sum(self._memory(s.context) for s in self._pins())
                 + sum(p.memory for p in self.parked))
         if self.cache is not None:  # paged engines keep their prefix cache in free KV blocks
             used += sum(s.context for s in self.cache.values())
@@ -212,7 +216,10 @@ class _Sim:
         prefills: list[int] = []
         recompute = swap_in = 0
         first = 1 if self.cost.decode_after_prefill else 0  # the prefill samples a token, decoded in its step
-        while self.waiting and len(self.running) < self.cost.max_num_seqs:
+        # Admitted turns join the running batch once admission is over (the engine prefills them after it): the
+        # reclaim() weighing for the next waiting turn sees the batch as it was when the step began.
+        self.admitting = []
+        while self.waiting and len(self.running) + len(self.admitting) < self.cost.max_num_seqs:
             session = self.waiting[0]
             prompt = self.work.prompt_tokens if session.turn == 0 else session.context + 1 + self.work.tool_result_tokens
             need = self._memory(prompt)
@@ -233,7 +240,9 @@ class _Sim:
             if self.blocks is not None:
                 self.blocks.insert(session.sid, prompt)
             remaining = max(1, self.work.output_tokens - first)
-            self.running.append(_Run(session, remaining, prompt + self.work.output_tokens - remaining, need))
+            self.admitting.append(_Run(session, remaining, prompt + self.work.output_tokens - remaining, need))
+        self.running += self.admitting
+        self.admitting = []
         return prefills, recompute, swap_in
 
     def _reused(self, session: _Session, prompt: int) -> int:
