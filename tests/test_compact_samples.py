@@ -14,7 +14,7 @@ from rollwise.sim.run import build
 from rollwise.sim.scenario import Scenario
 from rollwise.train.packing import collate_packed_groups
 from rollwise.train.trainer import collate
-from rollwise.types.compact import VersionRuns
+from rollwise.types.compact import LogprobRuns, TokenRuns, VersionRuns
 from rollwise.types.sample import Sample
 
 
@@ -95,8 +95,12 @@ def test_a_rollout_keeps_its_waiting_samples_compact_and_shares_the_group_prompt
     by_group: dict[str, list[Sample]] = {}
     for sample in batch:
         by_group.setdefault(sample.group_id, []).append(sample)
-        assert isinstance(sample.versions, VersionRuns) and sample.versions == [0] * len(sample.response_ids)
-        assert isinstance(sample.response_ids, array) and isinstance(sample.behaviour_logprobs, array)
+        n = len(sample.response_ids)
+        assert isinstance(sample.versions, VersionRuns) and sample.versions == [0] * n
+        # the simulator's synthetic tokens stay runs (one token, EOS last on a stop), not per-token arrays
+        assert isinstance(sample.response_ids, TokenRuns) and len(list(sample.response_ids.runs())) <= 2
+        assert isinstance(sample.behaviour_logprobs, LogprobRuns) and sample.behaviour_logprobs == [-1.0] * n
+        assert (sample.response_ids[-1] == 2) == (sample.finish_reason == "stop")
     for members in by_group.values():  # one prompt array a group, not one a sample
         assert len({id(m.prompt_ids) for m in members}) == 1 and len(members[0].prompt_ids) == 32
     controller.close()

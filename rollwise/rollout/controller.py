@@ -433,7 +433,9 @@ class RolloutController(ControllerDefaults):
         sample = Sample.from_completion(
             c, problem_id=group.problem.id, sample_id=f"g{info.group}/{index}", group_id=f"g{info.group}",
             prompt_ids=group.prompt_array,
-            response_text=self.encoder.tokenizer.decode(c.token_ids, skip_special_tokens=True),
+            # A tokenizer takes a list (the simulator's ids come as TokenRuns)
+            response_text=self.encoder.tokenizer.decode(c.token_ids if isinstance(c.token_ids, list)
+                                                        else list(c.token_ids), skip_special_tokens=True),
             group_index=info.group, sample_index=index, request_id=c.request_id,
         )
         self.ledger.move((info.group, index), "finished")

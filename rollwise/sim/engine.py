@@ -36,7 +36,7 @@ from rollwise.engine.state import EngineState
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest
 from rollwise.sim.routing import BlockLRU
 from rollwise.sim.cost import CostModel
-from rollwise.types.compact import VersionRuns
+from rollwise.types.compact import LogprobRuns, TokenRuns, VersionRuns
 
 # (request, sample index) -> the length the sample would have if nothing capped it (EOS after it).
 LengthSampler = Callable[[GenerationRequest, int], int]
@@ -295,7 +295,7 @@ class SimEngine(EngineState):
             self._retire(seq.request.request_id)
             c = self._completion(seq, seq.length, seq.reason)
             if self.cache_history and self.prefix_cache is not None and c.versions[0] == self._version:
-                self.prefix_cache.insert(list(seq.request.prompt_ids) + c.token_ids[:-1])
+                self.prefix_cache.insert([*seq.request.prompt_ids, *c.token_ids[:-1]])
             finished.append(c)
         if self._pending_version is not None:
             self._apply_version(self._pending_version)
@@ -433,8 +433,9 @@ class SimEngine(EngineState):
 
     def _completion(self, seq: _Seq, n: int, reason: FinishReason) -> Completion:
         self.stats["generated_tokens"] += n
-        tokens = [seq.token] * n
-        if reason == "stop" and n:
-            tokens[-1] = min(self.eos_token_ids)
-        return Completion(seq.request.request_id, seq.index, list(seq.request.prompt_ids), tokens,
-                          [-1.0] * n, self._versions(seq, n), reason, seq.cached)
+        # Synthetic ids (one token, then EOS on a stop) and a constant log-prob, as runs: the controller
+        # keeps them as they are, ~0 bytes a token (a 4096-GPU run holds ~800k samples; docs/benchmarks.md).
+        stop = 1 if reason == "stop" and n else 0
+        tokens = TokenRuns.from_runs([(seq.token, n - stop), (min(self.eos_token_ids), stop)])
+        return Completion(seq.request.request_id, seq.index, list(seq.request.prompt_ids), tokens,  # type: ignore[arg-type]
+                          LogprobRuns.from_runs([(-1.0, n)]), self._versions(seq, n), reason, seq.cached)  # type: ignore[arg-type]

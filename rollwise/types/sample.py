@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rollwise.types.compact import VersionRuns, logprob_array, token_array
+from rollwise.types.compact import as_versions, logprob_array, token_array
 
 if TYPE_CHECKING:  # annotations only: the types layer imports no other rollwise package
     from rollwise.engine.types import Completion
@@ -132,7 +132,7 @@ class Sample:
         self.prompt_ids = token_array(self.prompt_ids, f"{where}: prompt_ids")
         self.response_ids = token_array(self.response_ids, f"{where}: response_ids")
         self.behaviour_logprobs = logprob_array(self.behaviour_logprobs, f"{where}: behaviour_logprobs")
-        self.versions = VersionRuns(self.versions)
+        self.versions = as_versions(self.versions)
 
     @property
     def trained_mask(self) -> list[int]:
