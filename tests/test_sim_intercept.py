@@ -54,14 +54,7 @@ def test_replay_counts_the_recomputation_the_bench_counted(name):
     assert rows["min_waste"]["sim"]["recomputed_fraction"] <= 0.10  # the goal the bench met
 
 
-@pytest.mark.parametrize("policy", [
-    "min_waste", "always_discard",
-    # Not yet: its turn latencies form two clusters (pinned resumes ~3-5 s; queued or recomputing turns
-    # ~10-20 s) and the median sits between them: over simulator seeds 0-7 its p50 error spans -12%..+14%
-    # (seed 0: -12%). Remove the mark when the replay passes.
-    pytest.param("always_preserve", marks=pytest.mark.xfail(strict=True, reason="pin budget dynamics")),
-    "prefix_cache_only",
-])
+@pytest.mark.parametrize("policy", ["min_waste", "always_discard", "always_preserve", "prefix_cache_only"])
 def test_replay_of_the_full_bench_is_within_ten_percent_on_medians(policy):
     row = _replay("intercept.json")[policy]
     assert all(abs(e) <= REPLAY_TOLERANCE for e in row["error"].values()), row["error"]
