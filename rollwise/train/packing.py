@@ -1,4 +1,6 @@
-"""Several GRPO groups in one forward (train.pack_groups, issue 23 item 2).
+"""Shared-prompt micro-batches: one GRPO group (GroupMicroBatch: its prompt once, responses one to
+a row or packed several to a row, train.pack_responses), or several groups in one forward
+(PackedGroupsMicroBatch, train.pack_groups, issue 23 item 2).
 
 A micro-batch of several groups runs their prompts once, as one right-padded batch, and then rows
 of responses packed end to end (rollwise.types.microbatch.pack_responses), each row over its own
@@ -15,12 +17,88 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from rollwise.train.logprobs import lm_head_logprobs
-from rollwise.train.routing_replay import ReplayBatch
+from rollwise.train.logprobs import lm_head_logprobs, packed_prompt_logprobs, shared_prompt_logprobs
+from rollwise.train.routing_replay import ReplayBatch, group_batch
 from rollwise.types.microbatch import pack_responses, prompt_groups
 from rollwise.types.sample import Sample
 
-__all__ = ["PackedGroupsMicroBatch", "collate_packed_groups", "packed_groups_logprobs"]
+__all__ = ["GroupMicroBatch", "PackedGroupsMicroBatch", "collate_group", "collate_packed_groups",
+           "packed_groups_logprobs"]
+
+
+@dataclass
+class GroupMicroBatch:
+    """Samples of one GRPO group: one shared prompt, right-padded responses (prompt computed once),
+    or, packed (train.pack_responses), several responses per row (see packed_prompt_logprobs)."""
+
+    prompt_ids: Tensor  # [P]
+    responses: Tensor  # [G, R], or packed [rows, W]
+    response_mask: Tensor  # [G, R] the loss mask (packed: True on response tokens)
+    behaviour_logp: Tensor  # [N]
+    advantages: Tensor  # [N]
+    weights: Tensor  # [N]
+    padding: bool = False
+    routing: ReplayBatch | None = None
+    segment_start: Tensor | None = None  # packed: [rows, W] column where each token's response starts, -1 padding
+    order: Tensor | None = None  # packed: [N] flat index into [rows, W] of each response token, in sample order
+
+    def logprobs(self, model: nn.Module, temperature: float, chunk_tokens: int,
+                 fused: bool = False) -> tuple[Tensor, Tensor]:
+        if self.order is not None:
+            return packed_prompt_logprobs(model, self.prompt_ids, self.responses, self.segment_start, self.order,
+                                          temperature=temperature, chunk_tokens=chunk_tokens, fused=fused)
+        return shared_prompt_logprobs(model, self.prompt_ids, self.responses, self.response_mask,
+                                      temperature=temperature, chunk_tokens=chunk_tokens, fused=fused)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+
+def collate_group(samples: list[Sample], weights: Tensor, pad_id: int, pack: bool = False) -> GroupMicroBatch:
+    if pack:
+        return collate_packed_group(samples, weights, pad_id)
+    length = max(len(s.response_ids) for s in samples)
+    responses = torch.full((len(samples), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(samples), length), dtype=torch.bool)
+    for row, s in enumerate(samples):
+        responses[row, : len(s.response_ids)] = torch.tensor(s.response_ids)
+        mask[row, : len(s.response_ids)] = True
+    return GroupMicroBatch(
+        prompt_ids=torch.tensor(samples[0].prompt_ids),
+        responses=responses,
+        response_mask=mask,
+        behaviour_logp=torch.tensor([lp for s in samples for lp in s.behaviour_logprobs], dtype=torch.float32),
+        advantages=torch.tensor([s.advantage for s in samples for _ in s.response_ids], dtype=torch.float32),
+        weights=weights,
+        routing=group_batch(samples, length),
+    )
+
+
+def collate_packed_group(samples: list[Sample], weights: Tensor, pad_id: int) -> GroupMicroBatch:
+    """One group's responses laid end to end in rows as wide as the longest (pack_responses)."""
+    rows, width = pack_responses([len(s.response_ids) for s in samples])
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    segment_start = torch.full((len(rows), width), -1, dtype=torch.long)
+    flat_index: list[Tensor] = [torch.empty(0, dtype=torch.long)] * len(samples)
+    for r, members in enumerate(rows):
+        col = 0
+        for i in members:
+            n = len(samples[i].response_ids)
+            tokens[r, col : col + n] = torch.tensor(samples[i].response_ids)
+            segment_start[r, col : col + n] = col
+            flat_index[i] = r * width + col + torch.arange(n)
+            col += n
+    return GroupMicroBatch(
+        prompt_ids=torch.tensor(samples[0].prompt_ids),
+        responses=tokens,
+        response_mask=segment_start >= 0,
+        behaviour_logp=torch.tensor([lp for s in samples for lp in s.behaviour_logprobs], dtype=torch.float32),
+        advantages=torch.tensor([s.advantage for s in samples for _ in s.response_ids], dtype=torch.float32),
+        weights=weights,
+        segment_start=segment_start,
+        order=torch.cat(flat_index),
+    )
 
 
 @dataclass

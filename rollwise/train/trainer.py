@@ -23,10 +23,9 @@ from rollwise.types.microbatch import chunk_samples, computed_tokens, prompt_gro
 from rollwise.types.sample import Sample
 from rollwise.train.grpo import clipped_surrogate_loss, off_policy_weights, token_weights
 from rollwise.train.lora import adapter_state, wrap_lora
-from rollwise.train.packing import collate_packed_groups
-from rollwise.train.logprobs import (pack_responses, packed_prompt_logprobs, sequence_logprobs,
-                                    shared_prompt_logprobs)
-from rollwise.train.routing_replay import ReplayBatch, RoutingReplay, find_routers, group_batch, rows_batch
+from rollwise.train.packing import GroupMicroBatch, collate_group, collate_packed_groups
+from rollwise.train.logprobs import sequence_logprobs
+from rollwise.train.routing_replay import ReplayBatch, RoutingReplay, find_routers, rows_batch
 
 __all__ = ["GRPOTrainer", "MicroBatch", "GroupMicroBatch", "chunk_samples", "computed_tokens"]
 
@@ -56,87 +55,12 @@ class MicroBatch:
         return int(self.target_mask.sum())
 
 
-@dataclass
-class GroupMicroBatch:
-    """Samples of one GRPO group: one shared prompt, right-padded responses (prompt computed once),
-    or, packed (train.pack_responses), several responses per row (see packed_prompt_logprobs)."""
-
-    prompt_ids: Tensor  # [P]
-    responses: Tensor  # [G, R], or packed [rows, W]
-    response_mask: Tensor  # [G, R] the loss mask (packed: True on response tokens)
-    behaviour_logp: Tensor  # [N]
-    advantages: Tensor  # [N]
-    weights: Tensor  # [N]
-    padding: bool = False
-    routing: ReplayBatch | None = None
-    segment_start: Tensor | None = None  # packed: [rows, W] column where each token's response starts, -1 padding
-    order: Tensor | None = None  # packed: [N] flat index into [rows, W] of each response token, in sample order
-
-    def logprobs(self, model: nn.Module, temperature: float, chunk_tokens: int,
-                 fused: bool = False) -> tuple[Tensor, Tensor]:
-        if self.order is not None:
-            return packed_prompt_logprobs(model, self.prompt_ids, self.responses, self.segment_start, self.order,
-                                          temperature=temperature, chunk_tokens=chunk_tokens, fused=fused)
-        return shared_prompt_logprobs(model, self.prompt_ids, self.responses, self.response_mask,
-                                      temperature=temperature, chunk_tokens=chunk_tokens, fused=fused)
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.response_mask.sum())
-
-
 def to_device(mb: MicroBatch | GroupMicroBatch, device: torch.device) -> MicroBatch | GroupMicroBatch:
     """The micro-batch's tensors on `device` (itself when they are there already)."""
     if mb.weights.device == device:
         return mb
     moved = {f.name: getattr(mb, f.name).to(device) for f in fields(mb) if isinstance(getattr(mb, f.name), Tensor)}
     return replace(mb, **moved)
-
-
-def collate_group(samples: list[Sample], weights: Tensor, pad_id: int, pack: bool = False) -> GroupMicroBatch:
-    if pack:
-        return collate_packed_group(samples, weights, pad_id)
-    length = max(len(s.response_ids) for s in samples)
-    responses = torch.full((len(samples), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(samples), length), dtype=torch.bool)
-    for row, s in enumerate(samples):
-        responses[row, : len(s.response_ids)] = torch.tensor(s.response_ids)
-        mask[row, : len(s.response_ids)] = True
-    return GroupMicroBatch(
-        prompt_ids=torch.tensor(samples[0].prompt_ids),
-        responses=responses,
-        response_mask=mask,
-        behaviour_logp=torch.tensor([lp for s in samples for lp in s.behaviour_logprobs], dtype=torch.float32),
-        advantages=torch.tensor([s.advantage for s in samples for _ in s.response_ids], dtype=torch.float32),
-        weights=weights,
-        routing=group_batch(samples, length),
-    )
-
-
-def collate_packed_group(samples: list[Sample], weights: Tensor, pad_id: int) -> GroupMicroBatch:
-    """One group's responses laid end to end in rows as wide as the longest (pack_responses)."""
-    rows, width = pack_responses([len(s.response_ids) for s in samples])
-    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    segment_start = torch.full((len(rows), width), -1, dtype=torch.long)
-    flat_index: list[Tensor] = [torch.empty(0, dtype=torch.long)] * len(samples)
-    for r, members in enumerate(rows):
-        col = 0
-        for i in members:
-            n = len(samples[i].response_ids)
-            tokens[r, col : col + n] = torch.tensor(samples[i].response_ids)
-            segment_start[r, col : col + n] = col
-            flat_index[i] = r * width + col + torch.arange(n)
-            col += n
-    return GroupMicroBatch(
-        prompt_ids=torch.tensor(samples[0].prompt_ids),
-        responses=tokens,
-        response_mask=segment_start >= 0,
-        behaviour_logp=torch.tensor([lp for s in samples for lp in s.behaviour_logprobs], dtype=torch.float32),
-        advantages=torch.tensor([s.advantage for s in samples for _ in s.response_ids], dtype=torch.float32),
-        weights=weights,
-        segment_start=segment_start,
-        order=torch.cat(flat_index),
-    )
 
 
 def collate(samples: list[Sample], weights: Tensor, pad_id: int) -> MicroBatch:
