@@ -1,6 +1,8 @@
 """The bottom layer: plain data every other layer passes around (DESIGN.md "Shape of the code").
 
 - sample: `Sample` (a trajectory as the trainer receives it) and `group_samples`;
+- compact: how a Sample stores its per-token data (int32 ids, float32 log-probs, run-length versions;
+  list-like, not lists), so a controller can hold 100,000s of waiting samples;
 - microbatch: how a train step cuts samples into micro-batches, and the tokens it computes (pure:
   the simulator's trainer model and the trainer share it);
 - weights: the weight-update manifest, the expected-weights description and the refusal error
