@@ -279,7 +279,7 @@ def test_a_rank_killed_mid_step_fails_clearly_then_resume_trains(tmp_path):
     try:
         trainer.train_step(_samples(seed=20))
         ckpt = trainer.save_checkpoint(tmp_path, 1, {}, keep_last=1)
-        saved = trainer.weights()
+        saved = {name: t.clone() for name, t in trainer.weights().items()}  # valid until the next command
         long_step = [s for seed in range(30, 36) for s in _samples(seed=seed, groups=4, group_size=4)]
         for s in long_step:  # long responses, one sample per micro-batch: a step of many collectives
             s.response_ids = s.response_ids * 20
@@ -289,8 +289,11 @@ def test_a_rank_killed_mid_step_fails_clearly_then_resume_trains(tmp_path):
         failure: list[BaseException] = []
 
         def step() -> None:
+            # Steps repeat until one fails: however fast this machine is, the kill below lands
+            # inside a step (a single step could finish before rank 1 shows CPU time).
             try:
-                trainer.train_step(long_step)
+                while True:
+                    trainer.train_step(long_step)
             except BaseException as e:  # noqa: BLE001 (handed to the test thread)
                 failure.append(e)
 
@@ -298,7 +301,7 @@ def test_a_rank_killed_mid_step_fails_clearly_then_resume_trains(tmp_path):
         thread.start()
         while _cpu_seconds(victim.pid) < idle + 0.3:  # rank 1 is computing: the step is under way
             time.sleep(0.01)
-        assert thread.is_alive(), "the step finished before the kill: make it longer"
+        assert thread.is_alive() and not failure, failure
         os.kill(victim.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         thread.join(timeout=60)
