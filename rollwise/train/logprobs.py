@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from rollwise.types.microbatch import pack_responses  # re-exported: the packed forward's row layout
 
 __all__ = ["KEEP_PROBS_MIB", "FusedLogprobs", "lm_head_logprobs", "sequence_logprobs", "shared_prompt_logprobs",
-           "pack_responses", "packed_prompt_logprobs"]
+           "pack_responses"]
 
 KEEP_PROBS_MIB = 512  # fused path: softmax kept for the backward up to this size (else recomputed)
 
@@ -212,49 +212,3 @@ def shared_prompt_logprobs(
         temperature=temperature, chunk_tokens=chunk_tokens, fused=fused,
     )
 
-
-def packed_prompt_logprobs(
-    model: nn.Module,
-    prompt_ids: Tensor,
-    tokens: Tensor,
-    segment_start: Tensor,
-    order: Tensor,
-    *,
-    temperature: float = 1.0,
-    chunk_tokens: int = 1024,
-    fused: bool = False,
-) -> tuple[Tensor, Tensor]:
-    """shared_prompt_logprobs with several responses per row (train.pack_responses): no padding
-    computed beyond each row's tail.
-
-    tokens [rows, W]         responses laid end to end (pack_responses), padding after them
-    segment_start [rows, W]  the column where each token's response starts; -1 on padding
-    order [N]                flat index into [rows, W] of every response token, in sample order
-    A token attends to the whole prompt and to its own response's earlier tokens (a block-diagonal
-    causal mask over the row), at the positions it has in its own sequence: prompt_len + its offset.
-    """
-    backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    rows, width = tokens.shape
-    prompt_len = prompt_ids.shape[0]
-    prompt_out = backbone(input_ids=prompt_ids[None], use_cache=True)
-    cache = prompt_out.past_key_values
-    cache.batch_repeat_interleave(rows)
-    cols = torch.arange(width, device=tokens.device)
-    real = segment_start >= 0
-    same_segment = segment_start[:, :, None] == segment_start[:, None, :]  # [rows, q, k]
-    causal = cols[None, :, None] >= cols[None, None, :]
-    own = same_segment & causal & real[:, None, :] & real[:, :, None]
-    # padding queries see the prompt only (a row of all-False would give NaN in softmax)
-    mask = torch.cat([torch.ones(rows, width, prompt_len, dtype=torch.bool, device=tokens.device), own], dim=2)
-    offsets = torch.where(real, cols[None, :] - segment_start, 0)
-    response_hidden = backbone(
-        input_ids=tokens, attention_mask=mask[:, None], position_ids=prompt_len + offsets,
-        past_key_values=cache, use_cache=True,
-    ).last_hidden_state
-    # A response's first token is predicted by the prompt's last position, the others by the column before.
-    hidden_size = response_hidden.shape[-1]
-    shifted = torch.cat([response_hidden[:, :1], response_hidden[:, :-1]], dim=1)
-    first = (offsets == 0)[..., None]
-    predictors = torch.where(first, prompt_out.last_hidden_state[:, -1:], shifted).reshape(-1, hidden_size)
-    return lm_head_logprobs(predictors[order], model.get_output_embeddings(), tokens.reshape(-1)[order],
-                            temperature=temperature, chunk_tokens=chunk_tokens, fused=fused)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from rollwise.train.logprobs import lm_head_logprobs, packed_prompt_logprobs, shared_prompt_logprobs
+from rollwise.train.logprobs import lm_head_logprobs, shared_prompt_logprobs
 from rollwise.train.routing_replay import ReplayBatch, group_batch
 from rollwise.types.microbatch import pack_responses, prompt_groups
 from rollwise.types.sample import Sample
@@ -29,7 +29,7 @@ __all__ = ["GroupMicroBatch", "PackedGroupsMicroBatch", "collate_group", "collat
 @dataclass
 class GroupMicroBatch:
     """Samples of one GRPO group: one shared prompt, right-padded responses (prompt computed once),
-    or, packed (train.pack_responses), several responses per row (see packed_prompt_logprobs)."""
+    or, packed (train.pack_responses), several responses per row (see packed_groups_logprobs)."""
 
     prompt_ids: Tensor  # [P]
     responses: Tensor  # [G, R], or packed [rows, W]
@@ -44,9 +44,12 @@ class GroupMicroBatch:
 
     def logprobs(self, model: nn.Module, temperature: float, chunk_tokens: int,
                  fused: bool = False) -> tuple[Tensor, Tensor]:
-        if self.order is not None:
-            return packed_prompt_logprobs(model, self.prompt_ids, self.responses, self.segment_start, self.order,
-                                          temperature=temperature, chunk_tokens=chunk_tokens, fused=fused)
+        if self.order is not None:  # packed: the several-groups forward with this one group
+            prompt_len = torch.tensor([self.prompt_ids.shape[0]], device=self.prompt_ids.device)
+            row_group = torch.zeros(self.responses.shape[0], dtype=torch.long, device=self.responses.device)
+            return packed_groups_logprobs(model, self.prompt_ids[None], prompt_len, self.responses, row_group,
+                                          self.segment_start, self.order, temperature=temperature,
+                                          chunk_tokens=chunk_tokens, fused=fused)
         return shared_prompt_logprobs(model, self.prompt_ids, self.responses, self.response_mask,
                                       temperature=temperature, chunk_tokens=chunk_tokens, fused=fused)
 
