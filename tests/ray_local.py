@@ -1,9 +1,9 @@
 """Test helper: a private one-node Ray cluster (the `ray_cluster` fixture) and a tiny `placement: ray`
-run config. Imported by the Ray test modules; not a test module itself."""
+run config (tests/run_configs.py's tiny run, on Ray). Imported by the Ray test modules; not a test
+module itself."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from rollwise.local_server import free_port
+from run_configs import tiny_run_config
 
 STEPS, PROMPTS, GROUP = 3, 4, 4
 
@@ -70,34 +70,16 @@ def ray_cluster():
             os.environ["RAY_AUTH_MODE"] = saved_auth
 
 
-def write_task(path: Path, n: int = 40) -> Path:
-    with path.open("w") as f:
-        for i in range(n):
-            a, b = i % 10, (i * 7 // 10) % 10
-            f.write(json.dumps({"prompt": f"What is {a} + {b}?", "answer": a + b}) + "\n")
-    return path
-
-
 def ray_config(tmp_path: Path, address: str, mode: str, steps: int = STEPS) -> Path:
-    cfg = {
-        "model": "tiny:0",
-        "seed": 0,
-        "output_dir": str(tmp_path / "run"),
-        "threads": 1,
-        "task": {"kind": "jsonl", "path": str(write_task(tmp_path / "add.jsonl"))},
-        "prompt": {"system": "Reply with {answer_open}N{answer_close}.", "few_shot": []},
-        "rollout": {"prompts_per_step": PROMPTS, "group_size": GROUP, "max_tokens": 32, "mode": mode},
-        "engine": {"kind": "reference", "max_num_seqs": 8, "max_model_len": 256},
+    return tiny_run_config(
+        tmp_path, "ray.yaml",
+        rollout={"prompts_per_step": PROMPTS, "group_size": GROUP, "max_tokens": 32, "mode": mode},
         # kl_coef > 0: every step updates the weights (the tiny random model earns no reward signal),
         # so policy versions move and the re-sync after a restart is to a version > 0.
-        "train": {"steps": steps, "lr": 1e-3, "kl_coef": 0.01},
-        "eval": {"size": 2},
-        "checkpoint": {"every": 1},
-        "tensorboard": False,
-        "placement": "ray",
-        "ray": {"address": address, "num_engines": 2, "engine_cpus": 0.5, "trainer_cpus": 0.5,
-                "reward_workers": 1, "reward_cpus": 0.25, "max_restarts": 2},
-    }
-    path = tmp_path / "ray.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
+        train={"steps": steps, "lr": 1e-3, "kl_coef": 0.01},
+        eval={"size": 2},
+        tensorboard=False,
+        placement="ray",
+        ray={"address": address, "num_engines": 2, "engine_cpus": 0.5, "trainer_cpus": 0.5,
+             "reward_workers": 1, "reward_cpus": 0.25, "max_restarts": 2},
+    )

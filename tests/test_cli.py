@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from rollwise.config import ConfigError, load_config
+from run_configs import tiny_run_config
 
 METRIC_KEYS = [
     "reward_mean", "reward_std", "strict_accuracy", "response_len_mean", "entropy", "kl", "grad_norm",
@@ -53,36 +54,6 @@ def _output(proc: subprocess.CompletedProcess) -> str:
     return " ".join((proc.stdout + "\n" + proc.stderr).split())  # whitespace-normalised, both streams
 
 
-def _write_addition_task(path: Path, n: int = 40) -> Path:
-    with path.open("w") as f:
-        for i in range(n):
-            a, b = i % 10, (i * 7 // 10) % 10
-            f.write(json.dumps({"prompt": f"What is {a} + {b}?", "answer": a + b}) + "\n")
-    return path
-
-
-def _tiny_run_config(tmp_path: Path, **top_level) -> Path:
-    """A complete config for a tiny JSONL run (no reasoning_gym task fields left over from the default)."""
-    cfg = {
-        "model": "tiny:0",
-        "seed": 0,
-        "output_dir": str(tmp_path / "run"),
-        "threads": 1,
-        "task": {"kind": "jsonl", "path": str(_write_addition_task(tmp_path / "add.jsonl"))},
-        "prompt": {"system": "Reply with {answer_open}N{answer_close}.", "few_shot": []},
-        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_tokens": 8},
-        "engine": {"kind": "reference", "max_num_seqs": 8, "max_model_len": 256},
-        "train": {"steps": 2, "lr": 1e-3},
-        "eval": {"size": 4},
-        "checkpoint": {"every": 1},
-        "tensorboard": True,
-        **top_level,
-    }
-    path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
-
-
 def test_help_lists_commands(tmp_path):
     proc = _run(["--help"], tmp_path, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -92,7 +63,7 @@ def test_help_lists_commands(tmp_path):
 
 
 def test_train_tiny_run_writes_every_artifact(tmp_path):
-    config = _tiny_run_config(tmp_path)
+    config = tiny_run_config(tmp_path)
     proc = _run(["train", "--config", str(config)], tmp_path)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "Traceback" not in proc.stderr
@@ -164,7 +135,7 @@ def test_train_tiny_run_writes_every_artifact(tmp_path):
 
 def test_bad_key_fails_fast_with_suggestion(tmp_path):
     # A model that does not exist: if anything tried to load it, the error would be a different one.
-    config = _tiny_run_config(tmp_path, model=str(tmp_path / "no-such-model"))
+    config = tiny_run_config(tmp_path, model=str(tmp_path / "no-such-model"))
     proc = _run(["train", "--config", str(config), "train.learning_rate=1e-5"], tmp_path, timeout=120)
     out = _output(proc)
     assert proc.returncode == 2, out
@@ -175,7 +146,7 @@ def test_bad_key_fails_fast_with_suggestion(tmp_path):
 
 
 def test_bad_value_names_allowed_values(tmp_path):
-    config = _tiny_run_config(tmp_path, model=str(tmp_path / "no-such-model"))
+    config = tiny_run_config(tmp_path, model=str(tmp_path / "no-such-model"))
     proc = _run(["train", "--config", str(config), "train.advantage=median"], tmp_path, timeout=120)
     out = _output(proc)
     assert proc.returncode == 2, out
@@ -195,7 +166,7 @@ def test_bad_key_message_says_did_you_mean_lr():
 def test_config_output_round_trips(tmp_path, source):
     args = ["config"]
     if source == "tiny_jsonl":
-        args += ["--config", str(_tiny_run_config(tmp_path)), "lr=3e-4", "rollout.group_size=6"]
+        args += ["--config", str(tiny_run_config(tmp_path)), "lr=3e-4", "rollout.group_size=6"]
     first = _run(args, tmp_path, timeout=60)
     assert first.returncode == 0, first.stdout + first.stderr
     printed = yaml.safe_load(first.stdout)
@@ -215,7 +186,7 @@ def test_config_output_round_trips(tmp_path, source):
 
 
 def test_train_sorted_mode_accounts_for_every_sample(tmp_path):
-    config = _tiny_run_config(tmp_path, rollout={"prompts_per_step": 2, "group_size": 4, "max_tokens": 8,
+    config = tiny_run_config(tmp_path, rollout={"prompts_per_step": 2, "group_size": 4, "max_tokens": 8,
                                                  "mode": "sorted", "max_staleness": 1},
                               train={"steps": 3, "lr": 1e-3}, checkpoint={"every": 0}, tensorboard=False)
     proc = _run(["train", "--config", str(config)], tmp_path)
