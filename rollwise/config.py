@@ -71,6 +71,9 @@ class EngineConfig(_Section):
     max_model_len: int = Field(1024, ge=16)
     kv_cache_gib: int = Field(2, ge=1, description="vLLM on CPU: whole GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)")
     enforce_eager: bool = Field(True, description="vLLM: skip torch.compile (starts ~4x faster on CPU)")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "float32", description="the engine's weights and matmuls; auto: bfloat16 where the hardware computes it "
+        "natively (CUDA, AVX512-BF16/AMX CPUs), else float32 (rollwise.model.precision)")
     # Speculative decoding from the policy's own rollout history (issue 19; rollwise.engine.speculation).
     speculation: Literal["none", "history"] = Field(
         "none", description="history: draft from recent rollouts of the same problem (GRPO siblings, earlier "
@@ -205,6 +208,9 @@ class TrainConfig(_Section):
     micro_batch_tokens: int = Field(2048, ge=1, description="pack_groups: positions a micro-batch of several groups "
                                     "may compute (prompts + packed response rows); bounds its activation memory")
     gradient_checkpointing: bool = False
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "float32", description="the trainer's matmuls (torch.autocast); weights, gradients and optimizer state "
+        "stay float32. auto: bfloat16 where the hardware computes it natively (rollwise.model.precision)")
     share_prompt_prefix: bool = Field(True, description="compute each group's shared prompt once in the forward")
     routing_replay: Literal["none", "r3"] = Field(
         "none", description="MoE: r3 replays the experts the engine routed each token to (rollwise.train.routing_replay)")

