@@ -12,7 +12,7 @@
     rollwise bench loop [--quick] [--json PATH]       the default `rollwise train`: wall, samples/s, MFU, idle cores
     rollwise bench r3 [--quick] [--json PATH]         an MoE trained with / without rollout routing replay (mismatch)
     rollwise compare RUN_DIR RUN_DIR ... [--out PNG]  reward vs wall time and vs samples, runs side by side
-    rollwise serve engine [--model SPEC] [--host 127.0.0.1] [--port 8000] [--max-num-seqs N] [--max-model-len N]
+    rollwise serve engine [--model SPEC] [--host 127.0.0.1] [--port 8000] [--max-num-seqs N] [--max-model-len N] [--dtype D]
                                                      the engine over HTTP: OpenAI-compatible completions,
                                                      token-level /generate, weight updates, /metrics
     rollwise serve router --replica URL --replica URL ... [--policy prefix] [--port 8080]
@@ -186,6 +186,9 @@ def _build_parser() -> argparse.ArgumentParser:
                        choices=["off", "min_waste", "always_discard", "always_preserve", "prefix_cache_only"],
                        help="reference engine: session KV across tool calls (POST /retain): off, min_waste, "
                        "always_discard, always_preserve, prefix_cache_only (default: %(default)s)")
+    serve.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+                       help="the engine's weights and matmuls; auto = bfloat16 where the hardware computes it "
+                       "natively (default: %(default)s)")
     serve.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024, metavar="N",
                        help="refuse request bodies over N bytes with 413, before reading them (default: %(default)s)")
     serve.add_argument("--log-level", default="info", metavar="LEVEL",
@@ -411,7 +414,7 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
             args.model, host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len, served_model_name=args.served_model_name, seed=args.seed,
             log_level=args.log_level, prefix_cache_tokens=args.prefix_cache_tokens, engine_kind=args.engine,
-            max_request_bytes=args.max_request_bytes, retention=args.retention,
+            max_request_bytes=args.max_request_bytes, retention=args.retention, dtype=args.dtype,
         )
     except ValueError as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)

@@ -80,14 +80,15 @@ def create_engine(
     kv_cache_gib: int | None = None,
     enforce_eager: bool | None = None,
     retention: str | None = None,
+    dtype: str | None = None,
 ) -> Engine:
     """An engine holding its own copy of hf_model's current weights (the trainer keeps hf_model).
 
     `engine` is the run's engine section (`cfg.engine`): kind, max_num_seqs, max_model_len,
-    kv_cache_gib, enforce_eager; a size given as a keyword overrides it. The rest says what this one
+    kv_cache_gib, enforce_eager, dtype; a setting given as a keyword overrides it. The rest says what this one
     engine is (its model's name, stop tokens, starting version, seed, tokenizer fingerprint)."""
     cfg = _settings(engine, dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                 kv_cache_gib=kv_cache_gib, enforce_eager=enforce_eager))
+                                 kv_cache_gib=kv_cache_gib, enforce_eager=enforce_eager, dtype=dtype))
     kind = resolve_engine_kind(cfg.kind, model_name)
     drafter = drafter_for(engine)  # engine.speculation (issue 19); None for `none`
     # engine.dtype: the engine's copy of the weights is cast (the trainer's stay as they are)
@@ -116,4 +117,5 @@ def describe_engine(engine: Any) -> str:
         return (f"vllm {vllm.__version__} on {engine.device} (in-process, prefix caching, "
                 f"{'eager' if engine.enforce_eager else 'compiled'}, {dtype_name(engine.dtype)}, "
                 f"started in {engine.start_seconds:.0f}s)")
-    return "reference (pure PyTorch; install vLLM for the fast path: pip install -e \".[cpu]\")"
+    return (f"reference (pure PyTorch, {dtype_name(engine.model.dtype)}; install vLLM for the fast path: "
+            "pip install -e \".[cpu]\")")

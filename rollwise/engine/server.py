@@ -197,7 +197,7 @@ def create_app(engine: Any, tokenizer: Any, model_name: str,
 
 def build_engine(
     model: str, max_num_seqs: int, max_model_len: int | None, seed: int | None = None, prefix_cache_tokens: int = 0,
-    kind: str = "reference", kv_cache_gib: int = 2, retention: str = "off",
+    kind: str = "reference", kv_cache_gib: int = 2, retention: str = "off", dtype: str = "float32",
 ):
     """(engine, tokenizer) for a model spec, the way `rollwise train` builds its engine."""
     from rollwise.engine.factory import create_engine
@@ -210,7 +210,7 @@ def build_engine(
     engine = create_engine(kind, hf_model, tokenizer, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                            eos_token_ids=eos_ids, seed=seed, model_name=model, prefix_cache_tokens=prefix_cache_tokens,
                            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), kv_cache_gib=kv_cache_gib,
-                           retention=retention)
+                           retention=retention, dtype=dtype)
     return engine, tokenizer
 
 
@@ -218,7 +218,7 @@ def serve(
     model: str, host: str = "127.0.0.1", port: int = 8000, max_num_seqs: int = 16,
     max_model_len: int | None = None, served_model_name: str | None = None, seed: int | None = None,
     log_level: str = "info", prefix_cache_tokens: int = 16384, engine_kind: str = "auto",
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, retention: str = "off",
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, retention: str = "off", dtype: str = "float32",
 ) -> None:
     import uvicorn
 
@@ -232,7 +232,7 @@ def serve(
     if prefix_cache_tokens < 0:
         raise ValueError(f"--prefix-cache-tokens must be >= 0 (0 disables the cache), got {prefix_cache_tokens}")
     engine, tokenizer = build_engine(model, max_num_seqs, max_model_len, seed, prefix_cache_tokens, engine_kind,
-                                     retention=retention)
+                                     retention=retention, dtype=dtype)
     print(f"rollwise serve engine: {describe_engine(engine)}", flush=True)
     app = create_app(engine, tokenizer, served_model_name or model, max_request_bytes)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
