@@ -56,6 +56,19 @@ def cmd_validate(args: argparse.Namespace, console: Console) -> int:
 
     _check_rounds(args)
     cost, trainer = load_cost_file(args.cost)
+    if args.from_json is not None:  # the simulated side again against a stored measurement: nothing is timed
+        from rollwise.bench.validate_rollout import load_tokenizer, replay
+
+        if trainer is None or trainer.s_per_token_gpu == 0 or args.rollout_only:
+            console.print("[red]error:[/] --from-json replays a full validation: it needs a cost file with a "
+                          "calibrated trainer, and no --rollout-only")
+            return 2
+        try:
+            result = replay(args.from_json, load_tokenizer(args.model), cost, trainer, shared_cores=args.shared_cores)
+        except (OSError, ValueError) as exc:
+            console.print(f"[red]error:[/] --from-json: {exc}")
+            return 2
+        return _print_validation(result, result["engine"], cost.name, args, console)
     if args.rollout_only:
         from rollwise.bench.validate_rollout import validate_rollout_only
 
@@ -74,7 +87,7 @@ def cmd_validate(args: argparse.Namespace, console: Console) -> int:
     kind = resolve_engine_kind(args.engine, args.model)
     with console.status(f"measured runs (rollwise bench rollout, {args.rounds} round(s)), then the simulation"):
         result = validate(model, tokenizer, cost, trainer, engine_kind=kind, quick=not args.full, seed=args.seed,
-                          rounds=args.rounds, update_batch=args.update_batch)
+                          rounds=args.rounds, update_batch=args.update_batch, shared_cores=args.shared_cores)
     return _print_validation(result, kind, cost.name, args, console)
 
 
@@ -194,6 +207,12 @@ def _validate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="take the trainer out on both sides: validates the engine cost model and the scheduling")
     parser.add_argument("--update-batch", default="fixed", choices=["fixed", "flexible"],
                         help="rollout.update_batch on both sides (flexible: issue 26's policy; default: %(default)s)")
+    parser.add_argument("--shared-cores", type=float, default=None,
+                        help="cores the engine and trainer share: their contention is derived from these and the "
+                             "cost model's step times (default: this machine's; 0: the cost file's calibrated tables)")
+    parser.add_argument("--from-json", type=Path, metavar="JSON", default=None,
+                        help="measure nothing: simulate again against the measured side of an earlier --json "
+                             "(its workload, seed and update batch)")
 
 
 def _validate_router_arguments(parser: argparse.ArgumentParser) -> None:

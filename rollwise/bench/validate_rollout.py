@@ -4,6 +4,9 @@ the real tokenizer and task, forced lengths), so only the engine and trainer are
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rollwise.bench.rollout import FULL, MODES, QUICK, _lengths, bench_config, run_rollout_bench, with_kind
@@ -15,14 +18,37 @@ from rollwise.sim.scenario import Scenario
 from rollwise.tasks import make_task
 
 
+@dataclass(frozen=True)
+class SharedHost:
+    """Where bench rollout ran: `cores` cores shared by the engine and the trainer, `threads` torch threads
+    each (one process). 0 cores: use the cost file's calibrated contention tables instead."""
+
+    cores: float
+    threads: int
+
+    @staticmethod
+    def here(cores: float | None = None) -> SharedHost:
+        import os
+
+        import torch
+
+        return SharedHost(float(os.cpu_count() or 1) if cores is None else cores, torch.get_num_threads())
+
+
 def simulate_bench(tokenizer: Any, cost: CostModel, trainer: TrainerModel, *, quick: bool = True, seed: int = 0,
-                   modes: tuple[str, ...] = MODES, update_batch: str = "fixed") -> list[dict[str, Any]]:
+                   modes: tuple[str, ...] = MODES, update_batch: str = "fixed",
+                   host: SharedHost | None = None) -> list[dict[str, Any]]:
+    """host: the cores the measured engine and trainer shared (their contention is then derived from them,
+    rollwise.sim.cores.overlap_slowdowns); None: the cost file's own contention (tables or shared_cores)."""
     w = QUICK if quick else FULL
     out = []
     for mode in modes:
         cfg = bench_config(mode, w, seed, update_batch)
         task = make_task(cfg.task)
-        engine_cost = cost.model_copy(update={"max_num_seqs": w.max_num_seqs, "max_model_len": cfg.engine.max_model_len})
+        update: dict[str, Any] = {"max_num_seqs": w.max_num_seqs, "max_model_len": cfg.engine.max_model_len}
+        if host is not None:
+            update |= {"shared_cores": host.cores, "torch_threads": host.threads}
+        engine_cost = cost.model_copy(update=update)
         scenario = Scenario.model_validate({
             "name": "bench-rollout-" + ("quick" if quick else "full"), "seed": seed,
             "cluster": {"gpus": 1, "routing": "round_robin", "trainer_gpus_ratio": 1.0},
@@ -80,12 +106,57 @@ def measure_rounds(model: Any, tokenizer: Any, *, engine_kind: str, quick: bool 
 
 
 def validate(model: Any, tokenizer: Any, cost: CostModel, trainer: TrainerModel, *, engine_kind: str,
-             quick: bool = True, seed: int = 0, rounds: int = 1, update_batch: str = "fixed") -> dict[str, Any]:
-    """update_batch=flexible (issue 26): both sides run the flexible update batch (sync is unchanged by it)."""
+             quick: bool = True, seed: int = 0, rounds: int = 1, update_batch: str = "fixed",
+             shared_cores: float | None = None) -> dict[str, Any]:
+    """update_batch=flexible (issue 26): both sides run the flexible update batch (sync is unchanged by it).
+    shared_cores: the cores engine and trainer share here (None: os.cpu_count(); 0: the calibrated tables)."""
     measured = measure_rounds(model, tokenizer, quick=quick, seed=seed, engine_kind=engine_kind, rounds=rounds,
                               update_batch=update_batch)
-    simulated = simulate_bench(tokenizer, cost, trainer, quick=quick, seed=seed, update_batch=update_batch)
-    return {"engine": engine_kind, "cost_model": cost.name, "update_batch": update_batch, "measured": measured,
+    host = SharedHost.here(shared_cores)
+    return _result(measured, tokenizer, cost, trainer, engine_kind=engine_kind, quick=quick, seed=seed,
+                   update_batch=update_batch, host=host)
+
+
+def replay(path: Path, tokenizer: Any, cost: CostModel, trainer: TrainerModel, *,
+           shared_cores: float | None = None) -> dict[str, Any]:
+    """The simulated side again, against the measured side of an earlier `sim validate --json` (nothing is
+    measured: a cost-model change is checked offline). Workload, seed and update batch come from the file;
+    the shared cores from `shared_cores` where given (0: the calibrated tables), else the file's, else
+    os.cpu_count() (the file was measured on this machine)."""
+    doc = json.loads(Path(path).read_text())
+    measured = doc.get("measured")
+    if not isinstance(measured, dict) or "modes" not in measured or "workload" not in measured:
+        raise ValueError(f"{path}: no measured side (want the JSON of `rollwise sim validate --json`, with "
+                         "measured.modes and measured.workload; --rollout-only results cannot be replayed)")
+    if measured["workload"] not in (QUICK.__dict__, FULL.__dict__):
+        raise ValueError(f"{path}: measured.workload {measured['workload']} is neither the --quick nor the full "
+                         "workload of this version's bench rollout: measure again")
+    recorded = doc.get("host") or {}
+    host = SharedHost.here(shared_cores if shared_cores is not None else recorded.get("cores"))
+    host = SharedHost(host.cores, int(recorded.get("threads", measured.get("threads", host.threads))))
+    out = _result(measured, tokenizer, cost, trainer, engine_kind=doc.get("engine", "reference"),
+                  quick=measured["workload"] == QUICK.__dict__, seed=int(doc.get("seed", 0)),
+                  update_batch=doc.get("update_batch", "fixed"), host=host)
+    return {**out, "replay_of": str(path)}
+
+
+def load_tokenizer(spec: str) -> Any:
+    """The model's tokenizer alone (a replay encodes the benchmark's prompts; no weights are needed)."""
+    from rollwise.model.loading import TINY_MOE_PREFIX, TINY_PREFIX, load_model, resolve_model_path
+
+    if spec.startswith((TINY_PREFIX, TINY_MOE_PREFIX)):
+        return load_model(spec)[1]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(spec))
+
+
+def _result(measured: dict[str, Any], tokenizer: Any, cost: CostModel, trainer: TrainerModel, *, engine_kind: str,
+            quick: bool, seed: int, update_batch: str, host: SharedHost) -> dict[str, Any]:
+    simulated = simulate_bench(tokenizer, cost, trainer, quick=quick, seed=seed, update_batch=update_batch,
+                               host=host if host.cores > 0 else None)
+    return {"engine": engine_kind, "cost_model": cost.name, "update_batch": update_batch, "seed": seed,
+            "host": {"cores": host.cores, "threads": host.threads}, "measured": measured,
             "simulated": [{k: v for k, v in r.items() if not k.startswith("_")} for r in simulated],
             "comparison": compare(measured, simulated)}
 

@@ -17,7 +17,9 @@ real machine (context switches, caches), which plain processor sharing does not 
 
 Every change of the task set re-plans the next task end; an end planned before a change is ignored.
 Used by the router simulator (replicas, router and client on bench router's cores) and the pool
-simulator (trainers and the pool's engine slots on bench mux's cores).
+simulator (trainers and the pool's engine slots on bench mux's cores). overlap_slowdowns is the same
+sharing per thread for one engine and one trainer in one process (the GRPO simulator, rollwise.sim.run,
+where a cost file sets `shared_cores`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,32 @@ def crowded_cores(cores: float, crowding: Sequence[tuple[int, float]], processes
         if processes <= n1:
             return c0 + (c1 - c0) * (processes - n0) / (n1 - n0)
     return points[-1][1]
+
+
+def overlap_slowdowns(step_s: float, serial_s: float, threads: int, cores: float) -> tuple[float, float]:
+    """(engine step slowdown, train step slowdown) while an engine steps and a trainer trains at once on
+    `cores` shared cores, each running `threads` torch threads (rollwise bench rollout: one process, the
+    engine on its own thread). Derived from the engine's step time alone, not fitted to any rollout mode.
+
+    An engine step of `step_s` seconds alone is a serial part of `serial_s` (Python holding the interpreter
+    lock, one thread: the step at batch 1 is nearly all of it) and a torch part on `threads` threads. The
+    trainer is torch work on `threads` threads throughout. The OS shares the cores per thread, so:
+
+        during the engine's torch part:  2 x threads threads on the cores, each at min(1, cores / (2 threads))
+        during its serial part:          1 + threads threads,              each at min(1, cores / (1 + threads))
+
+    The engine's step stretches by both shares; the trainer progresses at the time-weighted share.
+    With cores >= 2 x threads nothing slows (separate devices behave like cores = 0: see SharedCores)."""
+    if cores <= 0 or step_s <= 0:
+        return 1.0, 1.0
+    serial = min(max(serial_s, 0.0), step_s)
+    share_torch = min(1.0, cores / (2 * threads))
+    share_serial = min(1.0, cores / (1 + threads))
+    torch_s = (step_s - serial) / share_torch  # the torch part, stretched
+    serial_stretched = serial / share_serial
+    together = torch_s + serial_stretched
+    trainer_rate = (torch_s * share_torch + serial_stretched * share_serial) / together
+    return together / step_s, 1.0 / trainer_rate
 
 
 class SharedCores:

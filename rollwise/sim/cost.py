@@ -23,6 +23,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollwise.sim.cores import overlap_slowdowns
 from rollwise.sim.speculation import SpeculationModel
 from rollwise.types.microbatch import computed_tokens
 
@@ -59,13 +60,26 @@ class CostModel(BaseModel):
     # Measured at a few running batch sizes (small batches are mostly Python and contend less); empty:
     # train_contention at every batch size. Linear between the measured sizes, flat beyond them.
     train_contention_by_batch: dict[int, float] = Field(default_factory=dict)
+    # Derived contention instead of the measured tables above (issue 26): the engine and the trainer share
+    # `shared_cores` cores, each on `torch_threads` threads, and slow each other as the OS shares the cores
+    # per thread (rollwise.sim.cores.overlap_slowdowns, from this model's own step times). 0: not modelled.
+    shared_cores: float = Field(0.0, ge=0, description="cores engine and trainer share (0: the tables above)")
+    torch_threads: int = Field(1, ge=1, description="torch threads the engine and the trainer each run")
     # Speculative decoding (engine.speculation=history): the scenario's `speculation` section (sim.speculation).
     speculation: SpeculationModel | None = None
     sources: list[str] = Field(default_factory=list, description="where the numbers come from")
     assumptions: list[str] = Field(default_factory=list)
 
     def engine_contention(self, batch: int) -> float:
+        if self.shared_cores > 0:
+            return self.overlap_slowdowns(batch)[0]
         return interpolate(self.train_contention_by_batch, batch, self.train_contention)
+
+    def overlap_slowdowns(self, batch: int) -> tuple[float, float]:
+        """(engine step, train step) slowdowns while the engine runs `batch` sequences and the trainer
+        trains on the shared cores. The engine's serial (Python) part is its step at batch 1."""
+        return overlap_slowdowns(self.decode_s(batch, 0.0), self.decode_s(1, 0.0), self.torch_threads,
+                                 self.shared_cores)
 
     def decode_s(self, batch: int, context_tokens: float) -> float:
         if self.decode_s_by_batch:

@@ -201,7 +201,8 @@ def train_through_contention(cluster: SimCluster, clock: VirtualClock, work_s: f
     """Let one train step of `work_s` uncontended seconds run. Where trainer and engines share cores
     (calibrated on this machine), the trainer runs slower while an engine step runs and at full speed once
     the engines are idle, and each engine's steps run slower while the trainer trains; both slowdowns
-    depend on the engine's running batch (cost.engine_contention, trainer.contention_at). The batch only
+    depend on the engine's running batch (cost.engine_contention, train_slowdown: derived from the shared
+    cores where the cost file sets `shared_cores`, else the calibrated tables). The batch only
     changes at engine events, so the rates are set afresh at each. (Charging the whole step at the
     full-batch contention whenever an engine had work at its start made overlapped modes look no faster
     than sync: 20-28% off against bench rollout.)
@@ -224,7 +225,7 @@ def train_through_contention(cluster: SimCluster, clock: VirtualClock, work_s: f
         if not busy:
             cluster.advance_to(clock.now + work_s)
             break
-        rate = 1.0 / trainer.contention_at(max(e.num_running for e in busy))
+        rate = 1.0 / train_slowdown(cost, trainer, max(e.num_running for e in busy))
         t = clock.now
         until = t + work_s / rate
         nxt = cluster.next_event_time()
@@ -244,9 +245,17 @@ def _pump_queued(cluster: SimCluster, controller: RolloutController) -> int:
         cluster.queued_only = False
 
 
+def train_slowdown(cost: CostModel, trainer: TrainerModel, engine_batch: int) -> float:
+    """The train step's slowdown while an engine step of `engine_batch` sequences runs: derived from the
+    shared cores where the cost file sets them (cost.shared_cores), else the calibrated table."""
+    if cost.shared_cores > 0:
+        return cost.overlap_slowdowns(engine_batch)[1]
+    return trainer.contention_at(engine_batch)
+
+
 def _no_contention(cost: CostModel, trainer: TrainerModel) -> bool:
     """Trainer and engines on separate devices: neither slows the other."""
-    return (cost.train_contention == 1.0 and not cost.train_contention_by_batch
+    return (cost.shared_cores == 0 and cost.train_contention == 1.0 and not cost.train_contention_by_batch
             and trainer.contention == 1.0 and not trainer.contention_by_batch)
 
 
