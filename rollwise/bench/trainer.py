@@ -35,6 +35,7 @@ from torch import nn
 from rollwise.config import EngineConfig, TrainConfig, TrainerConfig
 from rollwise.engine.factory import create_engine
 from rollwise.observe.flops import DenseModel, training_flops
+from rollwise.model.precision import resolve_dtype
 from rollwise.observe.peak import measure_matmul
 from rollwise.sync.buckets import WeightUpdate
 from rollwise.train.sharded import ShardedTrainer
@@ -48,13 +49,13 @@ PUSH_GOAL = 1.5  # sharded gather+push time vs the single-process push
 FINGERPRINT = "bench"
 
 
-def measure_matmul_peak(threads: int, size: int) -> float:
-    """FLOP/s of this machine's fp32 matmuls on `threads` threads (rollwise.observe.peak's measurement,
-    uncached: the bench's peak is taken in the same run as its steps)."""
+def measure_matmul_peak(threads: int, size: int, dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of this machine's matmuls in `dtype` on `threads` threads (rollwise.observe.peak's
+    measurement, uncached: the bench's peak is taken in the same run as its steps)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return measure_matmul("cpu", torch.float32, size)
+        return measure_matmul("cpu", dtype, size)
     finally:
         torch.set_num_threads(before)
 
@@ -209,6 +210,8 @@ STEP_ARMS: dict[str, dict[str, Any]] = {
     "pack_groups": {**_BEFORE, "pack_responses": True, "pack_groups": True},  # it extends pack_responses
     "default_without_pack_groups": {"pack_groups": False},  # today's defaults less the latest change
     "default": {},
+    # mixed precision: matmuls in bfloat16 under autocast (its MFU is against the bf16 peak)
+    "default_bfloat16": {"compute_dtype": "bfloat16"},
 }
 
 
@@ -257,7 +260,10 @@ def run_trainer_step_bench(model: nn.Module, tokenizer: Any, *, model_spec: str,
     cfg = trainers["baseline"].cfg
     flops = training_flops(DenseModel.from_hf_config(model.config), batch, cfg)
     threads = torch.get_num_threads()
-    peak = measure_matmul_peak(threads, matmul)
+    # each arm is held to the peak of the dtype its matmuls run in
+    peaks = {dtype: measure_matmul_peak(threads, matmul, resolve_dtype(dtype))
+             for dtype in {trainer.cfg.compute_dtype for trainer in trainers.values()}}
+    peak = peaks[cfg.compute_dtype]
     for trainer in trainers.values():
         trainer.train_step(batch)  # warm-up: allocations, optimizer state
     times: dict[str, list[float]] = {arm: [] for arm in arms}
@@ -269,24 +275,30 @@ def run_trainer_step_bench(model: nn.Module, tokenizer: Any, *, model_spec: str,
         ratios = [t / b for t, b in zip(times[arm], times["baseline"])]
         step_s = statistics.median(times[arm])
         rows.append({"arm": arm, "overrides": STEP_ARMS[arm], "step_s": times[arm], "median_step_s": step_s,
-                     "median_ratio_to_baseline": statistics.median(ratios), "mfu": flops / (step_s * peak)})
+                     "median_ratio_to_baseline": statistics.median(ratios),
+                     "mfu": flops / (step_s * peaks[trainers[arm].cfg.compute_dtype]),
+                     "peak_dtype": trainers[arm].cfg.compute_dtype})
     trained = [s for s in batch if s.advantage != 0.0]
     return {"benchmark": "trainer-step", "model": model_spec, "quick": quick, "rounds": rounds, "threads": threads,
             "batch": {"samples": len(batch), "trained_samples": len(trained), "groups": groups,
                       "prompt_tokens": prompt_len, "max_response_tokens": max_response,
                       "trained_tokens": sum(s.trained_tokens for s in trained)},
-            "train_flops_per_step": flops, "matmul_peak_flops": peak, "rows": rows}
+            "train_flops_per_step": flops, "matmul_peak_flops": peak,
+            "matmul_peak_flops_by_dtype": peaks, "rows": rows}
 
 
 def format_trainer_step_bench(result: dict[str, Any]) -> Table:
     b = result["batch"]
     table = Table(title=f"trainer-step: {result['model']}, {b['samples']} samples ({b['trained_samples']} trained, "
                         f"{b['trained_tokens']} tokens), {result['rounds']} interleaved rounds, "
-                        f"peak {result['matmul_peak_flops'] / 1e9:.1f} GFLOP/s on {result['threads']} threads")
+                        "peak " + ", ".join(f"{dtype} {flops / 1e9:.1f}" for dtype, flops in
+                                          result.get("matmul_peak_flops_by_dtype", {"float32": result["matmul_peak_flops"]}).items())
+                        + f" GFLOP/s on {result['threads']} threads")
     for col in ("arm", "overrides", "median step s", "vs baseline (median of rounds)", "MFU"):
         table.add_column(col, justify="left" if col in ("arm", "overrides") else "right")
     for row in result["rows"]:
         table.add_row(row["arm"], ", ".join(f"{k}={v}" for k, v in row["overrides"].items()) or "(defaults)",
-                      f"{row['median_step_s']:.2f}", f"{row['median_ratio_to_baseline']:.3f}×", f"{row['mfu']:.1%}")
+                      f"{row['median_step_s']:.2f}", f"{row['median_ratio_to_baseline']:.3f}×",
+                      f"{row['mfu']:.1%} of {row.get('peak_dtype', 'float32')}")
     table.caption = "ratios from arms run interleaved in one process: valid on a loaded machine; step times are not"
     return table
