@@ -75,6 +75,11 @@ class CostModel(BaseModel):
             return self.overlap_slowdowns(batch)[0]
         return interpolate(self.train_contention_by_batch, batch, self.train_contention)
 
+    @property
+    def shares_cores(self) -> bool:
+        """Engine and trainer slow each other by the derived model: fewer shared cores than their threads."""
+        return 0 < self.shared_cores < 2 * self.torch_threads
+
     def overlap_slowdowns(self, batch: int) -> tuple[float, float]:
         """(engine step, train step) slowdowns while the engine runs `batch` sequences and the trainer
         trains on the shared cores. The engine's serial (Python) part is its step at batch 1."""

@@ -254,8 +254,10 @@ def train_slowdown(cost: CostModel, trainer: TrainerModel, engine_batch: int) ->
 
 
 def _no_contention(cost: CostModel, trainer: TrainerModel) -> bool:
-    """Trainer and engines on separate devices: neither slows the other."""
-    return (cost.shared_cores == 0 and cost.train_contention == 1.0 and not cost.train_contention_by_batch
+    """Trainer and engines on separate devices (or cores enough for both): neither slows the other."""
+    if cost.shared_cores > 0:  # the derived model replaces the calibrated tables
+        return not cost.shares_cores
+    return (cost.train_contention == 1.0 and not cost.train_contention_by_batch
             and trainer.contention == 1.0 and not trainer.contention_by_batch)
 
 
