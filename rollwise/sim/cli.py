@@ -33,9 +33,10 @@ sources cited inside).
       takes the split from the written file (ray.plan: PLAN.yaml)
   rollwise sim calibrate [--engine reference|vllm] [--json PATH] [--out YAML]
       time a real engine and trainer here (~1-2 min) and fit the cost model
-  rollwise sim validate [--cost YAML] [--rollout-only] [--json PATH]
+  rollwise sim validate [--cost YAML] [--rollout-only] [--json PATH] [--from-json PATH]
       run `rollwise bench rollout --quick` for real and in simulation, side by side (--rollout-only:
-      the trainer taken out on both sides, to check the engine cost model and the scheduling alone)
+      the trainer taken out on both sides, to check the engine cost model and the scheduling alone;
+      --from-json: measure nothing, simulate again against an earlier --json's measured side)
   rollwise sim validate-router [--full] [--rounds 3] [--json PATH]
       run `rollwise bench router --quick` on real replicas and in simulation (rollwise/sim/routing.py with the
       replica engine calibrated here and the replicas sharing this machine's cores), side by side
