@@ -32,7 +32,9 @@ class SharedHost:
 
         import torch
 
-        return SharedHost(float(os.cpu_count() or 1) if cores is None else cores, torch.get_num_threads())
+        if cores is None:  # the cores this process may use (a container's limit), as validate-router counts them
+            cores = float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+        return SharedHost(cores, torch.get_num_threads())
 
 
 def simulate_bench(tokenizer: Any, cost: CostModel, trainer: TrainerModel, *, quick: bool = True, seed: int = 0,
@@ -109,7 +111,7 @@ def validate(model: Any, tokenizer: Any, cost: CostModel, trainer: TrainerModel,
              quick: bool = True, seed: int = 0, rounds: int = 1, update_batch: str = "fixed",
              shared_cores: float | None = None) -> dict[str, Any]:
     """update_batch=flexible (issue 26): both sides run the flexible update batch (sync is unchanged by it).
-    shared_cores: the cores engine and trainer share here (None: os.cpu_count(); 0: the calibrated tables)."""
+    shared_cores: the cores engine and trainer share here (None: this process's; 0: the calibrated tables)."""
     measured = measure_rounds(model, tokenizer, quick=quick, seed=seed, engine_kind=engine_kind, rounds=rounds,
                               update_batch=update_batch)
     host = SharedHost.here(shared_cores)
@@ -121,8 +123,8 @@ def replay(path: Path, tokenizer: Any, cost: CostModel, trainer: TrainerModel, *
            shared_cores: float | None = None) -> dict[str, Any]:
     """The simulated side again, against the measured side of an earlier `sim validate --json` (nothing is
     measured: a cost-model change is checked offline). Workload, seed and update batch come from the file;
-    the shared cores from `shared_cores` where given (0: the calibrated tables), else the file's, else
-    os.cpu_count() (the file was measured on this machine)."""
+    the shared cores from `shared_cores` where given (0: the calibrated tables), else the file's, else this
+    process's (the file was measured on this machine)."""
     doc = json.loads(Path(path).read_text())
     measured = doc.get("measured")
     if not isinstance(measured, dict) or "modes" not in measured or "workload" not in measured:
