@@ -36,6 +36,7 @@ import asyncio
 import hmac
 import ipaddress
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -47,6 +48,7 @@ from fastapi.responses import JSONResponse, Response
 
 from rollwise.router.config import RouterConfig
 from rollwise.router.core import Router
+from rollwise.router.profiling import PROFILE_ENV, GcCounts, run_profiled
 from rollwise.router.relay import Relay
 from rollwise.router.requests import RouterError
 from rollwise.router.schema import CONTROL_DOCS, GENERATION_DOCS, JSON_OBJECT_BODY, errors
@@ -90,8 +92,8 @@ class AuthAndMetrics:
 
         async def observed_send(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
-                self.router.metrics.requests.labels(path, str(message["status"])).inc()
-                self.router.metrics.latency.labels(path).observe(time.monotonic() - started)
+                self.router.metrics.requests_of(path, str(message["status"])).inc()
+                self.router.metrics.latency_of(path).observe(time.monotonic() - started)
             await send(message)
 
         if scope["method"] != "POST":
@@ -242,8 +244,12 @@ def serve(config: RouterConfig, host: str = "127.0.0.1", port: int = 8080, reuse
     # No proxy-headers middleware: the router reads no client address, so X-Forwarded-For is never needed.
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False, proxy_headers=False))
 
+    profile_path = os.environ.get(PROFILE_ENV)
+    gc_counts = GcCounts()
+
     async def main() -> None:
         await app.state.router.start()
+        gc_counts.reset()
         sock = bind_socket(host, port, reuse_port)
         log.info("router ready: listening on %s:%d", host, sock.getsockname()[1])
         try:
@@ -251,6 +257,13 @@ def serve(config: RouterConfig, host: str = "127.0.0.1", port: int = 8080, reuse
         finally:
             await app.state.router.close()
 
+    if profile_path:
+        run_profiled(lambda: _run(main), profile_path, gc_counts)
+    else:
+        _run(main)
+
+
+def _run(main: Callable) -> None:
     # uvloop when installed (uvicorn[standard]): uvicorn picks it only when it creates the loop itself,
     # and here the loop is ours (the router starts before the port is bound).
     try:

@@ -76,7 +76,9 @@ class Router:
         self.upstream = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
             timeout=aiohttp.ClientTimeout(total=self.config.upstream_timeout_s, sock_connect=5.0),
-            skip_auto_headers=("User-Agent",))
+            # No cookie jar: a cookie one engine answer set must never ride along on other clients' requests
+            # (and the jar's per-request filtering is CPU for nothing).
+            cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"))
         await self.pool.probe_all(self.upstream)
         if self._tokenizer_task is not None:  # a replica answered: its model tells the tokenizer
             await self._tokenizer_task
@@ -238,9 +240,9 @@ class Router:
         if route.affinity_key is not None:
             self.affinity.set(route.affinity_key, replica.name)
         self._changes += 1
-        self.metrics.routed.labels(replica.name, decision.reason).inc()
-        self.metrics.prompt_tokens.labels(replica.name).inc(len(route.tokens))
-        self.metrics.prefix_hit_tokens.labels(replica.name).inc(decision.matched_tokens)
+        self.metrics.routed_of(replica.name, decision.reason).inc()
+        self.metrics.prompt_tokens_of(replica.name).inc(len(route.tokens))
+        self.metrics.prefix_hit_tokens_of(replica.name).inc(decision.matched_tokens)
         return prefill, decode, trial
 
     def end(self, replica: Replica, ticket: tuple[int, int, bool]) -> None:

@@ -4,6 +4,7 @@ a process in tests and benchmarks)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -39,6 +40,22 @@ class _ReplicaCollector:
             yield family
 
 
+class Children:
+    """A labelled metric's children, each looked up once: prometheus_client's labels() validates the labels,
+    builds a tuple and takes a lock on every call, and the router calls it several times per request. The
+    label values are few (endpoints, statuses, replicas, decision reasons), so the cache stays small."""
+
+    def __init__(self, metric: Any) -> None:
+        self.metric = metric
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *labels: str) -> Any:
+        child = self._children.get(labels)
+        if child is None:
+            child = self._children[labels] = self.metric.labels(*labels)
+        return child
+
+
 class RouterMetrics:
     def __init__(self, replicas: Callable[[], Iterable[Replica]], load_cost: Callable[[Replica], float]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -68,3 +85,7 @@ class RouterMetrics:
         self.idempotent_replays = Counter("rollwise_router_idempotent_replays",
                                           "client retries answered without generating again", registry=r)
         self.registry.register(_ReplicaCollector(replicas, load_cost))
+        # The per-request metrics' children, cached (see Children).
+        self.requests_of, self.latency_of = Children(self.requests), Children(self.latency)
+        self.routed_of, self.prompt_tokens_of = Children(self.routed), Children(self.prompt_tokens)
+        self.prefix_hit_tokens_of = Children(self.prefix_hit_tokens)

@@ -14,7 +14,8 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 import aiohttp
 import httpx
@@ -27,11 +28,38 @@ from rollwise.router.replicas import Replica
 from rollwise.router.requests import RequestMeta, RouterError, loads
 from rollwise.router.sessions import IdempotencyConflict, StoredResponse
 from rollwise.router.upstream import upstream_url
-from rollwise.serve.disconnect import ClientGone, unless_disconnected
+from rollwise.serve.disconnect import ClientGone, wait_for_disconnect
 
 log = logging.getLogger("rollwise.router")
 CLIENT_CLOSED = 499  # nginx's code for "the client closed the request": logged, never received
 JSON_HEADERS = {"content-type": "application/json"}
+T = TypeVar("T")
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` in this task unless the client leaves first: then it is cancelled and ClientGone raised.
+    serve.disconnect's unless_disconnected does the same with two tasks and asyncio.wait; on the router's
+    hot path one watcher task that cancels this one costs less CPU per request."""
+    this = asyncio.current_task()
+    left = False
+
+    async def watch() -> None:
+        nonlocal left
+        await wait_for_disconnect(request)
+        left = True
+        this.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not left:  # this handler itself was cancelled (shutdown)
+            raise
+        if hasattr(this, "uncancel"):  # Python 3.11+: this task goes on (to answer 499), no longer cancelled
+            this.uncancel()
+        raise ClientGone from None
+    finally:
+        watcher.cancel()
 
 
 async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -70,12 +98,15 @@ class _Attempts:
     tried: set[str] = dataclasses.field(default_factory=set)
     last_error: str | None = None
 
-    async def replicas(self, route: RouteRequest, min_version: int
-                       ) -> AsyncIterator[tuple[Replica, tuple[int, int, bool]]]:
-        """Up to max_attempts replicas, each acquired and begun: the caller ends it (`router.end`)."""
-        for _ in range(self.router.config.max_attempts):
-            replica, decision = await self.router.acquire(route, min_version, self.tried, self.last_error)
-            yield replica, self.router.begin(replica, decision, route)
+    def tries(self) -> range:
+        """One per try: a plain loop, not an async generator (one left unfinished by a `return` is closed in a
+        task of its own, a task per request)."""
+        return range(self.router.config.max_attempts)
+
+    async def next(self, route: RouteRequest, min_version: int) -> tuple[Replica, tuple[int, int, bool]]:
+        """The next replica, acquired and begun: the caller ends it (`router.end`)."""
+        replica, decision = await self.router.acquire(route, min_version, self.tried, self.last_error)
+        return replica, self.router.begin(replica, decision, route)
 
     def failed(self, replica: Replica, error: str, *, reason: str) -> None:
         """A failed try that is retried: the replica's breaker hears of it (a lost connection counts as a
@@ -113,7 +144,7 @@ class Relay:
                 r.metrics.idempotent_replays.inc()
         else:
             try:
-                stored = await unless_disconnected(request, self._unary(endpoint, route, meta))
+                stored = await unless_client_leaves(request, self._unary(endpoint, route, meta))
             except ClientGone:
                 r.metrics.client_gone.inc()
                 return Response(status_code=CLIENT_CLOSED)
@@ -122,7 +153,8 @@ class Relay:
     async def _unary(self, endpoint: str, route: RouteRequest, meta: RequestMeta) -> StoredResponse:
         r = self.router
         attempts = _Attempts(r)
-        async for replica, ticket in attempts.replicas(route, meta.min_version):
+        for _ in attempts.tries():
+            replica, ticket = await attempts.next(route, meta.min_version)
             # aiohttp, not httpx, on this path: per request it costs the router ~5x less CPU (C HTTP parser).
             try:
                 async with r.upstream.post(upstream_url(replica, endpoint), data=meta.forward,
@@ -202,7 +234,8 @@ class Relay:
     async def _open_stream(self, endpoint: str, route: RouteRequest, meta: RequestMeta, key: str | None) -> Response:
         r = self.router
         attempts = _Attempts(r)
-        async for replica, ticket in attempts.replicas(route, meta.min_version):
+        for _ in attempts.tries():
+            replica, ticket = await attempts.next(route, meta.min_version)
             upstream: httpx.Response | None = None
             try:
                 upstream = await r.http.send(
