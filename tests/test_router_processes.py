@@ -43,3 +43,41 @@ def test_router_cpu_reading_of_a_process_that_is_gone_is_zero():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     assert RouterProcess("http://unused", child.pid).cpu_s() == 0.0
+
+
+def test_the_profile_switch_writes_the_serving_router_s_stats(tmp_path):
+    """ROLLWISE_ROUTER_PROFILE=PATH: the router process's cProfile stats from the moment it serves (its start-up
+    left out), written when it is stopped the way the bench stops it (SIGTERM)."""
+    import os
+    import pstats
+    import time
+
+    import httpx
+
+    from rollwise.local_server import free_port
+    from rollwise.router.profiling import PROFILE_ENV
+
+    port, path = free_port(), tmp_path / "router.prof"
+    router = subprocess.Popen([sys.executable, "-m", "rollwise.cli", "serve", "router", "--replica", "http://127.0.0.1:1",
+                               "--port", str(port), "--log-level", "warning"],
+                              env={**os.environ, PROFILE_ENV: str(path)}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert router.poll() is None, router.stderr.read()
+            try:  # no replica answers: the router serves, and refuses generations with 503
+                r = httpx.post(f"http://127.0.0.1:{port}/generate", json={"prompt_ids": [1, 2, 3]}, timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the router never listened"
+                time.sleep(0.1)
+        assert r.status_code == 503, r.text
+    finally:
+        router.terminate()
+        stderr = router.communicate(timeout=30)[1]
+    assert "router profile written" in stderr, stderr
+    functions = {(file, name) for file, _, name in pstats.Stats(str(path)).stats}
+    assert any(file.endswith("relay.py") and name == "generate" for file, name in functions)
+    # Start-up (the router's first probes, before it serves) is not in the profile.
+    assert not any(name == "probe_all" for _, name in functions)

@@ -48,7 +48,7 @@ from fastapi.responses import JSONResponse, Response
 
 from rollwise.router.config import RouterConfig
 from rollwise.router.core import Router
-from rollwise.router.profiling import PROFILE_ENV, GcCounts, run_profiled
+from rollwise.router.profiling import PROFILE_ENV, Profiling
 from rollwise.router.relay import Relay
 from rollwise.router.requests import RouterError
 from rollwise.router.schema import CONTROL_DOCS, GENERATION_DOCS, JSON_OBJECT_BODY, errors
@@ -245,11 +245,12 @@ def serve(config: RouterConfig, host: str = "127.0.0.1", port: int = 8080, reuse
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False, proxy_headers=False))
 
     profile_path = os.environ.get(PROFILE_ENV)
-    gc_counts = GcCounts()
+    profiling = Profiling(profile_path) if profile_path else None
 
     async def main() -> None:
         await app.state.router.start()
-        gc_counts.reset()
+        if profiling is not None:
+            profiling.serving()
         sock = bind_socket(host, port, reuse_port)
         log.info("router ready: listening on %s:%d", host, sock.getsockname()[1])
         try:
@@ -257,8 +258,8 @@ def serve(config: RouterConfig, host: str = "127.0.0.1", port: int = 8080, reuse
         finally:
             await app.state.router.close()
 
-    if profile_path:
-        run_profiled(lambda: _run(main), profile_path, gc_counts)
+    if profiling is not None:
+        profiling.run(lambda: _run(main))
     else:
         _run(main)
 

@@ -134,7 +134,9 @@ class Relay:
         # A keyed request keeps running when its client leaves: its retry (same key) joins it or gets its result.
         cancellable = not key
         meta, route = await r.reader.read(endpoint, raw, request.headers, r.tokenizer, own_request_id=cancellable)
-        route = dataclasses.replace(route, pinned=r.affinity.get(route.affinity_key))
+        pinned = r.affinity.get(route.affinity_key)
+        if pinned is not None:  # a frozen dataclass copied only when there is something to set
+            route = dataclasses.replace(route, pinned=pinned)
         if meta.stream:
             return await self._stream(endpoint, route, meta, key)
         if key:
