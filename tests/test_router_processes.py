@@ -81,3 +81,18 @@ def test_the_profile_switch_writes_the_serving_router_s_stats(tmp_path):
     assert any(file.endswith("relay.py") and name == "generate" for file, name in functions)
     # Start-up (the router's first probes, before it serves) is not in the profile.
     assert not any(name == "probe_all" for _, name in functions)
+
+
+def test_vllm_router_is_found_beside_this_python_when_its_bin_is_not_on_path(monkeypatch, tmp_path):
+    """`.venv/bin/rollwise bench router` (the venv not activated): vllm-router in the same bin/ still runs its arm."""
+    from rollwise.bench.router_processes import arms, vllm_router_executable
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "vllm-router").write_text("#!/bin/sh\n")
+    (bin_dir / "vllm-router").chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path / "elsewhere"))
+    assert vllm_router_executable() == str(bin_dir / "vllm-router")
+    found, skipped = arms(["prefix"])
+    assert [arm.router for arm in found] == ["rollwise", "vllm-router"] and not skipped

@@ -39,6 +39,7 @@ from typing import Any
 import httpx
 from rich import box
 from rich.console import Group
+from rich.markup import escape
 from rich.table import Table
 
 from rollwise.bench import percentile, router_processes
@@ -364,7 +365,7 @@ def cli_bench_router(args: argparse.Namespace, console: Any) -> int:
     result["command"] = " ".join(["rollwise"] + sys.argv[1:])
     console.print(format_router_bench(result))
     for message in result["real"]["skipped"]:
-        console.print(f"[yellow]skipped:[/yellow] {message}")
+        console.print(f"[yellow]skipped:[/yellow] {escape(message)}")  # its [extra] is not markup
     prefix = result["real"]["policies"]["prefix"]
     console.print(f"prefix vs round robin on real replicas: p99 {prefix['p99_vs_round_robin']:.2f}x lower "
                   f"(goal 1.5x), prefill tokens {prefix['prefill_vs_round_robin']:.2f}x fewer (goal 2x)")

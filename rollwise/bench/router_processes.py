@@ -44,13 +44,19 @@ class Arm:
     policy: str
 
 
+def vllm_router_executable() -> str | None:
+    """vllm-router on PATH, or beside this Python (a virtual environment's bin/, not on PATH when `rollwise` is
+    run by its full path)."""
+    return shutil.which(VLLM_ROUTER) or shutil.which(VLLM_ROUTER, path=os.path.dirname(sys.executable))
+
+
 def arms(policies: list[str], with_vllm_router: bool = True) -> tuple[list[Arm], list[str]]:
     """rollwise's router under each policy, then vllm-router's cache_aware when it is installed; and the
     messages for arms that were skipped."""
     out = [Arm(p, "rollwise", p) for p in policies]
     skipped = []
     if with_vllm_router:
-        if shutil.which(VLLM_ROUTER) is None:
+        if vllm_router_executable() is None:
             skipped.append(VLLM_ROUTER_MISSING)
         else:
             out.append(Arm("vllm-router:cache_aware", VLLM_ROUTER, "cache_aware"))
@@ -151,7 +157,7 @@ def flush_caches(urls: list[str]) -> None:
 
 def _router_command(arm: Arm, urls: list[str], port: int) -> list[str]:
     if arm.router == VLLM_ROUTER:
-        return [VLLM_ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", arm.policy,
+        return [vllm_router_executable() or VLLM_ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", arm.policy,
                 "--worker-urls", *urls, "--request-timeout-secs", "600", "--queue-timeout-secs", "300",
                 "--health-check-interval-secs", f"{HEALTH_INTERVAL_S:g}", "--log-level", "warning"]
     replica_flags = [flag for url in urls for flag in ("--replica", url)]
