@@ -204,6 +204,17 @@ def test_in_process_push_applies_and_rejects_mismatches_whole(fingerprint, new_s
     transport.push(new_state, 1)  # a retry of the current version is fine
 
 
+def test_a_bfloat16_engine_takes_the_trainer_s_float32_push(fingerprint, new_state):
+    """engine.dtype=bfloat16: the checked path accepts float32 tensors for it (cast as copied in) and
+    serves what a bfloat16 engine started from those weights serves; a bfloat16 push into a float32
+    engine stays refused (above)."""
+    model, _ = load_model("tiny:0")
+    engine = ReferenceEngine(model, max_num_seqs=4, max_model_len=64, seed=0, dtype=torch.bfloat16)
+    InProcessTransport([WeightReceiver(engine, fingerprint)], fingerprint).push(new_state, 1)
+    fresh = ReferenceEngine(tiny_llama(seed=1), max_num_seqs=4, max_model_len=64, seed=0, dtype=torch.bfloat16)
+    assert engine.policy_version == 1 and _greedy(engine) == _greedy(fresh)
+
+
 def test_in_process_push_through_an_engine_worker(fingerprint, new_state, expected_greedy):
     engine = _engine()
     worker = EngineWorker(engine)

@@ -12,7 +12,8 @@ from torch import nn
 from rollwise.engine.contract import Engine
 from rollwise.engine.retention import engine_retention
 from rollwise.engine.speculation import drafter_for
-from rollwise.model.precision import dtype_name, resolve_dtype
+from rollwise.model.precision import resolve_dtype
+from rollwise.types.weights import dtype_name
 
 if TYPE_CHECKING:
     from rollwise.config import EngineConfig

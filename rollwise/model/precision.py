@@ -39,7 +39,3 @@ def resolve_dtype(name: DtypeName, device: str | torch.device = "cpu") -> torch.
     if kind == "cuda":
         return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
     return torch.bfloat16 if kind == "cpu" and cpu_has_native_bf16() else torch.float32
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

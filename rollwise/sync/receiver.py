@@ -12,13 +12,21 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from rollwise.sync.layout import IGNORED_SUFFIXES, bucket_crc32, unflatten_bucket
-from rollwise.types.weights import ExpectedWeights, WeightManifest, WeightUpdateError, dtype_name
+from rollwise.types.weights import ExpectedWeights, WeightManifest, WeightUpdateError, dtype_from_name, dtype_name
 
 if TYPE_CHECKING:
     from rollwise.sync.buckets import WeightUpdate
 
 
 # ---------------------------------------------------------------------------- receiving
+
+
+def _narrowed_on_load(sent: str, held: str) -> bool:
+    """A float32 tensor for a bfloat16 engine (engine.dtype) is cast as it is copied in: the engine chose
+    the narrower type. The reverse (or float16 for bfloat16) would silently lose precision the trainer
+    has, and an integer buffer of another dtype is another model: refused."""
+    a, b = dtype_from_name(sent), dtype_from_name(held)
+    return a.is_floating_point and b.is_floating_point and a.itemsize > b.itemsize
 
 
 def _shown(problems: Sequence[str], limit: int = 8) -> str:
@@ -137,7 +145,7 @@ class WeightReceiver:
             shape, dtype = self.expected.tensors[t.name]
             if t.shape != shape:
                 problems.append(f"{t.name}: shape {t.shape} != the engine's {shape}")
-            if t.dtype != dtype:
+            if t.dtype != dtype and not _narrowed_on_load(t.dtype, dtype):
                 problems.append(f"{t.name}: dtype {t.dtype} != the engine's {dtype}")
         for alias, source in manifest.aliases.items():
             sent.add(alias)
