@@ -8,7 +8,7 @@
     rollwise bench speculation [--quick] [--engine both|vllm|reference] [--json PATH]
                                                      rollouts with / without drafts from rollout history
     rollwise bench trainer [--quick] [--json PATH]    1 trainer rank vs 2 FSDP2 ranks: tokens/s, MFU, memory/rank, push
-    rollwise bench trainer-step [--quick] [--json PATH] one train step per trainer variant, interleaved: ratios
+    rollwise bench trainer-step [--quick] [--arms A,B] one train step per trainer variant, interleaved: ratios
     rollwise bench loop [--quick] [--json PATH]       the default `rollwise train`: wall, samples/s, MFU, idle cores
     rollwise bench r3 [--quick] [--json PATH]         an MoE trained with / without rollout routing replay (mismatch)
     rollwise compare RUN_DIR RUN_DIR ... [--out PNG]  reward vs wall time and vs samples, runs side by side
@@ -128,6 +128,9 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, default=None, metavar="N",
                        help="router: rotated rounds of the workload per arm (default: 2 with --quick, else 4); "
                        "more rounds make the median-round p50/p99 steadier")
+    bench.add_argument("--arms", default=None, metavar="A,B,...",
+                       help="trainer-step: the trainer variants to run, comma-separated, baseline among them "
+                       "(default: all; e.g. --arms baseline,default,default_bfloat16)")
     bench.add_argument("--plot", type=Path, metavar="PNG", default=Path("rollout_timeline.png"),
                        help="rollout: where to write the timeline plot (default: rollout_timeline.png)")
     compare = sub.add_parser(
@@ -336,8 +339,13 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         spec = "tiny:0" if args.quick else args.model
         with console.status(f"one train step per trainer variant, interleaved ({spec})"):
             model, tokenizer = load_model(spec)
-            result = run_trainer_step_bench(model, tokenizer, model_spec=spec, quick=args.quick,
-                                            rounds=1 if args.quick else 3, seed=args.seed)
+            arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
+            try:
+                result = run_trainer_step_bench(model, tokenizer, model_spec=spec, quick=args.quick,
+                                                rounds=1 if args.quick else 3, seed=args.seed, arms=arms)
+            except ValueError as exc:
+                console.print(f"[bold red]error:[/] {exc}", highlight=False)
+                return 2
         result["command"] = " ".join(["rollwise"] + sys.argv[1:])
         console.print(format_trainer_step_bench(result))
         write_json(args.json, result, console)

@@ -135,3 +135,19 @@ def test_two_ranks_train_in_bfloat16_like_one_process():
     finally:
         sharded.close()
     assert abs(two - one) <= 0.03 * one, (one, two)
+
+
+def test_bench_trainer_step_runs_the_chosen_arms_each_against_its_dtype_peak(tmp_path, capsys):
+    import json
+
+    from rollwise.cli import main
+
+    out = tmp_path / "step.json"
+    assert main(["bench", "trainer-step", "--quick", "--arms", "baseline,default_bfloat16", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {row["arm"]: row for row in result["rows"]}
+    assert list(rows) == ["baseline", "default_bfloat16"]
+    assert rows["baseline"]["peak_dtype"] == "float32" and rows["default_bfloat16"]["peak_dtype"] == "bfloat16"
+    assert set(result["matmul_peak_flops_by_dtype"]) == {"float32", "bfloat16"}
+    assert main(["bench", "trainer-step", "--quick", "--arms", "default"]) == 2  # baseline is required
+    assert "must include 'baseline'" in capsys.readouterr().out
