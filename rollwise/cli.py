@@ -118,8 +118,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default="bundled:smollm2-135m-instruct", help="model spec (default: bundled)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="loop: a config override as for `rollwise train` (repeatable), e.g. "
-                       "--set train.pack_responses=false for the row before one change")
+                       help="loop, speculation: a config override as for `rollwise train` (repeatable), e.g. "
+                       "--set train.pack_responses=false for the row before one change, --set engine.dtype=float32")
     bench.add_argument("--engine", default="both", choices=["both", "vllm", "reference"],
                        help="speculation: the engines to run (both: vLLM, when installed, and the reference engine)")
     bench.add_argument("--lora", action="store_true",
@@ -384,7 +384,7 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
         with console.status("rollouts with and without speculation from rollout history (the same work)"):
             result = run_speculation_bench(model, tokenizer, quick=args.quick, seed=args.seed,
-                                           engines=speculation_engines(args.engine, args.model))
+                                           engines=speculation_engines(args.engine, args.model), overrides=args.set)
         table = format_speculation_bench(result)
     elif args.name == "intercept":  # issue 21: session KV retention across tool calls
         from rollwise.bench.intercept import format_intercept_bench, run_intercept_bench

@@ -267,7 +267,9 @@ def test_bench_speculation_quick_smoke():
     from rollwise.bench.speculation import format_speculation_bench, run_speculation_bench
     from rollwise.model.tiny import tiny_tokenizer
 
-    result = run_speculation_bench(tiny_llama(num_layers=1), tiny_tokenizer(), quick=True, engines=["reference"])
+    result = run_speculation_bench(tiny_llama(num_layers=1), tiny_tokenizer(), quick=True, engines=["reference"],
+                                   overrides=["engine.dtype=float32"])  # the rows recorded before bf16 defaults
+    assert result["engine_dtype"] == "float32"
     assert [r["temperature"] for r in result["rows"]] == [0.3, 1.0, 0.3]  # task late, task early, long tail
     for row in result["rows"]:
         assert row["metrics"]["spec_drafted"] > 0 and row["speedup"] > 0
