@@ -14,8 +14,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from collections.abc import AsyncIterator
 
 import aiohttp
 import httpx
@@ -28,38 +27,11 @@ from rollwise.router.replicas import Replica
 from rollwise.router.requests import RequestMeta, RouterError, loads
 from rollwise.router.sessions import IdempotencyConflict, StoredResponse
 from rollwise.router.upstream import upstream_url
-from rollwise.serve.disconnect import ClientGone, wait_for_disconnect
+from rollwise.serve.disconnect import ClientGone, unless_disconnected
 
 log = logging.getLogger("rollwise.router")
 CLIENT_CLOSED = 499  # nginx's code for "the client closed the request": logged, never received
 JSON_HEADERS = {"content-type": "application/json"}
-T = TypeVar("T")
-
-
-async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
-    """Await `work` in this task unless the client leaves first: then it is cancelled and ClientGone raised.
-    serve.disconnect's unless_disconnected does the same with two tasks and asyncio.wait; on the router's
-    hot path one watcher task that cancels this one costs less CPU per request."""
-    this = asyncio.current_task()
-    left = False
-
-    async def watch() -> None:
-        nonlocal left
-        await wait_for_disconnect(request)
-        left = True
-        this.cancel()
-
-    watcher = asyncio.get_running_loop().create_task(watch())
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if not left:  # this handler itself was cancelled (shutdown)
-            raise
-        if hasattr(this, "uncancel"):  # Python 3.11+: this task goes on (to answer 499), no longer cancelled
-            this.uncancel()
-        raise ClientGone from None
-    finally:
-        watcher.cancel()
 
 
 async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -146,7 +118,7 @@ class Relay:
                 r.metrics.idempotent_replays.inc()
         else:
             try:
-                stored = await unless_client_leaves(request, self._unary(endpoint, route, meta))
+                stored = await unless_disconnected(request, self._unary(endpoint, route, meta))
             except ClientGone:
                 r.metrics.client_gone.inc()
                 return Response(status_code=CLIENT_CLOSED)

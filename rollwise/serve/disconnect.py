@@ -8,8 +8,8 @@ is only written at the end, so without this an abandoned request kept its engine
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -28,25 +28,31 @@ async def wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
-    """Await `work` unless the client leaves first: then cancel it and raise ClientGone."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` in this task unless the client leaves first: then it is cancelled and ClientGone raised.
+    One watcher task cancels this one (cheaper per request than running `work` as a second task and
+    asyncio.wait over both: the router calls this on its hot path)."""
+    this = asyncio.current_task()
+    assert this is not None  # called from a request handler's task
+    left = False
+
+    async def watch() -> None:
+        nonlocal left
+        await wait_for_disconnect(request)
+        left = True
+        this.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # this handler itself was cancelled (shutdown): the work goes with it
-        task.cancel()
-        raise
+        return await work
+    except asyncio.CancelledError:
+        if not left:  # this handler itself was cancelled (shutdown): the work went with it
+            raise
+        if hasattr(this, "uncancel"):  # Python 3.11+: this task goes on (to answer 499), no longer cancelled
+            this.uncancel()
+        raise ClientGone from None
     finally:
         watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
-    raise ClientGone
 
 
 async def client_gone(request: Request, exc: ClientGone) -> Response:
