@@ -9,6 +9,7 @@ torch.autocast), so small updates are not rounded away.
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 from typing import Literal
 
@@ -17,6 +18,7 @@ import torch
 DtypeName = Literal["auto", "float32", "bfloat16"]
 
 
+@cache  # the CPU does not change while we run
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX-BF16 in this CPU's flags. Read from /proc/cpuinfo, not torch: torch's own
     probes (torch.cpu._is_avx512_bf16_supported) are private. Without these, bf16 matmuls are emulated

@@ -172,7 +172,7 @@ def loop_meter(model: Any, train: LoopTrainSettings, *, overlapped: bool,
     except ValueError as exc:
         warnings.warn(f"no MFU for this run: {exc}", stacklevel=2)
         return None
-    peaks = [machine_peak(dtype) for dtype in (compute_dtypes or [next(model.parameters()).dtype])]
+    peaks = [machine_peak(dtype) for dtype in dict.fromkeys(compute_dtypes or [next(model.parameters()).dtype])]
     peak = max(peaks, key=lambda p: p.flops)
     return LoopMeter(spec, peak, train, updates=train.updates_per_step, kl_reference=train.kl_coef > 0,
                      frozen_weights=train.lora is not None, overlapped=overlapped)

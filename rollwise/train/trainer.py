@@ -136,6 +136,12 @@ class GRPOTrainer:
             if cfg.lora is not None:  # frozen embeddings: checkpointed blocks need an input that requires grad
                 self.model.enable_input_require_grads()
         self.model.config.use_cache = False
+        # train.compute_dtype, resolved once (auto reads the CPU's flags): autocast in it when it differs
+        # from the parameters' dtype (_compute)
+        first = next(model.parameters())
+        self.autocast_device = first.device.type
+        self.compute_dtype = resolve_dtype(cfg.compute_dtype, self.autocast_device)
+        self.autocast = self.compute_dtype != first.dtype
         # Frozen initial policy for the KL term; only built when it is used (it doubles model memory).
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
         # MoE: hooks on the routers (after the copy above, which must route on its own) replay the engine's
@@ -183,9 +189,7 @@ class GRPOTrainer:
     def _compute(self) -> torch.autocast:
         """train.compute_dtype: the forward's matmuls in that dtype (the backward follows the forward's
         dtypes); parameters, gradients and optimizer state keep theirs (mixed precision)."""
-        device = next(self.model.parameters()).device.type
-        dtype = resolve_dtype(self.cfg.compute_dtype, device)
-        return torch.autocast(device, dtype=dtype, enabled=dtype != next(self.model.parameters()).dtype)
+        return torch.autocast(self.autocast_device, dtype=self.compute_dtype, enabled=self.autocast)
 
     def _forward_logprobs(self, model: nn.Module, mb: MicroBatch | GroupMicroBatch) -> tuple[Tensor, Tensor]:
         with self._compute():
