@@ -129,13 +129,12 @@ def timed_round(engine: Any, requests: list[GenerationRequest]) -> dict[str, Any
 
 
 def _run_engine(kind: str, spec: bool, model: nn.Module, tokenizer: Any, loads: list[Workload],
-                seed: int, quick: bool, overrides: Sequence[str] = ()) -> list[dict[str, Any]]:
+                seed: int, quick: bool, engine_section: EngineConfig) -> list[dict[str, Any]]:
     """Every workload on one engine (one vLLM start): untimed history round, then the timed round."""
     # The default run's engine section (max_num_seqs 64: a 128-sample step runs in two waves, as in training);
     # quick: a small one (the reference engine allocates its whole KV cache up front).
     sizes = {"max_num_seqs": 16, "max_model_len": 512} if quick else {}
-    # `overrides` (--set engine.dtype=float32): the engine section as `rollwise train` would read it
-    cfg = EngineConfig.model_validate({**load_config(None, list(overrides)).engine.model_dump(), **sizes, "kind": kind,
+    cfg = EngineConfig.model_validate({**engine_section.model_dump(), **sizes, "kind": kind,
                                        "speculation": "history" if spec else "none"})
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
     engine = create_engine(cfg, model, tokenizer, seed=seed, eos_token_ids=eos)
@@ -162,16 +161,18 @@ def _run_engine(kind: str, spec: bool, model: nn.Module, tokenizer: Any, loads: 
 def run_speculation_bench(model: nn.Module, tokenizer: Any, *, quick: bool = False, seed: int = 0,
                           engines: Sequence[str] = ("reference",), overrides: Sequence[str] = ()) -> dict[str, Any]:
     loads = workloads(tokenizer, quick, seed)
+    # `overrides` (--set engine.dtype=float32): the engine section as `rollwise train` would read it
+    engine_section = load_config(None, list(overrides)).engine
     rows = []
     for kind in engines:
-        plain = _run_engine(kind, False, model, tokenizer, loads, seed, quick, overrides)
-        spec = _run_engine(kind, True, model, tokenizer, loads, seed, quick, overrides)
+        plain = _run_engine(kind, False, model, tokenizer, loads, seed, quick, engine_section)
+        spec = _run_engine(kind, True, model, tokenizer, loads, seed, quick, engine_section)
         for load, p, s in zip(loads, plain, spec):
             rows.append({"engine": kind, "setting": load.name, "temperature": load.temperature,
                          "samples": len(load.prompts) * load.group, "plain": p, "spec": s,
                          "metrics": s.pop("metrics"), "speedup": p["wall_s"] / max(s["wall_s"], 1e-9)})
     return {"quick": quick, "engines": list(engines), "overrides": list(overrides),
-            "engine_dtype": load_config(None, list(overrides)).engine.dtype, "rows": rows}
+            "engine_dtype": engine_section.dtype, "rows": rows}
 
 
 def format_speculation_bench(result: dict[str, Any]) -> Table:

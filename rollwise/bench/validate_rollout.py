@@ -28,13 +28,12 @@ class SharedHost:
 
     @staticmethod
     def here(cores: float | None = None) -> SharedHost:
-        import os
-
         import torch
 
-        if cores is None:  # the cores this process may use (a container's limit), as validate-router counts them
-            cores = float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-        return SharedHost(cores, torch.get_num_threads())
+        from rollwise.observe.peak import usable_cores
+
+        # default: the cores this process may use (a container's limit)
+        return SharedHost(float(usable_cores()) if cores is None else cores, torch.get_num_threads())
 
 
 def simulate_bench(tokenizer: Any, cost: CostModel, trainer: TrainerModel, *, quick: bool = True, seed: int = 0,
