@@ -102,6 +102,23 @@ def _versions(fleet) -> list[int]:
     return [ray.get(s.actor.model_info.remote()).policy_version for s in fleet.slots if s.alive]
 
 
+def _wait_gone(pid: int, timeout_s: float = 30.0) -> None:
+    """Until process `pid` (a killed actor's, on this host) has exited."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        assert time.monotonic() < deadline, f"the killed actor's process {pid} is still running"
+        time.sleep(0.05)
+
+
 def test_fleet_broadcast_applies_refuses_bad_updates_whole_and_rejoins_a_restarted_engine(
         ray_cluster, tmp_path, monkeypatch):
     cfg = load_config(ray_config(tmp_path, ray_cluster, mode="sync"),
@@ -148,8 +165,9 @@ def test_fleet_broadcast_applies_refuses_bad_updates_whole_and_rejoins_a_restart
 
         # Engine 1 dies; the next push breaks on it, Ray restarts it (re-synced to version 1 through the
         # object store), the group is re-formed with the new incarnation and the push goes through.
-        old_token = fleet.slots[1].token
+        old_token, old_pid = fleet.slots[1].token, fleet.slots[1].info["pid"]
         ray.kill(fleet.slots[1].actor, no_restart=False)
+        _wait_gone(old_pid)  # ray.kill returns before the process dies: a push in between still reaches it
         fleet.update_weights(WeightUpdate.of_state(new, 2, fp))
         assert fleet.slots[1].token != old_token and fleet.restarts == 1
         assert fleet.restart_log[0]["policy_version"] == 1  # re-synced to what every engine held then
