@@ -312,12 +312,19 @@ def test_state_transitions_under_concurrent_requests():
                     if rnd == 1:  # a long request, aborted below while it runs or waits
                         reqs[0] = GenerationRequest(f"{name}-long", [5, 6, 7],
                                                     SamplingParams(max_tokens=80, n=2, seed=1, ignore_eos=True))
+                    # Job a aborts while its requests wait (paused: deterministic, a fast machine can finish
+                    # the long request before an abort reaches it); b and c abort while it runs or waits.
+                    hold = rnd == 1 and name == "a"
+                    if hold:
+                        worker.pause()
                     worker.submit(reqs)
                     expected |= {(r.request_id, i) for r in reqs for i in range(r.params.n)}
                     if rnd == 1:  # abort one request mid-flight: its samples come back exactly once
                         for c in worker.abort([reqs[0].request_id]):
                             assert (c.request_id, c.index) not in seen
                             seen[(c.request_id, c.index)] = c.finish_reason
+                    if hold:
+                        worker.resume()
                     if rnd == 2:
                         _perturb(model, rnd)
                         worker.update_weights(model.state_dict(), rnd)
