@@ -187,7 +187,7 @@ def _build_parser() -> argparse.ArgumentParser:
                        "(0 disables) (default: %(default)s)")
     serve.add_argument("--retention", default="off", metavar="MODE",
                        choices=["off", "min_waste", "always_discard", "always_preserve", "prefix_cache_only"],
-                       help="reference engine: session KV across tool calls (POST /retain): off, min_waste, "
+                       help="session KV across tool calls (POST /retain; vLLM: preserve or discard, no swap): off, min_waste, "
                        "always_discard, always_preserve, prefix_cache_only (default: %(default)s)")
     serve.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
                        help="the engine's weights and matmuls; auto = bfloat16 where the hardware computes it "

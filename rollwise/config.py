@@ -91,7 +91,8 @@ class EngineConfig(_Section):
     speculation_window_rollouts: int = Field(64, ge=1, description="recent rollouts kept per problem")
     speculation_max_versions: int = Field(4, ge=1, description="rollouts older than this many policy versions age out")
     speculation_max_tokens: int = Field(1_000_000, ge=1, description="response tokens the history holds in all")
-    # Session KV retention across tool calls (issue 21; rollwise.engine.retention): reference engine only.
+    # Session KV retention across tool calls (issue 21; rollwise.engine.retention): the reference engine preserves,
+    # swaps or discards; vLLM preserves (pins in its prefix cache) or discards (rollwise.engine.vllm_retention).
     retention: Literal["off", "min_waste", "always_discard", "always_preserve", "prefix_cache_only"] = Field(
         "off", description="what an agent turn that ends in a tool call does with its KV: min_waste chooses "
         "preserve/swap/discard by least memory x time waste; the others are fixed policies for comparison")

@@ -97,16 +97,17 @@ def create_engine(
     common = dict(max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, eos_token_ids=eos_token_ids,
                   policy_version=policy_version, seed=seed, model_name=model_name,
                   tokenizer_fingerprint=tokenizer_fingerprint, dtype=dtype)
+    # engine.retention (issue 21); `retention` overrides it (rollwise serve engine --retention). vLLM caps the
+    # pin budget at half the KV cache it really allocated.
+    held = engine_retention(engine, cfg.max_num_seqs * cfg.max_model_len, retention)
     if kind == "vllm":
         from rollwise.engine.vllm_backend import VLLMEngine
 
         # engine.speculation=history: the same drafter, inside vLLM through its custom-proposer hook.
         return VLLMEngine(hf_model, tokenizer, kv_cache_gib=cfg.kv_cache_gib, enforce_eager=cfg.enforce_eager,
-                          drafter=drafter, max_loras=getattr(engine, "max_loras", 0), **common)
+                          drafter=drafter, max_loras=getattr(engine, "max_loras", 0), **held, **common)
     from rollwise.engine.reference import ReferenceEngine
 
-    # engine.retention (issue 21); `retention` overrides it (rollwise serve engine --retention)
-    held = engine_retention(engine, cfg.max_num_seqs * cfg.max_model_len, retention)
     return ReferenceEngine(hf_model, prefix_cache_tokens=prefix_cache_tokens, drafter=drafter, **held, **common)
 
 

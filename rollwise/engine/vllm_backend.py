@@ -45,26 +45,25 @@ import torch
 from torch import Tensor, nn
 
 from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, check_weights, run_to_completion
-from rollwise.engine.retention import RetentionDecision, RetentionRequest
+from rollwise.engine.retention import RetentionDecision, RetentionLimits, RetentionRequest
+from rollwise.engine.retention_policy import PolicyName
 from rollwise.engine.speculation.history import HistoryDrafter
 from rollwise.engine.speculation.counters import add_accept_histogram, new_counters, step_metrics
 from rollwise.engine.speculation.vllm_proposer import ProposerSource, patch_cpu_expand, register, unregister
 from rollwise.engine.state import EngineState
+from rollwise.engine.vllm_retention import VllmSessionPins
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest, SamplingParams
 from rollwise.model.moe import checkpoint_items
 from rollwise.types.sample import RoutedExperts
 from rollwise.types.weights import ExpectedWeights
 
 
-# Session KV retention (issue 21) on vLLM 0.32, checked against its source. A finished request's blocks go
-# back to the block pool's free queue, full blocks keep their hash and sit at its LRU end (the automatic
-# prefix cache): the next turn reuses them unless other requests needed the memory first. What is not
-# usable here: the KV offloading connectors (SimpleCPUOffloadConnector, OffloadingConnector) copy with
-# torch.cuda streams, so they do not run on the CPU build; BlockPool has no per-request pin or TTL (only
-# ref counts, `touch`/`free_blocks`, and `unpin_blocks` for its hisparse feature), and a pin through
-# `touch` would need the finished request's block hashes, which the scheduler drops at finish.
-RETENTION_ON_VLLM = ("vLLM backend: no preserve/swap (prefix cache only: freed blocks stay cached until LRU "
-                     "eviction; its offload connectors need CUDA)")
+# Session KV retention (issue 21) on vLLM 0.32: with engine.retention on, preserve pins the turn's blocks in
+# vLLM's prefix cache (rollwise.engine.vllm_retention: a reference taken through BlockPool.touch on the blocks
+# found by the engine core's own block hashes), discard leaves them to its LRU (always_discard evicts them).
+# No swap: vLLM's KV offloading connectors copy with torch.cuda streams and do not run on the CPU build.
+RETENTION_OFF_ON_VLLM = ("retention is off on this engine (engine.retention=off): the turn's freed blocks stay in "
+                         "vLLM's prefix cache until LRU eviction")
 
 
 def vllm_available() -> bool:
@@ -142,6 +141,9 @@ class VLLMEngine(EngineState):
         max_loras: int = 0,
         max_lora_rank: int = 64,
         dtype: torch.dtype | None = None,
+        retention: RetentionLimits | None = None,
+        retention_policy: PolicyName = "min_waste",
+        kv_cache_blocks: int | None = None,
     ) -> None:
         other = VLLMEngine._live() if VLLMEngine._live is not None else None
         if other is not None and other._llm is not None:
@@ -233,6 +235,9 @@ class VLLMEngine(EngineState):
             # train.lora / multi-LoRA (issue 22): adapters served unmerged, one LoRARequest per adapter version
             # One slot more than asked: the base rows' zero adapter (see _base_lora).
             **({"enable_lora": True, "max_loras": max_loras + 1, "max_lora_rank": max_lora_rank} if max_loras else {}),
+            # A KV cache of exactly this many blocks (tests and benchmarks that need memory pressure; on CPU
+            # the cache is otherwise sized in whole GiB by kv_cache_gib).
+            **({"num_gpu_blocks_override": kv_cache_blocks} if kv_cache_blocks else {}),
         )
         self.max_loras = max_loras
         self._adapters: dict[str, tuple[Any, int, Any]] = {}  # name -> (AdapterSpec, version, LoRARequest)
@@ -259,6 +264,15 @@ class VLLMEngine(EngineState):
         self._children: dict[str, list[str]] = {}  # our request id -> its unfinished vLLM request ids
         self.stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
         self.on_tokens: Callable[[str, int, int, float, int], None] | None = None
+        # engine.retention (issue 21): pins in vLLM's prefix cache, bounded by the pin budget and at most half
+        # the KV cache this engine really has.
+        self.session_pins: VllmSessionPins | None = None
+        if retention is not None:
+            core = self._llm.engine_core.engine_core
+            pins = VllmSessionPins(core, retention, retention_policy)
+            budget = min(retention.pin_budget_tokens, pins.capacity_tokens // 2)
+            pins.limits = replace(retention, pin_budget_tokens=budget)
+            self.session_pins = pins
 
     # ---------------------------------------------------------------- public state
 
@@ -317,6 +331,8 @@ class VLLMEngine(EngineState):
                                   self._vllm_params(req.params, base_seed + index), lora_request=lora)
             self._samples[vid] = _Sample(req, index, adapter_version=lora_version)
             vids.append(vid)
+            if self.session_pins is not None and req.params.n == 1:
+                self.session_pins.request_added(vid, list(req.prompt_ids))
         self._children[req.request_id] = vids
 
     def _vllm_params(self, params: SamplingParams, seed: int) -> Any:
@@ -344,6 +360,8 @@ class VLLMEngine(EngineState):
         )
 
     def abort(self, request_id: str) -> list[Completion]:
+        if self.session_pins is not None:  # also a finished turn's pin: aborting it drops what it holds
+            self.session_pins.release_all("abort", request_id)
         vids = self._children.pop(request_id, None)
         if vids is None:
             return []
@@ -353,12 +371,17 @@ class VLLMEngine(EngineState):
         return sorted(aborted, key=lambda c: c.index)
 
     def retain(self, req: RetentionRequest) -> RetentionDecision:
-        """Always discard, reported as such: see RETENTION_ON_VLLM. The turn's freed blocks stay in vLLM's
-        prefix cache until LRU eviction reuses them, so this backend is the prefix_cache_only policy."""
-        return RetentionDecision(req.session_id, "discard", 0, 0.0, RETENTION_ON_VLLM)
+        """Preserve (pin in the prefix cache) or discard the turn's KV: see rollwise.engine.vllm_retention.
+        With retention off, discard, reported as such (the blocks stay cached until LRU eviction)."""
+        if self.session_pins is None:
+            return RetentionDecision(req.session_id, "discard", 0, 0.0, RETENTION_OFF_ON_VLLM)
+        return self.session_pins.retain(req)
 
     def release_session(self, session_id: str) -> bool:
-        return False  # nothing is held per session (the prefix cache is shared and evicts by LRU)
+        return self.session_pins.release_session(session_id) if self.session_pins is not None else False
+
+    def retention_stats(self) -> dict[str, int]:
+        return self.session_pins.stats() if self.session_pins is not None else {}
 
     # ---------------------------------------------------------------- the loop
 
@@ -367,11 +390,24 @@ class VLLMEngine(EngineState):
 
     def step(self) -> list[Completion]:
         if self.paused or self.sleeping or not self._samples:
+            if self.session_pins is not None and self.session_pins.pins:
+                self.session_pins.expire()  # an idle engine's pins still end on their TTL
             return []  # paused: in-flight requests keep their KV and tokens inside vLLM until resume()
         if self._omp_threads is not None and torch.get_num_threads() != self._omp_threads:
             torch._C._set_num_threads(self._omp_threads)  # this thread (see __init__)
         finished: list[Completion] = []
-        for out in self._llm.step():
+        pins = self.session_pins
+        if pins is not None:
+            pins.before_step()
+            computed = {vid: (r.num_computed_tokens, r.num_prompt_tokens) for vid, r in self._scheduler().requests.items()}
+            started = time.perf_counter()
+        outputs = self._llm.step()
+        if pins is not None:
+            requests = self._scheduler().requests
+            prompt_tokens = sum(max(0, min(requests[vid].num_computed_tokens, n) - before)
+                                for vid, (before, n) in computed.items() if vid in requests)
+            pins.after_step(time.perf_counter() - started, prompt_tokens, len(self._scheduler().running))
+        for out in outputs:
             sample = self._samples.get(out.request_id)
             if sample is None:  # aborted between steps
                 continue
@@ -411,6 +447,9 @@ class VLLMEngine(EngineState):
         if spec is not None and self.spec_stats is not None:  # vLLM's verifications of this sample's drafts
             add_accept_histogram(self.spec_stats, spec.histogram, spec.num_draft_tokens)
         completion = sample.completion(reason if reason in ("stop", "length", "abort") else "stop", cached)
+        if self.session_pins is not None and sample.request.params.n == 1 and reason != "abort":
+            self.session_pins.turn_finished(vid, sample.request.request_id, completion.prompt_ids + completion.token_ids,
+                                     self._lora_request(sample.request.adapter)[0] if self._adapters else None, cached)
         routed = getattr(out.outputs[0], "routed_experts", None) if out.outputs else None
         if routed is not None:  # [tokens, layers, top_k]; the trainer checks it covers prompt + response - 1
             completion.routed_experts = RoutedExperts.from_array(routed, self.num_experts)
@@ -450,6 +489,8 @@ class VLLMEngine(EngineState):
                              "(its in-place reload corrupts the repacked expert weights): use engine.kind=reference")
         # MoE: the trainer's names are transformers' in-memory ones (3-D expert tensors); vLLM loads checkpoint names.
         items = checkpoint_items(state_dict) if self.num_experts else iter(state_dict.items())
+        if self.session_pins is not None:  # the pinned KV was computed by the old weights (and a reset needs them free)
+            self.session_pins.release_all("weight_update")
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
         # KV computed by the old weights must not be reused by new requests; running ones re-prefill.
         self._llm.reset_prefix_cache(reset_running_requests=True)
@@ -477,6 +518,8 @@ class VLLMEngine(EngineState):
         if spec.default:
             self._default_adapter = spec.name
             self._version = version
+            if self.session_pins is not None:
+                self.session_pins.release_all("weight_update")
             self._llm.reset_prefix_cache()
 
     def loaded_adapters(self) -> dict[str, int]:
@@ -518,6 +561,8 @@ class VLLMEngine(EngineState):
 
     def _free_memory(self) -> bool:
         """sleep(): vLLM's sleep mode on GPU; its CPU worker ignores it, so on CPU nothing is freed."""
+        if self.session_pins is not None:
+            self.session_pins.release_all("sleep")
         if self.device == "cpu":
             return False
         self._llm.sleep(level=1)  # weights to host memory, KV cache freed

@@ -94,6 +94,19 @@ def measure_matmul(device: str = "cpu", dtype: torch.dtype = torch.float32, size
     return 2.0 * size**3 / best
 
 
+def _cpu_matmul_size(dtype: torch.dtype, target_s: float = 0.5, probe: int = 256) -> int:
+    """The size, up to CPU_MATMUL_SIZE, whose matmul takes about target_s here. A dtype this CPU only
+    emulates (bfloat16 without AVX512-BF16 or AMX) runs 50-100x slower than float32: a 2048 matmul then
+    takes tens of seconds, and a peak measurement minutes. Native dtypes keep CPU_MATMUL_SIZE."""
+    a = torch.randn(probe, probe).to(dtype)
+    torch.mm(a, a)  # warm-up
+    start = time.perf_counter()
+    torch.mm(a, a)
+    seconds = max(time.perf_counter() - start, 1e-9)
+    size = probe * (target_s / seconds) ** (1 / 3)  # matmul time grows with size cubed
+    return int(min(CPU_MATMUL_SIZE, max(probe, size)) // 64 * 64)
+
+
 def datasheet_peak(device_name: str, dtype: torch.dtype) -> float | None:
     key = str(dtype).removeprefix("torch.")
     for name, peaks in _DATASHEET:
@@ -119,7 +132,7 @@ def _cpu_peak(dtype: torch.dtype, remeasure: bool) -> Peak:
     before = torch.get_num_threads()
     torch.set_num_threads(cores)  # the machine's peak: every core at once
     try:
-        flops = measure_matmul("cpu", dtype, size=CPU_MATMUL_SIZE)
+        flops = measure_matmul("cpu", dtype, size=_cpu_matmul_size(dtype))
         peak = Peak(flops, "measured", name, str(dtype).removeprefix("torch."), cores)
     finally:
         torch.set_num_threads(before)
