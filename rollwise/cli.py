@@ -121,7 +121,7 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="loop, speculation: a config override as for `rollwise train` (repeatable), e.g. "
                        "--set train.pack_responses=false for the row before one change, --set engine.dtype=float32")
     bench.add_argument("--engine", default="both", choices=["both", "vllm", "reference"],
-                       help="speculation: the engines to run (both: vLLM, when installed, and the reference engine)")
+                       help="speculation, intercept: the engines to run (both: the reference engine and vLLM, when installed)")
     bench.add_argument("--lora", action="store_true",
                        help="mux: train.lora jobs on one base sharing one engine batch (2 jobs; full: also 4) "
                        "vs. dedicated engines (issue 22)")
@@ -388,9 +388,12 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         table = format_speculation_bench(result)
     elif args.name == "intercept":  # issue 21: session KV retention across tool calls
         from rollwise.bench.intercept import format_intercept_bench, run_intercept_bench
+        from rollwise.bench.speculation import speculation_engines
 
         with console.status("agentic sessions with tool calls under each retention policy (the same work)") as status:
-            result = run_intercept_bench(model, tokenizer, quick=args.quick, seed=args.seed,
+            kinds = tuple(dict.fromkeys(["reference", *speculation_engines(args.engine, args.model)]
+                                        if args.engine == "both" else speculation_engines(args.engine, args.model)))
+            result = run_intercept_bench(model, tokenizer, quick=args.quick, seed=args.seed, engines=kinds,
                                          progress=lambda msg: status.update(f"{msg} (4 policies, the same work)"))
         table = format_intercept_bench(result)
     elif args.name == "sync":

@@ -134,7 +134,9 @@ def test_push_from_shards_equals_the_single_process_push(tmp_path):
         assert update.manifest.aliases == ref_update.manifest.aliases  # tied embeddings sent once
         assert [b.tensors for b in update.manifest.buckets] == [b.tensors for b in ref_update.manifest.buckets]
         for name, tensor in ref_update.tensors().items():
-            torch.testing.assert_close(update.tensors()[name], tensor, rtol=1e-5, atol=1e-6)
+            # float noise of the reduction order, which Adam's normalisation can lift to ~1e-6 on a weight
+            # with a near-zero gradient; a lost or doubled update would move it by ~lr = 1e-3
+            torch.testing.assert_close(update.tensors()[name], tensor, rtol=1e-5, atol=1e-5)
         # Through the engine's checked commit, as a local run pushes it.
         engine = create_engine(EngineConfig(kind="reference"), tiny_llama(seed=3), tok, model_name="tiny",
                                tokenizer_fingerprint="fp")

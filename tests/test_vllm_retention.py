@@ -73,9 +73,10 @@ def _used_blocks(engine) -> int:
 
 def test_a_preserved_session_keeps_its_kv_through_memory_pressure(engine):
     first = _turn(engine, "p-t0", _prompt(1, 150))
-    d = engine.retain(RetentionRequest("p", "p-t0", "python", 5.0))
+    # A TTL (2 x 25 s) far beyond the flood below, also on a loaded machine (CI once took over 10 s for it).
+    d = engine.retain(RetentionRequest("p", "p-t0", "python", 25.0))
     context = len(first.prompt_ids) + len(first.token_ids)
-    assert d.action == "preserve" and d.tokens == (context - 1) // BLOCK * BLOCK and d.ttl_s == 10.0
+    assert d.action == "preserve" and d.tokens == (context - 1) // BLOCK * BLOCK and d.ttl_s == 50.0
     assert _used_blocks(engine) == d.tokens // BLOCK  # the pin holds exactly the turn's full blocks
     _flood(engine, "flood-p")
     nxt = first.prompt_ids + first.token_ids + _prompt(2, 20)
@@ -90,13 +91,13 @@ def test_discard_loses_the_kv_under_pressure_and_recomputes_it_exactly(engine):
     first = _turn(engine, "d-t0", _prompt(3, 150))
     nxt = first.prompt_ids + first.token_ids + _prompt(4, 20)
     engine.session_pins.policy = "always_preserve"
-    assert engine.retain(RetentionRequest("d", "d-t0", "python", 5.0)).action == "preserve"
+    assert engine.retain(RetentionRequest("d", "d-t0", "python", 25.0)).action == "preserve"
     kept = _turn(engine, "d-t1", nxt, seed=11)  # resumed from the pin
     assert kept.cached_prompt_tokens > 0
     for policy in ("prefix_cache_only", "always_discard"):
         engine.session_pins.policy = policy
         again = _turn(engine, f"d-{policy}-t0", first.prompt_ids, seed=7)
-        d = engine.retain(RetentionRequest(f"d-{policy}", again.request_id, "python", 5.0))
+        d = engine.retain(RetentionRequest(f"d-{policy}", again.request_id, "python", 25.0))
         assert d.action == "discard" and d.tokens > 0
         if policy == "prefix_cache_only":
             _flood(engine, f"flood-{policy}")  # the LRU evicts the unpinned context

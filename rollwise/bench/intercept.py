@@ -1,5 +1,6 @@
 """`rollwise bench intercept`: agentic rollouts that stop at tool calls, on a reference engine whose KV
-slots are under pressure, under each session-retention policy (issue 21, InferCept).
+slots are under pressure, under each session-retention policy (issue 21, InferCept); with `--engine vllm`
+(or both) also on vLLM, whose KV cache is cut to the same memory in blocks.
 
 Workload (the same in every arm, seeded): `sessions` episodes, `concurrency` of them in flight on one
 engine with fewer KV slots than sessions. Each episode has `turns` engine turns; between two turns a
@@ -19,6 +20,11 @@ and the held KV admission took for waiting requests (demoted to the swap tier, o
 Goals (issue 21): min_waste >= 1.5x the episodes/s of always_discard and >= 1.2x prefix_cache_only;
 recomputed <= 10% of prompt tokens. `rollwise sim intercept --from-bench JSON` replays the workload
 with the costs measured here (simulation_inputs) and compares medians.
+
+On vLLM (rollwise.engine.vllm_retention) there is no swap tier and the prefix cache is always on, over every
+free block, so prefix_cache_only runs with the same memory as the others; always_discard evicts the turn's
+blocks. Recomputed tokens are counted from the client: each resumed turn's previous context (prompt + output,
+less the last token, whose KV is never computed) minus the prompt tokens vLLM served from its cache.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from rich.console import Group
 from rich.table import Table
 from torch import nn
 
@@ -95,14 +102,24 @@ class _Tools:
         self.sandbox.close()
 
 
-def _engine(model: nn.Module, tokenizer: Any, work: Workload, policy: str) -> ReferenceEngine:
+VLLM_BLOCK = 32  # the vLLM backend's KV block on CPU
+
+
+def _engine(model: nn.Module, tokenizer: Any, work: Workload, policy: str, kind: str = "reference") -> Any:
     """The same KV memory in every arm: prefix_cache_only's cache (held outside the slots) is paid for with
-    the slots the other arms may pin, so its engine runs that many fewer slots."""
+    the slots the other arms may pin, so its engine runs that many fewer slots. On vLLM the KV cache is the
+    slots' tokens in blocks (+ vLLM's null block), its prefix cache always on over the free ones."""
     capacity = work.slots * work.max_model_len
     pin_slots = work.slots // 2
     limits = RetentionLimits(pin_budget_tokens=pin_slots * work.max_model_len,
                              swap_budget_tokens=capacity * 4 if policy == "min_waste" else 0,
                              swap_bytes_per_s=8e9, ttl_max_s=60.0)
+    if kind == "vllm":
+        from rollwise.engine.vllm_backend import VLLMEngine
+
+        return VLLMEngine(model, tokenizer, max_num_seqs=work.slots, max_model_len=work.max_model_len, seed=0,
+                          kv_cache_gib=1, kv_cache_blocks=capacity // VLLM_BLOCK + 1,
+                          retention=replace(limits, swap_budget_tokens=0), retention_policy=policy)  # type: ignore[arg-type]
     cache_only = policy == "prefix_cache_only"
     return ReferenceEngine(model, max_num_seqs=work.slots - (pin_slots if cache_only else 0),
                            max_model_len=work.max_model_len,
@@ -119,11 +136,14 @@ def _episode(generator: LocalGenerator, tools: _Tools, latencies: ToolLatencies,
     prompt = [rng.randrange(low, vocab) for _ in range(work.prompt_tokens)]
     session = f"s{index}"
     params = SamplingParams(max_tokens=work.output_tokens, temperature=1.0, ignore_eos=True)
+    computed = 0  # context tokens whose KV the engine computed for the previous turn
     for turn in range(work.turns):
         started = time.monotonic()
         completion = generator.generate(prompt, SamplingParams(**{**params.__dict__, "seed": seed + 100 * index + turn}),
                                         session_id=session)
         out["turn_s"].append(time.monotonic() - started)
+        out["recomputed"].append(max(0, computed - completion.cached_prompt_tokens))
+        computed = len(prompt) + len(completion.token_ids) - 1
         if turn == work.turns - 1:
             break
         tool = ("calculator", "python", "slow")[(turn + index) % 3]
@@ -141,13 +161,13 @@ def _episode(generator: LocalGenerator, tools: _Tools, latencies: ToolLatencies,
 
 
 def run_arm(model: nn.Module, tokenizer: Any, work: Workload, policy: str, seed: int,
-            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    engine = _engine(model, tokenizer, work, policy)
+            progress: Callable[[str], None] | None = None, kind: str = "reference") -> dict[str, Any]:
+    engine = _engine(model, tokenizer, work, policy, kind)
     generator = LocalGenerator(engine)
     tools = _Tools(work, seed)
     latencies = ToolLatencies(default_s=work.slow_tool_median_s)
-    out: dict[str, list] = {"turn_s": [], "actions": [], "pins": [], "tool_s": [], "no_kv": [],
-                            "vocab": [engine.model.config.vocab_size]}
+    out: dict[str, list] = {"turn_s": [], "actions": [], "pins": [], "tool_s": [], "no_kv": [], "recomputed": [],
+                            "vocab": [model.config.vocab_size]}
     semaphore = threading.Semaphore(work.concurrency)
     errors: list[BaseException] = []
     done = [0]
@@ -176,20 +196,27 @@ def run_arm(model: nn.Module, tokenizer: Any, work: Workload, policy: str, seed:
     stats = engine.stats
     steps_s = generator.worker.step_seconds
     held = engine.retention_stats()
-    recompute_s_per_token = engine.recompute_cost.s_per_token
+    if kind == "vllm":  # counted by the client (see the module docstring); vLLM has no swap tier
+        recomputed, swap_s_per_token = sum(out["recomputed"]), 0.0
+        recompute_s_per_token = engine.session_pins.recompute_cost.s_per_token
+        engine.close()
+    else:
+        recomputed, swap_s_per_token = stats["recomputed_prompt_tokens"], engine.kv_tiers.swap_cost.s_per_token
+        recompute_s_per_token = engine.recompute_cost.s_per_token
     prefilled = stats["prompt_tokens"] - stats["cached_prompt_tokens"]
     # Waste estimate (token-s): slots pinned while tools ran, and recomputation stalling the running batch
     # (half the slots busy on average, an assumption stated in the docs).
     pinned_waste = sum(1 for _ in out["pins"]) * statistics.fmean(out["tool_s"] or [0.0]) * work.max_model_len
-    recompute_waste = stats["recomputed_prompt_tokens"] * recompute_s_per_token * (work.slots / 2) * work.max_model_len
+    recompute_waste = recomputed * recompute_s_per_token * (work.slots / 2) * work.max_model_len
     return {
         "policy": policy,
+        "engine": kind,
         "episodes": work.sessions,
         "wall_s": wall,
         "episodes_per_s": work.sessions / wall,
         "prompt_tokens": stats["prompt_tokens"],
-        "recomputed_tokens": stats["recomputed_prompt_tokens"],
-        "recomputed_fraction": stats["recomputed_prompt_tokens"] / max(1, stats["prompt_tokens"]),
+        "recomputed_tokens": recomputed,
+        "recomputed_fraction": recomputed / max(1, stats["prompt_tokens"]),
         "waste_token_s": pinned_waste + recompute_waste,
         "turn_latency_p50_s": _quantile(out["turn_s"], 0.5),
         "turn_latency_p99_s": _quantile(out["turn_s"], 0.99),
@@ -203,7 +230,7 @@ def run_arm(model: nn.Module, tokenizer: Any, work: Workload, policy: str, seed:
         # decode time per step: the engine's busy time less its prefills (at the measured rate per token)
         "measured": {"prefill_s_per_token": recompute_s_per_token,
                      "decode_s_per_step": max(0.0, steps_s - prefilled * recompute_s_per_token) / max(1, stats["steps"]),
-                     "swap_s_per_token": engine.kv_tiers.swap_cost.s_per_token,
+                     "swap_s_per_token": swap_s_per_token,
                      "tool_s_median": statistics.median(out["tool_s"]) if out["tool_s"] else 0.0},
     }
 
@@ -214,9 +241,19 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def run_intercept_bench(model: nn.Module, tokenizer: Any, *, quick: bool = False, seed: int = 0,
-                        work: Workload | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                        work: Workload | None = None, progress: Callable[[str], None] | None = None,
+                        engines: tuple[str, ...] = ("reference",)) -> dict[str, Any]:
+    """Every policy on the same work, per engine kind. The reference engine's result is the top level (what
+    `rollwise sim intercept --from-bench` replays); vLLM's, when run, is under "vllm"."""
     work = work or (QUICK if quick else FULL)
-    arms = [run_arm(model, tokenizer, work, policy, seed, progress) for policy in POLICIES]
+    results = {kind: _engine_arms(model, tokenizer, work, seed, progress, kind) for kind in engines}
+    first = results.pop("reference", None) or results.pop(engines[0])
+    return {**first, **results}
+
+
+def _engine_arms(model: nn.Module, tokenizer: Any, work: Workload, seed: int,
+                 progress: Callable[[str], None] | None, kind: str) -> dict[str, Any]:
+    arms = [run_arm(model, tokenizer, work, policy, seed, progress, kind) for policy in POLICIES]
     by = {a["policy"]: a for a in arms}
     best = by["min_waste"]
     goals = {
@@ -224,8 +261,10 @@ def run_intercept_bench(model: nn.Module, tokenizer: Any, *, quick: bool = False
         "vs_prefix_cache_only": best["episodes_per_s"] / by["prefix_cache_only"]["episodes_per_s"],
         "recomputed_fraction": best["recomputed_fraction"],
     }
-    return {"workload": work.__dict__, "policies": arms, "goals": goals,
-            "simulation_inputs": simulation_inputs(work, arms)}
+    out = {"engine": kind, "workload": work.__dict__, "policies": arms, "goals": goals}
+    if kind == "reference":  # the simulator models the reference engine's slots and swap tier
+        out["simulation_inputs"] = simulation_inputs(work, arms)
+    return out
 
 
 def simulation_inputs(work: Workload, arms: list[dict[str, Any]]) -> dict[str, Any]:
@@ -252,8 +291,14 @@ def simulation_inputs(work: Workload, arms: list[dict[str, Any]]) -> dict[str, A
     }
 
 
-def format_intercept_bench(result: dict[str, Any]) -> Table:
-    table = Table(title="rollwise bench intercept: session KV retention across tool calls (reference engine)")
+def format_intercept_bench(result: dict[str, Any]) -> Group:
+    """One table per engine run."""
+    return Group(*(_table(r) for r in (result, result.get("vllm")) if r is not None))
+
+
+def _table(result: dict[str, Any]) -> Table:
+    kind = result.get("engine", "reference")
+    table = Table(title=f"rollwise bench intercept: session KV retention across tool calls ({kind} engine)")
     for col in ("policy", "episodes/s", "recomputed", "waste (token-s)", "turn p50 s", "turn p99 s", "actions",
                 "taken by admission"):
         table.add_column(col, justify="right")
