@@ -59,12 +59,20 @@ def _turn(engine, rid: str, prompt: list[int], seed: int = 7, max_tokens: int = 
 
 
 def _flood(engine, tag: str) -> None:
-    """Other requests that need (nearly) the whole KV cache, twice: every unpinned cached block is evicted."""
+    """Other requests that need (nearly) the whole KV cache, twice: every unpinned cached block is evicted.
+    Two samples each, so none is parked for a retain() (only single-sample turns are)."""
     for r in range(2):
         reqs = [GenerationRequest(f"{tag}-{r}-{i}", _prompt(1000 + 10 * r + i, 300),
-                                  SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True))
+                                  SamplingParams(max_tokens=40, temperature=1.0, seed=i, n=2, ignore_eos=True))
                 for i in range(4)]
         assert all(c.finish_reason == "length" for c in engine.generate(reqs))
+
+
+def _end_parking(engine) -> None:
+    """A finished turn stays parked (its blocks pinned) for park_grace_s awaiting a retain(); let it lapse."""
+    time.sleep(engine.session_pins.limits.park_grace_s + 0.05)
+    engine.step()
+    assert engine.session_pins.held_tokens() == engine.session_pins.pinned_tokens()
 
 
 def _used_blocks(engine) -> int:
@@ -73,6 +81,9 @@ def _used_blocks(engine) -> int:
 
 def test_a_preserved_session_keeps_its_kv_through_memory_pressure(engine):
     first = _turn(engine, "p-t0", _prompt(1, 150))
+    context = len(first.prompt_ids) + len(first.token_ids)
+    # parked until its retain(): allocations in the meantime cannot evict it
+    assert engine.session_pins.held_tokens() == (context - 1) // BLOCK * BLOCK
     # A TTL (2 x 25 s) far beyond the flood below, also on a loaded machine (CI once took over 10 s for it).
     d = engine.retain(RetentionRequest("p", "p-t0", "python", 25.0))
     context = len(first.prompt_ids) + len(first.token_ids)
@@ -85,6 +96,8 @@ def test_a_preserved_session_keeps_its_kv_through_memory_pressure(engine):
     stats = engine.retention_stats()
     assert stats["released_resumed"] == 1 and stats["pinned_sessions"] == 0
     assert stats["recomputed_context_tokens"] == context - d.tokens  # only the last, partial block
+    _end_parking(engine)
+    assert _used_blocks(engine) == 0  # every reference the pins and parks took was given back
 
 
 def test_discard_loses_the_kv_under_pressure_and_recomputes_it_exactly(engine):
@@ -94,6 +107,7 @@ def test_discard_loses_the_kv_under_pressure_and_recomputes_it_exactly(engine):
     assert engine.retain(RetentionRequest("d", "d-t0", "python", 25.0)).action == "preserve"
     kept = _turn(engine, "d-t1", nxt, seed=11)  # resumed from the pin
     assert kept.cached_prompt_tokens > 0
+    _end_parking(engine)  # no retain() for that turn: the episode ended
     for policy in ("prefix_cache_only", "always_discard"):
         engine.session_pins.policy = policy
         again = _turn(engine, f"d-{policy}-t0", first.prompt_ids, seed=7)
@@ -105,6 +119,7 @@ def test_discard_loses_the_kv_under_pressure_and_recomputes_it_exactly(engine):
         assert redone.cached_prompt_tokens == 0  # recomputed, and to the same tokens and log-probs
         assert redone.token_ids == kept.token_ids
         assert max(abs(a - b) for a, b in zip(redone.logprobs, kept.logprobs)) < 1e-4
+        _end_parking(engine)
 
 
 def test_a_ttl_expiry_releases_the_memory(engine):

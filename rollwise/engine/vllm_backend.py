@@ -390,7 +390,7 @@ class VLLMEngine(EngineState):
 
     def step(self) -> list[Completion]:
         if self.paused or self.sleeping or not self._samples:
-            if self.session_pins is not None and self.session_pins.pins:
+            if self.session_pins is not None and self.session_pins.held_tokens():
                 self.session_pins.expire()  # an idle engine's pins still end on their TTL
             return []  # paused: in-flight requests keep their KV and tokens inside vLLM until resume()
         if self._omp_threads is not None and torch.get_num_threads() != self._omp_threads:

@@ -8,7 +8,10 @@ blocks looked up the way admission does (`find_longest_cache_hit`) and `touch`ed
 the free queue, so no allocation can evict them. The next turn's admission finds them as a prefix-cache hit
 and takes its own reference; the pin is then released (`free_blocks`, back at the LRU end, still cached).
 A preserved session therefore recomputes only its last, partial block (< block_size tokens) and its new
-tokens. Discard under `always_discard` removes the turn's idle blocks from the prefix cache
+tokens. The retain() call comes from the agent after the turn's completion reached it, and under memory
+pressure the very next step's allocations would evict the turn's blocks (tail first) before then, so a
+finished single-sample turn is parked: pinned at once, within the pin budget, for park_grace_s, until its
+retain() decides (a later retain() finds what is still cached). Discard under `always_discard` removes the turn's idle blocks from the prefix cache
 (`evict_blocks`); under the other policies discard leaves them to the LRU (that is vLLM's prefix cache).
 Swap is not offered: vLLM's KV offloading connectors copy with CUDA streams and do not run on the CPU build,
 so every decision is preserve or discard (`swap_free_tokens` 0 for the shared policy).
@@ -50,8 +53,12 @@ class Pin:
 
 @dataclass
 class _Turn:
+    """A finished single-sample turn, awaiting its retain(): parked (its blocks touched) until parked_until."""
+
     tokens: list[int]
     lora: Any
+    blocks: list[Any] = field(default_factory=list)
+    parked_until: float = 0.0
 
 
 @dataclass
@@ -69,7 +76,7 @@ class VllmSessionPins:
     pins: dict[str, Pin] = field(default_factory=dict)  # session id -> pin
     counts: dict[str, int] = field(default_factory=lambda: {
         "preserve": 0, "discard": 0, "released_resumed": 0, "released_ttl": 0, "released_session_end": 0,
-        "released_abort": 0, "released_weight_update": 0, "released_evicted": 0, "released_sleep": 0,
+        "released_abort": 0, "released_weight_update": 0, "released_evicted": 0, "released_sleep": 0, "parked_dropped": 0,
         "resumed_context_tokens": 0, "recomputed_context_tokens": 0})
     _turns: OrderedDict[str, _Turn] = field(default_factory=OrderedDict)
     _resuming: dict[str, Pin] = field(default_factory=dict)  # vLLM request id of a next turn -> its pin
@@ -95,6 +102,10 @@ class VllmSessionPins:
     def pinned_tokens(self) -> int:
         return sum(len(p.blocks) for p in self.pins.values()) * self.block_size
 
+    def held_tokens(self) -> int:
+        """Pins and parked turns: what the pin budget bounds."""
+        return self.pinned_tokens() + sum(len(t.blocks) for t in self._turns.values()) * self.block_size
+
     def _cached_blocks(self, tokens: list[int], lora: Any) -> list[Any]:
         """The turn's full blocks still in the prefix cache, found as admission would find them."""
         from vllm import SamplingParams
@@ -115,10 +126,17 @@ class VllmSessionPins:
     def turn_finished(self, vid: str, request_id: str, tokens: list[int], lora: Any, cached_prompt_tokens: int) -> None:
         """A single-sample turn finished: remember its tokens for retain(); if it resumed a pinned session,
         count how much of the pinned context it recomputed."""
-        self._turns[request_id] = _Turn(tokens, lora)
-        self._turns.move_to_end(request_id)
+        old = self._turns.pop(request_id, None)
+        if old is not None:
+            self._unpark(old)
+        turn = _Turn(tokens, lora)
+        blocks = self._cached_blocks(tokens, lora) if self.limits.park_grace_s > 0 else []
+        if blocks and self.held_tokens() + len(blocks) * self.block_size <= self.limits.pin_budget_tokens:
+            self._pool.touch(blocks)
+            turn.blocks, turn.parked_until = blocks, self.clock() + self.limits.park_grace_s
+        self._turns[request_id] = turn
         while len(self._turns) > RECENT_TURNS:
-            self._turns.popitem(last=False)
+            self._unpark(self._turns.popitem(last=False)[1])
         pin = self._resuming.pop(vid, None)
         if pin is not None:
             context = len(pin.tokens)
@@ -143,11 +161,14 @@ class VllmSessionPins:
         now = self.clock()
         for pin in [p for p in self.pins.values() if p.expires_at <= now and p.resumed_by is None]:
             self._release(pin, "ttl")
+        for turn in self._turns.values():
+            if turn.blocks and turn.parked_until <= now:
+                self._unpark(turn)  # back to the LRU: a later retain() finds what is still cached
 
     def before_step(self) -> None:
         """Expire TTLs and give blocks back to waiting requests by reclaim()."""
         self.expire()
-        if self.pins:
+        if self.held_tokens():
             self._reclaim(self.clock())
 
     def after_step(self, seconds: float, scheduled_prompt_tokens: int, running: int) -> None:
@@ -175,17 +196,21 @@ class VllmSessionPins:
         old = self.pins.get(req.session_id)
         if old is not None:  # an older turn of the same session: superseded
             self._release(old, "session_end")
-        blocks = self._cached_blocks(turn.tokens, turn.lora)
-        latency = req.expected_latency_s if req.expected_latency_s is not None else self.latencies.expected(req.tool_name)
-        choice = choose(self.policy, self._snapshot(len(turn.tokens), len(blocks) * self.block_size), latency,
-                        self._costs())
+        parked = bool(turn.blocks)
+        blocks = turn.blocks if parked else self._cached_blocks(turn.tokens, turn.lora)
         tokens = len(blocks) * self.block_size
+        latency = req.expected_latency_s if req.expected_latency_s is not None else self.latencies.expected(req.tool_name)
+        # the budget left besides this turn's own parked blocks
+        room = self.limits.pin_budget_tokens - self.held_tokens() + (tokens if parked else 0)
+        choice = choose(self.policy, self._snapshot(len(turn.tokens), tokens, room), latency, self._costs())
         if choice.action != "preserve":
+            self._unpark(turn)
             if self.policy == "always_discard":  # no prefix cache either: the next turn recomputes it all
                 self._pool.evict_blocks({b.block_id for b in blocks if b.ref_cnt == 0})
             self.counts["discard"] += 1
             return RetentionDecision(req.session_id, "discard", tokens, 0.0, choice.reason)
-        self._pool.touch(blocks)
+        if not parked:
+            self._pool.touch(blocks)
         ttl = self.limits.ttl(latency)
         now = self.clock()
         self.pins[req.session_id] = Pin(req.session_id, req.request_id, turn.tokens, blocks, now + ttl, now,
@@ -205,15 +230,24 @@ class VllmSessionPins:
         for pin in list(self.pins.values()):
             if request_id is None or pin.request_id == request_id:
                 self._release(pin, reason)
-        if request_id is None:
-            self._turns.clear()  # their KV is stale (weights) or gone (sleep)
+        if request_id is None:  # their KV is stale (weights) or gone (sleep)
+            for turn in self._turns.values():
+                self._unpark(turn)
+            self._turns.clear()
         else:
-            self._turns.pop(request_id, None)
+            turn = self._turns.pop(request_id, None)
+            if turn is not None:
+                self._unpark(turn)
 
     def stats(self) -> dict[str, int]:
         return {"pinned_sessions": len(self.pins), "pinned_tokens": self.pinned_tokens(), **self.counts}
 
     # ------------------------------------------------------------ internals
+
+    def _unpark(self, turn: _Turn) -> None:
+        if turn.blocks:
+            self._pool.free_blocks(reversed(turn.blocks))
+            turn.blocks = []
 
     def _release(self, pin: Pin, reason: ReleaseReason) -> None:
         if self.pins.get(pin.session_id) is pin:
@@ -226,16 +260,16 @@ class VllmSessionPins:
     def _costs(self) -> RetentionCosts:
         return RetentionCosts(self.recompute_cost.s_per_token, swap_s_per_token=float("inf"))
 
-    def _snapshot(self, context_tokens: int, pin_cost_tokens: int) -> EngineSnapshot:
+    def _snapshot(self, context_tokens: int, pin_cost_tokens: int, pin_room_tokens: int) -> EngineSnapshot:
         sched, bs = self._scheduler, self.block_size
         free = self._pool.get_num_free_blocks() * bs
         running = sum(r.num_computed_tokens for r in sched.running)
         return EngineSnapshot(
             context_tokens=context_tokens, pin_cost_tokens=pin_cost_tokens, running_tokens=running,
-            # this turn's blocks are free (cached) until pinned: count them as in use, as preserving would
+            # this turn's blocks count as in use, as preserving them would (parked, they are already)
             used_tokens=min(self.capacity_tokens, self.capacity_tokens - free + pin_cost_tokens),
             capacity_tokens=self.capacity_tokens, waiting=len(sched.waiting),
-            pin_free_tokens=max(0, self.limits.pin_budget_tokens - self.pinned_tokens()),
+            pin_free_tokens=max(0, pin_room_tokens),
             swap_free_tokens=0, prefix_cached=True,
         )
 
@@ -269,3 +303,11 @@ class VllmSessionPins:
                 break
             short -= len(pin.blocks)
             self._release(pin, "evicted")
+        if short > 0 and not sched.running:  # parked turns are protected for their retain(), but never idle the engine
+            for turn in self._turns.values():
+                if short <= 0:
+                    break
+                short -= len(turn.blocks)
+                if turn.blocks:
+                    self.counts["parked_dropped"] += 1
+                self._unpark(turn)
