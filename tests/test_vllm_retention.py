@@ -176,3 +176,24 @@ def test_pins_end_with_the_session_abort_and_a_weight_update(engine, model):
     late = engine.retain(RetentionRequest("e4", "e4-t0", "python", 30.0))  # its KV went with the old weights
     assert late.action == "discard" and late.tokens == 0
     engine.update_weights(model.state_dict(), 0)
+
+
+def test_a_resumed_session_waiting_for_a_seat_keeps_its_pin(engine):
+    first = _turn(engine, "w-t0", _prompt(70, 150))
+    d = engine.retain(RetentionRequest("w", "w-t0", "python", 25.0))
+    assert d.action == "preserve"
+    busy = [GenerationRequest(f"busy-{i}", _prompt(80 + i, 40), SamplingParams(max_tokens=60, seed=i, n=1, ignore_eos=True))
+            for i in range(4)]  # every one of the 4 seats taken
+    for r in busy:
+        engine.add_request(r)
+    engine.step()
+    nxt = first.prompt_ids + first.token_ids + _prompt(71, 20)
+    engine.add_request(GenerationRequest("w-t1", nxt, SamplingParams(max_tokens=8, seed=7, ignore_eos=True)))
+    done = []
+    for _ in range(5):  # the next turn waits for a seat: its pin must hold (vLLM renames requests internally)
+        done += engine.step()
+        assert engine.session_pins.pins["w"].blocks, "the pin was released while its next turn still waited"
+    while engine.has_unfinished():
+        done += engine.step()
+    resumed = next(c for c in done if c.request_id == "w-t1")
+    assert resumed.cached_prompt_tokens == d.tokens

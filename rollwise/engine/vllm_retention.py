@@ -174,11 +174,16 @@ class VllmSessionPins:
     def after_step(self, seconds: float, scheduled_prompt_tokens: int, running: int) -> None:
         """Release pins whose next turn vLLM admitted (it holds its own reference on the blocks now), and
         measure: a step that computed many prompt tokens prices recomputation, a decode-only step a step."""
-        requests = self._scheduler.requests
-        for vid, pin in list(self._resuming.items()):
-            req = requests.get(vid)
-            if pin.blocks and (req is None or req.num_computed_tokens > 0):
-                self._release(pin, "resumed")
+        from vllm.v1.request import RequestStatus
+
+        if self._resuming:
+            # vLLM's input processor makes each request id unique as f"{our id}-{8 random hex}"
+            requests = {rid.rsplit("-", 1)[0]: r for rid, r in self._scheduler.requests.items()}
+            for vid, pin in list(self._resuming.items()):
+                req = requests.get(vid)
+                # Running: it holds its own references on the blocks now (waiting, it holds none).
+                if pin.blocks and (req is None or req.status == RequestStatus.RUNNING):
+                    self._release(pin, "resumed")
         if scheduled_prompt_tokens > 4 * max(1, running):
             self.recompute_cost.observe(scheduled_prompt_tokens, seconds)
         elif scheduled_prompt_tokens == 0 and running > 0:
