@@ -25,7 +25,7 @@ released by reclaim(), least waste first, all of them when nothing runs; TTLs, a
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -35,6 +35,10 @@ from rollwise.engine.retention_policy import (
 )
 
 RECENT_TURNS = 256  # finished single-sample turns remembered for a retain() that follows (it comes within ms)
+# The policy's view of memory pressure: the peak over the last steps, not the instant of retain(), which on
+# vLLM comes just after the turn's own blocks went back to the pool (and reads low: the first vLLM bench
+# discarded 12 of 16 turns on that reading, then the LRU evicted them). ~2-3 s of steps on this CPU.
+PRESSURE_WINDOW_STEPS = 32
 
 
 @dataclass
@@ -80,6 +84,8 @@ class VllmSessionPins:
         "resumed_context_tokens": 0, "recomputed_context_tokens": 0})
     _turns: OrderedDict[str, _Turn] = field(default_factory=OrderedDict)
     _resuming: dict[str, Pin] = field(default_factory=dict)  # vLLM request id of a next turn -> its pin
+    # (blocks in use, requests waiting) after each of the last steps
+    _recent: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=PRESSURE_WINDOW_STEPS))
 
     # ------------------------------------------------------------ vLLM's parts
 
@@ -188,6 +194,8 @@ class VllmSessionPins:
             self.recompute_cost.observe(scheduled_prompt_tokens, seconds)
         elif scheduled_prompt_tokens == 0 and running > 0:
             self.decode_step_cost.observe(1, seconds)
+        self._recent.append((self._pool.num_gpu_blocks - 1 - self._pool.get_num_free_blocks(),
+                             len(self._scheduler.waiting)))
 
     # ------------------------------------------------------------ the contract
 
@@ -207,7 +215,8 @@ class VllmSessionPins:
         latency = req.expected_latency_s if req.expected_latency_s is not None else self.latencies.expected(req.tool_name)
         # the budget left besides this turn's own parked blocks
         room = self.limits.pin_budget_tokens - self.held_tokens() + (tokens if parked else 0)
-        choice = choose(self.policy, self._snapshot(len(turn.tokens), tokens, room), latency, self._costs())
+        choice = choose(self.policy, self._snapshot(len(turn.tokens), 0 if parked else tokens, tokens, room), latency,
+                        self._costs())
         if choice.action != "preserve":
             self._unpark(turn)
             if self.policy == "always_discard":  # no prefix cache either: the next turn recomputes it all
@@ -265,15 +274,18 @@ class VllmSessionPins:
     def _costs(self) -> RetentionCosts:
         return RetentionCosts(self.recompute_cost.s_per_token, swap_s_per_token=float("inf"))
 
-    def _snapshot(self, context_tokens: int, pin_cost_tokens: int, pin_room_tokens: int) -> EngineSnapshot:
+    def _snapshot(self, context_tokens: int, unheld_tokens: int, pin_cost_tokens: int,
+                  pin_room_tokens: int) -> EngineSnapshot:
+        """unheld_tokens: this turn's blocks that are free (cached) now; preserving would hold them."""
         sched, bs = self._scheduler, self.block_size
-        free = self._pool.get_num_free_blocks() * bs
+        used_now = self._pool.num_gpu_blocks - 1 - self._pool.get_num_free_blocks()
+        peak_used = max([used_now, *(u for u, _ in self._recent)])
+        waiting = max([len(sched.waiting), *(w for _, w in self._recent)])
         running = sum(r.num_computed_tokens for r in sched.running)
         return EngineSnapshot(
             context_tokens=context_tokens, pin_cost_tokens=pin_cost_tokens, running_tokens=running,
-            # this turn's blocks count as in use, as preserving them would (parked, they are already)
-            used_tokens=min(self.capacity_tokens, self.capacity_tokens - free + pin_cost_tokens),
-            capacity_tokens=self.capacity_tokens, waiting=len(sched.waiting),
+            used_tokens=min(self.capacity_tokens, peak_used * bs + unheld_tokens),
+            capacity_tokens=self.capacity_tokens, waiting=waiting,
             pin_free_tokens=max(0, pin_room_tokens),
             swap_free_tokens=0, prefix_cached=True,
         )
