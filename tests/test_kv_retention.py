@@ -188,51 +188,34 @@ def test_tool_latency_is_learned_per_tool():
 
 def test_http_retain_keeps_the_session_between_turns():
     """The real engine server on loopback, driven by the agent's HTTPGenerator (POST /generate, /retain)."""
-    import contextlib
-    import socket
-    import threading
-    import time
-
     import httpx
-    import uvicorn
 
     from rollwise.agent.generator import HTTPGenerator
     from rollwise.engine.server import build_engine, create_app
+    from rollwise.local_server import serve_in_thread
 
     engine, tokenizer = build_engine("tiny:0", max_num_seqs=4, max_model_len=SLOT, seed=0, prefix_cache_tokens=0,
                                      retention="always_preserve")
-    app = create_app(engine, tokenizer, "tiny:0")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    generator = HTTPGenerator(url, timeout=30)
-    try:
-        params = SamplingParams(max_tokens=6, seed=0, ignore_eos=True)
-        first = generator.generate(list(range(5, 40)), params, session_id="s")
-        decision = generator.retain(RetentionRequest("s", first.request_id, "python", 2.0))
-        assert decision is not None and decision.action == "preserve"
-        assert decision.tokens == len(first.prompt_ids) + len(first.token_ids) - 1
-        second = generator.generate(first.prompt_ids + first.token_ids + [7, 7], params, session_id="s")
-        assert second.cached_prompt_tokens == decision.tokens
-        retained = generator.retain(RetentionRequest("s", second.request_id, "python", 2.0))
-        generator.release_session("s")
-        assert retained.action == "preserve" and engine.retention_stats()["released_session_end"] == 1
-        with httpx.Client(base_url=url, timeout=30) as http:
-            bad = http.post("/retain", json={"session_id": "s", "request_id": "r", "expected_latency_s": -1})
-            assert bad.status_code in (400, 422) and "expected_latency_s" in bad.text
-            unknown = http.post("/retain", json={"session_id": "s", "request_id": "nope"}).json()
-            assert unknown["action"] == "discard" and unknown["tokens"] == 0
-    finally:
-        generator.close()
-        server.should_exit = True
-        thread.join(timeout=15)
-        with contextlib.suppress(OSError):
-            sock.close()
+    with serve_in_thread(create_app(engine, tokenizer, "tiny:0")) as (url, _):
+        generator = HTTPGenerator(url, timeout=30)
+        try:
+            params = SamplingParams(max_tokens=6, seed=0, ignore_eos=True)
+            first = generator.generate(list(range(5, 40)), params, session_id="s")
+            decision = generator.retain(RetentionRequest("s", first.request_id, "python", 2.0))
+            assert decision is not None and decision.action == "preserve"
+            assert decision.tokens == len(first.prompt_ids) + len(first.token_ids) - 1
+            second = generator.generate(first.prompt_ids + first.token_ids + [7, 7], params, session_id="s")
+            assert second.cached_prompt_tokens == decision.tokens
+            retained = generator.retain(RetentionRequest("s", second.request_id, "python", 2.0))
+            generator.release_session("s")
+            assert retained.action == "preserve" and engine.retention_stats()["released_session_end"] == 1
+            with httpx.Client(base_url=url, timeout=30) as http:
+                bad = http.post("/retain", json={"session_id": "s", "request_id": "r", "expected_latency_s": -1})
+                assert bad.status_code in (400, 422) and "expected_latency_s" in bad.text
+                unknown = http.post("/retain", json={"session_id": "s", "request_id": "nope"}).json()
+                assert unknown["action"] == "discard" and unknown["tokens"] == 0
+        finally:
+            generator.close()
 
 
 def _fixed_costs(engine, recompute_s_per_token: float, decode_step_s: float = 1e-3) -> None:

@@ -110,27 +110,13 @@ def test_weight_update_empties_the_cache(model):
 
 
 def test_server_reports_hits_and_flushes():
-    import contextlib
-    import socket
-    import threading
-    import time
-
     import httpx
-    import uvicorn
 
     from rollwise.engine.server import build_engine, create_app
+    from rollwise.local_server import serve_in_thread
 
     engine, tokenizer = build_engine("tiny:0", max_num_seqs=4, max_model_len=128, seed=0, prefix_cache_tokens=2048)
-    app = create_app(engine, tokenizer, "tiny:0")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    try:
+    with serve_in_thread(create_app(engine, tokenizer, "tiny:0")) as (url, _):
         with httpx.Client(base_url=url, timeout=30) as http:
             body = {"prompt": "x" * 40, "max_tokens": 2, "seed": 0}
             first = http.post("/v1/completions", json=body).json()["choices"][0]
@@ -142,8 +128,3 @@ def test_server_reports_hits_and_flushes():
             assert http.post("/v1/completions", json=body).json()["choices"][0]["cached_prompt_tokens"] == 0
             health = http.get("/health").json()
             assert health["running"] == 0 and health["max_num_seqs"] == 4
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        with contextlib.suppress(OSError):
-            sock.close()

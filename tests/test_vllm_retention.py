@@ -204,36 +204,22 @@ def test_a_resumed_session_waiting_for_a_seat_keeps_its_pin(engine):
 def test_http_retain_on_vllm_keeps_the_session_between_turns(engine):
     """Last in the module: the engine server's shutdown closes the engine. POST /generate and /retain through
     the agent's HTTPGenerator, the turn named by the id /generate returned."""
-    import socket
-    import threading
-
-    import uvicorn
-
     from rollwise.agent.generator import HTTPGenerator
     from rollwise.engine.server import create_app
+    from rollwise.local_server import serve_in_thread
 
-    app = create_app(engine, tiny_tokenizer(), "tiny-vllm")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    generator = HTTPGenerator(f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=60)
-    try:
-        params = SamplingParams(max_tokens=6, seed=0, ignore_eos=True)
-        first = generator.generate(_prompt(90, 100), params, session_id="h")
-        decision = generator.retain(RetentionRequest("h", first.request_id, "python", 25.0))
-        assert decision is not None and decision.action == "preserve"
-        assert decision.tokens == (len(first.prompt_ids) + len(first.token_ids) - 1) // BLOCK * BLOCK
-        second = generator.generate(first.prompt_ids + first.token_ids + [7, 7], params, session_id="h")
-        assert second.cached_prompt_tokens == decision.tokens
-        assert generator.retain(RetentionRequest("h", second.request_id, "python", 25.0)).action == "preserve"
-        generator.release_session("h")
-        assert engine.retention_stats()["pinned_sessions"] == 0
-    finally:
-        generator.close()
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
+    with serve_in_thread(create_app(engine, tiny_tokenizer(), "tiny-vllm")) as (url, _):
+        generator = HTTPGenerator(url, timeout=60)
+        try:
+            params = SamplingParams(max_tokens=6, seed=0, ignore_eos=True)
+            first = generator.generate(_prompt(90, 100), params, session_id="h")
+            decision = generator.retain(RetentionRequest("h", first.request_id, "python", 25.0))
+            assert decision is not None and decision.action == "preserve"
+            assert decision.tokens == (len(first.prompt_ids) + len(first.token_ids) - 1) // BLOCK * BLOCK
+            second = generator.generate(first.prompt_ids + first.token_ids + [7, 7], params, session_id="h")
+            assert second.cached_prompt_tokens == decision.tokens
+            assert generator.retain(RetentionRequest("h", second.request_id, "python", 25.0)).action == "preserve"
+            generator.release_session("h")
+            assert engine.retention_stats()["pinned_sessions"] == 0
+        finally:
+            generator.close()
