@@ -201,6 +201,26 @@ def test_a_resumed_session_waiting_for_a_seat_keeps_its_pin(engine):
     assert resumed.cached_prompt_tokens == d.tokens
 
 
+def test_aborting_a_resumed_turn_that_waits_releases_its_pin(engine):
+    first = _turn(engine, "x-t0", _prompt(72, 150))
+    assert engine.retain(RetentionRequest("x", "x-t0", "python", 25.0)).action == "preserve"
+    for i in range(4):  # every seat taken: the next turn waits
+        engine.add_request(GenerationRequest(f"xbusy-{i}", _prompt(85 + i, 40),
+                                             SamplingParams(max_tokens=60, seed=i, ignore_eos=True)))
+    engine.step()
+    nxt = first.prompt_ids + first.token_ids + _prompt(73, 20)
+    engine.add_request(GenerationRequest("x-t1", nxt, SamplingParams(max_tokens=8, seed=7, ignore_eos=True)))
+    engine.step()
+    assert engine.session_pins.pins["x"].resumed_by is not None  # the session is back: no TTL, no reclaim
+    before = engine.retention_stats()["released_abort"]
+    assert [c.finish_reason for c in engine.abort("x-t1")] == ["abort"]
+    assert "x" not in engine.session_pins.pins and engine.retention_stats()["released_abort"] == before + 1
+    while engine.has_unfinished():
+        engine.step()
+    _end_parking(engine)
+    assert _used_blocks(engine) == 0
+
+
 def test_http_retain_on_vllm_keeps_the_session_between_turns(engine):
     """Last in the module: the engine server's shutdown closes the engine. POST /generate and /retain through
     the agent's HTTPGenerator, the turn named by the id /generate returned."""

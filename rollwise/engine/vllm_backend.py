@@ -366,6 +366,9 @@ class VLLMEngine(EngineState):
         if vids is None:
             return []
         self._llm.abort_request(vids)
+        if self.session_pins is not None:
+            for vid in vids:
+                self.session_pins.request_aborted(vid)
         aborted = [self._samples.pop(vid).completion("abort") for vid in vids if vid in self._samples]
         self.mark_timeline()
         return sorted(aborted, key=lambda c: c.index)
@@ -447,7 +450,9 @@ class VLLMEngine(EngineState):
         if spec is not None and self.spec_stats is not None:  # vLLM's verifications of this sample's drafts
             add_accept_histogram(self.spec_stats, spec.histogram, spec.num_draft_tokens)
         completion = sample.completion(reason if reason in ("stop", "length", "abort") else "stop", cached)
-        if self.session_pins is not None and sample.request.params.n == 1 and reason != "abort":
+        if self.session_pins is not None and reason == "abort":
+            self.session_pins.request_aborted(vid)
+        elif self.session_pins is not None and sample.request.params.n == 1:
             self.session_pins.turn_finished(vid, sample.request.request_id, completion.prompt_ids + completion.token_ids,
                                      self._lora_request(sample.request.adapter)[0] if self._adapters else None, cached)
         routed = getattr(out.outputs[0], "routed_experts", None) if out.outputs else None

@@ -161,6 +161,13 @@ class VllmSessionPins:
                 self.latencies.observe(pin.tool_name, self.clock() - pin.started_at)
                 return
 
+    def request_aborted(self, vid: str) -> None:
+        """A vLLM request ended by abort. If it was a session's next turn, the pin it would have resumed from
+        is released: nothing else would (a pin whose session is back neither expires nor is reclaimed)."""
+        pin = self._resuming.pop(vid, None)
+        if pin is not None:
+            self._release(pin, "abort")
+
     def expire(self) -> None:
         """Release pins past their TTL, except those whose session is back (its next turn keeps the pin until
         vLLM admits it: a TTL bounds a tool that does not return, not a queue)."""
@@ -248,6 +255,7 @@ class VllmSessionPins:
             for turn in self._turns.values():
                 self._unpark(turn)
             self._turns.clear()
+            self._resuming.clear()  # their pins are released: nothing left to resume from
         else:
             turn = self._turns.pop(request_id, None)
             if turn is not None:
