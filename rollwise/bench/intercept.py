@@ -102,9 +102,6 @@ class _Tools:
         self.sandbox.close()
 
 
-VLLM_BLOCK = 32  # the vLLM backend's KV block on CPU
-
-
 def _engine(model: nn.Module, tokenizer: Any, work: Workload, policy: str, kind: str = "reference") -> Any:
     """The same KV memory in every arm: prefix_cache_only's cache (held outside the slots) is paid for with
     the slots the other arms may pin, so its engine runs that many fewer slots. On vLLM the KV cache is the
@@ -115,10 +112,10 @@ def _engine(model: nn.Module, tokenizer: Any, work: Workload, policy: str, kind:
                              swap_budget_tokens=capacity * 4 if policy == "min_waste" else 0,
                              swap_bytes_per_s=8e9, ttl_max_s=60.0)
     if kind == "vllm":
-        from rollwise.engine.vllm_backend import VLLMEngine
+        from rollwise.engine.vllm_backend import CPU_BLOCK_SIZE, VLLMEngine
 
         return VLLMEngine(model, tokenizer, max_num_seqs=work.slots, max_model_len=work.max_model_len, seed=0,
-                          kv_cache_gib=1, kv_cache_blocks=capacity // VLLM_BLOCK + 1,
+                          kv_cache_gib=1, kv_cache_blocks=capacity // CPU_BLOCK_SIZE + 1,
                           retention=replace(limits, swap_budget_tokens=0), retention_policy=policy)  # type: ignore[arg-type]
     cache_only = policy == "prefix_cache_only"
     return ReferenceEngine(model, max_num_seqs=work.slots - (pin_slots if cache_only else 0),

