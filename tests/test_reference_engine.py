@@ -425,6 +425,19 @@ def test_timeline_records_running_counts(hf_model):
     assert engine.timeline == []
 
 
+def test_sequences_count_as_running_from_the_start_of_their_prefill(hf_model):
+    """The bubble ratio counts a slot busy while its sequence is prefilled, as the simulated engine does;
+    a sequence that ends at its first token was still busy for the whole prefill."""
+    from rollwise.observe.bubble import busy_integral
+
+    engine = ReferenceEngine(hf_model, max_num_seqs=4, max_model_len=64)
+    engine.add_request(_req("p", _prompt(30), max_tokens=1, ignore_eos=True, n=2))
+    assert len(engine.step()) == 2  # both finished at prefill
+    (start, running), *rest = engine.timeline
+    assert running == 2 and rest[-1][1] == 0
+    assert busy_integral(engine.timeline, start, rest[-1][0]) > 0
+
+
 
 def _sim_engine(_hf_model):
     from rollwise.sim.cost import CostModel

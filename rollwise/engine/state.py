@@ -98,9 +98,10 @@ class EngineState:
 
     # ---------------------------------------------------------------- timeline
 
-    def mark_timeline(self) -> None:
-        """Append (now, running sequences) to the timeline; 0 while paused."""
-        self.timeline.append((self._clock(), 0 if self._paused else self.num_running))
+    def mark_timeline(self, starting: int = 0) -> None:
+        """Append (now, running sequences) to the timeline; 0 while paused. `starting`: sequences that hold a
+        slot and are about to be prefilled, not yet counted in num_running (they are busy from now on)."""
+        self.timeline.append((self._clock(), 0 if self._paused else self.num_running + starting))
 
     def reset_timeline(self) -> None:
         self.timeline = []

@@ -277,6 +277,11 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, LoraServing, Engine
         self._expire_retained()  # after: a session already back is not made to recompute by its TTL
         for request, slots in self.scheduler.admit(self._reclaim):
             groups.setdefault((request.adapter, *request.prompt_ids), []).append((request, slots))
+        if groups:
+            # The admitted sequences are busy from here, through their prefill: counted from its start, as
+            # the simulated engine counts them from the op's start (they were counted idle through their
+            # own prefill before, which read as bubble).
+            self.mark_timeline(starting=sum(len(slots) for group in groups.values() for _, slots in group))
         for group in groups.values():
             finished += self._prefill(group)
         self.mark_timeline()
