@@ -597,3 +597,18 @@ def test_cli_help(capsys):
                  "prefix", "consistent_hash", "Idempotency-Key"):
         assert flag in out
     assert main(["serve", "router", "--replica", "ftp://x"]) == 2
+
+
+def test_router_bench_reads_p99_against_round_robin_pooled_and_by_round():
+    """The 1.5x goal is read both ways: over all requests, and on the median round (the reading the
+    comparison with vllm-router uses); they differ when one round is slow."""
+    from rollwise.bench.router import vs_round_robin
+
+    arms = {"round_robin": {"p99_latency_s": 1.2, "p99_latency_s_median_round": 1.5, "prefill_tokens": 300},
+            "prefix": {"p99_latency_s": 0.8, "p99_latency_s_median_round": 0.6, "prefill_tokens": 100},
+            "simulated": {"p99_latency_s": 0.4, "prefill_tokens": 150}}
+    vs_round_robin(arms)
+    assert arms["prefix"]["p99_vs_round_robin"] == pytest.approx(1.5)
+    assert arms["prefix"]["p99_vs_round_robin_median_round"] == pytest.approx(2.5)
+    assert arms["prefix"]["prefill_vs_round_robin"] == pytest.approx(3.0)
+    assert "p99_vs_round_robin_median_round" not in arms["simulated"]  # no rounds, no by-round reading
