@@ -380,19 +380,19 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
                                        engine_kind=resolve_engine_kind("auto", args.model))
         table = format_rollout_bench(result)
     elif args.name == "speculation":
-        from rollwise.bench.speculation import format_speculation_bench, run_speculation_bench, speculation_engines
+        from rollwise.bench.engines import bench_engine_kinds
+        from rollwise.bench.speculation import format_speculation_bench, run_speculation_bench
 
         with console.status("rollouts with and without speculation from rollout history (the same work)"):
             result = run_speculation_bench(model, tokenizer, quick=args.quick, seed=args.seed,
-                                           engines=speculation_engines(args.engine, args.model), overrides=args.set)
+                                           engines=bench_engine_kinds(args.engine, args.model), overrides=args.set)
         table = format_speculation_bench(result)
     elif args.name == "intercept":  # issue 21: session KV retention across tool calls
         from rollwise.bench.intercept import format_intercept_bench, run_intercept_bench
-        from rollwise.bench.speculation import speculation_engines
+        from rollwise.bench.engines import bench_engine_kinds
 
         with console.status("agentic sessions with tool calls under each retention policy (the same work)") as status:
-            kinds = tuple(dict.fromkeys(["reference", *speculation_engines(args.engine, args.model)]
-                                        if args.engine == "both" else speculation_engines(args.engine, args.model)))
+            kinds = tuple(bench_engine_kinds(args.engine, args.model, reference_first=True))
             result = run_intercept_bench(model, tokenizer, quick=args.quick, seed=args.seed, engines=kinds,
                                          progress=lambda msg: status.update(f"{msg} (4 policies, the same work)"))
         table = format_intercept_bench(result)

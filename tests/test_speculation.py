@@ -438,3 +438,18 @@ def test_vllm_drafts_from_history_and_reports_acceptance():
     assert drafted == totals["spec_drafted"] > step["spec_drafted"]  # the server's request drafted too
     assert 0 < metrics[("rollwise_engine_spec_accepted_tokens_total", None)] <= drafted
     assert metrics[("rollwise_engine_spec_accepted_at_position_total", "1")] > 0
+
+
+def test_bench_engine_flag_runs_each_engine_kind_once():
+    """`--engine both` of the speculation and intercept benchmarks: vLLM where it can run the model, and the
+    reference engine; a tiny test model (vLLM cannot run it) gets the reference engine alone."""
+    from rollwise.bench.engines import bench_engine_kinds
+    from rollwise.engine.vllm_backend import vllm_available
+
+    assert bench_engine_kinds("both", "tiny:0") == ["reference"]
+    assert bench_engine_kinds("reference", "bundled:smollm2-135m-instruct") == ["reference"]
+    both = bench_engine_kinds("both", "bundled:smollm2-135m-instruct")
+    assert both == (["vllm", "reference"] if vllm_available() else ["reference"])
+    assert bench_engine_kinds("both", "bundled:smollm2-135m-instruct", reference_first=True) == both[::-1]
+    with pytest.raises(ValueError, match="engine kind"):
+        bench_engine_kinds("fast", "tiny:0")

@@ -29,7 +29,7 @@ from torch import nn
 
 from rollwise.config import EngineConfig, load_config
 from rollwise.engine.contract import add_all
-from rollwise.engine.factory import create_engine, resolve_engine_kind
+from rollwise.engine.factory import create_engine
 from rollwise.engine.speculation.counters import counters_of, step_metrics
 from rollwise.engine.types import GenerationRequest, SamplingParams
 from rollwise.rollout.sync_rollout import PromptEncoder
@@ -84,14 +84,6 @@ def workloads(tokenizer: Any, quick: bool, seed: int) -> list[Workload]:
         Workload("long tail, late (T=0.3)", LATE_T, task[:4] if not quick else task[:2], 4, tail_cap,
                  _lognormal_lengths(seed, tail_median, 1.0, tail_cap)),
     ]
-
-
-def speculation_engines(choice: str, model_spec: str) -> list[str]:
-    """--engine both|vllm|reference as the engine kinds to run: both is vLLM (when installed and the model is
-    not a tiny test model it cannot run) and the reference engine."""
-    if choice == "both":
-        return list(dict.fromkeys([resolve_engine_kind("auto", model_spec), "reference"]))
-    return [resolve_engine_kind(choice, model_spec)]
 
 
 def _bucket(running: int) -> str:
