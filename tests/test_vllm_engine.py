@@ -237,6 +237,22 @@ def test_abort_returns_the_tokens_so_far(engine):
     assert len(greedy(engine).token_ids) == 24  # and the engine serves on
 
 
+def test_sequences_count_as_running_for_the_whole_step_that_prefills_them(engine):
+    """The bubble ratio counts a sequence busy from the start of the step that admits and prefills it, as on
+    the reference engine; one that ends at its first token was still busy for that whole step."""
+    from rollwise.observe.bubble import busy_integral
+
+    engine.reset_timeline()
+    engine.add_request(GenerationRequest("one", PROMPT, SamplingParams(max_tokens=1, ignore_eos=True, n=2, seed=1)))
+    finished = []
+    while engine.has_unfinished():
+        finished += engine.step()
+    assert len(finished) == 2
+    start, end = engine.timeline[0][0], engine.timeline[-1][0]
+    assert max(n for _, n in engine.timeline) == 2 and engine.timeline[-1][1] == 0
+    assert busy_integral(engine.timeline, start, end) > 0
+
+
 def test_pause_and_resume_mid_generation_keep_the_request(engine):
     params = SamplingParams(max_tokens=30, temperature=1.0, seed=11, ignore_eos=True)
     uninterrupted = engine.generate([GenerationRequest("u", PROMPT, params)])[0]

@@ -98,10 +98,12 @@ class EngineState:
 
     # ---------------------------------------------------------------- timeline
 
-    def mark_timeline(self, starting: int = 0) -> None:
-        """Append (now, running sequences) to the timeline; 0 while paused. `starting`: sequences that hold a
-        slot and are about to be prefilled, not yet counted in num_running (they are busy from now on)."""
-        self.timeline.append((self._clock(), 0 if self._paused else self.num_running + starting))
+    def mark_timeline(self, starting: int = 0, at: float | None = None) -> None:
+        """Append (now, running sequences) to the timeline; 0 while paused. `starting`: sequences busy from
+        now on that num_running does not count (about to be prefilled, or finished since `at`). `at`: a
+        time already past, for an engine that learns which sequences ran in a step only after it."""
+        when = self._clock() if at is None else at
+        self.timeline.append((when, 0 if self._paused else self.num_running + starting))
 
     def reset_timeline(self) -> None:
         self.timeline = []

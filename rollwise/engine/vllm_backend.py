@@ -408,6 +408,7 @@ class VLLMEngine(EngineState):
             pins.before_step()
             computed = {vid: (r.num_computed_tokens, r.num_prompt_tokens) for vid, r in self._scheduler().requests.items()}
             started = time.perf_counter()
+        step_start = self._clock()
         outputs = self._llm.step()
         if pins is not None:
             requests = self._scheduler().requests
@@ -434,6 +435,10 @@ class VLLMEngine(EngineState):
             if out.finished:
                 finished.append(self._finish(out, sample))
         self.stats["steps"] += 1
+        # Every sequence that computed in this step was busy from its start: the ones vLLM admitted and
+        # prefilled in it (running only after it) and the ones it finished. Only vLLM's scheduler knew
+        # them before the step, so the step's start is marked after it, as the reference engine marks it.
+        self.mark_timeline(starting=len(finished), at=step_start)
         self.mark_timeline()
         return finished
 
