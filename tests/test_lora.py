@@ -126,6 +126,11 @@ def test_corrupt_or_misshaped_adapter_is_refused_and_the_engine_keeps_serving():
     half = {k: v for k, v in state.items() if not k.endswith("layers.0.mlp.up_proj.lora_B.weight")}
     with pytest.raises(WeightUpdateError, match="lora_A and lora_B must both be sent"):
         receiver.receive(adapter_update(half, spec, 2, FP))
+    # a NaN in one tensor: named, and nothing of the adapter is loaded
+    poisoned = {**state, "model.layers.0.mlp.up_proj.lora_B.weight":
+                state["model.layers.0.mlp.up_proj.lora_B.weight"].clone().index_fill_(0, torch.tensor([3]), float("nan"))}
+    with pytest.raises(WeightUpdateError, match=r"non-finite values in model\.layers\.0\.mlp\.up_proj"):
+        receiver.receive(adapter_update(poisoned, spec, 2, FP))
     # an older version
     with pytest.raises(WeightUpdateError, match="already at version 1"):
         receiver.receive(adapter_update(state, spec, 0, FP))

@@ -67,7 +67,8 @@ class AdapterSet:
     # ---------------------------------------------------------------- loading
 
     def check(self, spec: AdapterSpec, state: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
-        """The adapter's (A, B) per module, or ValueError naming every problem (nothing is loaded)."""
+        """The adapter's (A, B) per module, or ValueError naming every problem of names and shapes (nothing is
+        loaded). Values are checked by load(), on its copy."""
         pairs, problems = split_adapter_state(state)
         rank = spec.rank
         for module, (a, b) in pairs.items():
@@ -79,8 +80,6 @@ class AdapterSet:
                 problems.append(f"{module}{LORA_A}: shape {tuple(a.shape)} != ({rank}, {in_dim})")
             if tuple(b.shape) != (out_dim, rank):
                 problems.append(f"{module}{LORA_B}: shape {tuple(b.shape)} != ({out_dim}, {rank})")
-            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-                problems.append(f"{module}: non-finite values")
         if not pairs:
             problems.append("the adapter has no tensors")
         if problems:
@@ -89,10 +88,21 @@ class AdapterSet:
         return pairs
 
     def load(self, spec: AdapterSpec, state: Mapping[str, Tensor], version: int, dtype: torch.dtype) -> None:
-        """Check, then copy in (the caller's tensors may be views of a trainer's live parameters)."""
+        """Check, then copy in (the caller's tensors may be views of a trainer's live parameters). The copy is
+        one buffer, checked for non-finite values once: two small ops per tensor (840 for a rank-16 adapter on
+        every projection of SmolLM2-135M) took ~30 ms of a ~48 ms in-process push."""
         pairs = self.check(spec, state)
-        weights = {m: (a.detach().to(dtype=dtype, copy=True), b.detach().to(dtype=dtype, copy=True))
-                   for m, (a, b) in pairs.items()}
+        tensors = [t.detach() for a, b in pairs.values() for t in (a, b)]
+        flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])  # a copy: the engine owns its adapter
+        # A NaN or inf anywhere makes the sum non-finite (one multithreaded pass, no bool buffer); so can an
+        # overflow of finite values, hence the exact per-tensor check, which only runs then.
+        if not bool(torch.isfinite(flat.sum())):
+            bad = [m for m, (a, b) in pairs.items() if not (torch.isfinite(a).all() and torch.isfinite(b).all())]
+            if bad:
+                more = f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""
+                raise ValueError(f"cannot load adapter {spec.name!r}: non-finite values in {', '.join(bad[:8])}{more}")
+        pieces = iter(piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors))
+        weights = {m: (next(pieces), next(pieces)) for m in pairs}
         self.adapters[spec.name] = LoadedAdapter(spec, version, weights)
         if spec.default:
             self.default = spec.name
