@@ -105,6 +105,10 @@ class VllmSessionPins:
     def capacity_tokens(self) -> int:
         return (self._pool.num_gpu_blocks - 1) * self.block_size  # block 0 is vLLM's null block
 
+    def _used_blocks(self) -> int:
+        """KV blocks in use now (block 0, vLLM's null block, never counts)."""
+        return self._pool.num_gpu_blocks - 1 - self._pool.get_num_free_blocks()
+
     def pinned_tokens(self) -> int:
         return sum(len(p.blocks) for p in self.pins.values()) * self.block_size
 
@@ -201,8 +205,7 @@ class VllmSessionPins:
             self.recompute_cost.observe(scheduled_prompt_tokens, seconds)
         elif scheduled_prompt_tokens == 0 and running > 0:
             self.decode_step_cost.observe(1, seconds)
-        self._recent.append((self._pool.num_gpu_blocks - 1 - self._pool.get_num_free_blocks(),
-                             len(self._scheduler.waiting)))
+        self._recent.append((self._used_blocks(), len(self._scheduler.waiting)))
 
     # ------------------------------------------------------------ the contract
 
@@ -286,8 +289,7 @@ class VllmSessionPins:
                   pin_room_tokens: int) -> EngineSnapshot:
         """unheld_tokens: this turn's blocks that are free (cached) now; preserving would hold them."""
         sched, bs = self._scheduler, self.block_size
-        used_now = self._pool.num_gpu_blocks - 1 - self._pool.get_num_free_blocks()
-        peak_used = max([used_now, *(u for u, _ in self._recent)])
+        peak_used = max([self._used_blocks(), *(u for u, _ in self._recent)])
         waiting = max([len(sched.waiting), *(w for _, w in self._recent)])
         running = sum(r.num_computed_tokens for r in sched.running)
         return EngineSnapshot(
