@@ -122,6 +122,7 @@ def test_nothing_lost_or_trained_twice_and_eta_holds(task_path, mode, partial, e
     cfg = _cfg(task_path, mode=mode, partial_rollout=partial, max_staleness=eta, oversubscription=3.0)
     setup = Setup(cfg, length_fn=_lognormal_lengths())
     trained: list[str] = []
+    trained_tokens = 0
     max_staleness = 0
     try:
         for _ in range(6):
@@ -138,6 +139,7 @@ def test_nothing_lost_or_trained_twice_and_eta_holds(task_path, mode, partial, e
                 assert len(s.versions) == len(s.response_ids) == len(s.behaviour_logprobs)
                 assert s.versions == sorted(s.versions)  # a span per version, in order
             trained += [s.sample_id for s in batch]
+            trained_tokens += sum(len(s.response_ids) for s in batch)
             setup.controller.mark_trained(batch)
             setup.update()
         ledger = setup.controller.ledger
@@ -152,6 +154,12 @@ def test_nothing_lost_or_trained_twice_and_eta_holds(task_path, mode, partial, e
             assert max_staleness >= 1  # the bound was exercised, not vacuous
         if partial == "abort" or eta == 0:
             assert ledger.regenerated() > 0  # updates really interrupted samples
+        # Thrown-away tokens were really sampled: with the trained ones they cannot exceed what the
+        # engine generated (counting a prompt or a trained sample as waste would).
+        waste = ledger.waste()
+        assert waste["samples_regenerated_after_sampling"] <= waste["samples_regenerated"]
+        assert waste["tokens_discarded"] >= waste["samples_regenerated_after_sampling"]
+        assert trained_tokens + waste["tokens_discarded"] <= setup.engine.stats["generated_tokens"]
     finally:
         setup.worker.close()
 
@@ -240,6 +248,22 @@ def test_ledger_refuses_moves_that_lose_or_repeat_samples():
         ledger.add_group(0, 2)  # a group is tracked once
     with pytest.raises(LedgerError):
         ledger.move((5, 0), "running")
+
+
+def test_ledger_counts_only_regenerations_that_had_sampled_as_waste():
+    ledger = RolloutLedger()
+    ledger.add_group(0, 2)
+    for i in (0, 1):
+        ledger.move((0, i), "running")
+    ledger.move((0, 0), "queued", "aborted while queued in the engine", discarded_tokens=0)
+    ledger.move((0, 1), "queued", "aborted after sampling", discarded_tokens=7)
+    for i in (0, 1):  # the controller submits a requeued sample again at once
+        ledger.move((0, i), "running")
+        ledger.move((0, i), "finished")
+    ledger.move((0, 1), "queued", "stale", discarded_tokens=5)
+    ledger.move((0, 1), "running")
+    assert ledger.waste() == {"samples_regenerated": 3, "samples_regenerated_after_sampling": 2,
+                              "tokens_discarded": 12}
 
 
 def test_flexible_batch_pumps_while_training_and_keeps_eta(task_path):

@@ -142,7 +142,7 @@ def _run_mode(mode: str, model: Any, tokenizer: Any, base_state: dict, w: Worklo
         "trained_samples": n_samples,
         "staleness_mean": float(np.mean(staleness)),
         "staleness_max": int(max(staleness)),
-        "samples_regenerated": controller.ledger.regenerated(),
+        **controller.ledger.waste(),
         "generated_tokens": engine.stats["generated_tokens"],
         "per_step": per_step,
         "_timeline": [(t - t0, n) for t, n in timeline if t0 <= t <= t1],

@@ -254,7 +254,7 @@ def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
         "staleness_mean": sum(staleness) / max(len(staleness), 1),
         "staleness_max": max(staleness, default=0),
         "groups_in_flight": run.controller.in_flight(),
-        "samples_regenerated": run.controller.ledger.regenerated(),
+        **run.controller.ledger.waste(),  # regenerated samples, those that had sampled, tokens thrown away
         **run.controller.step_metrics(),
         **run.worker.metrics(),  # ray: engine_restarts
         # The long tail of the rollout: from the moment half the batch's samples had finished until the
@@ -461,7 +461,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         # Over the whole training loop (mid-run evaluations included: the engine serves them too).
         "bubble_ratio_run": bubble_ratio([engine.timeline], [engine.max_num_seqs], t_loop, t_loop_end),
         "samples": controller.ledger.counts(),
-        "samples_regenerated": controller.ledger.regenerated(),
+        **controller.ledger.waste(),
         **worker.metrics(),  # ray: engine_restarts
         **run_summary(records),  # speculation totals and tail time over the run
         "peak_rss_gb": _peak_rss_gb(),

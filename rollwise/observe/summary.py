@@ -71,12 +71,21 @@ def render_summary(summary: dict[str, Any], records: list[dict[str, Any]]) -> Ta
         counts = summary["samples"]
         table.add_row(f"samples ({summary.get('rollout_mode', 'sync')} rollout)",
                       f"{counts['trained']} trained, {counts['dropped']} dropped at the end, "
-                      f"{summary.get('samples_regenerated', 0)} regenerated", "")
+                      f"{summary.get('samples_regenerated', 0)} regenerated",
+                      _regeneration_cost(summary))
     if summary.get("mfu"):
         _add_utilisation_rows(table, summary)
     table.add_row("wall time", f"{summary['wall_time_s'] / 60:.1f} min", "")
     table.add_row("peak memory (RSS)", f"{summary['peak_rss_gb']:.1f} GB", "")
     return table
+
+
+def _regeneration_cost(summary: dict[str, Any]) -> str:
+    """What regenerating cost: a sample aborted while still queued cost nothing, one that had sampled did."""
+    if "tokens_discarded" not in summary or not summary.get("samples_regenerated"):
+        return ""
+    return (f"{summary['samples_regenerated_after_sampling']} had sampled "
+            f"({summary['tokens_discarded']:,} tokens thrown away)")
 
 
 def _add_utilisation_rows(table: Table, summary: dict[str, Any]) -> None:

@@ -465,15 +465,15 @@ class RolloutController(ControllerDefaults):
             if not info.remaining:
                 del self.running[c.request_id]
             i = info.samples[c.index]
-            self.ledger.move((info.group, i), "queued", reason)
+            self.ledger.move((info.group, i), "queued", reason, discarded_tokens=len(c.token_ids))
             self._submit_sample(self.groups[info.group], i)
 
     def _regenerate(self, group: _Group, i: int, reason: str) -> None:
-        del group.finished[i]
+        discarded = len(group.finished.pop(i).response_ids)
         if group.index in self.ready:  # a complete group loses a sample: no longer trainable
             self.ready.remove(group.index)
             group.completed_at = None
-        self.ledger.move((group.index, i), "queued", reason)
+        self.ledger.move((group.index, i), "queued", reason, discarded_tokens=discarded)
         self._submit_sample(group, i)
 
 

@@ -38,6 +38,11 @@ class LedgerError(RuntimeError):
 class SlotRecord:
     state: SlotState = "queued"
     attempts: int = 0  # times it was submitted to an engine
+    # Attempts that had sampled at least one token when they were thrown away (an abort or staleness),
+    # and how many tokens those were: the real cost of regenerating. An attempt aborted while it still
+    # waited in the engine's queue cost nothing but its place in the queue.
+    wasted_attempts: int = 0
+    discarded_tokens: int = 0
     reasons: list[str] = field(default_factory=list)  # why it went back to queued or was dropped
 
 
@@ -51,7 +56,8 @@ class RolloutLedger:
                 raise LedgerError(f"group {group} sample {i} is already tracked")
             self.slots[(group, i)] = SlotRecord()
 
-    def move(self, slot: Slot, to: SlotState, reason: str | None = None) -> None:
+    def move(self, slot: Slot, to: SlotState, reason: str | None = None, discarded_tokens: int = 0) -> None:
+        """`discarded_tokens`: on a move back to queued, the tokens the thrown-away attempt had sampled."""
         record = self.slots.get(slot)
         if record is None:
             raise LedgerError(f"sample {slot} was never queued")
@@ -61,6 +67,9 @@ class RolloutLedger:
             if not reason:
                 raise LedgerError(f"sample {slot}: moving to {to} needs a reason")
             record.reasons.append(reason)
+        if to == "queued" and discarded_tokens > 0:
+            record.wasted_attempts += 1
+            record.discarded_tokens += discarded_tokens
         if to == "running":
             record.attempts += 1
         record.state = to
@@ -75,6 +84,20 @@ class RolloutLedger:
     def regenerated(self) -> int:
         """Submissions beyond the first: samples generated again after an abort or for staleness."""
         return sum(max(record.attempts - 1, 0) for record in self.slots.values())
+
+    def regenerated_after_sampling(self) -> int:
+        """Regenerations whose thrown-away attempt had sampled tokens (the rest never left the queue)."""
+        return sum(record.wasted_attempts for record in self.slots.values())
+
+    def discarded_tokens(self) -> int:
+        """Tokens sampled and then thrown away by regeneration: the engine work it cost."""
+        return sum(record.discarded_tokens for record in self.slots.values())
+
+    def waste(self) -> dict[str, int]:
+        """The three regeneration counts, as metrics and summaries report them."""
+        return {"samples_regenerated": self.regenerated(),
+                "samples_regenerated_after_sampling": self.regenerated_after_sampling(),
+                "tokens_discarded": self.discarded_tokens()}
 
     def drop_reasons(self) -> dict[str, int]:
         return dict(Counter(r.reasons[-1] for r in self.slots.values() if r.state == "dropped"))

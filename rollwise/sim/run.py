@@ -158,7 +158,7 @@ def simulate(run: SimRun, progress: Callable[[str], None] | None = None) -> dict
         if progress is not None:
             progress(f"update {step + 1}/{s.workload.updates} at t={clock.now - t0:.1f}s (virtual)")
     t1 = clock.now
-    regenerated = controller.ledger.regenerated()
+    waste = controller.ledger.waste()
     controller.close("simulation over")
     engines = cluster.engines
     wall = t1 - t0
@@ -185,7 +185,7 @@ def simulate(run: SimRun, progress: Callable[[str], None] | None = None) -> dict
         "samples_per_s_per_gpu": trained_samples / wall / (n_eng * cost.gpus_per_engine + s.trainer_gpus()) if wall > 0 else 0.0,
         "staleness_mean": staleness_sum / staleness_n if staleness_n else 0.0,
         "staleness_max": staleness_max,
-        "samples_regenerated": regenerated,
+        **waste,
         "prefix_hit_rate": cached / prompt if prompt else 0.0,
         "engine_hours": n_eng * cost.gpus_per_engine * wall / 3600,
         "gpu_hours_total": (n_eng * cost.gpus_per_engine + s.trainer_gpus()) * wall / 3600,
