@@ -11,7 +11,7 @@
     rollwise bench trainer-step [--quick] [--arms A,B] one train step per trainer variant, interleaved: ratios
     rollwise bench loop [--quick] [--json PATH]       the default `rollwise train`: wall, samples/s, MFU, idle cores
     rollwise bench r3 [--quick] [--json PATH]         an MoE trained with / without rollout routing replay (mismatch)
-    rollwise compare RUN_DIR RUN_DIR ... [--out PNG]  reward vs wall time and vs samples, runs side by side
+    rollwise compare RUN_DIR|LABEL=DIR,DIR ... [--out PNG]  runs or seed arms side by side, held-out table
     rollwise serve engine [--model SPEC] [--host 127.0.0.1] [--port 8000] [--max-num-seqs N] [--max-model-len N] [--dtype D]
                                                      the engine over HTTP: OpenAI-compatible completions,
                                                      token-level /generate, weight updates, /metrics
@@ -135,11 +135,15 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="rollout: where to write the timeline plot (default: rollout_timeline.png)")
     compare = sub.add_parser(
         "compare",
-        help="plot runs side by side: reward vs wall time and vs trained samples, held-out accuracy",
-        description="Reads metrics.jsonl and evals.jsonl of each run directory and writes one PNG.",
+        help="plot runs (or arms of several seeds) side by side: reward and held-out accuracy vs time and samples",
+        description="Reads metrics.jsonl and evals.jsonl of each run directory, writes one PNG and prints the "
+        "held-out strict accuracy per evaluated step. An arm of several seeds is LABEL=DIR,DIR,...: its "
+        "runs are averaged (mean ± sd), since one run's curve moves by several points from seed to seed. "
+        "Example: rollwise compare sync=runs/sync-s0,runs/sync-s1 sorted=runs/sorted-s0,runs/sorted-s1",
     )
-    compare.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    compare.add_argument("runs", nargs="+", metavar="RUN_DIR | LABEL=RUN_DIR[,RUN_DIR...]")
     compare.add_argument("--out", type=Path, default=Path("compare.png"), help="PNG to write (default: compare.png)")
+    compare.add_argument("--json", type=Path, default=None, help="also write the held-out table as JSON")
 
     serve = sub.add_parser(
         "serve",
@@ -240,18 +244,39 @@ def _cmd_check(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
-    from rollwise.observe.metrics import read_metrics
+    from rich.table import Table
+
+    from rollwise.observe.compare import held_out_table, load_arms
     from rollwise.observe.plots import plot_run_comparison
 
-    runs = {}
-    for run_dir in args.run_dirs:
-        if not (run_dir / "metrics.jsonl").is_file():
-            console.print(f"[red]error:[/] {run_dir} has no metrics.jsonl (is it a rollwise run directory?)")
-            return 2
-        evals_path = run_dir / "evals.jsonl"
-        evals = [json.loads(line) for line in evals_path.read_text().splitlines()] if evals_path.exists() else []
-        runs[run_dir.name] = (read_metrics(run_dir / "metrics.jsonl"), evals)
-    out = plot_run_comparison(runs, args.out)
+    try:
+        arms = load_arms(args.runs)
+    except (FileNotFoundError, ValueError) as e:
+        console.print(f"[red]error:[/] {e}")
+        return 2
+    out = plot_run_comparison(arms, args.out)
+    rows = held_out_table(arms)
+    if rows:
+        table = Table(title="held-out strict accuracy: mean ± sd over an arm's runs (samples taken by then)")
+        table.add_column("step")
+        for arm in arms:
+            table.add_column(f"{arm.label} ({len(arm.runs)} run{'s' if len(arm.runs) > 1 else ''})", justify="right")
+        for row in rows:
+            cells = []
+            for arm in arms:
+                cell = row[arm.label]
+                text = f"{cell['strict_mean']:.1%}"
+                if len(arm.runs) > 1:
+                    text += f" ± {cell['strict_std']:.1%}"
+                if cell["samples"] is not None:
+                    text += f" ({cell['samples']:,.0f})"
+                cells.append(text)
+            table.add_row(str(row["step"]), *cells)
+        console.print(table)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"arms": {a.label: [str(r.directory) for r in a.runs] for a in arms},
+                                         "held_out": rows}, indent=1))
+        console.print(f"wrote {args.json}")
     console.print(f"wrote {out}")
     return 0
 

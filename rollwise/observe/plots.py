@@ -3,12 +3,14 @@ wall time went."""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
 import matplotlib
 import matplotlib.ticker
 
+from rollwise.observe.compare import Arm
 from rollwise.observe.summary import PHASES, time_split
 
 matplotlib.use("Agg")  # headless: no display on training machines
@@ -67,25 +69,39 @@ def plot_rollout_timelines(runs: dict[str, tuple[list[tuple[float, int]], list[f
     return _save(fig, out)
 
 
-def plot_run_comparison(runs: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]], out: Path) -> Path:
-    """Runs side by side: train reward against wall time and against trained samples, and held-out
-    strict accuracy against wall time. `runs` maps a label to (metrics records, eval records)."""
-    fig, (ax_time, ax_samples, ax_eval) = plt.subplots(1, 3, figsize=(15, 4))
-    for label, (records, evals) in runs.items():
-        steps = [r for r in records if "reward_mean" in r]
-        minutes = [r["elapsed_s"] / 60 for r in steps]
-        samples, total = [], 0
-        for r in steps:
-            total += r.get("batch_samples", 0) or 0
-            samples.append(total)
-        line = ax_time.plot(minutes, [r["reward_mean"] for r in steps], label=label)[0]
-        ax_samples.plot(samples, [r["reward_mean"] for r in steps], label=label, color=line.get_color())
-        ax_eval.plot([e["elapsed_s"] / 60 for e in evals], [e["strict_accuracy"] for e in evals], "o-",
-                     label=label, color=line.get_color())
+def plot_run_comparison(arms: list[Arm], out: Path) -> Path:
+    """Arms side by side: train reward against wall time and against trained samples, held-out strict
+    accuracy against wall time and against samples. An arm of several seeds draws each run thin and,
+    against samples, its mean with a band of one standard deviation."""
+    fig, (ax_time, ax_samples, ax_eval, ax_eval_samples) = plt.subplots(1, 4, figsize=(20, 4))
+    for arm in arms:
+        color = None
+        for i, run in enumerate(arm.runs):
+            steps = [r for r in run.records if "reward_mean" in r]
+            samples = [run.samples_at(r["step"]) for r in steps]
+            label = arm.label if i == 0 else None
+            width = 1.5 if len(arm.runs) == 1 else 0.8
+            line = ax_time.plot([r["elapsed_s"] / 60 for r in steps], [r["reward_mean"] for r in steps],
+                                label=label, color=color, lw=width)[0]
+            color = line.get_color()
+            ax_samples.plot(samples, [r["reward_mean"] for r in steps], label=label, color=color, lw=width)
+            ax_eval.plot([e["elapsed_s"] / 60 for e in run.evals], [e["strict_accuracy"] for e in run.evals], "o-",
+                         label=label, color=color, lw=width, ms=3)
+        steps = arm.eval_steps()
+        x = [arm.samples_at(s) for s in steps]
+        mean = [statistics.fmean(arm.strict_at(s)) for s in steps]
+        label = arm.label if len(arm.runs) == 1 else f"{arm.label} (mean of {len(arm.runs)})"
+        ax_eval_samples.plot(x, mean, "o-", color=color, label=label)
+        if len(arm.runs) > 1:
+            spread = [statistics.stdev(arm.strict_at(s)) for s in steps]
+            ax_eval_samples.fill_between(x, [m - d for m, d in zip(mean, spread)],
+                                         [m + d for m, d in zip(mean, spread)], color=color, alpha=0.2)
     ax_time.set(title="train reward vs wall time", xlabel="minutes since start", ylim=(-0.02, 1.02))
-    ax_samples.set(title="train reward vs trained samples", xlabel="samples", ylim=(-0.02, 1.02))
+    ax_samples.set(title="train reward vs samples", xlabel="samples", ylim=(-0.02, 1.02))
     ax_eval.set(title="held-out strict accuracy", xlabel="minutes since start", ylim=(-0.02, 1.02))
-    for ax in (ax_time, ax_samples, ax_eval):
+    ax_eval_samples.set(title="held-out strict accuracy vs samples (band: ±1 sd over seeds)", xlabel="samples",
+                        ylim=(-0.02, 1.02))
+    for ax in (ax_time, ax_samples, ax_eval, ax_eval_samples):
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
     return _save(fig, out)
