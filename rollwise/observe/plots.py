@@ -99,7 +99,7 @@ def plot_run_comparison(arms: list[Arm], out: Path) -> Path:
     ax_time.set(title="train reward vs wall time", xlabel="minutes since start", ylim=(-0.02, 1.02))
     ax_samples.set(title="train reward vs samples", xlabel="samples", ylim=(-0.02, 1.02))
     ax_eval.set(title="held-out strict accuracy", xlabel="minutes since start", ylim=(-0.02, 1.02))
-    ax_eval_samples.set(title="held-out strict accuracy vs samples (band: ±1 sd over seeds)", xlabel="samples",
+    ax_eval_samples.set(title="held-out strict accuracy vs samples (±1 sd)", xlabel="samples",
                         ylim=(-0.02, 1.02))
     for ax in (ax_time, ax_samples, ax_eval, ax_eval_samples):
         ax.grid(alpha=0.3)
