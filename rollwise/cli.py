@@ -246,7 +246,7 @@ def _cmd_check(args: argparse.Namespace, console: Console) -> int:
 def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
 
-    from rollwise.observe.compare import held_out_table, load_arms
+    from rollwise.observe.compare import against_first, held_out_table, load_arms
     from rollwise.observe.plots import plot_run_comparison
 
     try:
@@ -273,9 +273,14 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
                 cells.append(text)
             table.add_row(str(row["step"]), *cells)
         console.print(table)
+    differences = against_first(rows, arms)
+    for d in differences:
+        error = f" ± {100 * d['standard_error']:.1f} (standard error: {abs(d['difference']) / d['standard_error']:.1f} of them)" \
+            if d["standard_error"] else " (an arm of one run: no error to weigh it against)"
+        console.print(f"held-out strict, {d['arm']} - {d['baseline']}, {d['at']}: {100 * d['difference']:+.1f} points{error}")
     if args.json is not None:
         args.json.write_text(json.dumps({"arms": {a.label: [str(r.directory) for r in a.runs] for a in arms},
-                                         "held_out": rows}, indent=1))
+                                         "held_out": rows, "against_first": differences}, indent=1))
         console.print(f"wrote {args.json}")
     console.print(f"wrote {out}")
     return 0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rollwise.observe.compare import held_out_table, load_arms, parse_arm
+from rollwise.observe.compare import against_first, held_out_table, load_arms, parse_arm
 from test_cli import _run
 
 
@@ -35,6 +35,12 @@ def test_arms_average_their_seeds_step_by_step(tmp_path):
     assert rows[1]["a"]["samples"] == 3 * 128 and rows[2]["b0"]["samples"] == 6 * 64
     assert rows[3]["a"]["runs"] == pytest.approx([0.6, 0.8])  # each seed's mean over steps 3 and 6
     assert rows[3]["b0"]["strict_mean"] == pytest.approx(0.6)
+    final, area = against_first(rows, arms)
+    assert final["at"] == "step 6" and final["difference"] == pytest.approx(0.0)
+    assert area["difference"] == pytest.approx(-0.1) and area["standard_error"] is None  # b0 is one run
+    two = load_arms([f"a={a0},{a1}", f"b={a1},{a0}"])
+    assert [d["difference"] for d in against_first(held_out_table(two), two)] == [0.0, 0.0]
+    assert against_first(held_out_table(two), two)[1]["standard_error"] == pytest.approx((2 * 0.1414**2 / 2) ** 0.5, abs=1e-3)
 
 
 def test_an_arm_that_is_not_a_run_directory_is_a_clear_error(tmp_path):
@@ -50,6 +56,8 @@ def test_the_cli_prints_the_table_and_writes_the_plot(tmp_path):
     out = _run(["compare", f"sync={a0},{a1}", "--out", str(tmp_path / "c.png"), "--json", str(tmp_path / "c.json")],
                tmp_path)
     assert out.returncode == 0, out.stderr
+    c = _run(["compare", f"sync={a0},{a1}", f"other={a1},{a0}", "--out", str(tmp_path / "d.png")], tmp_path)
+    assert "held-out strict, other - sync, step 6: +0.0 points ± 2.8 (standard error: 0.0 of them)" in c.stdout
     assert "sync (2 runs)" in out.stdout and "77.0% ± 2.8% (768)" in out.stdout
     assert (tmp_path / "c.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "c.json").read_text())["arms"] == {"sync": [str(a0), str(a1)]}

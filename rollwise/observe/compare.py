@@ -104,3 +104,21 @@ def held_out_table(arms: list[Arm]) -> list[dict[str, Any]]:
             area[arm.label] = {"strict_mean": mean, "strict_std": spread, "runs": per_run, "samples": None}
         rows.append(area)
     return rows
+
+
+def against_first(rows: list[dict[str, Any]], arms: list[Arm]) -> list[dict[str, Any]]:
+    """Each later arm against the first, on the last evaluation and on the mean after step 0: the
+    difference of the means and its standard error (Welch: sqrt(sd_a^2/n_a + sd_b^2/n_b)), so that
+    "equal within seed noise" is a number, not an impression. Needs two runs in each arm for an error."""
+    if len(arms) < 2 or len(rows) < 2:
+        return []
+    base = arms[0]
+    out = []
+    for arm in arms[1:]:
+        for row, what in ((rows[-2], f"step {rows[-2]['step']}"), (rows[-1], "mean after step 0")):
+            a, b = row[base.label], row[arm.label]
+            error = (a["strict_std"] ** 2 / len(base.runs) + b["strict_std"] ** 2 / len(arm.runs)) ** 0.5
+            out.append({"arm": arm.label, "baseline": base.label, "at": what,
+                        "difference": b["strict_mean"] - a["strict_mean"],
+                        "standard_error": error if len(base.runs) > 1 and len(arm.runs) > 1 else None})
+    return out
