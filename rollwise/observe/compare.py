@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,19 @@ class RunCurves:
     records: list[dict[str, Any]]  # metrics.jsonl: one per update
     evals: list[dict[str, Any]]  # evals.jsonl: held-out evaluations (step 0 = before training)
 
+    @cached_property
+    def _samples_by_step(self) -> list[tuple[int, int]]:
+        """(step, samples taken by its end), in step order: one pass over the records."""
+        total, out = 0, []
+        for r in sorted(self.records, key=lambda r: r["step"]):
+            total += r.get("batch_samples", 0) or 0
+            out.append((r["step"], total))
+        return out
+
     def samples_at(self, step: int) -> int:
         """Samples the trainer had taken when step `step` ended (the batches, zero-advantage groups
         included: that is what an update consumed)."""
-        return sum(r.get("batch_samples", 0) or 0 for r in self.records if r["step"] <= step)
+        return max((n for s, n in self._samples_by_step if s <= step), default=0)
 
 
 @dataclass(frozen=True)

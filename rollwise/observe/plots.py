@@ -3,14 +3,13 @@ wall time went."""
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 from typing import Any
 
 import matplotlib
 import matplotlib.ticker
 
-from rollwise.observe.compare import Arm
+from rollwise.observe.compare import Arm, mean_and_spread
 from rollwise.observe.summary import PHASES, time_split
 
 matplotlib.use("Agg")  # headless: no display on training machines
@@ -89,11 +88,10 @@ def plot_run_comparison(arms: list[Arm], out: Path) -> Path:
                          label=label, color=color, lw=width, ms=3)
         steps = arm.eval_steps()
         x = [arm.samples_at(s) for s in steps]
-        mean = [statistics.fmean(arm.strict_at(s)) for s in steps]
+        mean, spread = zip(*(mean_and_spread(arm.strict_at(s)) for s in steps)) if steps else ((), ())
         label = arm.label if len(arm.runs) == 1 else f"{arm.label} (mean of {len(arm.runs)})"
         ax_eval_samples.plot(x, mean, "o-", color=color, label=label)
         if len(arm.runs) > 1:
-            spread = [statistics.stdev(arm.strict_at(s)) for s in steps]
             ax_eval_samples.fill_between(x, [m - d for m, d in zip(mean, spread)],
                                          [m + d for m, d in zip(mean, spread)], color=color, alpha=0.2)
     ax_time.set(title="train reward vs wall time", xlabel="minutes since start", ylim=(-0.02, 1.02))

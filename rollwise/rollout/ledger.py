@@ -85,19 +85,17 @@ class RolloutLedger:
         """Submissions beyond the first: samples generated again after an abort or for staleness."""
         return sum(max(record.attempts - 1, 0) for record in self.slots.values())
 
-    def regenerated_after_sampling(self) -> int:
-        """Regenerations whose thrown-away attempt had sampled tokens (the rest never left the queue)."""
-        return sum(record.wasted_attempts for record in self.slots.values())
-
-    def discarded_tokens(self) -> int:
-        """Tokens sampled and then thrown away by regeneration: the engine work it cost."""
-        return sum(record.discarded_tokens for record in self.slots.values())
-
     def waste(self) -> dict[str, int]:
-        """The three regeneration counts, as metrics and summaries report them."""
-        return {"samples_regenerated": self.regenerated(),
-                "samples_regenerated_after_sampling": self.regenerated_after_sampling(),
-                "tokens_discarded": self.discarded_tokens()}
+        """What regeneration cost, in one pass over the slots: submissions beyond the first (as
+        regenerated()), those whose thrown-away attempt had sampled tokens (the rest never left the
+        engine's queue), and the tokens thrown away."""
+        regenerated = after_sampling = tokens = 0
+        for record in self.slots.values():
+            regenerated += max(record.attempts - 1, 0)
+            after_sampling += record.wasted_attempts
+            tokens += record.discarded_tokens
+        return {"samples_regenerated": regenerated, "samples_regenerated_after_sampling": after_sampling,
+                "tokens_discarded": tokens}
 
     def drop_reasons(self) -> dict[str, int]:
         return dict(Counter(r.reasons[-1] for r in self.slots.values() if r.state == "dropped"))
