@@ -125,6 +125,9 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--lora", action="store_true",
                        help="mux: train.lora jobs on one base sharing one engine batch (2 jobs; full: also 4) "
                        "vs. dedicated engines (issue 22)")
+    bench.add_argument("--steps", type=int, default=None, metavar="N",
+                       help="r3: GRPO steps per run (default: 2 with --quick, else 6; a step of the upcycled MoE "
+                       "takes ~3 min on 2 CPU cores)")
     bench.add_argument("--rounds", type=int, default=None, metavar="N",
                        help="router: rotated rounds of the workload per arm (default: 2 with --quick, else 4); "
                        "more rounds make the median-round p50/p99 steadier")
@@ -356,7 +359,8 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         spec = "tiny-moe:0" if args.quick else (args.model if explicit_model else "bundled:smollm2-moe")
         with console.status(f"GRPO on {spec} with and without routing replay (engine bf16, trainer fp32)"):
             model, tokenizer = load_model(spec)
-            result = run_r3_bench(model, tokenizer, quick=args.quick, seed=args.seed)
+            result = run_r3_bench(model, tokenizer, quick=args.quick, seed=args.seed, steps=args.steps,
+                                  log=console.log)
         result["command"] = " ".join(["rollwise"] + sys.argv[1:])
         result["model"] = spec
         console.print(format_r3_bench(result))

@@ -1,17 +1,20 @@
 """`rollwise bench r3`: an MoE policy trained with and without rollout routing replay (R3, issue 20).
 
-The engine samples in reduced precision (the reference engine in bf16: the source of numerical difference a
-real deployment has, where the engine serves bf16 and the trainer keeps fp32 master weights) and the trainer
-computes in fp32. Two GRPO runs on the default task from the same start: one with train.routing_replay=none,
-one with r3. Each step, on that step's rollouts and before its update, both forwards are measured (replayed
-and live routing), whichever run is training:
+The engine samples in reduced precision and the trainer computes in fp32: the source of numerical difference a
+real deployment has, where the engine serves bf16 and the trainer keeps fp32 master weights. The engine runs in
+bf16 where the CPU computes it natively; elsewhere its GEMMs are bf16 emulated in fp32 (rollwise.bench.bf16_gemms:
+bf16-rounded weights, inputs and outputs, fp32 accumulation, as a bf16 GEMM does), because real bf16 matmuls
+without bf16 instructions run ~67x slower than fp32. Two GRPO runs on the default task from the same start: one
+with train.routing_replay=none, one with r3. Each step, on that step's rollouts and before its update, both
+forwards are measured (replayed and live routing), whichever run is training:
 - router disagreement: share of (token, layer) pairs whose experts differ from the engine's, and share of
   tokens with any layer differing (with R3 the trainer's forward uses the engine's: 0 by construction);
 - logprob mismatch mean |log p_engine - log p_trainer| and k3 KL (DESIGN.md), and the share of tokens whose
   probability ratio p_trainer / p_engine is above 2 or below 1/2.
-Also held-out accuracy after training, the capture size (bytes per token), the cost of replay in the
-trainer (fwd+bwd tokens/s with and without the replay hooks: timed, run on an idle machine), and the
-MoE-CAP sparsity-aware efficiency (activated parameters only) next to the dense model's.
+Also held-out accuracy after training, the capture size (bytes per token), what capture and replay cost (timed,
+so run on an idle machine; measured first, before the long untimed runs): the engine's rollout with and without
+recording the experts, the trainer's fwd+bwd with and without the replay hooks, interleaved, and their share of
+a step; and the MoE-CAP sparsity-aware efficiency (activated parameters only) next to the dense model's.
 
 Which model: `bundled:smollm2-moe` by default (1%-perturbed experts: it answers like the dense model, but a
 routing flip barely changes a token, so R3 barely changes the mismatch); `--model
@@ -24,15 +27,20 @@ from __future__ import annotations
 import copy
 import math
 import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from rich.table import Table
 from torch import nn
 
+from rollwise.bench.bf16_gemms import emulated_bf16, round_weights_
 from rollwise.config import RewardConfig, TrainConfig, load_config
 from rollwise.engine.reference import ReferenceEngine
 from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.model.precision import cpu_has_native_bf16
+from rollwise.observe.peak import machine_peak
 from rollwise.reward.scoring import score
 from rollwise.tasks import build_messages, encode_prompt, make_task
 from rollwise.train.grpo import group_advantages
@@ -41,14 +49,37 @@ from rollwise.train.routing_replay import RoutingReplay, find_routers
 from rollwise.train.trainer import GRPOTrainer, collate
 from rollwise.types.sample import Sample
 
-ENGINE_DTYPE = torch.bfloat16
+class BenchEngine:
+    """The reference engine at the benchmark's engine precision: native bf16 where the CPU computes it, else
+    bf16 GEMMs emulated in fp32 (weights re-rounded after every push, linears rounded while it generates)."""
+
+    def __init__(self, model: nn.Module, *, max_num_seqs: int, max_model_len: int, capture_routing: bool = True):
+        self.emulated = not cpu_has_native_bf16()
+        self.engine = ReferenceEngine(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                      dtype=torch.float32 if self.emulated else torch.bfloat16, seed=0,
+                                      capture_routing=capture_routing)
+        if self.emulated:
+            round_weights_(self.engine.model)
+
+    @property
+    def precision(self) -> str:
+        return "bf16 GEMMs emulated in fp32 (no bf16 instructions on this CPU)" if self.emulated else "bf16"
+
+    def generate(self, requests: list[GenerationRequest]) -> list:
+        with emulated_bf16() if self.emulated else nullcontext():
+            return self.engine.generate(requests)
+
+    def push(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        self.engine.update_weights(weights, version)
+        if self.emulated:
+            round_weights_(self.engine.model)
 
 
 def _prompts(tokenizer: Any, problems: list, cfg) -> list[list[int]]:
     return [encode_prompt(tokenizer, build_messages(p, cfg.prompt, cfg.reward)) for p in problems]
 
 
-def _rollout(engine: ReferenceEngine, tokenizer: Any, task, problems, prompts, group: int, max_tokens: int,
+def _rollout(engine: BenchEngine, tokenizer: Any, task, problems, prompts, group: int, max_tokens: int,
              temperature: float, seed: int, reward_cfg: RewardConfig) -> list[Sample]:
     requests = [GenerationRequest(f"s{seed}-{i}", ids, SamplingParams(max_tokens=max_tokens, n=group,
                                                                       temperature=temperature, seed=seed + 97 * i))
@@ -91,65 +122,144 @@ def mismatch(trainer: GRPOTrainer, samples: list[Sample], mode: str) -> dict[str
             "ratio_over_2": float((delta.abs() > math.log(2)).float().mean())}
 
 
-def _accuracy(engine, tokenizer, task, problems, prompts, max_tokens, reward_cfg) -> float:
+def _accuracy(engine: BenchEngine, tokenizer, task, problems, prompts, max_tokens, reward_cfg) -> float:
     samples = _rollout(engine, tokenizer, task, problems, prompts, 1, max_tokens, 0.0, 0, reward_cfg)
     return sum(s.strict_correct for s in samples) / max(len(samples), 1)
 
 
-def _run(label: str, mode: str, model: nn.Module, tokenizer: Any, setup: dict) -> dict[str, Any]:
-    cfg, task, steps, group = setup["cfg"], setup["task"], setup["steps"], setup["group"]
+@dataclass(frozen=True)
+class Workload:
+    """What each of the two GRPO runs does. The full size fits this 2-core CPU in ~20 min per run on the
+    373M-parameter upcycled MoE (a step is ~3 min: rollout, two measuring forwards, the update)."""
+
+    steps: int
+    prompts_per_step: int
+    group: int
+    max_tokens: int
+    eval_problems: int
+    lr: float
+    cost_prompts: int  # the timed cost rollouts and trainer passes: this many prompts x group
+    cost_repeats: int  # interleaved pairs (with / without) per cost
+
+    @classmethod
+    def preset(cls, quick: bool, cfg, steps: int | None = None) -> Workload:
+        if quick:
+            return cls(steps or 2, 2, 4, 16, 8, 1e-4, 1, 2)
+        return cls(steps or 6, 4, cfg.rollout.group_size, cfg.rollout.max_tokens, 64, cfg.train.lr, 1, 5)
+
+
+def _run(label: str, mode: str, model: nn.Module, tokenizer: Any, setup: dict, log) -> dict[str, Any]:
+    cfg, task, work = setup["cfg"], setup["task"], setup["work"]
     policy = copy.deepcopy(model)
-    engine = ReferenceEngine(policy, max_num_seqs=setup["max_num_seqs"], max_model_len=setup["max_model_len"],
-                             dtype=ENGINE_DTYPE, seed=0)
-    train_cfg = TrainConfig(lr=setup["lr"], micro_batch_size=4, routing_replay=mode, share_prompt_prefix=False,
+    engine = BenchEngine(policy, max_num_seqs=setup["max_num_seqs"], max_model_len=setup["max_model_len"])
+    train_cfg = TrainConfig(lr=work.lr, micro_batch_size=4, routing_replay=mode, share_prompt_prefix=False,
                             off_policy_correction="none")
     trainer = GRPOTrainer(policy, train_cfg, pad_token_id=tokenizer.pad_token_id or 0)
     rows = []
-    for step in range(steps):
+    for step in range(work.steps):
         batch = setup["batches"][step]
-        samples = _rollout(engine, tokenizer, task, batch["problems"], batch["prompts"], group, setup["max_tokens"],
-                           1.0, 1000 * step, cfg.reward)
-        _advantages(samples, group)
-        row = {"step": step, "reward": sum(s.reward for s in samples) / len(samples)}
+        started = time.perf_counter()
+        samples = _rollout(engine, tokenizer, task, batch["problems"], batch["prompts"], work.group,
+                           work.max_tokens, 1.0, 1000 * step, cfg.reward)
+        rolled = time.perf_counter()
+        _advantages(samples, work.group)
+        row = {"step": step, "reward": sum(s.reward for s in samples) / len(samples),
+               "response_tokens": sum(len(s.response_ids) for s in samples)}
         for measured in ("none", "r3"):
             row.update({f"{k}_{measured}": v for k, v in mismatch(trainer, samples, measured).items()})
+        measured_at = time.perf_counter()
         metrics = trainer.train_step(samples)
-        row["grad_norm"] = metrics["grad_norm"]
-        engine.update_weights(trainer.weights(), trainer.version)
+        trained = time.perf_counter()
+        engine.push(trainer.weights(), trainer.version)
+        row.update(grad_norm=metrics["grad_norm"], rollout_s=rolled - started, measure_s=measured_at - rolled,
+                   train_s=trained - measured_at, push_s=time.perf_counter() - trained)
         rows.append(row)
+        log(f"{label}: step {step + 1}/{work.steps}, reward {row['reward']:.3f}, |dlogp| live "
+            f"{row['logprob_mismatch_none']:.4f} / replayed {row['logprob_mismatch_r3']:.4f}, "
+            f"router disagree live {row['routing_disagreement_none']:.4f}")
     accuracy = _accuracy(engine, tokenizer, task, setup["eval_problems"], setup["eval_prompts"],
-                         setup["max_tokens"], cfg.reward)
+                         work.max_tokens, cfg.reward)
+    log(f"{label}: held-out strict accuracy {accuracy:.3f}")
     return {"label": label, "routing_replay": mode, "steps": rows, "heldout_accuracy": accuracy,
-            "routed_bytes_per_token": samples[0].routed_experts.bytes_per_token}
+            "routed_bytes_per_token": samples[0].routed_experts.bytes_per_token,
+            "engine_precision": engine.precision}
 
 
-def _replay_cost(model: nn.Module, samples: list[Sample], repeats: int) -> dict[str, float]:
-    """Timed: trainer fwd+bwd tokens/s with live routing (no hooks) and with R3's hooks, on one batch."""
-    batch = collate(samples, torch.ones(sum(s.trained_tokens for s in samples)), pad_id=0)
-    tokens = int(batch.attention_mask.sum())
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
 
-    def once(replay: RoutingReplay | None) -> float:
-        start = time.perf_counter()
+
+def _costs(model: nn.Module, tokenizer: Any, setup: dict) -> dict[str, float]:
+    """Timed, interleaved pairs after an untimed warm-up (the machine's drift hits both alike):
+    - capture: the engine's rollout of `cost_prompts` x group samples recording every token's experts, and
+      not recording them (rollwise.engine.reference: `capture_routing`);
+    - replay: the trainer's fwd+bwd over those samples with live routing (no hooks) and with R3's hooks."""
+    cfg, task, work = setup["cfg"], setup["task"], setup["work"]
+    batch = setup["batches"][0]
+    problems, prompts = batch["problems"][: work.cost_prompts], batch["prompts"][: work.cost_prompts]
+    engine = BenchEngine(model, max_num_seqs=setup["max_num_seqs"], max_model_len=setup["max_model_len"])
+    rollout_s: dict[bool, list[float]] = {True: [], False: []}
+    samples = _rollout(engine, tokenizer, task, problems, prompts, work.group, work.max_tokens, 1.0, 7, cfg.reward)
+    for repeat in range(work.cost_repeats):
+        for capture in (True, False) if repeat % 2 == 0 else (False, True):
+            engine.engine.capture_routing = capture  # one engine both ways: two copies of the weights could differ in speed
+            started = time.perf_counter()
+            out = _rollout(engine, tokenizer, task, problems, prompts, work.group, work.max_tokens, 1.0,
+                           7, cfg.reward)  # the same seed: both ways sample the same tokens
+            rollout_s[capture].append(time.perf_counter() - started)
+            samples = out if capture else samples
+    trainer_model = copy.deepcopy(model).train()
+    collated = collate(samples, torch.ones(sum(s.trained_tokens for s in samples)), pad_id=0)
+
+    def fwd_bwd(replay: RoutingReplay | None) -> float:
+        started = time.perf_counter()
         if replay is not None:
-            replay.begin(batch.routing)
-        logp, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.target_mask)
+            replay.begin(collated.routing)
+        logp, _ = sequence_logprobs(trainer_model, collated.input_ids, collated.attention_mask, collated.target_mask)
         logp.sum().backward()
         if replay is not None:
             replay.end()
-        model.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
+        trainer_model.zero_grad(set_to_none=True)
+        return time.perf_counter() - started
 
+    fwd_bwd(None)  # warm-up, untimed
     plain, replayed = [], []
-    for _ in range(repeats):  # interleaved pairs: the machine's drift hits both alike
-        plain.append(once(None))
-        replay = RoutingReplay(model, "r3")
-        try:
-            replayed.append(once(replay))
-        finally:
-            replay.remove()
-    plain_s, replay_s = sorted(plain)[len(plain) // 2], sorted(replayed)[len(replayed) // 2]
-    return {"trainer_tokens_per_s_live": tokens / plain_s, "trainer_tokens_per_s_r3": tokens / replay_s,
-            "replay_overhead": replay_s / plain_s - 1}
+    for repeat in range(work.cost_repeats):
+        for with_replay in (False, True) if repeat % 2 == 0 else (True, False):
+            if not with_replay:
+                plain.append(fwd_bwd(None))
+                continue
+            replay = RoutingReplay(trainer_model, "r3")
+            try:
+                replayed.append(fwd_bwd(replay))
+            finally:
+                replay.remove()
+    tokens = int(collated.attention_mask.sum())
+    capture_s, no_capture_s = _median(rollout_s[True]), _median(rollout_s[False])
+    plain_s, replay_s = _median(plain), _median(replayed)
+    # Overheads: the median over pairs of each pair's ratio (a pair ran back to back, so the machine's drift
+    # between pairs cancels), not a ratio of medians.
+    return {"samples": len(samples), "pairs": work.cost_repeats,
+            "rollout_s_capture": capture_s, "rollout_s_no_capture": no_capture_s,
+            "capture_overhead": _median([a / b for a, b in zip(rollout_s[True], rollout_s[False])]) - 1,
+            "trainer_tokens_per_s_live": tokens / plain_s, "trainer_tokens_per_s_r3": tokens / replay_s,
+            "replay_overhead": _median([a / b for a, b in zip(replayed, plain)]) - 1}
+
+
+def step_share(result: dict[str, Any]) -> dict[str, float]:
+    """Capture and replay as a share of the R3 run's mean step: the capture overhead applied to its rollout
+    time, the replay overhead to its train time (both measured as fractions, idle, in `_costs`). The runs are
+    not timed idle, but only the phases' proportions enter the share. The measuring forwards are the
+    benchmark's, not a training step's, so they are left out of the step."""
+    rows = next(r for r in result["runs"] if r["routing_replay"] == "r3")["steps"]
+    rollout = sum(r["rollout_s"] for r in rows) / len(rows)
+    train = sum(r["train_s"] for r in rows) / len(rows)
+    push = sum(r["push_s"] for r in rows) / len(rows)
+    cost = result["cost"]
+    extra = max(cost["capture_overhead"], 0.0) * rollout / (1 + max(cost["capture_overhead"], 0.0)) \
+        + max(cost["replay_overhead"], 0.0) * train / (1 + max(cost["replay_overhead"], 0.0))
+    step = rollout + train + push
+    return {"step_s": step, "rollout_s": rollout, "train_s": train, "extra_s": extra, "share": extra / step}
 
 
 def moe_cap(model: nn.Module) -> dict[str, float]:
@@ -169,33 +279,52 @@ def moe_cap(model: nn.Module) -> dict[str, float]:
             "decode_bytes_per_token_bf16": 2 * active}
 
 
-def run_r3_bench(model: nn.Module, tokenizer: Any, *, quick: bool = False, seed: int = 0) -> dict[str, Any]:
+def moe_cap_efficiency(result: dict[str, Any], engine_peak: float, trainer_peak: float) -> dict[str, float]:
+    """MoE-CAP's sparsity-aware utilisation (S-MFU: only activated parameters count) of the engine (the R3 run's
+    rollouts: 2 x active FLOPs per sampled token; prefill's few prompt tokens left out) and the trainer (the
+    timed fwd+bwd: 6 x active per position), beside the sparsity-unaware figure that counts every parameter
+    (what a dense-model MFU formula reports for an MoE, overstating its work by total / active)."""
+    cap, cost = result["moe_cap"], result["cost"]
+    rows = next(r for r in result["runs"] if r["routing_replay"] == "r3")["steps"]
+    engine_tps = sum(r["response_tokens"] for r in rows) / sum(r["rollout_s"] for r in rows)
+    trainer_tps = cost["trainer_tokens_per_s_live"]
+    return {"engine_peak_flops": engine_peak, "trainer_peak_flops": trainer_peak,
+            "engine_tokens_per_s": engine_tps, "trainer_tokens_per_s": trainer_tps,
+            "engine_s_mfu": engine_tps * cap["forward_flops_per_token"] / engine_peak,
+            "engine_mfu_all_params": engine_tps * 2 * cap["params_total"] / engine_peak,
+            "trainer_s_mfu": trainer_tps * cap["train_flops_per_token"] / trainer_peak,
+            "trainer_mfu_all_params": trainer_tps * 6 * cap["params_total"] / trainer_peak}
+
+
+def run_r3_bench(model: nn.Module, tokenizer: Any, *, quick: bool = False, seed: int = 0, steps: int | None = None,
+                 log=lambda line: None) -> dict[str, Any]:
     cfg = load_config()
     task = make_task(cfg.task)
-    steps, prompts_per_step, group, max_tokens = (2, 2, 4, 16) if quick else (8, 8, 8, 96)
+    work = Workload.preset(quick, cfg, steps)
     train = task.problems("train")
-    eval_problems = task.problems("eval")[: 8 if quick else 64]
+    eval_problems = task.problems("eval")[: work.eval_problems]
     batches = []
-    for step in range(steps):
-        chosen = [train[(step * prompts_per_step + i) % len(train)] for i in range(prompts_per_step)]
+    for step in range(work.steps):
+        chosen = [train[(step * work.prompts_per_step + i) % len(train)] for i in range(work.prompts_per_step)]
         batches.append({"problems": chosen, "prompts": _prompts(tokenizer, chosen, cfg)})
     eval_prompts = _prompts(tokenizer, eval_problems, cfg)
     prompt_len = max(len(p) for p in eval_prompts + [p for b in batches for p in b["prompts"]])
-    setup = {"cfg": cfg, "task": task, "steps": steps, "group": group, "max_tokens": max_tokens,
-             "batches": batches, "eval_problems": eval_problems, "eval_prompts": eval_prompts,
-             "max_num_seqs": max(prompts_per_step * group, len(eval_problems)),
-             "max_model_len": prompt_len + max_tokens + 8, "lr": 1e-5 if not quick else 1e-4}
+    setup = {"cfg": cfg, "task": task, "work": work, "batches": batches, "eval_problems": eval_problems,
+             "eval_prompts": eval_prompts, "max_num_seqs": max(work.prompts_per_step * work.group, len(eval_problems)),
+             "max_model_len": prompt_len + work.max_tokens + 8}
     torch.manual_seed(seed)
-    runs = [_run("without R3", "none", model, tokenizer, setup), _run("with R3", "r3", model, tokenizer, setup)]
-    engine = ReferenceEngine(model, max_num_seqs=setup["max_num_seqs"], max_model_len=setup["max_model_len"],
-                             dtype=ENGINE_DTYPE, seed=0)
-    cost_samples = _rollout(engine, tokenizer, task, batches[0]["problems"], batches[0]["prompts"], group,
-                            max_tokens, 1.0, 7, cfg.reward)
-    return {"quick": quick, "engine_dtype": str(ENGINE_DTYPE), "trainer_dtype": "torch.float32",
-            "numerical_difference": "reference engine in bf16 vs trainer in fp32",
-            "runs": runs, "cost": _replay_cost(copy.deepcopy(model).train(), cost_samples, 2 if quick else 5),
-            "moe_cap": moe_cap(model), "steps": steps, "prompts_per_step": prompts_per_step, "group": group,
-            "max_tokens": max_tokens}
+    log("timing capture and replay (interleaved; keep the machine idle for this part)")
+    cost = _costs(model, tokenizer, setup)
+    log(f"capture {cost['capture_overhead']:+.1%} of a rollout, replay {cost['replay_overhead']:+.1%} of a fwd+bwd; "
+        "the two runs follow (counts, not timed)")
+    runs = [_run("without R3", "none", model, tokenizer, setup, log), _run("with R3", "r3", model, tokenizer, setup, log)]
+    result = {"quick": quick, "engine_precision": runs[0]["engine_precision"], "trainer_dtype": "torch.float32",
+              "numerical_difference": f"reference engine: {runs[0]['engine_precision']}; trainer fp32",
+              "workload": asdict(work), "runs": runs, "cost": cost, "moe_cap": moe_cap(model), "steps": work.steps}
+    result["cost_share_of_step"] = step_share(result)
+    engine_dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32  # BenchEngine's choice
+    result["efficiency"] = moe_cap_efficiency(result, machine_peak(engine_dtype).flops, machine_peak(torch.float32).flops)
+    return result
 
 
 def summary(run: dict[str, Any], measured: str) -> dict[str, float]:
@@ -203,8 +332,16 @@ def summary(run: dict[str, Any], measured: str) -> dict[str, float]:
     return {k: sum(r[f"{k}_{measured}"] for r in run["steps"]) / len(run["steps"]) for k in keys}
 
 
+def mismatch_cut(result: dict[str, Any]) -> float:
+    """How many times lower the logprob mismatch is with the engine's routing replayed than live, over both
+    runs' steps (the same rollouts measured both ways)."""
+    live = [r["logprob_mismatch_none"] for run in result["runs"] for r in run["steps"]]
+    replayed = [r["logprob_mismatch_r3"] for run in result["runs"] for r in run["steps"]]
+    return sum(live) / max(sum(replayed), 1e-30)
+
+
 def format_r3_bench(result: dict[str, Any]) -> Table:
-    table = Table(title=f"R3: engine {result['engine_dtype']} vs trainer fp32, mean over "
+    table = Table(title=f"R3: engine {result['engine_precision']} vs trainer fp32, mean over "
                         f"{result['steps']} steps (trainer forward with live routing / with the engine's replayed)")
     for col in ("run", "forward", "router disagree", "tokens any-layer", "|dlogp|", "k3 KL", "ratio>2",
                 "held-out acc"):
@@ -216,10 +353,14 @@ def format_r3_bench(result: dict[str, Any]) -> Table:
                           f"{m['routing_disagreement']:.4f}", f"{m['routing_tokens_any_disagree']:.4f}",
                           f"{m['logprob_mismatch']:.2e}", f"{m['k3_kl']:.2e}", f"{m['ratio_over_2']:.4f}",
                           f"{run['heldout_accuracy']:.3f}")
-    cost, cap = result["cost"], result["moe_cap"]
-    table.caption = (f"capture {result['runs'][0]['routed_bytes_per_token']} B/token; trainer fwd+bwd "
-                     f"{cost['trainer_tokens_per_s_live']:.0f} tok/s live vs {cost['trainer_tokens_per_s_r3']:.0f} "
-                     f"with R3 (overhead {cost['replay_overhead']:+.1%}); MoE-CAP: {cap['params_active'] / 1e6:.1f}M "
+    cost, cap, share, eff = result["cost"], result["moe_cap"], result["cost_share_of_step"], result["efficiency"]
+    table.caption = (f"R3 cuts |dlogp| {mismatch_cut(result):.2f}x. Capture "
+                     f"{result['runs'][0]['routed_bytes_per_token']} B/token, {cost['capture_overhead']:+.1%} of a "
+                     f"rollout; trainer fwd+bwd {cost['trainer_tokens_per_s_live']:.0f} tok/s live vs "
+                     f"{cost['trainer_tokens_per_s_r3']:.0f} with R3 ({cost['replay_overhead']:+.1%}); together "
+                     f"{share['share']:.1%} of a {share['step_s']:.0f} s step. MoE-CAP: {cap['params_active'] / 1e6:.1f}M "
                      f"of {cap['params_total'] / 1e6:.1f}M params active (dense {cap['params_dense'] / 1e6:.1f}M), "
-                     f"{cap['forward_flops_per_token'] / 1e6:.0f} MFLOP/token forward")
+                     f"{cap['forward_flops_per_token'] / 1e6:.0f} MFLOP/token forward; S-MFU engine "
+                     f"{eff['engine_s_mfu']:.1%} (all params: {eff['engine_mfu_all_params']:.1%}), trainer "
+                     f"{eff['trainer_s_mfu']:.1%} ({eff['trainer_mfu_all_params']:.1%})")
     return table

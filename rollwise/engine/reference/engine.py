@@ -140,6 +140,7 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, LoraServing, Engine
         drafter: Drafter | None = None,
         retention: RetentionLimits | None = None,
         retention_policy: PolicyName = "min_waste",
+        capture_routing: bool = True,
     ) -> None:
         super().__init__()  # paused/sleeping flags, unfinished requests, timeline on time.monotonic
         # from_hf copies the weights: the trainer keeps training hf_model, the engine samples from its copy.
@@ -175,6 +176,7 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, LoraServing, Engine
         self.spec_stats = {"drafted": 0, "accepted": 0, "rejected": 0, "verifications": 0}
         self._init_adapters()  # LoRA adapters, unmerged, per sequence (rollwise.engine.reference.lora)
         self._init_retention(retention, retention_policy)
+        self.capture_routing = capture_routing
 
     def _init_retention(self, retention: RetentionLimits | None, policy: PolicyName) -> None:
         """Session KV retention across tool calls (rollwise.engine.reference.kv_tiers); None: off."""
@@ -192,6 +194,20 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, LoraServing, Engine
         self.stats["recomputed_prompt_tokens"] = 0  # prompt tokens whose KV the engine had and let go
 
     # ---------------------------------------------------------------- public state
+
+    @property
+    def capture_routing(self) -> bool:
+        """MoE: return the experts every token went to with its sample (R3); always False for a dense model."""
+        return self.model.capture_routing
+
+    @capture_routing.setter
+    def capture_routing(self, on: bool) -> None:
+        # Off only to time what capture costs (`rollwise bench r3`): samples then carry no routing, and a
+        # replaying trainer refuses them. The prefix cache is emptied, so no later hit mixes entries kept with
+        # and without routing.
+        self.model.capture_routing = self.model.is_moe and on
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     @property
     def policy_version(self) -> int:
@@ -370,7 +386,7 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, LoraServing, Engine
         last_tokens = torch.tensor([seq.token_ids[-1] for seq in seqs])
         with self._adapter_rows(seqs):  # each row with its own sequence's adapter
             logits = self.model.decode(self.cache, last_tokens, [seq.slot for seq in seqs])
-        if self.model.is_moe:
+        if self.model.capture_routing:
             for seq, row in zip(seqs, self.model.last_routing):
                 seq.routing.append(row[None])
         return self._append_tokens(seqs, logits)
@@ -378,7 +394,7 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, LoraServing, Engine
     def _prompt_routing(self, hit) -> Tensor | None:
         """MoE: the experts of every prompt token of the prefill just run. Tokens served from the prefix
         cache skipped the MoE layers; their routing was cached with their KV (never silently missing)."""
-        if not self.model.is_moe:
+        if not self.model.capture_routing:
             return None
         computed = self.model.last_routing
         return computed if hit is None else torch.cat([hit.routing(), computed])

@@ -316,6 +316,7 @@ class LlamaFamilyModel(nn.Module):
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         # MoE only: the experts chosen for the tokens of the latest forward, [T, num_layers, top_k].
         self.last_routing: Tensor | None = None
+        self.capture_routing = self.is_moe  # the engine turns it off to measure what capture costs
 
     @property
     def is_moe(self) -> bool:
@@ -375,7 +376,7 @@ class LlamaFamilyModel(nn.Module):
         sin = emb.sin().to(self.dtype)[:, None, :]
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, functools.partial(attend, i))
-        if self.is_moe:
+        if self.capture_routing:
             self.last_routing = torch.stack([layer.mlp.last_experts for layer in self.model.layers], dim=1)
         return self.model.norm(x)
 
