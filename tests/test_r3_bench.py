@@ -97,5 +97,6 @@ def test_bench_r3_quick_runs_from_the_cli(tmp_path):
     replayed = result["runs"][1]["steps"][0]
     assert replayed["routing_disagreement_r3"] == 0.0
     assert {"capture_overhead", "replay_overhead"} <= set(result["cost"])
+    assert result["cost"]["capture_ops_s_per_rollout"] > 0 and result["cost"]["replay_hooks_s_per_fwd_bwd"] > 0
     assert 0.0 <= result["cost_share_of_step"]["share"]
     assert "R3 cuts" in proc.stdout

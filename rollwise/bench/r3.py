@@ -47,7 +47,7 @@ from rollwise.train.grpo import group_advantages
 from rollwise.train.logprobs import sequence_logprobs
 from rollwise.train.routing_replay import RoutingReplay, find_routers
 from rollwise.train.trainer import GRPOTrainer, collate
-from rollwise.types.sample import Sample
+from rollwise.types.sample import RoutedExperts, Sample
 
 class BenchEngine:
     """The reference engine at the benchmark's engine precision: native bf16 where the CPU computes it, else
@@ -223,16 +223,19 @@ def _costs(model: nn.Module, tokenizer: Any, setup: dict) -> dict[str, float]:
         return time.perf_counter() - started
 
     fwd_bwd(None)  # warm-up, untimed
-    plain, replayed = [], []
+    plain, replayed, hook_s = [], [], []
     for repeat in range(work.cost_repeats):
         for with_replay in (False, True) if repeat % 2 == 0 else (True, False):
             if not with_replay:
                 plain.append(fwd_bwd(None))
                 continue
             replay = RoutingReplay(trainer_model, "r3")
+            clock = _HookClock(replay.routers)
             try:
                 replayed.append(fwd_bwd(replay))
+                hook_s.append(clock.seconds)
             finally:
+                clock.remove()
                 replay.remove()
     tokens = int(collated.attention_mask.sum())
     capture_s, no_capture_s = _median(rollout_s[True]), _median(rollout_s[False])
@@ -243,7 +246,51 @@ def _costs(model: nn.Module, tokenizer: Any, setup: dict) -> dict[str, float]:
             "rollout_s_capture": capture_s, "rollout_s_no_capture": no_capture_s,
             "capture_overhead": _median([a / b for a, b in zip(rollout_s[True], rollout_s[False])]) - 1,
             "trainer_tokens_per_s_live": tokens / plain_s, "trainer_tokens_per_s_r3": tokens / replay_s,
-            "replay_overhead": _median([a / b for a, b in zip(replayed, plain)]) - 1}
+            "replay_overhead": _median([a / b for a, b in zip(replayed, plain)]) - 1,
+            # Counted, not compared: the seconds the work itself takes, which the paired ratios above cannot
+            # resolve below this machine's few-percent run-to-run spread.
+            "capture_ops_s_per_rollout": _capture_ops_seconds(samples, work.max_tokens),
+            "replay_hooks_s_per_fwd_bwd": _median(hook_s), "fwd_bwd_s": plain_s}
+
+
+class _HookClock:
+    """The seconds R3's hooks take in a forward: a forward hook prepended to each router (it runs before R3's)
+    starts a clock, one appended after R3's stops it. The routers themselves run either way; what replay adds
+    is its hook, plus the backward of its gate weights in place of the router's own (the same small ops)."""
+
+    def __init__(self, routers: list[nn.Module]) -> None:
+        self.seconds, self._started = 0.0, 0.0
+        self._handles = [h for r in routers for h in (r.register_forward_hook(self._start, prepend=True),
+                                                      r.register_forward_hook(self._stop))]
+
+    def _start(self, module, inputs, output) -> None:
+        self._started = time.perf_counter()
+
+    def _stop(self, module, inputs, output) -> None:
+        self.seconds += time.perf_counter() - self._started
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _capture_ops_seconds(samples: list[Sample], steps: int) -> float:
+    """The engine's capture work for one rollout of `samples`, counted: per decode step, stacking the layers'
+    experts and keeping each sequence's row (rollwise.engine.reference), then each sample's record encoded
+    (RoutedExperts.from_array), on tensors of the rollout's own shapes."""
+    first = samples[0].routed_experts
+    layers, k, batch = first.num_layers, first.top_k, len(samples)
+    per_layer = [torch.zeros(batch, k, dtype=torch.long) for _ in range(layers)]
+    started = time.perf_counter()
+    rows: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+    for _ in range(steps):
+        stacked = torch.stack(per_layer, dim=1)
+        for kept, row in zip(rows, stacked):
+            kept.append(row[None])
+    for s, kept in zip(samples, rows):
+        prompt = torch.zeros(len(s.prompt_ids), layers, k, dtype=torch.long)
+        RoutedExperts.from_array(torch.cat([prompt, *kept]), 127)
+    return time.perf_counter() - started
 
 
 def step_share(result: dict[str, Any]) -> dict[str, float]:
@@ -356,9 +403,11 @@ def format_r3_bench(result: dict[str, Any]) -> Table:
     cost, cap, share, eff = result["cost"], result["moe_cap"], result["cost_share_of_step"], result["efficiency"]
     table.caption = (f"R3 cuts |dlogp| {mismatch_cut(result):.2f}x. Capture "
                      f"{result['runs'][0]['routed_bytes_per_token']} B/token, {cost['capture_overhead']:+.1%} of a "
-                     f"rollout; trainer fwd+bwd {cost['trainer_tokens_per_s_live']:.0f} tok/s live vs "
-                     f"{cost['trainer_tokens_per_s_r3']:.0f} with R3 ({cost['replay_overhead']:+.1%}); together "
-                     f"{share['share']:.1%} of a {share['step_s']:.0f} s step. MoE-CAP: {cap['params_active'] / 1e6:.1f}M "
+                     f"rollout paired (its ops counted: {cost['capture_ops_s_per_rollout'] * 1e3:.1f} ms of "
+                     f"{cost['rollout_s_no_capture']:.1f} s); trainer fwd+bwd {cost['trainer_tokens_per_s_live']:.0f} "
+                     f"tok/s live vs {cost['trainer_tokens_per_s_r3']:.0f} with R3 ({cost['replay_overhead']:+.1%} "
+                     f"paired; its hooks counted: {cost['replay_hooks_s_per_fwd_bwd'] * 1e3:.1f} ms of "
+                     f"{cost['fwd_bwd_s']:.1f} s); paired, together {share['share']:.1%} of a {share['step_s']:.0f} s step. MoE-CAP: {cap['params_active'] / 1e6:.1f}M "
                      f"of {cap['params_total'] / 1e6:.1f}M params active (dense {cap['params_dense'] / 1e6:.1f}M), "
                      f"{cap['forward_flops_per_token'] / 1e6:.0f} MFLOP/token forward; S-MFU engine "
                      f"{eff['engine_s_mfu']:.1%} (all params: {eff['engine_mfu_all_params']:.1%}), trainer "
