@@ -353,13 +353,15 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         return 0
     if args.name == "r3":  # --quick: a tiny random MoE; else the upcycled MoE unless --model is given
         from rollwise.bench.r3 import format_r3_bench, run_r3_bench
-        from rollwise.model.loading import load_model
+        from rollwise.model.loading import BUNDLED_PREFIX, UPCYCLED_MODELS, load_model
 
         explicit_model = any(a == "--model" or a.startswith("--model=") for a in sys.argv)
         spec = "tiny-moe:0" if args.quick else (args.model if explicit_model else "bundled:smollm2-moe")
         with console.status(f"GRPO on {spec} with and without routing replay (engine bf16, trainer fp32)"):
             model, tokenizer = load_model(spec)
-            result = run_r3_bench(model, tokenizer, quick=args.quick, seed=args.seed, steps=args.steps,
+            upcycled = UPCYCLED_MODELS.get(spec.removeprefix(BUNDLED_PREFIX)) if spec.startswith(BUNDLED_PREFIX) else None
+            dense = None if upcycled is None else load_model(BUNDLED_PREFIX + upcycled[0])[0]  # timed beside it
+            result = run_r3_bench(model, tokenizer, quick=args.quick, seed=args.seed, steps=args.steps, dense=dense,
                                   log=console.log)
         result["command"] = " ".join(["rollwise"] + sys.argv[1:])
         result["model"] = spec

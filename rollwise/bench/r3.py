@@ -29,6 +29,7 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -139,13 +140,13 @@ class Workload:
     eval_problems: int
     lr: float
     cost_prompts: int  # the timed cost rollouts and trainer passes: this many prompts x group
-    cost_repeats: int  # interleaved pairs (with / without) per cost
+    cost_repeats: int  # pairs (with / without) per cost, each order in half of them
 
     @classmethod
     def preset(cls, quick: bool, cfg, steps: int | None = None) -> Workload:
         if quick:
             return cls(steps or 2, 2, 4, 16, 8, 1e-4, 1, 2)
-        return cls(steps or 6, 4, cfg.rollout.group_size, cfg.rollout.max_tokens, 64, cfg.train.lr, 1, 5)
+        return cls(steps or 6, 4, cfg.rollout.group_size, cfg.rollout.max_tokens, 64, cfg.train.lr, 1, 6)
 
 
 def _run(label: str, mode: str, model: nn.Module, tokenizer: Any, setup: dict, log) -> dict[str, Any]:
@@ -244,8 +245,10 @@ def _costs(model: nn.Module, tokenizer: Any, setup: dict) -> dict[str, float]:
     # between pairs cancels), not a ratio of medians.
     return {"samples": len(samples), "pairs": work.cost_repeats,
             "rollout_s_capture": capture_s, "rollout_s_no_capture": no_capture_s,
+            "capture_ratios": [a / b for a, b in zip(rollout_s[True], rollout_s[False])],
             "capture_overhead": _median([a / b for a, b in zip(rollout_s[True], rollout_s[False])]) - 1,
             "trainer_tokens_per_s_live": tokens / plain_s, "trainer_tokens_per_s_r3": tokens / replay_s,
+            "replay_ratios": [a / b for a, b in zip(replayed, plain)],
             "replay_overhead": _median([a / b for a, b in zip(replayed, plain)]) - 1,
             # Counted, not compared: the seconds the work itself takes, which the paired ratios above cannot
             # resolve below this machine's few-percent run-to-run spread.
@@ -295,18 +298,29 @@ def _capture_ops_seconds(samples: list[Sample], steps: int) -> float:
 
 def step_share(result: dict[str, Any]) -> dict[str, float]:
     """Capture and replay as a share of the R3 run's mean step: the capture overhead applied to its rollout
-    time, the replay overhead to its train time (both measured as fractions, idle, in `_costs`). The runs are
-    not timed idle, but only the phases' proportions enter the share. The measuring forwards are the
-    benchmark's, not a training step's, so they are left out of the step."""
+    time, the replay overhead to its train time. Two readings: `share` from the paired wall-clock ratios of
+    `_costs`, and `share_counted` from the seconds their own work was counted to take (the paired ratios
+    carry this machine's few-percent run-to-run spread, the counted ones do not). The runs are not timed
+    idle, but only the phases' proportions enter the share. The measuring forwards are the benchmark's, not a
+    training step's, so they are left out of the step."""
     rows = next(r for r in result["runs"] if r["routing_replay"] == "r3")["steps"]
     rollout = sum(r["rollout_s"] for r in rows) / len(rows)
     train = sum(r["train_s"] for r in rows) / len(rows)
     push = sum(r["push_s"] for r in rows) / len(rows)
     cost = result["cost"]
-    extra = max(cost["capture_overhead"], 0.0) * rollout / (1 + max(cost["capture_overhead"], 0.0)) \
-        + max(cost["replay_overhead"], 0.0) * train / (1 + max(cost["replay_overhead"], 0.0))
     step = rollout + train + push
-    return {"step_s": step, "rollout_s": rollout, "train_s": train, "extra_s": extra, "share": extra / step}
+
+    def extra(capture: float, replay: float) -> float:  # overheads as fractions of the phase without them
+        capture, replay = max(capture, 0.0), max(replay, 0.0)
+        return capture * rollout / (1 + capture) + replay * train / (1 + replay)
+
+    paired = extra(cost["capture_overhead"], cost["replay_overhead"])
+    out = {"step_s": step, "rollout_s": rollout, "train_s": train, "extra_s": paired, "share": paired / step}
+    if "capture_ops_s_per_rollout" in cost:
+        counted = extra(cost["capture_ops_s_per_rollout"] / cost["rollout_s_no_capture"],
+                        cost["replay_hooks_s_per_fwd_bwd"] / cost["fwd_bwd_s"])
+        out.update(extra_s_counted=counted, share_counted=counted / step)
+    return out
 
 
 def moe_cap(model: nn.Module) -> dict[str, float]:
@@ -343,11 +357,10 @@ def moe_cap_efficiency(result: dict[str, Any], engine_peak: float, trainer_peak:
             "trainer_mfu_all_params": trainer_tps * 6 * cap["params_total"] / trainer_peak}
 
 
-def run_r3_bench(model: nn.Module, tokenizer: Any, *, quick: bool = False, seed: int = 0, steps: int | None = None,
-                 log=lambda line: None) -> dict[str, Any]:
+def make_setup(tokenizer: Any, work: Workload) -> dict[str, Any]:
+    """The prompts of every step and of the held-out evaluation, and the engine's sizes."""
     cfg = load_config()
     task = make_task(cfg.task)
-    work = Workload.preset(quick, cfg, steps)
     train = task.problems("train")
     eval_problems = task.problems("eval")[: work.eval_problems]
     batches = []
@@ -356,12 +369,51 @@ def run_r3_bench(model: nn.Module, tokenizer: Any, *, quick: bool = False, seed:
         batches.append({"problems": chosen, "prompts": _prompts(tokenizer, chosen, cfg)})
     eval_prompts = _prompts(tokenizer, eval_problems, cfg)
     prompt_len = max(len(p) for p in eval_prompts + [p for b in batches for p in b["prompts"]])
-    setup = {"cfg": cfg, "task": task, "work": work, "batches": batches, "eval_problems": eval_problems,
-             "eval_prompts": eval_prompts, "max_num_seqs": max(work.prompts_per_step * work.group, len(eval_problems)),
-             "max_model_len": prompt_len + work.max_tokens + 8}
+    return {"cfg": cfg, "task": task, "work": work, "batches": batches, "eval_problems": eval_problems,
+            "eval_prompts": eval_prompts, "max_num_seqs": max(work.prompts_per_step * work.group, len(eval_problems)),
+            "max_model_len": prompt_len + work.max_tokens + 8}
+
+
+def dense_efficiency(model: nn.Module, tokenizer: Any, setup: dict[str, Any]) -> dict[str, float]:
+    """The dense model's side of MoE-CAP's comparison, timed as `_costs` times the MoE (the same cost rollout at
+    the same engine precision, the same fwd+bwd), medians of `cost_repeats` after a warm-up: tokens/s and MFU
+    (for a dense model every parameter is active)."""
+    cfg, task, work = setup["cfg"], setup["task"], setup["work"]
+    batch = setup["batches"][0]
+    problems, prompts = batch["problems"][: work.cost_prompts], batch["prompts"][: work.cost_prompts]
+    engine = BenchEngine(model, max_num_seqs=setup["max_num_seqs"], max_model_len=setup["max_model_len"])
+    rollout_s, samples = [], []
+    for repeat in range(work.cost_repeats + 1):  # the first warms up
+        started = time.perf_counter()
+        samples = _rollout(engine, tokenizer, task, problems, prompts, work.group, work.max_tokens, 1.0, 7, cfg.reward)
+        rollout_s.append(time.perf_counter() - started)
+    trainer_model = copy.deepcopy(model).train()
+    collated = collate(samples, torch.ones(sum(s.trained_tokens for s in samples)), pad_id=0)
+    fwd_bwd_s = []
+    for _ in range(work.cost_repeats + 1):
+        started = time.perf_counter()
+        logp, _ = sequence_logprobs(trainer_model, collated.input_ids, collated.attention_mask, collated.target_mask)
+        logp.sum().backward()
+        trainer_model.zero_grad(set_to_none=True)
+        fwd_bwd_s.append(time.perf_counter() - started)
+    params = sum(p.numel() for p in model.parameters())
+    engine_tps = sum(len(s.response_ids) for s in samples) / _median(rollout_s[1:])
+    trainer_tps = int(collated.attention_mask.sum()) / _median(fwd_bwd_s[1:])
+    engine_dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32  # BenchEngine's choice
+    return {"params": params, "engine_tokens_per_s": engine_tps, "trainer_tokens_per_s": trainer_tps,
+            "engine_mfu": engine_tps * 2 * params / machine_peak(engine_dtype).flops,
+            "trainer_mfu": trainer_tps * 6 * params / machine_peak(torch.float32).flops}
+
+
+def run_r3_bench(model: nn.Module, tokenizer: Any, *, quick: bool = False, seed: int = 0, steps: int | None = None,
+                 dense: nn.Module | None = None, log=lambda line: None) -> dict[str, Any]:
+    """`dense`: the model the MoE was upcycled from, timed beside it (MoE-CAP's comparison); None: not timed."""
+    work = Workload.preset(quick, load_config(), steps)
+    setup = make_setup(tokenizer, work)
     torch.manual_seed(seed)
     log("timing capture and replay (interleaved; keep the machine idle for this part)")
     cost = _costs(model, tokenizer, setup)
+    dense_side = None if dense is None else dense_efficiency(dense, tokenizer, setup)
     log(f"capture {cost['capture_overhead']:+.1%} of a rollout, replay {cost['replay_overhead']:+.1%} of a fwd+bwd; "
         "the two runs follow (counts, not timed)")
     runs = [_run("without R3", "none", model, tokenizer, setup, log), _run("with R3", "r3", model, tokenizer, setup, log)]
@@ -371,6 +423,7 @@ def run_r3_bench(model: nn.Module, tokenizer: Any, *, quick: bool = False, seed:
     result["cost_share_of_step"] = step_share(result)
     engine_dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32  # BenchEngine's choice
     result["efficiency"] = moe_cap_efficiency(result, machine_peak(engine_dtype).flops, machine_peak(torch.float32).flops)
+    result["dense_efficiency"] = dense_side
     return result
 
 
@@ -407,9 +460,38 @@ def format_r3_bench(result: dict[str, Any]) -> Table:
                      f"{cost['rollout_s_no_capture']:.1f} s); trainer fwd+bwd {cost['trainer_tokens_per_s_live']:.0f} "
                      f"tok/s live vs {cost['trainer_tokens_per_s_r3']:.0f} with R3 ({cost['replay_overhead']:+.1%} "
                      f"paired; its hooks counted: {cost['replay_hooks_s_per_fwd_bwd'] * 1e3:.1f} ms of "
-                     f"{cost['fwd_bwd_s']:.1f} s); paired, together {share['share']:.1%} of a {share['step_s']:.0f} s step. MoE-CAP: {cap['params_active'] / 1e6:.1f}M "
+                     f"{cost['fwd_bwd_s']:.1f} s); together {share['share']:.1%} of a {share['step_s']:.0f} s step paired, "
+                     f"{share['share_counted']:.2%} counted. MoE-CAP: {cap['params_active'] / 1e6:.1f}M "
                      f"of {cap['params_total'] / 1e6:.1f}M params active (dense {cap['params_dense'] / 1e6:.1f}M), "
                      f"{cap['forward_flops_per_token'] / 1e6:.0f} MFLOP/token forward; S-MFU engine "
                      f"{eff['engine_s_mfu']:.1%} (all params: {eff['engine_mfu_all_params']:.1%}), trainer "
-                     f"{eff['trainer_s_mfu']:.1%} ({eff['trainer_mfu_all_params']:.1%})")
+                     f"{eff['trainer_s_mfu']:.1%} ({eff['trainer_mfu_all_params']:.1%})"
+                     + ("" if result.get("dense_efficiency") is None else
+                        f"; the dense model: engine {result['dense_efficiency']['engine_mfu']:.1%}, trainer "
+                        f"{result['dense_efficiency']['trainer_mfu']:.1%}"))
     return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m rollwise.bench.r3 --dense SPEC [--json PATH]`: only the dense model's side of the MoE-CAP
+    comparison (what `rollwise bench r3` times beside an upcycled bundled MoE), at the full workload's sizes."""
+    import argparse
+    import json
+
+    from rollwise.model.loading import load_model
+
+    parser = argparse.ArgumentParser(prog="python -m rollwise.bench.r3")
+    parser.add_argument("--dense", required=True, metavar="SPEC", help="the dense model, e.g. bundled:smollm2-135m-instruct")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    model, tokenizer = load_model(args.dense)
+    result = dense_efficiency(model, tokenizer, make_setup(tokenizer, Workload.preset(False, load_config())))
+    result["command"] = f"python -m rollwise.bench.r3 --dense {args.dense}"
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
