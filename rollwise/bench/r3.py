@@ -40,7 +40,7 @@ from rollwise.bench.bf16_gemms import emulated_bf16, round_weights_
 from rollwise.config import RewardConfig, TrainConfig, load_config
 from rollwise.engine.reference import ReferenceEngine
 from rollwise.engine.types import GenerationRequest, SamplingParams
-from rollwise.model.precision import cpu_has_native_bf16
+from rollwise.model.precision import resolve_dtype
 from rollwise.observe.peak import machine_peak
 from rollwise.reward.scoring import score
 from rollwise.tasks import build_messages, encode_prompt, make_task
@@ -50,15 +50,18 @@ from rollwise.train.routing_replay import RoutingReplay, find_routers
 from rollwise.train.trainer import GRPOTrainer, collate
 from rollwise.types.sample import RoutedExperts, Sample
 
+# What the engine computes in: bf16 where the CPU computes it natively ("auto"), else fp32 with bf16 GEMMs emulated.
+ENGINE_DTYPE = resolve_dtype("auto")
+
+
 class BenchEngine:
     """The reference engine at the benchmark's engine precision: native bf16 where the CPU computes it, else
     bf16 GEMMs emulated in fp32 (weights re-rounded after every push, linears rounded while it generates)."""
 
-    def __init__(self, model: nn.Module, *, max_num_seqs: int, max_model_len: int, capture_routing: bool = True):
-        self.emulated = not cpu_has_native_bf16()
+    def __init__(self, model: nn.Module, *, max_num_seqs: int, max_model_len: int):
+        self.emulated = ENGINE_DTYPE != torch.bfloat16
         self.engine = ReferenceEngine(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                      dtype=torch.float32 if self.emulated else torch.bfloat16, seed=0,
-                                      capture_routing=capture_routing)
+                                      dtype=ENGINE_DTYPE, seed=0)
         if self.emulated:
             round_weights_(self.engine.model)
 
@@ -96,6 +99,11 @@ def _rollout(engine: BenchEngine, tokenizer: Any, task, problems, prompts, group
     return samples
 
 
+def _collated(samples: list[Sample]):
+    """Right-padded prompt + response rows with every response token trained (the routing records included)."""
+    return collate(samples, torch.ones(sum(s.trained_tokens for s in samples)), pad_id=0)
+
+
 def _advantages(samples: list[Sample], group: int) -> None:
     rewards = torch.tensor([s.reward for s in samples]).view(-1, group)
     for s, a in zip(samples, group_advantages(rewards).flatten().tolist()):
@@ -106,7 +114,7 @@ def _advantages(samples: list[Sample], group: int) -> None:
 def mismatch(trainer: GRPOTrainer, samples: list[Sample], mode: str) -> dict[str, float]:
     """The trainer's (fp32) forward over the rollouts, routers replayed (r3) or live (none), vs the engine.
     Uses the trainer's own router hooks, switched to `mode` for this forward."""
-    batch = collate(samples, torch.ones(sum(s.trained_tokens for s in samples)), pad_id=0)
+    batch = _collated(samples)
     replay, trained_mode = trainer.routing, trainer.routing.mode
     replay.mode = mode
     try:
@@ -190,50 +198,56 @@ def _median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
+def _cost_rollout(engine: BenchEngine, tokenizer: Any, setup: dict) -> list[Sample]:
+    """The timed rollout: the first step's first `cost_prompts` prompts x group, always the same seed (so every
+    repeat samples the same tokens)."""
+    cfg, work, batch = setup["cfg"], setup["work"], setup["batches"][0]
+    return _rollout(engine, tokenizer, setup["task"], batch["problems"][: work.cost_prompts],
+                    batch["prompts"][: work.cost_prompts], work.group, work.max_tokens, 1.0, 7, cfg.reward)
+
+
+def _fwd_bwd(model: nn.Module, batch, replay: RoutingReplay | None = None) -> float:
+    """Seconds of one trainer forward + backward over a collated batch (R3's hooks fed when `replay` is given)."""
+    started = time.perf_counter()
+    if replay is not None:
+        replay.begin(batch.routing)
+    logp, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.target_mask)
+    logp.sum().backward()
+    if replay is not None:
+        replay.end()
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - started
+
+
 def _costs(model: nn.Module, tokenizer: Any, setup: dict) -> dict[str, float]:
     """Timed, interleaved pairs after an untimed warm-up (the machine's drift hits both alike):
     - capture: the engine's rollout of `cost_prompts` x group samples recording every token's experts, and
       not recording them (rollwise.engine.reference: `capture_routing`);
     - replay: the trainer's fwd+bwd over those samples with live routing (no hooks) and with R3's hooks."""
-    cfg, task, work = setup["cfg"], setup["task"], setup["work"]
-    batch = setup["batches"][0]
-    problems, prompts = batch["problems"][: work.cost_prompts], batch["prompts"][: work.cost_prompts]
+    work = setup["work"]
     engine = BenchEngine(model, max_num_seqs=setup["max_num_seqs"], max_model_len=setup["max_model_len"])
     rollout_s: dict[bool, list[float]] = {True: [], False: []}
-    samples = _rollout(engine, tokenizer, task, problems, prompts, work.group, work.max_tokens, 1.0, 7, cfg.reward)
+    samples = _cost_rollout(engine, tokenizer, setup)  # warm-up, untimed
     for repeat in range(work.cost_repeats):
         for capture in (True, False) if repeat % 2 == 0 else (False, True):
             engine.engine.capture_routing = capture  # one engine both ways: two copies of the weights could differ in speed
             started = time.perf_counter()
-            out = _rollout(engine, tokenizer, task, problems, prompts, work.group, work.max_tokens, 1.0,
-                           7, cfg.reward)  # the same seed: both ways sample the same tokens
+            out = _cost_rollout(engine, tokenizer, setup)  # the same seed: both ways sample the same tokens
             rollout_s[capture].append(time.perf_counter() - started)
             samples = out if capture else samples
     trainer_model = copy.deepcopy(model).train()
-    collated = collate(samples, torch.ones(sum(s.trained_tokens for s in samples)), pad_id=0)
-
-    def fwd_bwd(replay: RoutingReplay | None) -> float:
-        started = time.perf_counter()
-        if replay is not None:
-            replay.begin(collated.routing)
-        logp, _ = sequence_logprobs(trainer_model, collated.input_ids, collated.attention_mask, collated.target_mask)
-        logp.sum().backward()
-        if replay is not None:
-            replay.end()
-        trainer_model.zero_grad(set_to_none=True)
-        return time.perf_counter() - started
-
-    fwd_bwd(None)  # warm-up, untimed
+    collated = _collated(samples)
+    _fwd_bwd(trainer_model, collated)  # warm-up, untimed
     plain, replayed, hook_s = [], [], []
     for repeat in range(work.cost_repeats):
         for with_replay in (False, True) if repeat % 2 == 0 else (True, False):
             if not with_replay:
-                plain.append(fwd_bwd(None))
+                plain.append(_fwd_bwd(trainer_model, collated))
                 continue
             replay = RoutingReplay(trainer_model, "r3")
             clock = _HookClock(replay.routers)
             try:
-                replayed.append(fwd_bwd(replay))
+                replayed.append(_fwd_bwd(trainer_model, collated, replay))
                 hook_s.append(clock.seconds)
             finally:
                 clock.remove()
@@ -378,30 +392,21 @@ def dense_efficiency(model: nn.Module, tokenizer: Any, setup: dict[str, Any]) ->
     """The dense model's side of MoE-CAP's comparison, timed as `_costs` times the MoE (the same cost rollout at
     the same engine precision, the same fwd+bwd), medians of `cost_repeats` after a warm-up: tokens/s and MFU
     (for a dense model every parameter is active)."""
-    cfg, task, work = setup["cfg"], setup["task"], setup["work"]
-    batch = setup["batches"][0]
-    problems, prompts = batch["problems"][: work.cost_prompts], batch["prompts"][: work.cost_prompts]
+    work = setup["work"]
     engine = BenchEngine(model, max_num_seqs=setup["max_num_seqs"], max_model_len=setup["max_model_len"])
     rollout_s, samples = [], []
     for repeat in range(work.cost_repeats + 1):  # the first warms up
         started = time.perf_counter()
-        samples = _rollout(engine, tokenizer, task, problems, prompts, work.group, work.max_tokens, 1.0, 7, cfg.reward)
+        samples = _cost_rollout(engine, tokenizer, setup)
         rollout_s.append(time.perf_counter() - started)
     trainer_model = copy.deepcopy(model).train()
-    collated = collate(samples, torch.ones(sum(s.trained_tokens for s in samples)), pad_id=0)
-    fwd_bwd_s = []
-    for _ in range(work.cost_repeats + 1):
-        started = time.perf_counter()
-        logp, _ = sequence_logprobs(trainer_model, collated.input_ids, collated.attention_mask, collated.target_mask)
-        logp.sum().backward()
-        trainer_model.zero_grad(set_to_none=True)
-        fwd_bwd_s.append(time.perf_counter() - started)
+    collated = _collated(samples)
+    fwd_bwd_s = [_fwd_bwd(trainer_model, collated) for _ in range(work.cost_repeats + 1)]  # the first warms up
     params = sum(p.numel() for p in model.parameters())
     engine_tps = sum(len(s.response_ids) for s in samples) / _median(rollout_s[1:])
     trainer_tps = int(collated.attention_mask.sum()) / _median(fwd_bwd_s[1:])
-    engine_dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32  # BenchEngine's choice
     return {"params": params, "engine_tokens_per_s": engine_tps, "trainer_tokens_per_s": trainer_tps,
-            "engine_mfu": engine_tps * 2 * params / machine_peak(engine_dtype).flops,
+            "engine_mfu": engine_tps * 2 * params / machine_peak(ENGINE_DTYPE).flops,
             "trainer_mfu": trainer_tps * 6 * params / machine_peak(torch.float32).flops}
 
 
@@ -421,8 +426,7 @@ def run_r3_bench(model: nn.Module, tokenizer: Any, *, quick: bool = False, seed:
               "numerical_difference": f"reference engine: {runs[0]['engine_precision']}; trainer fp32",
               "workload": asdict(work), "runs": runs, "cost": cost, "moe_cap": moe_cap(model), "steps": work.steps}
     result["cost_share_of_step"] = step_share(result)
-    engine_dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32  # BenchEngine's choice
-    result["efficiency"] = moe_cap_efficiency(result, machine_peak(engine_dtype).flops, machine_peak(torch.float32).flops)
+    result["efficiency"] = moe_cap_efficiency(result, machine_peak(ENGINE_DTYPE).flops, machine_peak(torch.float32).flops)
     result["dense_efficiency"] = dense_side
     return result
 
