@@ -193,6 +193,15 @@ def build_launch(mode: LaunchMode, workspace: Path, command: str, limits: Sandbo
             argv += ["--unshare-user", "--uid", str(NOBODY[0]), "--gid", str(NOBODY[1]), "--cap-drop", "ALL"]
             if bwrap_supports("--disable-userns"):  # no nested user namespace: no capabilities to mount with
                 argv += ["--disable-userns"]
+        if bwrap_supports("--as-pid-1"):
+            # The command is the namespace's pid 1, with no bwrap init above it. bwrap's init reports the
+            # command's exit and bwrap exits at once, before the init has exited: every command, even one
+            # that exited cleanly, left that init to the host's PID 1 as an orphan zombie of the sandbox
+            # uid, counted against its RLIMIT_NPROC until reaped (~2 s on a VM, never where PID 1 does not
+            # reap: docker without --init, a Python entrypoint). Without the init, bwrap reaps the command
+            # itself. Inside, orphans of the command go to the command (not to an init that reaps them)
+            # until it ends, when the kernel ends the whole namespace.
+            argv += ["--as-pid-1"]
         fds = fds or LaunchFds()
         if fds.info is not None:
             argv += ["--info-fd", str(fds.info)]

@@ -183,13 +183,15 @@ def run_bounded(
             writer.start()
         killed_for = _pump(proc, out, err, deadline=start + timeout_s, kill_bytes=kill_bytes)
     finally:
+        info = _read_ready(info_pipe[0]) if info_pipe else b""
+        _let_launcher_reap(proc, _init_pid(info), killed=killed_for is not None)
         kill_group(proc.pid)  # whatever happened above: nothing of this command survives it
         for stream in (proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()
         proc.wait()
         if info_pipe:
-            stragglers = not _wait_namespace_gone(info_pipe[0], timeout_s=5.0)
+            stragglers = not _wait_namespace_gone(info + _read_to_end(info_pipe[0]), timeout_s=5.0)
         if reap_wait_s > 0:
             wait_group_gone(proc.pid, reap_wait_s)
         if writer is not None:
@@ -209,18 +211,64 @@ def _spawn_error(exc: BaseException) -> str:
     return f"could not start the command: {type(exc).__name__}: {exc}"
 
 
-def _wait_namespace_gone(info_fd: int, timeout_s: float) -> bool:
-    """Wait until the pid namespace bwrap reported on `info_fd` is empty; False if it is not in time.
-
-    bwrap is gone when this runs, so the pipe holds its whole JSON (or nothing, if it failed
-    before creating the namespace). The kernel completes the exit of a namespace's init only after
-    every other process of that namespace has exited, and a pidfd reports exactly that exit.
-    """
-    with os.fdopen(info_fd, "rb") as f:
-        raw = f.read()
+def _read_ready(fd: int) -> bytes:
+    """What is in the pipe now, without waiting (bwrap writes its --info-fd JSON once, at start)."""
+    os.set_blocking(fd, False)
     try:
-        init_pid = int(json.loads(raw)["child-pid"])
+        return os.read(fd, 65536)
+    except BlockingIOError:
+        return b""
+    finally:
+        os.set_blocking(fd, True)
+
+
+def _read_to_end(fd: int) -> bytes:
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def _init_pid(info: bytes) -> int | None:
+    """The host pid of the pid namespace's init, from bwrap's --info-fd JSON (None before it wrote it)."""
+    try:
+        return int(json.loads(info)["child-pid"])
     except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _let_launcher_reap(proc: subprocess.Popen, init_pid: int | None, *, killed: bool) -> None:
+    """Have the launcher (bwrap) reap its namespace's init before the group kill reaches the launcher.
+
+    Killed first, the launcher left the dying init to the host's PID 1 as an orphan zombie: ~2 s on a
+    VM whose init reaps, forever in a container whose PID 1 never reaps (docker without --init, a
+    Python entrypoint), and every such zombie of the sandbox uid counts against its RLIMIT_NPROC until
+    later commands cannot fork. That happened after *every* command, even one that exited normally:
+    its pipes close a moment before bwrap has reaped the init and exited. So: a command we stop gets its
+    namespace's init killed (which ends everything inside), and then, in both cases, the launcher gets a
+    moment to reap it and exit on its own.
+    """
+    if killed:
+        if init_pid is None or proc.poll() is not None:  # (bwrap alive: the pid is still its child's)
+            return  # no namespace init we know of: the group kill is all there is
+        try:
+            os.kill(init_pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+    try:
+        proc.wait(timeout=_EXIT_GRACE_S if not killed else 1.0)
+    except subprocess.TimeoutExpired:
+        pass  # a launcher that does not exit is killed with its group
+
+
+def _wait_namespace_gone(info: bytes, timeout_s: float) -> bool:
+    """Wait until the pid namespace bwrap reported in `info` (its --info-fd JSON) is empty; False if it is
+    not in time.
+
+    bwrap is gone when this runs, so `info` is its whole JSON (or nothing, if it failed before creating
+    the namespace). The kernel completes the exit of a namespace's init only after every other process
+    of that namespace has exited, and a pidfd reports exactly that exit.
+    """
+    init_pid = _init_pid(info)
+    if init_pid is None:
         return True  # bwrap never got as far as starting anything
     try:
         pidfd = os.pidfd_open(init_pid)
@@ -253,7 +301,7 @@ def _write_stdin(pipe, data: bytes) -> None:
 
 
 def _pump(proc: subprocess.Popen, out: Capture, err: Capture, *, deadline: float, kill_bytes: int) -> str | None:
-    """Drain both pipes until EOF or a limit; returns why we killed it, or None."""
+    """Drain both pipes until EOF or a limit; returns why the caller must kill it, or None."""
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ, out)
     sel.register(proc.stderr, selectors.EVENT_READ, err)
@@ -262,7 +310,6 @@ def _pump(proc: subprocess.Popen, out: Capture, err: Capture, *, deadline: float
         while sel.get_map():
             now = time.monotonic()
             if now >= deadline:
-                kill_group(proc.pid)
                 return "timeout"
             if exited_at is None and proc.poll() is not None:
                 exited_at = now
@@ -276,13 +323,11 @@ def _pump(proc: subprocess.Popen, out: Capture, err: Capture, *, deadline: float
                     continue
                 key.data.feed(chunk)
                 if out.total + err.total > kill_bytes:
-                    kill_group(proc.pid)
                     return "output"
         # Pipes closed: wait for the exit status, still under the deadline.
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            kill_group(proc.pid)
             return "timeout"
         return None
     finally:
