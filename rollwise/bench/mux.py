@@ -211,17 +211,20 @@ def _read_arm_job(base: Path, arm: str, name: str) -> dict[str, Any]:
 
 def run_dedicated(base: Path, configs: dict[str, Path], workload: dict[str, Any], min_slice_s: float = 5.0,
                   timeout: float = 1800.0, arm: str = "dedicated") -> dict[str, dict[str, Any]]:
-    """The dedicated arm: one job at a time on a 1-engine pool of its own (the pool serves nobody else
-    meanwhile), so both arms run the same code path and differ only in sharing. Per job: its timings."""
+    """The dedicated arm: one job at a time, each on a fresh 1-engine pool of its own, so both arms run the
+    same code path and differ only in sharing. Fresh, because a dedicated engine is built for its job:
+    reusing one pool let a LoRA job find the previous job's base engine warm (its build, ~5-7 s of a
+    ~25 s job here, paid by the first job only), which the shared arm's jobs all wait for. Per job: its
+    timings and the CPU seconds of its pool while it ran."""
     dedicated: dict[str, dict[str, Any]] = {}
-    pool, url = _start_pool(1, workload, min_slice_s, base / f"pool-{arm}.log")
-    try:
-        for n, config in configs.items():  # one after another: each has the machine (and its engine) to itself
+    for n, config in configs.items():  # one after another: each has the machine (and its engine) to itself
+        pool, url = _start_pool(1, workload, min_slice_s, base / f"pool-{arm}-{n}.log")
+        try:
             cpu0 = process_cpu_s(pool.pid)
             _wait([_spawn_arm_job(base, arm, n, config, url)], timeout)
             dedicated[n] = _read_arm_job(base, arm, n) | {"pool_cpu_s": process_cpu_s(pool.pid) - cpu0}
-    finally:
-        _stop(pool)
+        finally:
+            _stop(pool)
     return dedicated
 
 
@@ -356,8 +359,10 @@ def project_from_dedicated(dedicated: dict[str, dict[str, Any]], engines: int, w
                            host: Host = Host(), base: str | None = None) -> dict[str, Any]:
     """The scenario in simulation, calibrated on its dedicated arm: each job's generation, train (+ weight
     sync) and start-up times per step as measured alone; an engine cost model whose decode step makes the
-    slowest job's measured generation (every sample runs to max_tokens: the tiny models rarely stop);
-    the pool's measured switch costs. `base`: the jobs are LoRA jobs on that base (one engine tenancy)."""
+    slowest job's measured generation (every sample runs to max_tokens: the tiny models rarely stop),
+    `host.engine_batch_share` of it growing with the batch (measure_batch_share; the default Host, a GPU
+    cluster: 0, a step costs the same at any batch); the pool's measured switch costs. `base`: the jobs are LoRA jobs on that base (one engine
+    tenancy)."""
     from rollwise.pool.scheduler import Policy
     from rollwise.sim.cost import CostModel
     from rollwise.sim.mux import MuxJob, Transitions, compare_shared_vs_dedicated
@@ -365,7 +370,9 @@ def project_from_dedicated(dedicated: dict[str, dict[str, Any]], engines: int, w
     max_tokens = workload["max_tokens"]
     per_step = {n: d["generate_s"] / max(d["steps"], 1) for n, d in dedicated.items()}
     step_s = max(per_step.values()) / max_tokens
-    cost = CostModel(name="fitted to bench mux's dedicated arm", step_overhead_s=step_s,
+    batch, share = workload["prompts_per_step"] * workload["group_size"], host.engine_batch_share
+    cost = CostModel(name="fitted to bench mux's dedicated arm", step_overhead_s=step_s * (1 - share),
+                     decode_s_per_seq=step_s * share / batch,
                      max_num_seqs=workload["max_num_seqs"], max_model_len=workload["max_model_len"])
     jobs = []
     for n, d in dedicated.items():
@@ -412,6 +419,11 @@ def _cpu_busy(seconds: float = 1.0) -> float | None:
 QUICK = {"prompts_per_step": 4, "group_size": 8, "max_tokens": 96, "max_num_seqs": 32, "max_model_len": 192,
          "updates_per_step": 2, "micro_batch_size": 16, "eval_size": 4}
 FULL = QUICK
+# LoRA jobs share one engine *batch*, so the engine must seat every job's step at once (4 jobs x 32 samples),
+# as a GPU engine's batch (vLLM: 256 sequences) seats several small jobs; with room for one job's 32 the
+# second job's step queued behind the first and sharing became time-slicing. Both arms use this engine
+# (a dedicated job fills a quarter of it).
+LORA_WORKLOAD = {**QUICK, "max_num_seqs": 128}
 
 
 def scenario_specs(quick: bool, lora: bool = False) -> list[dict[str, Any]]:
@@ -419,8 +431,8 @@ def scenario_specs(quick: bool, lora: bool = False) -> list[dict[str, Any]]:
     if lora:
         two = {"jobs": 2, "engines": 1, "models": [LORA_BASE], "min_slice_s": 5.0, "lora": LORA}
         if quick:
-            return [{**two, "steps": 12, "workload": QUICK}]
-        return [{**two, "steps": 24, "workload": FULL}, {**two, "jobs": 4, "steps": 24, "workload": FULL}]
+            return [{**two, "steps": 12, "workload": LORA_WORKLOAD}]
+        return [{**two, "steps": 24, "workload": LORA_WORKLOAD}, {**two, "jobs": 4, "steps": 24, "workload": LORA_WORKLOAD}]
     two = {"jobs": 2, "engines": 1, "models": ["tiny:0", "tiny:1"], "min_slice_s": 5.0}
     if quick:
         return [{**two, "steps": 16, "workload": QUICK}]
@@ -431,9 +443,57 @@ def scenario_specs(quick: bool, lora: bool = False) -> list[dict[str, Any]]:
 def measure_host(specs: list[dict[str, Any]]) -> tuple[dict[str, Any], Host]:
     """This machine for the simulation of these scenarios: how much single-threaded work its cores do at
     once (less than os.cpu_count() on a VM), with two processes and with as many as the largest scenario
-    runs (its trainers and the pool); the CPU pool's engine slots are threads of one Python process."""
+    runs (its trainers and the pool); the CPU pool's engine slots are threads of one Python process; and how
+    the pool engine's step grows with its batch (measure_batch_share)."""
     measured = measure_cpu_host(processes=max(spec["jobs"] for spec in specs) + 1)
+    measured["engine_batch_share"] = measure_batch_share(specs[0].get("lora") is not None, specs[0]["workload"])
     return measured, Host.measured(measured)
+
+
+def measure_batch_share(lora: bool, workload: dict[str, Any], repeats: int = 3) -> float:
+    """The share of the pool engine's decode step that grows with its batch, at one job's batch (B = prompts x
+    group sequences), on this machine: r = (a step of 2B sequences, LoRA: two jobs' adapters in the one
+    batch) / (a step of B, one job), share = r - 1 if the step is overhead + per sequence x batch. The
+    simulator's engine needs it: the tiny models' steps are their op count and per-sequence Python work,
+    so two jobs in one batch cost ~1.4-1.7x one job's step here, where a GPU's decode step barely grows
+    (and the dedicated arm, always B sequences, cannot tell the two parts apart). One torch thread, as the
+    pool's engine; the median of `repeats` interleaved pairs."""
+    import statistics
+
+    import torch
+
+    from rollwise.bench.adapters import random_adapter
+    from rollwise.engine.reference import ReferenceEngine
+    from rollwise.engine.types import GenerationRequest, SamplingParams
+    from rollwise.model.loading import load_model
+    from rollwise.sync.adapters import adapter_update
+
+    batch, tokens = workload["prompts_per_step"] * workload["group_size"], workload["max_tokens"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, _ = load_model(LORA_BASE)
+        engine = ReferenceEngine(model, max_num_seqs=2 * batch, max_model_len=workload["max_model_len"], seed=0)
+        adapters = [None, None]
+        if lora:
+            for j in range(2):
+                state, spec = random_adapter(engine.model, LORA["rank"], name=f"job{j}", default=False, seed=j)
+                adapter_update(state, spec, 1, "").apply_to(engine, None)
+            adapters = ["job0", "job1"]
+
+        def step_s(jobs: int) -> float:
+            requests = [GenerationRequest(f"{j}-{i}", [5 + i % 7, 6, 7, 8, 9, 10, 11, 12],
+                                          SamplingParams(max_tokens=tokens, ignore_eos=True, seed=i), adapter=adapters[j])
+                        for j in range(jobs) for i in range(batch)]
+            start = time.process_time()
+            engine.generate(requests)
+            return time.process_time() - start
+
+        step_s(1)  # warm-up
+        ratios = [step_s(2) / step_s(1) for _ in range(repeats)]
+    finally:
+        torch.set_num_threads(threads)
+    return min(max(statistics.median(ratios) - 1, 0.0), 1.0)
 
 
 def run_mux_bench(quick: bool = False, root: Path | None = None, lora: bool = False) -> dict[str, Any]:
@@ -457,7 +517,10 @@ def run_mux_bench(quick: bool = False, root: Path | None = None, lora: bool = Fa
 def describe_cores(measured: dict[str, Any]) -> str:
     """'1.92 effective cores (1.80 with 5 processes)': rollwise.sim.host.measure_cpu_host's result, in words."""
     crowded = [f"{c:.2f} with {n} processes" for n, c in measured.get("crowding", [])[1:]]
-    return f"{measured['cores']:.2f} effective cores" + (f" ({', '.join(crowded)})" if crowded else "")
+    text = f"{measured['cores']:.2f} effective cores" + (f" ({', '.join(crowded)})" if crowded else "")
+    if "engine_batch_share" in measured:  # (bench results before session 17 lack it)
+        text += f"; the engine's step {1 + measured['engine_batch_share']:.2f}x as long with two jobs' batches"
+    return text
 
 
 def format_mux_bench(result: dict[str, Any]):

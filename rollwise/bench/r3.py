@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import math
+import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -195,7 +196,7 @@ def _run(label: str, mode: str, model: nn.Module, tokenizer: Any, setup: dict, l
 
 
 def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
+    return statistics.median(xs)  # an even count (6 balanced pairs) averages the middle two
 
 
 def _cost_rollout(engine: BenchEngine, tokenizer: Any, setup: dict) -> list[Sample]:

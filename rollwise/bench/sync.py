@@ -32,11 +32,10 @@ from rollwise.sync.buckets import (
     flatten_bucket,
 )
 from rollwise.sync.distributed import DistributedReceiver, DistributedSender, init_weight_group, loopback_init_method
+from rollwise.bench.adapters import random_adapter
 from rollwise.sync.adapters import adapter_update
 from rollwise.sync.buckets import StagedUpdate
 from rollwise.sync.files import FileReceiver, FileTransport
-from rollwise.engine.reference.lora import projection_targets
-from rollwise.types.weights import AdapterSpec
 
 BUCKET_MB = 64
 ADAPTER_RANK = 16  # train.lora's default rank
@@ -154,12 +153,7 @@ def _time_adapter_push(model: Any, fingerprint: str, repeats: int, rank: int = A
     default targets, into a ReferenceEngine through its EngineWorker (the training path), and the same
     adapter checksummed and staged bucket by bucket as a byte-moving transport delivers it."""
     engine = ReferenceEngine(model, **ENGINE_KW, tokenizer_fingerprint=fingerprint)
-    adapter: dict[str, torch.Tensor] = {}
-    for module, (out_dim, in_dim) in projection_targets(engine.model).items():
-        adapter[f"{module}.lora_A.weight"] = torch.randn(rank, in_dim) * 0.01
-        adapter[f"{module}.lora_B.weight"] = torch.randn(out_dim, rank) * 0.01
-    spec = AdapterSpec(name="policy", rank=rank, alpha=2.0 * rank, default=True,
-                       target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    adapter, spec = random_adapter(engine.model, rank)
     versions = iter(range(1, 10**6))
     seconds: dict[str, float] = {}
     worker = EngineWorker(engine, name="bench-sync-adapter")

@@ -83,7 +83,7 @@ class RolloutLedger:
 
     def regenerated(self) -> int:
         """Submissions beyond the first: samples generated again after an abort or for staleness."""
-        return sum(max(record.attempts - 1, 0) for record in self.slots.values())
+        return self.waste()["samples_regenerated"]
 
     def waste(self) -> dict[str, int]:
         """What regeneration cost, in one pass over the slots: submissions beyond the first (as

@@ -79,12 +79,17 @@ class Host:
     # (processes, effective cores) measured with that many processes at work: the machine gives less when
     # crowded (rollwise.sim.cores.crowded_cores); empty: `cores` however many
     crowding: tuple[tuple[int, float], ...] = ()
+    # The share of the CPU pool engine's decode step that grows with its batch, at one job's batch (0: a
+    # step costs the same at any batch, as a GPU's decode step nearly does). bench mux measures it
+    # (rollwise.bench.mux.measure_batch_share) and builds its engine cost model from it.
+    engine_batch_share: float = 0.0
 
     @classmethod
     def measured(cls, measurement: dict[str, Any]) -> Host:
-        """From rollwise.sim.host.measure_cpu_host()."""
+        """From rollwise.sim.host.measure_cpu_host() (+ bench mux's `engine_batch_share`)."""
         return cls(cores=measurement["cores"], pool_cores=measurement["pool_cores"],
-                   crowding=tuple((int(n), float(c)) for n, c in measurement.get("crowding", ())))
+                   crowding=tuple((int(n), float(c)) for n, c in measurement.get("crowding", ())),
+                   engine_batch_share=float(measurement.get("engine_batch_share", 0.0)))
 
     @property
     def shared(self) -> bool:
