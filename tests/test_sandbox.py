@@ -51,20 +51,26 @@ def _need_python(sb: LocalSandbox) -> None:
 SANDBOX_UID = NOBODY[0]  # the uid sandboxed commands run as
 
 
+def _zombies(uid: int) -> set[int]:
+    """Pids of the zombies of `uid` on the host right now."""
+    found = set()
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+        except OSError:
+            continue  # exited while we looked
+        if fields.get("State", "").strip().startswith("Z") and fields.get("Uid", "").split()[:1] == [str(uid)]:
+            found.add(int(status.parent.name))
+    return found
+
+
 def _wait_for_orphans_reaped(uid: int, timeout_s: float = 15.0) -> None:
     """A killed command's processes that the group kill orphaned (at the levels without bubblewrap) stay
     zombies until the host's PID 1 reaps them (about 2 s on a firecracker VM). Zombies count against the
     uid's RLIMIT_NPROC, so a test that bounds processes by that limit waits for them first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        zombies = 0
-        for status in Path("/proc").glob("[0-9]*/status"):
-            try:
-                fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
-            except OSError:
-                continue  # exited while we looked
-            zombies += fields.get("State", "").strip().startswith("Z") and fields.get("Uid", "").split()[:1] == [str(uid)]
-        if zombies == 0:
+        if not _zombies(uid):
             return
         time.sleep(0.2)
 
@@ -156,19 +162,6 @@ def test_fork_bomb_is_contained(level):
         assert _leftovers(marker) == []
         with _sandbox(level) as other:  # the host and other sandboxes are unaffected
             assert other.run("echo alive").stdout == "alive\n"
-
-
-def _zombies(uid: int) -> set[int]:
-    """Pids of the zombies of `uid` on the host right now."""
-    found = set()
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
-        except OSError:
-            continue  # exited while we looked
-        if fields.get("State", "").strip().startswith("Z") and fields.get("Uid", "").split()[:1] == [str(uid)]:
-            found.add(int(status.parent.name))
-    return found
 
 
 @pytest.mark.skipif(REPORT.level is not IsolationLevel.BWRAP, reason="bubblewrap is not this machine's level")

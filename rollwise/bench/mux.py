@@ -361,8 +361,8 @@ def project_from_dedicated(dedicated: dict[str, dict[str, Any]], engines: int, w
     sync) and start-up times per step as measured alone; an engine cost model whose decode step makes the
     slowest job's measured generation (every sample runs to max_tokens: the tiny models rarely stop),
     `host.engine_batch_share` of it growing with the batch (measure_batch_share; the default Host, a GPU
-    cluster: 0, a step costs the same at any batch); the pool's measured switch costs. `base`: the jobs are LoRA jobs on that base (one engine
-    tenancy)."""
+    cluster: 0, a step costs the same at any batch); the pool's measured switch costs. `base`: the jobs
+    are LoRA jobs on that base (one engine tenancy)."""
     from rollwise.pool.scheduler import Policy
     from rollwise.sim.cost import CostModel
     from rollwise.sim.mux import MuxJob, Transitions, compare_shared_vs_dedicated
@@ -432,7 +432,8 @@ def scenario_specs(quick: bool, lora: bool = False) -> list[dict[str, Any]]:
         two = {"jobs": 2, "engines": 1, "models": [LORA_BASE], "min_slice_s": 5.0, "lora": LORA}
         if quick:
             return [{**two, "steps": 12, "workload": LORA_WORKLOAD}]
-        return [{**two, "steps": 24, "workload": LORA_WORKLOAD}, {**two, "jobs": 4, "steps": 24, "workload": LORA_WORKLOAD}]
+        return [{**two, "steps": 24, "workload": LORA_WORKLOAD},
+                {**two, "jobs": 4, "steps": 24, "workload": LORA_WORKLOAD}]
     two = {"jobs": 2, "engines": 1, "models": ["tiny:0", "tiny:1"], "min_slice_s": 5.0}
     if quick:
         return [{**two, "steps": 16, "workload": QUICK}]
@@ -455,7 +456,7 @@ def measure_batch_share(lora: bool, workload: dict[str, Any], repeats: int = 3) 
     group sequences), on this machine: r = (a step of 2B sequences, LoRA: two jobs' adapters in the one
     batch) / (a step of B, one job), share = r - 1 if the step is overhead + per sequence x batch. The
     simulator's engine needs it: the tiny models' steps are their op count and per-sequence Python work,
-    so two jobs in one batch cost ~1.4-1.7x one job's step here, where a GPU's decode step barely grows
+    so two jobs in one batch cost ~1.3x one job's step here (session 17), where a GPU's decode step barely grows
     (and the dedicated arm, always B sequences, cannot tell the two parts apart). One torch thread, as the
     pool's engine; the median of `repeats` interleaved pairs."""
     import statistics

@@ -20,6 +20,7 @@ import torch
 import torch.multiprocessing as mp
 from rich.table import Table
 
+from rollwise.bench.adapters import random_adapter
 from rollwise.engine.core import EngineWorker
 from rollwise.engine.reference import ReferenceEngine
 from rollwise.model.loading import load_model, tokenizer_fingerprint
@@ -32,7 +33,6 @@ from rollwise.sync.buckets import (
     flatten_bucket,
 )
 from rollwise.sync.distributed import DistributedReceiver, DistributedSender, init_weight_group, loopback_init_method
-from rollwise.bench.adapters import random_adapter
 from rollwise.sync.adapters import adapter_update
 from rollwise.sync.buckets import StagedUpdate
 from rollwise.sync.files import FileReceiver, FileTransport
