@@ -198,6 +198,7 @@ def test_train_lora_on_the_default_config_turns_on_the_engines_lora_support():
 
 @pytest.mark.skipif(os.environ.get("ROLLWISE_LORA_LEARNING") != "1",
                     reason="a LoRA run of the default config (long): set ROLLWISE_LORA_LEARNING=1")
+@pytest.mark.timeout(3 * 3600)  # the whole default run (~25 min on 2 CPU cores), not the suite's 600 s per test
 def test_a_lora_run_of_the_default_config_learns(tmp_path):
     """Held-out strict accuracy rises with train.lora as with full parameters (the base model never
     writes the answer tags: 0% strict before training). Compare with the full-parameter run's gain

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -345,3 +346,60 @@ def test_nccl_broadcast_to_an_engine_process(fingerprint, new_state, expected_gr
     assert [r.ok for r in results] == [True]
     assert [r["version"] for r in reports] == [1]
     _assert_same_greedy(reports[0]["greedy"], expected_greedy)
+
+
+def _waiting_rank(init_method: str, world_size: int, timeout_s: float, report) -> None:
+    """Engine rank 1: receives the next broadcast (into an engine whose check refuses it, so it only joins the
+    broadcasts) and reports how long it waited before the transfer failed."""
+    torch.set_num_threads(1)
+    group = init_weight_group(1, world_size, init_method, timeout_s=timeout_s)
+    engine = ReferenceEngine(tiny_llama(), max_num_seqs=1, max_model_len=16, seed=0)
+    receiver = DistributedReceiver(group, WeightReceiver(engine, None))
+    report.put("joined")
+    start = time.monotonic()
+    try:
+        receiver.receive()
+        report.put(("finished", time.monotonic() - start))
+    except Exception as exc:  # noqa: BLE001 - the point: how it ends, and when
+        report.put(("failed", time.monotonic() - start, str(exc)[:200]))
+
+
+def _dying_rank(init_method: str, world_size: int, timeout_s: float, report) -> None:
+    """Engine rank 2: joins, then dies (a killed engine) before the push."""
+    init_weight_group(2, world_size, init_method, timeout_s=timeout_s)
+    report.put("joined")
+    report.close()
+    report.join_thread()  # the message is out before the process dies
+    os._exit(0)
+
+
+def test_a_push_that_breaks_on_a_dead_rank_does_not_leave_the_others_waiting_out_the_timeout():
+    """A push whose broadcast fails on a dead engine (the trainer's send raises) is abandoned; the engines still
+    waiting in the broadcast must fail at once, not at the group's timeout (CI once waited 300 s here: the
+    failed send's pending broadcasts kept the group's connections open through the exception's traceback)."""
+    timeout_s = 90.0
+    init_method = loopback_init_method()
+    ctx = mp.get_context("spawn")
+    report = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(init_method, 3, timeout_s, report)) for target in (_waiting_rank, _dying_rank)]
+    for p in procs:
+        p.start()
+    try:
+        group = init_weight_group(0, 3, init_method, timeout_s=timeout_s)
+        assert [report.get(timeout=60), report.get(timeout=60)] == ["joined", "joined"]
+        procs[1].join(30)  # rank 2 is gone
+        # 64 MiB in 1 MiB buckets: far more than the sockets buffer, so the send to the dead rank fails.
+        state = {f"t{i}": torch.randn(1 << 18) for i in range(64)}
+        sender = DistributedSender(group, "", bucket_mb=1)
+        with pytest.raises(RuntimeError) as broken:
+            sender.send(state, 1)
+        group.abandon()  # what the fleet does; `broken` (its traceback) stays alive, as in the fleet's retry loop
+        outcome = report.get(timeout=timeout_s + 30)
+        assert outcome[0] == "failed", outcome
+        assert outcome[1] < 20, f"the live engine waited {outcome[1]:.0f} s for an abandoned push: {outcome}"
+        assert broken.value is not None
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()

@@ -107,6 +107,11 @@ class _JobState:
     generate_factor: float = 1.0  # this step's draw of the generation variation (engine slowdown)
     finished_at: float | None = None
     started_at: float = 0.0
+    # where its time went, as bench mux reports a job's (sums over its steps): submit to last sample back,
+    # and train + push
+    phase_since: float = 0.0
+    generate_s: float = 0.0
+    train_s: float = 0.0
 
 
 @dataclass
@@ -176,6 +181,7 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
             js.queue.append(GenerationRequest(f"{spec.name}:{js.step}:g{g}", prompt, params))
         js.outstanding = spec.prompts_per_step * spec.group_size
         js.tokens = 0
+        js.phase_since = clock.now
         js.generate_factor = _lognormal(variation, spec.generate_cv)
 
     # A LoRA base's engine time is charged to the base and split evenly among its running jobs, as the pool does.
@@ -253,12 +259,15 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
             js.outstanding -= 1
             js.tokens += len(c.prompt_ids) + len(c.token_ids)
             if js.outstanding == 0:
+                js.generate_s += clock.now - js.phase_since
+                js.phase_since = clock.now
                 train_s = js.spec.train_s(js.tokens) * _lognormal(variation, js.spec.train_cv)
                 compute(train_s + js.spec.push_s, f"trainer:{js.spec.name}",
                         lambda js=js: trained(js))
         start(i)
 
     def trained(js: _JobState) -> None:
+        js.train_s += clock.now - js.phase_since
         js.step += 1
         if js.step >= js.spec.steps:
             js.finished_at = clock.now
@@ -285,8 +294,9 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
         "engines": engines,
         "makespan_s": makespan,
         "engine_hours": engines * makespan / 3600,
-        "jobs": {n: {"wall_s": (js.finished_at or 0.0) - js.started_at, "engine_busy_s": js.busy_s if js.finished_at else busy_of(js)}
-                 for n, js in state.items()},
+        "jobs": {n: {"wall_s": (js.finished_at or 0.0) - js.started_at,
+                     "engine_busy_s": js.busy_s if js.finished_at else busy_of(js),
+                     "generate_s": js.generate_s, "train_s": js.train_s} for n, js in state.items()},
     }
 
 

@@ -185,15 +185,21 @@ class DistributedSender:
                   "manifest": manifest.model_dump_json()}
         self.group.broadcast_object(header, self.src)
         in_flight: list[Any] = [None, None]  # double buffering: flatten one bucket while the other is sent
-        for bucket in manifest.buckets:
-            slot = bucket.index % 2
-            if in_flight[slot] is not None:
-                in_flight[slot].wait()
-            buf = flatten_bucket(bucket, state, out=self._buffer(slot, bucket.nbytes))
-            in_flight[slot] = self.group.broadcast(buf, self.src)
-        for work in in_flight:
-            if work is not None:
-                work.wait()
+        try:
+            for bucket in manifest.buckets:
+                slot = bucket.index % 2
+                if in_flight[slot] is not None:
+                    in_flight[slot].wait()
+                buf = flatten_bucket(bucket, state, out=self._buffer(slot, bucket.nbytes))
+                in_flight[slot] = self.group.broadcast(buf, self.src)
+            for slot in (0, 1):
+                if in_flight[slot] is not None:
+                    in_flight[slot].wait()
+        finally:
+            # A pending broadcast keeps the group's connections open, and a failed send's traceback keeps this
+            # frame (and so the list) alive in the caller: drop them, so that abandoning the group closes the
+            # connections and the receivers still waiting fail at once, not at the group's timeout.
+            in_flight.clear()
         return manifest
 
     def collect(self, version: int) -> list[ReceiveResult]:
