@@ -179,6 +179,26 @@ def test_commands_leave_no_zombie_behind():
         assert sb.run("echo alive").stdout == "alive\n"
 
 
+@pytest.mark.skipif(REPORT.level is not IsolationLevel.BWRAP, reason="bubblewrap is not this machine's level")
+def test_closing_a_sandbox_while_its_command_runs_leaves_no_zombie():
+    """close() from another thread while a command runs stops it the way a timeout does (the namespace's init
+    first, then the launcher's group), not by killing the launcher's group first, which orphaned the init."""
+    for _ in range(3):
+        before = _zombies(SANDBOX_UID)
+        sb = _sandbox()
+        results = []
+        hang = threading.Thread(target=lambda: results.append(sb.run("sleep 300", timeout_s=600)))
+        hang.start()
+        deadline = time.monotonic() + 10
+        while sb._running is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # bwrap has started its init and the command
+        sb.close()
+        hang.join(timeout=10)
+        assert results and results[0].killed and "closed" in results[0].reason, results
+        assert _zombies(SANDBOX_UID) - before == set()
+
+
 def test_file_size_and_output_limits():
     limits = FAST.model_copy(update={"max_file_bytes": 1 << 20, "max_output_bytes": 1024,
                                      "kill_output_bytes": 1 << 20})

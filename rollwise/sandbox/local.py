@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 from rollwise.sandbox import files, seccomp
@@ -60,6 +61,7 @@ class LocalSandbox(SandboxLifecycle):
         self._gate = run_gate  # a pool's limit on commands running at once, shared by its sandboxes
         self._lock = threading.Lock()  # one command / file op / fork at a time
         self._running: subprocess.Popen | None = None
+        self._stop = threading.Event()  # set by close(): the running command is stopped like a timed-out one
         self._ws = _workspace or self._root.new_workspace(
             self.isolation.mode.sandbox_uid, disk_bytes=self.limits.disk_bytes, max_files=self.limits.max_files)
         self.leftovers: list[str] = []  # what close() could not remove (logged; never raised)
@@ -135,7 +137,7 @@ class LocalSandbox(SandboxLifecycle):
                 argv, cwd=launch.cwd, env=launch.env, timeout_s=timeout,
                 keep_bytes=self.limits.max_output_bytes, kill_bytes=self.limits.kill_output_bytes,
                 stdin=stdin, user=user, group=group, preexec_fn=launch.preexec_fn,
-                on_start=self._set_running, info_pipe=info,
+                on_start=self._set_running, info_pipe=info, stop=self._stop,
                 extra_fds=(seccomp_fd,) if seccomp_fd is not None else (),
                 # Without namespaces, killed orphans count against the uid's RLIMIT_NPROC until
                 # the host's init reaps them: give it a moment before the next command forks.
@@ -231,8 +233,14 @@ class LocalSandbox(SandboxLifecycle):
         if self._closed:
             return
         self._closed = True
+        # A command running in another thread is stopped by run_bounded the way a timeout stops it (the
+        # namespace's init first, so nothing is orphaned); killing its group from here orphaned bwrap's init.
+        self._stop.set()
+        deadline = time.monotonic() + 2.0
+        while self._running is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
         running = self._running
-        if running is not None:  # a command hangs in another thread: kill it so the lock frees
+        if running is not None:  # still there (its pipes closed, it did not exit): the group kill frees the lock
             kill_group(running.pid)
         with self._lock:  # run() returns only once its processes are gone: nothing writes any more
             self.leftovers = self._root.remove(self._ws)

@@ -81,7 +81,7 @@ class ProcessOutcome:
     stdout: Capture
     stderr: Capture
     wall_s: float
-    killed_for: str | None  # "timeout" | "output"
+    killed_for: str | None  # "timeout" | "output" | "stopped" (its owner asked: the sandbox is closing)
     spawn_error: str | None = None  # the command could not be started at all (and why)
     stragglers: bool = False  # processes of the command outlived the wait for them (should not happen)
 
@@ -139,11 +139,13 @@ def run_bounded(
     reap_wait_s: float = 0.0,
     info_pipe: tuple[int, int] | None = None,
     extra_fds: tuple[int, ...] = (),
+    stop: threading.Event | None = None,
 ) -> ProcessOutcome:
     """Run `argv`, return its exit status and captured output; never leaves a process behind.
 
-    `on_start` receives the Popen right after the spawn, so an owner can kill it from another
-    thread (sandbox close while a command hangs). `reap_wait_s`: see wait_group_gone.
+    `on_start` receives the Popen right after the spawn. `stop`: set from another thread (sandbox close while
+    a command hangs), the command is killed within ~0.1 s the way a timeout kills it (the namespace's init
+    first: see _let_launcher_reap). `reap_wait_s`: see wait_group_gone.
     `info_pipe`: (read, write) ends of the pipe whose write end argv names in `bwrap --info-fd`;
     both are closed here. `extra_fds`: more fds the command inherits (the caller closes them).
     """
@@ -181,7 +183,7 @@ def run_bounded(
         if stdin is not None and proc.stdin is not None:
             writer = threading.Thread(target=_write_stdin, args=(proc.stdin, stdin), daemon=True)
             writer.start()
-        killed_for = _pump(proc, out, err, deadline=start + timeout_s, kill_bytes=kill_bytes)
+        killed_for = _pump(proc, out, err, deadline=start + timeout_s, kill_bytes=kill_bytes, stop=stop)
     finally:
         info = _read_ready(info_pipe[0]) if info_pipe else b""
         _let_launcher_reap(proc, _init_pid(info), killed=killed_for is not None)
@@ -300,8 +302,9 @@ def _write_stdin(pipe, data: bytes) -> None:
             pass
 
 
-def _pump(proc: subprocess.Popen, out: Capture, err: Capture, *, deadline: float, kill_bytes: int) -> str | None:
-    """Drain both pipes until EOF or a limit; returns why the caller must kill it, or None."""
+def _pump(proc: subprocess.Popen, out: Capture, err: Capture, *, deadline: float, kill_bytes: int,
+          stop: threading.Event | None = None) -> str | None:
+    """Drain both pipes until EOF, a limit or `stop`; returns why the caller must kill it, or None."""
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ, out)
     sel.register(proc.stderr, selectors.EVENT_READ, err)
@@ -311,11 +314,14 @@ def _pump(proc: subprocess.Popen, out: Capture, err: Capture, *, deadline: float
             now = time.monotonic()
             if now >= deadline:
                 return "timeout"
+            if stop is not None and stop.is_set():
+                return "stopped"
             if exited_at is None and proc.poll() is not None:
                 exited_at = now
             if exited_at is not None and now - exited_at > _EXIT_GRACE_S:
                 return None  # background leftovers hold the pipes; the caller's killpg ends them
-            wait = min(deadline - now, 0.05 if exited_at is not None else 0.5)
+            # (a stop is noticed within 0.1 s: polled, since nothing else wakes a select on the command's pipes)
+            wait = min(deadline - now, 0.05 if exited_at is not None else 0.1 if stop is not None else 0.5)
             for key, _ in sel.select(timeout=wait):
                 chunk = os.read(key.fileobj.fileno(), 65536)
                 if not chunk:
