@@ -347,6 +347,19 @@ def test_mux_two_jobs_fill_each_others_training_gaps():
     assert again == r  # deterministic
 
 
+def test_mux_reports_where_each_jobs_time_went():
+    """Per job: generate (submit to last sample back) and train (+ push) seconds, as bench mux measures them.
+    Alone, the two make the whole wall time (no start-up here); sharing the engine stretches generation only."""
+    from rollwise.sim.mux import simulate_mux
+
+    alone = simulate_mux(_mux_jobs(1), 1, MUX_COST)["jobs"]["j0"]
+    assert alone["generate_s"] > 0 and alone["train_s"] > 5 * 0.8  # 5 steps of >= 0.5 s training + 0.3 s push
+    assert alone["generate_s"] + alone["train_s"] == pytest.approx(alone["wall_s"])
+    shared = simulate_mux(_mux_jobs(2), 1, MUX_COST)["jobs"]
+    assert max(j["generate_s"] for j in shared.values()) > alone["generate_s"]
+    assert all(j["train_s"] == pytest.approx(alone["train_s"], rel=0.05) for j in shared.values())
+
+
 def test_mux_runs_the_pools_own_scheduler(monkeypatch):
     """The simulator calls rollwise.pool.scheduler.plan: a policy change there shows up here."""
     import rollwise.pool.scheduler as scheduler
