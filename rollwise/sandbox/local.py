@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 from rollwise.sandbox import files, seccomp
@@ -236,14 +235,16 @@ class LocalSandbox(SandboxLifecycle):
         # A command running in another thread is stopped by run_bounded the way a timeout stops it (the
         # namespace's init first, so nothing is orphaned); killing its group from here orphaned bwrap's init.
         self._stop.set()
-        deadline = time.monotonic() + 2.0
-        while self._running is not None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        running = self._running
-        if running is not None:  # still there (its pipes closed, it did not exit): the group kill frees the lock
-            kill_group(running.pid)
-        with self._lock:  # run() returns only once its processes are gone: nothing writes any more
+        # run() holds the lock until its processes are gone: nothing writes any more once we hold it.
+        if not self._lock.acquire(timeout=2.0):
+            running = self._running
+            if running is not None:  # its pipes closed but it did not exit: the group kill frees the lock
+                kill_group(running.pid)
+            self._lock.acquire()
+        try:
             self.leftovers = self._root.remove(self._ws)
+        finally:
+            self._lock.release()
 
 
 def _limit_hint(text: str) -> LimitName | None:
