@@ -4,7 +4,7 @@
     rollwise config [--config FILE] [key=value ...]  print the resolved config as YAML
     rollwise bench engine [--quick] [--json PATH]     reference engine vs. HF generate, side by side
     rollwise bench rollout [--quick] [--json PATH]    rollout modes sync / sorted / async, side by side
-    rollwise bench sync [--quick] [--json PATH]       weight transports (in-process, files, gloo) vs memcpy
+    rollwise bench sync [--quick] [--json PATH]       weight transports (in-process, files, gloo) vs memcpy, adapter pushes
     rollwise bench speculation [--quick] [--engine both|vllm|reference] [--json PATH]
                                                      rollouts with / without drafts from rollout history
     rollwise bench trainer [--quick] [--json PATH]    1 trainer rank vs 2 FSDP2 ranks: tokens/s, MFU, memory/rank, push
@@ -45,6 +45,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.table import Table
 
 from rollwise import __version__
 
@@ -115,13 +116,18 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--quick", action="store_true", help="small workload (< 1 minute on 2 CPU cores)")
     bench.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
-    bench.add_argument("--model", default="bundled:smollm2-135m-instruct", help="model spec (default: bundled)")
+    bench.add_argument("--model", default="bundled:smollm2-135m-instruct",
+                       help="model spec (default: bundled); sync also takes shape:llama-3.2-1b, that model's shape "
+                       "with random weights")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="loop, speculation: a config override as for `rollwise train` (repeatable), e.g. "
                        "--set train.pack_responses=false for the row before one change, --set engine.dtype=float32")
     bench.add_argument("--engine", default="both", choices=["both", "vllm", "reference"],
                        help="speculation, intercept: the engines to run (both: the reference engine and vLLM, when installed)")
+    bench.add_argument("--adapter-only", action="store_true",
+                       help="sync: only the full push and a rank-16 adapter push, on the training path and over gloo "
+                       "(for big models: no memcpy buffers or files copy), e.g. with --model shape:llama-3.2-1b")
     bench.add_argument("--lora", action="store_true",
                        help="mux: train.lora jobs on one base sharing one engine batch (2 jobs; full: also 4) "
                        "vs. dedicated engines (issue 22)")
@@ -402,6 +408,16 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         from rollwise.bench.router import cli_bench_router
 
         return cli_bench_router(args, console)
+    if args.name == "sync":  # its own loader: it also takes public model shapes with random weights
+        from rollwise.bench.sync import format_sync_bench, load_bench_model, run_sync_bench
+
+        with console.status(f"loading {args.model}"):
+            model, tokenizer = load_bench_model(args.model)
+        paths = "in-process and gloo" if args.adapter_only else "memcpy, in-process, files and gloo"
+        with console.status(f"pushing the weights and a LoRA adapter through {paths}"):
+            result = run_sync_bench(model, tokenizer, model_spec=args.model, quick=args.quick, seed=args.seed,
+                                    adapter_only=args.adapter_only)
+        return _finish_bench(args, console, format_sync_bench(result), result)
     from rollwise.model.loading import load_model
 
     with console.status(f"loading {args.model}"):
@@ -432,12 +448,6 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
             result = run_intercept_bench(model, tokenizer, quick=args.quick, seed=args.seed, engines=kinds,
                                          progress=lambda msg: status.update(f"{msg} (4 policies, the same work)"))
         table = format_intercept_bench(result)
-    elif args.name == "sync":
-        from rollwise.bench.sync import format_sync_bench, run_sync_bench
-
-        with console.status("pushing the weights through memcpy, in-process, files and gloo (the same bytes)"):
-            result = run_sync_bench(model, tokenizer, model_spec=args.model, quick=args.quick, seed=args.seed)
-        table = format_sync_bench(result)
     else:
         from rollwise.bench.engine import format_engine_bench, run_engine_bench
 
@@ -445,6 +455,13 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         with console.status("timing HF generate, the reference engine" + (" and vLLM" if with_vllm else "")):
             result = run_engine_bench(model, tokenizer, quick=args.quick, seed=args.seed, with_vllm=with_vllm)
         table = format_engine_bench(result)
+    return _finish_bench(args, console, table, result)
+
+
+def _finish_bench(args: argparse.Namespace, console: Console, table: Table, result: dict) -> int:
+    """Print a benchmark's table (and plot), and write its JSON with the command that produced it."""
+    from rollwise.sim.cli import write_json
+
     result["command"] = " ".join(["rollwise"] + sys.argv[1:])
     console.print(table)
     if result.get("timeline_png"):

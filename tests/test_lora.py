@@ -140,6 +140,38 @@ def test_corrupt_or_misshaped_adapter_is_refused_and_the_engine_keeps_serving():
     assert again.token_ids == served.token_ids and again.logprobs == served.logprobs
 
 
+def test_reloading_an_adapter_rotates_two_buffers_and_never_writes_the_served_one():
+    """Each load writes the buffer that is not being served (the one of two loads ago): every version is
+    served with exactly its values, a rejected load leaves the served adapter as it was, and the trainer's
+    tensors are copied, not kept."""
+    from rollwise.bench.adapters import random_adapter
+
+    engine = ReferenceEngine(tiny_llama(), max_num_seqs=2, max_model_len=32, seed=0)
+    versions = [random_adapter(engine.model, 4, seed=seed) for seed in range(4)]
+    buffers = []
+    for version, (state, spec) in enumerate(versions[:3], start=1):
+        engine.load_adapter(spec, state, version)
+        loaded = engine.adapters.adapters["policy"]
+        buffers.append(loaded.buffer.flat.data_ptr())
+        for module, (a, b) in loaded.weights.items():
+            assert torch.equal(a, state[f"{module}.lora_A.weight"]) and torch.equal(b, state[f"{module}.lora_B.weight"])
+            assert a.data_ptr() != state[f"{module}.lora_A.weight"].data_ptr()
+    assert buffers[0] == buffers[2] != buffers[1]  # two buffers, alternating
+
+    served = {m: (a.clone(), b.clone()) for m, (a, b) in engine.adapters.adapters["policy"].weights.items()}
+    state, spec = versions[3]
+    poisoned = {**state, "model.layers.1.mlp.down_proj.lora_A.weight": torch.full((4, 128), float("inf"))}
+    with pytest.raises(ValueError, match=r"non-finite values in model\.layers\.1\.mlp\.down_proj"):
+        engine.load_adapter(spec, poisoned, 4)
+    loaded = engine.adapters.adapters["policy"]
+    assert loaded.version == 3
+    assert all(torch.equal(a, served[m][0]) and torch.equal(b, served[m][1]) for m, (a, b) in loaded.weights.items())
+    engine.load_adapter(spec, state, 4)  # into the buffer the rejected load scribbled on
+    assert engine.adapters.adapters["policy"].buffer.flat.data_ptr() == buffers[1]
+    assert torch.equal(engine.adapters.adapters["policy"].weights["model.layers.1.mlp.down_proj"][0],
+                       state["model.layers.1.mlp.down_proj.lora_A.weight"])
+
+
 def test_resume_from_an_adapter_checkpoint_continues_exactly(tmp_path):
     from rollwise.model.tiny import tiny_tokenizer
 

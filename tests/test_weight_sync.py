@@ -158,6 +158,25 @@ def test_manifest_round_trips_through_json_and_rejects_an_inconsistent_layout(fi
         parse_manifest(json.dumps(overlapping), "test")
 
 
+def test_a_repeated_push_reuses_its_layout_but_checksums_the_new_bytes(fingerprint):
+    """build_manifest caches the bucket layout of a state it saw (a trainer pushes the same tensors every
+    step): the version and checksums still follow each push, and any change of layout plans again."""
+    state = _mixed_state()
+    first = build_manifest(state, 1, fingerprint, 10_000 / MIB)
+    state["a"].add_(1.0)  # trained in place: same tensors, new bytes
+    second = build_manifest(state, 2, fingerprint, 10_000 / MIB)
+    assert second.version == 2 and first.version == 1
+    assert [b.tensors for b in second.buckets] == [b.tensors for b in first.buckets]
+    changed = [b.index for b, old in zip(second.buckets, first.buckets) if b.crc32 != old.crc32]
+    assert changed == [0]  # the bucket holding "a", and only it
+    assert build_manifest(state, 3, fingerprint, 10_000 / MIB, checksum=False).buckets[0].crc32 is None
+
+    untied = {**state, "tied": state["a"].clone()}  # same names and shapes, no longer sharing memory
+    assert build_manifest(untied, 4, fingerprint, 10_000 / MIB).aliases == {}
+    grown = {**state, "small_after_big": torch.randn(6)}
+    assert build_manifest(grown, 5, fingerprint, 10_000 / MIB).spec_of("small_after_big").shape == (6,)
+
+
 def test_staging_flags_damaged_bytes_and_missing_buckets(fingerprint, new_state):
     manifest = build_manifest(new_state, 1, fingerprint, SMALL_BUCKET_MB)
     staged = StagedUpdate(manifest)
@@ -337,6 +356,60 @@ def test_gloo_broadcast_to_two_engine_processes(fingerprint, new_state, expected
     assert [r["version"] for r in reports] == [1, 1]
     for report in reports:
         _assert_same_greedy(report["greedy"], expected_greedy)
+
+
+def _adapter(seed: int) -> tuple[dict[str, torch.Tensor], object]:
+    """A rank-4 adapter on tiny:0 large enough to move its logprobs."""
+    from rollwise.bench.adapters import random_adapter
+
+    state, spec = random_adapter(tiny_llama(seed=0), 4, seed=seed)
+    return {name: t * 30 for name, t in state.items()}, spec
+
+
+def _adapter_engine_rank(index: int, init_method: str) -> None:
+    """An engine process taking LoRA adapter broadcasts, then reporting what it serves."""
+    torch.set_num_threads(1)
+    group = init_weight_group(1, 2, init_method, timeout_s=60)
+    try:
+        model, tokenizer = load_model("tiny:0")
+        engine = ReferenceEngine(model, max_num_seqs=4, max_model_len=64, seed=0)
+        receiver = DistributedReceiver(group, WeightReceiver(engine, tokenizer_fingerprint(tokenizer)))
+        kept = []
+        while (result := receiver.receive()) is not None:
+            kept.append([b.data_ptr() for b in receiver._kept])
+        group.gather_object({"adapters": engine.loaded_adapters(), "greedy": _greedy(engine),
+                             "reused": kept[0] == kept[1] and bool(kept[0])}, dst=0)
+    finally:
+        group.close()
+
+
+def test_gloo_broadcast_of_an_adapter_loads_it_beside_the_base_and_reuses_the_buffers(fingerprint):
+    """train.lora's update over the collective transport: the engine process serves the latest adapter exactly
+    as a local engine that loaded it, and its second receive lands in the first one's buffers."""
+    (first, spec), (second, _) = _adapter(1), _adapter(2)
+    local = _engine()
+    base_greedy = _greedy(local)
+    local.load_adapter(spec, second, 2)
+    expected = _greedy(local)
+    assert expected != base_greedy
+    init_method = loopback_init_method()
+    ctx = mp.spawn(_adapter_engine_rank, args=(init_method,), nprocs=1, join=False)
+    group = None
+    try:
+        group = init_weight_group(0, 2, init_method, timeout_s=60)
+        sender = DistributedSender(group, fingerprint, bucket_mb=SMALL_BUCKET_MB)
+        for version, state in ((1, first), (2, second)):
+            [result] = sender.push(state, version, adapter=spec)
+            assert result.ok and result.version == version
+        sender.close()
+        report = group.gather_object(None, dst=0)[1]
+    finally:
+        if group is not None:
+            group.close()
+    while not ctx.join(timeout=60):
+        pass
+    assert report["adapters"] == {"policy": 2} and report["reused"]
+    _assert_same_greedy(report["greedy"], expected)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL broadcast needs two GPUs (trainer + engine)")

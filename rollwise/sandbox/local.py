@@ -115,9 +115,9 @@ class LocalSandbox(SandboxLifecycle):
             outcome = self._launch(command, timeout, stdin, cgroup)
             oom_kills = cgroup.oom_kills() if cgroup is not None else 0
         finally:
+            self._running = None  # also when the launch raised: close() must never signal a finished group
             if cgroup is not None:
                 cgroup.remove()  # after run_bounded: nothing of the command is left in it
-        self._running = None
         return self._result(command, timeout, outcome, oom_kills)
 
     def _launch(self, command: str, timeout: float, stdin: bytes | None,

@@ -38,7 +38,9 @@ def storage_key(t: Tensor) -> tuple | None:
     """Identity of a tensor's exact memory; equal keys mean the same values (tied weights)."""
     if t.numel() == 0:  # empty tensors all have data_ptr 0: never treat them as tied
         return None
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    # data_ptr() is the storage's address plus the offset: the same identity as (storage, offset), without
+    # building a storage object per tensor (that was most of planning a 420-tensor adapter's buckets).
+    return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
 # ---------------------------------------------------------------------------- the manifest
@@ -169,7 +171,7 @@ class ExpectedWeights:
 
     @classmethod
     def of_engine(cls, engine: Any) -> ExpectedWeights:
-        """From an engine that declares them (`expected_weights`: the vLLM backend) or holds its model
+        """From an engine that declares them (`expected_weights`: both engines) or holds its model
         (`model`: the reference engine), or an EngineWorker wrapping one (`.engine`)."""
         inner = getattr(engine, "engine", engine)
         declared = getattr(inner, "expected_weights", None)

@@ -34,6 +34,7 @@ from rollwise.engine.retention_policy import CostMeter, PolicyName
 from rollwise.engine.state import EngineState
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest
 from rollwise.types.sample import RoutedExperts
+from rollwise.types.weights import ExpectedWeights
 
 
 # Prefills of at least this many new tokens measure the recompute cost the retention policy weighs
@@ -145,6 +146,9 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, LoraServing, Engine
         super().__init__()  # paused/sleeping flags, unfinished requests, timeline on time.monotonic
         # from_hf copies the weights: the trainer keeps training hf_model, the engine samples from its copy.
         self.model = LlamaFamilyModel.from_hf(hf_model, dtype=dtype)
+        # What a weight update must match (names, shapes, dtypes, ties): fixed for the engine's life, so it is
+        # read once here rather than walked from the module on every push (~3 ms for SmolLM2-135M).
+        self.expected_weights = ExpectedWeights.of_module(self.model)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.cache = self.model.new_cache(max_num_seqs, max_model_len)
