@@ -244,8 +244,10 @@ class DistributedReceiver:
         self._kept: list[Tensor] = []  # the last small update's buffers, reused while the sizes match
 
     def _buffers(self, sizes: Sequence[int]) -> list[Tensor]:
-        kept, self._kept = self._kept, []  # nothing else holds them: the engine copied them in (commit)
-        if [b.numel() for b in kept] == list(sizes):
+        """Receive buffers for an update of these bucket sizes: the kept ones if they fit (nothing else holds
+        them: the engine copied the last update in when it committed), else new ones."""
+        if [b.numel() for b in self._kept] == list(sizes):
+            kept, self._kept = self._kept, []
             return kept
         return [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
 
@@ -282,6 +284,9 @@ class DistributedReceiver:
                 error = str(exc)
         if sum(sizes) <= self.keep_bytes:
             self._kept = buffers
+        # Release the rest before reporting: unmapping a model's worth of buffers takes a while, and it belongs
+        # to this update, not to whatever the trainer sends next.
+        buffers = works = staged = buf = work = None  # (the loop's names hold the last bucket)
         version = manifest.version if manifest is not None else -1
         result = ReceiveResult(rank=self.group.rank, version=version, ok=error is None, error=error,
                                seconds=time.perf_counter() - start)

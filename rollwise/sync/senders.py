@@ -12,7 +12,8 @@ Placement picks the sender from the run's configuration (rollwise.control.placem
                                                    CPU, NCCL on GPU; rollwise.control.ray_fleet_collective)
 
 Every update lands through WeightReceiver.commit on the engine side: checked whole, then applied.
-LoRA adapter-only updates (rollwise.sync.adapters) go in process only: train.lora refuses placement=ray.
+LoRA adapter-only updates (rollwise.sync.adapters) go in process; the collective transport can carry them
+(DistributedSender.push(adapter=)), but train.lora still refuses placement=ray: the fleet does not send them yet.
 """
 
 from __future__ import annotations
