@@ -150,7 +150,7 @@ def test_fleet_broadcast_applies_refuses_bad_updates_whole_and_rejoins_a_restart
         def wrong_checksum(*args, **kwargs):
             manifest = honest(*args, **kwargs)
             b0 = manifest.buckets[0]
-            return manifest.model_copy(update={"buckets": (b0.model_copy(update={"crc32": (b0.crc32 or 0) ^ 1}),
+            return manifest.model_copy(update={"buckets": (b0.model_copy(update={"checksum": (b0.checksum or 0) ^ 1}),
                                                            *manifest.buckets[1:])})
 
         with monkeypatch.context() as mp:

@@ -23,7 +23,7 @@ from rollwise.sync.buckets import (
     StagedUpdate,
     WeightReceiver,
     WeightUpdateError,
-    bucket_crc32,
+    bucket_checksum,
     build_manifest,
     flatten_bucket,
     parse_manifest,
@@ -137,7 +137,7 @@ def test_bucket_round_trip_is_exact_and_honours_the_size_limit():
             assert tensor.dtype == state[name].dtype and tensor.shape == state[name].shape
             assert torch.equal(tensor, state[name]), name
         # The checksum is layout-independent: the flat buffer's views and the originals agree.
-        assert bucket_crc32(bucket, restored) == bucket_crc32(bucket, state)
+        assert bucket_checksum(bucket, restored) == bucket_checksum(bucket, state)
 
     one, _ = plan_buckets(state, None)
     assert len(one) == 1
@@ -145,7 +145,7 @@ def test_bucket_round_trip_is_exact_and_honours_the_size_limit():
 
 def test_manifest_round_trips_through_json_and_rejects_an_inconsistent_layout(fingerprint, new_state):
     manifest = build_manifest(new_state, 3, fingerprint, SMALL_BUCKET_MB)
-    assert len(manifest.buckets) > 2 and all(b.crc32 is not None for b in manifest.buckets)
+    assert len(manifest.buckets) > 2 and all(b.checksum is not None for b in manifest.buckets)
     assert manifest.aliases == {"lm_head.weight": "model.embed_tokens.weight"}  # tiny:1 ties its embeddings
     assert manifest.total_bytes == sum(t.numel() * t.element_size() for n, t in new_state.items()
                                        if n != "lm_head.weight")
@@ -154,7 +154,7 @@ def test_manifest_round_trips_through_json_and_rejects_an_inconsistent_layout(fi
     overlapping = manifest.model_dump()
     first = overlapping["buckets"][0]["tensors"]
     first[1]["offset"] = first[0]["offset"]
-    with pytest.raises(WeightUpdateError, match="not a valid rollwise.weights/v1 manifest"):
+    with pytest.raises(WeightUpdateError, match="not a valid rollwise.weights/v2 manifest"):
         parse_manifest(json.dumps(overlapping), "test")
 
 
@@ -167,9 +167,9 @@ def test_a_repeated_push_reuses_its_layout_but_checksums_the_new_bytes(fingerpri
     second = build_manifest(state, 2, fingerprint, 10_000 / MIB)
     assert second.version == 2 and first.version == 1
     assert [b.tensors for b in second.buckets] == [b.tensors for b in first.buckets]
-    changed = [b.index for b, old in zip(second.buckets, first.buckets) if b.crc32 != old.crc32]
+    changed = [b.index for b, old in zip(second.buckets, first.buckets) if b.checksum != old.checksum]
     assert changed == [0]  # the bucket holding "a", and only it
-    assert build_manifest(state, 3, fingerprint, 10_000 / MIB, checksum=False).buckets[0].crc32 is None
+    assert build_manifest(state, 3, fingerprint, 10_000 / MIB, checksum=False).buckets[0].checksum is None
 
     untied = {**state, "tied": state["a"].clone()}  # same names and shapes, no longer sharing memory
     assert build_manifest(untied, 4, fingerprint, 10_000 / MIB).aliases == {}

@@ -3,8 +3,8 @@
 The memory copy (one torch copy of the same number of bytes into a preallocated buffer, measured in
 the same run) is the local limit: every transport moves at least those bytes once. Each transport is
 timed end to end, from `push` until the engine serves the new version (the manifest, the checksum
-pass, the copies, the verification and the apply included). A CRC32 pass over the same bytes is
-shown too, because the file and broadcast transports pay it once per side.
+pass, the copies, the verification and the apply included). A checksum pass (xxh3) over the same bytes
+is shown too, because the file and broadcast transports pay it once per side.
 
 A train.lora adapter (rank 16 on every projection) is pushed beside the model on the training path and
 over gloo, and compared with the full push on each, as the median of back-to-back pairs (issue 22's goal:
@@ -33,7 +33,7 @@ from rollwise.sync.buckets import (
     WeightManifest,
     WeightReceiver,
     WeightUpdate,
-    bucket_crc32,
+    bucket_checksum,
     build_manifest,
     flatten_bucket,
 )
@@ -288,7 +288,7 @@ def run_sync_bench(model: Any, tokenizer: Any, *, model_spec: str, quick: bool, 
     else:
         memcpy_fn = _memcpy(state, layout)
         memcpy = seconds["memcpy"] = _median_seconds(memcpy_fn, repeats)
-        seconds["crc32"] = _median_seconds(lambda: [bucket_crc32(b, state) for b in layout.buckets], repeats)
+        seconds["checksum"] = _median_seconds(lambda: [bucket_checksum(b, state) for b in layout.buckets], repeats)
         local, in_process_ratio = _time_local_transports(model, state, fingerprint, repeats, bucket_mb, memcpy_fn)
         seconds.update(local)
         del memcpy_fn
@@ -325,16 +325,16 @@ def run_sync_bench(model: Any, tokenizer: Any, *, model_spec: str, quick: bool, 
 
 NOTES = {
     "memcpy": "local limit: one torch copy into a preallocated buffer",
-    "crc32": "checksum pass (paid once per side by files and broadcast)",
+    "checksum": "xxh3 pass over every byte (paid once per side by files and broadcast)",
     "in-process": "the training path: WeightUpdate of views, checked whole, engine copy (no checksum)",
     "files": "write + read + verify + apply (+ deleting the version dir)",
-    "files: write": "crc32 + safetensors buckets + manifest (page cache)",
-    "files: read + apply": "load + crc32 + verify + engine copy",
+    "files: write": "checksum + safetensors buckets + manifest (page cache)",
+    "files: read + apply": "load + checksum + verify + engine copy",
     "gloo broadcast": "to 1 engine process over loopback TCP, until it acked",
     "gloo broadcast, buffers kept": "the same, the engine reusing its receive buffers (a second copy of the model)",
     "adapter gloo broadcast": "the adapter below, the same way, loaded beside the engine's base weights",
     "adapter in-process": "train.lora: rank-16 adapter on every projection, the training path (its own bytes)",
-    "adapter checksummed": "the same adapter: crc32 + flat buckets + staged + verify + load (its own bytes)",
+    "adapter checksummed": "the same adapter: checksum + flat buckets + staged + verify + load (its own bytes)",
 }
 
 

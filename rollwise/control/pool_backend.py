@@ -76,7 +76,7 @@ class PoolClient:
 
     def push_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, tokenizer_fingerprint: str,
                      timeout: float = 600.0, adapter: Any = None) -> dict[str, Any]:
-        """One whole update: manifest (names, shapes, dtypes, CRC32s) + the flat bytes; the pool checks it
+        """One whole update: manifest (names, shapes, dtypes, checksums) + the flat bytes; the pool checks it
         all before applying any of it. `adapter` (an AdapterSpec): the tensors are a LoRA job's adapter."""
         state = {name: t.detach().cpu() for name, t in state_dict.items()}
         manifest = build_manifest(state, version, tokenizer_fingerprint, bucket_mb=CHUNK_BYTES / 2**20, checksum=True)

@@ -23,7 +23,7 @@ Endpoints (JSON; `Authorization: Bearer TOKEN` on every /jobs/{job}/... call):
                                          (lora: the job pushes adapters on `model` and shares that base's
                                          engines with the other LoRA jobs on it, in one batch)
     PUT    /jobs/{job}/weights?version=V  a whole weight update: 8-byte big-endian manifest length, the
-                                         rollwise.weights/v1 manifest (JSON), then every bucket's flat bytes;
+                                         rollwise.weights/v2 manifest (JSON), then every bucket's flat bytes;
                                          validated whole (names, shapes, dtypes, checksums, tokenizer) or refused
                                          (a LoRA job: its adapter, loaded under the job's name only)
     GET    /jobs/{job}/adapter           a LoRA job's adapter as served: name, version, rank, alpha, targets

@@ -1,7 +1,7 @@
 """A job's weight upload (PUT /jobs/{job}/weights): the body parsed into a staged update, and the
 receiver's target that stores the version and applies it to the job's active engines.
 
-The body: an 8-byte big-endian manifest length, the rollwise.weights/v1 manifest (JSON), then every
+The body: an 8-byte big-endian manifest length, the rollwise.weights/v2 manifest (JSON), then every
 bucket's flat bytes. The whole update is checked by rollwise.sync.buckets.WeightReceiver (names, shapes,
 dtypes, checksums, tokenizer) before anything is applied, like every other transport's.
 

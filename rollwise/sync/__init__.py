@@ -12,7 +12,7 @@ configuration picks:
                                                            DistributedReceiver; gloo on CPU, NCCL on GPU)
     pool.url              PoolWorker.update_weights        HTTP: checksummed buckets, the pool commits
 
-The byte-moving transports share one format (rollwise.sync.buckets: manifest, buckets, CRC32):
+The byte-moving transports share one format (rollwise.sync.buckets: manifest, buckets, xxh3 checksums):
 
     in-process   InProcessTransport(receivers, fingerprint).push(state_dict, version)
     broadcast    DistributedSender(fingerprint).push(...) on rank 0, DistributedReceiver(receiver).serve()

@@ -6,10 +6,10 @@ describes them. The format itself is described in rollwise.sync.buckets, which r
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Mapping
 
 import torch
+import xxhash
 from pydantic import ValidationError
 from torch import Tensor
 
@@ -119,13 +119,14 @@ def unflatten_bucket(spec: BucketSpec, buf: Tensor) -> dict[str, Tensor]:
     }
 
 
-def bucket_crc32(spec: BucketSpec, tensors: Mapping[str, Tensor]) -> int:
-    """CRC32 chained over the bucket's tensors' raw bytes in manifest order (layout-independent)."""
-    crc = 0
+def bucket_checksum(spec: BucketSpec, tensors: Mapping[str, Tensor]) -> int:
+    """xxh3-64 over the bucket's tensors' raw bytes in manifest order (layout-independent: the same for the
+    trainer's tensors and for the views into a received flat buffer). xxh3 rather than zlib's crc32: ~12 vs
+    ~2.2 GB/s here, and both sides hash every byte of every push that leaves the process."""
+    hasher = xxhash.xxh3_64()
     for t in spec.tensors:
-        # zlib releases the GIL on large buffers; numpy exposes the bytes without a copy on CPU.
-        crc = zlib.crc32(_as_bytes(tensors[t.name]).cpu().numpy(), crc)
-    return crc
+        hasher.update(_as_bytes(tensors[t.name]).cpu().numpy())  # numpy exposes the bytes without a copy on CPU
+    return hasher.intdigest()
 
 
 # The last few layouts built, by everything a layout depends on (names, shapes, strides, dtypes, which
@@ -153,12 +154,12 @@ def _layout(state: Mapping[str, Tensor], tokenizer_fingerprint: str, bucket_mb: 
 
 def build_manifest(state: Mapping[str, Tensor], version: int, tokenizer_fingerprint: str,
                    bucket_mb: float | None, *, checksum: bool = True) -> WeightManifest:
-    """The manifest of pushing `state` as `version`. checksum=False skips the CRC pass (one read of
+    """The manifest of pushing `state` as `version`. checksum=False skips the checksum pass (one read of
     every byte) for transports whose bytes cannot be damaged on the way (in-process)."""
     layout = _layout(state, tokenizer_fingerprint, bucket_mb)
     update: dict = {"version": version}
     if checksum:
-        update["buckets"] = tuple(b.model_copy(update={"crc32": bucket_crc32(b, state)}) for b in layout.buckets)
+        update["buckets"] = tuple(b.model_copy(update={"checksum": bucket_checksum(b, state)}) for b in layout.buckets)
     return layout.model_copy(update=update)  # frozen, validated once when the layout was built
 
 

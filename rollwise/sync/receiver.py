@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from rollwise.sync.layout import IGNORED_SUFFIXES, bucket_crc32, unflatten_bucket
+from rollwise.sync.layout import IGNORED_SUFFIXES, bucket_checksum, unflatten_bucket
 from rollwise.types.weights import ExpectedWeights, WeightManifest, WeightUpdateError, dtype_from_name, dtype_name
 
 if TYPE_CHECKING:
@@ -66,10 +66,10 @@ class StagedUpdate:
             if got is not None and (tuple(got.shape) != t.shape or dtype_name(got.dtype) != t.dtype):
                 problems.append(f"{source}: {name} is {tuple(got.shape)} {dtype_name(got.dtype)}, "
                                 f"the manifest says {t.shape} {t.dtype}")
-        if not problems and spec.crc32 is not None:
-            crc = bucket_crc32(spec, tensors)
-            if crc != spec.crc32:
-                problems.append(f"{source}: checksum mismatch (crc32 {crc:08x}, manifest {spec.crc32:08x}): "
+        if not problems and spec.checksum is not None:
+            checksum = bucket_checksum(spec, tensors)
+            if checksum != spec.checksum:
+                problems.append(f"{source}: checksum mismatch (xxh3 {checksum:016x}, manifest {spec.checksum:016x}): "
                                 "the bytes were damaged in transit or on disk")
         if problems:
             self.problems += problems
