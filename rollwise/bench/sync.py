@@ -280,11 +280,9 @@ def run_sync_bench(model: Any, tokenizer: Any, *, model_spec: str, quick: bool, 
     seconds: dict[str, float] = {}
     # gloo first: the engine process holds two copies of the model while it starts, this process one.
     seconds.update(_time_gloo(state, fingerprint, model_spec, repeats, bucket_mb, adapter))
+    memcpy = in_process_ratio = None
     if adapter_only:  # what the full push costs without faulting in fresh receive buffers every time
         seconds.update(_time_gloo(state, fingerprint, model_spec, repeats, bucket_mb, keep_all_buffers=True))
-    in_process_ratio = None
-    if adapter_only:
-        memcpy = None
     else:
         memcpy_fn = _memcpy(state, layout)
         memcpy = seconds["memcpy"] = _median_seconds(memcpy_fn, repeats)

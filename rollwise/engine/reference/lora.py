@@ -61,8 +61,12 @@ class AdapterBuffer:
 class LoadedAdapter:
     spec: AdapterSpec
     version: int
-    weights: dict[str, tuple[Tensor, Tensor]]  # module name -> (A [r, in], B [out, r])
-    buffer: AdapterBuffer | None = None  # where `weights` live, reused two loads later
+    buffer: AdapterBuffer  # where its tensors live; written again two loads of the same name later
+
+    @property
+    def weights(self) -> dict[str, tuple[Tensor, Tensor]]:
+        """module name -> (A [r, in], B [out, r])"""
+        return self.buffer.weights
 
 
 def split_adapter_state(state: Mapping[str, Tensor]) -> tuple[dict[str, tuple[Tensor, Tensor]], list[str]]:
@@ -144,9 +148,9 @@ class AdapterSet:
                 more = f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""
                 raise ValueError(f"cannot load adapter {spec.name!r}: non-finite values in {', '.join(bad[:8])}{more}")
         replaced = self.adapters.get(spec.name)
-        if replaced is not None and replaced.buffer is not None:
+        if replaced is not None:
             self._spare[spec.name] = replaced.buffer  # served until now; written again by the next load
-        self.adapters[spec.name] = LoadedAdapter(spec, version, buffer.weights, buffer)
+        self.adapters[spec.name] = LoadedAdapter(spec, version, buffer)
         self._stacks.clear()  # a stack holding the replaced version must not serve again
         if spec.default:
             self.default = spec.name
