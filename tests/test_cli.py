@@ -111,6 +111,9 @@ def test_train_tiny_run_writes_every_artifact(tmp_path):
     assert 0.0 < summary["mfu"]["run"] < 1.0 and summary["peak"]["source"] == "measured"
     assert summary["flops"]["generate"] > 0 and summary["flops"]["eval"] > 0 and summary["idle_core_s"] >= 0
     assert (run_dir / summary["artifacts"]["time_split"]).read_bytes()[:8] == PNG_MAGIC
+    # Memory: the run's processes sampled every second (rollwise.observe.memory), the machine never ran short.
+    assert summary["peak_rss_run_gb"] > 0 and summary["min_available_memory_gb"] > 0
+    assert summary["low_memory_warnings"] == 0 and "memory is nearly exhausted" not in proc.stdout
     assert "model-FLOPs utilisation (run)" in _output(proc)
 
     # evals.jsonl: the before and after evaluations, on eval.size problems.

@@ -34,6 +34,7 @@ from rollwise.engine.types import SamplingParams
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.model.precision import resolve_dtype
 from rollwise.observe.bubble import bubble_ratio
+from rollwise.observe.memory import MemoryWatch
 from rollwise.observe.metrics import LoopMeter, MetricsLogger, StepTimes, loop_meter, read_metrics
 from rollwise.observe.plots import plot_rollout_timelines, plot_time_split, plot_training_curve
 from rollwise.observe.summary import render_summary, total_time_split
@@ -315,7 +316,23 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
     run_dir, resume_dir = _resolve_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
+    memory = MemoryWatch(lambda message: console.print(f"[bold red]warning:[/] {message}"), _memory_hints(cfg)).start()
+    try:
+        return _train(cfg, console, t0, run_dir, resume_dir, memory)
+    finally:
+        memory.stop()
 
+
+def _memory_hints(cfg: RunConfig) -> str:
+    """The settings that size this run's memory, with their values, for the low-memory warning."""
+    return (f"engine.kv_cache_gib={cfg.engine.kv_cache_gib} (vLLM's KV cache on CPU), "
+            f"engine.max_num_seqs={cfg.engine.max_num_seqs}, train.micro_batch_tokens={cfg.train.micro_batch_tokens} "
+            f"and train.micro_batch_size={cfg.train.micro_batch_size} (activations per forward)")
+
+
+def _train(cfg: RunConfig, console: Console, t0: float, run_dir: Path, resume_dir: Path | None,
+           memory: MemoryWatch) -> dict[str, Any]:
+    """train()'s body, inside the memory watch (which started before anything big loads)."""
     with console.status(f"loading model {cfg.model} and task {cfg.task.name or cfg.task.path}"):
         model, tokenizer = load_model(cfg.model)
         task = make_task(cfg.task)
@@ -465,6 +482,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         **worker.metrics(),  # ray: engine_restarts
         **run_summary(records),  # speculation totals and tail time over the run
         "peak_rss_gb": _peak_rss_gb(),
+        **memory.summary(),  # with its children (a vLLM engine core), the machine's lowest available memory
         "tokenizer_fingerprint": fingerprint,
         "artifacts": {"metrics": "metrics.jsonl", "evals": "evals.jsonl", "curve": curve.name, "timeline": timeline_png.name,
                       "tensorboard": "tensorboard/" if cfg.tensorboard else None, "checkpoints": "checkpoints/"},

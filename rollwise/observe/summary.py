@@ -76,7 +76,10 @@ def render_summary(summary: dict[str, Any], records: list[dict[str, Any]]) -> Ta
     if summary.get("mfu"):
         _add_utilisation_rows(table, summary)
     table.add_row("wall time", f"{summary['wall_time_s'] / 60:.1f} min", "")
-    table.add_row("peak memory (RSS)", f"{summary['peak_rss_gb']:.1f} GB", "")
+    with_children = summary.get("peak_rss_run_gb")
+    table.add_row("peak memory (RSS)", f"{summary['peak_rss_gb']:.1f} GB"
+                  + (f", {with_children:.1f} GB with its child processes" if with_children else ""),
+                  f"{summary['low_memory_warnings']} low-memory warning(s)" if summary.get("low_memory_warnings") else "")
     return table
 
 
