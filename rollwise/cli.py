@@ -11,6 +11,7 @@
     rollwise bench trainer-step [--quick] [--arms A,B] one train step per trainer variant, interleaved: ratios
     rollwise bench loop [--quick] [--json PATH]       the default `rollwise train`: wall, samples/s, MFU, idle cores
     rollwise bench r3 [--quick] [--json PATH]         an MoE trained with / without rollout routing replay (mismatch)
+    rollwise bench allocator [--quick] [--rounds N]   glibc malloc as it is vs freed memory kept (fresh processes)
     rollwise compare RUN_DIR|LABEL=DIR,DIR ... [--out PNG]  runs or seed arms side by side, held-out table
     rollwise serve engine [--model SPEC] [--host 127.0.0.1] [--port 8000] [--max-num-seqs N] [--max-model-len N] [--dtype D]
                                                      the engine over HTTP: OpenAI-compatible completions,
@@ -90,7 +91,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "name", choices=["engine", "rollout", "sync", "router", "sandbox", "mux", "speculation", "trainer", "loop",
-                 "intercept", "r3", "trainer-step"],
+                 "intercept", "r3", "trainer-step", "allocator"],
         help="router: routing policies (round robin ... prefix-aware) side by side on real tiny-model replicas and "
         "64 simulated ones, every router in its own process, vllm-router's cache_aware too when installed "
         "(prefix hit rate, prefill tokens, p50/p99 latency, load imbalance, router CPU per request); "
@@ -112,7 +113,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "MoE) trained with and without rollout routing replay, engine in bf16 and trainer in fp32: router "
         "disagreement, logprob mismatch, k3 KL, ratio>2 per step, held-out accuracy, replay cost, MoE-CAP counts; "
         "trainer-step: one default-shaped train step under trainer variants (train.fused_*), interleaved in one "
-        "process, step-time ratios to the baseline (--quick: a tiny model, 1 round)",
+        "process, step-time ratios to the baseline (--quick: a tiny model, 1 round); "
+        "allocator: glibc's default malloc vs freed memory kept for reuse (rollwise's default) in fresh processes "
+        "side by side: reference-engine decode steps and train steps, time, page faults, kernel time",
     )
     bench.add_argument("--quick", action="store_true", help="small workload (< 1 minute on 2 CPU cores)")
     bench.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
@@ -136,7 +139,8 @@ def _build_parser() -> argparse.ArgumentParser:
                        "takes ~3 min on 2 CPU cores)")
     bench.add_argument("--rounds", type=int, default=None, metavar="N",
                        help="router: rotated rounds of the workload per arm (default: 2 with --quick, else 4); "
-                       "more rounds make the median-round p50/p99 steadier")
+                       "more rounds make the median-round p50/p99 steadier; allocator: pairs of processes per "
+                       "workload (default: 1 with --quick, else 3)")
     bench.add_argument("--arms", default=None, metavar="A,B,...",
                        help="trainer-step: the trainer variants to run, comma-separated, baseline among them "
                        "(default: all; e.g. --arms baseline,default,default_bfloat16)")
@@ -374,6 +378,15 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         console.print(format_r3_bench(result))
         write_json(args.json, result, console)
         return 0
+    if args.name == "allocator":  # fresh child processes per arm; each loads the model itself
+        from rollwise.bench.allocator import format_allocator_bench, run_allocator_bench
+
+        with console.status("glibc's malloc as it is vs freed memory kept, in fresh processes") as status:
+            result = run_allocator_bench(quick=args.quick, pairs=args.rounds, progress=status.update)
+        result["command"] = " ".join(["rollwise"] + sys.argv[1:])
+        console.print(format_allocator_bench(result))
+        write_json(args.json, result, console)
+        return 0
     if args.name == "trainer-step":  # --quick: a tiny model built in code instead of --model
         from rollwise.bench.trainer import format_trainer_step_bench, run_trainer_step_bench
         from rollwise.model.loading import load_model
@@ -488,6 +501,9 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from rollwise.model.allocator import keep_freed_memory
+
+    keep_freed_memory()  # for this process and every one it starts (rollwise/model/allocator.py says why)
     if argv[:2] == ["serve", "router"]:  # the router has its own options: rollwise/router/cli.py
         from rollwise.router.cli import main as serve_router
 

@@ -31,6 +31,7 @@ from rollwise.config import ConfigError, RunConfig, dump_config
 from rollwise.control.placement import EngineView, Placement, PlaceRequest, place
 from rollwise.engine.speculation.counters import counters_of, run_summary, step_metrics
 from rollwise.engine.types import SamplingParams
+from rollwise.model.allocator import keep_freed_memory
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.model.precision import resolve_dtype
 from rollwise.observe.bubble import bubble_ratio
@@ -309,6 +310,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
     """Run GRPO as configured; returns the summary that is also written to summary.json."""
     console = console or Console()
     t0 = time.monotonic()
+    keep_freed_memory()  # (already done by the CLI; here for train() called from Python)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     _seed_everything(cfg.seed)

@@ -1,0 +1,148 @@
+"""`rollwise bench allocator`: glibc's default malloc vs memory kept for reuse (rollwise.model.allocator).
+
+The two arms differ only in the environment a fresh child process starts with (glibc reads MALLOC_*_ when a
+process starts): `system` has none of the variables, `kept` has rollwise.model.allocator.ENVIRONMENT. Each
+child runs one workload on the bundled model (`--quick`: a tiny model) and reports its time per unit, the minor
+page faults (memory faulted in) and the kernel CPU seconds it took:
+
+- engine: reference-engine decode steps of 64 sequences (the sampler's logits, probabilities and CDF are
+  ~75 MB of fresh buffers a step);
+- train: default-shaped GRPO train steps (rollwise.bench.trainer.default_like_batch, 8 groups x 16).
+
+Arms alternate, the first arm switching from pair to pair, so the machine's drift falls on both; ratios are
+per pair (kept / system), then the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+from rollwise.model.allocator import ENVIRONMENT, OPT_OUT
+
+WORKLOADS = ("engine", "train")
+ARMS = ("system", "kept")
+
+
+def arm_environment(arm: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not (k.startswith("MALLOC_") and k.endswith("_"))}
+    env.pop(OPT_OUT, None)
+    if arm == "kept":
+        env.update(ENVIRONMENT)
+    else:
+        env[OPT_OUT] = "system"
+    return env
+
+
+def _usage() -> tuple[float, int]:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_stime, usage.ru_minflt
+
+
+def _engine_units(quick: bool, units: int) -> list[tuple[float, float, int]]:
+    from rollwise.engine.reference import ReferenceEngine
+    from rollwise.engine.types import GenerationRequest, SamplingParams
+    from rollwise.model.loading import load_model
+
+    model, _ = load_model("tiny:0" if quick else "bundled:smollm2-135m-instruct")
+    sequences, prompt = (16, 32) if quick else (64, 150)
+    engine = ReferenceEngine(model, max_num_seqs=sequences, max_model_len=prompt + units + 16, seed=0)
+    vocab = int(model.config.vocab_size)
+    params = SamplingParams(max_tokens=units + 8, ignore_eos=True)
+    for i in range(sequences):
+        engine.add_request(GenerationRequest(f"r{i}", [3 + (i * 7 + j) % (vocab - 3) for j in range(prompt)], params))
+    for _ in range(4):  # the prefill, then warm decode steps
+        engine.step()
+    return [_timed(engine.step) for _ in range(units)]
+
+
+def _train_units(quick: bool, units: int) -> list[tuple[float, float, int]]:
+    from rollwise.bench.trainer import default_like_batch
+    from rollwise.config import TrainConfig
+    from rollwise.model.loading import load_model
+    from rollwise.train.trainer import GRPOTrainer
+
+    model, tokenizer = load_model("tiny:0" if quick else "bundled:smollm2-135m-instruct")
+    groups, group_size, prompt_len, max_response = (2, 4, 16, 16) if quick else (8, 16, 100, 48)
+    batch = default_like_batch(int(model.config.vocab_size), groups, group_size, prompt_len, max_response,
+                               zero_groups=max(groups // 4, 1), seed=0)
+    trainer = GRPOTrainer(model, TrainConfig(lr=1e-9, off_policy_correction="none"), pad_token_id=tokenizer.pad_token_id)
+    trainer.train_step(batch)  # warm-up: optimizer state
+    return [_timed(lambda: trainer.train_step(batch)) for _ in range(units)]
+
+
+def _timed(unit: Any) -> tuple[float, float, int]:
+    """(wall seconds, kernel CPU seconds, minor page faults) of one call."""
+    stime0, faults0 = _usage()
+    start = time.perf_counter()
+    unit()
+    wall = time.perf_counter() - start
+    stime1, faults1 = _usage()
+    return wall, stime1 - stime0, faults1 - faults0
+
+
+def worker_main(argv: list[str]) -> None:
+    """`python -m rollwise.bench.allocator --worker WORKLOAD [--quick] --units N`: one JSON line."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker", choices=WORKLOADS, required=True)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--units", type=int, required=True)
+    args = p.parse_args(argv)
+    units = (_engine_units if args.worker == "engine" else _train_units)(args.quick, args.units)
+    print(json.dumps({"wall_s": [u[0] for u in units], "kernel_s": [u[1] for u in units],
+                      "minor_faults": [u[2] for u in units]}), flush=True)
+
+
+def _run_child(workload: str, arm: str, quick: bool, units: int) -> dict[str, float]:
+    proc = subprocess.run([sys.executable, "-m", "rollwise.bench.allocator", "--worker", workload, "--units", str(units),
+                           *(["--quick"] if quick else [])], env=arm_environment(arm), capture_output=True, text=True,
+                          timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {arm} {workload} child failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {key: statistics.median(values) for key, values in measured.items()}
+
+
+def run_allocator_bench(quick: bool = False, pairs: int | None = None, workloads: tuple[str, ...] = WORKLOADS,
+                        progress: Any = None) -> dict[str, Any]:
+    pairs = pairs or (1 if quick else 3)
+    units = {"engine": 6 if quick else 12, "train": 1 if quick else 2}
+    result: dict[str, Any] = {"benchmark": "allocator", "quick": quick, "pairs": pairs, "environment": ENVIRONMENT,
+                              "workloads": {}}
+    for workload in workloads:
+        runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
+        for pair in range(pairs):
+            for arm in (ARMS if pair % 2 == 0 else ARMS[::-1]):
+                if progress:
+                    progress(f"{workload}: pair {pair + 1}/{pairs}, {arm}")
+                runs[arm].append(_run_child(workload, arm, quick, units[workload]))
+        ratios = [k["wall_s"] / s["wall_s"] for s, k in zip(runs["system"], runs["kept"])]
+        result["workloads"][workload] = {
+            "runs": runs, "wall_ratio_kept_to_system": statistics.median(ratios), "wall_ratios": ratios,
+            **{f"{arm}_{key}": statistics.median(r[key] for r in runs[arm])
+               for arm in ARMS for key in ("wall_s", "kernel_s", "minor_faults")},
+        }
+    return result
+
+
+def format_allocator_bench(result: dict[str, Any]) -> str:
+    lines = [f"glibc malloc as it is (system) vs freed memory kept for reuse (kept), {result['pairs']} pair(s) of fresh "
+             "processes per workload; medians per unit (an engine step or a train step):"]
+    for name, w in result["workloads"].items():
+        lines.append(
+            f"  {name:>6}: system {w['system_wall_s'] * 1e3:8.1f} ms, {w['system_minor_faults']:9,.0f} page faults, "
+            f"{w['system_kernel_s'] * 1e3:7.1f} ms in the kernel | kept {w['kept_wall_s'] * 1e3:8.1f} ms, "
+            f"{w['kept_minor_faults']:9,.0f} page faults, {w['kept_kernel_s'] * 1e3:7.1f} ms in the kernel | "
+            f"kept / system {w['wall_ratio_kept_to_system']:.3f}x")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1:])
