@@ -25,14 +25,14 @@ import sys
 import time
 from typing import Any
 
-from rollwise.model.allocator import ENVIRONMENT, OPT_OUT
+from rollwise.model.allocator import ENVIRONMENT, OPT_OUT, is_glibc_malloc_variable
 
 WORKLOADS = ("engine", "train")
 ARMS = ("system", "kept")
 
 
 def arm_environment(arm: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not (k.startswith("MALLOC_") and k.endswith("_"))}
+    env = {k: v for k, v in os.environ.items() if not is_glibc_malloc_variable(k)}
     env.pop(OPT_OUT, None)
     if arm == "kept":
         env.update(ENVIRONMENT)

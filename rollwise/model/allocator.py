@@ -36,6 +36,11 @@ ENVIRONMENT = {
 _tuned: bool | None = None
 
 
+def is_glibc_malloc_variable(name: str) -> bool:
+    """MALLOC_MMAP_MAX_, MALLOC_TRIM_THRESHOLD_, ...: the variables glibc reads at process start."""
+    return name.startswith("MALLOC_") and name.endswith("_")
+
+
 def tuning_applies(environ: Mapping[str, str], system: str, libc: str) -> bool:
     """Whether to switch glibc over, given the environment, the OS (platform.system()) and the C library
     (platform.libc_ver()[0])."""
@@ -45,7 +50,7 @@ def tuning_applies(environ: Mapping[str, str], system: str, libc: str) -> bool:
         return False
     # A MALLOC_*_ variable the user set wins; in a process rollwise started they are ours, and glibc read them
     # when the process started.
-    return not any(name.startswith("MALLOC_") and name.endswith("_") for name in environ)
+    return not any(is_glibc_malloc_variable(name) for name in environ)
 
 
 def keep_freed_memory() -> bool:
