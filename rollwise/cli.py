@@ -504,6 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     from rollwise.model.allocator import keep_freed_memory
 
     keep_freed_memory()  # for this process and every one it starts (rollwise/model/allocator.py says why)
+    from rollwise.control.stop_signal import Stopped, stop_on_sigterm
+
+    stop_on_sigterm()  # a scheduler's SIGTERM closes engines and child processes like Ctrl-C does
     if argv[:2] == ["serve", "router"]:  # the router has its own options: rollwise/router/cli.py
         from rollwise.router.cli import main as serve_router
 
@@ -533,9 +536,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         console.print(f"[bold red]config error:[/] {exc}", highlight=False)
         return 2
+    except Stopped as stop:
+        console.print(f"[yellow]stopped by {stop}[/]: engines and child processes closed"
+                      + (_RESUME_HINT if args.command == "train" else ""))
+        return stop.exit_code
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/]")
+        console.print("[yellow]interrupted[/]" + (_RESUME_HINT if args.command == "train" else ""))
         return 130
+
+
+_RESUME_HINT = "; the same command with checkpoint.resume=auto continues from the last checkpoint"
 
 
 if __name__ == "__main__":

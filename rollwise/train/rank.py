@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import resource
+import signal
 import time
 import traceback
 from collections.abc import Iterator, Mapping
@@ -203,6 +204,7 @@ def rank_main(spec: RankSpec, model: nn.Module, cfg: TrainConfig, pad_token_id: 
     `conn`. Whenever its weights change (start, train, load) it writes its shards into `landing`
     (the controller's shared-memory weights) before replying, so a push finds them there already:
     the copy (~1/N of the model, all ranks at once) is part of the step, not of the push."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the controller, which stops the ranks in order
     trainer = None
     try:
         device = init_rank(spec)
@@ -230,7 +232,7 @@ def rank_main(spec: RankSpec, model: nn.Module, cfg: TrainConfig, pad_token_id: 
             except Exception:
                 conn.send(("error", traceback.format_exc()))
                 break
-    except EOFError:  # the controller went away
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # the controller went away: nobody to tell
         pass
     finally:
         if dist.is_initialized():
