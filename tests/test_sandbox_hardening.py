@@ -193,7 +193,7 @@ def test_no_cgroup_is_left_behind_after_20_runs():
     with LocalSandbox(WHOLE) as sb:
         for i in range(20):  # ordinary exits, timeouts, background leftovers, OOM kills
             cmd = ("sleep 5 & sleep 5" if i % 4 == 1 else "sleep 5 &" if i % 4 == 2
-                   else f"head -c 250000000 /dev/zero | sh -c 'v=$(cat); echo ${{#v}}'" if i % 4 == 3 else "true")
+                   else "head -c 250000000 /dev/zero | sh -c 'v=$(cat); echo ${#v}'" if i % 4 == 3 else "true")
             sb.run(cmd, timeout_s=0.3)
             assert [d for p in parents for d in p.glob(mine)] == [], f"run {i} left its cgroup"
 

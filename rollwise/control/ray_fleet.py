@@ -41,7 +41,7 @@ from ray.exceptions import GetTimeoutError
 
 from rollwise.control.ray_engine_actor import _GONE
 from rollwise.control.ray_fleet_collective import FleetWeightGroup
-from rollwise.control.ray_fleet_recovery import FleetRecovery, _log  # _log: ray_placement imports it from here
+from rollwise.control.ray_fleet_recovery import FleetRecovery
 from rollwise.control.ray_fleet_timeline import TIMELINE_REFRESH_S, FleetView, merge_from
 from rollwise.engine.contract import ModelInfo
 from rollwise.engine.types import Completion, GenerationRequest

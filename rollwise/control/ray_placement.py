@@ -39,8 +39,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rollwise.config import ConfigError, RunConfig, dump_config
 from rollwise.control.ray_engine_actor import engine_actor_class
-from rollwise.control.ray_fleet import RayEngineFleet, _get_all, _log
+from rollwise.control.ray_fleet import RayEngineFleet, _get_all
 from rollwise.control.ray_fleet_collective import FleetWeightGroup
+from rollwise.control.ray_fleet_recovery import _log
 from rollwise.control.ray_trainer_ranks import RayRankGroup, TrainerRankActor, kill_actors
 from rollwise.rollout.types import Sample
 from rollwise.sync.buckets import WeightUpdate

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import time
 import warnings
 import weakref
@@ -54,8 +53,12 @@ from rollwise.engine.state import EngineState
 from rollwise.engine.vllm_retention import VllmSessionPins
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest, SamplingParams
 from rollwise.model.moe import checkpoint_items
+from rollwise.scratch import scratch_dir
 from rollwise.types.sample import RoutedExperts
 from rollwise.types.weights import ExpectedWeights
+
+# + pid: what a killed run left behind is swept by the next engine (rollwise.scratch)
+VLLM_DIR_PREFIX = "rollwise-vllm-"
 
 
 # Session KV retention (issue 21) on vLLM 0.32: with engine.retention on, preserve pins the turn's blocks in
@@ -180,8 +183,8 @@ class VLLMEngine(EngineState):
         self.expected_weights = replace(ExpectedWeights.of_module(hf_model), ties={})
 
         # vLLM loads from a directory: the caller's current weights (a resumed run's included),
-        # written once, removed at close().
-        self._dir = Path(tempfile.mkdtemp(prefix="rollwise-vllm-"))
+        # written once, removed at close(); a whole model's copy, so the next engine sweeps those of killed runs.
+        self._dir = scratch_dir(VLLM_DIR_PREFIX)
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # a 1 s write needs no progress bar in the trainer's console

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from rollwise.sandbox.process import pid_alive
+from rollwise.scratch import sweep_stale
 
 log = logging.getLogger("rollwise.sandbox")
 
@@ -44,7 +44,6 @@ MiB = 1024 * 1024
 # bwrap, its pid-namespace init, prlimit/setpriv are exec'd in place; a few spare for the launcher.
 LAUNCHER_PIDS = 8
 _PREFIX = "rollwise-sandbox-"
-_NAME = re.compile(rf"^{_PREFIX}(\d+)-[0-9a-f]+$")
 # $0 and $1: the cgroup.procs files to join (the same file twice with v2), then the command.
 _JOIN = ('{ echo $$ >"$0" && echo $$ >"$1"; } || '
          '{ echo "rollwise: could not join the sandbox cgroup" >&2; exit 125; }; shift; exec "$@"')
@@ -258,13 +257,16 @@ def _sweep_stale(parent: Path | None) -> None:
     """Remove empty cgroups of sandbox hosts that died before removing them."""
     if parent is None:
         return
-    for d in parent.glob(f"{_PREFIX}*"):
-        m = _NAME.match(d.name)
-        if m and not pid_alive(int(m.group(1))) and not _pids(d):
-            try:
-                d.rmdir()
-            except OSError:
-                pass
+    def remove_if_empty(d: Path) -> list[str]:
+        if _pids(d):
+            return [f"{d} still has processes"]
+        try:
+            d.rmdir()  # a cgroup directory goes with rmdir, never a tree removal
+        except OSError as exc:
+            return [str(exc)]
+        return []
+
+    sweep_stale(_PREFIX, parent, remove=remove_if_empty)
 
 
 @lru_cache(maxsize=1)

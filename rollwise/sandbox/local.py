@@ -6,7 +6,6 @@ persist across a rollout's turns while no process does. `fork` copies the direct
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess

@@ -86,17 +86,6 @@ class ProcessOutcome:
     stragglers: bool = False  # processes of the command outlived the wait for them (should not happen)
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this id exists (one of another user's counts: signalling it is refused)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def kill_group(pid: int) -> None:
     """SIGKILL the process group led by `pid` (started with start_new_session=True)."""
     try:

@@ -21,20 +21,18 @@ import ctypes
 import ctypes.util
 import logging
 import os
-import re
 import stat
 import subprocess
 import tempfile
 import threading
 from pathlib import Path
 
-from rollwise.sandbox.process import pid_alive
+from rollwise.scratch import sweep_stale
 from rollwise.sandbox.types import SandboxError
 
 log = logging.getLogger("rollwise.sandbox")
 
 ROOT_PREFIX = "rollwise-sandbox-"
-_ROOT_RE = re.compile(rf"^{ROOT_PREFIX}(\d+)-")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _MS_NOSUID, _MS_NODEV = 2, 4
 _MNT_DETACH = 2
@@ -198,24 +196,14 @@ def _remove_root(root: Path) -> list[str]:
 
 def sweep_stale_roots(tmp: Path | None = None) -> list[Path]:
     """Remove temp roots whose owning process is gone (it was killed before its atexit ran)."""
-    tmp = Path(tmp or tempfile.gettempdir())
-    removed = []
-    for entry in tmp.glob(f"{ROOT_PREFIX}*"):
-        m = _ROOT_RE.match(entry.name)
-        if m and entry.is_dir() and not entry.is_symlink() and not pid_alive(int(m.group(1))):
-            problems = _remove_root(entry)
-            if problems:  # someone else's, or racing another sweeper: not ours to insist
-                log.debug("could not sweep %s: %s", entry, problems[:5])
-            else:
-                removed.append(entry)
-    return removed
+    return sweep_stale(ROOT_PREFIX, tmp, remove=_remove_root)
 
 
 class WorkspaceRoot:
     """One temp directory holding workspaces; removing it removes them all."""
 
     def __init__(self, parent: Path | None = None) -> None:
-        sweep_stale_roots(parent)
+        sweep_stale_roots(parent)  # with their workspaces' tmpfs mounts, which a plain tree removal cannot undo
         self.path = Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}-", dir=parent))
         os.chmod(self.path, 0o711)
         self.quota = quota_in_force(parent) is None  # workspaces are size/inode-limited tmpfs mounts
