@@ -16,20 +16,9 @@ import re
 import uuid
 from typing import Any
 
+from rollwise.model.template_ids import flat_token_ids
+
 Message = dict[str, Any]
-
-
-def _ids(out: Any) -> list[int]:
-    """apply_chat_template's result as a flat list of ids, whatever transformers version returned it."""
-    if not isinstance(out, list) and hasattr(out, "keys") and "input_ids" in out:
-        out = out["input_ids"]
-    if hasattr(out, "tolist"):
-        out = out.tolist()
-    if out and isinstance(out[0], list):
-        if len(out) != 1:
-            raise ValueError(f"expected one rendered conversation, got a batch of {len(out)}")
-        out = out[0]
-    return [int(t) for t in out]
 
 
 def special_token_texts(tokenizer: Any) -> list[str]:
@@ -75,7 +64,7 @@ class ChatRenderer:
                 messages, add_generation_prompt=add_generation_prompt, tokenize=True,
                 chat_template=self.chat_template, **kwargs,
             )
-            return _ids(out)
+            return flat_token_ids(out)
         text = self.tokenizer.apply_chat_template(
             guarded, add_generation_prompt=add_generation_prompt, tokenize=False,
             chat_template=self.chat_template, **kwargs,

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from rollwise.model.template_ids import flat_token_ids
+
 
 def load_tokenizer(spec: str) -> Any:
     """The tokenizer of a model spec (tiny:SEED, bundled:NAME or a local HF directory), without its weights."""
@@ -38,12 +40,7 @@ def _ids(value: Any) -> bool:
 
 def _chat_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     # The same call as the engine's encode_prompt (rollwise.tasks.prompts), without importing the task stack.
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if not isinstance(out, list) and hasattr(out, "keys") and "input_ids" in out:
-        out = out["input_ids"]
-    if out and isinstance(out[0], list):
-        out = out[0]
-    return [int(t) for t in out]
+    return flat_token_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
 
 
 def prompt_tokens(endpoint: str, body: dict[str, Any], tokenizer: Any | None, max_chars: int = 65536) -> list[int]:

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rollwise.model.template_ids import flat_token_ids
 from rollwise.tasks.answer_format import AnswerFormat, parse_response
 from rollwise.tasks.base import Problem
 
@@ -119,17 +120,7 @@ def encode_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[di
     """Prompt token ids via the tokenizer's chat template, ending with the assistant generation prompt.
     `tools` (OpenAI function specs) go to the template, which renders them if it knows how."""
     _check_chat_template(tokenizer)
-    out = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
-    # transformers 5 returns a BatchEncoding (dict-like); older versions return a list of ids.
-    if not isinstance(out, list) and hasattr(out, "keys") and "input_ids" in out:
-        out = out["input_ids"]
-    if hasattr(out, "tolist"):  # a tensor/array if a backend chose return_tensors
-        out = out.tolist()
-    if out and isinstance(out[0], list):  # a batch of one
-        if len(out) != 1:
-            raise ValueError(f"expected one encoded prompt, got a batch of {len(out)}")
-        out = out[0]
-    return [int(t) for t in out]
+    return flat_token_ids(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True))
 
 
 __all__ = [
