@@ -187,6 +187,12 @@ def lm_head_logprobs(
     return torch.cat(logps), torch.cat(entropies)
 
 
+def backbone_of(model: nn.Module) -> nn.Module:
+    """A Hugging Face causal LM's decoder stack (hidden states out, no LM head); a model without
+    get_decoder() keeps it at .model."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
+
+
 def sequence_logprobs(
     model: nn.Module,
     input_ids: Tensor,
@@ -202,7 +208,7 @@ def sequence_logprobs(
     `model` is a Hugging Face causal LM: its backbone gives hidden states, its output embedding
     is the LM head. Position t is predicted by the hidden state at t - 1.
     """
-    backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    backbone = backbone_of(model)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     predict_mask = target_mask[:, 1:]
     selected_hidden = hidden[:, :-1][predict_mask]
@@ -230,7 +236,7 @@ def shared_prompt_logprobs(
 
     prompt_ids [P], responses [G, R] right-padded, response_mask [G, R] -> flattened over the mask.
     """
-    backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    backbone = backbone_of(model)
     group, length = responses.shape
     prompt_len = prompt_ids.shape[0]
     prompt_out = backbone(input_ids=prompt_ids[None], use_cache=True)

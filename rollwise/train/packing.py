@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from rollwise.train.logprobs import lm_head_logprobs, shared_prompt_logprobs
+from rollwise.train.logprobs import backbone_of, lm_head_logprobs, shared_prompt_logprobs
 from rollwise.train.routing_replay import ReplayBatch, group_batch
 from rollwise.types.microbatch import pack_responses, prompt_groups
 from rollwise.types.sample import Sample
@@ -207,7 +207,7 @@ def packed_groups_logprobs(
     (selected with grad, so gradients into a prompt sum over its rows, as in the padded forward).
     Response tokens sit at their own sequence's positions: prompt length + offset in the response.
     """
-    backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    backbone = backbone_of(model)
     prompt_keys = torch.arange(prompts.shape[1], device=prompts.device)[None, :] < prompt_lens[:, None]
     prompt_out = backbone(input_ids=prompts, attention_mask=prompt_keys.long(), use_cache=True)
     cache = prompt_out.past_key_values
