@@ -537,15 +537,11 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[bold red]config error:[/] {exc}", highlight=False)
         return 2
     except Stopped as stop:
-        console.print(f"[yellow]stopped by {stop}[/]: engines and child processes closed"
-                      + (_RESUME_HINT if args.command == "train" else ""))
+        console.print(f"[yellow]stopped by {stop}[/]: engines and child processes closed")
         return stop.exit_code
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/]" + (_RESUME_HINT if args.command == "train" else ""))
+        console.print("[yellow]interrupted[/]")
         return 130
-
-
-_RESUME_HINT = "; the same command with checkpoint.resume=auto continues from the last checkpoint"
 
 
 if __name__ == "__main__":

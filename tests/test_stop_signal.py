@@ -28,8 +28,9 @@ def _steps_logged(run_dir) -> int:
 
 @pytest.mark.parametrize("how", ["sigterm", "ctrl_c"])
 def test_stopped_run_closes_its_ranks_and_resumes(tmp_path, how):
+    # Checkpoints every step for the stop that resumes; none before the end for the other, whose hint says so.
     config = tiny_run_config(tmp_path, trainer={"world_size": 2, "device": "cpu"}, train={"steps": 10_000, "lr": 1e-3},
-                             tensorboard=False)
+                             checkpoint={"every": 1 if how == "sigterm" else 0}, tensorboard=False)
     log = (tmp_path / "out.log").open("w")
     # A session of its own: Ctrl-C reaches a terminal's whole foreground group, so the test signals the group.
     proc = subprocess.Popen(_rollwise_cmd() + ["train", "--config", str(config)], cwd=tmp_path, env=ENV,
@@ -54,7 +55,12 @@ def test_stopped_run_closes_its_ranks_and_resumes(tmp_path, how):
     out = " ".join((tmp_path / "out.log").read_text().split())
     assert code == (143 if how == "sigterm" else 130), out
     assert ("stopped by SIGTERM: engines and child processes closed" if how == "sigterm" else "interrupted") in out
-    assert "checkpoint.resume=auto continues from the last checkpoint" in out
+    if how == "ctrl_c":
+        assert f"run {run_dir} stopped before its first checkpoint: set checkpoint.every=N" in out
+        assert not (run_dir / "checkpoints").exists() or not list((run_dir / "checkpoints").glob("step_*"))
+    else:
+        last = max(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*"))
+        assert f"run {run_dir} stopped; the same command with checkpoint.resume=auto continues from step_{last:06d}" in out
     assert "Traceback" not in out
     # multiprocessing's resource tracker leaves when its pipe from the (now ended) run closes: a moment later
     _, alive = psutil.wait_procs(children, timeout=10)
@@ -63,7 +69,6 @@ def test_stopped_run_closes_its_ranks_and_resumes(tmp_path, how):
     if how == "ctrl_c":
         return  # the resume below is the same either way: once is enough
     # The hint works: the same command with checkpoint.resume=auto continues after the last checkpoint.
-    last = max(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*"))
     resumed = subprocess.run(_rollwise_cmd() + ["train", "--config", str(config), "checkpoint.resume=auto",
                                                 f"train.steps={last + 1}"],
                              cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)

@@ -321,8 +321,19 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
     memory = MemoryWatch(lambda message: console.print(f"[bold red]warning:[/] {message}"), _memory_hints(cfg)).start()
     try:
         return _train(cfg, console, t0, run_dir, resume_dir, memory)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (rollwise.control.stop_signal): everything is closed by now
+        console.print(_how_to_continue(cfg, run_dir))
+        raise
     finally:
         memory.stop()
+
+
+def _how_to_continue(cfg: RunConfig, run_dir: Path) -> str:
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return (f"run {run_dir} stopped before its first checkpoint: set checkpoint.every=N to save one every "
+                f"N steps (now {cfg.checkpoint.every}: 0 saves only at the end)")
+    return f"run {run_dir} stopped; the same command with checkpoint.resume=auto continues from {ckpt.name}"
 
 
 def _memory_hints(cfg: RunConfig) -> str:
