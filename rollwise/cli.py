@@ -527,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    from rollwise.config import ConfigError
+    from rollwise.config import ConfigError, RunError
 
     handlers = {"train": _cmd_train, "config": _cmd_config, "bench": _cmd_bench, "compare": _cmd_compare,
                 "serve": _cmd_serve, "check": _cmd_check}
@@ -536,6 +536,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         console.print(f"[bold red]config error:[/] {exc}", highlight=False)
         return 2
+    except RunError as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        return 1
     except Stopped as stop:
         console.print(f"[yellow]stopped by {stop}[/]: engines and child processes closed")
         return stop.exit_code

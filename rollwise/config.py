@@ -449,6 +449,11 @@ class ConfigError(ValueError):
     """A config problem, phrased for the person who wrote the config."""
 
 
+class RunError(RuntimeError):
+    """A run stopped by something outside the config (a full disk, say), phrased for the person running it:
+    what happened, what is intact, what to do. The CLI prints the message alone, without a traceback."""
+
+
 def default_config_path() -> Path:
     return Path(str(resources.files("rollwise") / "configs" / "default.yaml"))
 

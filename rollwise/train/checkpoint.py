@@ -13,6 +13,7 @@ another `trainer.world_size`):
 
 from __future__ import annotations
 
+import errno
 import json
 import random
 import shutil
@@ -26,10 +27,12 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from rollwise.config import RunError
 from rollwise.train.lora import is_lora, load_adapter
 from rollwise.train.trainer import GRPOTrainer
 
 STATE_FILE = "state.json"
+PARTIAL_PREFIX = "."  # a checkpoint being written: `.step_000012.XXXX`, renamed to `step_000012` when whole
 DCP_DIR = "dcp"
 SCHEDULER_FILE = "scheduler.pt"
 
@@ -40,20 +43,55 @@ def write_checkpoint(run_dir: Path, step: int, version: int, extra: dict[str, An
     are added here, then the folder is renamed into place and old checkpoints pruned."""
     ckpt_root = run_dir / "checkpoints"
     ckpt_root.mkdir(parents=True, exist_ok=True)
+    for unfinished in ckpt_root.glob(f"{PARTIAL_PREFIX}*"):  # a save killed midway: never resumable, often GBs
+        shutil.rmtree(unfinished, ignore_errors=True)
     final = ckpt_root / f"step_{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=ckpt_root))
-    write_trainer(tmp)
-    torch.save(
-        {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-        tmp / "rng.pt",
-    )
-    (tmp / STATE_FILE).write_text(json.dumps({"step": step, "policy_version": version, **extra}, indent=2))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{PARTIAL_PREFIX}{final.name}.", dir=ckpt_root))
+    try:
+        write_trainer(tmp)
+        torch.save(
+            {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+            tmp / "rng.pt",
+        )
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step, "policy_version": version, **extra}, indent=2))
+    except BaseException as exc:  # a full disk, a stop signal: no half checkpoint stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        if out_of_space(exc):
+            raise RunError(_no_space_message(ckpt_root, final.name)) from exc
+        raise
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
     for old in sorted(ckpt_root.glob("step_*"))[:-keep_last]:
         shutil.rmtree(old)
     return final
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """A write failed for want of disk space or quota (safetensors and rank errors carry it only as text)."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc)
+
+
+def _no_space_message(ckpt_root: Path, name: str) -> str:
+    free = shutil.disk_usage(ckpt_root).free
+    previous = latest_checkpoint(ckpt_root.parent)
+    size = f"; {previous.name} takes {_size(_tree_bytes(previous))}" if previous is not None else ""
+    kept = (f"{previous.name} and the checkpoints before it are intact: free space, then rerun the same command with "
+            "checkpoint.resume=auto" if previous is not None else
+            "no earlier checkpoint exists: free space and start again")
+    return (f"checkpoint {name} could not be written to {ckpt_root}: the disk is full ({_size(free)} free{size}). "
+            f"The partial checkpoint was removed; {kept} (checkpoint.keep_last=1 keeps fewer, "
+            "output_dir=... puts the run on another disk).")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def save_checkpoint(run_dir: Path, trainer: GRPOTrainer, tokenizer, step: int, extra: dict[str, Any], keep_last: int) -> Path:

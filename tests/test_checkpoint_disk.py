@@ -1,0 +1,99 @@
+"""A checkpoint that cannot be written (a full disk, a save killed midway) leaves no partial checkpoint
+behind, keeps the earlier ones, and says what to do; the run then resumes from the last whole one.
+
+The end-to-end case runs `rollwise train` with its output on a small tmpfs that fills at the third
+checkpoint (mounting needs root, as in CI; elsewhere that case is skipped and the write-level cases run)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from rollwise.config import RunError
+from rollwise.train.checkpoint import latest_checkpoint, out_of_space, write_checkpoint
+from run_configs import tiny_run_config
+from test_cli import _rollwise_cmd
+
+
+def _write_bytes(n: int):
+    def write(tmp: Path) -> None:
+        (tmp / "model.bin").write_bytes(b"w" * n)
+    return write
+
+
+def _disk_full(tmp: Path) -> None:
+    (tmp / "model.bin").write_bytes(b"half a model")
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_removes_the_partial_checkpoint_and_names_what_is_intact(tmp_path):
+    write_checkpoint(tmp_path, 1, 1, {}, keep_last=2, write_trainer=_write_bytes(3 << 20))
+    with pytest.raises(RunError) as caught:
+        write_checkpoint(tmp_path, 2, 2, {}, keep_last=2, write_trainer=_disk_full)
+    message = str(caught.value)
+    assert "checkpoint step_000002 could not be written" in message
+    assert "step_000001 takes 3.0 MiB" in message
+    assert "step_000001 and the checkpoints before it are intact" in message and "checkpoint.resume=auto" in message
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001"]  # nothing partial
+    assert latest_checkpoint(tmp_path).name == "step_000001"
+
+
+def test_other_failures_pass_through_and_a_killed_save_is_swept_by_the_next(tmp_path):
+    def broken(tmp: Path) -> None:
+        raise ValueError("a bug in the writer")
+
+    with pytest.raises(ValueError, match="a bug in the writer"):
+        write_checkpoint(tmp_path, 1, 1, {}, keep_last=2, write_trainer=broken)
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+    killed = tmp_path / "checkpoints" / ".step_000001.abcd1234"  # what a SIGKILL during a save leaves
+    (killed / "model").mkdir(parents=True)
+    write_checkpoint(tmp_path, 1, 1, {}, keep_last=2, write_trainer=_write_bytes(10))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001"]
+
+
+def test_out_of_space_is_read_from_errno_or_from_text():
+    assert out_of_space(OSError(errno.ENOSPC, "No space left on device"))
+    assert out_of_space(OSError(errno.EDQUOT, "Disk quota exceeded"))
+    assert out_of_space(RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"))
+    assert not out_of_space(OSError(errno.EACCES, "Permission denied"))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=900k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_train_on_a_full_disk_stops_clearly_and_resumes_once_there_is_room(tmp_path, small_disk):
+    # The tiny model's checkpoint is ~0.35 MiB: two fit in 900 KiB beside the logs, the third does not.
+    config = tiny_run_config(tmp_path, output_dir=str(small_disk / "run"), train={"steps": 6, "lr": 1e-3},
+                             tensorboard=False)
+    env = {**os.environ, "COLUMNS": "400", "NO_COLOR": "1", "OMP_NUM_THREADS": "1"}
+    full = subprocess.run(_rollwise_cmd() + ["train", "--config", str(config)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    out = " ".join((full.stdout + full.stderr).split())
+    assert full.returncode == 1, out
+    assert "error: checkpoint step_000003 could not be written" in out and "the disk is full" in out
+    assert "Traceback" not in out
+    checkpoints = small_disk / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000001", "step_000002"]
+
+    subprocess.run(["mount", "-o", "remount,size=8m", str(small_disk)], check=True)  # the user frees space
+    resumed = subprocess.run(_rollwise_cmd() + ["train", "--config", str(config), "checkpoint.resume=auto"],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed from" in resumed.stdout
+    steps = [json.loads(line)["step"] for line in (small_disk / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
