@@ -9,6 +9,7 @@ roots and their cgroups. A pid the kernel has since reused keeps its entry: swee
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -67,3 +68,15 @@ def scratch_dir(prefix: str, parent: Path | None = None) -> Path:
     the ones that killed processes left there. The caller removes it when done."""
     sweep_stale(prefix, parent)
     return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent))
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """A write failed for want of disk space or quota (safetensors and rank errors carry it only as text)."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc)
+
+
+def size_text(n: int) -> str:
+    """Bytes for a message: GiB from 1 GiB up, else MiB."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

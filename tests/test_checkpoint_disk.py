@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from rollwise.config import RunError
-from rollwise.train.checkpoint import latest_checkpoint, out_of_space, write_checkpoint
+from rollwise.scratch import out_of_space
+from rollwise.train.checkpoint import latest_checkpoint, write_checkpoint
 from run_configs import tiny_run_config
 from test_cli import _rollwise_cmd
 

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rollwise.config import RunError
 from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, check_weights, run_to_completion
 from rollwise.engine.retention import RetentionDecision, RetentionLimits, RetentionRequest
 from rollwise.engine.retention_policy import PolicyName
@@ -53,7 +54,7 @@ from rollwise.engine.state import EngineState
 from rollwise.engine.vllm_retention import VllmSessionPins
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest, SamplingParams
 from rollwise.model.moe import checkpoint_items
-from rollwise.scratch import scratch_dir
+from rollwise.scratch import out_of_space, scratch_dir, size_text
 from rollwise.types.sample import RoutedExperts
 from rollwise.types.weights import ExpectedWeights
 
@@ -190,10 +191,19 @@ class VLLMEngine(EngineState):
         hf_logging.disable_progress_bar()  # a 1 s write needs no progress bar in the trainer's console
         try:
             hf_model.save_pretrained(self._dir, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(self._dir)
+        except BaseException as exc:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            if out_of_space(exc):  # a cluster's /tmp is often small, or RAM (tmpfs)
+                weights = sum(p.numel() * p.element_size() for p in hf_model.parameters())  # tied ones once
+                raise RunError(
+                    f"vLLM loads the model from a copy on disk, and {self._dir.parent} has no room for it "
+                    f"({size_text(weights)} of weights, {size_text(shutil.disk_usage(self._dir.parent).free)} "
+                    "free): set TMPDIR to a directory on a disk with room") from exc
+            raise
         finally:
             hf_logging.enable_progress_bar()
-        if tokenizer is not None:
-            tokenizer.save_pretrained(self._dir)
         # engine.dtype (None: the model's own): vLLM casts the checkpoint as it loads it, and every later
         # push as it copies it in, so the trainer's float32 weights serve a bfloat16 engine unchanged.
         dtype = dtype or next(hf_model.parameters()).dtype

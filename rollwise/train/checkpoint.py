@@ -13,7 +13,6 @@ another `trainer.world_size`):
 
 from __future__ import annotations
 
-import errno
 import json
 import random
 import shutil
@@ -28,6 +27,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from rollwise.config import RunError
+from rollwise.scratch import out_of_space, size_text
 from rollwise.train.lora import is_lora, load_adapter
 from rollwise.train.trainer import GRPOTrainer
 
@@ -67,27 +67,16 @@ def write_checkpoint(run_dir: Path, step: int, version: int, extra: dict[str, An
     return final
 
 
-def out_of_space(exc: BaseException) -> bool:
-    """A write failed for want of disk space or quota (safetensors and rank errors carry it only as text)."""
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    return "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc)
-
-
 def _no_space_message(ckpt_root: Path, name: str) -> str:
     free = shutil.disk_usage(ckpt_root).free
     previous = latest_checkpoint(ckpt_root.parent)
-    size = f"; {previous.name} takes {_size(_tree_bytes(previous))}" if previous is not None else ""
+    size = f"; {previous.name} takes {size_text(_tree_bytes(previous))}" if previous is not None else ""
     kept = (f"{previous.name} and the checkpoints before it are intact: free space, then rerun the same command with "
             "checkpoint.resume=auto" if previous is not None else
             "no earlier checkpoint exists: free space and start again")
-    return (f"checkpoint {name} could not be written to {ckpt_root}: the disk is full ({_size(free)} free{size}). "
+    return (f"checkpoint {name} could not be written to {ckpt_root}: the disk is full ({size_text(free)} free{size}). "
             f"The partial checkpoint was removed; {kept} (checkpoint.keep_last=1 keeps fewer, "
             "output_dir=... puts the run on another disk).")
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _tree_bytes(path: Path) -> int:
