@@ -56,7 +56,7 @@ def test_stopped_run_closes_its_ranks_and_resumes(tmp_path, how):
     assert code == (143 if how == "sigterm" else 130), out
     assert ("stopped by SIGTERM: engines and child processes closed" if how == "sigterm" else "interrupted") in out
     if how == "ctrl_c":
-        assert f"run {run_dir} stopped before its first checkpoint: set checkpoint.every=N" in out
+        assert f"run {run_dir} stopped before its first checkpoint: checkpoint.every=N saves one every N steps (now 0" in out
         assert not (run_dir / "checkpoints").exists() or not list((run_dir / "checkpoints").glob("step_*"))
     else:
         last = max(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*"))

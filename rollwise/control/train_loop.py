@@ -331,8 +331,9 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
 def _how_to_continue(cfg: RunConfig, run_dir: Path) -> str:
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
-        return (f"run {run_dir} stopped before its first checkpoint: set checkpoint.every=N to save one every "
-                f"N steps (now {cfg.checkpoint.every}: 0 saves only at the end)")
+        every = cfg.checkpoint.every
+        when = f"now {every}: the first after step {every}" if every else "now 0: only at the end"
+        return f"run {run_dir} stopped before its first checkpoint: checkpoint.every=N saves one every N steps ({when})"
     return f"run {run_dir} stopped; the same command with checkpoint.resume=auto continues from {ckpt.name}"
 
 
