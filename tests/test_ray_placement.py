@@ -156,45 +156,44 @@ def test_two_trainer_rank_actors_train_then_a_killed_rank_fails_clearly_and_resu
     run with an error naming the rank and the resume command; `checkpoint.resume=auto` continues."""
     config = ray_config(tmp_path, ray_cluster, mode="sync", steps=2)
     ranks = ["ray.trainer_ranks=2", "ray.num_engines=1"]  # 2 x 0.5 CPU trainers + 0.5 engine + 0.25 reward
-    proc = _cli(config, tmp_path, *ranks)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    assert "2 trainer actor(s)" in out, out[-4000:]
     run_dir = tmp_path / "run"
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["policy_version"] for r in records] == [1, 2]
-    assert all(r["trainer_rank_token_imbalance"] >= 1.0 for r in records)  # the step ran on the ranks
-    assert (run_dir / "checkpoints" / "step_000002" / "dcp").is_dir()  # every rank's shard
-    _check_ledger(json.loads((run_dir / "summary.json").read_text()), steps=2)
 
-    # Rank 1's actor killed during step 3's train step (the commands are out, rank 0 waits in a collective).
+    # Step 1 trains and checkpoints; rank 1's actor is killed during step 2's train step (the commands
+    # are out, rank 0 waits in a collective).
     from rollwise.control.ray_trainer_ranks import RayRankGroup
     from rollwise.train.rank_group import TrainerRankError
 
-    get, killed = RayRankGroup._get, []
+    get, train_calls = RayRankGroup._get, []
 
-    def kill_rank_1_mid_step(group, refs, what):
-        if what == "train" and not killed:  # the step's commands are out: kill at once
-            killed.append(True)
-            ray.kill(group.actors[1], no_restart=True)
+    def kill_rank_1_in_step_2(group, refs, what):
+        if what == "train":
+            train_calls.append(True)
+            if len(train_calls) == 2:  # the step's commands are out: kill at once
+                ray.kill(group.actors[1], no_restart=True)
         return get(group, refs, what)
 
-    cfg = load_config(config, [*ranks, "train.steps=4", "checkpoint.resume=auto"])
+    cfg = load_config(config, ranks)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(RayRankGroup, "_get", kill_rank_1_mid_step)
+        mp.setattr(RayRankGroup, "_get", kill_rank_1_in_step_2)
         mp.chdir(tmp_path)
         # The step's train or the gather right after it (a tiny model's step can finish before the
         # kill lands): either way the death is named and the run stops.
         with pytest.raises(TrainerRankError, match=r"trainer rank 1 \(a Ray actor\) died during "
                                                    r"(train|the weight gather).*checkpoint.resume=auto"):
             train(cfg)
-    assert killed
+    assert len(train_calls) == 2
+    assert (run_dir / "checkpoints" / "step_000001" / "dcp").is_dir()  # every rank's shard
+    assert not (run_dir / "checkpoints" / "step_000002").exists()
 
-    proc = _cli(config, tmp_path, *ranks, "train.steps=4", "checkpoint.resume=auto")
+    proc = _cli(config, tmp_path, *ranks, "checkpoint.resume=auto")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
+    assert "2 trainer actor(s)" in out, out[-4000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["policy_version"] for r in records][-2:] == [3, 4]
+    assert [r["policy_version"] for r in records] == [1, 2]
+    assert all(r["trainer_rank_token_imbalance"] >= 1.0 for r in records)  # the steps ran on the ranks
+    assert (run_dir / "checkpoints" / "step_000002" / "dcp").is_dir()
+    _check_ledger(json.loads((run_dir / "summary.json").read_text()), steps=1)  # the resumed process's step
 
 
 # ---------------------------------------------------------------- the engine actor's own class, no cluster
