@@ -116,6 +116,14 @@ def test_plan_picks_the_fastest_split_and_beats_sync(tmp_path):
     assert all(best.samples_per_s >= r.samples_per_s for r in result.rows if r.bubble_ratio <= 0.25) \
         or best.bubble_ratio > 0.25
     assert all(r.staleness_max <= r.split.eta for r in result.rows)
+    # What regeneration costs: only the samples that had sampled tokens, their tokens a share of what was generated.
+    for r in [*result.rows, result.sync]:
+        assert r.samples_regenerated_after_sampling <= r.samples_regenerated and r.generated_tokens > 0
+        assert 0.0 <= r.wasted_token_share < 1.0 and (r.tokens_discarded > 0) == (r.samples_regenerated_after_sampling > 0)
+    assert result.sync.tokens_discarded == 0  # sync never throws a sampled token away
+    # Sync trains the workload's own lengths; a staleness bound can only bias them shorter (regenerated long samples).
+    assert abs(result.sync.length_bias) < 0.05
+    assert all(r.length_bias < 0.05 for r in result.rows)
     assert best.samples_per_s_per_gpu > result.sync.samples_per_s_per_gpu
     # The split it reports is the one it simulated.
     again = evaluate(base, best.split)
@@ -132,3 +140,14 @@ def test_plan_command_writes_a_file_placement_ray_takes(tmp_path):
     with pytest.raises(ValueError, match="ray.plan"):
         RayConfig(plan=str(tmp_path / "missing.yaml"))
     assert sim_main(["plan", str(SCENARIOS / "grpo-7b-sweep.yaml"), "--etas", "0"]) == 2  # eta >= 1, said so
+
+
+def test_a_tight_staleness_bound_trains_shorter_responses_and_says_so():
+    """Long samples are the ones that go stale; regenerating them draws afresh, so eta=1 trains a distribution
+    skewed short and throws sampled tokens away, where a loose bound trains close to the workload's lengths."""
+    base = _scenario()
+    base.workload.updates = 10
+    tight, loose = evaluate(base, Split(4, 8, 1)), evaluate(base, Split(4, 8, 8))
+    assert tight.length_bias < loose.length_bias - 0.05, (tight.length_bias, loose.length_bias)
+    assert tight.wasted_token_share > loose.wasted_token_share
+    assert tight.response_mean == loose.response_mean > 0  # one workload, one yardstick

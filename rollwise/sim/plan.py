@@ -39,11 +39,29 @@ class PlanRow:
     samples_per_s_per_gpu: float
     bubble_ratio: float
     staleness_max: int
-    samples_regenerated: int
+    samples_regenerated: int  # every regeneration, aborts of requests still queued (no cost) included
+    samples_regenerated_after_sampling: int  # those that had sampled tokens: the ones that cost engine time
+    tokens_discarded: int
+    generated_tokens: int
     trained_samples: int
+    trained_response_mean: float  # tokens per trained response
+    response_mean: float  # the workload's own mean response length (capped): what unbiased sampling trains
+
+    @property
+    def length_bias(self) -> float:
+        """Trained responses against the workload's, -0.33: a third shorter. Regenerating what went stale draws
+        afresh, and long samples are the ones that go stale, so a tight eta trains a distribution skewed short;
+        sorted batches train short groups first, so what still runs when a run ends is long (a short run's share)."""
+        return self.trained_response_mean / self.response_mean - 1 if self.response_mean else 0.0
+
+    @property
+    def wasted_token_share(self) -> float:
+        """Of the tokens the engines generated, the share thrown away (sampled, then regenerated)."""
+        return self.tokens_discarded / self.generated_tokens if self.generated_tokens else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self.split), **{k: v for k, v in asdict(self).items() if k != "split"}}
+        return {**asdict(self.split), **{k: v for k, v in asdict(self).items() if k != "split"},
+                "wasted_token_share": self.wasted_token_share, "length_bias": self.length_bias}
 
 
 def mean_output_tokens(s: Scenario, draws: int = 4000) -> float:
@@ -97,7 +115,9 @@ def evaluate(base: Scenario, split: Split, mode: str = "sorted", update_batch: s
     r = simulate(build(scenario_for(base, split, mode, update_batch)))
     gpus = split.trainer_gpus + split.engine_gpus
     return PlanRow(split, r["samples_per_s"], r["samples_per_s"] / gpus, r["bubble_ratio"], r["staleness_max"],
-                   r["samples_regenerated"], r["trained_samples"])
+                   r["samples_regenerated"], r["samples_regenerated_after_sampling"], r["tokens_discarded"],
+                   round(r["rollout_tokens_per_s"] * r["virtual_s"]), r["trained_samples"],
+                   r["trained_response_mean"], mean_output_tokens(base))
 
 
 @dataclass

@@ -14,6 +14,7 @@ from rich.table import Table  # noqa: E402
 COLUMNS = (("gpus", "GPUs", "{}"), ("mode", "mode", "{}"), ("routing", "routing", "{}"),
            ("bubble_ratio", "bubble", "{:.2f}"), ("bubble_ratio_rollout", "bubble (rollout)", "{:.2f}"),
            ("samples_per_s", "samples/s", "{:.1f}"), ("trained_tokens_per_s", "trained tok/s", "{:.0f}"),
+           ("trained_response_mean", "trained length", "{:.0f}"),
            ("staleness_mean", "staleness mean", "{:.2f}"), ("staleness_max", "max", "{}"),
            ("prefix_hit_rate", "prefix hit", "{:.2f}"), ("engine_hours", "engine-h", "{:.2f}"),
            ("virtual_s", "sim time s", "{:.0f}"), ("sim_wall_s", "wall s", "{:.1f}"))
@@ -73,12 +74,15 @@ def plan_table(plan: Any, title: str) -> Table:
     """The planner's splits, best first, and sync on the chosen split (rollwise.sim.plan.Plan)."""
     table = Table(title=title)
     for head in ("rank", "trainer GPUs", "engine GPUs", "eta", "samples/s", "per GPU", "bubble",
-                 "staleness max", "regenerated"):
+                 "staleness max", "regenerated after sampling", "tokens wasted",
+                 "trained length"):
         table.add_column(head, justify="right")
     rows = [(str(i + 1), r) for i, r in enumerate(plan.rows)] + [("sync", plan.sync)]
     for label, r in rows:
         table.add_row(label, str(r.split.trainer_gpus), str(r.split.engine_gpus),
                       "-" if label == "sync" else str(r.split.eta), f"{r.samples_per_s:.1f}",
                       f"{r.samples_per_s_per_gpu:.3f}", f"{r.bubble_ratio:.2f}", str(r.staleness_max),
-                      str(r.samples_regenerated), style="bold" if label == "1" else None)
+                      str(r.samples_regenerated_after_sampling), f"{r.wasted_token_share:.1%}",
+                      f"{r.trained_response_mean:.0f} ({r.length_bias:+.0%})",
+                      style="bold" if label == "1" else None)
     return table

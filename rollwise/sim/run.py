@@ -182,6 +182,9 @@ def simulate(run: SimRun, progress: Callable[[str], None] | None = None) -> dict
         "trained_tokens_per_s": trained_tokens / wall if wall > 0 else 0.0,
         "rollout_tokens_per_s": sum(e.stats["generated_tokens"] for e in engines) / wall if wall > 0 else 0.0,
         "trained_samples": trained_samples,
+        # Below the workload's mean length when the staleness bound regenerates long samples (fresh draws come
+        # back shorter) or the run ends before they finish (sorted trains short groups first): skewed short.
+        "trained_response_mean": trained_tokens / trained_samples if trained_samples else 0.0,
         "samples_per_s_per_gpu": trained_samples / wall / (n_eng * cost.gpus_per_engine + s.trainer_gpus()) if wall > 0 else 0.0,
         "staleness_mean": staleness_sum / staleness_n if staleness_n else 0.0,
         "staleness_max": staleness_max,
