@@ -257,6 +257,7 @@ def _sweep_stale(parent: Path | None) -> None:
     """Remove empty cgroups of sandbox hosts that died before removing them."""
     if parent is None:
         return
+
     def remove_if_empty(d: Path) -> list[str]:
         if _pids(d):
             return [f"{d} still has processes"]
