@@ -114,3 +114,18 @@ def test_vllm_weights_copy_on_a_full_tmpdir_names_tmpdir(tmp_path, small_disk):
     assert f"vLLM loads the model from a copy on disk, and {small_disk} has no room for it" in done.stderr
     assert "set TMPDIR to a directory on a disk with room" in done.stderr
     assert list(small_disk.iterdir()) == []  # the partial copy is gone
+
+
+def test_a_stop_during_a_save_leaves_the_partial_folder_to_the_next_save(tmp_path):
+    """Sharded ranks may still be writing into the folder when the controller is stopped: it is not removed
+    under them, never taken for a checkpoint, and swept by the next save."""
+    def stopped(tmp: Path) -> None:
+        (tmp / "model.bin").write_bytes(b"a rank's shard, still being written")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_checkpoint(tmp_path, 1, 1, {}, keep_last=2, write_trainer=stopped)
+    assert [p.name.startswith(".step_000001.") for p in (tmp_path / "checkpoints").iterdir()] == [True]
+    assert latest_checkpoint(tmp_path) is None
+    write_checkpoint(tmp_path, 1, 1, {}, keep_last=2, write_trainer=_write_bytes(10))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001"]

@@ -322,13 +322,15 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
     try:
         return _train(cfg, console, t0, run_dir, resume_dir, memory)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (rollwise.control.stop_signal): everything is closed by now
-        console.print(_how_to_continue(cfg, run_dir))
+        console.print(how_to_continue(cfg, run_dir))
         raise
     finally:
         memory.stop()
 
 
-def _how_to_continue(cfg: RunConfig, run_dir: Path) -> str:
+def how_to_continue(cfg: RunConfig, run_dir: Path) -> str:
+    """What a stopped run prints last: the checkpoint `checkpoint.resume=auto` continues from, or, with none
+    written yet, the setting that writes them."""
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         every = cfg.checkpoint.every

@@ -54,7 +54,11 @@ def write_checkpoint(run_dir: Path, step: int, version: int, extra: dict[str, An
             tmp / "rng.pt",
         )
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, "policy_version": version, **extra}, indent=2))
-    except BaseException as exc:  # a full disk, a stop signal: no half checkpoint stays behind
+    except KeyboardInterrupt:
+        # A stop (Ctrl-C, SIGTERM) can land while sharded ranks, other processes, still write into `tmp`: removing
+        # it under them would fail their write. It is hidden (never resumed from) and the next save sweeps it.
+        raise
+    except BaseException as exc:  # a full disk, a failed write: no half checkpoint stays behind
         shutil.rmtree(tmp, ignore_errors=True)
         if out_of_space(exc):
             raise RunError(_no_space_message(ckpt_root, final.name)) from exc
