@@ -16,6 +16,8 @@ import json
 import random
 import re
 import time
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -25,6 +27,7 @@ import numpy as np
 import yaml
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from rollwise.config import ConfigError, RunConfig, dump_config
@@ -38,6 +41,9 @@ from rollwise.observe.bubble import bubble_ratio
 from rollwise.observe.memory import MemoryWatch
 from rollwise.observe.metrics import LoopMeter, MetricsLogger, StepTimes, loop_meter, read_metrics
 from rollwise.observe.plots import plot_rollout_timelines, plot_time_split, plot_training_curve
+from rollwise.observe.run_logs import (
+    EVAL_SAMPLES_LOG, EVALS_LOG, METRICS_LOG, SAMPLES_LOG, cut_logs, cut_logs_by_step, has_logs, log_sizes,
+)
 from rollwise.observe.summary import render_summary, total_time_split
 from rollwise.protocols import RolloutBackend, RolloutControl, Trainer
 from rollwise.reward.batch import score_samples
@@ -46,7 +52,8 @@ from rollwise.rollout.controller import RolloutController
 from rollwise.rollout.sync_rollout import PromptEncoder
 from rollwise.rollout.types import Sample
 from rollwise.tasks import Problem, Task, make_task
-from rollwise.train.checkpoint import latest_checkpoint
+from rollwise.train.checkpoint import latest_checkpoint, whole_checkpoint
+from rollwise.train.checkpoint_manifest import verify_checkpoint
 
 
 @dataclass
@@ -79,12 +86,18 @@ def _run_dir(cfg: RunConfig) -> Path:
     )
 
 
-def _resolve_run_dir(cfg: RunConfig) -> tuple[Path, Path | None]:
-    """(run directory, checkpoint to resume from or None)."""
+def _warn(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
+
+
+def _resolve_run_dir(cfg: RunConfig, warn: Callable[[str], None] = _warn) -> tuple[Path, Path | None]:
+    """(run directory, checkpoint to resume from or None). The checkpoint is verified (its manifest's
+    checksums, its state.json): `auto` skips damaged ones (`warn`ing, naming the file); a named one that
+    is damaged is refused (rollwise.train.checkpoint_manifest.CheckpointError)."""
     resume = cfg.checkpoint.resume
     if not resume:
         run_dir = _run_dir(cfg)
-        if (run_dir / "metrics.jsonl").exists():
+        if has_logs(run_dir):
             # Appending a fresh run to an old run's logs would mix two curves in one file.
             raise ConfigError(
                 f"run directory {run_dir} already holds a run: pass checkpoint.resume=auto to continue it, "
@@ -98,26 +111,17 @@ def _resolve_run_dir(cfg: RunConfig) -> tuple[Path, Path | None]:
         candidates = sorted(Path().glob(pattern) if not Path(pattern).is_absolute()
                             else Path("/").glob(pattern.lstrip("/")))
         for run_dir in reversed(candidates):
-            ckpt = latest_checkpoint(run_dir)
-            if ckpt is not None:
-                return run_dir, ckpt
-        return _run_dir(cfg), None  # nothing to resume: a fresh run
+            if latest_checkpoint(run_dir) is not None:
+                return run_dir, whole_checkpoint(run_dir, warn)
+        return _run_dir(cfg), None  # nothing to resume: a fresh run (one stopped before its first checkpoint: again)
     ckpt = Path(resume)
     if not (ckpt / "state.json").exists():
         raise ConfigError(
             f"checkpoint.resume={resume!r} is not a checkpoint directory (expected RUN_DIR/checkpoints/step_NNNNNN "
             "holding state.json), or use checkpoint.resume=auto"
         )
+    verify_checkpoint(ckpt)
     return ckpt.parent.parent, ckpt
-
-
-def _truncate_logs(run_dir: Path, step: int) -> None:
-    """Drop log records past the resumed step (written after the checkpoint, before a crash)."""
-    for name in ("metrics.jsonl", "samples.jsonl", "evals.jsonl", "eval_samples.jsonl"):
-        path = run_dir / name
-        if path.exists():
-            keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-            path.write_text("".join(line + "\n" for line in keep))
 
 
 def _seed_everything(seed: int) -> None:
@@ -153,7 +157,7 @@ def evaluate(run: Run, step: int, label: str) -> dict[str, Any]:
     }
     if run.meter is not None:
         result.update(run.meter.eval_metrics(samples, result["eval_seconds"]))
-    with (run.run_dir / "eval_samples.jsonl").open("a") as f:
+    with (run.run_dir / EVAL_SAMPLES_LOG).open("a") as f:
         for s in samples:
             f.write(json.dumps({"step": step, "problem_id": s.problem_id, "response": s.response_text,
                                 "outcome": s.outcome, "answer": run.problems[s.problem_id].answer}) + "\n")
@@ -270,7 +274,7 @@ def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
         times = StepTimes(generate=record["time_generate_s"], train=record["time_train_s"], step=step_s)
         record.update(run.meter.step_metrics(samples, times))
     logger.log(record)
-    with (run.run_dir / "samples.jsonl").open("a") as f:
+    with (run.run_dir / SAMPLES_LOG).open("a") as f:
         for s in samples[: cfg.rollout.group_size]:  # one group per step, for reading what the model writes
             f.write(json.dumps({"step": step + 1, "response": s.response_text, "reward": s.reward,
                                 "outcome": s.outcome}) + "\n")
@@ -315,7 +319,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         torch.set_num_threads(cfg.threads)
     _seed_everything(cfg.seed)
 
-    run_dir, resume_dir = _resolve_run_dir(cfg)
+    run_dir, resume_dir = _resolve_run_dir(cfg, lambda message: console.print(f"[bold red]warning:[/] {escape(message)}"))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
     memory = MemoryWatch(lambda message: console.print(f"[bold red]warning:[/] {message}"), _memory_hints(cfg)).start()
@@ -378,15 +382,26 @@ def _train(cfg: RunConfig, console: Console, t0: float, run_dir: Path, resume_di
     trainer, score = placement.trainer, placement.score
     start_step = 0
     start_group, pending_groups = 0, []
+    logs_cut = False  # the run's logs were cut back to where this run starts (TensorBoard's too, below)
     if placement.resumed is not None:
         state = placement.resumed
         start_step = int(state["step"])
         start_group = int(state.get("next_group", start_step * cfg.rollout.prompts_per_step))
         pending_groups = list(state.get("pending_groups", []))
-        _truncate_logs(run_dir, start_step)
+        # Whatever was logged after the checkpoint is logged again from here: cut back, so each record is there once.
+        if state.get("log_sizes") is not None:
+            cut_logs(run_dir, state["log_sizes"])
+        else:  # a checkpoint written through the Python API, without the loop's log sizes
+            cut_logs_by_step(run_dir, start_step)
+        logs_cut = True
         console.print(f"[green]resumed[/] from {resume_dir} at step {start_step} (policy version {trainer.version})")
         if getattr(trainer, "lora", None) is not None:  # the engines start from the base: give them the adapter
             placement.push_weights()
+    elif cfg.checkpoint.resume == "auto" and has_logs(run_dir):
+        console.print(f"[yellow]no checkpoint[/] in {escape(str(run_dir))} (stopped before its first one): "
+                      "starting it again from step 0, its logs cut")
+        cut_logs(run_dir, {})
+        logs_cut = True
     engine, worker = placement.engine, placement.backend
     encoder = PromptEncoder(tokenizer, cfg.prompt, cfg.reward)
     stream = ProblemStream(train_problems, cfg.seed)
@@ -416,8 +431,8 @@ def _train(cfg: RunConfig, console: Console, t0: float, run_dir: Path, resume_di
         f"  tokenizer fingerprint: {fingerprint[:16]}…"
     )
 
-    logger = MetricsLogger(run_dir, tensorboard=cfg.tensorboard, purge_after_step=start_step if start_step else None)
-    evals_path = run_dir / "evals.jsonl"
+    logger = MetricsLogger(run_dir, tensorboard=cfg.tensorboard, purge_after_step=start_step if logs_cut else None)
+    evals_path = run_dir / EVALS_LOG
     try:
         with _progress(console) as progress:
             run = Run(cfg, run_dir, task, problems, encoder, engine, worker, controller, trainer, placement, progress, t0,
@@ -456,7 +471,9 @@ def _train(cfg: RunConfig, console: Console, t0: float, run_dir: Path, resume_di
                 if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.train.steps:
                     extra = {"tokenizer_fingerprint": fingerprint, "problems_consumed": done * cfg.rollout.prompts_per_step,
                              # Started but untrained groups are generated again on resume: none lost.
-                             "next_group": controller.next_group, "pending_groups": controller.pending_groups()}
+                             "next_group": controller.next_group, "pending_groups": controller.pending_groups(),
+                             # Where a resume from this checkpoint cuts the logs back to (rollwise.observe.run_logs).
+                             "log_sizes": log_sizes(run_dir)}
                     # The Ray trainer actor writes it itself (run_dir on a filesystem it shares with this process).
                     trainer.save_checkpoint(run_dir, done, extra, cfg.checkpoint.keep_last)
             t_loop_end = time.monotonic()
@@ -466,7 +483,7 @@ def _train(cfg: RunConfig, console: Console, t0: float, run_dir: Path, resume_di
         placement.close()  # also on errors: a live engine thread at exit aborts the interpreter
     logger.close()
 
-    records = read_metrics(run_dir / "metrics.jsonl")
+    records = read_metrics(run_dir / METRICS_LOG)
     evals = [json.loads(line) for line in evals_path.read_text().splitlines()] if evals_path.exists() else []
     curve = plot_training_curve(records, evals, run_dir / "curve.png")
     # The picture of the bubbles: running sequences over the training loop, weight updates marked.

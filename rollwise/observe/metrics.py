@@ -17,13 +17,14 @@ import torch
 
 from rollwise.observe.flops import DenseModel, Flops, generation_flops, training_flops, utilisation
 from rollwise.observe.peak import Peak, machine_peak
+from rollwise.observe.run_logs import METRICS_LOG
 from rollwise.types.microbatch import MicroBatchSettings
 from rollwise.types.sample import Sample
 
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, tensorboard: bool = True, purge_after_step: int | None = None):
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS_LOG
         self._file = self.path.open("a")
         self._tb = None
         if tensorboard:

@@ -2,7 +2,9 @@
 
 A checkpoint is a directory `step_000012/` holding a loadable Hugging Face model (`model/`), the
 optimizer and scheduler state, RNG states and `state.json`. It is written to a temporary folder
-and renamed, so a crash mid-save never leaves a half checkpoint that resume would pick up.
+and renamed, so a crash mid-save never leaves a half checkpoint that resume would pick up. Its last file is
+`manifest.json` (every file's size and xxh3-64 checksum, rollwise.train.checkpoint_manifest): a run resumes
+only from a checkpoint that verifies, and `checkpoint.resume=auto` skips damaged ones with a warning.
 
 The optimizer state comes in one of two forms, and either trainer reads both (so a run resumes at
 another `trainer.world_size`):
@@ -28,10 +30,13 @@ from torch import nn
 
 from rollwise.config import RunError
 from rollwise.scratch import out_of_space, size_text
+from rollwise.train.checkpoint_manifest import (
+    RNG_FILE, STATE_FILE, CheckpointError, reading, state_record, verify_checkpoint, write_manifest,
+)
 from rollwise.train.lora import is_lora, load_adapter
 from rollwise.train.trainer import GRPOTrainer
 
-STATE_FILE = "state.json"
+OPTIMIZER_FILE = "optimizer.pt"
 PARTIAL_PREFIX = "."  # a checkpoint being written: `.step_000012.XXXX`, renamed to `step_000012` when whole
 DCP_DIR = "dcp"
 SCHEDULER_FILE = "scheduler.pt"
@@ -40,7 +45,8 @@ SCHEDULER_FILE = "scheduler.pt"
 def write_checkpoint(run_dir: Path, step: int, version: int, extra: dict[str, Any], keep_last: int,
                      write_trainer: Callable[[Path], None]) -> Path:
     """A checkpoint directory: `write_trainer(tmp)` writes the trainer's files; RNG and state.json
-    are added here, then the folder is renamed into place and old checkpoints pruned."""
+    are added here, the manifest last, then the folder is renamed into place and old checkpoints pruned."""
+    record = state_record(step, version, extra)  # a value resume would refuse is refused before GBs are written
     ckpt_root = run_dir / "checkpoints"
     ckpt_root.mkdir(parents=True, exist_ok=True)
     for unfinished in ckpt_root.glob(f"{PARTIAL_PREFIX}*"):  # a save killed midway: never resumable, often GBs
@@ -51,9 +57,10 @@ def write_checkpoint(run_dir: Path, step: int, version: int, extra: dict[str, An
         write_trainer(tmp)
         torch.save(
             {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-            tmp / "rng.pt",
+            tmp / RNG_FILE,
         )
-        (tmp / STATE_FILE).write_text(json.dumps({"step": step, "policy_version": version, **extra}, indent=2))
+        (tmp / STATE_FILE).write_text(json.dumps(record, indent=2))
+        write_manifest(tmp)  # after every other file (the ranks' shards included): it vouches for them all
     except KeyboardInterrupt:
         # A stop (Ctrl-C, SIGTERM) can land while sharded ranks, other processes, still write into `tmp`: removing
         # it under them would fail their write. It is hidden (never resumed from) and the next save sweeps it.
@@ -95,26 +102,49 @@ def save_checkpoint(run_dir: Path, trainer: GRPOTrainer, tokenizer, step: int, e
         tokenizer.save_pretrained(tmp / "model")
         torch.save(
             {"optimizer": trainer.optimizer.state_dict(), "scheduler": trainer.scheduler.state_dict()},
-            tmp / "optimizer.pt",
+            tmp / OPTIMIZER_FILE,
         )
 
     return write_checkpoint(run_dir, step, trainer.version, extra, keep_last, write)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint folder (whole or not: see whole_checkpoint)."""
     found = sorted((run_dir / "checkpoints").glob("step_*"))
     return found[-1] if found else None
 
 
+def whole_checkpoint(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
+    """The newest checkpoint that verifies (rollwise.train.checkpoint_manifest.verify_checkpoint); each newer,
+    damaged one is skipped with a warning naming the file. None: the run has no checkpoint. Checkpoints that
+    are all damaged: a RunError saying so, since starting over would silently throw the run away."""
+    found = sorted((run_dir / "checkpoints").glob("step_*"), reverse=True)
+    damaged: list[CheckpointError] = []
+    for ckpt in found:
+        try:
+            verify_checkpoint(ckpt)
+        except CheckpointError as exc:
+            damaged.append(exc)
+            warn(f"checkpoint {ckpt.name} is damaged and is skipped: {exc.file} {exc.problem}")
+            continue
+        return ckpt
+    if damaged:
+        names = "; ".join(f"{exc.ckpt.name}: {exc.file}" for exc in damaged)
+        raise RunError(f"no whole checkpoint left in {run_dir / 'checkpoints'} to resume from (damaged: {names}): "
+                       f"move {run_dir} away and start the run again, or resume from a copy of an intact checkpoint "
+                       "with checkpoint.resume=PATH")
+    return None
+
+
 def load_rng_and_state(ckpt: Path) -> dict[str, Any]:
-    """Restore this process's RNG states; return state.json."""
-    if not (ckpt / STATE_FILE).exists():
-        raise FileNotFoundError(f"{ckpt} is not a rollwise checkpoint (no {STATE_FILE})")
-    state = json.loads((ckpt / STATE_FILE).read_text())
-    rng = torch.load(ckpt / "rng.pt", weights_only=False)
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
+    """Verify the checkpoint (every trainer's load starts here), restore this process's RNG states;
+    return state.json."""
+    state = verify_checkpoint(ckpt)
+    with reading(ckpt, RNG_FILE):
+        rng = torch.load(ckpt / RNG_FILE, weights_only=False)
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
     return state
 
 
@@ -136,8 +166,9 @@ def load_checkpoint(ckpt: Path, trainer: GRPOTrainer) -> dict[str, Any]:
         load_adapter(trainer.model, ckpt / "model")
     else:
         _load_model_weights(ckpt, trainer.model)
-    if (ckpt / "optimizer.pt").exists():
-        opt = torch.load(ckpt / "optimizer.pt", weights_only=False)
+    if (ckpt / OPTIMIZER_FILE).exists():
+        with reading(ckpt, OPTIMIZER_FILE):
+            opt = torch.load(ckpt / OPTIMIZER_FILE, weights_only=False)
         trainer.optimizer.load_state_dict(opt["optimizer"])
         trainer.scheduler.load_state_dict(opt["scheduler"])
     else:  # written by the sharded trainer: its optimizer shards, gathered by DCP into this process
@@ -149,7 +180,8 @@ def load_checkpoint(ckpt: Path, trainer: GRPOTrainer) -> dict[str, Any]:
 def _load_model_weights(ckpt: Path, model: nn.Module) -> None:
     weights: dict[str, torch.Tensor] = {}
     for shard in sorted((ckpt / "model").glob("*.safetensors")):
-        weights.update(load_file(shard))
+        with reading(ckpt, shard.relative_to(ckpt).as_posix()):
+            weights.update(load_file(shard))
     # strict=False only for tied weights that safetensors stores once; anything else missing is an error.
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
@@ -162,6 +194,9 @@ def _load_sharded_optimizer(ckpt: Path, trainer: GRPOTrainer) -> None:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     optim_sd = get_optimizer_state_dict(trainer.model, trainer.optimizer)
-    dcp.load({"optim": optim_sd}, checkpoint_id=ckpt / DCP_DIR)
+    with reading(ckpt, DCP_DIR):
+        dcp.load({"optim": optim_sd}, checkpoint_id=ckpt / DCP_DIR)
     set_optimizer_state_dict(trainer.model, trainer.optimizer, optim_sd)
-    trainer.scheduler.load_state_dict(torch.load(ckpt / SCHEDULER_FILE, weights_only=False)["scheduler"])
+    with reading(ckpt, SCHEDULER_FILE):
+        scheduler = torch.load(ckpt / SCHEDULER_FILE, weights_only=False)["scheduler"]
+    trainer.scheduler.load_state_dict(scheduler)

@@ -7,6 +7,7 @@
   the simulator's trainer model and the trainer share it);
 - weights: the weight-update manifest, the expected-weights description and the refusal error
   (the transports and the receiver's logic stay in rollwise.sync).
+- checksum: a file's xxh3-64 (checkpoint manifests).
 
 Nothing here imports another rollwise package (only under TYPE_CHECKING, for annotations).
 """
