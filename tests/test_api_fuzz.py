@@ -1,6 +1,8 @@
 """A bounded property-based fuzz of the engine server's and the pool's HTTP APIs, from their own OpenAPI schemas
 (schemathesis over real servers on loopback): no 5xx, and every answer matches the schema (status codes listed,
-bodies of the documented shape, content types) — issue 24's "honest schemas".
+bodies of the documented shape, content types) — issue 24's "honest schemas". The pool runs with an API key and
+tight tenancy limits (issue 43), so its 401/429/503 answers are fuzzed too: half the attach and /state cases carry
+the key.
 
 Bounds: ~20 examples per operation, no deadline; the whole module runs in about a minute here. Requests that would
 freeze the server for the cases after them are undone after each case (/pause -> /resume, /sleep -> /wake); the
@@ -23,6 +25,7 @@ from rollwise.pool.client import PoolClient, PoolWorker
 from rollwise.pool.scheduler import Policy
 from rollwise.pool.server import EnginePool
 from rollwise.pool.server import create_app as create_pool_app
+from rollwise.serve.auth import ApiKeys
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -35,7 +38,9 @@ CHECKS = [schemathesis.checks.not_a_server_error, schemathesis.checks.status_cod
 
 # The apps are built at import so their schemas can parametrize the tests; the fixtures serve them for real.
 ENGINE_APP = create_app(*build_engine(MODEL, max_num_seqs=4, max_model_len=64, seed=0), MODEL)
-POOL_APP = create_pool_app(EnginePool(1, max_num_seqs=4, max_model_len=64, policy=Policy(min_slice_s=0.05)))
+POOL_KEY = "fuzz-key-0123456789abcdef"
+POOL_APP = create_pool_app(EnginePool(1, max_num_seqs=4, max_model_len=64, policy=Policy(min_slice_s=0.05), max_jobs=4,
+                                      max_queued_per_job=16), api_keys=ApiKeys([POOL_KEY], "fuzz keys"))
 engine_api = schemathesis.openapi.from_dict(ENGINE_APP.openapi())
 pool_api = schemathesis.openapi.from_dict(POOL_APP.openapi())
 
@@ -52,7 +57,7 @@ def pool_job() -> Iterator[tuple[str, str]]:
     with serve_in_thread(POOL_APP) as (url, _):
         model, tokenizer = load_model(MODEL)
         fp = tokenizer_fingerprint(tokenizer)
-        client = PoolClient(url)
+        client = PoolClient(url, api_key=POOL_KEY)
         client.attach("fuzz", MODEL, 1.0, fp)
         PoolWorker(client, fp, poll_s=0.2).update_weights(model.state_dict(), 0)
         yield url, client.token
@@ -81,6 +86,8 @@ def test_pool_api(case, pool_job: tuple[str, str]):
         if len(case.path_parameters["job"]) % 2 == 0:
             case.path_parameters["job"] = "fuzz"
             case.headers = {**(case.headers or {}), "authorization": f"Bearer {token}"}
+    if case.path in ("/jobs", "/state") and len(repr(case.body)) % 2 == 0:  # half of them past the API key
+        case.headers = {**(case.headers or {}), "authorization": f"Bearer {POOL_KEY}"}
     if case.query and isinstance(case.query.get("timeout"), (int, float)):
         case.query["timeout"] = min(max(case.query["timeout"], 0), 0.2)
     try:

@@ -30,6 +30,7 @@ from rollwise.config import ConfigError
 from rollwise.engine.client import EngineServerError, read_response
 from rollwise.engine.contract import ModelInfo
 from rollwise.engine.types import Completion, GenerationRequest
+from rollwise.serve.auth import CLIENT_KEY_ENV
 from rollwise.sync.buckets import WeightUpdate, build_manifest, flatten_bucket
 from rollwise.types.sample import RoutedExperts
 
@@ -44,11 +45,13 @@ class PoolServerError(EngineServerError):
 
 
 class PoolClient:
-    """The pool's HTTP API for one job (after attach(): every call carries the job's token)."""
+    """The pool's HTTP API for one job: attach() and state() carry the API key (a pool started with keys needs
+    one; default: $ROLLWISE_API_KEY), every call of the job after attach() carries the job's token."""
 
-    def __init__(self, base_url: str, timeout: float = 600.0) -> None:
+    def __init__(self, base_url: str, timeout: float = 600.0, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
+        self.api_key = api_key if api_key is not None else (os.environ.get(CLIENT_KEY_ENV) or None)
         self.job: str | None = None
         self.token: str | None = None
         self.info: dict[str, Any] = {}
@@ -58,8 +61,9 @@ class PoolClient:
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         headers = dict(kwargs.pop("headers", {}) or {})
-        if self.token is not None:
-            headers["Authorization"] = f"Bearer {self.token}"
+        secret = self.token if path.startswith("/jobs/") else self.api_key  # the job's own calls: its token
+        if secret is not None:
+            headers["Authorization"] = f"Bearer {secret}"
         return read_response(self._http.request(method, path, headers=headers, **kwargs), PoolServerError)
 
     def _job_path(self, suffix: str = "") -> str:
@@ -150,7 +154,7 @@ class PoolWorker:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         # Its own connection: a long poll must not queue behind (or in front of) the trainer's calls.
-        self._poller = PoolClient(client.base_url)
+        self._poller = PoolClient(client.base_url, api_key=client.api_key)
         self._poller.job, self._poller.token = client.job, client.token
         self.engine: Any = None  # the engine view (attach_to_pool sets it); the agent layer reads worker.engine
         self._thread = threading.Thread(target=self._receive, name=f"pool-receiver-{client.job}", daemon=True)
@@ -250,8 +254,12 @@ class PoolWorker:
             with self._cond:
                 for entry in out["completions"]:
                     if entry["seq"] > self._seq:
+                        if "error" in entry and self._error is None:  # a sample the pool could not generate
+                            self._error = PoolServerError(409, f"request {entry['request_id']!r}: {entry['error']}")
                         self.completions.put(completion_of(entry))
                         self._seq = entry["seq"]
+                if out.get("fault") and self._error is None:  # the pool stopped running this job
+                    self._error = PoolServerError(409, str(out["fault"]))
                 self._cond.notify_all()
 
 
@@ -295,6 +303,9 @@ def attach_to_pool(cfg: Any, model: Any, tokenizer: Any, *, fingerprint: str, po
                           "`rollwise serve pool --port PORT`, or unset pool.url to use this run's own engine") from exc
     except PoolServerError as exc:
         client.close()
+        if exc.status == 401:
+            raise ConfigError(f"pool.url={url}: the pool needs an API key to attach job {job!r}: set "
+                              f"{CLIENT_KEY_ENV} to one of the pool's keys ({exc.message})") from exc
         raise ConfigError(f"pool.url={url}: the pool refused job {job!r}: {exc.message}") from exc
     if info.get("tokenizer_fingerprint") != fingerprint:  # the pool checks too; never train on foreign ids
         client.detach()

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from rollwise.engine.contract import add_all
@@ -49,7 +50,15 @@ class EngineWorker:
         self._raise_if_failed()
         future: Future = Future()
         self._commands.put((fn, future))
-        return future.result(timeout=timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:  # a worker that dies after the check above never answers: notice it instead of waiting out
+            try:
+                wait = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
+                return future.result(timeout=wait)
+            except FutureTimeout:
+                self._raise_if_failed()
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
 
     def call_here(self, fn: Callable[[Any], T]) -> T:
         """Run fn(engine) on the calling thread while the worker thread waits between two steps: the same
@@ -140,6 +149,11 @@ class EngineWorker:
         self._thread.join(timeout=60)
 
     # ------------------------------------------------------------ the loop (worker thread)
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What ended the worker thread (an engine step raised; every call raises from then on), or None."""
+        return self._error
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

@@ -5,6 +5,8 @@ scheduler.py  the pure time-slicing policy (weighted fair share, minimum slice, 
               engine tenancies: a full-parameter job, or the LoRA jobs of one base sharing one engine batch
 engine_pool.py the pool: jobs, tokens, queues, weights, accounting (EnginePool); slots.py its slot loops
 jobs.py       the records (Job, QueuedRequest, Slot); weights.py the weight upload; metrics.py /metrics
+tenancy.py    what a job may hold of the pool's memory (its footprint, the budget); API keys and jobs per key come
+              from the serving front (rollwise.serve.auth)
 app.py        the HTTP API (routes only); server.py `rollwise serve pool` (starts it)
 client.py     a training job's side (re-exported from rollwise.control.pool_backend: control builds it)
 cli.py        `rollwise serve pool` options

@@ -9,7 +9,7 @@ import uuid
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import Field
 
@@ -17,6 +17,7 @@ from rollwise.engine.types import SamplingParams
 from rollwise.pool.engine_pool import EnginePool
 from rollwise.pool.jobs import Job, PoolError
 from rollwise.pool.metrics import metrics_registry, render
+from rollwise.serve.auth import ApiKeys, caller_dependency
 from rollwise.serve.disconnect import ClientGone, client_gone, unless_disconnected
 from rollwise.serve.errors import APIError, error_responses, honest_openapi, install_error_handlers
 from rollwise.serve.limits import DEFAULT_MAX_REQUEST_BYTES, RequestSizeLimit, check_max_request_bytes
@@ -102,7 +103,8 @@ class LoopEvent:
 
 # What each route can answer besides 200 (the OpenAPI schema lists them; the envelope is rollwise.serve.errors').
 _JOB_CALL = error_responses(403, 404)  # a job's token: unknown job 404, another job's token 403
-_JOB_BODY = error_responses(400, 403, 404, 409, 413)
+# + 409 (no weights yet, or the job faulted), 429 (--max-queued-per-job), 503 (its request was on a failed engine twice)
+_JOB_BODY = error_responses(400, 403, 404, 409, 413, 429, 503)
 
 
 def _is_weight_upload(scope: Any) -> bool:
@@ -110,10 +112,14 @@ def _is_weight_upload(scope: Any) -> bool:
     return scope.get("method") == "PUT" and str(scope.get("path", "")).endswith("/weights")
 
 
-def create_app(pool: EnginePool, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+def create_app(pool: EnginePool, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               api_keys: ApiKeys | None = None) -> FastAPI:
     """The pool's HTTP API. JSON bodies over `max_request_bytes` get 413 before they are read
-    (`--max-request-bytes`); weight uploads are exempt (they are as large as the model)."""
+    (`--max-request-bytes`); weight uploads are exempt (they are as large as the model). With `api_keys`,
+    attaching a job and reading /state need one of them (401 otherwise); None: anyone who reaches the port
+    may attach (rollwise.pool.server decides when that is allowed)."""
     check_max_request_bytes(max_request_bytes)
+    caller = caller_dependency(api_keys)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
@@ -131,8 +137,10 @@ def create_app(pool: EnginePool, max_request_bytes: int = DEFAULT_MAX_REQUEST_BY
                        exempt=_is_weight_upload)
 
     async def pool_error(request: Request, exc: PoolError) -> JSONResponse:
-        kind = {403: "permission_error", 404: "not_found_error", 409: "conflict"}.get(exc.status, "invalid_request_error")
-        return APIError(exc.status, exc.message, exc.param, kind).response()
+        kind = {403: "permission_error", 404: "not_found_error", 409: "conflict", 429: "rate_limit_error",
+                503: "server_error"}.get(exc.status, "invalid_request_error")
+        headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after is not None else None
+        return APIError(exc.status, exc.message, exc.param, kind, headers=headers).response()
 
     app.add_exception_handler(PoolError, pool_error)
     app.add_exception_handler(ClientGone, client_gone)
@@ -140,9 +148,11 @@ def create_app(pool: EnginePool, max_request_bytes: int = DEFAULT_MAX_REQUEST_BY
     def auth(job: str, authorization: str | None) -> Job:
         return pool.job(job, _bearer(authorization))
 
-    @app.post("/jobs", responses=error_responses(400, 409, 413))
-    def attach(body: AttachRequest) -> dict[str, Any]:
-        job = pool.attach(body.job, body.model, body.priority, body.tokenizer_fingerprint, lora=body.lora)
+    # 401 no/unknown API key, 429 --max-jobs(-per-key), 503 the model does not fit in the pool's memory
+    @app.post("/jobs", responses=error_responses(400, 401, 409, 413, 429, 503))
+    def attach(body: AttachRequest, owner: str = Depends(caller)) -> dict[str, Any]:
+        job = pool.attach(body.job, body.model, body.priority, body.tokenizer_fingerprint, lora=body.lora,
+                          owner=owner)
         return {"job": job.name, "token": job.token, "model": job.model, "lora": job.lora, "engines": len(pool.slots),
                 "max_num_seqs": pool.max_num_seqs, "max_model_len": job.max_model_len,
                 "vocab_size": job.vocab_size, "tokenizer_fingerprint": job.fingerprint, "engine": "reference",
@@ -185,6 +195,8 @@ def create_app(pool: EnginePool, max_request_bytes: int = DEFAULT_MAX_REQUEST_BY
         except ClientGone:  # nobody will read the answer: free the engine now
             await asyncio.to_thread(pool.abort, j, [rid])
             raise
+        if req.error is not None:  # its job faulted, or its engine failed twice with it (rollwise.pool.slots)
+            raise req.error
         done = sorted(req.done, key=lambda c: c.index)
         return {"request_id": rid, "prompt_ids": body.prompt_ids, "job": j.name, "choices": [
             {"index": c.index, "token_ids": c.token_ids, "logprobs": c.logprobs, "versions": c.versions,
@@ -197,7 +209,7 @@ def create_app(pool: EnginePool, max_request_bytes: int = DEFAULT_MAX_REQUEST_BY
                     authorization: str | None = Header(None)) -> dict[str, Any]:
         return pool.poll(auth(job, authorization), after, timeout)
 
-    @app.post("/jobs/{job}/abort", responses=error_responses(400, 403, 404, 413))
+    @app.post("/jobs/{job}/abort", responses=error_responses(400, 403, 404, 413, 503))
     def abort(job: str, body: AbortIds, authorization: str | None = Header(None)) -> dict[str, Any]:
         aborted, upto = pool.abort(auth(job, authorization), body.request_ids)
         return {"aborted": aborted, "upto": upto}
@@ -216,8 +228,9 @@ def create_app(pool: EnginePool, max_request_bytes: int = DEFAULT_MAX_REQUEST_BY
     def detach(job: str, authorization: str | None = Header(None)) -> dict[str, Any]:
         return pool.detach(auth(job, authorization))
 
-    @app.get("/state")
-    def state() -> dict[str, Any]:
+    @app.get("/state", responses=error_responses(401))
+    def state(_caller: str = Depends(caller)) -> dict[str, Any]:
+        """Every job's name, queue and accounting: with API keys, only for a key's holder."""
         return pool.state()
 
     @app.get("/health")

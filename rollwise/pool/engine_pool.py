@@ -18,11 +18,14 @@ from typing import Any
 from rollwise.config import EngineConfig
 from rollwise.engine.core import EngineWorker
 from rollwise.engine.types import GenerationRequest, SamplingParams
-from rollwise.pool.jobs import Job, LoraBase, PoolError, QueuedRequest, Slot, Waiter, empty_abort, stamp
+from rollwise.pool.jobs import (Job, LoraBase, PoolError, QueuedRequest, Slot, Waiter, empty_abort, fault_error,
+                                stamp)
 from rollwise.pool.scheduler import Policy
 from rollwise.pool.slots import SlotLoops
 from rollwise.pool.states import ACTIVE, EVICTED, StateMachine
+from rollwise.pool.tenancy import MemoryBudget, footprint, kv_bytes, module_bytes
 from rollwise.pool.weights import JobAdapter, JobWeights, own_adapter, parse_weight_upload
+from rollwise.serve.auth import ANONYMOUS, KeyQuota
 from rollwise.sync.buckets import ExpectedWeights, WeightReceiver, WeightUpdateError
 
 
@@ -31,7 +34,9 @@ class EnginePool(SlotLoops):
 
     def __init__(self, num_engines: int = 1, *, max_num_seqs: int = 16, max_model_len: int = 1024,
                  policy: Policy | None = None, max_sleeping: int = 4, seed: int | None = 0,
-                 prefix_cache_tokens: int = 0, job_timeout_s: float = 120.0) -> None:
+                 prefix_cache_tokens: int = 0, job_timeout_s: float = 120.0, max_jobs: int = 16,
+                 max_jobs_per_key: int | None = None, max_queued_per_job: int = 4096,
+                 memory_budget_bytes: int | None = None) -> None:
         if num_engines < 1:
             raise ValueError(f"--engines must be >= 1, got {num_engines}")
         if max_num_seqs < 1:
@@ -42,7 +47,16 @@ class EnginePool(SlotLoops):
             raise ValueError(f"--max-sleeping must be >= 0, got {max_sleeping}")
         if job_timeout_s <= 0:
             raise ValueError(f"--job-timeout must be > 0 seconds, got {job_timeout_s}")
+        if max_queued_per_job < 1:
+            raise ValueError(f"--max-queued-per-job must be >= 1, got {max_queued_per_job}")
         self.job_timeout_s = job_timeout_s
+        # Tenancy limits (issue 43): jobs per API key and in all, host memory, requests in flight per job.
+        self.quota = KeyQuota(max_jobs if max_jobs_per_key is None else max_jobs_per_key, max_jobs,
+                              retry_after_s=min(job_timeout_s, 30.0),
+                              how_to_free="detach a job (DELETE /jobs/{job}) or ask the pool's operator for more")
+        self.memory = MemoryBudget(memory_budget_bytes)
+        self.max_queued_per_job = max_queued_per_job
+        self._attaching = threading.Lock()  # one model load at a time: each is counted before the next is loaded
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         # every job's engines: the reference engine (a job's max_model_len may be shorter than the pool's)
@@ -93,13 +107,27 @@ class EnginePool(SlotLoops):
 
     # ------------------------------------------------------------ jobs
 
-    def attach(self, name: str, model: str, priority: float, fingerprint: str | None, lora: bool = False) -> Job:
-        from rollwise.model.loading import load_model, tokenizer_fingerprint
-
+    def attach(self, name: str, model: str, priority: float, fingerprint: str | None, lora: bool = False,
+               owner: str = ANONYMOUS) -> Job:
+        """Attach job `name` for the API key labelled `owner`: counted against the key's and the pool's job limits
+        before its model is loaded (429), and against the pool's memory once it is (503); refused whole."""
         with self.lock:
             if name in self.jobs:
                 raise PoolError(409, f"job {name!r} is already attached to this pool: detach it first "
                                      "(DELETE /jobs/{job}) or attach under another name (pool.job=...)", "job")
+        self.quota.acquire(owner)
+        try:
+            with self._attaching:  # the memory check sees every job attached before this one
+                job = self._load_job(name, model, priority, fingerprint, lora, owner)
+        except BaseException:
+            self.quota.release(owner)
+            raise
+        return job
+
+    def _load_job(self, name: str, model: str, priority: float, fingerprint: str | None, lora: bool,
+                  owner: str) -> Job:
+        from rollwise.model.loading import load_model, tokenizer_fingerprint
+
         try:
             template, tokenizer = load_model(model)
         except Exception as exc:  # noqa: BLE001 - unknown spec, missing directory
@@ -115,7 +143,14 @@ class EnginePool(SlotLoops):
         eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
         job = Job(name=name, token=secrets.token_urlsafe(24), priority=priority, model=model, fingerprint=own,
                   template=template, tokenizer=tokenizer, expected=ExpectedWeights.of_module(template),
-                  vocab_size=int(template.config.vocab_size), eos_ids=eos_ids, max_model_len=max_len, lora=lora)
+                  vocab_size=int(template.config.vocab_size), eos_ids=eos_ids, max_model_len=max_len, lora=lora,
+                  owner=owner)
+        with self.lock:
+            base_held = lora and job.key in self.bases
+            committed = sum(j.footprint for j in self.jobs.values())
+        job.footprint = footprint(module_bytes(template), kv_bytes(template.config, self.max_num_seqs, max_len),
+                                  len(self.slots), lora=lora, base_held=base_held)
+        self.memory.check(name, job.footprint, committed)
         with self.lock:
             if name in self.jobs:
                 raise PoolError(409, f"job {name!r} is already attached to this pool", "job")
@@ -169,6 +204,7 @@ class EnginePool(SlotLoops):
                 raise PoolError(404, f"no job {job.name!r} is attached to this pool")
             del self.jobs[job.name]
             job.detached = True
+        self.quota.release(job.owner)
         self.abort(job, list(job.requests))
         with job.lock:
             base = self.bases.get(job.key) if job.lora else None
@@ -192,8 +228,8 @@ class EnginePool(SlotLoops):
                     continue
                 t = time.perf_counter()
                 # Under job.lock no switch moves this job's engine in or out of the slot: the check holds.
-                if state is ACTIVE and slot.worker.engine is inst:
-                    slot.worker.swap_engine(None)
+                if state is ACTIVE and slot.worker.engine is inst and slot.worker.failure is None:
+                    slot.worker.swap_engine(None)  # (a failed worker: its recovery swaps in a fresh one)
                 self.states.transition(slot.index, job.key, EVICTED, time.perf_counter() - t, "job detached")
                 with self.lock:
                     self._account(slot, time.monotonic())
@@ -216,7 +252,7 @@ class EnginePool(SlotLoops):
             unload = lambda _e, inst=inst: inst.unload_adapter(job.name)  # noqa: E731
             try:
                 if self.states.state(slot.index, job.key) is ACTIVE:
-                    slot.worker.call(unload)  # between two steps of the shared engine
+                    slot.call_if_alive(unload)  # between two steps of the shared engine
                 else:
                     unload(None)  # sleeping: nothing steps it
             except ValueError as exc:  # still in use (cannot happen after the abort): report, keep serving
@@ -238,6 +274,7 @@ class EnginePool(SlotLoops):
                 WeightReceiver(target, job.fingerprint, expected=job.expected).commit(staged)
             except WeightUpdateError as exc:
                 raise PoolError(400, str(exc), "body") from exc
+            job.fault = None  # a new version: the pool runs the job again (a fault recurs if it fails again)
         return {"job": job.name, "policy_version": staged.manifest.version, "previous_version": previous,
                 "applied_to_slots": target.applied, "bytes": staged.manifest.total_bytes,
                 "seconds": time.perf_counter() - t}
@@ -249,6 +286,8 @@ class EnginePool(SlotLoops):
         """Queue every request or none (ValueError-style problems are PoolError 400/409, naming the field)."""
         if job.version is None:
             raise PoolError(409, f"job {job.name!r} has no weights yet: push them (PUT /jobs/{{job}}/weights) first")
+        self._refuse_if_faulted(job)
+        self._bound_queue(job, len(requests))
         seen: set[str] = set()
         for i, (rid, prompt, params) in enumerate(requests):
             where = f"requests[{i}]"
@@ -272,6 +311,8 @@ class EnginePool(SlotLoops):
         with self.lock:
             if job.detached:
                 raise PoolError(404, f"job {job.name!r} detached")
+            self._refuse_if_faulted(job)
+            self._bound_queue(job, len(requests))
             taken = next((i for i, (rid, _, _) in enumerate(requests) if rid in job.requests), None)
             if taken is not None:  # submitted meanwhile by another call of this job
                 raise PoolError(409, f"requests[{taken}].request_id {requests[taken][0]!r} is already in flight "
@@ -288,10 +329,38 @@ class EnginePool(SlotLoops):
         self.kick()
         return made
 
+    def _refuse_if_faulted(self, job: Job) -> None:
+        if job.fault is not None:
+            raise fault_error(job)
+
+    def _bound_queue(self, job: Job, adding: int) -> None:
+        """At most max_queued_per_job requests of a job in flight (queued or running): 429 with Retry-After."""
+        held = len(job.requests)
+        if held + adding > self.max_queued_per_job:
+            raise PoolError(429, f"job {job.name!r} has {held} requests in flight (queued or running) and this call "
+                                 f"adds {adding}: the pool holds at most {self.max_queued_per_job} per job "
+                                 "(--max-queued-per-job); wait for completions (or abort some) and retry",
+                            "requests", retry_after=1)
+
     def abort(self, job: Job, public_ids: list[str]) -> tuple[list[dict[str, Any]], int]:
         """Abort the job's requests: (their samples, finish_reason 'abort', with the tokens so far; upto):
         every sample of this job that finished before the abort is in the outbox with seq <= upto."""
         out: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 120
+        while public_ids:
+            # Requests on a slot whose engine died are its recovery's (rollwise.pool.slots): it queues them again
+            # or ends them; the abort takes them once it has.
+            public_ids = self._abort_once(job, public_ids, out)
+            if public_ids and time.monotonic() > deadline:
+                raise PoolError(503, f"requests {public_ids[:4]} are on an engine that failed and has not recovered "
+                                     "for 120 s (see GET /state's slot errors); abort them again later",
+                                "request_ids", retry_after=5)
+            if public_ids:
+                time.sleep(0.05)
+        return out, job.out.seq
+
+    def _abort_once(self, job: Job, public_ids: list[str], out: list[dict[str, Any]]) -> list[str]:
+        """One pass of abort(): the ids still on a failed engine, to try again once its slot recovered."""
         by_slot: dict[int, list[QueuedRequest]] = {}
         with self.lock:
             for rid in public_ids:
@@ -299,12 +368,14 @@ class EnginePool(SlotLoops):
                 if req is None:
                     continue  # finished already (its samples are in the outbox) or unknown
                 if req.slot is None:
-                    job.queue.remove(req)
-                    done = {c.index for c in req.done}
-                    out += [stamp(empty_abort(req, i), req, -1) for i in range(req.request.params.n) if i not in done]
+                    if req in job.queue:
+                        job.queue.remove(req)
+                    out += [stamp(empty_abort(req, i), req, -1) for i in range(req.request.params.n)
+                            if i not in req.returned]
                     self._forget(job, req)
                 else:
                     by_slot.setdefault(req.slot, []).append(req)
+        later: list[str] = []
         for index, reqs in by_slot.items():
             slot = self.slots[index]
             with slot.route_lock:
@@ -312,9 +383,15 @@ class EnginePool(SlotLoops):
                 # finished, and their samples are routed by _drain below).
                 inst = slot.instances.get(job.key)
                 ids = [r.internal_id for r in reqs]
-                aborted = [] if inst is None else slot.worker.call(
-                    lambda _e, inst=inst, ids=ids: [c for rid in ids for c in inst.abort(rid)])
-                self._drain(slot)  # samples that finished before the abort reach the outbox first
+                try:
+                    aborted = [] if inst is None else slot.worker.call(
+                        lambda _e, inst=inst, ids=ids: [c for rid in ids for c in inst.abort(rid)])
+                    self._drain(slot)  # samples that finished before the abort reach the outbox first
+                except RuntimeError:
+                    if slot.worker.failure is None:
+                        raise
+                    later += [r.public_id for r in reqs]
+                    continue
                 with self.lock:
                     for c in aborted:
                         req = self._by_internal.get(c.request_id)
@@ -322,7 +399,7 @@ class EnginePool(SlotLoops):
                             continue
                         self._count_finished(slot, job, req, c)
                         out.append(stamp(c, req, slot.index))
-        return out, job.out.seq
+        return later
 
     def poll(self, job: Job, after: int, timeout: float) -> dict[str, Any]:
         """Acknowledge `after`; the job's completions after it, waiting up to `timeout` (30 s at most) for one."""
@@ -330,7 +407,7 @@ class EnginePool(SlotLoops):
         with self.lock:
             timeline, job.timeline = job.timeline, []
         return {"completions": entries, "seq": job.out.seq, "timeline": timeline, "now": time.monotonic(),
-                "policy_version": job.version}
+                "policy_version": job.version, "fault": job.fault}
 
     def set_paused(self, job: Job, paused: bool) -> None:
         with job.lock:
@@ -339,7 +416,7 @@ class EnginePool(SlotLoops):
             for slot in ([] if job.lora else self.slots):
                 inst = slot.instances.get(job.name)
                 if inst is not None and self.states.state(slot.index, job.name) is ACTIVE:
-                    slot.worker.call(lambda _e, inst=inst: inst.pause() if paused else inst.resume())
+                    slot.call_if_alive(lambda _e, inst=inst: inst.pause() if paused else inst.resume())
         self.kick()
 
     # ------------------------------------------------------------ the slot loops
@@ -350,8 +427,9 @@ class EnginePool(SlotLoops):
     def _job_report(self, job: Job) -> dict[str, Any]:
         return {
             "job": job.name, "model": job.model, "priority": job.priority, "policy_version": job.version,
-            "lora": job.lora, "engine_tenancy": job.key,
-            "paused": job.paused, "queued_samples": job.queued_samples(), "running_samples": job.running,
+            "lora": job.lora, "engine_tenancy": job.key, "fault": job.fault, "api_key": job.owner,
+            "memory_bytes": job.footprint, "paused": job.paused, "queued_samples": job.queued_samples(),
+            "running_samples": job.running,
             "requests_in_flight": len(job.requests), "requests_admitted": job.requests_admitted,
             "samples": job.samples, "tokens": job.tokens,
             "engine_seconds_allocated": job.allocated_s, "engine_seconds_busy": job.busy_s,
@@ -381,4 +459,8 @@ class EnginePool(SlotLoops):
                 "transition_costs": self.states.costs(),
                 "transitions": [t.as_dict() for t in self.states.log],
                 "isolation": {"checked_admissions": self.isolation_checks, "violations": list(self.violations)},
+                "limits": {"max_jobs": self.quota.total, "max_jobs_per_key": self.quota.per_key,
+                           "jobs_by_key": self.quota.held(), "max_queued_per_job": self.max_queued_per_job,
+                           "memory_budget_bytes": self.memory.budget,
+                           "memory_committed_bytes": sum(j.footprint for j in self.jobs.values())},
             }

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,6 +39,9 @@ class QueuedRequest:
     slot: int | None = None  # None: queued in the pool
     waiter: Waiter | None = None  # /generate: answered when done, not through the long poll
     done: list[Completion] = field(default_factory=list)
+    returned: set[int] = field(default_factory=set)  # sample indices already answered (a rerun skips them)
+    crashes: int = 0  # times an engine failed while running it (rerun once, then answered with an error)
+    error: PoolError | None = None  # why it ends without samples (its job faulted, or its engine kept failing)
 
 
 @dataclass(eq=False)
@@ -55,6 +59,11 @@ class Job:
     max_model_len: int
     lock: threading.RLock = field(default_factory=threading.RLock)  # weights, activation, pause
     lora: bool = False  # a LoRA job: it pushes adapters and runs on its base's shared engine (engine_key)
+    owner: str = "anonymous"  # the API key's label it attached with (rollwise.serve.auth): its quota
+    footprint: int = 0  # host bytes the pool set aside for it at attach (rollwise.pool.tenancy)
+    # Why the pool stopped running this job (its weights or adapter failed on an engine; rollwise.pool.slots):
+    # its requests were answered with the error, new ones are refused until it pushes weights that load.
+    fault: str | None = None
     version: int | None = None  # latest pushed policy version (None: nothing pushed yet)
     weights: dict[str, torch.Tensor] | None = None  # the pool's copy of that version (host memory; LoRA: the adapter)
     adapter: AdapterSpec | None = None  # LoRA: the pushed adapter's spec, named after the job
@@ -105,15 +114,27 @@ class Slot:
     accounted_at: float = field(default_factory=time.monotonic)
     errors: list[str] = field(default_factory=list)
 
+    def call_if_alive(self, fn: Callable[[Any], Any]) -> bool:
+        """Run fn on the slot's engine thread, between two steps; False (and nothing run) if that thread died in
+        a step: the slot's recovery (rollwise.pool.slots) then evicts its engine, so there is nothing to change."""
+        worker = self.worker
+        try:
+            worker.call(fn)
+        except RuntimeError:
+            if worker.failure is None:
+                raise
+            return False
+        return True
+
 
 
 
 class PoolError(Exception):
-    """Refused with an HTTP status and a message naming the problem."""
+    """Refused with an HTTP status and a message naming the problem (`retry_after`: seconds, sent as Retry-After)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, retry_after: float | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.retry_after = status, message, param, retry_after
 
 
 @dataclass(eq=False)
@@ -140,6 +161,12 @@ class LoraBase:
     def detached(self) -> bool:
         return not self.members
 
+
+
+def fault_error(job: Job) -> PoolError:
+    """What a faulted job's requests are answered with, and its new ones refused with."""
+    return PoolError(409, f"job {job.name!r}: {job.fault}. The pool stopped running this job (the other jobs keep "
+                          "their engines): push weights that load (PUT /jobs/{job}/weights), or detach", "weights")
 
 
 def stamp(c: Completion, req: QueuedRequest, slot: int) -> dict[str, Any]:

@@ -20,6 +20,8 @@ this module starts the server.
 Endpoints (JSON; `Authorization: Bearer TOKEN` on every /jobs/{job}/... call):
 
     POST   /jobs                         attach {job, model, priority, tokenizer_fingerprint, lora} -> {token, ...}
+                                         (`Authorization: Bearer API_KEY` when the pool has keys; 401 without,
+                                         429 past --max-jobs(-per-key), 503 when the model does not fit in memory)
                                          (lora: the job pushes adapters on `model` and shares that base's
                                          engines with the other LoRA jobs on it, in one batch)
     PUT    /jobs/{job}/weights?version=V  a whole weight update: 8-byte big-endian manifest length, the
@@ -28,6 +30,7 @@ Endpoints (JSON; `Authorization: Bearer TOKEN` on every /jobs/{job}/... call):
                                          (a LoRA job: its adapter, loaded under the job's name only)
     GET    /jobs/{job}/adapter           a LoRA job's adapter as served: name, version, rank, alpha, targets
     POST   /jobs/{job}/requests          {requests: [{request_id, prompt_ids, params}]} queued, all or none
+                                         (429 + Retry-After past --max-queued-per-job requests in flight)
     GET    /jobs/{job}/completions?after=SEQ&timeout=S
                                          long poll: finished samples with seq > SEQ (acknowledges <= SEQ),
                                          plus the job's running-sequence timeline since the last poll
@@ -37,11 +40,14 @@ Endpoints (JSON; `Authorization: Bearer TOKEN` on every /jobs/{job}/... call):
     POST   /jobs/{job}/pause, /resume    freeze / continue the job's generation
     DELETE /jobs/{job}                   detach: abort its work, evict its engines; returns its accounting
     GET    /state                        slots, (slot, job) states, jobs' queues and engine-hours, measured
-                                         transition costs, the transition log
+                                         transition costs, the transition log (an API key, when the pool has keys)
     GET    /health, /metrics (Prometheus text)
 
-The server binds loopback by default: tokens separate jobs, they are not an authentication scheme
-for a network.
+Who may attach: the pool's API keys (rollwise.serve.auth: `--api-keys FILE` or ROLLWISE_API_KEYS; trainers send
+ROLLWISE_API_KEY). Without keys it serves only a loopback address, where anyone on this machine may attach;
+other addresses need keys, or --insecure-no-auth to accept anyone who reaches the port. A job's token then
+guards the job. A tenant's failure stays its own: weights or an adapter that fail on an engine fault that job
+only (rollwise.pool.slots: its requests are answered with the error, the slot keeps serving the others).
 """
 
 from __future__ import annotations
@@ -51,27 +57,55 @@ from collections.abc import Callable
 from rollwise.pool.app import create_app
 from rollwise.pool.engine_pool import EnginePool
 from rollwise.pool.scheduler import Policy
+from rollwise.serve.auth import CLIENT_KEY_ENV, KEYS_ENV, ApiKeys, is_loopback
 from rollwise.serve.limits import DEFAULT_MAX_REQUEST_BYTES, check_max_request_bytes
 
-__all__ = ["EnginePool", "create_app", "serve"]
+__all__ = ["EnginePool", "auth_policy", "create_app", "serve"]
+
+
+def auth_policy(host: str, api_keys: ApiKeys | None, insecure_no_auth: bool) -> str:
+    """Whether the pool may serve `host` with these keys: a line for the console, or ValueError saying what to give."""
+    if api_keys is not None and insecure_no_auth:
+        raise ValueError(f"--insecure-no-auth and API keys ({api_keys.source}) together: choose one (unset "
+                         f"{KEYS_ENV} and --api-keys to run without keys)")
+    if api_keys is not None:
+        return f"attaching a job needs an API key ({len(api_keys)} from {api_keys.source})"
+    if insecure_no_auth:
+        return (f"WARNING: no API keys (--insecure-no-auth): anyone who reaches {host} can attach jobs, each "
+                "loading a model")
+    if is_loopback(host):
+        return (f"no API keys: any process on this machine can attach jobs (give --api-keys FILE or {KEYS_ENV} to "
+                "require one)")
+    raise ValueError(f"--host {host} accepts connections from other machines and the pool has no API keys: give "
+                     f"--api-keys FILE (one key per line) or {KEYS_ENV}=KEY1,KEY2 (trainers send theirs as "
+                     f"{CLIENT_KEY_ENV}), bind --host 127.0.0.1, or pass --insecure-no-auth to let anyone who "
+                     "reaches the port attach jobs")
 
 
 def serve(engines: int = 1, host: str = "127.0.0.1", port: int = 8300, max_num_seqs: int = 16,
           max_model_len: int = 1024, min_slice_s: float = 5.0, max_sleeping: int = 4, log_level: str = "info",
           job_timeout_s: float = 120.0, on_start: Callable[[EnginePool], None] | None = None,
-          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_keys: ApiKeys | None = None,
+          insecure_no_auth: bool = False, max_jobs: int = 16, max_jobs_per_key: int | None = None,
+          max_queued_per_job: int = 4096, memory_budget_bytes: int | None = None) -> None:
     import uvicorn
 
     check_max_request_bytes(max_request_bytes)
+    who = auth_policy(host, api_keys, insecure_no_auth)
     if not 0 <= port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {port}")
     if min_slice_s < 0:
         raise ValueError(f"--min-slice must be >= 0 seconds, got {min_slice_s}")
     pool = EnginePool(engines, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                      policy=Policy(min_slice_s=min_slice_s), max_sleeping=max_sleeping, job_timeout_s=job_timeout_s)
+                      policy=Policy(min_slice_s=min_slice_s), max_sleeping=max_sleeping, job_timeout_s=job_timeout_s,
+                      max_jobs=max_jobs, max_jobs_per_key=max_jobs_per_key, max_queued_per_job=max_queued_per_job,
+                      memory_budget_bytes=memory_budget_bytes)
     if on_start is not None:
         on_start(pool)
     print(f"rollwise serve pool: {engines} reference engine(s), max_num_seqs={max_num_seqs}, max_model_len="
           f"{max_model_len}, min slice {min_slice_s:g}s, up to {max_sleeping} sleeping engines per slot; "
           f"http://{host}:{port}/state", flush=True)
-    uvicorn.run(create_app(pool, max_request_bytes), host=host, port=port, log_level=log_level)
+    print(f"rollwise serve pool: {who}; at most {max_jobs} jobs ({pool.quota.per_key} per key), "
+          f"{pool.memory.budget / 2**30:.1f} GiB of host memory for them, {max_queued_per_job} requests in flight "
+          "per job", flush=True)
+    uvicorn.run(create_app(pool, max_request_bytes, api_keys), host=host, port=port, log_level=log_level)

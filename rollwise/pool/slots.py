@@ -4,21 +4,28 @@ between jobs (sleep the outgoing engine, wake or build the incoming one, through
 A slot's engine belongs to a *tenancy* (Job.key): a full-parameter job, or a LoRA base whose engine serves
 every LoRA job on that base in one batch, each request with its own job's adapter (no switch between them).
 
+A tenant's failure stays its own (issue 43): a job whose weights or adapter fail to load when its engine is
+activated, or break an engine step (the slot's engine thread dies: `_recover` gives the slot a fresh one and
+finds the culprit by probing each suspect alone), is *faulted*: its requests are answered with the error and
+new ones refused until it pushes weights that load, while the slot keeps serving the other jobs.
+
 `SlotLoops` is EnginePool's half that runs on the slot threads (rollwise.pool.engine_pool holds the other:
 jobs, weights, requests, reports); it reads the pool's state through the attributes declared below.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
 
 from rollwise.config import EngineConfig
-from rollwise.engine.contract import add_all
+from rollwise.engine.contract import add_all, run_to_completion
+from rollwise.engine.core import EngineWorker
 from rollwise.engine.factory import create_engine
-from rollwise.engine.types import Completion, GenerationRequest
-from rollwise.pool.jobs import Job, LoraBase, QueuedRequest, Slot, empty_abort, stamp
+from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
+from rollwise.pool.jobs import Job, LoraBase, PoolError, QueuedRequest, Slot, empty_abort, fault_error, stamp
 from rollwise.pool.scheduler import JobView, Policy, SlotView, plan
 from rollwise.pool.states import ACTIVE, EVICTED, SLEEPING, StateMachine
 
@@ -73,6 +80,12 @@ class SlotLoops:
                 # IDLE_TICK_S per switch (found by the simulator: bench mux's shared jobs waited ~50 ms a step).
                 switched = self._tick(slot)
             except Exception as exc:  # noqa: BLE001 - keep serving the other jobs; /state shows it
+                if slot.worker.failure is not None:  # the engine thread died in a step: contain it (_recover)
+                    try:
+                        self._recover(slot)
+                        continue
+                    except Exception as again:  # noqa: BLE001 - reported; the next pass tries again
+                        exc = again
                 slot.errors.append(f"{time.strftime('%H:%M:%S')} {exc!r}")
                 del slot.errors[:-20]
                 time.sleep(0.1)
@@ -87,12 +100,13 @@ class SlotLoops:
                 if req is not None and job is None:  # its job detached
                     self._by_internal.pop(c.request_id, None)
                 if req is not None and job is not None:
+                    again = c.index in req.returned  # a rerun (after an engine failure) samples it a second time
                     self._count_finished(slot, job, req, c)
                     bad = [v for v in c.versions if v not in job.versions]
                     if bad:
                         self.violations.append(f"job {job.name}: sample of {req.public_id} carries versions "
                                                f"{sorted(set(bad))} this job never pushed")
-                    if req.waiter is None:
+                    if req.waiter is None and not again:
                         job.post(stamp(c, req, slot.index))
             c = slot.worker.next_completion(timeout=0)
 
@@ -104,11 +118,13 @@ class SlotLoops:
         slot.running -= 1
         slot.running_by[job.name] = slot.running_by.get(job.name, 0) - 1
         job.running -= 1
-        job.samples += 1
-        job.tokens += len(c.token_ids)
         job.timeline.append((now, job.running))
-        if req.waiter is not None:
-            req.done.append(c)
+        if c.index not in req.returned:  # (a rerun's second sample of an index is not answered again)
+            req.returned.add(c.index)
+            job.samples += 1
+            job.tokens += len(c.token_ids)
+            if req.waiter is not None:
+                req.done.append(c)
         if req.remaining <= 0:
             self._forget(job, req)
 
@@ -141,7 +157,7 @@ class SlotLoops:
 
     def _views(self) -> tuple[list[SlotView], list[JobView]]:
         slots = [SlotView(s.index, s.job, s.since, s.running, s.capacity) for s in self.slots]
-        jobs = [JobView(j.name, j.priority, j.queued_samples() if j.version is not None else 0,
+        jobs = [JobView(j.name, j.priority, j.queued_samples() if j.version is not None and j.fault is None else 0,
                         j.busy_s + j.transition_s, j.paused, base=j.model if j.lora else None)
                 for j in self.jobs.values()]
         return slots, jobs
@@ -229,6 +245,8 @@ class SlotLoops:
                     slot.worker.call(lambda e: _submit_to(e, inst, [r.request for r in reqs]))
                     return
                 except Exception as exc:  # noqa: BLE001 - refused: the samples come back as aborted
+                    if slot.worker.failure is not None:
+                        raise  # its engine thread died: the slot's recovery reruns these requests (_recover)
                     problem = f"slot {slot.index}: engine refused job {job.name!r}'s requests: {exc}"
             self.violations.append(problem)
         with self.lock:
@@ -265,53 +283,194 @@ class SlotLoops:
                 with self.lock:
                     slot.job = None
                 return
-            inst = slot.instances.get(new_job.name)
-            state = self.states.state(slot.index, new_job.name)
-            lora = isinstance(new_job, LoraBase)
-            weights, version = (None, None) if lora else (new_job.weights, new_job.version)
-            paused = False if lora else new_job.paused  # a LoRA job's pause holds its admissions only
             t = time.perf_counter()
-            if inst is not None and state is SLEEPING:
-                why = "wake" + ("" if lora or inst.policy_version == version else " + weights")
-
-                def wake(_e: Any, inst: Any = inst) -> None:
-                    inst.wake()
-                    if lora:
-                        _sync_adapters(inst, new_job)
-                    elif inst.policy_version != version:
-                        inst.update_weights(weights, version)
-                    inst.resume() if not paused else inst.pause()
-
-                worker.call(wake)  # on the engine thread (the slot steps nothing meanwhile)
-                worker.swap_engine(inst)
-            else:
-                inst = self._build(new_job)
-                if paused:
-                    inst.pause()
-                worker.swap_engine(inst)
-                slot.instances[new_job.name] = inst
-                why = "load"
+            try:
+                why, failed = self._activate(slot, new_job)
+            except Exception as exc:
+                if slot.worker.failure is not None or isinstance(new_job, LoraBase):
+                    raise  # the engine thread died (the slot recovers), or the base itself: no one tenant's doing
+                # The job's own weights fail on its engine: contain it to the job (the slot stays free).
+                self._drop_instance(slot, new_job.name, f"its weights failed to load: {exc!r}")
+                with self.lock:
+                    self._fault(new_job, f"its weights (version {new_job.version}) failed to load on the engine "
+                                         f"({exc!r})")
+                    slot.job = None
+                return
             seconds = time.perf_counter() - t
             self.states.transition(slot.index, new_job.name, ACTIVE, seconds,
                                    f"{why} for {target}" + (f" (after {prev_job.name})" if prev_job else ""))
             with self.lock:
-                charged = list(new_job.members.values()) if lora else [new_job]
+                for name, reason in failed.items():  # a LoRA job whose adapter does not load: the others are served
+                    self._fault(new_job.members[name], reason)
+                charged = list(new_job.members.values()) if isinstance(new_job, LoraBase) else [new_job]
                 for job in charged:  # a LoRA base's switch is shared by its jobs
-                    job.transition_s += seconds / len(charged)
+                    job.transition_s += seconds / max(len(charged), 1)
 
-    def _build(self, tenancy: Job | LoraBase) -> Any:
+    def _activate(self, slot: Slot, tenancy: Job | LoraBase) -> tuple[str, dict[str, str]]:
+        """Make the tenancy's engine the slot's: wake its sleeping one or build one (caller holds tenancy.lock).
+        Returns how, and the LoRA jobs whose adapter failed to load (name -> why; left out, the others served)."""
+        worker = slot.worker
+        inst = slot.instances.get(tenancy.name)
         lora = isinstance(tenancy, LoraBase)
-        engine = create_engine(self.engine_config, tenancy.template, tenancy.tokenizer,
-                               max_model_len=tenancy.max_model_len, eos_token_ids=tenancy.eos_ids,
-                               policy_version=0 if lora else tenancy.version, seed=self.seed,
-                               model_name=tenancy.model, tokenizer_fingerprint=tenancy.fingerprint,
-                               prefix_cache_tokens=self.prefix_cache_tokens)
-        if lora:  # the base as loaded (LoRA jobs never change it), and every member's latest adapter
-            _sync_adapters(engine, tenancy)
+        weights, version = (None, None) if lora else (tenancy.weights, tenancy.version)
+        paused = False if lora else tenancy.paused  # a LoRA job's pause holds its admissions only
+        if inst is not None and self.states.state(slot.index, tenancy.name) is SLEEPING:
+            why = "wake" + ("" if lora or inst.policy_version == version else " + weights")
+
+            def wake(_e: Any, inst: Any = inst) -> dict[str, str]:
+                inst.wake()
+                failed = _sync_adapters(inst, tenancy) if lora else {}
+                if not lora and inst.policy_version != version:
+                    inst.update_weights(weights, version)
+                inst.resume() if not paused else inst.pause()
+                return failed
+
+            failed = worker.call(wake)  # on the engine thread (the slot steps nothing meanwhile)
+            worker.swap_engine(inst)
+            return why, failed
+        inst, failed = self._build(tenancy)
+        if paused:
+            inst.pause()
+        worker.swap_engine(inst)
+        slot.instances[tenancy.name] = inst
+        return "load", failed
+
+    def _new_engine(self, tenancy: Job | LoraBase) -> Any:
+        """An engine for the tenancy's model, holding the weights it attached with (no adapter, no push yet)."""
+        lora = isinstance(tenancy, LoraBase)
+        return create_engine(self.engine_config, tenancy.template, tenancy.tokenizer,
+                             max_model_len=tenancy.max_model_len, eos_token_ids=tenancy.eos_ids,
+                             policy_version=0 if lora else tenancy.version, seed=self.seed,
+                             model_name=tenancy.model, tokenizer_fingerprint=tenancy.fingerprint,
+                             prefix_cache_tokens=self.prefix_cache_tokens)
+
+    def _build(self, tenancy: Job | LoraBase) -> tuple[Any, dict[str, str]]:
+        """The tenancy's engine with its latest weights (a LoRA base: the base as loaded, which LoRA jobs never
+        change, and every member's latest adapter); and the LoRA jobs whose adapter failed to load (-> why)."""
+        engine = self._new_engine(tenancy)
+        failed: dict[str, str] = {}
+        if isinstance(tenancy, LoraBase):
+            failed = _sync_adapters(engine, tenancy)
         else:
             engine.update_weights(tenancy.weights, tenancy.version)  # the job's latest pushed weights, validated whole
         engine.pool_owner = tenancy.name
-        return engine
+        return engine, failed
+
+    def _drop_instance(self, slot: Slot, key: str, why: str) -> None:
+        """Evict the tenancy's engine on the slot, whatever state it is in (caller holds the tenancy's lock)."""
+        slot.instances.pop(key, None)
+        if self.states.state(slot.index, key) is not EVICTED:
+            self.states.transition(slot.index, key, EVICTED, 0.0, why)
+
+    # ------------------------------------------------------------ containment: a tenant's failure stays its own
+
+    def _recover(self, slot: Slot) -> None:
+        """The slot's engine thread died: an engine step raised (an adapter or weights that passed every check
+        but break the forward, or an engine bug). The other tenants keep the slot: it gets a fresh engine thread,
+        the failed engine is evicted, the jobs whose requests were on it are probed (_probe) and those that break
+        an engine are faulted (_fault: their requests answered with the error, new ones refused until they push
+        weights that load); the others' requests are queued again and rerun. A request on a failed engine twice
+        is answered with an error instead (it may be what breaks it)."""
+        dead = slot.worker
+        failure = dead.failure
+        with slot.route_lock:  # no admission or abort on this slot meanwhile
+            key = next((k for k, inst in slot.instances.items() if inst is dead.engine), slot.job)
+            with self.lock:
+                tenancy = self.tenancy(key) if key is not None else None
+            with tenancy.lock if tenancy is not None else contextlib.nullcontext():
+                slot.worker = EngineWorker(None, name=f"pool-engine-{slot.index}")
+                dead.close()
+                if key is not None:
+                    self._drop_instance(slot, key, f"its engine failed: {failure!r}")
+                with self.lock:
+                    self._account(slot, time.monotonic())
+                    crashed = [r for r in self._by_internal.values() if r.slot == slot.index]
+                    for req in crashed:
+                        req.slot = None
+                        job = self.jobs.get(req.job)
+                        if job is not None:
+                            job.running -= req.remaining
+                    slot.job, slot.running = None, 0
+                    slot.running_by.clear()
+                    suspects = [self.jobs[n] for n in dict.fromkeys(r.job for r in crashed) if n in self.jobs]
+                faults = self._probe(tenancy, suspects) if tenancy is not None else {}
+                with self.lock:
+                    for name, reason in faults.items():
+                        if name in self.jobs:
+                            self._fault(self.jobs[name], reason)
+                    for req in reversed(crashed):  # appendleft: they keep their order at the head of the queue
+                        self._rerun(req, failure)
+        who = f"; faulted {sorted(faults)}" if faults else ""
+        slot.errors.append(f"{time.strftime('%H:%M:%S')} engine of {key} failed ({failure!r}): evicted, "
+                           f"{len(crashed)} request(s) rerun or answered{who}")
+        del slot.errors[:-20]
+        self.kick()
+
+    def _probe(self, tenancy: Job | LoraBase, suspects: list[Job]) -> dict[str, str]:
+        """Which of `suspects` break an engine: each runs a short sampled generation alone, on an engine built
+        fresh from the tenancy's model holding only that job's current weights (a LoRA job: only its adapter).
+        Runs on the slot's thread (the slot serves nothing meanwhile); caller holds tenancy.lock."""
+        faults: dict[str, str] = {}
+        lora = isinstance(tenancy, LoraBase)
+        for job in suspects:
+            if job.detached or job.version is None or job.fault is not None:
+                continue
+            what = f"its {'adapter' if lora else 'weights'} (version {job.version})"
+            probe = GenerationRequest(f"probe-{job.name}", [t % job.vocab_size for t in (1, 2, 3)],
+                                      SamplingParams(max_tokens=2, temperature=1.0, seed=0),
+                                      adapter=job.name if lora else None)
+            try:
+                engine = self._new_engine(tenancy)
+                if lora:
+                    engine.load_adapter(job.adapter, job.weights, job.version)
+                else:
+                    engine.update_weights(job.weights, job.version)
+                run_to_completion(engine, [probe])
+            except Exception as exc:  # noqa: BLE001 - what the job's weights do to an engine: its fault
+                faults[job.name] = f"{what} breaks the engine ({exc!r})"
+        return faults
+
+    def _fault(self, job: Job, reason: str) -> None:
+        """Stop running `job`: its queued requests are answered with the error, new ones refused (409) until it
+        pushes weights that load (caller holds self.lock). Requests of it running on other slots finish there."""
+        job.fault = reason
+        error = fault_error(job)
+        queued = list(job.queue)
+        job.queue.clear()
+        for req in queued:
+            self._answer_failed(job, req, error)
+
+    def _rerun(self, req: QueuedRequest, failure: BaseException | None) -> None:
+        """A request that was on a failed engine: queued again at its job's head, or answered with an error if
+        its job faulted or it was on a failed engine before (caller holds self.lock)."""
+        job = self.jobs.get(req.job)
+        if job is None:  # its job detached meanwhile
+            self._by_internal.pop(req.internal_id, None)
+            if req.waiter is not None:
+                req.waiter.set()
+            return
+        if job.fault is not None:
+            self._answer_failed(job, req, fault_error(job))
+            return
+        req.crashes += 1
+        if req.crashes >= 2:
+            self._answer_failed(job, req, PoolError(
+                503, f"request {req.public_id!r} was on an engine that failed, twice ({failure!r}); it was not "
+                     "answered. Submit it again (changed, if it is what breaks the engine)", "request_id",
+                retry_after=1))
+            return
+        req.remaining = req.request.params.n  # the rerun samples every index; those answered already are skipped
+        job.queue.appendleft(req)
+
+    def _answer_failed(self, job: Job, req: QueuedRequest, error: PoolError) -> None:
+        """End a request that is on no engine with `error`: its unanswered samples come back aborted, carrying the
+        error (a /generate call answers with it); caller holds self.lock."""
+        req.error = error
+        if req.waiter is None:
+            for i in range(req.request.params.n):
+                if i not in req.returned:
+                    job.post(stamp(empty_abort(req, i), req, -1) | {"error": error.message})
+        self._forget(job, req)
 
     def _evict_beyond_budget(self, slot: Slot, keep: str) -> None:
         """At most max_sleeping sleeping engines per slot (host memory): evict the least recently used."""
@@ -338,12 +497,21 @@ def _submit_to(current: Any, inst: Any, requests: list[GenerationRequest]) -> No
 
 
 
-def _sync_adapters(inst: Any, base: LoraBase) -> None:
+def _sync_adapters(inst: Any, base: LoraBase) -> dict[str, str]:
     """A LoRA base's engine serves exactly its jobs' latest adapters (caller holds base.lock; the engine is
-    not being stepped): detached jobs' adapters off, pushed versions on."""
+    not being stepped): detached and faulted jobs' adapters off, pushed versions on. A job whose adapter fails
+    to load is left out (it serves nothing, not even its older version): returns its name -> why."""
+    serving = {name: job for name, job in base.members.items() if job.fault is None}
     loaded = inst.loaded_adapters()
-    for name in set(loaded) - set(base.members):
+    for name in set(loaded) - set(serving):
         inst.unload_adapter(name)
-    for job in base.members.values():
+    failed: dict[str, str] = {}
+    for job in serving.values():
         if job.version is not None and job.adapter is not None and loaded.get(job.name) != job.version:
-            inst.load_adapter(job.adapter, job.weights, job.version)
+            try:
+                inst.load_adapter(job.adapter, job.weights, job.version)
+            except Exception as exc:  # noqa: BLE001 - this job's adapter; the other jobs are served
+                failed[job.name] = f"its adapter (version {job.version}) failed to load on the engine ({exc})"
+                if job.name in inst.loaded_adapters():
+                    inst.unload_adapter(job.name)
+    return failed

@@ -63,8 +63,10 @@ class JobTarget:
         """Run `call` on every active instance under `key`, between two of its engine's steps."""
         for slot in self.slots:
             inst = slot.instances.get(key)
-            if inst is not None and self.states.state(slot.index, key) is ACTIVE:
-                slot.worker.call(lambda _e, inst=inst: call(inst))
+            # (an engine whose thread died is not changed: its slot's recovery evicts it, and the next one is
+            # built from the job's stored version)
+            if inst is not None and self.states.state(slot.index, key) is ACTIVE and slot.call_if_alive(
+                    lambda _e, inst=inst: call(inst)):
                 self.applied.append(slot.index)
 
 

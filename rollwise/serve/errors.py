@@ -22,15 +22,16 @@ class APIError(Exception):
     """An error answered as OpenAI's error JSON: {"error": {message, type, param, code}}."""
 
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.headers = headers  # e.g. Retry-After on a 429, WWW-Authenticate on a 401
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 # ==================================================================== the envelope, for OpenAPI
@@ -51,6 +52,7 @@ class ErrorEnvelope(BaseModel):
 
 _MEANING = {
     400: "invalid request: the message names the field and the fix",
+    401: "an API key is needed: send `Authorization: Bearer KEY` with one of the server's keys",
     403: "this token does not belong to the job",
     404: "unknown model, job or request id",
     409: "conflict: the request id is in flight already, or the server is in a state that refuses this",
