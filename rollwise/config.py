@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from rollwise.reward.scoring import RewardConfig
 from rollwise.tasks import TaskConfig
 from rollwise.tasks.prompts import PromptConfig
+from rollwise.types.adapter_limits import MAX_LORA_ALPHA
 
 
 class _Section(BaseModel):
@@ -171,7 +172,8 @@ class LoraConfig(_Section):
     """`train.lora:` PEFT LoRA adapters on the policy (rollwise.train.lora); absent = full-parameter training."""
 
     rank: int = Field(16, ge=1, description="LoRA rank r")
-    alpha: float = Field(32.0, gt=0, description="scaling = alpha / rank")
+    alpha: float = Field(32.0, gt=0, le=MAX_LORA_ALPHA, allow_inf_nan=False,
+                         description="scaling = alpha / rank (the bound every adapter push is held to)")
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         min_length=1, description="projection names that get adapters (the engines apply exactly these)",

@@ -61,6 +61,7 @@ def _original_weights(engine, model):
     engine.resume()
     engine.wake()
     if engine.policy_version != 0:
+        engine._version = 0  # back to a fresh engine's version: update_weights only moves versions forward
         engine.update_weights(model.state_dict(), version=0)
 
 
@@ -201,7 +202,7 @@ def test_checked_weight_transport_targets_vllm(engine):
     with pytest.raises(WeightUpdateError):
         transport.push(bad, 2)
     assert engine.policy_version == 1
-    engine.update_weights(vllm_tiny(0).state_dict(), version=0)
+    engine.update_weights(vllm_tiny(0).state_dict(), version=2)  # the original weights again, a newer version
     assert sampled(engine).token_ids == before.token_ids
 
 

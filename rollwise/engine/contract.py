@@ -17,6 +17,8 @@ from torch import Tensor
 
 from rollwise.engine.retention import RetentionDecision, RetentionRequest
 from rollwise.engine.types import Completion, GenerationRequest
+from rollwise.types.weight_checks import nonfinite, state_problems, version_problem
+from rollwise.types.weights import ExpectedWeights
 
 
 @dataclass
@@ -182,5 +184,26 @@ def check_weights(
     for name, tensor in state_dict.items():
         if tuple(tensor.shape) != tuple(expected[name]):
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(expected[name])}")
-        if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
-            raise ValueError(f"{name}: contains NaN or inf")
+    bad = nonfinite(state_dict)
+    if bad:
+        raise ValueError(f"{bad[0]}: contains NaN or inf" + (f" (and {len(bad) - 1} more tensors)" if bad[1:] else ""))
+
+
+def check_version(version: int, current: int) -> None:
+    """Versions never go backwards in an engine: every token carries the version that sampled it, and the
+    staleness bound counts on them (re-pushing the current version is a retry, allowed)."""
+    backwards = version_problem(version, current)
+    if backwards is not None:
+        raise ValueError(backwards)
+
+
+def check_update(state_dict: Mapping[str, Tensor], version: int, current: int, expected: ExpectedWeights) -> None:
+    """What an engine's update_weights refuses before it touches a weight (the reference engine's; vLLM's checks
+    its own names and shapes): a version older than the one it serves, and tensors whose names, shapes, dtypes
+    or values (NaN, inf) do not fit its model, by the rules every path shares (rollwise.types.weight_checks).
+    A subset of the weights is fine here (buckets streamed in)."""
+    check_version(version, current)
+    problems = state_problems(state_dict, expected, complete=False)
+    if problems:
+        more = f"; ... ({len(problems)} problems in all)" if len(problems) > 5 else ""
+        raise ValueError("; ".join(problems[:5]) + more)

@@ -8,7 +8,6 @@ are in rollwise.engine.server, the response shapes in rollwise.engine.openai_res
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from rollwise.engine.disk_weights import read_weights, refusal, weight_files
 from rollwise.engine.frontend import EngineFrontend, Generation
 from rollwise.engine.metrics import EngineCollector
 from rollwise.engine.openai_responses import OpenAIResponses, sse
@@ -38,6 +38,7 @@ from rollwise.serve.openai_schemas import (
     UpdateWeightsRequest,
 )
 from rollwise.tasks.prompts import encode_prompt
+from rollwise.types.weights import ExpectedWeights
 
 
 class EngineService:
@@ -291,18 +292,18 @@ class EngineService:
         }
 
     async def update_weights_from_disk(self, body: UpdateWeightsRequest) -> dict[str, Any]:
-        path = Path(body.path).expanduser()
-        files = weight_files(path)
-        try:
-            state = await asyncio.to_thread(load_safetensors, files)
-        except Exception as exc:  # noqa: BLE001 - unreadable or not safetensors
-            raise APIError(400, f"path: cannot read {path}: {exc}", "path") from exc
+        """Load a model's files as `body.version`, checked whole first (rollwise.engine.disk_weights)."""
+        files = weight_files(Path(body.path).expanduser())
         old = self.engine.policy_version
-        try:
-            await self.frontend.call(lambda engine: engine.update_weights(state, body.version))
+        weights = await asyncio.to_thread(read_weights, files)
+        refused = await asyncio.to_thread(refusal, weights, ExpectedWeights.of_engine(self.engine), body.version, old)
+        if refused is not None:
+            raise refused
+        try:  # (the engine checks the version again, on its thread: another update may have landed meanwhile)
+            await self.frontend.call(lambda engine: engine.update_weights(weights.state, body.version))
         except ValueError as exc:
             raise APIError(400, f"weights rejected, still serving policy version {old}: {exc}", "path") from exc
-        return {"policy_version": body.version, "previous_version": old, "tensors": len(state),
+        return {"policy_version": body.version, "previous_version": old, "tensors": len(weights.state),
                 "files": [str(f) for f in files]}
 
     def model_info(self) -> dict[str, Any]:
@@ -332,31 +333,3 @@ class EngineService:
         self.collector.snapshot = snap
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
-
-def weight_files(path: Path) -> list[Path]:
-    if not path.exists():
-        raise APIError(400, f"path {str(path)!r} does not exist", "path")
-    if path.is_file():
-        if path.suffix != ".safetensors":
-            raise APIError(400, f"path must be a .safetensors file or a model directory, got {path.name!r}", "path")
-        return [path]
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise APIError(400, f"path: unreadable {index.name}: {exc}", "path") from exc
-        return [path / name for name in names]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise APIError(400, f"path: no *.safetensors files in {path}", "path")
-    return files
-
-
-def load_safetensors(files: list[Path]) -> dict[str, Any]:
-    from safetensors.torch import load_file
-
-    state: dict[str, Any] = {}
-    for file in files:
-        state.update(load_file(str(file)))
-    return state

@@ -44,7 +44,14 @@ import torch
 from torch import Tensor, nn
 
 from rollwise.config import RunError
-from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, check_weights, run_to_completion
+from rollwise.engine.contract import (
+    EngineLoad,
+    ModelInfo,
+    check_request,
+    check_version,
+    check_weights,
+    run_to_completion,
+)
 from rollwise.engine.retention import RetentionDecision, RetentionLimits, RetentionRequest
 from rollwise.engine.retention_policy import PolicyName
 from rollwise.engine.speculation.history import HistoryDrafter
@@ -502,6 +509,7 @@ class VLLMEngine(EngineState):
     # ---------------------------------------------------------------- weights and memory
 
     def update_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        check_version(version, self._version)
         check_weights(state_dict, self._shapes, require_all=False)
         missing = sorted(self._required - set(state_dict))
         if missing:
@@ -533,6 +541,8 @@ class VLLMEngine(EngineState):
         on use it while running ones finish with the version they started with."""
         if not self.max_loras:
             raise ValueError("this vLLM engine was started without LoRA support: set engine.max_loras >= 1")
+        if spec.default:  # the run's policy: its version is the engine's, which never goes back
+            check_version(version, self._version)
         from vllm.lora.request import LoRARequest
 
         directory = self._dir / "adapters" / f"{spec.name}-v{version}"

@@ -272,8 +272,8 @@ class EnginePool(SlotLoops):
             target = (JobAdapter if job.lora else JobWeights)(self.slots, self.states, job)
             try:
                 WeightReceiver(target, job.fingerprint, expected=job.expected).commit(staged)
-            except WeightUpdateError as exc:
-                raise PoolError(400, str(exc), "body") from exc
+            except WeightUpdateError as exc:  # param: the manifest field or tensor at fault
+                raise PoolError(400, str(exc), exc.field or "body") from exc
             job.fault = None  # a new version: the pool runs the job again (a fault recurs if it fails again)
         return {"job": job.name, "policy_version": staged.manifest.version, "previous_version": previous,
                 "applied_to_slots": target.applied, "bytes": staged.manifest.total_bytes,

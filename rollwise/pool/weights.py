@@ -2,8 +2,9 @@
 receiver's target that stores the version and applies it to the job's active engines.
 
 The body: an 8-byte big-endian manifest length, the rollwise.weights/v2 manifest (JSON), then every
-bucket's flat bytes. The whole update is checked by rollwise.sync.buckets.WeightReceiver (names, shapes,
-dtypes, checksums, tokenizer) before anything is applied, like every other transport's.
+bucket's flat bytes. The whole update is checked by rollwise.sync.buckets.WeightReceiver (a checksum on every
+bucket, names, shapes, dtypes, finite values, versions only forward, tokenizer; an adapter's spec) before
+anything is applied or stored, like every other transport's; a refusal is a 400 whose param names the field.
 
 A LoRA job (attached with lora=true) uploads its adapter the same way (the manifest's `adapter` spec,
 rollwise.sync.adapters): it is loaded under the job's own name only, whatever name the trainer gave it, so a
@@ -32,8 +33,8 @@ def parse_weight_upload(body: bytes) -> StagedUpdate:
         raise PoolError(400, f"manifest length {size} exceeds the body ({len(body) - 8} bytes)", "body")
     try:
         manifest = parse_manifest(body[8 : 8 + size].decode("utf-8", "replace"), "manifest")
-    except WeightUpdateError as exc:
-        raise PoolError(400, str(exc), "manifest") from exc
+    except WeightUpdateError as exc:  # param: the manifest's first bad field (e.g. adapter.rank)
+        raise PoolError(400, str(exc), exc.field or "manifest") from exc
     data = bytearray(body[8 + size :])
     wanted = sum(b.nbytes for b in manifest.buckets)
     if len(data) != wanted:

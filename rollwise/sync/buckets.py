@@ -31,7 +31,6 @@ from torch import Tensor
 # The bucket layout (rollwise.sync.layout) and the receiving side (rollwise.sync.receiver) live in
 # their own modules; this one holds the update itself and re-exports both for the transports' importers.
 from rollwise.sync.layout import (
-    IGNORED_SUFFIXES,
     MIB,
     build_manifest,
     bucket_checksum,
@@ -41,6 +40,7 @@ from rollwise.sync.layout import (
     unflatten_bucket,
 )
 from rollwise.sync.receiver import StagedUpdate, WeightReceiver, raise_if_rejected
+from rollwise.types.weight_checks import IGNORED_SUFFIXES
 
 # The manifest and the expected-weights types live in the types layer (rollwise.types.weights): the
 # engines read them too. Re-exported here for the transports' importers.
@@ -134,13 +134,13 @@ class InProcessTransport:
     def push(self, state_dict: Mapping[str, Tensor], version: int) -> WeightManifest:
         update = WeightUpdate.of_state(state_dict, version, self.tokenizer_fingerprint)
         manifest = update.manifest
-        failures: list[tuple[str, str]] = []
+        failures: list[tuple[str, WeightUpdateError]] = []
         for i, receiver in enumerate(self.receivers):
             try:
                 receiver.receive(update)
             except WeightUpdateError as exc:
-                failures.append((f"engine {i}", str(exc)))
+                failures.append((f"engine {i}", exc))
         if len(failures) == len(self.receivers) == 1:
-            raise WeightUpdateError(failures[0][1])
-        raise_if_rejected(version, failures, len(self.receivers))
+            raise failures[0][1]  # one engine: its own error (and the field it names)
+        raise_if_rejected(version, [(who, str(exc)) for who, exc in failures], len(self.receivers))
         return manifest

@@ -27,8 +27,6 @@ from rollwise.types.weights import (
 
 
 MIB = 2**20
-# Non-learned buffers some checkpoints carry; the engine's load_weights skips them too.
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 # ---------------------------------------------------------------------------- bucket layout
@@ -161,8 +159,12 @@ def build_manifest(state: Mapping[str, Tensor], version: int, tokenizer_fingerpr
 
 
 def parse_manifest(text: str, source: str) -> WeightManifest:
+    """The manifest, validated (layout, adapter spec); WeightUpdateError naming the first bad field."""
     try:
         return WeightManifest.model_validate_json(text)
     except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
         raise WeightUpdateError(f"{source}: not a valid {FORMAT} manifest ({exc.error_count()} problems: "
-                                f"{exc.errors()[0]['msg']}); the update was not applied") from None
+                                f"{where or 'manifest'}: {first['msg']}); the update was not applied",
+                                field=where or None) from None

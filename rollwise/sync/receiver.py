@@ -1,7 +1,8 @@
 """The receiving side of a weight update: stage its buckets (`StagedUpdate`), then check the whole
 manifest against the engine and apply it at once or not at all (`WeightReceiver`, the checked two-phase
 commit every transport ends in). rollwise.sync.buckets describes the format and re-exports these
-names for its importers.
+names for its importers. The rules themselves (names, shapes, dtypes, finite values, versions only
+forward) are rollwise.types.weight_checks', shared with the engine server's disk route and the engines.
 """
 
 from __future__ import annotations
@@ -11,22 +12,21 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from rollwise.sync.layout import IGNORED_SUFFIXES, bucket_checksum, unflatten_bucket
-from rollwise.types.weights import ExpectedWeights, WeightManifest, WeightUpdateError, dtype_from_name, dtype_name
+from rollwise.sync.layout import bucket_checksum, unflatten_bucket
+from rollwise.types.weight_checks import (
+    WeightProblem,
+    missing_problems,
+    nonfinite_problems,
+    tensor_problems,
+    version_problem,
+)
+from rollwise.types.weights import ExpectedWeights, WeightManifest, WeightUpdateError, dtype_name
 
 if TYPE_CHECKING:
     from rollwise.sync.buckets import WeightUpdate
 
 
 # ---------------------------------------------------------------------------- receiving
-
-
-def _narrowed_on_load(sent: str, held: str) -> bool:
-    """A float32 tensor for a bfloat16 engine (engine.dtype) is cast as it is copied in: the engine chose
-    the narrower type. The reverse (or float16 for bfloat16) would silently lose precision the trainer
-    has, and an integer buffer of another dtype is another model: refused."""
-    a, b = dtype_from_name(sent), dtype_from_name(held)
-    return a.is_floating_point and b.is_floating_point and a.itemsize > b.itemsize
 
 
 def _shown(problems: Sequence[str], limit: int = 8) -> str:
@@ -37,13 +37,24 @@ def _shown(problems: Sequence[str], limit: int = 8) -> str:
 class StagedUpdate:
     """Phase one: the buckets of one update as they arrive. Problems are recorded, not raised, so a
     collective transport keeps receiving (every rank must join every broadcast) and the error names
-    everything that went wrong at once."""
+    everything that went wrong at once.
 
-    def __init__(self, manifest: WeightManifest) -> None:
+    Bytes that crossed a transport (HTTP, files, a broadcast) are only as good as their checksum, so
+    every bucket of such an update must carry one: a manifest without is refused, whatever its bytes.
+    `in_memory`: the tensors are the sender's own, in this process (WeightReceiver.apply_state), and
+    nothing moved that could be damaged."""
+
+    def __init__(self, manifest: WeightManifest, *, in_memory: bool = False) -> None:
         self.manifest = manifest
         self.tensors: dict[str, Tensor] = {}
-        self.problems: list[str] = []
+        self.problems: list[WeightProblem] = []
         self._received: set[int] = set()
+        unchecked = [b.index for b in manifest.buckets if b.checksum is None]
+        if unchecked and not in_memory:
+            self.problems.append(WeightProblem(
+                f"buckets[{unchecked[0]}].checksum",
+                f"manifest: bucket(s) {unchecked[:8]} carry no checksum; an update that moves bytes must checksum "
+                "every bucket (build_manifest(checksum=True), as every rollwise sender does)"))
 
     def add_flat(self, index: int, buf: Tensor) -> None:
         spec = self.manifest.buckets[index]
@@ -59,18 +70,19 @@ class StagedUpdate:
         spec = self.manifest.buckets[index]
         self._received.add(index)
         wanted = {t.name: t for t in spec.tensors}
-        problems = [f"{source}: unexpected tensor {n!r}" for n in tensors if n not in wanted]
-        problems += [f"{source}: missing tensor {n!r}" for n in wanted if n not in tensors]
+        problems = [WeightProblem(n, f"{source}: unexpected tensor {n!r}") for n in tensors if n not in wanted]
+        problems += [WeightProblem(n, f"{source}: missing tensor {n!r}") for n in wanted if n not in tensors]
         for name, t in wanted.items():
             got = tensors.get(name)
             if got is not None and (tuple(got.shape) != t.shape or dtype_name(got.dtype) != t.dtype):
-                problems.append(f"{source}: {name} is {tuple(got.shape)} {dtype_name(got.dtype)}, "
-                                f"the manifest says {t.shape} {t.dtype}")
+                problems.append(WeightProblem(name, f"{source}: {name} is {tuple(got.shape)} {dtype_name(got.dtype)}, "
+                                                    f"the manifest says {t.shape} {t.dtype}"))
         if not problems and spec.checksum is not None:
             checksum = bucket_checksum(spec, tensors)
             if checksum != spec.checksum:
-                problems.append(f"{source}: checksum mismatch (xxh3 {checksum:016x}, manifest {spec.checksum:016x}): "
-                                "the bytes were damaged in transit or on disk")
+                problems.append(WeightProblem(
+                    f"buckets[{index}]", f"{source}: checksum mismatch (xxh3 {checksum:016x}, manifest "
+                                         f"{spec.checksum:016x}): the bytes were damaged in transit or on disk"))
         if problems:
             self.problems += problems
         else:
@@ -78,7 +90,12 @@ class StagedUpdate:
 
     def fail(self, index: int, message: str) -> None:
         self._received.add(index)
-        self.problems.append(message)
+        self.problems.append(WeightProblem(f"buckets[{index}]", message))
+
+    def arrival_problems(self) -> list[WeightProblem]:
+        """What went wrong while staging, and every bucket that never arrived."""
+        return [*self.problems, *(WeightProblem(f"buckets[{i}]", f"bucket {i} never arrived")
+                                  for i in self.missing_buckets())]
 
     def missing_buckets(self) -> list[int]:
         return [b.index for b in self.manifest.buckets if b.index not in self._received]
@@ -109,10 +126,12 @@ class WeightReceiver:
     def policy_version(self) -> int | None:
         return _current_version(self.engine)
 
-    def _reject(self, version: int, problems: Sequence[str], hint: str) -> WeightUpdateError:
+    def reject(self, version: int, problems: Sequence[WeightProblem], hint: str) -> WeightUpdateError:
+        """The error refusing `version` for `problems` (the first one's field is the error's)."""
         return WeightUpdateError(
             f"weight update to version {version} rejected; the engine keeps serving version "
-            f"{self.policy_version}: {_shown(problems)}. {hint}"
+            f"{self.policy_version}: {_shown(problems)}. {hint}",
+            field=problems[0].field if problems else None,
         )
 
     def check(self, manifest: WeightManifest) -> None:
@@ -122,45 +141,30 @@ class WeightReceiver:
 
             check_adapter(self, manifest)
             return
-        version, current = manifest.version, self.policy_version
-        if current is not None and version < current:
-            raise self._reject(version, [f"the engine is already at version {current}"],
-                               "Versions only move forward (re-pushing the current version is allowed, as a retry).")
+        version = manifest.version
+        backwards = version_problem(version, self.policy_version)
+        if backwards is not None:
+            raise self.reject(version, [backwards], "Nothing was applied.")
         if self.tokenizer_fingerprint is not None and manifest.tokenizer_fingerprint != self.tokenizer_fingerprint:
-            raise self._reject(
+            raise self.reject(
                 version,
-                [f"tokenizer fingerprint {manifest.tokenizer_fingerprint[:16]}... != the engine's "
-                 f"{(self.tokenizer_fingerprint or '')[:16]}..."],
+                [WeightProblem("tokenizer_fingerprint",
+                               f"tokenizer fingerprint {manifest.tokenizer_fingerprint[:16]}... != the engine's "
+                               f"{(self.tokenizer_fingerprint or '')[:16]}...")],
                 "The trainer and the engine tokenize differently: start both from the same model/tokenizer.",
             )
-        problems: list[str] = []
-        sent: set[str] = set()
-        for t in manifest.tensors():
-            sent.add(t.name)
-            if t.name.endswith(IGNORED_SUFFIXES):
-                continue
-            if t.name not in self.expected.tensors:
-                problems.append(f"unexpected weight {t.name!r}")
-                continue
-            shape, dtype = self.expected.tensors[t.name]
-            if t.shape != shape:
-                problems.append(f"{t.name}: shape {t.shape} != the engine's {shape}")
-            if t.dtype != dtype and not _narrowed_on_load(t.dtype, dtype):
-                problems.append(f"{t.name}: dtype {t.dtype} != the engine's {dtype}")
+        problems = [p for t in manifest.tensors() for p in tensor_problems(t.name, t.shape, t.dtype, self.expected)]
         for alias, source in manifest.aliases.items():
-            sent.add(alias)
             if alias not in self.expected.tensors:
-                problems.append(f"unexpected weight {alias!r} (tied to {source!r})")
+                problems.append(WeightProblem(alias, f"unexpected weight {alias!r} (tied to {source!r})"))
             elif self.expected.tensors[alias][0] != manifest.spec_of(source).shape:
-                problems.append(f"{alias}: shape {manifest.spec_of(source).shape} != the engine's "
-                                f"{self.expected.tensors[alias][0]}")
-        # A name tied to another inside the engine is loaded through that other one.
-        problems += [f"missing weight {n!r}" for n in self.expected.tensors
-                     if n not in sent and self.expected.ties.get(n) not in sent]
+                problems.append(WeightProblem(alias, f"{alias}: shape {manifest.spec_of(source).shape} != the "
+                                                     f"engine's {self.expected.tensors[alias][0]}"))
+        problems += missing_problems([*(t.name for t in manifest.tensors()), *manifest.aliases], self.expected)
         if problems:
-            raise self._reject(version, problems,
-                               "The trainer's model does not match the engine's: load the same model spec "
-                               "(and dtype) on both sides.")
+            raise self.reject(version, problems,
+                              "The trainer's model does not match the engine's: load the same model spec "
+                              "(and dtype) on both sides.")
 
     def commit(self, staged: StagedUpdate) -> None:
         """Phase two: verify everything, then apply the whole update at once (or nothing)."""
@@ -171,10 +175,12 @@ class WeightReceiver:
             commit_adapter(self, staged)
             return
         self.check(manifest)
-        problems = list(staged.problems)
-        problems += [f"bucket {i} never arrived" for i in staged.missing_buckets()]
+        problems = staged.arrival_problems()
         if problems:
-            raise self._reject(manifest.version, problems, "Nothing was applied; push the version again.")
+            raise self.reject(manifest.version, problems, "Nothing was applied; push the version again.")
+        problems = nonfinite_problems(staged.tensors)  # (an alias is its source's tensor: read once)
+        if problems:
+            raise self.reject(manifest.version, problems, "Nothing was applied.")
         state = dict(staged.tensors)
         for alias, source in manifest.aliases.items():
             # Sent once on the wire; handed to the engine under both names unless the engine declares that
@@ -185,7 +191,7 @@ class WeightReceiver:
         try:
             self.engine.update_weights(state, manifest.version)
         except ValueError as exc:  # the engine's own validation; it also leaves the weights untouched
-            raise self._reject(manifest.version, [str(exc)], "Nothing was applied.") from exc
+            raise self.reject(manifest.version, [WeightProblem("weights", str(exc))], "Nothing was applied.") from exc
 
     def receive(self, update: WeightUpdate) -> None:
         """The one entry every transport ends in: stage the update's tensors, check it whole, apply it."""
@@ -193,7 +199,7 @@ class WeightReceiver:
 
     def apply_state(self, manifest: WeightManifest, state: Mapping[str, Tensor]) -> None:
         """Stage tensors that are already in memory (one process) and commit them."""
-        staged = StagedUpdate(manifest)
+        staged = StagedUpdate(manifest, in_memory=True)
         for bucket in manifest.buckets:
             staged.add(bucket.index, {t.name: state[t.name] for t in bucket.tensors if t.name in state},
                        source=f"bucket {bucket.index}")

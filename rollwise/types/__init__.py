@@ -6,7 +6,9 @@
 - microbatch: how a train step cuts samples into micro-batches, and the tokens it computes (pure:
   the simulator's trainer model and the trainer share it);
 - weights: the weight-update manifest, the expected-weights description and the refusal error
-  (the transports and the receiver's logic stay in rollwise.sync).
+  (the transports and the receiver's logic stay in rollwise.sync);
+- weight_checks: the rules every weight update is held to, whichever path brings it (names, shapes,
+  dtypes, finite values, versions only forward); adapter_limits: an adapter's bounds, torch-free.
 - checksum: a file's xxh3-64 (checkpoint manifests).
 
 Nothing here imports another rollwise package (only under TYPE_CHECKING, for annotations).

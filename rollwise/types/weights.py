@@ -9,13 +9,16 @@ cutting buckets and the checked two-phase commit are rollwise.sync.buckets.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import Tensor
+
+from rollwise.types.adapter_limits import MAX_LORA_ALPHA
 
 # v2: buckets carry an xxh3-64 checksum (v1: crc32, ~5x slower to compute, paid once per side per push)
 FORMAT = "rollwise.weights/v2"
@@ -45,6 +48,10 @@ def storage_key(t: Tensor) -> tuple | None:
 
 
 # ---------------------------------------------------------------------------- the manifest
+
+# A served model name that is also a plain path component ("../../x" is refused; so are "." and ".."): the
+# characters of the pool's job names, which a LoRA job's adapter is renamed to.
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
 class TensorSpec(BaseModel):
@@ -78,13 +85,23 @@ class AdapterSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    name: str  # the served adapter name (an OpenAI request's `model`)
-    rank: int
-    alpha: float
-    target_modules: tuple[str, ...]
+    # the served adapter name (an OpenAI request's `model`); the vLLM engine also names a directory after it
+    name: str
+    rank: int = Field(ge=1, description="LoRA rank r (scaling alpha / r): at least 1")
+    alpha: float = Field(gt=0, le=MAX_LORA_ALPHA, allow_inf_nan=False,
+                         description=f"scaling = alpha / rank; finite, in (0, {MAX_LORA_ALPHA:g}]")
+    target_modules: tuple[str, ...] = Field(min_length=1)
     # The policy of a single LoRA run: it serves requests that name no adapter, and its version is the
     # engine's policy version. Otherwise the adapter is served only to requests naming it.
     default: bool = False
+
+    @field_validator("name")
+    @classmethod
+    def _a_plain_name(cls, name: str) -> str:
+        if not ADAPTER_NAME.fullmatch(name) or not name.strip("."):
+            raise ValueError(f"adapter name {name[:64]!r} must be 1-128 letters, digits, '_', '.' or '-', not only "
+                             "dots (it names a served model, and a directory on disk)")
+        return name
 
     @property
     def scaling(self) -> float:
@@ -148,7 +165,12 @@ class WeightManifest(BaseModel):
 
 class WeightUpdateError(ValueError):
     """A weight update was rejected before anything was applied: the engine keeps serving its
-    previous weights and version."""
+    previous weights and version. `field`: the manifest field or tensor at fault (the HTTP servers'
+    error `param`), when one is."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from rollwise.engine.reference.sampling import (
 )
 from rollwise.engine.reference.speculative import SpeculativeDecoding
 from rollwise.engine.speculation import Drafter
-from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, run_to_completion
+from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, check_update, run_to_completion
 from rollwise.engine.retention import RetentionLimits
 from rollwise.engine.retention_policy import CostMeter, PolicyName
 from rollwise.engine.state import EngineState
@@ -323,10 +323,12 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, LoraServing, Engine
     # ---------------------------------------------------------------- weights
 
     def update_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
-        """Copy new weights in by HF name (a subset is fine, e.g. streamed buckets). Names and shapes
-        are all validated before anything is copied; on a mismatch this raises ValueError and the old
-        weights stay. Partial-rollout semantics: in-flight sequences keep their KV cache (computed by
-        the old weights) and continue with the new ones; each token records the version sampling it."""
+        """Copy new weights in by HF name (a subset is fine, e.g. streamed buckets). The version (never
+        backwards), names, shapes, dtypes and values (no NaN or inf) are all validated before anything is
+        copied; on a problem this raises ValueError and the old weights stay. Partial-rollout semantics:
+        in-flight sequences keep their KV cache (computed by the old weights) and continue with the new
+        ones; each token records the version sampling it."""
+        check_update(state_dict, version, self._version, self.expected_weights)
         self.model.load_weights(state_dict)
         self._version = version
         if self.drafter is not None:  # old versions' rollouts age out; the rest stay (they are verified)

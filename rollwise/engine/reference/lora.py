@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rollwise.engine.contract import check_version
 from rollwise.types.weights import AdapterSpec
 
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
@@ -291,7 +292,9 @@ class LoraServing:
 
     def load_adapter(self, spec: AdapterSpec, state: Mapping[str, Tensor], version: int) -> None:
         """Load (or replace) adapter `spec.name` at `version`; ValueError and nothing changed if it does
-        not fit the base. A default adapter is the run's policy: its version is the engine's."""
+        not fit the base. A default adapter is the run's policy: its version is the engine's (never backwards)."""
+        if spec.default:
+            check_version(version, self._version)
         self.adapters.load(spec, state, version, self.model.dtype)
         if spec.default:
             self._version = version
