@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from rollwise.serve.json_bounds import json_problem, loads_bounded
+
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -51,10 +53,11 @@ def _tool_calls(message: dict[str, Any], where: str) -> list[tuple[str, Any]]:
             raise MessageError(f"{where}.tool_calls[{i}] must have function.name")
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                pass  # kept as the raw string: compared as written
+            # bounded: JSON nested too deeply would crash json.dumps and the template later; not JSON: kept
+            # as the raw string, compared as written
+            args, problem = loads_bounded(args) if args.strip() else ({}, None)
+            if problem is not None:
+                raise MessageError(f"{where}.tool_calls[{i}].function.arguments {problem}")
         out.append((fn["name"], args))
     return out
 
@@ -65,6 +68,9 @@ def validate(messages: Any) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(messages):
         m = as_dict(m)
+        problem = json_problem(m)  # nesting and lone surrogates, anywhere in the message (the proxy checked already)
+        if problem is not None:
+            raise MessageError(f"messages[{i}]{'.' if problem[0] else ''}{problem[0]} {problem[1]}")
         role = m.get("role")
         if role not in ROLES:
             raise MessageError(f"messages[{i}].role must be one of {list(ROLES)}, got {role!r}")

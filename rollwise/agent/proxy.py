@@ -15,9 +15,10 @@ and records the exact sampled ids, logprobs and policy versions (rollwise.agent.
     GET    /sessions                            ids, turns and state of the sessions held
 
 Errors are OpenAI's error JSON naming the field: 400 for a bad request, 404 for an unknown session,
-409 for a finished session, 429 with code max_turns / max_tokens / context when a session limit is
-reached, 502 when the engine fails. A failed turn leaves the trajectory as it was (nothing recorded
-twice: the retried request generates the turn once).
+409 for a finished session, 413 for a body over --max-request-bytes (refused before it is read), 429 with
+code max_turns / max_tokens / context when a session limit is reached (a conversation that cannot fit the
+engine's context is refused before it is tokenized), 502 when the engine fails. A failed turn leaves the
+trajectory as it was (nothing recorded twice: the retried request generates the turn once).
 
 Run it: `python -m rollwise.agent.proxy --upstream http://127.0.0.1:8000 --model tiny:0 --port 8100`
 (upstream: `rollwise serve engine` or `rollwise serve router`; the tokenizer fingerprints must match).
@@ -32,10 +33,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from fastapi import FastAPI
+from pydantic import ConfigDict, Field, field_validator
 
 from rollwise.agent.client import chat_completion_dict, sampling_args
 from rollwise.agent.episode import end_session, intercept
@@ -43,36 +42,32 @@ from rollwise.agent.generator import Generator, UpstreamError
 from rollwise.agent.messages import MessageError
 from rollwise.agent.session import AgentSession, LimitReached, SessionLimits
 from rollwise.engine.retention_policy import ToolLatencies
-from rollwise.serve.openai_schemas import report_ignored
+from rollwise.serve.errors import APIError, error_responses, honest_openapi, install_error_handlers
+from rollwise.serve.limits import DEFAULT_MAX_REQUEST_BYTES, RequestSizeLimit, check_max_request_bytes
+from rollwise.serve.openai_schemas import MAX_TOKEN_COUNT, ChatMessage, CheckedJSON, RequestBody, report_ignored
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 
 
-class ProxyError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+class ProxyError(APIError):
+    """A refusal, as every rollwise server answers it (rollwise.serve.errors)."""
 
 
-class ChatRequest(BaseModel):
+class ChatRequest(CheckedJSON):
     """The OpenAI fields an agent session serves. Unknown fields are ignored, as vLLM does (agent
     frameworks send many), and named in the x-rollwise-ignored-fields response header; known fields
-    the session cannot honour are refused by name."""
+    the session cannot honour are refused by name. Messages are the engine server's (shared checks: roles,
+    text content, tool calls in OpenAI's layout); the body is checked whole first (nesting, Unicode)."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
     model: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_COUNT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_COUNT)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0)
@@ -98,8 +93,7 @@ class ChatRequest(BaseModel):
         return value
 
 
-class FinishRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FinishRequest(RequestBody):  # strict: a misspelt field is refused, and so is a non-finite reward
     reward: float | None = None
 
 
@@ -137,21 +131,6 @@ class SessionStore:
             return session
 
 
-async def _proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
-    return exc.response()
-
-
-async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    problems = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "request body"
-        msg = "is not a supported field" if err.get("type") == "extra_forbidden" else err.get("msg", "invalid")
-        problems.append(f"{loc}: {msg}")
-    first = exc.errors()[0].get("loc", ()) if exc.errors() else ()
-    param = ".".join(str(p) for p in first if p != "body") or None
-    return ProxyError(400, "; ".join(problems) or "invalid request", param).response()
-
-
 def _turn(store: SessionStore, session: AgentSession, body: ChatRequest, model: str) -> dict[str, Any]:
     """Runs on a worker thread: one session turn, holding the session's lock."""
     fields = body.model_dump(exclude={"messages", "tools", "tool_choice", "model", "parallel_tool_calls", "logprobs",
@@ -168,8 +147,9 @@ def _turn(store: SessionStore, session: AgentSession, body: ChatRequest, model: 
         if session.id in store.tool_out:  # the agent is back from its tool
             tool, since = store.tool_out.pop(session.id)
             store.latencies.observe(tool, time.monotonic() - since)
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
-            turn = session.chat(body.messages, tools=tools, **args)
+            turn = session.chat(messages, tools=tools, **args)
         except MessageError as exc:
             raise ProxyError(400, str(exc), "messages") from exc
         except LimitReached as exc:
@@ -206,9 +186,11 @@ def _end(store: SessionStore, session: AgentSession) -> None:
 def create_proxy_app(generator: Generator, tokenizer: Any, *, model_name: str = "rollwise-policy",
                      limits: SessionLimits | None = None, parser: str = "hermes", temperature: float = 1.0,
                      max_sessions: int = 10_000, max_concurrent_turns: int = 256,
-                     fingerprint: str | None = None) -> FastAPI:
+                     fingerprint: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The proxy over `generator` (an HTTPGenerator to an engine/router, or a LocalGenerator).
-    `fingerprint`: this tokenizer's; refused when the engine reports a different one (invariant 1)."""
+    `fingerprint`: this tokenizer's; refused when the engine reports a different one (invariant 1).
+    Bodies over `max_request_bytes` are refused with 413 before they are read, as the engine server does."""
+    check_max_request_bytes(max_request_bytes)
     store = SessionStore(generator, tokenizer, limits or SessionLimits(), parser, temperature, max_sessions)
     engine_fp = store.info.tokenizer_fingerprint
     if fingerprint and engine_fp and fingerprint != engine_fp:
@@ -216,8 +198,9 @@ def create_proxy_app(generator: Generator, tokenizer: Any, *, model_name: str = 
                          f"({fingerprint[:12]}…): token ids would mean different text; use the engine's model spec")
     app = FastAPI(title="rollwise agent proxy", summary="OpenAI-compatible endpoint per session, exact trajectories")
     app.state.store = store
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(ProxyError, _proxy_error)
+    install_error_handlers(app)
+    honest_openapi(app)  # the status codes below, not FastAPI's 422 (a client or fuzzer reads what comes)
+    app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes, option="--max-request-bytes")
     created = int(time.time())
     executor = ThreadPoolExecutor(max_workers=max_concurrent_turns, thread_name_prefix="proxy-turn")
 
@@ -225,7 +208,7 @@ def create_proxy_app(generator: Generator, tokenizer: Any, *, model_name: str = 
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "rollwise"}]}
 
-    @app.post("/sessions/{session_id}/v1/chat/completions")
+    @app.post("/sessions/{session_id}/v1/chat/completions", responses=error_responses(400, 404, 409, 413, 429, 502))
     async def chat_completions(session_id: str, body: ChatRequest) -> dict[str, Any]:
         if body.model is not None and body.model != model_name:
             raise ProxyError(404, f"model {body.model!r} is not served here; this proxy serves {model_name!r}",
@@ -256,11 +239,11 @@ def create_proxy_app(generator: Generator, tokenizer: Any, *, model_name: str = 
     async def _off_loop(fn, *args):  # noqa: ANN001, ANN202 - waits for a running turn without blocking the loop
         return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
 
-    @app.get("/sessions/{session_id}/trajectory")
+    @app.get("/sessions/{session_id}/trajectory", responses=error_responses(400, 404))
     async def trajectory(session_id: str) -> dict[str, Any]:
         return await _off_loop(_trajectory, store.get(session_id))
 
-    @app.post("/sessions/{session_id}/finish")
+    @app.post("/sessions/{session_id}/finish", responses=error_responses(400, 404, 413))
     async def finish(session_id: str, body: FinishRequest | None = None) -> dict[str, Any]:
         session = store.get(session_id)
         store.finished[session_id] = body.reward if body else None
@@ -269,7 +252,7 @@ def create_proxy_app(generator: Generator, tokenizer: Any, *, model_name: str = 
         await _off_loop(_end, store, session)  # the engine may drop what it holds for the session
         return await _off_loop(_trajectory, session)
 
-    @app.delete("/sessions/{session_id}")
+    @app.delete("/sessions/{session_id}", responses=error_responses(400, 404))
     async def delete(session_id: str) -> dict[str, Any]:
         session = store.get(session_id)
         out = await _off_loop(_trajectory, session)
@@ -301,11 +284,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--max-turns", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=4096, help="sampled tokens per session")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="refuse request bodies larger than this with 413, before reading them "
+                        "(default: %(default)s)")
     args = parser.parse_args(argv)
+    try:
+        check_max_request_bytes(args.max_request_bytes)
+    except ValueError as exc:
+        parser.error(str(exc))
     tokenizer = load_tokenizer(args.model)
     app = create_proxy_app(HTTPGenerator(args.upstream), tokenizer, model_name=args.model,
                            limits=SessionLimits(max_turns=args.max_turns, max_tokens=args.max_tokens),
-                           fingerprint=tokenizer_fingerprint(tokenizer))
+                           fingerprint=tokenizer_fingerprint(tokenizer), max_request_bytes=args.max_request_bytes)
     uvicorn.run(app, host=args.host, port=args.port)
 
 

@@ -12,16 +12,18 @@ LimitReached (the trajectory so far stays intact and retrievable).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollwise.agent.generator import Generator
-from rollwise.agent.messages import MessageError, client_key, template_view, validate
+from rollwise.agent.messages import MessageError, client_key, content_text, template_view, validate
 from rollwise.agent.template import ChatRenderer
 from rollwise.agent.toolcalls import (
     MAX_CALLS_PER_TURN,
@@ -32,7 +34,23 @@ from rollwise.agent.toolcalls import (
     parse_reply,
 )
 from rollwise.agent.trajectory import Trajectory, TrajectoryBuilder
+from rollwise.engine.samples import longest_token_chars
 from rollwise.engine.types import Completion, SamplingParams
+
+_LONGEST: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def _longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of `tokenizer` stands for, read once per tokenizer: reading a large
+    vocabulary takes tens of milliseconds, and a rollout or the proxy opens a session per episode."""
+    try:
+        return _LONGEST[tokenizer]
+    except (KeyError, TypeError):  # TypeError: a tokenizer that cannot be weakly referenced (then not cached)
+        pass
+    value = longest_token_chars(tokenizer)
+    with contextlib.suppress(TypeError):
+        _LONGEST[tokenizer] = value
+    return value
 
 
 class SessionLimits(BaseModel):
@@ -92,6 +110,7 @@ class AgentSession:
         self.limits = limits or SessionLimits()
         self.defaults = {"temperature": temperature, "top_p": top_p, "seed": seed}
         self.info = info or generator.info()
+        self.longest_token_chars = _longest_token_chars(tokenizer)
         self.tools = list(tools or [])
         self.builder = TrajectoryBuilder(self.renderer, self.info.eos_token_ids, self.id, self.tools)
         self.client_view: list[dict[str, Any]] = []
@@ -130,9 +149,23 @@ class AgentSession:
         self.builder.extend(self._template_messages(messages, opening=False))
         self.client_view += messages
 
+    def check_fits(self, messages: list[dict[str, Any]]) -> None:
+        """Refuse, before rendering or tokenizing anything, a conversation that cannot fit the engine's context
+        (LimitReached "context"; nothing about the session changes). The template renders every message, its
+        text verbatim, so it takes at least one token per message and at least chars / longest_token_chars
+        tokens: a flood of messages or text is refused at once instead of costing seconds and memory."""
+        limit = self.info.max_model_len
+        chars = sum(len(content_text(m.get("content"), "message")) for m in messages)
+        if len(messages) >= limit or chars >= self.longest_token_chars * limit:
+            raise LimitReached("context", f"session {self.id}: the conversation ({len(messages)} messages, {chars} "
+                               f"characters) cannot fit the engine's max_model_len={limit} tokens (each message "
+                               f"takes at least one token, and no token is longer than {self.longest_token_chars} "
+                               "characters); shorten it")
+
     def chat(self, messages: list[Any], tools: list[dict[str, Any]] | None = None, **sampling: Any) -> TurnResult:
         """OpenAI semantics: `messages` is the whole conversation; only what is new is appended."""
         messages = validate(messages)
+        self.check_fits(messages)
         if tools is not None and list(tools) != self.tools:
             if self.builder.segments:
                 self.tools = list(tools)

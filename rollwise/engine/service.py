@@ -97,8 +97,14 @@ class EngineService:
                                 f"than {self.longest_token_chars} characters); shorten it", name)
 
     def params(self, body: SamplingFields, max_tokens: int | None) -> SamplingParams:
-        if max_tokens is not None and body.min_tokens > max_tokens:
-            raise APIError(400, f"min_tokens ({body.min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
+        longest = self.engine.max_model_len  # no sample is longer: the engine stops there
+        if max_tokens is not None and max_tokens > longest:
+            raise APIError(400, f"max_tokens ({max_tokens}) must be <= max_model_len ({longest}): no sample can be "
+                                "longer than the engine's context", "max_tokens")
+        if body.min_tokens > (max_tokens or longest):
+            default = "" if max_tokens else ", the default: max_model_len"
+            raise APIError(400, f"min_tokens ({body.min_tokens}) must be <= max_tokens ({max_tokens or longest}"
+                                f"{default})", "min_tokens")
         if body.n > self.engine.max_num_seqs:
             raise APIError(400, f"n must be <= max_num_seqs ({self.engine.max_num_seqs}): a request's samples share "
                                 "one prefill and run together", "n")

@@ -35,6 +35,7 @@ from rollwise.engine.service import EngineService
 from rollwise.serve.errors import APIError, error_responses
 from rollwise.serve.openai_schemas import (
     MAX_TOP_LOGPROBS,
+    CheckedJSON,
     GenerateRequest,
     LenientBody,
     SamplingFields,
@@ -55,7 +56,7 @@ class VLLMSamplingParams(SamplingFields):
         return self.logprobs or 0
 
 
-class VLLMGenerateRequest(LenientBody):
+class VLLMGenerateRequest(CheckedJSON, LenientBody):  # checked whole first, as every request body
     """vLLM 0.32's GenerateRequest, the fields rollwise can honour (see the module docstring)."""
 
     request_id: str | None = Field(None, min_length=1, max_length=256)

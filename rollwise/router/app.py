@@ -258,10 +258,16 @@ def serve(config: RouterConfig, host: str = "127.0.0.1", port: int = 8080, reuse
         finally:
             await app.state.router.close()
 
-    if profiling is not None:
-        profiling.run(lambda: _run(main))
-    else:
-        _run(main)
+    try:
+        if profiling is not None:
+            profiling.run(lambda: _run(main))
+        else:
+            _run(main)
+    except KeyboardInterrupt:
+        # SIGTERM (the documented hand-over of the port) or Ctrl-C: uvicorn has drained and shut down, the router
+        # closed (state file written), then uvicorn re-raised the signal, which `rollwise` turns into this. A
+        # requested stop is a clean exit, as uvicorn.run (the engine server's and the pool's) treats it.
+        log.info("router stopped")
 
 
 def _run(main: Callable) -> None:

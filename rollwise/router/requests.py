@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 
 from rollwise.router.policies import RouteRequest
 from rollwise.router.tokens import prompt_tokens
+from rollwise.serve.json_bounds import MAX_JSON_DEPTH
 
 # Token-in bodies this small are parsed on the event loop (no tokenizing; parsing costs less than a thread
 # hop); larger ones, and every text prompt (tokenized), on the reader's thread.
@@ -76,6 +77,9 @@ def parse_object(raw: bytes, exact: bool = False) -> dict[str, Any]:
         body = json.loads(raw) if exact else loads(raw)
     except ValueError as exc:
         raise RouterError(400, f"request body is not valid JSON ({exc})") from exc
+    except RecursionError as exc:  # nesting past Python's recursion limit (the replicas accept 64 levels)
+        raise RouterError(400, f"request body nests too deeply to parse; at most {MAX_JSON_DEPTH} levels of objects "
+                          "and lists are accepted") from exc
     if not isinstance(body, dict):
         raise RouterError(400, f"request body must be a JSON object, got {type(body).__name__}")
     return body

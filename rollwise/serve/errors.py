@@ -17,6 +17,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rollwise.serve.json_bounds import MAX_JSON_DEPTH
+
 
 class APIError(Exception):
     """An error answered as OpenAI's error JSON: {"error": {message, type, param, code}}."""
@@ -58,6 +60,7 @@ _MEANING = {
     409: "conflict: the request id is in flight already, or the server is in a state that refuses this",
     413: "request body over the server's --max-request-bytes (refused before it is parsed)",
     429: "too many requests: retry later",
+    502: "the engine behind this server failed; nothing was recorded, so retrying is safe",
     503: "the engine is not running (see /health)",
 }
 
@@ -129,9 +132,27 @@ _PHRASES = {
 }
 
 
+class ProblemAt(ValueError):
+    """A validator's error about a place inside the value it checks (e.g. one message of a body checked whole):
+    `path` is that place, below the validated field's own location, so the 400 names it."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+def error_path(err: dict[str, Any]) -> str:
+    """The field path a pydantic error is about, including a ProblemAt's place inside the field."""
+    path = loc_path(err.get("loc", ()))
+    inner = (err.get("ctx") or {}).get("error")
+    if isinstance(inner, ProblemAt) and inner.path:
+        path = path + inner.path if inner.path.startswith("[") or not path else f"{path}.{inner.path}"
+    return path
+
+
 def describe(err: dict[str, Any]) -> str:
     """One pydantic error as '<field path> <problem>'."""
-    path = loc_path(err.get("loc", ())) or "request body"
+    path = error_path(err) or "request body"
     kind, ctx = err.get("type"), err.get("ctx") or {}
     if kind == "json_invalid":
         return f"request body is not valid JSON ({ctx.get('error', err.get('msg'))})"
@@ -151,7 +172,7 @@ def describe(err: dict[str, Any]) -> str:
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = list(exc.errors())
     message = "; ".join(describe(e) for e in errors) or "invalid request"
-    param = loc_path(errors[0].get("loc", ())) if errors else None
+    param = error_path(errors[0]) if errors else None
     return APIError(400, message, param or None).response()
 
 
@@ -162,7 +183,11 @@ async def api_error(request: Request, exc: APIError) -> JSONResponse:
 async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """FastAPI's own refusals (unknown route, wrong method) in the same envelope."""
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    response = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", None, kind).response()
+    detail = exc.detail
+    if isinstance(exc.__cause__, RecursionError):  # FastAPI's JSON parsing of the body hit Python's recursion limit
+        detail = (f"the request body nests too deeply to parse; at most {MAX_JSON_DEPTH} levels of objects and "
+                  "lists are accepted")
+    response = APIError(exc.status_code, f"{request.method} {request.url.path}: {detail}", None, kind).response()
     for name, value in (exc.headers or {}).items():  # e.g. 405's Allow
         response.headers[name] = value
     return response

@@ -4,6 +4,10 @@ A 10 MB prompt used to reach the tokenizer on the event loop and stall `/health`
 marked a healthy replica down. This middleware answers 413 as soon as the declared `Content-Length` (or the
 bytes received so far, for chunked bodies) pass the limit: nothing is parsed, nothing is buffered beyond it.
 It is plain ASGI rather than a Starlette `BaseHTTPMiddleware` because that one reads the whole body first.
+
+The 413 names the field that carries the route's bulk (`messages` on a chat route, `prompt` on completions...),
+known from the path alone: the body is refused unread, so it is the route's bulky field that is named (and in
+`param`), not a measurement of which field was large.
 """
 
 from __future__ import annotations
@@ -20,6 +24,21 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
+# (path ending, the field that makes that route's bodies large): the ending matches every server's spelling,
+# e.g. /v1/chat/completions and the agent proxy's /sessions/{id}/v1/chat/completions. First match wins.
+BULK_FIELDS = (
+    ("/chat/completions", "messages"),
+    ("/completions", "prompt"),
+    ("/inference/v1/generate", "token_ids"),
+    ("/generate", "prompt_ids"),
+    ("/requests", "requests"),  # the pool's batch of requests for a job
+)
+
+
+def bulk_field(path: str) -> str | None:
+    """The field that carries the bulk of a request body sent to `path`, if the route has one."""
+    return next((name for ending, name in BULK_FIELDS if path.rstrip("/").endswith(ending)), None)
+
 
 def check_max_request_bytes(max_bytes: int, option: str = "--max-request-bytes") -> int:
     """Refuse a limit that would refuse every request (at start-up, not at the first request)."""
@@ -28,9 +47,11 @@ def check_max_request_bytes(max_bytes: int, option: str = "--max-request-bytes")
     return max_bytes
 
 
-def too_large_body(limit: int, option: str) -> bytes:
-    message = (f"request body exceeds {limit} bytes; send a smaller request or raise the server's {option}")
-    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+def too_large_body(limit: int, option: str, field: str | None = None, size: int | None = None) -> bytes:
+    body = "request body" if size is None else f"request body of {size} bytes"
+    fix = f"send fewer or shorter {field}" if field else "send a smaller request"
+    message = f"{body} exceeds {limit} bytes; {fix}, or raise the server's {option}"
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": field,
                                  "code": "request_too_large"}}).encode()
 
 
@@ -51,7 +72,7 @@ class RequestSizeLimit:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None:  # the server holds the body to its declared length
             if declared.isdigit() and int(declared) > self.max_bytes:
-                await self._refuse(send)
+                await self._refuse(scope, send, int(declared))
                 return
             await self.app(scope, receive, send)
             return
@@ -66,7 +87,7 @@ class RequestSizeLimit:
                 break  # the client left
             received += len(message.get("body", b""))
             if received > self.max_bytes:
-                await self._refuse(send)
+                await self._refuse(scope, send)
                 return
             if not message.get("more_body", False):
                 break
@@ -76,8 +97,8 @@ class RequestSizeLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send: Send) -> None:
-        body = too_large_body(self.max_bytes, self.option)
+    async def _refuse(self, scope: Scope, send: Send, size: int | None = None) -> None:
+        body = too_large_body(self.max_bytes, self.option, bulk_field(scope.get("path", "")), size)
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})

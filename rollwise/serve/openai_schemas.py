@@ -6,7 +6,8 @@ What clients send to vLLM works here: on the OpenAI endpoints, unknown fields ar
 ignored, as vLLM does (agent frameworks send many), and reported back in the response header
 `x-rollwise-ignored-fields` (and logged once per field name). Known fields are checked: a bad value
 is a 400 naming it. Non-finite numbers (JSON `Infinity`/`NaN`, which Python's json parser accepts)
-are refused everywhere. The token-level and control bodies (/generate, /abort, weights, the pool's)
+are refused everywhere, and so are, anywhere in a body, nesting past 64 levels and lone surrogates
+(`CheckedJSON`, before any field is read) and token counts past int32. The token-level and control bodies (/generate, /abort, weights, the pool's)
 stay strict: a misspelt field there is a bug in our own caller.
 """
 
@@ -21,13 +22,33 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from rollwise.serve.errors import ProblemAt
+from rollwise.serve.json_bounds import json_problem, loads_bounded
+
 log = logging.getLogger(__name__)
 
 IGNORED_FIELDS_HEADER = "x-rollwise-ignored-fields"
 MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
+# Token counts past int32 fit no context window, and overflow engines' integer types on the way (vLLM's
+# serialisation to its engine core): refused at the schema instead of hanging a request.
+MAX_TOKEN_COUNT = 2**31 - 1
 
 
-class RequestBody(BaseModel):
+class CheckedJSON(BaseModel):
+    """A request body checked whole before its fields are read: nesting at most MAX_JSON_DEPTH levels and text
+    that is valid Unicode, anywhere in it, unknown fields included (rollwise.serve.json_bounds). A 400 names the
+    place, e.g. `messages[2].content`."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sound_json(cls, value: Any) -> Any:
+        problem = json_problem(value)
+        if problem is not None:
+            raise ProblemAt(*problem)
+        return value
+
+
+class RequestBody(CheckedJSON):
     # a misspelt field is an error, not silently ignored; inf/nan are never a valid sampling value
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -47,16 +68,16 @@ def _not_supported(value: Any, what: str) -> Any:
 class SamplingFields(RequestBody):
     """Sampling fields shared by every generation endpoint (engine SamplingParams)."""
 
-    max_tokens: int | None = Field(None, ge=1)  # None: until max_model_len
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_COUNT)  # None: until max_model_len
     temperature: float | None = Field(None, ge=0)  # None: 1.0; 0 is greedy
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int = Field(0, ge=0)  # 0: off
+    top_k: int = Field(0, ge=0, le=MAX_TOKEN_COUNT)  # 0: off
     n: int = Field(1, ge=1)
     seed: int | None = Field(None, ge=0, le=2**62)
     stop_token_ids: list[int] = []  # finish with "stop" on these ids (kept in token_ids, like EOS)
     ignore_eos: bool = False
     request_id: str | None = Field(None, min_length=1, max_length=256)  # public id for /abort
-    min_tokens: int = Field(0, ge=0)  # no EOS / stop token before this many tokens
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKEN_COUNT)  # no EOS / stop token before this many tokens
     repetition_penalty: float | None = Field(None, gt=0)  # None: 1.0 (off)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)  # None: 0; vLLM's range
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -65,6 +86,13 @@ class SamplingFields(RequestBody):
     @classmethod
     def _top_k_off(cls, value: Any) -> Any:
         return 0 if value == -1 else value  # vLLM's (and older OpenAI clients') spelling of "off"
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> SamplingFields:
+        # (against the engine's default max_tokens, max_model_len, the engine service checks it)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ProblemAt("min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        return self
 
     def num_top_logprobs(self) -> int:
         """How many alternatives per token the response shows (the endpoints that can show them override)."""
@@ -111,11 +139,35 @@ class OpenAISampling(SamplingFields):
         return _not_supported(value, "the reference engine samples without logit biases")
 
 
+class FunctionCall(LenientBody):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string; a mapping is taken too
+
+    @field_validator("arguments")
+    @classmethod
+    def _bounded(cls, value: str | dict[str, Any]) -> str | dict[str, Any]:
+        """A JSON string that nests too deeply is refused here (templates and json.dumps would recurse on it
+        later); a string that is not JSON is kept as written, as a model may have written it."""
+        if isinstance(value, str):
+            _, problem = loads_bounded(value)
+            if problem is not None:
+                raise ValueError(problem)
+        return value
+
+
+class ToolCallMessage(LenientBody):
+    """A call in an assistant message's tool_calls (OpenAI layout)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(LenientBody):
     role: Literal["system", "user", "assistant", "tool"]
     content: str
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls (OpenAI layout)
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
 
     @model_validator(mode="before")
@@ -146,7 +198,7 @@ class ChatMessage(LenientBody):
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
-            message["tool_calls"] = [_parsed_arguments(call) for call in self.tool_calls]
+            message["tool_calls"] = [_parsed_arguments(call.model_dump(exclude_none=True)) for call in self.tool_calls]
         return message
 
 
@@ -162,7 +214,7 @@ def _parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
 
 class ChatCompletionRequest(OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_COUNT)  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None  # the sampled tokens' logprobs are always returned
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token (logprobs: true)
     tools: list[dict[str, Any]] | None = None  # OpenAI function specs, passed to the chat template
