@@ -189,6 +189,10 @@ def test_a_jobs_requests_in_flight_are_bounded(keyed):
             body = {"requests": [{"request_id": f"r{i}", "prompt_ids": PROMPT} for i in ids]}
             return httpx.post(f"{url}/jobs/queue/requests", json=body, headers=as_job, timeout=30)
 
+        for params, param in [({"max_tokens": 2**64}, "max_tokens"), ({"min_tokens": 300}, "min_tokens")]:
+            bad = {"requests": [{"request_id": "bad", "prompt_ids": PROMPT, "params": params}]}
+            r = httpx.post(f"{url}/jobs/queue/requests", json=bad, headers=as_job, timeout=30)
+            assert r.status_code == 400 and param in r.json()["error"]["param"], r.text
         assert submit(range(0, 3)).status_code == 200
         r = submit(range(3, 5))  # 3 + 2 > 4: refused whole
         assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text

@@ -187,3 +187,8 @@ def test_the_session_still_serves_after_all_that(proxy: str):
     assert after["turns"] == before["turns"] + 1 and after["splits"] == before["splits"]
     done = httpx.post(f"{proxy}/sessions/{SESSION}/finish", json={"reward": 0.5}, timeout=30).json()
     assert done["finished"] and done["reward"] == 0.5
+    again = httpx.post(f"{proxy}/sessions/{SESSION}/finish", json={"reward": 0.5}, timeout=30)
+    assert again.status_code == 200 and again.json()["reward"] == 0.5  # a retried finish is answered again
+    other = httpx.post(f"{proxy}/sessions/{SESSION}/finish", json={"reward": 1.0}, timeout=30)
+    assert other.status_code == 409 and other.json()["error"]["param"] == "reward", other.text
+    assert _trajectory(proxy)["reward"] == 0.5  # the reward given first stays

@@ -243,10 +243,16 @@ def create_proxy_app(generator: Generator, tokenizer: Any, *, model_name: str = 
     async def trajectory(session_id: str) -> dict[str, Any]:
         return await _off_loop(_trajectory, store.get(session_id))
 
-    @app.post("/sessions/{session_id}/finish", responses=error_responses(400, 404, 413))
+    @app.post("/sessions/{session_id}/finish", responses=error_responses(400, 404, 409, 413))
     async def finish(session_id: str, body: FinishRequest | None = None) -> dict[str, Any]:
         session = store.get(session_id)
-        store.finished[session_id] = body.reward if body else None
+        reward = body.reward if body else None
+        # A retried finish (the client lost the first answer) is answered again; a second, different reward is
+        # refused, so the reward a trainer reads is the one given first.
+        if session_id in store.finished and store.finished[session_id] != reward:
+            raise ProxyError(409, f"session {session_id!r} was finished with reward {store.finished[session_id]!r}; "
+                             "a session's reward is set once", "reward", kind="conflict")
+        store.finished[session_id] = reward
         if session.finish_reason is None:
             session.finish_reason = "done"
         await _off_loop(_end, store, session)  # the engine may drop what it holds for the session

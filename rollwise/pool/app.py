@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rollwise.engine.types import SamplingParams
 from rollwise.pool.engine_pool import EnginePool
@@ -19,9 +19,9 @@ from rollwise.pool.jobs import Job, PoolError
 from rollwise.pool.metrics import metrics_registry, render
 from rollwise.serve.auth import ApiKeys, caller_dependency
 from rollwise.serve.disconnect import ClientGone, client_gone, unless_disconnected
-from rollwise.serve.errors import APIError, error_responses, honest_openapi, install_error_handlers
+from rollwise.serve.errors import APIError, ProblemAt, error_responses, honest_openapi, install_error_handlers
 from rollwise.serve.limits import DEFAULT_MAX_REQUEST_BYTES, RequestSizeLimit, check_max_request_bytes
-from rollwise.serve.openai_schemas import GenerateRequest, RequestBody
+from rollwise.serve.openai_schemas import MAX_TOKEN_COUNT, GenerateRequest, RequestBody
 
 
 class AttachRequest(RequestBody):
@@ -35,19 +35,25 @@ class AttachRequest(RequestBody):
 
 
 class PoolSampling(RequestBody):
-    max_tokens: int = Field(256, ge=1)
+    max_tokens: int = Field(256, ge=1, le=MAX_TOKEN_COUNT)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, le=MAX_TOKEN_COUNT)
     n: int = Field(1, ge=1)
     stop_token_ids: list[int] = []
     seed: int | None = Field(None, ge=0, le=2**62)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKEN_COUNT)
     repetition_penalty: float = Field(1.0, gt=0)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     top_logprobs: int = Field(0, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> PoolSampling:
+        if self.min_tokens > self.max_tokens:
+            raise ProblemAt("min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        return self
 
 
 class PoolRequest(RequestBody):
