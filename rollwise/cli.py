@@ -12,6 +12,7 @@
     rollwise bench loop [--quick] [--json PATH]       the default `rollwise train`: wall, samples/s, MFU, idle cores
     rollwise bench r3 [--quick] [--json PATH]         an MoE trained with / without rollout routing replay (mismatch)
     rollwise bench allocator [--quick] [--rounds N]   glibc malloc as it is vs freed memory kept (fresh processes)
+    rollwise bench index [--check]                    docs/benchmarks.md: every goal's latest figure, from the JSON files
     rollwise compare RUN_DIR|LABEL=DIR,DIR ... [--out PNG]  runs or seed arms side by side, held-out table
     rollwise serve engine [--model SPEC] [--host 127.0.0.1] [--port 8000] [--max-num-seqs N] [--max-model-len N] [--dtype D]
                                                      the engine over HTTP: OpenAI-compatible completions,
@@ -91,8 +92,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "name", choices=["engine", "rollout", "sync", "router", "sandbox", "mux", "speculation", "trainer", "loop",
-                 "intercept", "r3", "trainer-step", "allocator"],
-        help="router: routing policies (round robin ... prefix-aware) side by side on real tiny-model replicas and "
+                 "intercept", "r3", "trainer-step", "allocator", "index"],
+        help="index: regenerate docs/benchmarks.md (every goal's latest figure) from the JSON files (--check: only "
+        "say whether it is current); router: routing policies (round robin ... prefix-aware) side by side on real tiny-model replicas and "
         "64 simulated ones, every router in its own process, vllm-router's cache_aware too when installed "
         "(prefix hit rate, prefill tokens, p50/p99 latency, load imbalance, router CPU per request); "
         "sandbox: create/exec/fork/destroy latency (p50/p99) and how many concurrent sandboxes this machine holds; "
@@ -507,6 +509,10 @@ def main(argv: list[str] | None = None) -> int:
     from rollwise.control.stop_signal import Stopped, stop_on_sigterm
 
     stop_on_sigterm()  # a scheduler's SIGTERM closes engines and child processes like Ctrl-C does
+    if argv[:2] == ["bench", "index"]:  # not a measurement: writes docs/benchmarks.md from the JSON files
+        from rollwise.bench.index import main as bench_index
+
+        return bench_index(argv[2:])
     if argv[:2] == ["serve", "router"]:  # the router has its own options: rollwise/router/cli.py
         from rollwise.router.cli import main as serve_router
 

@@ -120,7 +120,7 @@ def _job_main(config: str, out: str, *overrides: str) -> None:
                                      "weight_sync_s": sum(r["time_weight_sync_s"] for r in records),
                                      "reward_s": sum(r["time_reward_s"] for r in records),
                                      # launch to the first step, and after the last one (final evaluation, summary):
-                                     # the simulator counts both as start-up CPU (docs/benchmarks.md, bench mux --lora)
+                                     # the simulator counts both as start-up CPU (docs/benchmarks/lora.md, bench mux --lora)
                                      "first_step_s": records[0]["elapsed_s"] - records[0]["time_step_s"],
                                      "after_last_step_s": (t1 - t0) - records[-1]["elapsed_s"],
                                      # step-to-step variation (coefficient of variation), for the simulator

@@ -19,7 +19,7 @@ a step; and the MoE-CAP sparsity-aware efficiency (activated parameters only) ne
 Which model: `bundled:smollm2-moe` by default (1%-perturbed experts: it answers like the dense model, but a
 routing flip barely changes a token, so R3 barely changes the mismatch); `--model
 bundled:smollm2-moe-diverged` has experts 30% apart, where flips matter as in trained MoEs and R3 cuts the
-mismatch 2.5x, at a cost in the untrained model's accuracy (docs/benchmarks.md, "Expert divergence").
+mismatch 2.5x, at a cost in the untrained model's accuracy (docs/benchmarks/r3.md, "Expert divergence").
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def resolve_engine_kind(kind: str, model_spec: str = "", *, lora: bool = False) 
       LoRA ops in plain torch, and with LoRA on it generates every row through them. The default run's step
       (8 prompts x 16 samples, <= 48 tokens) took 33 s on vLLM without LoRA, 38 s on the reference engine
       without and 41 s with a rank-16 adapter, and over 500 s on vLLM with LoRA on (session 18, idle machine;
-      docs/benchmarks.md, "LoRA RL and multi-LoRA"). engine.kind=vllm still picks vLLM.
+      docs/benchmarks/lora.md). engine.kind=vllm still picks vLLM.
     Both get the reference engine."""
     from rollwise.engine.vllm_backend import vllm_available
 

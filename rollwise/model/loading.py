@@ -26,7 +26,7 @@ BUNDLED_PREFIX = "bundled:"
 UPCYCLED_MODELS = {
     "smollm2-moe": ("smollm2-135m-instruct", 4, 2, "SmolLM2-135M-Instruct-MoE-4x2", 0.01),
     # Experts 30% apart: a routing flip changes the output (as in trained MoEs), at a cost in quality
-    # (docs/benchmarks.md "MoE and rollout routing replay": held-out accuracy and mismatch per noise level).
+    # (docs/benchmarks/r3.md: held-out accuracy and mismatch per noise level).
     "smollm2-moe-diverged": ("smollm2-135m-instruct", 4, 2, "SmolLM2-135M-Instruct-MoE-4x2-noise0.3", 0.3),
 }
 

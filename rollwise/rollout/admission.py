@@ -18,7 +18,7 @@ Two update-batch policies (rollout.update_batch):
 
 Why flexible: under a fixed batch, groups that finished beyond the batch wait one more update, and at
 eta = 1 that makes them too stale to train (regenerated), so admission had to count the batch in
-training and the engines drained while the trainer trained (docs/benchmarks.md, "SortedRL at cluster
+training and the engines drained while the trainer trained (docs/benchmarks/sortedrl.md, "SortedRL at cluster
 scale"). A batch that takes whatever finished lets engines run at capacity through the train step.
 
 Staleness never exceeds eta under either policy: the controller regenerates what would (after_update),

@@ -40,7 +40,7 @@ from rollwise.sim.cores import SharedCores
 # probes), as `rollwise bench router` measures it: `real.policies.prefix.router_cpu_s_per_request` of the full
 # run on an idle machine (docs/bench/router.json: 4 rounds x 68 requests, 4 reference-engine replicas, every
 # router in its own process, read from the kernel's per-process CPU clock): 0.98 ms per request, against
-# vllm-router cache_aware's 0.53 ms in the same run (docs/benchmarks.md, "Routers as peers").
+# vllm-router cache_aware's 0.53 ms in the same run (docs/benchmarks/router.md, "Routers as peers").
 ROUTER_S_PER_REQUEST = 0.00098
 
 
