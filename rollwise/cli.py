@@ -47,6 +47,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from rollwise import __version__
@@ -170,7 +171,7 @@ def _build_parser() -> argparse.ArgumentParser:
             "/v1/chat/completions (OpenAI-compatible, stream=true for server-sent events; every choice also "
             "carries token_ids, prompt_token_ids, per-token logprobs and policy_versions), POST /generate "
             "(token ids in, token ids + logprobs + versions out), GET /model_info (incl. the tokenizer "
-            "fingerprint), /v1/models, /health, /load, /metrics (Prometheus), POST /pause, /resume, /sleep, /wake, /abort, "
+            "fingerprint), /v1/models, /health, /ready, /load, /metrics (Prometheus), POST /pause, /resume, /sleep, /wake, /abort, "
             "/update_weights_from_disk."
         ),
         epilog=(
@@ -189,10 +190,6 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine", default="auto", choices=["auto", "reference", "vllm"],
                        help="backend: auto = vLLM when installed (except tiny: test models), else the reference "
                        "engine (default: %(default)s)")
-    serve.add_argument("--host", default="127.0.0.1",
-                       help="address to bind (default: %(default)s; there is no authentication and "
-                       "/update_weights_from_disk reads server-side paths, so keep it on loopback)")
-    serve.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
     serve.add_argument("--max-num-seqs", type=int, default=16, metavar="N",
                        help="KV-cache slots: sequences generated at once (default: %(default)s)")
     serve.add_argument("--max-model-len", type=int, default=None, metavar="N",
@@ -211,11 +208,9 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
                        help="the engine's weights and matmuls; auto = bfloat16 where the hardware computes it "
                        "natively (default: %(default)s)")
-    serve.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024, metavar="N",
-                       help="refuse request bodies over N bytes with 413, before reading them (default: %(default)s)")
-    serve.add_argument("--log-level", default="info", metavar="LEVEL",
-                       choices=["critical", "error", "warning", "info", "debug"],
-                       help="uvicorn log level: critical, error, warning, info, debug (default: %(default)s)")
+    from rollwise.serve.settings import add_front_arguments  # the flags every rollwise server shares
+
+    add_front_arguments(serve, port=8000)
 
     sub.add_parser(
         "sim", add_help=False,
@@ -487,13 +482,14 @@ def _finish_bench(args: argparse.Namespace, console: Console, table: Table, resu
 
 def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     from rollwise.engine.server import serve
+    from rollwise.serve.front import Front
 
     try:
         serve(
-            args.model, host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
+            args.model, front=Front.from_args(args), max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len, served_model_name=args.served_model_name, seed=args.seed,
-            log_level=args.log_level, prefix_cache_tokens=args.prefix_cache_tokens, engine_kind=args.engine,
-            max_request_bytes=args.max_request_bytes, retention=args.retention, dtype=args.dtype,
+            prefix_cache_tokens=args.prefix_cache_tokens, engine_kind=args.engine, retention=args.retention,
+            dtype=args.dtype,
         )
     except ValueError as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
@@ -539,11 +535,11 @@ def main(argv: list[str] | None = None) -> int:
                 "serve": _cmd_serve, "check": _cmd_check}
     try:
         return handlers[args.command](args, console)
-    except ConfigError as exc:
-        console.print(f"[bold red]config error:[/] {exc}", highlight=False)
+    except ConfigError as exc:  # as written: no [markup] or :emoji: (model=tiny:abc:); soft_wrap: one line, however long
+        console.print(f"[bold red]config error:[/] {escape(str(exc))}", highlight=False, emoji=False, soft_wrap=True)
         return 2
     except RunError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, emoji=False, soft_wrap=True)
         return 1
     except Stopped as stop:
         console.print(f"[yellow]stopped by {stop}[/]: engines and child processes closed")

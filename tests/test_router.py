@@ -45,6 +45,9 @@ from rollwise.local_server import free_port, serve_in_thread
 from rollwise.router.app import RouterConfig, bind_socket
 from rollwise.router.app import create_app as create_router_app
 from rollwise.router.app import serve as serve_router
+from rollwise.serve.auth import ApiKeys
+from rollwise.serve.front import Front
+from rollwise.serve.settings import FrontSettings
 from rollwise.router.policies import (
     POLICIES,
     ConsistentHash,
@@ -287,9 +290,9 @@ def _replica(max_num_seqs: int = 4):
 
 
 @contextlib.contextmanager
-def _router(replicas: list[str], **overrides):
+def _router(replicas: list[str], front: Front | None = None, **overrides):
     config = RouterConfig(replicas=replicas, health_interval_s=0.2, queue_timeout_s=2.0, **overrides)
-    with _serving(create_router_app(config)) as (url, _server):
+    with _serving(create_router_app(config, front=front)) as (url, _server):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         yield SimpleNamespace(url=url, openai=client, http=httpx.Client(base_url=url, timeout=60))
 
@@ -469,14 +472,17 @@ def test_rolling_weight_update_keeps_serving(cluster, tmp_path: Path):
 # ================================================================== failure
 
 
-def test_auth_token_required_off_loopback():
-    with pytest.raises(ValueError, match="--auth-token is required"):
-        serve_router(RouterConfig(replicas=["http://127.0.0.1:1"]), host="0.0.0.0", port=0)
-    with _router(["http://127.0.0.1:1"], auth_token="s3cret") as router:
+def test_api_keys_required_off_loopback(monkeypatch):
+    monkeypatch.delenv("ROLLWISE_API_KEYS", raising=False)
+    with pytest.raises(ValueError, match="accepts connections from other machines and the server has no API keys"):
+        serve_router(RouterConfig(replicas=["http://127.0.0.1:1"]),
+                     front=Front.from_settings(FrontSettings(host="0.0.0.0", port=0)))
+    key = "s3cret-router-key-0123"
+    with _router(["http://127.0.0.1:1"], front=Front(keys=ApiKeys([key], "--api-keys keys.txt"))) as router:
         r = router.http.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 401 and "Bearer" in r.json()["error"]["message"]
         assert router.http.get("/health").status_code == 503  # open to probes; no replica answers
-        r = router.http.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer s3cret"})
+        r = router.http.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": f"Bearer {key}"})
         assert r.status_code == 503 and "no healthy replica" in r.json()["error"]["message"]
 
 
@@ -593,7 +599,7 @@ def test_cli_help(capsys):
         main(["serve", "router", "--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--replica", "--policy", "--auth-token", "--state-file", "--reuse-port", "X-Session-Id",
+    for flag in ("--replica", "--policy", "--api-keys", "--upstream-api-key", "--drain-timeout", "--state-file", "--reuse-port", "X-Session-Id",
                  "prefix", "consistent_hash", "Idempotency-Key"):
         assert flag in out
     assert main(["serve", "router", "--replica", "ftp://x"]) == 2

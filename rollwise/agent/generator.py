@@ -23,6 +23,7 @@ from rollwise.engine.retention import RetentionDecision, RetentionRequest
 from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
 from rollwise.engine.core import EngineWorker
 from rollwise.protocols import RolloutBackend
+from rollwise.serve.settings import client_auth_headers
 from rollwise.types.sample import RoutedExperts
 
 
@@ -148,7 +149,9 @@ class HTTPGenerator:
     """`rollwise serve engine` / `serve router` (or anything speaking POST /generate)."""
 
     def __init__(self, base_url: str, timeout: float = 600.0, headers: dict[str, str] | None = None) -> None:
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout, headers=headers or {})
+        # `headers` None: $ROLLWISE_API_KEY, for an engine or router with API keys (rollwise.serve.front)
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout,
+                                  headers=client_auth_headers() if headers is None else headers)
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None,
                  headers: dict[str, str] | None = None) -> Any:

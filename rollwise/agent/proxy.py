@@ -42,8 +42,10 @@ from rollwise.agent.generator import Generator, UpstreamError
 from rollwise.agent.messages import MessageError
 from rollwise.agent.session import AgentSession, LimitReached, SessionLimits
 from rollwise.engine.retention_policy import ToolLatencies
-from rollwise.serve.errors import APIError, error_responses, honest_openapi, install_error_handlers
-from rollwise.serve.limits import DEFAULT_MAX_REQUEST_BYTES, RequestSizeLimit, check_max_request_bytes
+from rollwise.serve.errors import APIError, error_responses
+from rollwise.serve.front import Front, install_front
+from rollwise.serve.limits import DEFAULT_MAX_REQUEST_BYTES, check_max_request_bytes
+from rollwise.serve.settings import FrontSettings
 from rollwise.serve.openai_schemas import MAX_TOKEN_COUNT, ChatMessage, CheckedJSON, RequestBody, report_ignored
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
@@ -186,11 +188,14 @@ def _end(store: SessionStore, session: AgentSession) -> None:
 def create_proxy_app(generator: Generator, tokenizer: Any, *, model_name: str = "rollwise-policy",
                      limits: SessionLimits | None = None, parser: str = "hermes", temperature: float = 1.0,
                      max_sessions: int = 10_000, max_concurrent_turns: int = 256,
-                     fingerprint: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+                     fingerprint: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                     front: Front | None = None) -> FastAPI:
     """The proxy over `generator` (an HTTPGenerator to an engine/router, or a LocalGenerator).
     `fingerprint`: this tokenizer's; refused when the engine reports a different one (invariant 1).
-    Bodies over `max_request_bytes` are refused with 413 before they are read, as the engine server does."""
+    `front`: the serving front (rollwise.serve.front; default: loopback, no keys, bodies over `max_request_bytes`
+    refused with 413 before they are read), as on every rollwise server."""
     check_max_request_bytes(max_request_bytes)
+    front = front or Front(FrontSettings(max_request_bytes=max_request_bytes))
     store = SessionStore(generator, tokenizer, limits or SessionLimits(), parser, temperature, max_sessions)
     engine_fp = store.info.tokenizer_fingerprint
     if fingerprint and engine_fp and fingerprint != engine_fp:
@@ -198,9 +203,6 @@ def create_proxy_app(generator: Generator, tokenizer: Any, *, model_name: str = 
                          f"({fingerprint[:12]}…): token ids would mean different text; use the engine's model spec")
     app = FastAPI(title="rollwise agent proxy", summary="OpenAI-compatible endpoint per session, exact trajectories")
     app.state.store = store
-    install_error_handlers(app)
-    honest_openapi(app)  # the status codes below, not FastAPI's 422 (a client or fuzzer reads what comes)
-    app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes, option="--max-request-bytes")
     created = int(time.time())
     executor = ThreadPoolExecutor(max_workers=max_concurrent_turns, thread_name_prefix="proxy-turn")
 
@@ -272,37 +274,39 @@ def create_proxy_app(generator: Generator, tokenizer: Any, *, model_name: str = 
         return {"sessions": [{"id": sid, "turns": s.builder.turns, "finished": sid in store.finished,
                               "finish_reason": s.finish_reason} for sid, s in list(store.sessions.items())]}
 
+    install_front(app, front)  # keys, limits, error envelope, /health, /ready, request metrics, drain
     return app
 
 
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    import uvicorn
+    import os
 
     from rollwise.agent.generator import HTTPGenerator
     from rollwise.model.loading import tokenizer_fingerprint
+    from rollwise.serve.drain import serve_app
+    from rollwise.serve.settings import CLIENT_KEY_ENV, add_front_arguments
 
     parser = argparse.ArgumentParser(prog="python -m rollwise.agent.proxy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--upstream", required=True, help="engine or router URL, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", required=True, help="the engine's model spec (for the tokenizer)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--upstream-api-key", default=os.environ.get(CLIENT_KEY_ENV), metavar="KEY",
+                        help=f"the API key sent to the upstream when it has keys (default: ${CLIENT_KEY_ENV}, if set)")
     parser.add_argument("--max-turns", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=4096, help="sampled tokens per session")
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                        help="refuse request bodies larger than this with 413, before reading them "
-                        "(default: %(default)s)")
+    add_front_arguments(parser, port=8100)
     args = parser.parse_args(argv)
     try:
-        check_max_request_bytes(args.max_request_bytes)
+        front = Front.from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
     tokenizer = load_tokenizer(args.model)
-    app = create_proxy_app(HTTPGenerator(args.upstream), tokenizer, model_name=args.model,
+    upstream_auth = {"Authorization": f"Bearer {args.upstream_api_key}"} if args.upstream_api_key else None
+    app = create_proxy_app(HTTPGenerator(args.upstream, headers=upstream_auth), tokenizer, model_name=args.model,
                            limits=SessionLimits(max_turns=args.max_turns, max_tokens=args.max_tokens),
-                           fingerprint=tokenizer_fingerprint(tokenizer), max_request_bytes=args.max_request_bytes)
-    uvicorn.run(app, host=args.host, port=args.port)
+                           fingerprint=tokenizer_fingerprint(tokenizer), front=front)
+    serve_app(app, front)
 
 
 def load_tokenizer(spec: str) -> Any:

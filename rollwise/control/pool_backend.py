@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import torch
 
-from rollwise.config import ConfigError
+from rollwise.config import ConfigError, check_engine_fits
 from rollwise.engine.client import EngineServerError, read_response
 from rollwise.engine.contract import ModelInfo
 from rollwise.engine.types import Completion, GenerationRequest
@@ -312,6 +312,14 @@ def attach_to_pool(cfg: Any, model: Any, tokenizer: Any, *, fingerprint: str, po
         client.close()
         raise ConfigError(f"pool.url={url}: tokenizer fingerprint mismatch for {cfg.model!r}: the pool's "
                           f"{str(info.get('tokenizer_fingerprint'))[:16]}..., the trainer's {fingerprint[:16]}...")
+    try:  # the pool's engines have their own sizes (not engine.*): this run's requests must fit them
+        check_engine_fits(cfg, int(info["max_num_seqs"]), int(info["max_model_len"]),
+                          ("the pool's max_num_seqs (rollwise serve pool --max-num-seqs)",
+                           "the pool's max_model_len (rollwise serve pool --max-model-len)"))
+    except ValueError as exc:
+        client.detach()
+        client.close()
+        raise ConfigError(f"pool.url={url}: {exc}") from None
     worker = PoolWorker(client, fingerprint)
     try:
         worker.update_weights(initial or WeightUpdate.of_state(model.state_dict(), policy_version, fingerprint))

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from rollwise.engine.types import Completion, SamplingParams
+from rollwise.serve.settings import client_auth_headers
 from rollwise.types.sample import RoutedExperts
 
 
@@ -39,7 +40,8 @@ def read_response(response: httpx.Response, error: type[EngineServerError] = Eng
 
 class EngineClient:
     def __init__(self, base_url: str, timeout: float = 600.0) -> None:
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
+        # a server with API keys gets the caller's $ROLLWISE_API_KEY (rollwise.serve.front)
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout, headers=client_auth_headers())
 
     def close(self) -> None:
         self._http.close()

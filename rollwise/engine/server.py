@@ -26,8 +26,9 @@ Request ids: the engine only ever sees fresh uuid ids, so clients cannot collide
 (a response's `id` / `request_id`, or a client's own `request_id` while no other request in flight
 uses it) is what /abort takes.
 
-The server has no authentication and /update_weights_from_disk reads server-side paths: it binds
-loopback by default, for a trainer on the same machine.
+The serving front (rollwise.serve.front) gives it the flags, API keys, limits, /ready, request metrics and
+SIGTERM drain every rollwise server shares. /update_weights_from_disk reads server-side paths: without API keys
+it binds only loopback (for a trainer on the same machine) unless --insecure-no-auth.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ from rollwise.engine.service import EngineService
 from rollwise.engine.vllm_generate import add_vllm_generate_route
 from rollwise.model.loading import tokenizer_fingerprint
 from rollwise.serve.disconnect import ClientGone, client_gone
-from rollwise.serve.errors import APIError, error_responses, honest_openapi, install_error_handlers
-from rollwise.serve.limits import DEFAULT_MAX_REQUEST_BYTES, RequestSizeLimit, check_max_request_bytes
+from rollwise.serve.drain import serve_app
+from rollwise.serve.errors import APIError, error_responses
+from rollwise.serve.front import Front, FrontSettings, install_front
+from rollwise.serve.limits import DEFAULT_MAX_REQUEST_BYTES, check_max_request_bytes
 from rollwise.serve.openai_schemas import (  # the request bodies
     AbortRequest,
     ChatCompletionRequest,
@@ -68,10 +71,11 @@ _HEALTH_DOWN = {503: {"description": "the engine thread died: {status: error, er
 
 
 def create_app(engine: Any, tokenizer: Any, model_name: str,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """The FastAPI app serving `engine` (a ReferenceEngine not yet driven by any other thread). Request bodies
-    over `max_request_bytes` are refused with 413 before they are read (`--max-request-bytes`)."""
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, front: Front | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` (a ReferenceEngine not yet driven by any other thread), behind `front`
+    (default: loopback, no keys, bodies over `max_request_bytes` refused with 413 before they are read)."""
     check_max_request_bytes(max_request_bytes)
+    front = front or Front(FrontSettings(max_request_bytes=max_request_bytes))
     server = EngineService(engine, tokenizer, model_name)
 
     @asynccontextmanager
@@ -86,9 +90,6 @@ def create_app(engine: Any, tokenizer: Any, model_name: str,
     app = FastAPI(title="rollwise engine", summary="the rollwise engine contract over HTTP", lifespan=lifespan,
                   default_response_class=FiniteJSONResponse)
     app.state.server = server
-    install_error_handlers(app)
-    honest_openapi(app)
-    app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes, option="--max-request-bytes")
 
     app.add_exception_handler(ClientGone, client_gone)
 
@@ -192,6 +193,7 @@ def create_app(engine: Any, tokenizer: Any, model_name: str,
         held = await server.frontend.call(lambda e: e.release_session(body.session_id))
         return {"session_id": body.session_id, "released": held}
 
+    install_front(app, front, ready=lambda: server.frontend.error is None, registry=server.registry)
     return app
 
 
@@ -215,16 +217,13 @@ def build_engine(
 
 
 def serve(
-    model: str, host: str = "127.0.0.1", port: int = 8000, max_num_seqs: int = 16,
+    model: str, front: Front | None = None, max_num_seqs: int = 16,
     max_model_len: int | None = None, served_model_name: str | None = None, seed: int | None = None,
-    log_level: str = "info", prefix_cache_tokens: int = 16384, engine_kind: str = "auto",
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, retention: str = "off", dtype: str = "float32",
+    prefix_cache_tokens: int = 16384, engine_kind: str = "auto", retention: str = "off", dtype: str = "float32",
 ) -> None:
-    import uvicorn
-
-    check_max_request_bytes(max_request_bytes)
-    if not 0 <= port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {port}")
+    """Build the engine and serve it behind `front` (default: 127.0.0.1:8000, no keys) until SIGTERM drains it."""
+    front = front or Front.from_settings(FrontSettings())
+    who = front.who_may_call()  # refuses an open non-loopback server before the model loads
     if max_num_seqs < 1:
         raise ValueError(f"--max-num-seqs must be >= 1, got {max_num_seqs}")
     if max_model_len is not None and max_model_len < 2:
@@ -233,6 +232,6 @@ def serve(
         raise ValueError(f"--prefix-cache-tokens must be >= 0 (0 disables the cache), got {prefix_cache_tokens}")
     engine, tokenizer = build_engine(model, max_num_seqs, max_model_len, seed, prefix_cache_tokens, engine_kind,
                                      retention=retention, dtype=dtype)
-    print(f"rollwise serve engine: {describe_engine(engine)}", flush=True)
-    app = create_app(engine, tokenizer, served_model_name or model, max_request_bytes)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    print(f"rollwise serve engine: {describe_engine(engine)}; {who}", flush=True)
+    app = create_app(engine, tokenizer, served_model_name or model, front=front)
+    serve_app(app, front)

@@ -19,8 +19,10 @@ from rollwise.pool.jobs import Job, PoolError
 from rollwise.pool.metrics import metrics_registry, render
 from rollwise.serve.auth import ApiKeys, caller_dependency
 from rollwise.serve.disconnect import ClientGone, client_gone, unless_disconnected
-from rollwise.serve.errors import APIError, ProblemAt, error_responses, honest_openapi, install_error_handlers
-from rollwise.serve.limits import DEFAULT_MAX_REQUEST_BYTES, RequestSizeLimit, check_max_request_bytes
+from rollwise.serve.errors import APIError, ProblemAt, error_responses
+from rollwise.serve.front import Front, install_front
+from rollwise.serve.limits import DEFAULT_MAX_REQUEST_BYTES, check_max_request_bytes
+from rollwise.serve.settings import FrontSettings
 from rollwise.serve.openai_schemas import MAX_TOKEN_COUNT, GenerateRequest, RequestBody
 
 
@@ -118,14 +120,20 @@ def _is_weight_upload(scope: Any) -> bool:
     return scope.get("method") == "PUT" and str(scope.get("path", "")).endswith("/weights")
 
 
+def _job_route(method: str, path: str) -> bool:
+    """/jobs/{job}/...: guarded by the job's own token (issued at attach, to a key holder), not an API key."""
+    return path.startswith("/jobs/")
+
+
 def create_app(pool: EnginePool, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               api_keys: ApiKeys | None = None) -> FastAPI:
-    """The pool's HTTP API. JSON bodies over `max_request_bytes` get 413 before they are read
-    (`--max-request-bytes`); weight uploads are exempt (they are as large as the model). With `api_keys`,
-    attaching a job and reading /state need one of them (401 otherwise); None: anyone who reaches the port
-    may attach (rollwise.pool.server decides when that is allowed)."""
+               api_keys: ApiKeys | None = None, front: Front | None = None) -> FastAPI:
+    """The pool's HTTP API behind `front` (rollwise.serve.front; default: loopback, `api_keys`, bodies over
+    `max_request_bytes` refused with 413 before they are read). Weight uploads have no size limit (they are as
+    large as the model). With keys, attaching a job, /state and every route but the probes need one (401
+    otherwise); a job's routes need its token instead."""
     check_max_request_bytes(max_request_bytes)
-    caller = caller_dependency(api_keys)
+    front = front or Front(FrontSettings(max_request_bytes=max_request_bytes), api_keys)
+    caller = caller_dependency(front.keys)  # the key's label: whose quota an attach counts against
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
@@ -137,10 +145,6 @@ def create_app(pool: EnginePool, max_request_bytes: int = DEFAULT_MAX_REQUEST_BY
 
     app = FastAPI(title="rollwise pool", summary="engines shared by several training jobs", lifespan=lifespan)
     app.state.pool = pool
-    install_error_handlers(app)
-    honest_openapi(app)
-    app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes, option="--max-request-bytes",
-                       exempt=_is_weight_upload)
 
     async def pool_error(request: Request, exc: PoolError) -> JSONResponse:
         kind = {403: "permission_error", 404: "not_found_error", 409: "conflict", 429: "rate_limit_error",
@@ -252,4 +256,5 @@ def create_app(pool: EnginePool, max_request_bytes: int = DEFAULT_MAX_REQUEST_BY
         body, content_type = render(registry)
         return Response(body, media_type=content_type)
 
+    install_front(app, front, own_auth=_job_route, size_exempt=_is_weight_upload, registry=registry)
     return app

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from rollwise.serve.settings import add_front_arguments
+
 DESCRIPTION = (
     "A shared engine pool: owns N reference engines and time-slices them across the `rollwise train` jobs that "
     "attach to it (`rollwise train pool.url=http://127.0.0.1:PORT pool.job=NAME pool.priority=P`). Each job brings "
@@ -32,10 +34,6 @@ def build_parser() -> argparse.ArgumentParser:
                "pool.url=http://127.0.0.1:8300 pool.job=b pool.priority=2",
     )
     p.add_argument("--engines", type=int, default=1, metavar="N", help="engine slots (default: %(default)s)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default: %(default)s; an address other machines reach needs --api-keys or "
-                   "--insecure-no-auth)")
-    p.add_argument("--port", type=int, default=8300, help="TCP port (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=16, metavar="N",
                    help="sequences each engine generates at once (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=1024, metavar="N",
@@ -51,15 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "attached trainer polls several times a second) (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, metavar="N",
                    help="torch CPU threads for the engines (0: torch's default) (default: %(default)s)")
-    p.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024, metavar="N",
-                   help="refuse JSON request bodies over N bytes with 413, before reading them; weight uploads are "
-                   "exempt (default: %(default)s)")
-    p.add_argument("--api-keys", metavar="FILE",
-                   help="API keys, one per line (`#` comments): attaching a job (POST /jobs) and GET /state need "
-                   "`Authorization: Bearer KEY` with one of them (default: ROLLWISE_API_KEYS, comma-separated, "
-                   "if set; else no keys, allowed only on a loopback --host)")
-    p.add_argument("--insecure-no-auth", action="store_true",
-                   help="serve a non-loopback --host without API keys: anyone who reaches the port can attach jobs")
     p.add_argument("--max-jobs", type=int, default=16, metavar="N",
                    help="jobs attached at once, all keys together; more get 429 (default: %(default)s)")
     p.add_argument("--max-jobs-per-key", type=int, default=None, metavar="N",
@@ -71,8 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host memory the pool lets its jobs hold (each job: its model, the pool's copy of its weights, "
                    "an engine per slot); an attach that does not fit gets 503 (default: 90%% of the memory "
                    "available at start)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   metavar="LEVEL", help="uvicorn log level (default: %(default)s)")
+    add_front_arguments(p, port=8300)  # --host, --port, --api-keys, --insecure-no-auth, limits, drain, log level
     return p
 
 
@@ -83,18 +71,16 @@ def main(argv: list[str]) -> int:
 
         torch.set_num_threads(args.threads)
     from rollwise.pool.server import serve
-    from rollwise.serve.auth import load_api_keys
+    from rollwise.serve.front import Front
 
     try:
         if args.memory_budget is not None and not (math.isfinite(args.memory_budget) and args.memory_budget > 0):
             raise ValueError(f"--memory-budget must be a positive number of GiB, got {args.memory_budget}")
         budget = None if args.memory_budget is None else int(args.memory_budget * 2**30)
-        serve(args.engines, host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
+        serve(args.engines, front=Front.from_args(args), max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, min_slice_s=args.min_slice, max_sleeping=args.max_sleeping,
-              log_level=args.log_level, job_timeout_s=args.job_timeout, max_request_bytes=args.max_request_bytes,
-              api_keys=load_api_keys(args.api_keys), insecure_no_auth=args.insecure_no_auth, max_jobs=args.max_jobs,
-              max_jobs_per_key=args.max_jobs_per_key, max_queued_per_job=args.max_queued_per_job,
-              memory_budget_bytes=budget)
+              job_timeout_s=args.job_timeout, max_jobs=args.max_jobs, max_jobs_per_key=args.max_jobs_per_key,
+              max_queued_per_job=args.max_queued_per_job, memory_budget_bytes=budget)
     except ValueError as exc:
         print(f"error: {exc}")
         return 2

@@ -57,43 +57,22 @@ from collections.abc import Callable
 from rollwise.pool.app import create_app
 from rollwise.pool.engine_pool import EnginePool
 from rollwise.pool.scheduler import Policy
-from rollwise.serve.auth import CLIENT_KEY_ENV, KEYS_ENV, ApiKeys, is_loopback
-from rollwise.serve.limits import DEFAULT_MAX_REQUEST_BYTES, check_max_request_bytes
+from rollwise.serve.drain import serve_app
+from rollwise.serve.front import Front
+from rollwise.serve.settings import FrontSettings
 
-__all__ = ["EnginePool", "auth_policy", "create_app", "serve"]
-
-
-def auth_policy(host: str, api_keys: ApiKeys | None, insecure_no_auth: bool) -> str:
-    """Whether the pool may serve `host` with these keys: a line for the console, or ValueError saying what to give."""
-    if api_keys is not None and insecure_no_auth:
-        raise ValueError(f"--insecure-no-auth and API keys ({api_keys.source}) together: choose one (unset "
-                         f"{KEYS_ENV} and --api-keys to run without keys)")
-    if api_keys is not None:
-        return f"attaching a job needs an API key ({len(api_keys)} from {api_keys.source})"
-    if insecure_no_auth:
-        return (f"WARNING: no API keys (--insecure-no-auth): anyone who reaches {host} can attach jobs, each "
-                "loading a model")
-    if is_loopback(host):
-        return (f"no API keys: any process on this machine can attach jobs (give --api-keys FILE or {KEYS_ENV} to "
-                "require one)")
-    raise ValueError(f"--host {host} accepts connections from other machines and the pool has no API keys: give "
-                     f"--api-keys FILE (one key per line) or {KEYS_ENV}=KEY1,KEY2 (trainers send theirs as "
-                     f"{CLIENT_KEY_ENV}), bind --host 127.0.0.1, or pass --insecure-no-auth to let anyone who "
-                     "reaches the port attach jobs")
+__all__ = ["EnginePool", "create_app", "serve"]
 
 
-def serve(engines: int = 1, host: str = "127.0.0.1", port: int = 8300, max_num_seqs: int = 16,
-          max_model_len: int = 1024, min_slice_s: float = 5.0, max_sleeping: int = 4, log_level: str = "info",
+def serve(engines: int = 1, front: Front | None = None, max_num_seqs: int = 16,
+          max_model_len: int = 1024, min_slice_s: float = 5.0, max_sleeping: int = 4,
           job_timeout_s: float = 120.0, on_start: Callable[[EnginePool], None] | None = None,
-          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_keys: ApiKeys | None = None,
-          insecure_no_auth: bool = False, max_jobs: int = 16, max_jobs_per_key: int | None = None,
+          max_jobs: int = 16, max_jobs_per_key: int | None = None,
           max_queued_per_job: int = 4096, memory_budget_bytes: int | None = None) -> None:
-    import uvicorn
-
-    check_max_request_bytes(max_request_bytes)
-    who = auth_policy(host, api_keys, insecure_no_auth)
-    if not 0 <= port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {port}")
+    """Serve a pool behind `front` (default: 127.0.0.1:8300, no keys) until SIGTERM drains it."""
+    front = front or Front.from_settings(FrontSettings(port=8300))
+    who = front.who_may_call()
+    host, port = front.settings.host, front.settings.port
     if min_slice_s < 0:
         raise ValueError(f"--min-slice must be >= 0 seconds, got {min_slice_s}")
     pool = EnginePool(engines, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -108,4 +87,4 @@ def serve(engines: int = 1, host: str = "127.0.0.1", port: int = 8300, max_num_s
     print(f"rollwise serve pool: {who}; at most {max_jobs} jobs ({pool.quota.per_key} per key), "
           f"{pool.memory.budget / 2**30:.1f} GiB of host memory for them, {max_queued_per_job} requests in flight "
           "per job", flush=True)
-    uvicorn.run(create_app(pool, max_request_bytes, api_keys), host=host, port=port, log_level=log_level)
+    serve_app(create_app(pool, front=front), front)

@@ -33,8 +33,6 @@ update.py (rolling weight update), core.py (replicas, state, control), this file
 from __future__ import annotations
 
 import asyncio
-import hmac
-import ipaddress
 import logging
 import os
 import socket
@@ -54,16 +52,18 @@ from rollwise.router.requests import RouterError
 from rollwise.router.schema import CONTROL_DOCS, GENERATION_DOCS, JSON_OBJECT_BODY, errors
 from rollwise.router.update import RollingUpdate
 from rollwise.router.upstream import CONTROL_ENDPOINTS, GENERATION_ENDPOINTS
-from rollwise.serve.limits import RequestSizeLimit
+from rollwise.serve.drain import server_for
+from rollwise.serve.front import Front, install_front
+from rollwise.serve.settings import FrontSettings
 
 __all__ = ["RouterConfig", "bind_socket", "create_app", "serve"]
 
 log = logging.getLogger("rollwise.router")
 
 
-class AuthAndMetrics:
-    """ASGI middleware: the bearer token on every path but /health, and per-endpoint request metrics.
-    Plain ASGI (not BaseHTTPMiddleware) so the handlers see the client's disconnect as it happens.
+class FastPathAndMetrics:
+    """ASGI middleware: per-endpoint request metrics, inside the serving front (rollwise.serve.front: API keys,
+    limits, drain). Plain ASGI (not BaseHTTPMiddleware) so the handlers see the client's disconnect as it happens.
 
     A POST to a generation endpoint goes straight to the relay from here: FastAPI's routing and its
     middleware layers (which the routes' OpenAPI entries still describe) cost more CPU per request than
@@ -77,14 +77,6 @@ class AuthAndMetrics:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        token = self.router.config.auth_token
-        if token and path != "/health":
-            sent = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(sent, f"Bearer {token}".encode()):
-                response = RouterError(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>' "
-                                       "(the router's --auth-token)", kind="authentication_error").response()
-                await response(scope, receive, send)
-                return
         if path not in GENERATION_ENDPOINTS:
             await self.app(scope, receive, send)
             return
@@ -120,7 +112,10 @@ def _control_handler(router: Router, path: str) -> Callable:
     return control
 
 
-def create_app(config: RouterConfig, tokenizer: Any | None = None) -> FastAPI:
+def create_app(config: RouterConfig, tokenizer: Any | None = None, front: Front | None = None) -> FastAPI:
+    """The router's app behind `front` (rollwise.serve.front; default: loopback, no keys, the config's
+    max_request_bytes)."""
+    front = front or Front(FrontSettings(max_request_bytes=config.max_request_bytes))
     router = Router(config, tokenizer)
     relay, update = Relay(router), RollingUpdate(router)
 
@@ -187,9 +182,10 @@ def create_app(config: RouterConfig, tokenizer: Any | None = None) -> FastAPI:
     async def update_weights(request: Request) -> dict[str, Any]:
         return await update.run(await request.body())
 
-    # Outermost first: an oversized body is refused (413) before auth, routing or parsing read it.
-    app.add_middleware(AuthAndMetrics, router=router, relay=relay)
-    app.add_middleware(RequestSizeLimit, max_bytes=config.max_request_bytes, option="--max-request-bytes")
+    app.add_middleware(FastPathAndMetrics, router=router, relay=relay)
+    # Outside it: the front (drain, API key, in-flight bound, 413 before a body is read).
+    install_front(app, front, ready=lambda: any(r.healthy for r in router.pool),
+                  registry=router.metrics.registry)
     return app
 
 
@@ -202,15 +198,6 @@ def _held_answer(results: dict[str, Any], key: str) -> JSONResponse:
     if not ok:
         return JSONResponse(answers[0]["body"], answers[0]["status"])
     return JSONResponse(max(ok, key=lambda body: body.get(key) or 0))
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def bind_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
@@ -227,22 +214,18 @@ def bind_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     return sock
 
 
-def serve(config: RouterConfig, host: str = "127.0.0.1", port: int = 8080, reuse_port: bool = False,
-          log_level: str = "info") -> None:
+def serve(config: RouterConfig, front: Front | None = None, reuse_port: bool = False) -> None:
     """Start the router (state file, first probes, tokenizer), then bind and serve: the port takes no
-    connection before the router can answer it (with --reuse-port, the old router keeps them until then)."""
-    import uvicorn
-
-    if not 0 <= port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {port}")
-    if not _is_loopback(host) and not config.auth_token:
-        raise ValueError(f"--auth-token is required to bind the non-loopback address {host!r}: the router can pause "
-                         "engines and load weights from paths, so it must not be open to the network")
-    app = create_app(config)  # validates the config before binding
+    connection before the router can answer it (with --reuse-port, the old router keeps them until then).
+    SIGTERM drains it (rollwise.serve.drain): it stops listening, finishes its requests, writes its state."""
+    front = front or Front.from_settings(FrontSettings(port=8080, max_request_bytes=config.max_request_bytes))
+    who = front.who_may_call()  # the router can pause engines and load weights from paths: never open by mistake
+    host, port, log_level = front.settings.host, front.settings.port, front.settings.log_level
+    app = create_app(config, front=front)  # validates the config before binding
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     # No access log: a log record per request is CPU the router need not spend (/metrics counts requests).
     # No proxy-headers middleware: the router reads no client address, so X-Forwarded-For is never needed.
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False, proxy_headers=False))
+    server = server_for(app, front, access_log=False, proxy_headers=False)
 
     profile_path = os.environ.get(PROFILE_ENV)
     profiling = Profiling(profile_path) if profile_path else None
@@ -252,7 +235,7 @@ def serve(config: RouterConfig, host: str = "127.0.0.1", port: int = 8080, reuse
         if profiling is not None:
             profiling.serving()
         sock = bind_socket(host, port, reuse_port)
-        log.info("router ready: listening on %s:%d", host, sock.getsockname()[1])
+        log.info("router ready: listening on %s:%d; %s", host, sock.getsockname()[1], who)
         try:
             await server.serve(sockets=[sock])
         finally:

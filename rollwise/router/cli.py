@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from rollwise.router.policies import POLICIES
-from rollwise.serve.limits import DEFAULT_MAX_REQUEST_BYTES
+from rollwise.serve.settings import CLIENT_KEY_ENV, add_front_arguments
 
 DESCRIPTION = (
     "An HTTP gateway in front of N engine replicas (`rollwise serve engine` or any server with the same API). "
@@ -49,11 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, metavar="SPEC",
                    help="model spec whose tokenizer the router tokenizes prompts with, to route by token prefix "
                    "(default: the `model` a replica's /model_info reports; without one, prompts route by bytes)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default: %(default)s; any other address requires --auth-token)")
-    p.add_argument("--port", type=int, default=8080, help="TCP port (default: %(default)s)")
-    p.add_argument("--auth-token", default=None, metavar="TOKEN",
-                   help="require 'Authorization: Bearer TOKEN' on every endpoint but /health (required off loopback)")
+    p.add_argument("--upstream-api-key", default=os.environ.get(CLIENT_KEY_ENV), metavar="KEY",
+                   help="the API key the router sends its replicas when they have keys (default: "
+                   f"${CLIENT_KEY_ENV}, if set)")
     p.add_argument("--max-in-flight", type=int, default=None, metavar="N",
                    help="requests in flight per replica before new ones wait (default: 2 x its max_num_seqs)")
     p.add_argument("--queue-timeout", type=float, default=30.0, metavar="S",
@@ -65,17 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-file", type=Path, default=None, metavar="PATH",
                    help="keep session placements, the prefix tree and recent idempotent results in this JSON file "
                    "(written every second and at shutdown, read at start) so a restarted router carries on")
-    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
-                   help="refuse request bodies larger than this with 413, before reading them (default: %(default)s)")
     p.add_argument("--reuse-port", action="store_true",
                    help="bind with SO_REUSEPORT so a new router can take over the port before the old one stops")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   metavar="LEVEL", help="log level: critical, error, warning, info, debug (default: %(default)s)")
+    add_front_arguments(p, port=8080)  # --host, --port, --api-keys, --insecure-no-auth, limits, drain, log level
     return p
 
 
 def main(argv: list[str]) -> int:
     from rollwise.router.app import RouterConfig, serve
+    from rollwise.serve.front import Front
 
     args = build_parser().parse_args(argv)
     problems = []
@@ -85,19 +82,17 @@ def main(argv: list[str]) -> int:
         problems.append(f"--queue-timeout must be >= 0, got {args.queue_timeout}")
     if args.max_attempts < 1:
         problems.append(f"--max-attempts must be >= 1, got {args.max_attempts}")
-    if args.max_request_bytes < 1:
-        problems.append(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if args.health_interval <= 0:
         problems.append(f"--health-interval must be > 0, got {args.health_interval}")
     config = RouterConfig(
-        replicas=args.replica, policy=args.policy, model=args.model, auth_token=args.auth_token,
+        replicas=args.replica, policy=args.policy, model=args.model, upstream_api_key=args.upstream_api_key,
         max_in_flight=args.max_in_flight, queue_timeout_s=args.queue_timeout, max_attempts=args.max_attempts,
         health_interval_s=args.health_interval, state_file=args.state_file, max_request_bytes=args.max_request_bytes,
     )
     try:
         if problems:
             raise ValueError("; ".join(problems))
-        serve(config, host=args.host, port=args.port, reuse_port=args.reuse_port, log_level=args.log_level)
+        serve(config, front=Front.from_args(args), reuse_port=args.reuse_port)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}")
         return 2

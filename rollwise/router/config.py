@@ -14,7 +14,9 @@ class RouterConfig:
     replicas: list[str]
     policy: str = "prefix"
     model: str | None = None  # tokenizer spec; None: ask a replica's /model_info
-    auth_token: str | None = None
+    # The API key the router sends its replicas (`Authorization: Bearer KEY`), when they have keys
+    # (--upstream-api-key, default $ROLLWISE_API_KEY); its own callers' keys are the front's (--api-keys).
+    upstream_api_key: str | None = None
     max_in_flight: int | None = None  # per replica; None: 2 x the replica's max_num_seqs
     queue_timeout_s: float = 30.0  # how long a request waits for a replica with room
     max_queue: int = 4096  # requests waiting beyond this are refused at once (429)

@@ -69,8 +69,10 @@ class Router:
             return
         self.started = True
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        key = self.config.upstream_api_key  # replicas with API keys: every upstream call carries the router's
+        auth = {"Authorization": f"Bearer {key}"} if key else {}
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(self.config.upstream_timeout_s, connect=5.0),
-                                      limits=limits)
+                                      limits=limits, headers=auth)
         # Non-streamed generations (the hot path) and health probes go through aiohttp (keep-alive HTTP/1.1,
         # no connection cap); streams and control calls through httpx.
         self.upstream = aiohttp.ClientSession(
@@ -78,7 +80,8 @@ class Router:
             timeout=aiohttp.ClientTimeout(total=self.config.upstream_timeout_s, sock_connect=5.0),
             # No cookie jar: a cookie one engine answer set must never ride along on other clients' requests
             # (and the jar's per-request filtering is CPU for nothing).
-            cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"))
+            cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
+            headers=auth)
         await self.pool.probe_all(self.upstream)
         if self._tokenizer_task is not None:  # a replica answered: its model tells the tokenizer
             await self._tokenizer_task

@@ -10,7 +10,7 @@ from rollwise.serve.errors import ErrorEnvelope
 
 WHY = {
     400: "malformed request (the message names the field); or the replica's own 400, passed on",
-    401: "missing or wrong bearer token (only with --auth-token)",
+    401: "missing or wrong API key (only with --api-keys or ROLLWISE_API_KEYS)",
     404: "no such request in flight (/abort), or the replica's own 404 (e.g. an unknown model)",
     409: "a request with this Idempotency-Key or request_id is still running, or an update is already running",
     413: "request body over --max-request-bytes",

@@ -29,9 +29,8 @@ from fastapi import Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from rollwise.serve.errors import APIError
+from rollwise.serve.settings import CLIENT_KEY_ENV, KEYS_ENV
 
-KEYS_ENV = "ROLLWISE_API_KEYS"  # a server's keys, comma-separated
-CLIENT_KEY_ENV = "ROLLWISE_API_KEY"  # the one key a client sends
 MIN_KEY_CHARS = 16
 ANONYMOUS = "anonymous"  # the label of every caller of a server that has no keys
 MAKE_KEY = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
