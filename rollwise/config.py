@@ -10,19 +10,24 @@ import difflib
 import os
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from rollwise.reward.scoring import RewardConfig
 from rollwise.tasks import TaskConfig
 from rollwise.tasks.prompts import PromptConfig
 from rollwise.types.adapter_limits import MAX_LORA_ALPHA
+from rollwise.types.config_section import ConfigSection
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+# Each of AdamW's betas: a decay rate, in [0, 1) (torch refuses others only once the optimizer is built).
+AdamBeta = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
+class _Section(ConfigSection):
+    """No unknown keys, finite numbers, no true/false for a number (rollwise.types.config_section)."""
 
 
 class RolloutConfig(_Section):
@@ -185,7 +190,7 @@ class TrainConfig(_Section):
     steps: int = Field(40, ge=0)
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    adam_betas: tuple[float, float] = (0.9, 0.99)
+    adam_betas: tuple[AdamBeta, AdamBeta] = Field((0.9, 0.99), description="AdamW's decay rates, each in [0, 1)")
     grad_clip: float = Field(1.0, gt=0)
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "cosine", "linear"] = Field(
@@ -373,6 +378,27 @@ class RunConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _lora_not_with_fsdp_policies(self) -> RunConfig:
+        # The sharded trainer wraps the whole model in FSDP2's policies; a PEFT model's frozen base and
+        # its adapters under bf16 mixed precision or CPU offload are not supported (the ranks die at start).
+        if self.train.lora is not None:
+            fsdp = [f"trainer.{k}={v}" for k, v in (("mixed_precision", self.trainer.mixed_precision),
+                                                    ("cpu_offload", "true" if self.trainer.cpu_offload else "false"))
+                    if v not in ("none", "false")]
+            if fsdp:
+                raise ValueError(f"train.lora does not combine with {' and '.join(fsdp)} (FSDP2 policies for "
+                                 "full-parameter training): unset train.lora, or set trainer.mixed_precision=none "
+                                 "and trainer.cpu_offload=false")
+        return self
+
+    @model_validator(mode="after")
+    def _requests_fit_engine(self) -> RunConfig:
+        # A pool's engines have their own sizes: the pool attach checks against those (rollwise.control.pool_backend).
+        if self.engines_at != "pool":
+            check_engine_fits(self, self.engine.max_num_seqs, self.engine.max_model_len)
+        return self
+
+    @model_validator(mode="after")
     def _one_engine_source(self) -> RunConfig:
         if self.pool.url and self.placement == "ray":
             raise ValueError("pool.url attaches to a shared engine pool, placement=ray starts engine actors: "
@@ -412,6 +438,25 @@ class RunConfig(_Section):
         if self.train.off_policy_correction == "auto":
             self.train.off_policy_correction = "none" if self.rollout.mode == "sync" else "tis"
         return self
+
+
+def check_engine_fits(cfg: RunConfig, max_num_seqs: int, max_model_len: int,
+                      names: tuple[str, str] = ("engine.max_num_seqs", "engine.max_model_len")) -> None:
+    """ValueError naming the fields when a request this run sends cannot fit the engines it runs on: a GRPO
+    group is one request whose samples share one prefill and run together, so rollout.group_size must not
+    exceed max_num_seqs; every generation budget must leave its prompt room in max_model_len. `names`: how
+    the message names the two sizes (this config's engine section, or a pool's own)."""
+    seqs, length = names
+    if cfg.agent is None and cfg.rollout.group_size > max_num_seqs:  # agent episodes are requests of one
+        raise ValueError(f"rollout.group_size={cfg.rollout.group_size} exceeds {seqs}={max_num_seqs} (a group's "
+                         f"samples run together): set rollout.group_size to at most {max_num_seqs}, or raise {seqs}")
+    budgets = {"rollout.max_tokens": cfg.rollout.max_tokens, "eval.max_tokens": cfg.eval.max_tokens}
+    if cfg.agent is not None:
+        budgets |= {"agent.max_tokens": cfg.agent.max_tokens, "agent.max_tokens_per_turn": cfg.agent.max_tokens_per_turn}
+    for name, tokens in budgets.items():
+        if tokens is not None and tokens >= max_model_len:
+            raise ValueError(f"{name}={tokens} leaves no room for the prompt in {length}={max_model_len} (prompt + "
+                             f"generated tokens): set {name} below {max_model_len}, or raise {length}")
 
 
 # Names other frameworks use, mapped to ours, for "did you mean" hints.
@@ -519,35 +564,66 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
+# Error types whose message reads better with the value that was given ("Input should be a finite number (got nan)").
+_SHOW_INPUT = {"literal_error", "finite_number", "greater_than", "greater_than_equal", "less_than", "less_than_equal",
+               "int_from_float", "int_parsing", "float_parsing", "int_type", "float_type", "string_type"}
+
+
 def _format_validation_error(exc: ValidationError) -> str:
-    lines = ["invalid config:"]
+    """One line per problem, each naming its field; a single problem is a single line."""
+    problems = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        msg = err["msg"]
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")  # our validators' messages name their fields themselves
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
             cls, _ = _section_keys(RunConfig, [str(p) for p in err["loc"]])
             if cls is not None:
                 allowed = sorted(cls.model_fields)
                 msg += f"; allowed here: {allowed}." + _did_you_mean(str(err["loc"][-1]), allowed)
-        elif err["type"] == "literal_error":
+        elif err["type"] in _SHOW_INPUT:
             msg = f"{msg} (got {err.get('input')!r})"
-        lines.append(f"  {loc}: {msg}")
-    return "\n".join(lines)
+        problems.append(f"{loc}: {msg}" if loc else msg)
+    if len(problems) == 1:
+        return f"invalid config: {problems[0]}"
+    return "\n".join(["invalid config:", *(f"  {p}" for p in problems)])
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The YAML mapping in `path`; a ConfigError naming the file when it is missing, a directory, unreadable,
+    not UTF-8 text (binary, or UTF-16 as some Windows editors save), or not a YAML mapping."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {str(path)!r} is a directory: pass a YAML file") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+    head = data[:32]  # UTF-16 without a byte-order mark: ASCII text with every other byte NUL
+    nul_halves = (not any(head[0::2]), not any(head[1::2]))
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")) or (len(head) >= 4 and nul_halves[0] != nul_halves[1]):
+        raise ConfigError(f"config file {str(path)!r} is UTF-16 text: save it as UTF-8")
+    try:
+        text = data.decode("utf-8-sig")  # a UTF-8 byte-order mark is fine
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {exc.start} is 0x{data[exc.start]:02x}; "
+                          "a binary file?): pass a YAML file saved as UTF-8") from None
+    if "\x00" in text:
+        raise ConfigError(f"config file {str(path)!r} holds NUL bytes (a binary file?): pass a YAML file")
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        detail = " ".join(str(exc).split())  # PyYAML's message spans lines: one line here
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {detail}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(raw).__name__}")
+    return raw
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """The embedded default (or `path`), with dotted overrides applied, validated."""
-    path = Path(path) if path is not None else default_config_path()
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(path)!r} not found") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(raw).__name__}")
-    raw = apply_overrides(raw, overrides or [])
+    raw = apply_overrides(read_config_file(Path(path) if path is not None else default_config_path()), overrides or [])
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as exc:

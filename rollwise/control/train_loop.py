@@ -32,10 +32,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from rollwise.config import ConfigError, RunConfig, dump_config
 from rollwise.control.placement import EngineView, Placement, PlaceRequest, place
+from rollwise.control.preflight import (
+    RunInputs, check_machine, check_run_dir, check_space, create_run_dir, discard_unstarted_run, load_inputs,
+)
 from rollwise.engine.speculation.counters import counters_of, run_summary, step_metrics
 from rollwise.engine.types import SamplingParams
 from rollwise.model.allocator import keep_freed_memory
-from rollwise.model.loading import load_model, tokenizer_fingerprint
+from rollwise.model.loading import tokenizer_fingerprint
 from rollwise.model.precision import resolve_dtype
 from rollwise.observe.bubble import bubble_ratio
 from rollwise.observe.memory import MemoryWatch
@@ -51,7 +54,7 @@ from rollwise.rollout.data import ProblemStream
 from rollwise.rollout.controller import RolloutController
 from rollwise.rollout.sync_rollout import PromptEncoder
 from rollwise.rollout.types import Sample
-from rollwise.tasks import Problem, Task, make_task
+from rollwise.tasks import Problem, Task
 from rollwise.train.checkpoint import latest_checkpoint, whole_checkpoint
 from rollwise.train.checkpoint_manifest import verify_checkpoint
 
@@ -315,18 +318,29 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
     console = console or Console()
     t0 = time.monotonic()
     keep_freed_memory()  # (already done by the CLI; here for train() called from Python)
+    check_machine(cfg)  # before torch.set_num_threads, which takes threads=100000 and then crashes
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     _seed_everything(cfg.seed)
 
     run_dir, resume_dir = _resolve_run_dir(cfg, lambda message: console.print(f"[bold red]warning:[/] {escape(message)}"))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
+    # Bad inputs are refused before anything is written (rollwise.control.preflight): the run directory is
+    # created only once it is writable, the model and the task are loaded and its disk has room for them.
+    check_run_dir(run_dir)
     memory = MemoryWatch(lambda message: console.print(f"[bold red]warning:[/] {message}"), _memory_hints(cfg)).start()
+    created: Path | None = None
     try:
-        return _train(cfg, console, t0, run_dir, resume_dir, memory)
+        with console.status(f"loading model {cfg.model} and task {cfg.task.name or cfg.task.path}"):
+            inputs = load_inputs(cfg)
+        check_space(cfg, run_dir, inputs.model)
+        created = create_run_dir(run_dir, yaml.safe_dump(dump_config(cfg), sort_keys=False))
+        return _train(cfg, console, t0, run_dir, resume_dir, memory, inputs)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (rollwise.control.stop_signal): everything is closed by now
-        console.print(how_to_continue(cfg, run_dir))
+        if run_dir.exists():
+            console.print(how_to_continue(cfg, run_dir))
+        raise
+    except Exception:
+        discard_unstarted_run(run_dir, created)  # failed before logging anything: no directory holding only config.yaml
         raise
     finally:
         memory.stop()
@@ -351,13 +365,10 @@ def _memory_hints(cfg: RunConfig) -> str:
 
 
 def _train(cfg: RunConfig, console: Console, t0: float, run_dir: Path, resume_dir: Path | None,
-           memory: MemoryWatch) -> dict[str, Any]:
+           memory: MemoryWatch, inputs: RunInputs) -> dict[str, Any]:
     """train()'s body, inside the memory watch (which started before anything big loads)."""
-    with console.status(f"loading model {cfg.model} and task {cfg.task.name or cfg.task.path}"):
-        model, tokenizer = load_model(cfg.model)
-        task = make_task(cfg.task)
-        train_problems = task.problems("train")
-        eval_problems = task.problems("eval")[: cfg.eval.size]
+    model, tokenizer, task = inputs.model, inputs.tokenizer, inputs.task
+    train_problems, eval_problems = inputs.train_problems, inputs.eval_problems
     with console.status("this machine's matmul peak (measured once, then cached)"):  # before any engine runs
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtypes = [resolve_dtype(cfg.engine.dtype, device), resolve_dtype(cfg.train.compute_dtype, device)]

@@ -14,6 +14,7 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 BUNDLED_MODELS = {
@@ -125,8 +126,18 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> tuple[PreTraine
             raise ValueError(f"tiny model spec must be 'tiny:<seed>', got {spec!r}")
         return tiny_llama(seed=int(seed)), tiny_tokenizer()
     path = resolve_model_path(spec)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    # A directory with a config.json can still be unusable (no or truncated weights, a broken config, no
+    # tokenizer, an architecture transformers lacks): one ValueError naming the directory, for every caller.
+    part = "tokenizer"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        part = "weights"
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError, KeyError, ImportError, SafetensorError) as exc:
+        detail = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise ValueError(f"model {spec!r}: cannot load its {part} from {path} ({type(exc).__name__}: {detail}); "
+                         "a model directory needs config.json, the tokenizer files and whole *.safetensors "
+                         "(save_pretrained writes them)") from exc
     return model, tokenizer
 
 

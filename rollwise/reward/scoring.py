@@ -12,11 +12,12 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import model_validator
 
 from rollwise.tasks.answer_format import AnswerFormat, answers_match, last_number, parse_number, parse_response
 
 from rollwise.tasks.base import Problem, Task  # reward -> tasks: one way (tasks import nothing of reward)
+from rollwise.types.config_section import ConfigSection
 
 Outcome = Literal["correct", "formatted_wrong", "unparseable"]
 OUTCOMES: tuple[Outcome, ...] = ("correct", "formatted_wrong", "unparseable")
@@ -26,8 +27,7 @@ OUTCOMES: tuple[Outcome, ...] = ("correct", "formatted_wrong", "unparseable")
 CORRECT_THRESHOLD = 1.0 - 1e-6
 
 
-class RewardConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class RewardConfig(ConfigSection):  # no unknown keys, finite rewards (rollwise.types.config_section)
 
     correct: float = 1.0
     formatted_wrong: float = 0.1  # well-formatted but wrong

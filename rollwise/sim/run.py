@@ -67,9 +67,13 @@ class SimStream:
 
 def run_config(s: Scenario, prompts_per_step: int) -> RunConfig:
     eta = s.rollout.max_staleness
+    w = s.workload
     return RunConfig.model_validate({
         "model": "sim", "seed": s.seed,
         "task": {"kind": "reasoning_gym", "name": "basic_arithmetic"},  # never loaded: SimStream serves problems
+        # The simulated engines are sized by the cost model (rollwise.sim.cost); this section only has to admit
+        # the workload's requests (RunConfig refuses a group or a budget that cannot fit its engine).
+        "engine": {"max_num_seqs": max(64, w.group_size), "max_model_len": max(1024, w.prompt_tokens + w.output.max_tokens + 1)},
         "rollout": {"mode": s.rollout.mode, "prompts_per_step": prompts_per_step,
                     "group_size": s.workload.group_size, "max_tokens": s.workload.output.max_tokens,
                     "max_staleness": eta, "partial_rollout": s.rollout.partial_rollout,

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from rollwise.tasks.base import Problem, Split, Task
 from rollwise.tasks.jsonl_task import JsonlTask
 from rollwise.tasks.prompts import PromptConfig, build_messages, encode_prompt
 from rollwise.tasks.reasoning_gym_task import ReasoningGymTask
+from rollwise.types.config_section import ConfigSection
 
 # Sizes used for reasoning-gym when the config leaves them out (JSONL uses the whole file).
 DEFAULT_RG_TRAIN_SIZE = 1000
@@ -33,8 +34,7 @@ _ONLY_FOR: dict[str, str] = {
 }
 
 
-class TaskConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TaskConfig(ConfigSection):  # no unknown keys, finite numbers (rollwise.types.config_section)
 
     kind: Literal["reasoning_gym", "jsonl"]
     name: str | None = None  # reasoning-gym dataset name (required); for JSONL, a label (default: file stem)

@@ -21,10 +21,16 @@ def read_jsonl(path: str | Path, prompt_key: str, answer_key: str) -> list[tuple
     """(line number, prompt, answer, other fields) per non-blank line; errors name file:line."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"JSONL task file not found: {path}")
+        raise ValueError(f"JSONL task file {path} is a directory, not a file" if path.is_dir()
+                         else f"JSONL task file not found: {path}")
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for line_no, raw_line in enumerate(f, start=1):
+            try:
+                line = raw_line.decode("utf-8")
+            except UnicodeDecodeError as exc:  # a binary file, or another encoding
+                raise ValueError(f"{path}:{line_no}: not UTF-8 text (byte 0x{raw_line[exc.start]:02x} at column "
+                                 f"{exc.start + 1}): a JSONL task file holds one JSON object per line, in UTF-8") from None
             if not line.strip():
                 continue
             where = f"{path}:{line_no}"

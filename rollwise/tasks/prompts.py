@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from rollwise.model.template_ids import flat_token_ids
 from rollwise.tasks.answer_format import AnswerFormat, parse_response
 from rollwise.tasks.base import Problem
+from rollwise.types.config_section import ConfigSection
 
 DEFAULT_SYSTEM_PROMPT = (
     "Solve the problem. You may reason first. Then write the final answer exactly once, inside "
@@ -29,17 +30,14 @@ class HasAnswerFormat(Protocol):
     def answer_format(self) -> AnswerFormat: ...
 
 
-class FewShotExample(BaseModel):
+class FewShotExample(ConfigSection):
     """One prior exchange shown before the real question: a user turn and an assistant turn."""
-
-    model_config = ConfigDict(extra="forbid")
 
     question: str
     response: str
 
 
-class PromptConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class PromptConfig(ConfigSection):  # no unknown keys, finite numbers (rollwise.types.config_section)
 
     # None sends no system message (some templates, e.g. SmolLM2's, then insert their own default).
     # {answer_open} / {answer_close} are replaced by the reward config's tags.

@@ -10,6 +10,8 @@
 - weight_checks: the rules every weight update is held to, whichever path brings it (names, shapes,
   dtypes, finite values, versions only forward); adapter_limits: an adapter's bounds, torch-free.
 - checksum: a file's xxh3-64 (checkpoint manifests).
+- config_section: the base of every run-config section, wherever it is defined (no unknown keys, finite
+  numbers, no true/false for a number).
 
 Nothing here imports another rollwise package (only under TYPE_CHECKING, for annotations).
 """
