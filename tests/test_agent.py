@@ -423,18 +423,20 @@ def test_grpo_trains_on_sampled_tokens_only(toy):
     assert trainer.version == 1 and metrics["grad_norm"] > 0
 
 
-def test_rollwise_train_runs_agent_episodes(tmp_path):
-    """`rollwise train` with an `agent:` override: episodes roll out, train, evaluate; tool metrics logged."""
+@pytest.mark.parametrize("tools", ["[calculator]", "[python]"])
+def test_rollwise_train_runs_agent_episodes(tmp_path, tools):
+    """`rollwise train` with an `agent:` override: episodes roll out, train, evaluate; tool metrics logged. With a
+    tool that runs code, the "after" eval (which runs once training's sandboxes are closed) gets its own."""
     from rich.console import Console
 
     from rollwise.config import load_config
     from rollwise.control.train_loop import train
 
     cfg = load_config(None, [
-        "model=tiny:0", "agent={max_turns: 2, max_tokens_per_turn: 12, demo: [{role: user, content: '1+1'}, "
-        "{role: assistant, content: '{answer_open}2{answer_close}'}]}", "steps=1", "prompts_per_step=2",
+        "model=tiny:0", f"agent={{tools: {tools}, max_turns: 2, max_tokens_per_turn: 12, max_tokens: 64, demo: "
+        "[{role: user, content: '1+1'}, {role: assistant, content: '{answer_open}2{answer_close}'}]}", "steps=1", "prompts_per_step=2",
         "group_size=2", "eval.size=2", "eval.every=0", f"output_dir={tmp_path}/run", "engine.kind=reference",
-        "engine.max_model_len=1024", "tensorboard=false", "checkpoint.every=0",
+        "engine.max_model_len=2048", "tensorboard=false", "checkpoint.every=0",
     ])
     summary = train(cfg, Console(quiet=True))
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])

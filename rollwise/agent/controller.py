@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollwise.agent.generator import LocalGenerator
 from rollwise.agent.rollout import EpisodeOutcome, run_agent_groups, score_episodes
@@ -25,6 +25,9 @@ from rollwise.rollout.sync_rollout import sampling_seed
 from rollwise.types.sample import Sample
 from rollwise.rollout.worker import EngineWorker
 from rollwise.tasks import Problem, build_messages
+
+if TYPE_CHECKING:
+    from rollwise.sandbox import SandboxPool
 
 
 class AgentController:
@@ -45,11 +48,16 @@ class AgentController:
         self._redo = sorted(pending_groups or [])
         self.score_seconds = 0.0
         self._metrics: dict[str, float] = {}
-        self._sandboxes = None
-        if any(t in ("python", "bash") for t in self.agent_cfg.tools):
-            from rollwise.sandbox import SandboxPool
+        self._sandboxes = self._new_sandboxes()
+        self._sandboxes_closed = False
 
-            self._sandboxes = SandboxPool(max_sandboxes=self.agent_cfg.concurrency, max_concurrent_runs=2)
+    def _new_sandboxes(self) -> SandboxPool | None:
+        """A sandbox per episode when a tool runs code (python, bash); None when no tool needs one."""
+        if not any(t in ("python", "bash") for t in self.agent_cfg.tools):
+            return None
+        from rollwise.sandbox import SandboxPool
+
+        return SandboxPool(max_sandboxes=self.agent_cfg.concurrency, max_concurrent_runs=2)
 
     def _messages(self, problem: Problem) -> list[dict[str, Any]]:
         messages = build_messages(problem, self.cfg.prompt, self.cfg.reward, with_few_shot=True)
@@ -133,6 +141,14 @@ class AgentController:
     def evaluate_problems(self, problems: list[Problem], params: SamplingParams, label: str,
                           progress: Callable[[int], None] | None = None) -> list[Sample]:
         """Greedy episodes, one per problem; one sample each (its final answer in response_text)."""
+        if self._sandboxes_closed:
+            # The loop evaluates "after" once close() has ended training (and its sandboxes): this eval's
+            # episodes get sandboxes of their own, closed when it ends.
+            self._sandboxes, self._sandboxes_closed = self._new_sandboxes(), False
+            try:
+                return self.evaluate_problems(problems, params, label, progress)
+            finally:
+                self.close()
         outcomes = self._run(problems, [f"eval-{label}-{i}" for i in range(len(problems))], 1, params.temperature,
                              0, max_tokens_per_turn=params.max_tokens)
         if progress is not None:
@@ -178,6 +194,7 @@ class AgentController:
         # The generator stays: the loop evaluates after close(); its router ends with the worker.
         if self._sandboxes is not None:
             self._sandboxes.close()
+            self._sandboxes_closed = True
 
 
 def _episode_slot(episode_id: str) -> tuple[int, int]:
