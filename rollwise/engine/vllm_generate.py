@@ -26,10 +26,11 @@ Like vLLM without a max_tokens, a request generates until max_model_len.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
 from rollwise.engine.service import EngineService
 from rollwise.serve.errors import APIError, error_responses
@@ -43,6 +44,21 @@ from rollwise.serve.openai_schemas import (
 )
 
 ROUTE = "/inference/v1/generate"
+
+
+# vLLM's request fields that rollwise serves one way only: field -> (is this value served?, why another is
+# refused). A refused value is a 400 naming the field.
+SERVED_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "stream": (lambda value: not value, "must be false: streaming is not served on /inference/v1/generate "
+                                        "(use /v1/completions with stream: true)"),
+    "output_mode": (lambda value: value == "tokens",
+                    "only 'tokens' is served; detokenize the token_ids, or use /v1/completions for text"),
+    **dict.fromkeys(("cache_salt", "features", "content_parts"), (
+        lambda value: value is None,
+        "is not supported: the engine has no salted prefix cache and no multimodal inputs; leave it out")),
+    "priority": (lambda value: value == 0, "must be 0: the engine schedules first come, first served (as vLLM "
+                                           "without priority scheduling)"),
+}
 
 
 class VLLMSamplingParams(SamplingFields):
@@ -72,35 +88,12 @@ class VLLMGenerateRequest(CheckedJSON, LenientBody):  # checked whole first, as 
     features: Any = None
     content_parts: Any = None
 
-    @field_validator("stream")
+    @field_validator(*SERVED_ONLY)
     @classmethod
-    def _not_streamed(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("must be false: streaming is not served on /inference/v1/generate "
-                             "(use /v1/completions with stream: true)")
-        return value
-
-    @field_validator("output_mode")
-    @classmethod
-    def _tokens_only(cls, value: str) -> str:
-        if value != "tokens":
-            raise ValueError("only 'tokens' is served; detokenize the token_ids, or use /v1/completions for text")
-        return value
-
-    @field_validator("cache_salt", "features", "content_parts")
-    @classmethod
-    def _unset(cls, value: Any) -> Any:
-        if value is not None:
-            raise ValueError("is not supported: the engine has no salted prefix cache and no multimodal inputs; "
-                             "leave it out")
-        return value
-
-    @field_validator("priority")
-    @classmethod
-    def _no_priority(cls, value: int) -> int:
-        if value != 0:
-            raise ValueError("must be 0: the engine schedules first come, first served (as vLLM without "
-                             "priority scheduling)")
+    def _as_served(cls, value: Any, info: ValidationInfo) -> Any:
+        served, why = SERVED_ONLY[info.field_name]
+        if not served(value):
+            raise ValueError(why)
         return value
 
 

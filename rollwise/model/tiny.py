@@ -7,11 +7,22 @@ with a few thousand parameters and a ChatML tokenizer whose vocabulary is printa
 from __future__ import annotations
 
 import string
+from typing import TypedDict, TypeVar, Unpack
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import WordLevel
-from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
+
+M = TypeVar("M", bound=PreTrainedModel)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, the same shape as SmolLM2's template, so tiny models exercise the real prompt path.
@@ -42,53 +53,50 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
-def _decoder_fields(vocab_size: int | None, hidden_size: int, num_layers: int, num_heads: int,
-                    num_kv_heads: int, tie_word_embeddings: bool, max_position_embeddings: int) -> dict:
-    """The HF config fields every tiny decoder shares (Llama and Mixtral name them alike)."""
+class DecoderShape(TypedDict, total=False):
+    """The sizes every tiny decoder takes (Llama and Mixtral name them alike); DEFAULT_SHAPE fills the rest."""
+
+    vocab_size: int | None  # None: the tiny tokenizer's
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+
+DEFAULT_SHAPE: DecoderShape = {"vocab_size": None, "hidden_size": 64, "num_layers": 2, "num_heads": 4,
+                               "num_kv_heads": 2, "tie_word_embeddings": True, "max_position_embeddings": 1024}
+
+
+def _decoder_fields(shape: DecoderShape) -> dict:
+    """The HF config fields of a tiny decoder of this shape."""
+    full = {**DEFAULT_SHAPE, **shape}
+    vocab_size = full["vocab_size"]
     return {"vocab_size": len(tiny_tokenizer()) if vocab_size is None else vocab_size,
-            "hidden_size": hidden_size, "intermediate_size": hidden_size * 2, "num_hidden_layers": num_layers,
-            "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
-            "max_position_embeddings": max_position_embeddings, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-            "tie_word_embeddings": tie_word_embeddings, "bos_token_id": None, "eos_token_id": 2, "pad_token_id": 0}
+            "hidden_size": full["hidden_size"], "intermediate_size": full["hidden_size"] * 2,
+            "num_hidden_layers": full["num_layers"], "num_attention_heads": full["num_heads"],
+            "num_key_value_heads": full["num_kv_heads"], "max_position_embeddings": full["max_position_embeddings"],
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": full["tie_word_embeddings"],
+            "bos_token_id": None, "eos_token_id": 2, "pad_token_id": 0}
 
 
-def tiny_llama(
-    vocab_size: int | None = None,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    seed: int = 0,
-    tie_word_embeddings: bool = True,
-    max_position_embeddings: int = 1024,
-) -> LlamaForCausalLM:
-    """A randomly initialised Llama-architecture model (fp32) sized for unit tests."""
-    config = LlamaConfig(**_decoder_fields(vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
-                                           tie_word_embeddings, max_position_embeddings))
+def _seeded(model_class: type[M], config: PretrainedConfig, seed: int) -> M:
+    """The model's random initialisation under `seed`, in eval mode."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_class(config)
     model.eval()
     return model
 
 
-def tiny_mixtral(
-    vocab_size: int | None = None,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    num_experts: int = 4,
-    top_k: int = 2,
-    seed: int = 0,
-    tie_word_embeddings: bool = True,
-    max_position_embeddings: int = 1024,
-) -> MixtralForCausalLM:
+def tiny_llama(seed: int = 0, **shape: Unpack[DecoderShape]) -> LlamaForCausalLM:
+    """A randomly initialised Llama-architecture model (fp32) sized for unit tests."""
+    return _seeded(LlamaForCausalLM, LlamaConfig(**_decoder_fields(shape)), seed)
+
+
+def tiny_mixtral(num_experts: int = 4, top_k: int = 2, seed: int = 0,
+                 **shape: Unpack[DecoderShape]) -> MixtralForCausalLM:
     """A randomly initialised Mixtral-architecture mixture of experts (fp32) sized for unit tests:
     Llama attention, and in every layer a top-k router over `num_experts` SwiGLU experts."""
-    config = MixtralConfig(num_local_experts=num_experts, num_experts_per_tok=top_k,
-                           **_decoder_fields(vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
-                                             tie_word_embeddings, max_position_embeddings))
-    torch.manual_seed(seed)
-    model = MixtralForCausalLM(config)
-    model.eval()
-    return model
+    config = MixtralConfig(num_local_experts=num_experts, num_experts_per_tok=top_k, **_decoder_fields(shape))
+    return _seeded(MixtralForCausalLM, config, seed)

@@ -89,29 +89,20 @@ def _memory(sb: LocalSandbox) -> tuple[bool | None, str]:
     return r.limit == "memory", f"1 GiB allocation under a {limit_mib} MiB limit: {r.reason or 'NOT STOPPED'}"
 
 
-def _cpu(sb: LocalSandbox) -> tuple[bool | None, str]:
-    r = sb.run("while :; do :; done", timeout_s=10)
-    return r.limit == "cpu_time", f"busy loop: {r.reason or 'not stopped by the CPU limit'} after {r.wall_s:.1f} s"
+@dataclass(frozen=True)
+class LimitProbe:
+    """A command that one limit must stop: passes when the sandbox says that limit stopped it. `detail` is
+    formatted with the command's RunResult as `r` and `outcome`: its reason, or `unstopped` when none."""
 
+    command: str
+    limit: str
+    detail: str
+    unstopped: str
+    timeout_s: float | None = None  # None: the sandbox's own
 
-def _processes(sb: LocalSandbox) -> tuple[bool | None, str]:
-    r = sb.run("for i in $(seq 64); do sleep 1 & done; wait")
-    return r.limit == "processes", f"64 background processes: {r.reason or 'ALL STARTED'}"
-
-
-def _file_size(sb: LocalSandbox) -> tuple[bool | None, str]:
-    r = sb.run("head -c 10000000 /dev/zero > big.bin")
-    return r.limit == "file_size", f"10 MB file: {r.reason or 'WRITTEN'}"
-
-
-def _timeout(sb: LocalSandbox) -> tuple[bool | None, str]:
-    r = sb.run("sleep 30", timeout_s=1)
-    return r.limit == "timeout", f"sleep 30: {r.reason or 'NOT KILLED'} ({r.wall_s:.1f} s)"
-
-
-def _output(sb: LocalSandbox) -> tuple[bool | None, str]:
-    r = sb.run("yes")
-    return r.limit == "output", f"endless output: {r.reason or 'NOT KILLED'}, {r.stdout_bytes} bytes read"
+    def __call__(self, sb: LocalSandbox) -> tuple[bool | None, str]:
+        r = sb.run(self.command, timeout_s=self.timeout_s)
+        return r.limit == self.limit, self.detail.format(r=r, outcome=r.reason or self.unstopped)
 
 
 def _fork(sb: LocalSandbox) -> tuple[bool | None, str]:
@@ -130,11 +121,16 @@ PROBES: list[tuple[str, Callable[[LocalSandbox], tuple[bool | None, str]]]] = [
     ("network blocked", _network),
     ("filesystem confined", _filesystem),
     ("memory limit", _memory),
-    ("CPU time limit", _cpu),
-    ("process limit (fork bomb)", _processes),
-    ("file size limit", _file_size),
-    ("wall-clock timeout", _timeout),
-    ("output limit", _output),
+    ("CPU time limit", LimitProbe("while :; do :; done", "cpu_time", "busy loop: {outcome} after {r.wall_s:.1f} s",
+                                  "not stopped by the CPU limit", timeout_s=10)),
+    ("process limit (fork bomb)", LimitProbe("for i in $(seq 64); do sleep 1 & done; wait", "processes",
+                                             "64 background processes: {outcome}", "ALL STARTED")),
+    ("file size limit", LimitProbe("head -c 10000000 /dev/zero > big.bin", "file_size", "10 MB file: {outcome}",
+                                   "WRITTEN")),
+    ("wall-clock timeout", LimitProbe("sleep 30", "timeout", "sleep 30: {outcome} ({r.wall_s:.1f} s)", "NOT KILLED",
+                                      timeout_s=1)),
+    ("output limit", LimitProbe("yes", "output", "endless output: {outcome}, {r.stdout_bytes} bytes read",
+                                "NOT KILLED")),
     ("fork workspace", _fork),
 ]
 

@@ -34,23 +34,28 @@ _NAMESPACE_FLAGS = 0x7E020080  # CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEW
 # Same numbers on every architecture (the unified range from 424 on).
 _COMMON = {"open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
            "fspick": 433, "mount_setattr": 442}
+# The denied syscalls' numbers on (x86_64, aarch64), in one table so that a syscall is denied on every
+# architecture or the table says why not (None: that architecture has no such syscall).
+_NUMBERS: dict[str, tuple[int, int | None]] = {
+    # the mount table and the root
+    "mount": (165, 40), "umount2": (166, 39), "pivot_root": (155, 41), "chroot": (161, 51),
+    # namespaces (clone: only with CLONE_NEW* flags, see program())
+    "unshare": (272, 97), "setns": (308, 268), "clone": (56, 220),
+    # other processes
+    "ptrace": (101, 117), "process_vm_readv": (310, 270), "process_vm_writev": (311, 271),
+    # kernel interfaces no tool call needs
+    "keyctl": (250, 219), "add_key": (248, 217), "request_key": (249, 218), "bpf": (321, 280),
+    "perf_event_open": (298, 241), "kexec_load": (246, 104), "kexec_file_load": (320, 294),
+    "open_by_handle_at": (304, 265), "name_to_handle_at": (303, 264), "init_module": (175, 105),
+    "finit_module": (313, 273), "delete_module": (176, 106), "userfaultfd": (323, 282), "swapon": (167, 224),
+    "swapoff": (168, 225), "reboot": (169, 142), "syslog": (103, 116), "quotactl": (179, 60), "acct": (163, 89),
+    "iopl": (172, None), "ioperm": (173, None),  # x86 port I/O
+}
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+# machine -> (its AUDIT_ARCH value, syscall name -> number)
 _ARCHES: dict[str, tuple[int, dict[str, int]]] = {
-    "x86_64": (0xC000003E, {
-        "mount": 165, "umount2": 166, "pivot_root": 155, "chroot": 161, "unshare": 272, "setns": 308,
-        "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "keyctl": 250, "add_key": 248,
-        "request_key": 249, "bpf": 321, "perf_event_open": 298, "kexec_load": 246, "kexec_file_load": 320,
-        "open_by_handle_at": 304, "name_to_handle_at": 303, "init_module": 175, "finit_module": 313,
-        "delete_module": 176, "userfaultfd": 323, "swapon": 167, "swapoff": 168, "reboot": 169,
-        "syslog": 103, "quotactl": 179, "acct": 163, "iopl": 172, "ioperm": 173, "clone": 56,
-    }),
-    "aarch64": (0xC00000B7, {
-        "mount": 40, "umount2": 39, "pivot_root": 41, "chroot": 51, "unshare": 97, "setns": 268,
-        "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "keyctl": 219, "add_key": 217,
-        "request_key": 218, "bpf": 280, "perf_event_open": 241, "kexec_load": 104, "kexec_file_load": 294,
-        "open_by_handle_at": 265, "name_to_handle_at": 264, "init_module": 105, "finit_module": 273,
-        "delete_module": 106, "userfaultfd": 282, "swapon": 224, "swapoff": 225, "reboot": 142,
-        "syslog": 116, "quotactl": 60, "acct": 89, "clone": 220,
-    }),
+    machine: (audit, {name: numbers[column] for name, numbers in _NUMBERS.items() if numbers[column] is not None})
+    for column, (machine, audit) in enumerate(_AUDIT_ARCH.items())
 }
 _CLONE3 = 435
 _X32_BIT = 0x40000000

@@ -27,10 +27,8 @@ what adapters add to multiplexing (PlexRL's time-slicing of full models measured
 from __future__ import annotations
 
 import argparse
-import heapq
 import random
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -40,6 +38,7 @@ from rich.table import Table
 from rollwise.engine.types import GenerationRequest, SamplingParams
 from rollwise.sim.cost import CostModel, TrainerModel, load_cost_file
 from rollwise.sim.engine import SimEngine, VirtualClock
+from rollwise.sim.events import EventQueue
 from rollwise.sim.mux import MuxJob, Transitions, simulate_mux
 
 # Full-parameter 7B on an H100, switching jobs (assumptions): sleep offloads the weights to host memory
@@ -85,12 +84,8 @@ def simulate_lora(jobs: list[MuxJob], engines: int, cost: CostModel, serving: Ad
     for e in pool:
         e.set_slowdown(1.0 if merged else 1.0 + serving.decode_overhead)
     state = {j.name: _Job(j, started_at=j.start_s) for j in jobs}
-    events: list[tuple[float, int, Callable[[], None], Callable[[], bool] | None]] = []
-    serial = [0]
-
-    def at(t: float, fn: Callable[[], None], valid: Callable[[], bool] | None = None) -> None:
-        serial[0] += 1
-        heapq.heappush(events, (t, serial[0], fn, valid))
+    events = EventQueue(clock)
+    at = events.at
 
     def submit_step(job: _Job) -> None:
         spec = job.spec
@@ -145,14 +140,7 @@ def simulate_lora(jobs: list[MuxJob], engines: int, cost: CostModel, serving: Ad
 
     for job in state.values():
         at(job.started_at + job.spec.startup_s, lambda job=job: submit_step(job))
-    while events:
-        t, _, fn, valid = heapq.heappop(events)
-        if valid is not None and not valid():
-            continue
-        clock.now = max(clock.now, t)
-        fn()
-        if not events or events[0][0] > clock.now:
-            schedule()
+    events.run(schedule)
     start_s = min(j.started_at for j in state.values())
     makespan = max(j.finished_at or 0.0 for j in state.values()) - start_s
     return {"engines": engines, "makespan_s": makespan, "engine_hours": engines * makespan / 3600,

@@ -22,7 +22,6 @@ What is modelled, and what is not:
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
 from collections import deque
@@ -35,6 +34,7 @@ from rollwise.pool.scheduler import JobView, Policy, SlotView, engine_key, plan
 from rollwise.sim.cores import SharedCores
 from rollwise.sim.cost import CostModel
 from rollwise.sim.engine import SimEngine, VirtualClock
+from rollwise.sim.events import EventQueue
 
 
 @dataclass(frozen=True)
@@ -153,13 +153,8 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
     slots = [_SlotState(SimEngine(cost, clock=clock, length_sampler=length, engine_id=f"slot-{i}", seed=seed + i,
                                   cache_history=False)) for i in range(engines)]
     state = {j.name: _JobState(j, started_at=j.start_s) for j in jobs}
-    events: list[tuple[float, int, Callable[[], None], Callable[[], bool] | None]] = []
-    serial = [0]
-
-    def at(t: float, fn: Callable[[], None], valid: Callable[[], bool] | None = None) -> None:
-        """Call fn at time t (unless valid() says by then that the event was superseded)."""
-        serial[0] += 1
-        heapq.heappush(events, (t, serial[0], fn, valid))
+    events = EventQueue(clock)
+    at = events.at
 
     cores = None  # no sharing: every engine and trainer at its own speed
     if host.shared:
@@ -280,14 +275,7 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
     for js in state.values():  # start-up (model load, first evaluation) is the trainer process's work
         at(js.started_at, lambda js=js: compute(js.spec.startup_s, f"trainer:{js.spec.name}",
                                                 lambda: submit_step(js)))
-    while events:
-        t, _, fn, valid = heapq.heappop(events)
-        if valid is not None and not valid():
-            continue  # superseded (an op cut short and rescheduled): the clock does not move for it
-        clock.now = max(clock.now, t)
-        fn()
-        if not events or events[0][0] > clock.now:  # everything due now has happened: decide once
-            schedule()
+    events.run(schedule)  # decide once everything due now has happened
 
     makespan = max(js.finished_at or 0.0 for js in state.values())
     return {
