@@ -204,7 +204,7 @@ def _actor_cfg() -> dict:
     from rollwise.config import load_config as load
 
     cfg = load(None, ["model=tiny:0", "engine.kind=reference", "engine.max_num_seqs=4", "engine.max_model_len=64",
-                      "threads=1", "task.name=basic_arithmetic"])
+                      "rollout.group_size=4", "rollout.max_tokens=16", "threads=1", "task.name=basic_arithmetic"])
     return dump_config(cfg)
 
 
