@@ -328,7 +328,7 @@ def _cmd_config(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
-    from rollwise.sim.cli import write_json
+    from rollwise.sim.commands import write_json
 
     if args.name == "sandbox":  # no model
         from rollwise.bench.sandbox import format_sandbox_bench, run_sandbox_bench
@@ -470,7 +470,7 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
 def _finish_bench(args: argparse.Namespace, console: Console, table: Table, result: dict) -> int:
     """Print a benchmark's table (and plot), and write its JSON with the command that produced it."""
-    from rollwise.sim.cli import write_json
+    from rollwise.sim.commands import write_json
 
     result["command"] = " ".join(["rollwise"] + sys.argv[1:])
     console.print(table)

@@ -13,12 +13,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, ValidationError, model_validator
 
 from rollwise.reward.scoring import RewardConfig
 from rollwise.tasks import TaskConfig
 from rollwise.tasks.prompts import PromptConfig
 from rollwise.types.adapter_limits import MAX_LORA_ALPHA
+from rollwise.types.algorithms import (ADVANTAGE_ESTIMATORS, MIS_LEVELS, OFF_POLICY_CORRECTIONS, check_choice,
+                                       check_policy_loss_name)
 from rollwise.types.config_section import ConfigSection
 
 
@@ -198,7 +200,20 @@ class TrainConfig(_Section):
     )
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     micro_batch_size: int = Field(16, ge=1, description="sequences per forward/backward; gradients accumulate")
-    advantage: Literal["mean_std", "mean"] = "mean_std"  # "mean" is Dr. GRPO's unscaled advantage
+    advantage: Annotated[
+        Literal["mean_std", "mean", "rloo", "reinforce_pp", "reinforce_pp_baseline"],
+        BeforeValidator(lambda v: check_choice(v, ADVANTAGE_ESTIMATORS, "advantage estimator")),
+    ] = Field("mean_std", description="mean_std: GRPO (group mean/std); mean: Dr. GRPO (group mean); rloo: "
+              "leave-one-out mean; reinforce_pp: REINFORCE++ (rewards normalised over the batch's tokens); "
+              "reinforce_pp_baseline: group mean subtracted, then normalised over the batch "
+              "(rollwise.train.advantages)")
+    policy_loss: Annotated[str, AfterValidator(check_policy_loss_name)] = Field(
+        "ppo_clip", description="ppo_clip: token-level PPO clip (clip_low/clip_high, DAPO clip-higher); dual_clip: "
+        "plus dual_clip_c bound for negative advantages; gspo: sequence-level length-normalised ratio and clip; cispo: "
+        "stop-gradient clipped IS weight x log-prob (clip_low/clip_high bound the weight); or module:function (or "
+        "file.py:function) of a custom loss, checked on a dummy batch before any step (rollwise.train.policy_loss)")
+    dual_clip_c: float = Field(3.0, gt=1, description="dual_clip: a negative-advantage token's loss is at most "
+                               "dual_clip_c x |advantage| (Ye et al. 2020)")
     clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below 1 (1 - clip_low)")
     clip_high: float = Field(0.28, ge=0, description="PPO ratio clip above 1 (DAPO clip-higher)")
     kl_coef: float = Field(0.0, ge=0, description="k3 KL to the initial policy; 0 skips the reference model")
@@ -235,12 +250,32 @@ class TrainConfig(_Section):
             )
         return self
     updates_per_step: int = Field(1, ge=1, description="optimizer updates per rollout batch (PPO epochs)")
-    off_policy_correction: Literal["auto", "none", "decoupled", "tis"] = Field(
+    off_policy_correction: Annotated[
+        Literal["auto", "none", "decoupled", "tis", "mis", "icepop"],
+        BeforeValidator(lambda v: check_choice(v, OFF_POLICY_CORRECTIONS, "off-policy correction")),
+    ] = Field(
         "auto",
-        description="for tokens sampled by an older policy: decoupled PPO (AReaL), truncated importance "
-        "sampling, or none; auto = none in rollout.mode=sync, tis otherwise",
+        description="for tokens sampled by an older policy (or numerically different engine): decoupled PPO (AReaL), "
+        "truncated importance sampling, masked importance sampling (mis, see mis_level), IcePop's two-sided token "
+        "mask, or none; auto = none in rollout.mode=sync, tis otherwise (rollwise.train.corrections)",
     )
-    is_cap: float = Field(2.0, gt=0, description="truncation of the importance weight pi_prox/pi_behav (tis)")
+    is_cap: float = Field(2.0, gt=0, description="upper bound of the importance weight pi_prox/pi_behav: tis "
+                          "truncates at it, mis and icepop mask tokens (or sequences) above it (IcePop's paper: 5)")
+    is_floor: float | None = Field(None, ge=0, description="mis/icepop: lower bound, below it tokens (sequences) "
+                                   "are masked; default 0 for mis, 0.5 for icepop (rollwise.train.corrections)")
+    mis_level: Annotated[
+        Literal["token", "sequence", "seq_mask_tis"],
+        BeforeValidator(lambda v: check_choice(v, MIS_LEVELS, "mis level")),
+    ] = Field("token", description="mis: token masks each rho_t; sequence masks whole sequences by rho(y) (the "
+              "product) and weighs their tokens by it; seq_mask_tis keeps token rho_t, masking sequences whose "
+              "geometric-mean rho leaves [is_floor, is_cap]")
+
+    @model_validator(mode="after")
+    def _is_bounds_ordered(self) -> TrainConfig:
+        if self.is_floor is not None and self.is_floor >= self.is_cap:
+            raise ValueError(f"train.is_floor={self.is_floor} must be below train.is_cap={self.is_cap} (the importance "
+                             "weights kept lie between them): lower is_floor or raise is_cap")
+        return self
     lora: LoraConfig | None = Field(None, description="LoRA adapters instead of full-parameter training")
 
 

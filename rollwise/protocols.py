@@ -26,9 +26,9 @@ if TYPE_CHECKING:
     from rollwise.engine.contract import ModelInfo
     from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
     from rollwise.rollout.ledger import RolloutLedger
-    from rollwise.rollout.types import Sample
+    from rollwise.types.sample import Sample
     from rollwise.sync.buckets import WeightUpdate
-    from rollwise.tasks import Problem
+    from rollwise.tasks.base import Problem
 
 Progress = Callable[[int], None]
 

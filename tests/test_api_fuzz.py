@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, settings
 from rollwise.engine.server import build_engine, create_app
 from rollwise.local_server import serve_in_thread
 from rollwise.model.loading import load_model, tokenizer_fingerprint
-from rollwise.pool.client import PoolClient, PoolWorker
+from rollwise.control.pool_backend import PoolClient, PoolWorker
 from rollwise.pool.scheduler import Policy
 from rollwise.pool.server import EnginePool
 from rollwise.pool.server import create_app as create_pool_app

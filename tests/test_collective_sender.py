@@ -25,12 +25,13 @@ from ray_local import ray_cluster, ray_config  # noqa: E402,F401 (the Ray cluste
 from rollwise.config import RunConfig, load_config  # noqa: E402
 from rollwise.control import ray_placement  # noqa: E402
 from rollwise.control.train_loop import train  # noqa: E402
-from rollwise.engine.reference import ReferenceEngine  # noqa: E402
+from rollwise.engine.reference.engine import ReferenceEngine  # noqa: E402
 from rollwise.engine.types import GenerationRequest, SamplingParams  # noqa: E402
 from rollwise.model.loading import load_model, tokenizer_fingerprint  # noqa: E402
 from rollwise.model.tiny import tiny_llama  # noqa: E402
 from rollwise.sync import distributed  # noqa: E402
-from rollwise.sync.buckets import WeightUpdate, WeightUpdateError  # noqa: E402
+from rollwise.sync.buckets import WeightUpdate  # noqa: E402
+from rollwise.types.weights import WeightUpdateError  # noqa: E402
 
 PROMPTS = [[5, 17, 30, 42, 11], [9, 8, 7]]
 WRONG_SHAPE = "model.layers.0.mlp.up_proj.weight"

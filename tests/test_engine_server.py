@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 
 from rollwise.cli import main
 from rollwise.engine.client import EngineClient, EngineServerError
-from rollwise.engine.reference import ReferenceEngine
+from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.engine.server import build_engine, create_app
 from rollwise.engine.types import GenerationRequest, SamplingParams
 from rollwise.local_server import serve_in_thread

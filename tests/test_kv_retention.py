@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollwise.engine.reference import ReferenceEngine
+from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.engine.retention import RetentionLimits, RetentionRequest
 from rollwise.engine.retention_policy import (
     CostMeter, EngineSnapshot, HeldSlot, RetentionCosts, ToolLatencies, choose, reclaim,

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from rollwise.config import TrainConfig
-from rollwise.engine.reference import ReferenceEngine
+from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.engine.types import GenerationRequest, SamplingParams
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer
-from rollwise.rollout.types import Sample
+from rollwise.types.sample import Sample
 from rollwise.sync.inprocess import push_weights
 from rollwise.train.grpo import group_advantages
 from rollwise.train.trainer import GRPOTrainer

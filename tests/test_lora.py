@@ -17,7 +17,9 @@ from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.engine.types import GenerationRequest, SamplingParams
 from rollwise.model.tiny import tiny_llama
 from rollwise.sync.adapters import AdapterSender, adapter_update
-from rollwise.sync.buckets import StagedUpdate, WeightReceiver, WeightUpdateError, flatten_bucket
+from rollwise.sync.layout import flatten_bucket
+from rollwise.sync.receiver import StagedUpdate, WeightReceiver
+from rollwise.types.weights import WeightUpdateError
 from rollwise.train.trainer import GRPOTrainer
 from rollwise.types.sample import Sample
 from rollwise.types.weights import AdapterSpec

@@ -31,7 +31,7 @@ from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.engine.types import GenerationRequest, SamplingParams
 from rollwise.local_server import serve_in_thread
 from rollwise.model.loading import load_model, tokenizer_fingerprint
-from rollwise.pool.client import PoolClient, PoolServerError, PoolWorker
+from rollwise.control.pool_backend import PoolClient, PoolServerError, PoolWorker
 from rollwise.pool.scheduler import JobView, Policy, SlotView, plan
 from rollwise.pool.server import EnginePool, create_app
 from rollwise.pool.states import check_log

@@ -19,7 +19,8 @@ from rollwise.model.tiny import tiny_mixtral
 from rollwise.train.logprobs import sequence_logprobs
 from rollwise.train.routing_replay import RoutingReplay, find_routers, rows_batch
 from rollwise.train.trainer import GRPOTrainer, collate
-from rollwise.types.sample import RoutedExperts, Sample
+from rollwise.types.routing import RoutedExperts
+from rollwise.types.sample import Sample
 
 PROMPTS = [list(range(5, 29)), list(range(40, 59))]
 
@@ -238,7 +239,7 @@ def test_upcycled_mixtral_keeps_the_dense_model_and_loads_as_a_standard_checkpoi
     the reference engine serves it with HF's logprobs."""
     from transformers import AutoModelForCausalLM
 
-    from rollwise.model.moe import upcycle
+    from rollwise.model.upcycle import upcycle
     from rollwise.model.tiny import tiny_llama
 
     dense = tiny_llama()
@@ -284,7 +285,7 @@ def test_checkpoint_items_are_the_names_and_tensors_save_pretrained_writes(tmp_p
     """The per-expert names a weight push gives vLLM are exactly those (and the tensors) of the saved checkpoint."""
     from safetensors.torch import load_file
 
-    from rollwise.model.moe import checkpoint_items
+    from rollwise.model.upcycle import checkpoint_items
 
     model = moe_model()
     model.save_pretrained(tmp_path)
@@ -313,7 +314,7 @@ def test_upcycle_divergence_knobs_noise_and_drop_upcycling():
     """`noise` scales each expert's perturbation and `drop` (Drop-Upcycling) re-draws exactly that share of
     each expert's intermediate neurons, the same neurons in gate, up and down; the rest stay the dense MLP's.
     Bad values are refused naming the knob."""
-    from rollwise.model.moe import upcycle
+    from rollwise.model.upcycle import upcycle
     from rollwise.model.tiny import tiny_llama
 
     dense = tiny_llama()

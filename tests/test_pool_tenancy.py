@@ -33,7 +33,7 @@ from rollwise.local_server import serve_in_thread
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer
 from rollwise.pool.cli import main as pool_main
-from rollwise.pool.client import PoolClient, attach_to_pool
+from rollwise.control.pool_backend import PoolClient, attach_to_pool
 from rollwise.pool.scheduler import Policy
 from rollwise.pool.server import EnginePool, create_app
 from rollwise.pool.states import check_log

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollwise.engine.reference import ReferenceEngine
+from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.engine.reference.prefix_cache import PrefixCache
 from rollwise.engine.types import GenerationRequest, SamplingParams
 from rollwise.model.tiny import tiny_llama

@@ -16,7 +16,8 @@ from rollwise.engine.types import GenerationRequest, SamplingParams
 from rollwise.local_server import serve_in_thread
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.protocols import RolloutBackend, RolloutControl, Trainer
-from rollwise.sync.buckets import WeightUpdate, WeightUpdateError
+from rollwise.sync.buckets import WeightUpdate
+from rollwise.types.weights import WeightUpdateError
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -85,7 +86,7 @@ def test_sim_cluster_is_a_backend():
 
 
 def test_pool_worker_is_a_backend():
-    from rollwise.pool.client import PoolClient, PoolWorker
+    from rollwise.control.pool_backend import PoolClient, PoolWorker
     from rollwise.pool.scheduler import Policy
     from rollwise.pool.server import EnginePool, create_app
 

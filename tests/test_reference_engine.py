@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen2ForCausalLM
 
-from rollwise.engine.reference import ReferenceEngine
+from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.engine.reference.model import LlamaFamilyModel, ModelConfig
 from rollwise.engine.reference.sampling import sample
 from rollwise.engine.types import GenerationRequest, SamplingParams

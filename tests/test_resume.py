@@ -23,7 +23,8 @@ from rollwise.config import ConfigError, load_config
 from rollwise.control.train_loop import train
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer
 from rollwise.reward.scoring import RewardConfig
-from rollwise.tasks import PromptConfig, build_messages, encode_prompt, make_task
+from rollwise.tasks import make_task
+from rollwise.tasks.prompts import build_messages, encode_prompt, PromptConfig
 from rollwise.train.trainer import GRPOTrainer
 
 ANSWER_OPEN, ANSWER_CLOSE = "<a>", "</a>"  # short tags: the tiny model's answers fit in 12 tokens

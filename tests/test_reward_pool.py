@@ -20,7 +20,7 @@ from rollwise.reward.pool import (
     load_reward_fn,
     score_samples_in_pool,
 )
-from rollwise.rollout.types import Sample
+from rollwise.types.sample import Sample
 from rollwise.sandbox import LocalSandbox
 from rollwise.tasks.base import Problem
 

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from rollwise.config import RunConfig
-from rollwise.engine.reference import ReferenceEngine
+from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.engine.types import GenerationRequest, SamplingParams
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer
 from rollwise.rollout.controller import RolloutController
 from rollwise.rollout.data import ProblemStream
 from rollwise.rollout.ledger import LedgerError, RolloutLedger
 from rollwise.rollout.sync_rollout import PromptEncoder, RolloutPlan, rollout, sampling_seed
-from rollwise.rollout.worker import EngineWorker
+from rollwise.engine.core import EngineWorker
 from rollwise.sync.inprocess import push_weights
 from rollwise.tasks import make_task
 

@@ -126,7 +126,7 @@ def test_planned_multi_step_ops_equal_step_by_step():
 def test_sim_engine_under_the_production_engine_worker():
     """The real EngineWorker thread and RolloutController run on a SimEngine unchanged."""
     from rollwise.rollout.controller import RolloutController
-    from rollwise.rollout.worker import EngineWorker
+    from rollwise.engine.core import EngineWorker
     from rollwise.sim.run import SimEncoder, SimStream, run_config
 
     s = _small()

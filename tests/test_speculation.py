@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollwise.engine.reference import ReferenceEngine
+from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.engine.reference import speculative as speculative_module
-from rollwise.engine.speculation import BudgetPolicy, HistoryDrafter, HistorySettings, draft_budget
+from rollwise.engine.speculation.budget import BudgetPolicy, draft_budget
+from rollwise.engine.speculation.history import HistoryDrafter, HistorySettings
 from rollwise.engine.types import GenerationRequest, SamplingParams
 from rollwise.model.tiny import tiny_llama
 
@@ -234,7 +235,7 @@ def test_the_rollout_controller_feeds_every_finished_sample(tmp_path):
     from rollwise.rollout.controller import RolloutController
     from rollwise.rollout.data import ProblemStream
     from rollwise.rollout.sync_rollout import PromptEncoder
-    from rollwise.rollout.worker import EngineWorker
+    from rollwise.engine.core import EngineWorker
     from rollwise.tasks import make_task
 
     path = tmp_path / "add.jsonl"

@@ -10,8 +10,11 @@ import pytest
 from pydantic import ValidationError
 
 from rollwise.model.tiny import tiny_tokenizer
-from rollwise.reward import RewardConfig, score
-from rollwise.tasks import JsonlTask, Problem, ReasoningGymTask, Task, TaskConfig, make_task
+from rollwise.reward.scoring import RewardConfig, score
+from rollwise.tasks import make_task, TaskConfig
+from rollwise.tasks.base import Problem, Task
+from rollwise.tasks.jsonl_task import JsonlTask
+from rollwise.tasks.reasoning_gym_task import ReasoningGymTask
 from rollwise.tasks.answer_format import AnswerFormat, answers_match, last_number, parse_number, parse_response
 from rollwise.tasks.prompts import PromptConfig, build_messages, encode_prompt, render_prompt
 from rollwise.tasks.reasoning_gym_task import strip_answer_instructions

@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 
 from rollwise.config import TrainConfig
 from rollwise.model.tiny import tiny_llama
-from rollwise.train.logprobs import FusedLogprobs, lm_head_logprobs, pack_responses
+from rollwise.train.logprobs import FusedLogprobs, lm_head_logprobs
+from rollwise.types.microbatch import pack_responses
 from rollwise.train.distributed import RankSpec, free_port, init_rank
 from rollwise.train.rank import RankTrainer
 from rollwise.train.sharded import split_work

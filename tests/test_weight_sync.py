@@ -12,17 +12,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rollwise.engine.reference import ReferenceEngine
+from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.engine.types import GenerationRequest, SamplingParams
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer
-from rollwise.rollout.worker import EngineWorker
-from rollwise.sync.buckets import (
+from rollwise.engine.core import EngineWorker
+from rollwise.sync.buckets import InProcessTransport
+from rollwise.sync.layout import (
     MIB,
-    InProcessTransport,
-    StagedUpdate,
-    WeightReceiver,
-    WeightUpdateError,
     bucket_checksum,
     build_manifest,
     flatten_bucket,
@@ -30,6 +27,8 @@ from rollwise.sync.buckets import (
     plan_buckets,
     unflatten_bucket,
 )
+from rollwise.sync.receiver import StagedUpdate, WeightReceiver
+from rollwise.types.weights import WeightUpdateError
 from rollwise.sync.distributed import (
     DistributedReceiver,
     DistributedSender,

@@ -27,19 +27,22 @@ from adapters import random_adapter
 from safetensors.torch import save_file
 
 from rollwise.config import LoraConfig
-from rollwise.engine.reference import ReferenceEngine
+from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.engine.server import build_engine, create_app
 from rollwise.engine.types import GenerationRequest, SamplingParams
 from rollwise.local_server import serve_in_thread
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.model.tiny import tiny_llama
-from rollwise.pool.client import PoolClient
+from rollwise.control.pool_backend import PoolClient
 from rollwise.pool.scheduler import Policy
 from rollwise.pool.server import EnginePool
 from rollwise.pool.server import create_app as create_pool_app
-from rollwise.sync import FileReceiver, FileTransport, InProcessTransport, WeightReceiver, WeightUpdateError
+from rollwise.sync.buckets import InProcessTransport
+from rollwise.sync.files import FileReceiver, FileTransport
+from rollwise.sync.receiver import WeightReceiver
+from rollwise.types.weights import WeightUpdateError
 from rollwise.sync.adapters import adapter_update
-from rollwise.sync.buckets import build_manifest, flatten_bucket
+from rollwise.sync.layout import build_manifest, flatten_bucket
 from rollwise.train.lora import adapter_spec
 from rollwise.types.weights import AdapterSpec
 

@@ -23,11 +23,12 @@ from rollwise.rollout.data import ProblemStream
 from rollwise.rollout.ledger import RolloutLedger
 from rollwise.rollout.sync_rollout import sampling_seed
 from rollwise.types.sample import Sample
-from rollwise.rollout.worker import EngineWorker
-from rollwise.tasks import Problem, build_messages
+from rollwise.engine.core import EngineWorker
+from rollwise.tasks.base import Problem
+from rollwise.tasks.prompts import build_messages
 
 if TYPE_CHECKING:
-    from rollwise.sandbox import SandboxPool
+    from rollwise.sandbox.pool import SandboxPool
 
 
 class AgentController:
@@ -55,7 +56,7 @@ class AgentController:
         """A sandbox per episode when a tool runs code (python, bash); None when no tool needs one."""
         if not any(t in ("python", "bash") for t in self.agent_cfg.tools):
             return None
-        from rollwise.sandbox import SandboxPool
+        from rollwise.sandbox.pool import SandboxPool
 
         return SandboxPool(max_sandboxes=self.agent_cfg.concurrency, max_concurrent_runs=2)
 

@@ -24,7 +24,7 @@ from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
 from rollwise.engine.core import EngineWorker
 from rollwise.protocols import RolloutBackend
 from rollwise.serve.settings import client_auth_headers
-from rollwise.types.sample import RoutedExperts
+from rollwise.types.routing import RoutedExperts
 
 
 @dataclass

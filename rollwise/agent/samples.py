@@ -11,13 +11,9 @@ GRPO group statistics count the episode once (`assign_episode_advantages`).
 
 from __future__ import annotations
 
-from typing import Literal
-
-import torch
-
 from rollwise.agent.trajectory import Trajectory
-from rollwise.rollout.types import Sample
-from rollwise.train.grpo import group_advantages
+from rollwise.types.sample import Sample
+from rollwise.train.advantages import RewardGroups, estimate
 
 
 def trajectory_samples(traj: Trajectory, *, problem_id: str, group_id: str, episode_id: str,
@@ -39,23 +35,20 @@ def trajectory_samples(traj: Trajectory, *, problem_id: str, group_id: str, epis
     return samples
 
 
-def assign_episode_advantages(samples: list[Sample], mode: Literal["mean_std", "mean"]) -> float:
-    """GRPO advantages with one entry per episode (a split episode's segments share it), in place.
-    A group with fewer than two episodes that sampled anything teaches nothing (advantage 0).
-    Returns the fraction of groups with zero reward variance (such groups included)."""
+def assign_episode_advantages(samples: list[Sample], mode: str) -> float:
+    """Advantages by the estimator `mode` (train.advantage, rollwise.train.advantages) with one entry per
+    episode (a split episode's segments share it, and count its trained tokens), in place. A group with
+    fewer than two episodes that sampled anything gets no group baseline (advantage 0 from the group-relative
+    estimators). Returns the fraction of groups with zero reward variance (such groups included)."""
     groups: dict[str, dict[str, list[Sample]]] = {}
     for s in samples:
         groups.setdefault(s.group_id, {}).setdefault(s.extra.get("episode_id", s.sample_id), []).append(s)
-    flat = 0
-    for episodes in groups.values():
-        eps = list(episodes.values())
-        rewards = torch.tensor([[ep[0].reward for ep in eps]], dtype=torch.float32)
-        if len(eps) < 2 or float(rewards.std()) == 0.0:
-            flat += 1
-            advantages = [0.0] * len(eps)
-        else:
-            advantages = group_advantages(rewards, mode)[0].tolist()
-        for ep, a in zip(eps, advantages):
+    episodes = [list(g.values()) for g in groups.values()]
+    rewards = RewardGroups.of([[ep[0].reward for ep in eps] for eps in episodes],
+                              [[sum(s.trained_tokens for s in ep) for ep in eps] for eps in episodes])
+    flat = sum(len(r) < 2 or float(r.std()) == 0.0 for r in rewards.rewards)
+    for eps, advantages in zip(episodes, estimate(mode, rewards)):
+        for ep, a in zip(eps, advantages.tolist()):
             for s in ep:
                 s.advantage = a
     return flat / max(len(groups), 1)

@@ -32,7 +32,7 @@ from typing import Any
 
 from rollwise.agent.template import ChatRenderer, Message
 from rollwise.engine.types import Completion
-from rollwise.types.sample import RoutedExperts
+from rollwise.types.routing import RoutedExperts
 
 NO_VERSION = -1  # policy version of tokens no policy sampled (prompt, template, tool results)
 

@@ -47,7 +47,7 @@ def _usage() -> tuple[float, int]:
 
 
 def _engine_units(quick: bool, units: int) -> list[tuple[float, float, int]]:
-    from rollwise.engine.reference import ReferenceEngine
+    from rollwise.engine.reference.engine import ReferenceEngine
     from rollwise.engine.types import GenerationRequest, SamplingParams
     from rollwise.model.loading import load_model
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from rich.table import Table
 
-from rollwise.engine.reference import ReferenceEngine
+from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.engine.types import GenerationRequest, SamplingParams
 from rollwise.engine.vllm_backend import vllm_available
 

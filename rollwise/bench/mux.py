@@ -468,7 +468,7 @@ def measure_batch_share(lora: bool, workload: dict[str, Any], repeats: int = 3) 
     import torch
 
     from rollwise.bench.adapters import random_adapter
-    from rollwise.engine.reference import ReferenceEngine
+    from rollwise.engine.reference.engine import ReferenceEngine
     from rollwise.engine.types import GenerationRequest, SamplingParams
     from rollwise.model.loading import load_model
     from rollwise.sync.adapters import adapter_update

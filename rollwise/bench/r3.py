@@ -40,17 +40,19 @@ from torch import nn
 from rollwise.bench.bf16_gemms import emulated_bf16, round_weights_
 from rollwise.bench.moe_cap import moe_cap, moe_cap_efficiency
 from rollwise.config import RewardConfig, TrainConfig, load_config
-from rollwise.engine.reference import ReferenceEngine
+from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.engine.types import GenerationRequest, SamplingParams
 from rollwise.model.precision import resolve_dtype
 from rollwise.observe.peak import machine_peak
 from rollwise.reward.scoring import score
-from rollwise.tasks import build_messages, encode_prompt, make_task
+from rollwise.tasks import make_task
+from rollwise.tasks.prompts import build_messages, encode_prompt
 from rollwise.train.grpo import group_advantages
 from rollwise.train.logprobs import sequence_logprobs
 from rollwise.train.routing_replay import RoutingReplay
 from rollwise.train.trainer import GRPOTrainer, collate
-from rollwise.types.sample import RoutedExperts, Sample
+from rollwise.types.routing import RoutedExperts
+from rollwise.types.sample import Sample
 
 # What the engine computes in: bf16 where the CPU computes it natively ("auto"), else fp32 with bf16 GEMMs emulated.
 ENGINE_DTYPE = resolve_dtype("auto")

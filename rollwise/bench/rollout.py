@@ -28,10 +28,10 @@ from rollwise.rollout.controller import RolloutController
 from rollwise.rollout.data import ProblemStream
 from rollwise.rollout.sync_rollout import PromptEncoder
 from rollwise.types.sample import Sample
-from rollwise.rollout.worker import EngineWorker
+from rollwise.engine.core import EngineWorker
 from rollwise.sync.inprocess import push_weights
 from rollwise.tasks import make_task
-from rollwise.train.grpo import assign_advantages
+from rollwise.train.advantages import assign_advantages
 from rollwise.train.trainer import GRPOTrainer
 from rollwise.types.microbatch import computed_tokens
 
@@ -56,7 +56,7 @@ FULL = Workload(updates=6, prompts_per_step=4, group_size=4, max_num_seqs=32, me
                 max_tokens=256, eta=2)
 
 
-def _lengths(seed: int, w: Workload):
+def forced_lengths(seed: int, w: Workload):
     """(group, sample) -> forced length: a pure function of the seed, identical in every mode."""
 
     def length(group: int, sample: int) -> int:
@@ -104,7 +104,7 @@ def _run_mode(mode: str, model: Any, tokenizer: Any, base_state: dict, w: Worklo
     worker = EngineWorker(engine)
     controller = RolloutController(cfg, worker, PromptEncoder(tokenizer, cfg.prompt, cfg.reward),
                                    ProblemStream(task.problems("train"), seed), lambda group: None,
-                                   length_fn=_lengths(seed, w))
+                                   length_fn=forced_lengths(seed, w))
     staleness: list[int] = []
     trained_tokens = 0
     updates_at: list[float] = []

@@ -46,7 +46,7 @@ from rollwise.bench import percentile, router_processes
 from rollwise.bench.router_processes import MODEL_SIZE, Arm, arms, flush_caches, router_process
 from rollwise.bench.router_tail import format_tail, tail_of
 from rollwise.router.policies import POLICIES, make_policy
-from rollwise.sim.cli import write_json
+from rollwise.sim.commands import write_json
 from rollwise.sim.routing import SimConfig, Workload, make_workload, simulate
 
 # vLLM's token-in route: every router arm forwards it to the replicas as sent (rollwise's /generate would

@@ -44,7 +44,7 @@ class ReplicaWork:
 def replica_work(requests: list[tuple[list[int], int]], max_num_seqs: int, max_model_len: int,
                  model: torch.nn.Module) -> ReplicaWork:
     """One replica computing `requests` (prompt ids, max_tokens) from an empty cache, all admitted together."""
-    from rollwise.engine.reference import ReferenceEngine
+    from rollwise.engine.reference.engine import ReferenceEngine
     from rollwise.engine.types import GenerationRequest, SamplingParams
 
     engine = ReferenceEngine(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, seed=0,

@@ -112,7 +112,7 @@ def replica_main(argv: list[str]) -> None:
     import torch
     import uvicorn
 
-    from rollwise.engine.reference import ReferenceEngine
+    from rollwise.engine.reference.engine import ReferenceEngine
     from rollwise.engine.server import create_app
     from rollwise.model.tiny import tiny_llama, tiny_tokenizer
 

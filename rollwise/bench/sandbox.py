@@ -19,7 +19,9 @@ from typing import Any
 from rich.table import Table
 
 from rollwise.bench import percentile
-from rollwise.sandbox import LocalSandbox, SandboxLimits, detect_isolation
+from rollwise.sandbox.isolation import detect_isolation
+from rollwise.sandbox.local import LocalSandbox
+from rollwise.sandbox.types import SandboxLimits
 
 
 def _summary(samples: list[float]) -> dict[str, float]:

@@ -15,7 +15,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from rollwise.sim.cli import SimCommand, write_json
+from rollwise.sim.commands import SimCommand, write_json
 
 
 def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:

@@ -27,16 +27,12 @@ from rich.table import Table
 
 from rollwise.bench.adapters import random_adapter
 from rollwise.engine.core import EngineWorker
-from rollwise.engine.reference import ReferenceEngine
+from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.model.loading import load_model, tokenizer_fingerprint
-from rollwise.sync.buckets import (
-    WeightManifest,
-    WeightReceiver,
-    WeightUpdate,
-    bucket_checksum,
-    build_manifest,
-    flatten_bucket,
-)
+from rollwise.sync.buckets import WeightUpdate
+from rollwise.sync.layout import bucket_checksum, build_manifest, flatten_bucket
+from rollwise.sync.receiver import WeightReceiver
+from rollwise.types.weights import WeightManifest
 from rollwise.sync.distributed import (
     KEEP_BUFFERS_MB,
     DistributedReceiver,
@@ -45,7 +41,7 @@ from rollwise.sync.distributed import (
     loopback_init_method,
 )
 from rollwise.sync.adapters import adapter_update
-from rollwise.sync.buckets import StagedUpdate
+from rollwise.sync.receiver import StagedUpdate
 from rollwise.sync.files import FileReceiver, FileTransport
 from rollwise.types.weights import AdapterSpec
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollwise.bench.rollout import FULL, MODES, QUICK, _lengths, bench_config, run_rollout_bench, with_kind
+from rollwise.bench.rollout import FULL, MODES, QUICK, bench_config, forced_lengths, run_rollout_bench, with_kind
 from rollwise.rollout.data import ProblemStream
 from rollwise.rollout.sync_rollout import PromptEncoder
 from rollwise.sim.cost import CostModel, TrainerModel
@@ -59,7 +59,7 @@ def simulate_bench(tokenizer: Any, cost: CostModel, trainer: TrainerModel, *, qu
                         "update_batch": update_batch},
         })
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 2
-        run = build(scenario, cost=engine_cost, trainer=trainer, length_fn=_lengths(seed, w),
+        run = build(scenario, cost=engine_cost, trainer=trainer, length_fn=forced_lengths(seed, w),
                     encoder=PromptEncoder(tokenizer, cfg.prompt, cfg.reward),
                     stream=ProblemStream(task.problems("train"), seed), cfg=cfg, vocab_size=len(tokenizer),
                     eos_token_id=eos)
@@ -171,7 +171,7 @@ def measure_rollout_only(model: Any, tokenizer: Any, engine_kind: str, mode: str
     from rollwise.engine.factory import create_engine
     from rollwise.observe.bubble import bubble_ratio
     from rollwise.rollout.controller import RolloutController
-    from rollwise.rollout.worker import EngineWorker
+    from rollwise.engine.core import EngineWorker
 
     w = QUICK if quick else FULL
     cfg = bench_config(mode, w, seed)
@@ -180,7 +180,7 @@ def measure_rollout_only(model: Any, tokenizer: Any, engine_kind: str, mode: str
     worker = EngineWorker(engine)
     controller = RolloutController(cfg, worker, PromptEncoder(tokenizer, cfg.prompt, cfg.reward),
                                    ProblemStream(task.problems("train"), seed), lambda group: None,
-                                   length_fn=_lengths(seed, w))
+                                   length_fn=forced_lengths(seed, w))
     t0 = time.monotonic()
     for version in range(1, w.updates + 1):
         batch = controller.next_batch()
@@ -212,7 +212,7 @@ def simulate_rollout_only(tokenizer: Any, cost: CostModel, mode: str, *, quick: 
     engine_cost = cost.model_copy(update={"max_num_seqs": w.max_num_seqs, "max_model_len": cfg.engine.max_model_len,
                                           "weight_update_s": 0.0, "update_reprefill": False})
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 2
-    run = build(scenario, cost=engine_cost, trainer=TrainerModel(), length_fn=_lengths(seed, w),
+    run = build(scenario, cost=engine_cost, trainer=TrainerModel(), length_fn=forced_lengths(seed, w),
                 encoder=PromptEncoder(tokenizer, cfg.prompt, cfg.reward),
                 stream=ProblemStream(task.problems("train"), seed), cfg=cfg, vocab_size=len(tokenizer), eos_token_id=eos)
     c, clock, cluster = run.controller, run.clock, run.cluster

@@ -37,7 +37,7 @@ def calibrate_replica(shape: BenchShape, seed: int = 0, progress: Any = None,
                       shapes: tuple[tuple[int, int], ...] = REPLICA_SHAPES) -> dict[str, Any]:
     """The replica engine's step costs on one thread (how bench router's replicas run)."""
     from rollwise.bench.calibrate import time_steps
-    from rollwise.engine.reference import ReferenceEngine
+    from rollwise.engine.reference.engine import ReferenceEngine
     from rollwise.model.tiny import tiny_llama, tiny_tokenizer
     from rollwise.sim.fit import fit_steps
 

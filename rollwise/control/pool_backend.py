@@ -31,8 +31,9 @@ from rollwise.engine.client import EngineServerError, read_response
 from rollwise.engine.contract import ModelInfo
 from rollwise.engine.types import Completion, GenerationRequest
 from rollwise.serve.auth import CLIENT_KEY_ENV
-from rollwise.sync.buckets import WeightUpdate, build_manifest, flatten_bucket
-from rollwise.types.sample import RoutedExperts
+from rollwise.sync.buckets import WeightUpdate
+from rollwise.sync.layout import build_manifest, flatten_bucket
+from rollwise.types.routing import RoutedExperts
 
 
 # Weight updates travel in pieces of this size (httpcore re-slices a bytes body after every socket send, which

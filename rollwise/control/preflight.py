@@ -23,7 +23,8 @@ from rollwise.agent.toolcalls import get_parser
 from rollwise.config import ConfigError, RunConfig, RunError
 from rollwise.model.loading import load_model
 from rollwise.scratch import size_text
-from rollwise.tasks import Problem, Task, make_task
+from rollwise.tasks import make_task
+from rollwise.tasks.base import Problem, Task
 
 CONFIG_FILE = "config.yaml"
 # The first logs, plots and TensorBoard events of a run, beyond its checkpoints: the least free space it starts with.

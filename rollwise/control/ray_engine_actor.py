@@ -27,7 +27,7 @@ class IncarnationChanged(RuntimeError):
 
 
 # What a call to an engine actor raises when the actor it meant is gone: recover (restart + re-sync).
-_GONE = (RayActorError, IncarnationChanged)
+GONE = (RayActorError, IncarnationChanged)
 
 
 class EngineActor:
@@ -123,7 +123,7 @@ class EngineActor:
         """Join the fleet's weight group as `rank` (sync.sender=collective; rollwise.sync.distributed),
         leaving the one joined before (the fleet re-forms the group when its engines change). Returns
         once every rank has joined; `device` is cuda (NCCL) or cpu (gloo), the fleet's choice for all."""
-        from rollwise.sync.buckets import WeightReceiver
+        from rollwise.sync.receiver import WeightReceiver
         from rollwise.sync.distributed import DistributedReceiver, init_weight_group
 
         worker = self._check(token)

@@ -22,7 +22,8 @@ Nothing lost, nothing twice (DESIGN.md invariant 3), through actor deaths:
 - an actor Ray cannot bring back (restarts exhausted) hands its requests to the surviving actors.
 
 The restart handling lives in rollwise.control.ray_fleet_recovery (a mixin of the fleet), the merged
-timeline in rollwise.control.ray_fleet_timeline; this module keeps the fleet's bookkeeping and calls.
+timeline in rollwise.control.ray_fleet_timeline, the per-actor and per-request records they share in
+rollwise.control.ray_slots; this module keeps the fleet's bookkeeping and calls.
 """
 
 from __future__ import annotations
@@ -33,16 +34,17 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError
 
-from rollwise.control.ray_engine_actor import _GONE
+from rollwise.control.ray_calls import get_all
+from rollwise.control.ray_engine_actor import GONE
 from rollwise.control.ray_fleet_collective import FleetWeightGroup
 from rollwise.control.ray_fleet_recovery import FleetRecovery
-from rollwise.control.ray_fleet_timeline import TIMELINE_REFRESH_S, FleetView, merge_from
+from rollwise.control.ray_fleet_timeline import TIMELINE_REFRESH_S, FleetView
+from rollwise.control.ray_slots import Outstanding, Slot
 from rollwise.engine.contract import ModelInfo
 from rollwise.engine.types import Completion, GenerationRequest
 from rollwise.sync.buckets import WeightUpdate
@@ -54,32 +56,6 @@ def _group_key(request_id: str) -> str:
     """Requests of one GRPO group share the part before '/' (the controller names a group's request
     `g12` and a regenerated sample of it `g12/3#1`): they go to the same engine (shared prefix)."""
     return request_id.split("/", 1)[0]
-
-
-@dataclass
-class _Slot:
-    index: int
-    actor: Any
-    bundle: int
-    info: dict = field(default_factory=dict)
-    ack: int = 0
-    drain_ref: Any = None
-    alive: bool = True
-    restarts: int = 0
-    timeline_cursor: int = 0
-    timeline: list[tuple[float, int]] = field(default_factory=list)  # in this process's monotonic clock
-    load: int = 0  # samples submitted and not yet back
-
-    @property
-    def token(self) -> str:
-        return self.info.get("token", "")
-
-
-@dataclass
-class _Outstanding:
-    request: GenerationRequest
-    slot: int
-    pending: set[int]  # sample indices not yet back
 
 
 def _locked(method: Callable) -> Callable:
@@ -110,14 +86,14 @@ class RayEngineFleet(FleetRecovery):
     def __init__(self, actors: list[Any], bundles: list[int], *, initial: WeightUpdate,
                  max_restarts: int, restart_timeout_s: float, start_timeout_s: float,
                  collective: FleetWeightGroup | None = None) -> None:
-        self.slots = [_Slot(i, a, b) for i, (a, b) in enumerate(zip(actors, bundles))]
+        self.slots = [Slot(i, a, b) for i, (a, b) in enumerate(zip(actors, bundles))]
         self.collective = collective  # sync.sender=collective: updates are broadcast over this group
         self.max_restarts = max_restarts
         self.restart_timeout_s = restart_timeout_s
         self._update = _in_store(initial)  # the weights engines must hold now (an ObjectRef payload)
         self._paused = False
         self._closed = False
-        self._requests: dict[str, _Outstanding] = {}
+        self._requests: dict[str, Outstanding] = {}
         self._home: dict[str, int] = {}  # group key -> slot
         self._home_count: collections.Counter[str] = collections.Counter()
         self._buffer: collections.deque[tuple[int, Completion]] = collections.deque()
@@ -133,7 +109,7 @@ class RayEngineFleet(FleetRecovery):
         self.view: FleetView | None = None
         self._lock = threading.RLock()
         self._thread = _Running(self)
-        infos = _get_all([a.info.remote() for a in actors], start_timeout_s, "engine actors to start")
+        infos = get_all([a.info.remote() for a in actors], start_timeout_s, "engine actors to start")
         for slot, info in zip(self.slots, infos):
             slot.info = info
         # Every engine starts from the trainer's current weights (a resumed run's included), through
@@ -160,7 +136,7 @@ class RayEngineFleet(FleetRecovery):
         for s, ref in calls.items():
             try:
                 ray.get(ref)
-            except _GONE as exc:
+            except GONE as exc:
                 self._recover(s, exc)
             except Exception:
                 for r in by_slot[s]:  # refused (bad request): nothing of it is in the engine
@@ -198,7 +174,7 @@ class RayEngineFleet(FleetRecovery):
             for s, ref in calls.items():
                 try:
                     aborted, unacked = ray.get(ref)
-                except _GONE as exc:
+                except GONE as exc:
                     self._recover(s, exc)  # resubmitted (possibly elsewhere): abort them there
                     todo += by_slot[s]
                     continue
@@ -210,7 +186,7 @@ class RayEngineFleet(FleetRecovery):
     def _version(self) -> int:
         return self._update.version
 
-    def _send(self, slot: _Slot) -> Any:
+    def _send(self, slot: Slot) -> Any:
         """The current update to one actor: the manifest, and the payload's ObjectRef (Ray hands the
         actor the tensors from the object store). With sync.sender=collective the fleet keeps the
         tensors here and puts them in the store only when a restarted engine needs them."""
@@ -284,7 +260,7 @@ class RayEngineFleet(FleetRecovery):
         for slot, ref in zip(live, refs):
             try:
                 points, offset = ray.get(ref, timeout=30)
-            except (*_GONE, GetTimeoutError):
+            except (*GONE, GetTimeoutError):
                 continue  # a dead actor is noticed (and restarted) by the calls that drive it
             if not points:
                 continue
@@ -298,7 +274,7 @@ class RayEngineFleet(FleetRecovery):
             else:
                 slot.timeline += new
         if since < math.inf:
-            merge_from(self.view._timeline, [s.timeline for s in self.slots], since)
+            self.view.merge([s.timeline for s in self.slots], since)
 
     # ------------------------------------------------------------ internals
 
@@ -312,7 +288,7 @@ class RayEngineFleet(FleetRecovery):
 
     def _track(self, r: GenerationRequest, s: int, pending: set[int] | None = None) -> None:
         pending = set(range(r.params.n)) if pending is None else pending
-        self._requests[r.request_id] = _Outstanding(r, s, pending)
+        self._requests[r.request_id] = Outstanding(r, s, pending)
         self._home_count[_group_key(r.request_id)] += 1
         self.slots[s].load += len(pending)
 
@@ -351,13 +327,13 @@ class RayEngineFleet(FleetRecovery):
             slot.drain_ref = None
             try:
                 items = ray.get(ref)
-            except _GONE as exc:
+            except GONE as exc:
                 self._recover(slot.index, exc)
                 continue
             self._take(slot, items)
         self.refresh_timeline()
 
-    def _take(self, slot: _Slot, items: list[tuple[int, Completion]]) -> None:
+    def _take(self, slot: Slot, items: list[tuple[int, Completion]]) -> None:
         """Completions an actor sent (each reply: everything after the ack it was given, in order)."""
         for seq, c in items:
             if seq <= slot.ack:
@@ -366,14 +342,14 @@ class RayEngineFleet(FleetRecovery):
             if self._receive(slot.index, c):
                 self._buffer.append((slot.index, c))
 
-    def _broadcast(self, call: Callable[[_Slot], Any]) -> None:
+    def _broadcast(self, call: Callable[[Slot], Any]) -> None:
         """Run a state-setting call on every live engine; an engine that died gets the current state
         (weights, version, paused) when it comes back, which covers the call."""
         calls = [(s, call(s)) for s in self.slots if s.alive]
         for slot, ref in calls:
             try:
                 ray.get(ref)
-            except _GONE as exc:
+            except GONE as exc:
                 self._recover(slot.index, exc)
 
 
@@ -383,10 +359,3 @@ def _in_store(update: WeightUpdate) -> WeightUpdate:
         return update.with_payload(ray.put(dict(update.payload)))
     return update
 
-
-def _get_all(refs: list[Any], timeout: float, what: str) -> list[Any]:
-    try:
-        return ray.get(refs, timeout=timeout)
-    except GetTimeoutError:
-        raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what} (is the cluster out of "
-                           "resources? see `ray status`)") from None

@@ -24,19 +24,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayTaskError
 from torch import Tensor
 
-from rollwise.control.ray_engine_actor import _GONE
+from rollwise.control.ray_engine_actor import GONE
+from rollwise.control.ray_slots import Slot
 from rollwise.sync.buckets import WeightUpdate
 from rollwise.sync.distributed import DistributedSender, WeightGroup, free_init_method, init_weight_group
-
-if TYPE_CHECKING:
-    from rollwise.control.ray_fleet import _Slot
 
 Recover = Callable[[int, BaseException], None]  # the fleet's restart handling, for the slot that died
 
@@ -69,7 +67,7 @@ class FleetWeightGroup:
     def device(self) -> str:
         return str(self.group.device.type) if self.group is not None else "cpu"
 
-    def form(self, slots: Sequence[_Slot]) -> None:
+    def form(self, slots: Sequence[Slot]) -> None:
         """A fresh group of this process (rank 0) and `slots` (ranks 1..N), all joining at once. An engine
         that dies while the group forms is noticed only at timeout_s (the rendezvous cannot be
         interrupted): the error then names the engines' join errors."""
@@ -93,7 +91,7 @@ class FleetWeightGroup:
         self.members = tuple((s.index, s.token) for s in slots)
         self.formed += 1
 
-    def push_update(self, slots: Sequence[_Slot], update: WeightUpdate, recover: Recover) -> WeightUpdate:
+    def push_update(self, slots: Sequence[Slot], update: WeightUpdate, recover: Recover) -> WeightUpdate:
         """Broadcast `update` to every live engine; returns it as the fleet keeps it for an engine Ray
         restarts later (re-synced through the object store)."""
         tensors = update.tensors()  # a trainer actor's weights (an ObjectRef) come here from the store first
@@ -104,7 +102,7 @@ class FleetWeightGroup:
             return update.with_payload({name: t.detach().to("cpu", copy=True) for name, t in tensors.items()})
         return update
 
-    def push(self, slots: Sequence[_Slot], tensors: Mapping[str, Tensor], version: int, recover: Recover) -> None:
+    def push(self, slots: Sequence[Slot], tensors: Mapping[str, Tensor], version: int, recover: Recover) -> None:
         """`tensors` as `version` to every live engine; WeightUpdateError if any refused it (named)."""
         broken: BaseException | None = None
         for _attempt in range(2):
@@ -120,7 +118,7 @@ class FleetWeightGroup:
         raise CollectivePushError(f"the collective weight push of version {version} broke twice "
                                   f"(last: {broken!r}); the engines keep their previous version") from broken
 
-    def _push_once(self, live: Sequence[_Slot], tensors: Mapping[str, Tensor], version: int,
+    def _push_once(self, live: Sequence[Slot], tensors: Mapping[str, Tensor], version: int,
                    recover: Recover) -> BaseException | None:
         """One attempt; None when every engine answered (WeightUpdateError raised on a refusal), else
         what broke it (the group is abandoned, dead engines are recovered by the fleet)."""
@@ -139,7 +137,7 @@ class FleetWeightGroup:
         for slot, ref in zip(live, refs):
             try:
                 ray.get(ref, timeout=self.timeout_s)
-            except _GONE as exc:
+            except GONE as exc:
                 dead.append((slot.index, exc))
             except (RayTaskError, GetTimeoutError) as exc:
                 broken = broken or exc

@@ -10,40 +10,34 @@ from __future__ import annotations
 
 import bisect
 import collections
-import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
-from rollwise.control.ray_engine_actor import _GONE
+from rollwise.control.ray_calls import log
+from rollwise.control.ray_engine_actor import GONE
+from rollwise.control.ray_slots import Outstanding, Slot
 from rollwise.engine.types import GenerationRequest
-
-if TYPE_CHECKING:
-    from rollwise.control.ray_fleet import _Outstanding, _Slot
-
-
-def _log(message: str) -> None:
-    print(f"[ray] {message}", file=sys.stderr, flush=True)
 
 
 class FleetRecovery:
     """Restart handling for RayEngineFleet (see the module docstring)."""
 
     # The fleet's state these methods use (set by RayEngineFleet.__init__).
-    slots: list[_Slot]
+    slots: list[Slot]
     max_restarts: int
     restart_timeout_s: float
     restarts: int
     restart_log: list[dict[str, Any]]
     _paused: bool
-    _requests: dict[str, _Outstanding]
+    _requests: dict[str, Outstanding]
     _home: dict[str, int]
     _dirty_since: float
     _version: int
-    _send: Callable[[_Slot], Any]
+    _send: Callable[[Slot], Any]
     _route: Callable[[str], int]
     _track: Callable[..., None]
     _untrack: Callable[[str], None]
@@ -74,7 +68,7 @@ class FleetRecovery:
                     ray.get(slot.actor.pause.remote(slot.token))
                 if outstanding:
                     ray.get(slot.actor.submit.remote([o.request for o in outstanding], slot.token))
-            except _GONE as again:
+            except GONE as again:
                 exc = again
                 continue  # died again before it was back in service
             entry = {
@@ -84,13 +78,13 @@ class FleetRecovery:
                 "at": t0, "error": type(exc).__name__,
             }
             self.restart_log.append(entry)
-            _log(f"engine actor {s} died ({type(exc).__name__}); Ray restarted it in {entry['restart_s']:.1f}s "
+            log(f"engine actor {s} died ({type(exc).__name__}); Ray restarted it in {entry['restart_s']:.1f}s "
                  f"(pid {entry['old_pid']} -> {entry['new_pid']} on {info['node_ip']}), re-synced to policy "
                  f"v{self._version} in {entry['resync_s']:.2f}s, resubmitted {len(outstanding)} requests "
                  f"({entry['samples_resubmitted']} samples)")
             return
 
-    def _await_restart(self, slot: _Slot) -> dict | None:
+    def _await_restart(self, slot: Slot) -> dict | None:
         """The actor's info once Ray has it running again; None if it will not come back."""
         # Calls already in flight at the death fail too: retry until the new incarnation answers. With
         # its restarts used up Ray will not bring it back: dead (ActorDiedError) means gone; unavailable
@@ -110,7 +104,7 @@ class FleetRecovery:
                 time.sleep(0.2)
         return None
 
-    def _give_up(self, slot: _Slot, exc: BaseException) -> None:
+    def _give_up(self, slot: Slot, exc: BaseException) -> None:
         slot.alive = False
         slot.drain_ref = None
         now = time.monotonic()
@@ -121,7 +115,7 @@ class FleetRecovery:
         if not survivors:
             raise RuntimeError(f"every engine actor is dead (engine {slot.index}: {exc!r}, {slot.restarts} restarts "
                                f"of ray.max_restarts={self.max_restarts}); {len(orphans)} requests were in flight") from exc
-        _log(f"engine actor {slot.index} is gone for good after {slot.restarts} restarts ({type(exc).__name__}); "
+        log(f"engine actor {slot.index} is gone for good after {slot.restarts} restarts ({type(exc).__name__}); "
              f"its {len(orphans)} requests move to the {len(survivors)} other engines")
         for o in orphans:
             self._untrack(o.request.request_id)
@@ -135,5 +129,5 @@ class FleetRecovery:
         for s, reqs in by_slot.items():
             try:
                 ray.get(self.slots[s].actor.submit.remote(reqs, self.slots[s].token))
-            except _GONE as again:
+            except GONE as again:
                 self._recover(s, again)

@@ -6,19 +6,22 @@ monotonic clock (what the training loop reads as 'the engine's timeline'). RayEn
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from rollwise.control.ray_fleet import RayEngineFleet
+from typing import Protocol
 
 TIMELINE_REFRESH_S = 2.0
+
+
+class TimelineSource(Protocol):
+    """What the view asks of the fleet (RayEngineFleet) before it is read: fetch the engines' new points."""
+
+    def refresh_timeline(self, force: bool = False) -> None: ...
 
 
 class FleetView:
     """What the loop reads from 'the engine': the fleet's merged timeline (running sequences summed over
     engines, in this process's monotonic clock) and its capacity (engines x max_num_seqs)."""
 
-    def __init__(self, fleet: RayEngineFleet, name: str, max_num_seqs: int) -> None:
+    def __init__(self, fleet: TimelineSource, name: str, max_num_seqs: int) -> None:
         self._fleet = fleet
         self.name = name
         self.max_num_seqs = max_num_seqs
@@ -28,6 +31,10 @@ class FleetView:
     def timeline(self) -> list[tuple[float, int]]:
         self._fleet.refresh_timeline()
         return self._timeline
+
+    def merge(self, timelines: list[list[tuple[float, int]]], since: float) -> None:
+        """The engines' timelines summed into this view's, from time `since` on (see merge_from)."""
+        merge_from(self._timeline, timelines, since)
 
 
 def merge_from(merged: list[tuple[float, int]], timelines: list[list[tuple[float, int]]], since: float) -> None:

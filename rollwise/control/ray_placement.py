@@ -38,12 +38,12 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rollwise.config import ConfigError, RunConfig, dump_config
+from rollwise.control.ray_calls import get_all, log
 from rollwise.control.ray_engine_actor import engine_actor_class
-from rollwise.control.ray_fleet import RayEngineFleet, _get_all
+from rollwise.control.ray_fleet import RayEngineFleet
 from rollwise.control.ray_fleet_collective import FleetWeightGroup
-from rollwise.control.ray_fleet_recovery import _log
 from rollwise.control.ray_trainer_ranks import RayRankGroup, TrainerRankActor, kill_actors
-from rollwise.rollout.types import Sample
+from rollwise.types.sample import Sample
 from rollwise.sync.buckets import WeightUpdate
 from rollwise.train.sharded import ShardedTrainer
 
@@ -104,7 +104,7 @@ class RaySession:
                 except ConnectionError:
                     # One machine: logical CPUs enough for every bundle (local placement shares the cores too).
                     cpus = max(os.cpu_count() or 1, math.ceil(demand["CPU"]))
-                    _log(f"no running Ray cluster found (ray.address=auto): starting a local one ({cpus} CPUs) for this run")
+                    log(f"no running Ray cluster found (ray.address=auto): starting a local one ({cpus} CPUs) for this run")
                     ray.init(include_dashboard=False, num_cpus=cpus, **kwargs)
             else:
                 _check_reachable(rc.address)
@@ -258,7 +258,7 @@ def start_trainer(cfg: RunConfig, *, fingerprint: str, tokenizer: Any = None) ->
     s.actors.append(actor)
     trainer = RayTrainer(actor)
     s.trainer = trainer
-    s.trainer_ready = lambda: _get_all([trainer.info_ref], cfg.ray.start_timeout_s, "the trainer actor to start")
+    s.trainer_ready = lambda: get_all([trainer.info_ref], cfg.ray.start_timeout_s, "the trainer actor to start")
     return trainer
 
 
@@ -305,11 +305,11 @@ def place_on_ray(cfg: RunConfig, *, fingerprint: str, eos_ids: list[int] | None,
                                collective=collective)
         if s.trainer_ready is not None:
             infos = s.trainer_ready()
-            _log(f"{len(infos)} trainer actor(s) ({rc.trainer_cpus:g} CPU, {rc.trainer_gpus:g} GPU each) on "
+            log(f"{len(infos)} trainer actor(s) ({rc.trainer_cpus:g} CPU, {rc.trainer_gpus:g} GPU each) on "
                  + ", ".join(_where(i) for i in infos))
         if s.scorer is not None:
-            infos = _get_all(s.scorer.info_refs, rc.start_timeout_s, "the reward actors to start")
-            _log(f"{len(infos)} reward actor(s) on " + ", ".join(_where(i) for i in infos))
+            infos = get_all(s.scorer.info_refs, rc.start_timeout_s, "the reward actors to start")
+            log(f"{len(infos)} reward actor(s) on " + ", ".join(_where(i) for i in infos))
     except ray.exceptions.RayTaskError as exc:  # e.g. a tokenizer fingerprint mismatch, said plainly
         s.close()
         raise RuntimeError(str(exc.cause if getattr(exc, "cause", None) is not None else exc)) from None
@@ -317,7 +317,7 @@ def place_on_ray(cfg: RunConfig, *, fingerprint: str, eos_ids: list[int] | None,
         s.close()
         raise
     where = ", ".join(f"engine {sl.index}: {_where(sl.info)}" for sl in fleet.slots)
-    _log(f"{rc.num_engines} engine actor(s) ({fleet.view.name}, {rc.engine_cpus:g} CPU / {rc.engine_gpus:g} GPU each, "
+    log(f"{rc.num_engines} engine actor(s) ({fleet.view.name}, {rc.engine_cpus:g} CPU / {rc.engine_gpus:g} GPU each, "
          f"placement group {rc.placement_strategy}, max_restarts={rc.max_restarts}): {where}")
     for hook in FLEET_HOOKS:
         hook(fleet)

@@ -12,7 +12,7 @@ from typing import Any
 import ray
 
 from rollwise.config import RunConfig, dump_config
-from rollwise.rollout.types import Sample
+from rollwise.types.sample import Sample
 
 
 class RewardActor:

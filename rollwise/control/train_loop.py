@@ -31,7 +31,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from rollwise.config import ConfigError, RunConfig, dump_config
-from rollwise.control.placement import EngineView, Placement, PlaceRequest, place
+from rollwise.control.placement import place
+from rollwise.control.placement.base import EngineView, Placement, PlaceRequest
 from rollwise.control.preflight import (
     RunInputs, check_machine, check_run_dir, check_space, create_run_dir, discard_unstarted_run, load_inputs,
 )
@@ -53,10 +54,11 @@ from rollwise.reward.batch import score_samples
 from rollwise.rollout.data import ProblemStream
 from rollwise.rollout.controller import RolloutController
 from rollwise.rollout.sync_rollout import PromptEncoder
-from rollwise.rollout.types import Sample
-from rollwise.tasks import Problem, Task
+from rollwise.types.sample import Sample
+from rollwise.tasks.base import Problem, Task
 from rollwise.train.checkpoint import latest_checkpoint, whole_checkpoint
 from rollwise.train.checkpoint_manifest import verify_checkpoint
+from rollwise.train.policy_loss import resolve_policy_loss
 
 
 @dataclass
@@ -319,6 +321,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
     t0 = time.monotonic()
     keep_freed_memory()  # (already done by the CLI; here for train() called from Python)
     check_machine(cfg)  # before torch.set_num_threads, which takes threads=100000 and then crashes
+    resolve_policy_loss(cfg.train)  # a custom train.policy_loss: imported and tried on a dummy batch, before loading
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     _seed_everything(cfg.seed)

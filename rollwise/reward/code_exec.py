@@ -23,7 +23,8 @@ from __future__ import annotations
 import re
 
 from rollwise.reward.scoring import RewardConfig, RewardResult
-from rollwise.sandbox import LocalSandbox, RunResult, SandboxLimits
+from rollwise.sandbox.local import LocalSandbox
+from rollwise.sandbox.types import RunResult, SandboxLimits
 from rollwise.tasks.base import Problem
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rollwise.config import RunConfig
-from rollwise.engine.speculation import Drafter
+from rollwise.engine.speculation.drafter import Drafter
 from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
 from rollwise.protocols import RolloutBackend
 from rollwise.rollout import admission
@@ -46,8 +46,8 @@ from rollwise.rollout.ledger import RolloutLedger
 from rollwise.rollout.sync_rollout import PromptEncoder, RolloutPlan, build_requests, sampling_seed, to_samples
 from rollwise.types.compact import lowest_version, token_array
 from rollwise.types.sample import Sample
-from rollwise.tasks import Problem
-from rollwise.train.grpo import assign_advantages
+from rollwise.tasks.base import Problem
+from rollwise.train.advantages import assign_advantages
 
 # Called with a complete group's samples, to score them (reward) in place.
 ScoreFn = Callable[[list[Sample]], None]
@@ -84,7 +84,7 @@ class ControllerDefaults:
     per episode; tool-call counts)."""
 
     def assign_advantages(self, samples: list[Sample], mode: str) -> float:
-        return assign_advantages(samples, mode)  # type: ignore[arg-type]
+        return assign_advantages(samples, mode)
 
     def step_metrics(self) -> dict[str, float]:
         return {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rollwise.tasks import Problem
+from rollwise.tasks.base import Problem
 
 
 class ProblemStream:

@@ -14,7 +14,8 @@ from transformers import PreTrainedTokenizerBase
 from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
 from rollwise.reward.scoring import RewardConfig
 from rollwise.types.sample import Sample
-from rollwise.tasks import Problem, PromptConfig, build_messages, encode_prompt
+from rollwise.tasks.base import Problem
+from rollwise.tasks.prompts import build_messages, encode_prompt, PromptConfig
 
 
 @dataclass

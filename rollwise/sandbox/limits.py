@@ -14,7 +14,7 @@ import logging
 import platform
 from dataclasses import dataclass
 
-from rollwise.sandbox import seccomp
+import rollwise.sandbox.seccomp as seccomp
 from rollwise.sandbox.cgroups import cgroup_support
 from rollwise.sandbox.isolation import IsolationReport, detect_isolation
 from rollwise.sandbox.launch import IsolationLevel, bwrap_supports

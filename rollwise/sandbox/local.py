@@ -12,7 +12,8 @@ import subprocess
 import threading
 from pathlib import Path
 
-from rollwise.sandbox import files, seccomp
+import rollwise.sandbox.files as files
+import rollwise.sandbox.seccomp as seccomp
 from rollwise.sandbox.cgroups import LAUNCHER_PIDS, CgroupError, CommandCgroup, cgroup_support
 from rollwise.sandbox.isolation import IsolationReport, detect_isolation
 from rollwise.sandbox.launch import IsolationLevel, LaunchFds, build_launch

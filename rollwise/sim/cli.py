@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 from rich.console import Console
+
+from rollwise.sim.commands import SimCommand, write_json
 
 DESCRIPTION = """\
 The cluster simulator: the production rollout controller and routing policies (unchanged code) drive
@@ -68,14 +68,6 @@ def _overrides(items: list[str]) -> dict[str, Any]:
         key, value = item.split("=", 1)
         out[key] = yaml.safe_load(value)
     return out
-
-
-def write_json(path: Path | None, data: Any, console: Console) -> None:
-    """Write `data` as JSON to `path` when one was given (--json), and say so."""
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=2, default=str))
-        console.print(f"wrote {path}")
 
 
 def _public(r: dict[str, Any]) -> dict[str, Any]:
@@ -170,18 +162,6 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-@dataclass(frozen=True)
-class SimCommand:
-    """A `rollwise sim` subcommand defined outside the simulator. calibrate and validate* run real engines
-    and benchmarks, so they live on the bench side (rollwise.bench.sim_commands): the simulator imports
-    nothing of bench, and rollwise/cli.py hands them in here."""
-
-    name: str
-    help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace, Console], int]
-
-
 def build_parser(extra: Sequence[SimCommand] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollwise sim", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -220,7 +200,7 @@ def build_parser(extra: Sequence[SimCommand] = ()) -> argparse.ArgumentParser:
 
 def main(argv: list[str], extra: Sequence[SimCommand] = ()) -> int:
     """`rollwise sim ARGV`; `extra`: the bench side's subcommands (calibrate, validate*), from rollwise/cli.py."""
-    from rollwise.sim.intercept import command as intercept_command  # issue 21; imports this module back
+    from rollwise.sim.intercept_cli import command as intercept_command  # issue 21
     from rollwise.sim.lora import command as lora_command
 
     extra = (*extra, intercept_command(), lora_command())  # lora: issue 22 (rollwise.sim.lora)

@@ -40,7 +40,7 @@ _WORKER = '''
 import json, sys, time, torch
 torch.set_num_threads(1)
 from rollwise.engine.types import GenerationRequest, SamplingParams
-from rollwise.engine.reference import ReferenceEngine
+from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.model.loading import load_model
 model, _ = load_model("tiny:0")
 if sys.argv[5] == "engine":

@@ -482,10 +482,3 @@ def projection(cost: CostModel, model: RetentionModel, work: InterceptWorkload, 
                          **{k: v for k, v in result.as_dict().items() if k != "episodes_per_s"}})
     return rows
 
-
-def command() -> Any:
-    from rollwise.sim.cli import SimCommand  # noqa: PLC0415 - sim.cli imports this module lazily
-    from rollwise.sim.intercept_cli import add_arguments, run  # noqa: PLC0415 - it imports this module
-
-    return SimCommand("intercept", "session KV retention policies at 64-4096 GPUs (--from-bench: validate)",
-                      add_arguments, run)

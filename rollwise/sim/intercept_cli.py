@@ -23,6 +23,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from rollwise.sim.commands import SimCommand, write_json
 from rollwise.sim.cost import CostModel, load_cost_file
 from rollwise.sim.intercept import projection, simulate
 from rollwise.sim.intercept_models import InterceptWorkload, RetentionModel, ToolSpec
@@ -80,8 +81,6 @@ def compare(measured: dict[str, Any], simulated: dict[str, Any]) -> dict[str, An
 
 
 def replay_bench(args: argparse.Namespace, console: Console) -> int:
-    from rollwise.sim.cli import write_json  # noqa: PLC0415 - the cli imports this module lazily
-
     bench = json.loads(args.from_bench.read_text())
     rows = replay_rows(bench, args.seed)
     table = Table(title=f"rollwise bench intercept vs its simulation (medians; simulated: median over {REPLAY_SEEDS} "
@@ -136,8 +135,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, console: Console) -> int:
     if args.from_bench:
         return replay_bench(args, console)
-    from rollwise.sim.cli import write_json  # noqa: PLC0415 - the cli imports this module lazily
-
     cost, _ = load_cost_file(args.cost)  # a path or a bundled name
     model, work = default_scenario(cost, args.kv_bytes_per_token)
     if args.scenario:
@@ -156,3 +153,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     write_json(args.json, {"command": " ".join(["rollwise"] + sys.argv[1:]), "cost": cost.name, "rows": rows,
                            "workload": work.model_dump(), "retention": model.model_dump()}, console)
     return 0
+
+
+def command() -> SimCommand:
+    return SimCommand("intercept", "session KV retention policies at 64-4096 GPUs (--from-bench: validate)",
+                      add_arguments, run)

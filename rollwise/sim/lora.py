@@ -36,6 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.sim.commands import SimCommand, write_json
 from rollwise.sim.cost import CostModel, TrainerModel, load_cost_file
 from rollwise.sim.engine import SimEngine, VirtualClock
 from rollwise.sim.events import EventQueue
@@ -232,8 +233,6 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
-    from rollwise.sim.cli import write_json
-
     engines = tuple(int(x) for x in args.engines.split(","))
     rows = project(args.cost, args.jobs, engines, AdapterCost(decode_overhead=args.decode_overhead), args.steps,
                    pool=args.pool)
@@ -264,8 +263,6 @@ def _pool_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> Table:
     return table
 
 
-def command() -> Any:
-    from rollwise.sim.cli import SimCommand
-
+def command() -> SimCommand:
     return SimCommand("lora", "project N LoRA jobs sharing engines vs dedicated engines (issue 22)",
                       _add_arguments, _run)

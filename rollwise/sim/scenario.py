@@ -135,7 +135,7 @@ class LengthModel:
                 raise ValueError(f"trace file {p} holds no lengths")
 
     def draw(self, key: int) -> int:
-        u1, u2 = _uniform(self.seed, key, 1), _uniform(self.seed, key, 2)
+        u1, u2 = uniform_draw(self.seed, key, 1), uniform_draw(self.seed, key, 2)
         if self.trace is not None:
             return max(1, self.trace[int(u1 * len(self.trace))])
         z = math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)  # Box-Muller
@@ -149,7 +149,7 @@ class LengthModel:
 _MASK = (1 << 64) - 1
 
 
-def _uniform(seed: int, key: int, stream: int) -> float:
+def uniform_draw(seed: int, key: int, stream: int) -> float:
     """A uniform in (0, 1) from (seed, key, stream) by splitmix64: cheap, and the same on every run."""
     z = (seed * 0x9E3779B97F4A7C15 + key * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB) & _MASK
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK

@@ -15,7 +15,7 @@ from rollwise.observe.bubble import busy_integral
 from rollwise.router.policies import make_policy
 from rollwise.sim.cluster import SimCluster
 from rollwise.sim.engine import SimEngine, VirtualClock
-from rollwise.sim.scenario import LengthModel, Scenario, _uniform
+from rollwise.sim.scenario import LengthModel, Scenario, uniform_draw
 
 
 def simulate_sessions(s: Scenario) -> dict[str, Any]:
@@ -60,7 +60,7 @@ def simulate_sessions(s: Scenario) -> dict[str, Any]:
         k, turn = int(c.request_id[1:].split("/")[0]), int(c.request_id.split("/t")[1])
         prompt = prompts.pop(c.request_id)
         if turn + 1 < spec.turns:
-            u1, u2 = _uniform(s.seed, k * 1000 + turn, 3), _uniform(s.seed, k * 1000 + turn, 4)
+            u1, u2 = uniform_draw(s.seed, k * 1000 + turn, 3), uniform_draw(s.seed, k * 1000 + turn, 4)
             z = math.sqrt(-2 * math.log(u1)) * math.cos(2 * math.pi * u2)
             delay = spec.tool_latency_median_s * math.exp(spec.tool_latency_sigma * z)
             result = [3 + (k * 7 + turn * 131 + j) % 31997 for j in range(spec.tool_result_tokens)]

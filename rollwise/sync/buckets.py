@@ -1,16 +1,18 @@
-"""The weight-update format every transport speaks, and the receiving side's two-phase apply.
+"""The weight update every transport carries (`WeightUpdate`: a manifest and its payload), and the
+in-process transport.
 
 A weight update is a `WeightManifest` (version, tokenizer fingerprint, every tensor's name, shape,
-dtype and place) plus the bytes, cut into ordered buckets of at most `bucket_mb` MiB so a transport
-never needs a second full copy of the model in flight. A bucket travels as one contiguous uint8
-buffer (`flatten_bucket`); the receiver turns it back into typed views without copying
-(`unflatten_bucket`).
+dtype and place; rollwise.types.weights) plus the bytes, cut into ordered buckets of at most `bucket_mb`
+MiB so a transport never needs a second full copy of the model in flight. A bucket travels as one
+contiguous uint8 buffer (`flatten_bucket`); the receiver turns it back into typed views without copying
+(`unflatten_bucket`); both, the checksums and `build_manifest` are rollwise.sync.layout's.
 
-Receiving is two-phase and shared by all transports: stage every bucket (`StagedUpdate`, which
-checks each bucket's layout and checksum as it lands), then `WeightReceiver.commit` verifies the
-whole manifest against the engine (tokenizer fingerprint, names, shapes, dtypes, nothing missing)
-and only then calls `engine.update_weights`. Any problem raises `WeightUpdateError` before a single
-weight is written, so an engine is always on one complete version, never a mix.
+Receiving is two-phase and shared by all transports (rollwise.sync.receiver): stage every bucket
+(`StagedUpdate`, which checks each bucket's layout and checksum as it lands), then
+`WeightReceiver.commit` verifies the whole manifest against the engine (tokenizer fingerprint, names,
+shapes, dtypes, nothing missing) and only then calls `engine.update_weights`. Any problem raises
+`WeightUpdateError` before a single weight is written, so an engine is always on one complete
+version, never a mix.
 
 Checksum: xxh3-64 (the xxhash package; format v1 used zlib's CRC32, ~5x slower here, and both sides
 hash every byte of a push). It exists to catch accidental damage (a truncated or half-copied file, a
@@ -28,40 +30,9 @@ from typing import Any
 
 from torch import Tensor
 
-# The bucket layout (rollwise.sync.layout) and the receiving side (rollwise.sync.receiver) live in
-# their own modules; this one holds the update itself and re-exports both for the transports' importers.
-from rollwise.sync.layout import (
-    MIB,
-    build_manifest,
-    bucket_checksum,
-    flatten_bucket,
-    parse_manifest,
-    plan_buckets,
-    unflatten_bucket,
-)
-from rollwise.sync.receiver import StagedUpdate, WeightReceiver, raise_if_rejected
-from rollwise.types.weight_checks import IGNORED_SUFFIXES
-
-# The manifest and the expected-weights types live in the types layer (rollwise.types.weights): the
-# engines read them too. Re-exported here for the transports' importers.
-from rollwise.types.weights import (
-    ALIGN,
-    FORMAT,
-    BucketSpec,
-    ExpectedWeights,
-    TensorSpec,
-    WeightManifest,
-    WeightUpdateError,
-    dtype_from_name,
-    dtype_name,
-)
-
-__all__ = [
-    "ALIGN", "FORMAT", "IGNORED_SUFFIXES", "MIB", "BucketSpec", "ExpectedWeights", "InProcessTransport",
-    "StagedUpdate", "TensorSpec", "WeightManifest", "WeightReceiver", "WeightUpdate", "WeightUpdateError",
-    "build_manifest", "bucket_checksum", "dtype_from_name", "dtype_name", "flatten_bucket", "parse_manifest",
-    "plan_buckets", "raise_if_rejected", "unflatten_bucket",
-]
+from rollwise.sync.layout import build_manifest
+from rollwise.sync.receiver import WeightReceiver, raise_if_rejected
+from rollwise.types.weights import WeightManifest, WeightUpdateError
 
 
 # ---------------------------------------------------------------------------- the update

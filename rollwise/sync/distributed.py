@@ -34,16 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rollwise.sync.buckets import (
-    StagedUpdate,
-    WeightManifest,
-    WeightReceiver,
-    WeightUpdateError,
-    build_manifest,
-    flatten_bucket,
-    parse_manifest,
-    raise_if_rejected,
-)
+from rollwise.sync.layout import build_manifest, flatten_bucket, parse_manifest
+from rollwise.sync.receiver import raise_if_rejected, StagedUpdate, WeightReceiver
+from rollwise.types.weights import WeightManifest, WeightUpdateError
 from rollwise.types.weights import AdapterSpec
 
 

@@ -20,14 +20,9 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from rollwise.sync.buckets import (
-    StagedUpdate,
-    WeightManifest,
-    WeightReceiver,
-    WeightUpdateError,
-    build_manifest,
-    parse_manifest,
-)
+from rollwise.sync.layout import build_manifest, parse_manifest
+from rollwise.sync.receiver import StagedUpdate, WeightReceiver
+from rollwise.types.weights import WeightManifest, WeightUpdateError
 
 MANIFEST = "manifest.json"
 _VERSION_DIR = re.compile(r"v(\d+)")

@@ -1,6 +1,6 @@
 """The bucket layout of a weight update: how tensors are cut into ordered buckets of at most
 `bucket_mb` MiB, packed into one contiguous uint8 buffer each and checksummed, and the manifest that
-describes them. The format itself is described in rollwise.sync.buckets, which re-exports all of this.
+describes them. The format itself is described in rollwise.sync.buckets.
 """
 
 from __future__ import annotations

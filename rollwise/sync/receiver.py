@@ -1,29 +1,39 @@
 """The receiving side of a weight update: stage its buckets (`StagedUpdate`), then check the whole
 manifest against the engine and apply it at once or not at all (`WeightReceiver`, the checked two-phase
-commit every transport ends in). rollwise.sync.buckets describes the format and re-exports these
-names for its importers. The rules themselves (names, shapes, dtypes, finite values, versions only
-forward) are rollwise.types.weight_checks', shared with the engine server's disk route and the engines.
+commit every transport ends in; a LoRA adapter's manifest is checked with rollwise.sync.adapter_checks
+and loaded beside the base). rollwise.sync.buckets describes the format. The rules themselves (names,
+shapes, dtypes, finite values, versions only forward) are rollwise.types.weight_checks', shared with the
+engine server's disk route and the engines.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch import Tensor
 
+from rollwise.sync.adapter_checks import adapter_problems, adapter_version, base_projections
 from rollwise.sync.layout import bucket_checksum, unflatten_bucket
 from rollwise.types.weight_checks import (
     WeightProblem,
+    adapter_spec_problems,
     missing_problems,
     nonfinite_problems,
     tensor_problems,
     version_problem,
 )
-from rollwise.types.weights import ExpectedWeights, WeightManifest, WeightUpdateError, dtype_name
+from rollwise.types.weights import MAX_LORA_ALPHA, ExpectedWeights, WeightManifest, WeightUpdateError, dtype_name
 
-if TYPE_CHECKING:
-    from rollwise.sync.buckets import WeightUpdate
+
+class CarriedUpdate(Protocol):
+    """What `WeightReceiver.receive` reads of an update: rollwise.sync.buckets.WeightUpdate, which is built
+    on this module, named by its shape so that the receiving side imports nothing above it."""
+
+    @property
+    def manifest(self) -> WeightManifest: ...
+
+    def tensors(self) -> Mapping[str, Tensor]: ...
 
 
 # ---------------------------------------------------------------------------- receiving
@@ -137,9 +147,7 @@ class WeightReceiver:
     def check(self, manifest: WeightManifest) -> None:
         """Reject a manifest this engine cannot take, before any bytes are read."""
         if manifest.adapter is not None:  # a LoRA adapter, not the model (rollwise.sync.adapters)
-            from rollwise.sync.adapters import check_adapter
-
-            check_adapter(self, manifest)
+            self._check_adapter(manifest)
             return
         version = manifest.version
         backwards = version_problem(version, self.policy_version)
@@ -170,9 +178,7 @@ class WeightReceiver:
         """Phase two: verify everything, then apply the whole update at once (or nothing)."""
         manifest = staged.manifest
         if manifest.adapter is not None:  # a LoRA adapter: loaded beside the base (rollwise.sync.adapters)
-            from rollwise.sync.adapters import commit_adapter
-
-            commit_adapter(self, staged)
+            self._commit_adapter(staged)
             return
         self.check(manifest)
         problems = staged.arrival_problems()
@@ -193,7 +199,7 @@ class WeightReceiver:
         except ValueError as exc:  # the engine's own validation; it also leaves the weights untouched
             raise self.reject(manifest.version, [WeightProblem("weights", str(exc))], "Nothing was applied.") from exc
 
-    def receive(self, update: WeightUpdate) -> None:
+    def receive(self, update: CarriedUpdate) -> None:
         """The one entry every transport ends in: stage the update's tensors, check it whole, apply it."""
         self.apply_state(update.manifest, update.tensors())
 
@@ -204,6 +210,59 @@ class WeightReceiver:
             staged.add(bucket.index, {t.name: state[t.name] for t in bucket.tensors if t.name in state},
                        source=f"bucket {bucket.index}")
         self.commit(staged)
+
+    # ------------------------------------------------------------ LoRA adapters (rollwise.sync.adapters)
+
+    def _check_adapter(self, manifest: WeightManifest) -> None:
+        """WeightReceiver.check for an adapter manifest: refuse before any bytes are read."""
+        spec = manifest.adapter
+        assert spec is not None
+        problems = adapter_spec_problems(spec)
+        if problems:
+            raise self.reject(manifest.version, problems, f"Send a LoRA spec with rank >= 1, a finite alpha in "
+                                                          f"(0, {MAX_LORA_ALPHA:g}] and a plain name.")
+        current = self.policy_version if spec.default else adapter_version(self.engine, spec.name)
+        backwards = version_problem(manifest.version, current, f"adapter {spec.name!r}")
+        if backwards is not None:
+            raise self.reject(manifest.version, [backwards], "Nothing was applied.")
+        fingerprint = self.tokenizer_fingerprint
+        if fingerprint is not None and manifest.tokenizer_fingerprint != fingerprint:
+            raise self.reject(manifest.version, [WeightProblem("tokenizer_fingerprint",
+                                                               "tokenizer fingerprint differs from the engine's")],
+                              "The trainer and the engine tokenize differently: start both from the same model.")
+        problems = adapter_problems(manifest, base_projections(self.expected))
+        if problems:
+            raise self.reject(manifest.version, [p.prefixed(f"adapter {spec.name!r}: ") for p in problems],
+                              "The adapter does not fit the engine's base model: train it on the same base, "
+                              "with the rank and target_modules its manifest declares.")
+
+    def _commit_adapter(self, staged: StagedUpdate) -> None:
+        """WeightReceiver.commit for an adapter: check it whole, then load it (or nothing)."""
+        manifest = staged.manifest
+        spec = manifest.adapter
+        assert spec is not None
+        self._check_adapter(manifest)
+        problems = staged.arrival_problems()
+        if problems:
+            raise self.reject(manifest.version, problems, "Nothing was applied; push the adapter again.")
+        # Checked here, not only by the engine loading it: a pool stores the adapter for engines that load it later.
+        problems = nonfinite_problems(staged.tensors)
+        if problems:
+            raise self.reject(manifest.version, [p.prefixed(f"adapter {spec.name!r}: ") for p in problems],
+                              "Nothing was applied.")
+        state = dict(staged.tensors)
+        engine = self.engine
+        if not hasattr(getattr(engine, "engine", engine), "load_adapter"):
+            raise self.reject(manifest.version, [WeightProblem("adapter", f"{type(engine).__name__} cannot serve "
+                                                                          "LoRA adapters")],
+                              "Use the reference or vLLM engine for train.lora runs.")
+        try:
+            if hasattr(engine, "call_here"):  # an EngineWorker: load between two steps
+                engine.call_here(lambda e: e.load_adapter(spec, state, manifest.version))
+            else:
+                engine.load_adapter(spec, state, manifest.version)
+        except ValueError as exc:  # the engine's own validation; it also leaves everything as it was
+            raise self.reject(manifest.version, [WeightProblem("adapter", str(exc))], "Nothing was applied.") from exc
 
 
 def raise_if_rejected(version: int, failures: Sequence[tuple[str, str]], total: int) -> None:

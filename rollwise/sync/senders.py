@@ -25,7 +25,8 @@ from torch import Tensor
 
 from rollwise.protocols import Trainer
 from rollwise.sync.adapters import AdapterSender, is_lora_trainer
-from rollwise.sync.buckets import WeightUpdate, build_manifest
+from rollwise.sync.buckets import WeightUpdate
+from rollwise.sync.layout import build_manifest
 
 SenderKind = Literal["in-process", "object-store", "collective"]
 

@@ -11,9 +11,8 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from rollwise.tasks.base import Problem, Split, Task
+from rollwise.tasks.base import Task
 from rollwise.tasks.jsonl_task import JsonlTask
-from rollwise.tasks.prompts import PromptConfig, build_messages, encode_prompt
 from rollwise.tasks.reasoning_gym_task import ReasoningGymTask
 from rollwise.types.config_section import ConfigSection
 
@@ -111,15 +110,7 @@ def make_task(cfg: TaskConfig | BaseModel | dict[str, Any]) -> Task:
 __all__ = [
     "DEFAULT_RG_EVAL_SIZE",
     "DEFAULT_RG_TRAIN_SIZE",
-    "JsonlTask",
-    "Problem",
-    "PromptConfig",
-    "ReasoningGymTask",
-    "Split",
     "TASK_BUILDERS",
-    "Task",
     "TaskConfig",
-    "build_messages",
-    "encode_prompt",
     "make_task",
 ]

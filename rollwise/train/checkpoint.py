@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -34,12 +34,22 @@ from rollwise.train.checkpoint_manifest import (
     RNG_FILE, STATE_FILE, CheckpointError, reading, state_record, verify_checkpoint, write_manifest,
 )
 from rollwise.train.lora import is_lora, load_adapter
-from rollwise.train.trainer import GRPOTrainer
 
 OPTIMIZER_FILE = "optimizer.pt"
 PARTIAL_PREFIX = "."  # a checkpoint being written: `.step_000012.XXXX`, renamed to `step_000012` when whole
 DCP_DIR = "dcp"
 SCHEDULER_FILE = "scheduler.pt"
+
+
+class CheckpointedTrainer(Protocol):
+    """What a checkpoint saves and restores of a trainer: GRPOTrainer (rollwise.train.trainer), which calls
+    save_checkpoint / load_checkpoint with itself. Named by its shape, so this module imports nothing of the
+    trainer and the trainer imports it without a circle."""
+
+    model: nn.Module  # a Hugging Face model (save_pretrained), LoRA-wrapped with train.lora
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    version: int
 
 
 def write_checkpoint(run_dir: Path, step: int, version: int, extra: dict[str, Any], keep_last: int,
@@ -94,7 +104,7 @@ def _tree_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def save_checkpoint(run_dir: Path, trainer: GRPOTrainer, tokenizer, step: int, extra: dict[str, Any], keep_last: int) -> Path:
+def save_checkpoint(run_dir: Path, trainer: CheckpointedTrainer, tokenizer, step: int, extra: dict[str, Any], keep_last: int) -> Path:
     """`step` is the number of completed training steps; resume starts at `step`."""
 
     def write(tmp: Path) -> None:
@@ -159,7 +169,7 @@ def optimizer_state_by_name(model: nn.Module, state: dict[str, Any]) -> dict[str
     }
 
 
-def load_checkpoint(ckpt: Path, trainer: GRPOTrainer) -> dict[str, Any]:
+def load_checkpoint(ckpt: Path, trainer: CheckpointedTrainer) -> dict[str, Any]:
     """Restore weights, optimizer, scheduler, policy version and RNG states; return state.json."""
     state = load_rng_and_state(ckpt)
     if is_lora(trainer.model):  # train.lora: model/ holds the adapter only (the base is the run's model)
@@ -189,7 +199,7 @@ def _load_model_weights(ckpt: Path, model: nn.Module) -> None:
         raise ValueError(f"checkpoint {ckpt} does not match the model: missing {missing}, unexpected {unexpected}")
 
 
-def _load_sharded_optimizer(ckpt: Path, trainer: GRPOTrainer) -> None:
+def _load_sharded_optimizer(ckpt: Path, trainer: CheckpointedTrainer) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 

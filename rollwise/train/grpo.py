@@ -1,17 +1,21 @@
-"""GRPO: group-relative advantages and the token-level clipped surrogate (DAPO-style clip bounds).
+"""GRPO: group-relative advantages, the batch loss weights, and the token-level clipped surrogate
+(DAPO-style clip bounds) for callers with plain tensors.
 
-Pure functions on tensors (plus writing advantages onto Samples), each tested against hand-computed values.
+Pure functions on tensors, each tested against hand-computed values. The estimators, policy losses and
+corrections a run chooses by name live in rollwise.train.advantages, .policy_loss and .corrections.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from rollwise.types.sample import Sample, group_samples
+from rollwise.train.corrections import correction
+from rollwise.train.policy_loss import ClipSettings, LossTerms, PolicyLoss, PolicyLossInputs, ppo_clip
+
+__all__ = ["LossTerms", "clipped_surrogate_loss", "group_advantages", "off_policy_weights", "token_weights"]
 
 
 def group_advantages(rewards: Tensor, mode: Literal["mean_std", "mean"] = "mean_std", eps: float = 1e-6) -> Tensor:
@@ -19,7 +23,8 @@ def group_advantages(rewards: Tensor, mode: Literal["mean_std", "mean"] = "mean_
 
     mean_std: (r - mean) / (std + eps), the GRPO paper's normalisation (unbiased std, as verl/TRL).
     mean:     r - mean, Dr. GRPO's choice (no per-group rescaling, so easy groups don't shout).
-    A group whose rewards are all equal gets advantage 0 in both modes: it teaches nothing.
+    A group whose rewards are all equal gets advantage 0 in both modes (it teaches nothing) when float32
+    computes their mean exactly; it does not always (16 rewards of 0.1 give |advantages| ~ 0.007).
     """
     if rewards.dim() != 2 or rewards.shape[1] < 2:
         raise ValueError(f"rewards must be [groups, group_size >= 2], got {tuple(rewards.shape)}")
@@ -31,48 +36,15 @@ def group_advantages(rewards: Tensor, mode: Literal["mean_std", "mean"] = "mean_
     raise ValueError(f"advantage mode must be 'mean_std' or 'mean', got {mode!r}")
 
 
-def assign_advantages(samples: list[Sample], mode: Literal["mean_std", "mean"]) -> float:
-    """Group-relative advantages of scored samples, in place; returns the fraction of groups with
-    zero reward variance (groups that teach nothing)."""
-    groups = list(group_samples(samples).values())
-    rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)
-    adv = group_advantages(rewards, mode)
-    for g, row in zip(groups, adv):
-        for s, a in zip(g, row.tolist()):
-            s.advantage = a
-    return float((rewards.std(dim=1) == 0).float().mean())
-
-
-@dataclass
-class LossTerms:
-    loss: Tensor  # scalar to backpropagate (already divided by the batch's normaliser)
-    clipped_tokens: Tensor  # count of tokens where the clip was active
-    kl_sum: Tensor  # sum of k3 KL over tokens (0 when no reference)
-
-
-OffPolicyCorrection = Literal["none", "decoupled", "tis"]
+OffPolicyCorrection = Literal["none", "decoupled", "tis", "mis", "icepop"]
 
 
 def off_policy_weights(
     proximal_logp: Tensor, behaviour_logp: Tensor, mode: OffPolicyCorrection, cap: float | None = None
 ) -> Tensor:
-    """Per-token importance weights pi_prox / pi_behav for tokens an older (or numerically different)
-    policy sampled. No gradient flows through them.
-
-    decoupled: AReaL's decoupled PPO weight, exact (optionally capped at `cap`).
-    tis:       truncated importance sampling (Yao et al. 2025): min(weight, cap), cap required.
-    none:      all ones (the on-policy spine).
-    """
-    if mode == "none":
-        return torch.ones_like(behaviour_logp)
-    weight = torch.exp((proximal_logp - behaviour_logp).detach())
-    if mode == "tis":
-        if cap is None:
-            raise ValueError("tis needs a cap (train.is_cap)")
-        return weight.clamp(max=cap)
-    if mode == "decoupled":
-        return weight if cap is None else weight.clamp(max=cap)
-    raise ValueError(f"off-policy correction must be 'none', 'decoupled' or 'tis', got {mode!r}")
+    """Per-token importance weights pi_prox / pi_behav of a token-level correction (no gradient):
+    rollwise.train.corrections.correction's weights (decoupled: capped at `cap` if given; tis: min(w, cap))."""
+    return correction(proximal_logp, behaviour_logp, mode, cap=cap).weights
 
 
 def clipped_surrogate_loss(
@@ -88,7 +60,8 @@ def clipped_surrogate_loss(
     proximal_logp: Tensor | None = None,
     is_weights: Tensor | None = None,
 ) -> LossTerms:
-    """Token-level PPO-clip loss over flattened trained tokens.
+    """Token-level PPO-clip loss over flattened trained tokens (train.policy_loss=ppo_clip, the trainer's
+    default: rollwise.train.policy_loss), for callers holding plain tensors.
 
     logp            [N] trainer log-probs (with grad)
     behaviour_logp  [N] log-probs of the policy that sampled each token (the engine's)
@@ -102,23 +75,16 @@ def clipped_surrogate_loss(
                     carry the off-policy correction. Without it: the ratio is against the behaviour
                     policy, the on-policy GRPO of the spine.
     """
-    old_logp = behaviour_logp if proximal_logp is None else proximal_logp.detach()
-    ratio = torch.exp(logp - old_logp)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
-    per_token = -torch.minimum(unclipped, clipped)
-    if is_weights is not None:
-        per_token = per_token * is_weights.detach()
-    kl_sum = torch.zeros((), dtype=logp.dtype)
-    if ref_logp is not None and kl_coef > 0:
-        # k3 estimator of KL(pi || ref): unbiased, always >= 0, low variance (Schulman 2020).
-        log_ratio_ref = ref_logp - logp
-        kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1.0
-        per_token = per_token + kl_coef * kl
-        kl_sum = kl.detach().sum()
-    loss = (per_token * token_weights).sum()
-    clipped_tokens = (clipped < unclipped).sum()
-    return LossTerms(loss=loss, clipped_tokens=clipped_tokens, kl_sum=kl_sum)
+    n = logp.shape[0]
+    batch = PolicyLossInputs(
+        logp=logp, behaviour_logp=behaviour_logp,
+        old_logp=behaviour_logp if proximal_logp is None else proximal_logp.detach(), advantages=advantages,
+        token_weights=token_weights, is_weights=torch.ones_like(logp) if is_weights is None else is_weights,
+        kept=torch.ones(n, dtype=torch.bool, device=logp.device), seq_index=torch.zeros(n, dtype=torch.long,
+        device=logp.device), num_seqs=1, versions=torch.zeros(n, dtype=torch.long, device=logp.device),
+        policy_version=0)
+    loss = PolicyLoss("ppo_clip", ClipSettings(clip_low, clip_high), builtin=ppo_clip)
+    return loss.terms(batch, corrected=is_weights is not None, masked=False, ref_logp=ref_logp, kl_coef=kl_coef)
 
 
 def token_weights(response_lengths: list[int], agg: Literal["token_mean", "seq_mean_token_mean"]) -> Tensor:

@@ -22,10 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from rollwise.types.microbatch import pack_responses  # re-exported: the packed forward's row layout
-
-__all__ = ["KEEP_PROBS_MIB", "FusedLogprobs", "lm_head_logprobs", "sequence_logprobs", "shared_prompt_logprobs",
-           "pack_responses"]
+__all__ = ["KEEP_PROBS_MIB", "FusedLogprobs", "lm_head_logprobs", "sequence_logprobs", "shared_prompt_logprobs"]
 
 KEEP_PROBS_MIB = 512  # fused path: softmax kept for the backward up to this size (else recomputed)
 

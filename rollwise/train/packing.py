@@ -41,6 +41,10 @@ class GroupMicroBatch:
     routing: ReplayBatch | None = None
     segment_start: Tensor | None = None  # packed: [rows, W] column where each token's response starts, -1 padding
     order: Tensor | None = None  # packed: [N] flat index into [rows, W] of each response token, in sample order
+    # Each trained token's sample (0..num_seqs-1) and sampling policy version (rollwise.train.policy_loss)
+    seq_index: Tensor | None = None
+    versions: Tensor | None = None
+    num_seqs: int = 0
 
     def logprobs(self, model: nn.Module, temperature: float, chunk_tokens: int,
                  fused: bool = False) -> tuple[Tensor, Tensor]:
@@ -119,6 +123,9 @@ class PackedGroupsMicroBatch:
     weights: Tensor  # [N]
     padding: bool = False  # a sharded rank's zero-weight repeat (see rollwise.train.trainer.MicroBatch)
     routing: ReplayBatch | None = None  # never set: MoE routing replay takes the padded layout
+    seq_index: Tensor | None = None  # as GroupMicroBatch's
+    versions: Tensor | None = None
+    num_seqs: int = 0
 
     def logprobs(self, model: nn.Module, temperature: float, chunk_tokens: int,
                  fused: bool = False) -> tuple[Tensor, Tensor]:

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from rollwise.config import TrainConfig, TrainerConfig
 from rollwise.train.checkpoint import load_rng_and_state, write_checkpoint
 from rollwise.train.grpo import token_weights
+from rollwise.train.policy_loss import resolve_policy_loss, skips_zero_advantage
 from rollwise.train.rank import RankWork
 from rollwise.train.rank_group import ProcessRankGroup, RankGroup, TrainerRankError
 from rollwise.types.microbatch import chunk_samples, computed_tokens
@@ -88,7 +89,8 @@ def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     out["trained_tokens"] = total
     if "weights_landing_s" in out:  # the slowest rank's copy into the shared landing
         out["weights_landing_s"] = max(m["weights_landing_s"] for m in per_rank)
-    for key in ("clip_fraction", "entropy", "kl", "is_weight_mean", "mismatch_abs_logp", "mismatch_k3"):
+    for key in ("clip_fraction", "entropy", "kl", "is_weight_mean", "is_masked_fraction", "mismatch_abs_logp",
+                "mismatch_k3"):
         if key in out:
             out[key] = sum(m[key] * n for m, n in zip(per_rank, tokens)) / max(total, 1.0)
     return out
@@ -102,6 +104,7 @@ class ShardedTrainer:
                  temperature: float = 1.0, tokenizer: Any = None, threads: int = 0,
                  bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
         refuse_torchrun(os.environ)
+        resolve_policy_loss(cfg)  # a custom train.policy_loss is checked here, once, before any rank starts
         group = ProcessRankGroup(model, cfg, trainer_cfg, pad_token_id=pad_token_id, temperature=temperature,
                                  threads=threads or len(os.sched_getaffinity(0)))
         self._attach(group, cfg, tokenizer, bucket_mb)
@@ -133,7 +136,7 @@ class ShardedTrainer:
         return self._version
 
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
-        informative = [s for s in samples if s.advantage != 0.0] if self.cfg.kl_coef == 0 else samples
+        informative = [s for s in samples if s.advantage != 0.0] if skips_zero_advantage(self.cfg) else samples
         informative = [s for s in informative if s.trained_tokens]
         if not informative:
             # Nothing to learn from: entropy and mismatch of the first micro-batch, measured on all

@@ -22,9 +22,13 @@ from rollwise.config import TrainConfig
 from rollwise.model.precision import resolve_dtype
 from rollwise.types.microbatch import chunk_samples, computed_tokens, prompt_groups
 from rollwise.types.sample import Sample
-from rollwise.train.grpo import clipped_surrogate_loss, off_policy_weights, token_weights
+import rollwise.train.checkpoint as checkpoint
+from rollwise.train.corrections import MASKING
+from rollwise.train.corrections import correction as correction_of
+from rollwise.train.grpo import token_weights
 from rollwise.train.lora import adapter_state, wrap_lora
 from rollwise.train.packing import GroupMicroBatch, collate_group, collate_packed_groups
+from rollwise.train.policy_loss import PolicyLossInputs, resolve_policy_loss, skips_zero_advantage
 from rollwise.train.logprobs import sequence_logprobs
 from rollwise.train.routing_replay import ReplayBatch, RoutingReplay, find_routers, rows_batch
 
@@ -45,6 +49,11 @@ class MicroBatch:
     # collectives), so a rank with fewer micro-batches repeats one with zero weights, uncounted.
     padding: bool = False
     routing: ReplayBatch | None = None  # the engine's MoE routing, for replay (R3) and disagreement metrics
+    # Each trained token's sample within the micro-batch (0..num_seqs-1) and the policy version that sampled
+    # it: sequence-level losses and corrections, and custom losses (rollwise.train.policy_loss), read them.
+    seq_index: Tensor | None = None
+    versions: Tensor | None = None
+    num_seqs: int = 0
 
     def logprobs(self, model: nn.Module, temperature: float, chunk_tokens: int,
                  fused: bool = False) -> tuple[Tensor, Tensor]:
@@ -90,6 +99,15 @@ def collate(samples: list[Sample], weights: Tensor, pad_id: int) -> MicroBatch:
     )
 
 
+def token_owners(chunk: list[Sample]) -> dict[str, Any]:
+    """Each trained token's sample (its index in `chunk`) and the policy version that sampled it, flattened in
+    the order every collate flattens trained tokens (sample after sample)."""
+    counts = torch.tensor([s.trained_tokens for s in chunk], dtype=torch.long)
+    versions = [v for s in chunk for v, m in zip(s.versions, s.trained_mask) if m]
+    return {"seq_index": torch.repeat_interleave(torch.arange(len(chunk)), counts),
+            "versions": torch.tensor(versions, dtype=torch.long), "num_seqs": len(chunk)}
+
+
 def mismatch_sums(engine_logp: Tensor, trainer_logp: Tensor) -> tuple[float, float]:
     """Train-inference mismatch on the same tokens (DESIGN.md): sums of |log p_engine - log p_trainer|
     and of the k3 estimate of KL(engine || trainer); callers divide by their token count."""
@@ -124,6 +142,9 @@ class GRPOTrainer:
         self.model = model
         self.tokenizer = tokenizer  # saved with each checkpoint (a checkpoint's model/ loads on its own)
         self.cfg = cfg
+        # train.policy_loss: a built-in, or a custom function imported and tried on a dummy batch here,
+        # before any step (a ConfigError naming the field when it cannot be used)
+        self.policy_loss = resolve_policy_loss(cfg)
         self.pad_token_id = pad_token_id
         self.temperature = temperature
         self.version = 0  # policy version: number of optimizer updates applied
@@ -172,16 +193,12 @@ class GRPOTrainer:
         return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
 
     def save_checkpoint(self, run_dir: Path, step: int, extra: dict[str, Any], keep_last: int) -> Path:
-        from rollwise.train.checkpoint import save_checkpoint  # checkpoint.py types its trainer argument with us
-
         if self.tokenizer is None:
             raise ValueError("GRPOTrainer(tokenizer=...) is needed to write a checkpoint (it is saved with the model)")
-        return save_checkpoint(run_dir, self, self.tokenizer, step, extra, keep_last)
+        return checkpoint.save_checkpoint(run_dir, self, self.tokenizer, step, extra, keep_last)
 
     def load_checkpoint(self, ckpt: Path) -> dict[str, Any]:
-        from rollwise.train.checkpoint import load_checkpoint
-
-        return load_checkpoint(ckpt, self)
+        return checkpoint.load_checkpoint(ckpt, self)
 
     def _prepare_model(self) -> None:
         """Hook before the optimizer is built (rollwise.train.sharded shards the model here)."""
@@ -224,7 +241,8 @@ class GRPOTrainer:
         offset = 0
         for chunk in chunks:
             n_tokens = sum(s.trained_tokens for s in chunk)
-            batches.append(self._collate(share, chunk)(chunk, weights[offset : offset + n_tokens], self.pad_token_id))
+            mb = self._collate(share, chunk)(chunk, weights[offset : offset + n_tokens], self.pad_token_id)
+            batches.append(replace(mb, **token_owners(chunk)))
             offset += n_tokens
         for _ in range(padding):
             batches.append(replace(batches[0], weights=torch.zeros_like(batches[0].weights), padding=True))
@@ -246,10 +264,10 @@ class GRPOTrainer:
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
         """One rollout batch -> `updates_per_step` optimizer updates. Returns metrics of the last update."""
         informative = samples
-        if self.ref_model is None:
-            # With no KL term, a sample with advantage 0 (every sample of a zero-variance group)
-            # adds exactly nothing to the gradient: skip its forward/backward. The token mean is then
-            # over informative tokens, as with DAPO's dynamic-sampling filter.
+        if skips_zero_advantage(self.cfg):
+            # With no KL term (and a built-in loss), a sample with advantage 0 (every sample of a
+            # zero-variance group) adds exactly nothing to the gradient: skip its forward/backward. The
+            # token mean is then over informative tokens, as with DAPO's dynamic-sampling filter.
             informative = [s for s in samples if s.advantage != 0.0]
         if not informative:
             # Nothing to learn from; still measure entropy and train-inference mismatch (no grad).
@@ -304,31 +322,32 @@ class GRPOTrainer:
         abs_diff_sum = 0.0
         k3_sum = 0.0
         is_weight_sum = 0.0
+        masked = 0  # tokens the correction masked out (mis, icepop)
         for i, mb in enumerate(batches):
             logp, entropy = self._logprobs(mb)
-            prox = is_weights = None
+            old_logp = mb.behaviour_logp
+            weights, kept = torch.ones_like(logp), torch.ones_like(logp, dtype=torch.bool)
             if correction != "none":
                 if first:
                     proximal.append(logp.detach())
-                prox = proximal[i]
-                is_weights = off_policy_weights(prox, mb.behaviour_logp, correction, self.cfg.is_cap)
-                is_weight_sum += 0.0 if mb.padding else float(is_weights.sum())
+                old_logp = proximal[i]
+                corr = correction_of(old_logp, mb.behaviour_logp, correction, cap=self.cfg.is_cap,
+                                     floor=self.cfg.is_floor, level=self.cfg.mis_level, seq_index=mb.seq_index,
+                                     num_seqs=mb.num_seqs)
+                weights, kept = corr.weights, corr.kept
+                if not mb.padding:
+                    is_weight_sum += float(weights.sum())
+                    masked += corr.masked_tokens
             ref_logp = None
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref_logp, _ = self._forward_logprobs(self.ref_model, mb)
-            terms = clipped_surrogate_loss(
-                logp,
-                mb.behaviour_logp,
-                mb.advantages,
-                clip_low=self.cfg.clip_low,
-                clip_high=self.cfg.clip_high,
-                token_weights=mb.weights,
-                ref_logp=ref_logp,
-                kl_coef=self.cfg.kl_coef,
-                proximal_logp=prox,
-                is_weights=is_weights,
-            )
+            batch = PolicyLossInputs(
+                logp=logp, behaviour_logp=mb.behaviour_logp, old_logp=old_logp, advantages=mb.advantages,
+                token_weights=mb.weights, is_weights=weights, kept=kept, seq_index=mb.seq_index,
+                num_seqs=mb.num_seqs, versions=mb.versions, policy_version=self.version)
+            terms = self.policy_loss.terms(batch, corrected=correction != "none", masked=correction in MASKING,
+                                           ref_logp=ref_logp, kl_coef=self.cfg.kl_coef)
             self._with_router_aux(terms.loss, mb).backward()
             if mb.padding:
                 continue  # its weights are 0: no gradient, and it is not counted in the metrics
@@ -362,6 +381,7 @@ class GRPOTrainer:
             "trained_tokens": float(n_tokens),
             "lr": self.scheduler.get_last_lr()[0],
             "is_weight_mean": is_weight_sum / max(n_tokens, 1) if correction != "none" else 1.0,
+            "is_masked_fraction": masked / max(n_tokens, 1),
         }
         if record_mismatch:
             metrics["mismatch_abs_logp"] = abs_diff_sum / max(n_tokens, 1)

@@ -1,6 +1,7 @@
 """The bottom layer: plain data every other layer passes around (DESIGN.md "Shape of the code").
 
 - sample: `Sample` (a trajectory as the trainer receives it) and `group_samples`;
+- routing: `RoutedExperts`, the experts an MoE engine routed each token to (a Completion's and a Sample's);
 - compact: how a Sample stores its per-token data (int32 ids, float32 log-probs, run-length versions;
   list-like, not lists), so a controller can hold 100,000s of waiting samples;
 - microbatch: how a train step cuts samples into micro-batches, and the tokens it computes (pure:

@@ -7,7 +7,10 @@ weight sender, scorer and engine view. Each placement lives in its own module an
 
 from __future__ import annotations
 
-from rollwise.control.placement.base import EngineView, Placement, PlaceRequest, ScoreFn
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rollwise.control.placement.base import Placement, PlaceRequest
 
 
 def place(req: PlaceRequest) -> Placement:
@@ -27,5 +30,3 @@ def place(req: PlaceRequest) -> Placement:
 
     return place_local(req)
 
-
-__all__ = ["EngineView", "PlaceRequest", "Placement", "ScoreFn", "place"]

@@ -19,9 +19,9 @@ from torch import nn
 from rollwise.config import ConfigError, RunConfig, TrainerConfig
 from rollwise.protocols import RolloutBackend, Trainer
 from rollwise.reward.batch import score_samples
-from rollwise.rollout.types import Sample
+from rollwise.types.sample import Sample
 from rollwise.sync.senders import WeightSender
-from rollwise.tasks import Problem, Task
+from rollwise.tasks.base import Problem, Task
 from rollwise.train.distributed import resolve_device
 from rollwise.train.sharded import ShardedTrainer
 from rollwise.train.torchrun import TorchrunRankGroup, launched_rank

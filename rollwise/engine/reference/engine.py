@@ -1,19 +1,16 @@
 """The reference engine: exact, readable continuous batching over LlamaFamilyModel.
 
-Structured like vLLM v1: a Scheduler decides which sequences occupy the fixed KV-cache slots, the
-model executes prefill/decode for them, and the engine loop (`step`) stitches the two together and
-turns finished sequences into Completions. Sequences join and leave the running batch every step.
+Structured like vLLM v1: a Scheduler (rollwise.engine.reference.scheduler) decides which sequences
+occupy the fixed KV-cache slots, the model executes prefill/decode for them, and the engine loop
+(`step`) stitches the two together and turns finished sequences into Completions. Sequences join and leave the running batch every step.
 Speculative decoding (drafts verified exactly in one forward) is the SpeculativeDecoding mixin in
 rollwise.engine.reference.speculative.
 """
 
 from __future__ import annotations
 
-import heapq
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -26,98 +23,20 @@ from rollwise.engine.reference.prefix_cache import PrefixCache, prefill_suffix, 
 from rollwise.engine.reference.sampling import (
     needs_processing, process_logits, sample, scaled_logprobs, top_logprobs,
 )
+from rollwise.engine.reference.scheduler import Scheduler, Sequence
 from rollwise.engine.reference.speculative import SpeculativeDecoding
-from rollwise.engine.speculation import Drafter
+from rollwise.engine.speculation.drafter import Drafter
 from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, check_update, run_to_completion
 from rollwise.engine.retention import RetentionLimits
 from rollwise.engine.retention_policy import CostMeter, PolicyName
 from rollwise.engine.state import EngineState
 from rollwise.engine.types import Completion, FinishReason, GenerationRequest
-from rollwise.types.sample import RoutedExperts
 from rollwise.types.weights import ExpectedWeights
 
 
 # Prefills of at least this many new tokens measure the recompute cost the retention policy weighs
 # (recomputing a context is a long prefill; a resumed turn's few new tokens would overstate it).
 RECOMPUTE_SAMPLE_MIN = 64
-
-
-@dataclass
-class Sequence:
-    """One of a request's n samples while it is running."""
-
-    request: GenerationRequest
-    index: int
-    slot: int
-    generator: torch.Generator
-    cached_prompt_tokens: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # only if params.top_logprobs
-    # MoE: experts of the prompt tokens [P, layers, top_k] (shared by the group), then one row per decoded token.
-    prompt_routing: Tensor | None = None
-    routing: list[Tensor] = field(default_factory=list)
-    num_experts: int = 0
-
-    def routed_experts(self) -> RoutedExperts | None:
-        if self.prompt_routing is None:
-            return None
-        return RoutedExperts.from_array(torch.cat([self.prompt_routing, *self.routing]), self.num_experts)
-
-    def completion(self, reason: FinishReason) -> Completion:
-        return Completion(
-            request_id=self.request.request_id,
-            index=self.index,
-            prompt_ids=list(self.request.prompt_ids),
-            token_ids=self.token_ids,
-            logprobs=self.logprobs,
-            versions=self.versions,
-            finish_reason=reason,
-            cached_prompt_tokens=self.cached_prompt_tokens,
-            top_logprobs=self.top_logprobs,
-            routed_experts=self.routed_experts(),
-        )
-
-
-class Scheduler:
-    """First-come-first-served admission of whole requests into free KV-cache slots.
-
-    A request is admitted only when all n of its samples fit, because they share one prefill.
-    Admission never skips past the head of the queue, so large-n requests cannot starve. Every slot
-    reserves max_model_len positions, so running sequences never need preemption.
-    """
-
-    def __init__(self, num_slots: int) -> None:
-        self.waiting: deque[GenerationRequest] = deque()
-        self.running: dict[int, Sequence] = {}  # slot -> sequence
-        self._free = list(range(num_slots))  # a min-heap: lowest slots first keeps the batch contiguous
-
-    def admit(self, reclaim: Callable[[int], None] | None = None) -> list[tuple[GenerationRequest, list[int]]]:
-        """reclaim(k): asked to free k more slots (held session KV) when the head of the queue needs them."""
-        admitted = []
-        while self.waiting:
-            if reclaim is not None and self.waiting[0].params.n > len(self._free):
-                reclaim(self.waiting[0].params.n - len(self._free))
-            if self.waiting[0].params.n > len(self._free):
-                break
-            request = self.waiting.popleft()
-            admitted.append((request, [heapq.heappop(self._free) for _ in range(request.params.n)]))
-        return admitted
-
-    def start(self, seq: Sequence) -> None:
-        self.running[seq.slot] = seq
-
-    def release(self, slot: int) -> None:
-        self.running.pop(slot, None)
-        heapq.heappush(self._free, slot)
-
-    def hold(self, slot: int) -> None:
-        """The sequence in `slot` is done but its KV stays (session retention); free(slot) later."""
-        self.running.pop(slot, None)
-
-    def free(self, slot: int) -> None:
-        heapq.heappush(self._free, slot)
 
 
 class ReferenceEngine(SessionRetention, SpeculativeDecoding, LoraServing, EngineState):

@@ -16,7 +16,7 @@ from rollwise.engine.retention_policy import (
 from rollwise.engine.types import GenerationRequest
 
 if TYPE_CHECKING:
-    from rollwise.engine.reference.engine import Scheduler
+    from rollwise.engine.reference.scheduler import Scheduler
     from rollwise.engine.reference.model import KVCache
     from rollwise.engine.reference.prefix_cache import PrefixCache
 

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from rollwise.engine.reference.sampling import sample_one, scaled_logprobs, top_logprobs, verify_draft_token
-from rollwise.engine.speculation import Drafter
+from rollwise.engine.speculation.drafter import Drafter
 from rollwise.engine.types import Completion
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from rollwise.engine.reference.engine import Sequence
+    from rollwise.engine.reference.scheduler import Sequence
     from rollwise.engine.reference.model import KVCache, LlamaFamilyModel
 
 
