@@ -78,6 +78,19 @@ def test_token_counts_no_engine_can_honour_are_a_400(servers: dict[str, str], se
 
 
 @pytest.mark.parametrize("server", ["engine", "router"])
+def test_sampling_values_that_overflow_the_logits_are_refused_or_greedy(servers: dict[str, str], server: str):
+    """Found by fuzzing: repetition_penalty=5e-324 divided the logits into inf (a 500: NaN logprobs are not JSON);
+    temperature=5e-324 sampled token 0 with logprob NaN. The penalty is bounded; a tiny temperature is greedy."""
+    url = servers[server]
+    r = httpx.post(f"{url}/v1/completions", json={**SAME, "repetition_penalty": 5e-324}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.text
+    greedy = {**SAME, "temperature": 0, "logprobs": 1}
+    tiny = httpx.post(f"{url}/v1/completions", json={**greedy, "temperature": 5e-324}, timeout=60).json()["choices"][0]
+    zero = httpx.post(f"{url}/v1/completions", json=greedy, timeout=60).json()["choices"][0]
+    assert tiny["token_ids"] == zero["token_ids"] and None not in tiny["logprobs"]["token_logprobs"]
+
+
+@pytest.mark.parametrize("server", ["engine", "router"])
 @pytest.mark.parametrize("route, body, field", [
     ("/v1/completions", {"prompt": "x" * LIMIT}, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * (LIMIT // 20)}, "messages"),

@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rollwise.engine.types import SamplingParams
 from rollwise.pool.engine_pool import EnginePool
@@ -23,7 +23,7 @@ from rollwise.serve.errors import APIError, ProblemAt, error_responses
 from rollwise.serve.front import Front, install_front
 from rollwise.serve.limits import DEFAULT_MAX_REQUEST_BYTES, check_max_request_bytes
 from rollwise.serve.settings import FrontSettings
-from rollwise.serve.openai_schemas import MAX_TOKEN_COUNT, GenerateRequest, RequestBody
+from rollwise.serve.openai_schemas import MAX_REPETITION_PENALTY, MAX_TOKEN_COUNT, MIN_REPETITION_PENALTY, GenerateRequest, greedy_below_epsilon, RequestBody
 
 
 class AttachRequest(RequestBody):
@@ -46,10 +46,15 @@ class PoolSampling(RequestBody):
     seed: int | None = Field(None, ge=0, le=2**62)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=MAX_TOKEN_COUNT)
-    repetition_penalty: float = Field(1.0, gt=0)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     top_logprobs: int = Field(0, ge=0, le=20)
+
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_temperature_is_greedy(cls, value: float) -> float:
+        return greedy_below_epsilon(value)
 
     @model_validator(mode="after")
     def _min_within_max(self) -> PoolSampling:

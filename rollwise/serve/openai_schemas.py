@@ -32,6 +32,16 @@ MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
 # Token counts past int32 fit no context window, and overflow engines' integer types on the way (vLLM's
 # serialisation to its engine core): refused at the schema instead of hanging a request.
 MAX_TOKEN_COUNT = 2**31 - 1
+# Logits are divided (or multiplied) by the penalty: 5e-324 overflowed them to inf and the logprobs to NaN (found by
+# fuzzing). vLLM and HF take any value > 0; useful ones lie well inside this range.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+# Below this a temperature divides the logits into inf and the sampled logprobs into NaN (5e-324 sampled token 0
+# with logprob NaN); vLLM treats such temperatures as greedy, and so do we.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+def greedy_below_epsilon(temperature: float | None) -> float | None:
+    return 0.0 if temperature is not None and 0 < temperature < GREEDY_TEMPERATURE_EPS else temperature
 
 
 class CheckedJSON(BaseModel):
@@ -78,7 +88,7 @@ class SamplingFields(RequestBody):
     ignore_eos: bool = False
     request_id: str | None = Field(None, min_length=1, max_length=256)  # public id for /abort
     min_tokens: int = Field(0, ge=0, le=MAX_TOKEN_COUNT)  # no EOS / stop token before this many tokens
-    repetition_penalty: float | None = Field(None, gt=0)  # None: 1.0 (off)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)  # None: 1.0 (off)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)  # None: 0; vLLM's range
     presence_penalty: float | None = Field(None, ge=-2, le=2)
 
@@ -86,6 +96,11 @@ class SamplingFields(RequestBody):
     @classmethod
     def _top_k_off(cls, value: Any) -> Any:
         return 0 if value == -1 else value  # vLLM's (and older OpenAI clients') spelling of "off"
+
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_temperature_is_greedy(cls, value: float | None) -> float | None:
+        return greedy_below_epsilon(value)
 
     @model_validator(mode="after")
     def _min_within_max(self) -> SamplingFields:
