@@ -201,7 +201,7 @@ def test_tools_reach_the_chat_template():
     ({"prompt": "hi", "top_p": 1.5}, "top_p must be <= 1"),
     ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty must be <= 2"),
     ({"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty must be >= -2"),
-    ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty must be > 0"),
+    ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty must be >= 0.01"),
     ({"prompt": "hi", "min_tokens": -1}, "min_tokens must be >= 0"),
     ({"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, "min_tokens (9) must be <= max_tokens (4)"),
     ({"prompt": "hi", "logprobs": 21}, "logprobs must be <= 20"),
