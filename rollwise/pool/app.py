@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field
 
 from rollwise.engine.types import SamplingParams
 from rollwise.pool.engine_pool import EnginePool
@@ -19,11 +19,11 @@ from rollwise.pool.jobs import Job, PoolError
 from rollwise.pool.metrics import metrics_registry, render
 from rollwise.serve.auth import ApiKeys, caller_dependency
 from rollwise.serve.disconnect import ClientGone, client_gone, unless_disconnected
-from rollwise.serve.errors import APIError, ProblemAt, error_responses
+from rollwise.serve.errors import APIError, error_responses
 from rollwise.serve.front import Front, install_front
 from rollwise.serve.limits import DEFAULT_MAX_REQUEST_BYTES, check_max_request_bytes
 from rollwise.serve.settings import FrontSettings
-from rollwise.serve.openai_schemas import MAX_REPETITION_PENALTY, MAX_TOKEN_COUNT, MIN_REPETITION_PENALTY, GenerateRequest, greedy_below_epsilon, RequestBody
+from rollwise.serve.openai_schemas import MAX_REPETITION_PENALTY, MAX_TOKEN_COUNT, MIN_REPETITION_PENALTY, GenerateRequest, RequestBody, SamplingChecks
 
 
 class AttachRequest(RequestBody):
@@ -36,7 +36,7 @@ class AttachRequest(RequestBody):
     lora: bool = False
 
 
-class PoolSampling(RequestBody):
+class PoolSampling(SamplingChecks):
     max_tokens: int = Field(256, ge=1, le=MAX_TOKEN_COUNT)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -50,17 +50,6 @@ class PoolSampling(RequestBody):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     top_logprobs: int = Field(0, ge=0, le=20)
-
-    @field_validator("temperature")
-    @classmethod
-    def _tiny_temperature_is_greedy(cls, value: float) -> float:
-        return greedy_below_epsilon(value)
-
-    @model_validator(mode="after")
-    def _min_within_max(self) -> PoolSampling:
-        if self.min_tokens > self.max_tokens:
-            raise ProblemAt("min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        return self
 
 
 class PoolRequest(RequestBody):

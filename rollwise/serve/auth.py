@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from fastapi import Depends
+from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from rollwise.serve.errors import APIError
@@ -33,6 +33,7 @@ from rollwise.serve.settings import CLIENT_KEY_ENV, KEYS_ENV
 
 MIN_KEY_CHARS = 16
 ANONYMOUS = "anonymous"  # the label of every caller of a server that has no keys
+CALLER_STATE = "rollwise_caller"  # request.state key under which the gate leaves the caller's label
 MAKE_KEY = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
 
 
@@ -106,13 +107,16 @@ class ApiKeys:
 
 def caller_dependency(keys: ApiKeys | None) -> Callable[..., str]:
     """A FastAPI dependency (`Depends(caller_dependency(keys))`) returning the caller's key label (`ANONYMOUS` for
-    every caller when `keys` is None); it declares the bearer scheme in the OpenAPI schema."""
+    every caller when `keys` is None); it declares the bearer scheme in the OpenAPI schema. Behind the gate
+    (rollwise.serve.gate, on every server) the key was checked there: its label is read from the request's
+    state rather than compared against every key a second time."""
     bearer = HTTPBearer(auto_error=False, description=f"an API key of the server's ({KEYS_ENV} or --api-keys)")
 
-    def caller(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> str:
+    def caller(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> str:
         if keys is None:
             return ANONYMOUS
-        return keys.check(credentials.credentials if credentials is not None else None)
+        checked = getattr(request.state, CALLER_STATE, None)
+        return checked if checked is not None else keys.check(credentials.credentials if credentials else None)
 
     return caller
 

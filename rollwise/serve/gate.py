@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from rollwise.serve.auth import ANONYMOUS, ApiKeys
+from rollwise.serve.auth import ANONYMOUS, CALLER_STATE, ApiKeys
 from rollwise.serve.errors import APIError
 from rollwise.serve.front_metrics import FrontMetrics
 
@@ -110,6 +110,7 @@ class FrontGate:
         except APIError as refusal:
             await refusal.response()(scope, receive, observed)
             return
+        scope.setdefault("state", {})[CALLER_STATE] = label  # the app's caller_dependency reads it (no second check)
         try:
             await self.app(scope, receive, observed)
         finally:

@@ -75,7 +75,29 @@ def _not_supported(value: Any, what: str) -> Any:
     return value
 
 
-class SamplingFields(RequestBody):
+class SamplingChecks(RequestBody):
+    """The checks between sampling fields that every server's sampling body applies (engine server, router,
+    pool): a temperature below 1e-5 is greedy, and min_tokens fits within max_tokens. The fields themselves are
+    redeclared by each body with its own defaults and bounds (the pool's are concrete, the OpenAI endpoints' None)."""
+
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    temperature: float | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_temperature_is_greedy(cls, value: float | None) -> float | None:
+        return greedy_below_epsilon(value)
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> SamplingChecks:
+        # (against the engine's default max_tokens, max_model_len, the engine service checks it)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ProblemAt("min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        return self
+
+
+class SamplingFields(SamplingChecks):
     """Sampling fields shared by every generation endpoint (engine SamplingParams)."""
 
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_COUNT)  # None: until max_model_len
@@ -96,18 +118,6 @@ class SamplingFields(RequestBody):
     @classmethod
     def _top_k_off(cls, value: Any) -> Any:
         return 0 if value == -1 else value  # vLLM's (and older OpenAI clients') spelling of "off"
-
-    @field_validator("temperature")
-    @classmethod
-    def _tiny_temperature_is_greedy(cls, value: float | None) -> float | None:
-        return greedy_below_epsilon(value)
-
-    @model_validator(mode="after")
-    def _min_within_max(self) -> SamplingFields:
-        # (against the engine's default max_tokens, max_model_len, the engine service checks it)
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ProblemAt("min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        return self
 
     def num_top_logprobs(self) -> int:
         """How many alternatives per token the response shows (the endpoints that can show them override)."""
