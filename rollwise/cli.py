@@ -2,6 +2,9 @@
 
     rollwise train [--config FILE] [key=value ...]   GRPO end to end (default: the embedded config)
     rollwise config [--config FILE] [key=value ...]  print the resolved config as YAML
+    rollwise sft [--config FILE] sft.data=CHAT.jsonl [key=value ...]
+                                                     supervised fine-tuning on chat JSONL (assistant tokens only),
+                                                     checkpoints `rollwise train model=CKPT` starts from
     rollwise bench engine [--quick] [--json PATH]     reference engine vs. HF generate, side by side
     rollwise bench rollout [--quick] [--json PATH]    rollout modes sync / sorted / async, side by side
     rollwise bench sync [--quick] [--json PATH]       weight transports (in-process, files, gloo) vs memcpy, adapter pushes
@@ -13,6 +16,8 @@
     rollwise bench r3 [--quick] [--json PATH]         an MoE trained with / without rollout routing replay (mismatch)
     rollwise bench allocator [--quick] [--rounds N]   glibc malloc as it is vs freed memory kept (fresh processes)
     rollwise bench index [--check]                    docs/benchmarks.md: every goal's latest figure, from the JSON files
+    rollwise bench load [--quick] [--json PATH]       flat checkpoints vs from_pretrained / safetensors / vLLM vs read limit
+    rollwise model flatten SRC DST [--chunk-mb MB]    a loading-optimised (flat) copy of a model directory or checkpoint
     rollwise compare RUN_DIR|LABEL=DIR,DIR ... [--out PNG]  runs or seed arms side by side, held-out table
     rollwise serve engine [--model SPEC] [--host 127.0.0.1] [--port 8000] [--max-num-seqs N] [--max-model-len N] [--dtype D]
                                                      the engine over HTTP: OpenAI-compatible completions,
@@ -82,6 +87,21 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", type=Path, help="YAML config (default: the embedded rollwise/configs/default.yaml)")
     train.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
 
+    sft = sub.add_parser(
+        "sft",
+        help="supervised fine-tuning on chat JSONL: loss on assistant tokens only, packed rows, checkpoints that "
+        "`rollwise train model=CHECKPOINT` starts from",
+        description="Train on OpenAI chat-format JSONL ({\"messages\": [{\"role\", \"content\"}, ...]} per line), "
+        "rendered with the model's chat template, next-token loss on the assistant's tokens only, conversations "
+        "packed into rows of sft.pack_tokens. Held-out loss before and after (evals.jsonl), metrics.jsonl, "
+        "TensorBoard, checkpoints in `rollwise train`'s format. Settings: the sft: section (sft.data, sft.lr, "
+        "sft.epochs or sft.steps, sft.pack_tokens, sft.held_out_fraction, ...), model:, checkpoint:.",
+        epilog="example: rollwise sft sft.data=examples/sft_chat.jsonl model=tiny:0 output_dir=runs/sft, then "
+        "rollwise train model=runs/sft/checkpoints/step_NNNNNN",
+    )
+    sft.add_argument("--config", type=Path, help="YAML config (default: the embedded one)")
+    sft.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
+
     config = sub.add_parser("config", help="print the resolved config (defaults + file + overrides) as YAML")
     config.add_argument("--config", type=Path, help="YAML config (default: the embedded one)")
     config.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
@@ -93,7 +113,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "name", choices=["engine", "rollout", "sync", "router", "sandbox", "mux", "speculation", "trainer", "loop",
-                 "intercept", "r3", "trainer-step", "allocator", "index"],
+                 "intercept", "r3", "trainer-step", "allocator", "index", "load"],
         help="index: regenerate docs/benchmarks.md (every goal's latest figure) from the JSON files (--check: only "
         "say whether it is current); router: routing policies (round robin ... prefix-aware) side by side on real tiny-model replicas and "
         "64 simulated ones, every router in its own process, vllm-router's cache_aware too when installed "
@@ -317,6 +337,16 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_sft(args: argparse.Namespace, console: Console) -> int:
+    from rollwise.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    from rollwise.train.sft import run_sft  # the command's body
+
+    run_sft(cfg, lambda line: console.print(escape(line), highlight=False, soft_wrap=True))
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace, console: Console) -> int:
     import yaml
 
@@ -330,6 +360,10 @@ def _cmd_config(args: argparse.Namespace, console: Console) -> int:
 def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     from rollwise.sim.commands import write_json
 
+    if args.name == "load":  # its own models, written and read as files: rollwise/bench/load.py
+        from rollwise.bench.load import cli_bench_load
+
+        return cli_bench_load(args, console)
     if args.name == "sandbox":  # no model
         from rollwise.bench.sandbox import format_sandbox_bench, run_sandbox_bench
 
@@ -517,6 +551,10 @@ def main(argv: list[str] | None = None) -> int:
         from rollwise.pool.cli import main as serve_pool
 
         return serve_pool(argv[2:])
+    if argv[:1] == ["model"]:  # model files: rollwise/model/flatten_cli.py
+        from rollwise.model.flatten_cli import main as model_main
+
+        return model_main(argv[1:])
     if argv[:1] == ["sim"]:  # the simulator has its own subcommands: rollwise/sim/cli.py
         from rollwise.bench.sim_commands import SIM_COMMANDS  # calibrate, validate*: they run real engines
         from rollwise.sim.cli import main as sim_main
@@ -531,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from rollwise.config import ConfigError, RunError
 
-    handlers = {"train": _cmd_train, "config": _cmd_config, "bench": _cmd_bench, "compare": _cmd_compare,
+    handlers = {"train": _cmd_train, "sft": _cmd_sft, "config": _cmd_config, "bench": _cmd_bench, "compare": _cmd_compare,
                 "serve": _cmd_serve, "check": _cmd_check}
     try:
         return handlers[args.command](args, console)

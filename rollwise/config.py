@@ -22,6 +22,7 @@ from rollwise.types.adapter_limits import MAX_LORA_ALPHA
 from rollwise.types.algorithms import (ADVANTAGE_ESTIMATORS, MIS_LEVELS, OFF_POLICY_CORRECTIONS, check_choice,
                                        check_policy_loss_name)
 from rollwise.types.config_section import ConfigSection
+from rollwise.types.sft_config import SftConfig, TeacherConfig
 
 
 # Each of AdamW's betas: a decay rate, in [0, 1) (torch refuses others only once the optimizer is built).
@@ -277,6 +278,8 @@ class TrainConfig(_Section):
                              "weights kept lie between them): lower is_floor or raise is_cap")
         return self
     lora: LoraConfig | None = Field(None, description="LoRA adapters instead of full-parameter training")
+    teacher: TeacherConfig | None = Field(None, description="on-policy distillation: a teacher scores the student's "
+                                          "sampled tokens, the per-token reverse KL is the reward (rollwise.train.distill)")
 
 
 def _rank_capacity(device: str) -> tuple[int, str]:
@@ -375,6 +378,8 @@ class RunConfig(_Section):
     # Multi-turn, tool-using episodes instead of single completions (rollwise.agent); e.g.
     # `rollwise train agent.tools=[calculator]`. None: the single-turn loop.
     agent: AgentConfig | None = None
+    # `rollwise sft`: supervised fine-tuning on chat JSONL (rollwise.train.sft); `rollwise train` ignores it.
+    sft: SftConfig = SftConfig()
 
     @model_validator(mode="after")
     def _agent_needs_sync(self) -> RunConfig:

@@ -58,6 +58,7 @@ from rollwise.types.sample import Sample
 from rollwise.tasks.base import Problem, Task
 from rollwise.train.checkpoint import latest_checkpoint, whole_checkpoint
 from rollwise.train.checkpoint_manifest import verify_checkpoint
+from rollwise.train.distill import Teacher
 from rollwise.train.policy_loss import resolve_policy_loss
 
 
@@ -79,6 +80,7 @@ class Run:
     t0: float
     update_times: list[float] = field(default_factory=list)  # when each weight update landed (timeline plot)
     meter: LoopMeter | None = None  # model FLOPs, MFU and idle cores (None: an architecture it cannot count)
+    teacher: Teacher | None = None  # train.teacher: on-policy distillation's scorer (rollwise.train.distill)
 
 
 def _run_dir(cfg: RunConfig) -> Path:
@@ -212,6 +214,8 @@ def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
     run.progress.remove_task(bar)
     t_gen_end = time.monotonic()
     reward_s = run.controller.score_seconds - score_s0
+    # train.teacher: the teacher scores the sampled tokens; the reverse KL becomes (or joins) the reward
+    distill = run.teacher.reward(samples) if run.teacher is not None else {}
     # agent: one advantage per episode (a split episode's segments share it)
     zero_var = run.controller.assign_advantages(samples, cfg.train.advantage)
     t_reward_end = time.monotonic()
@@ -246,6 +250,7 @@ def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
         "policy_version": run.trainer.version,
         **_rollout_metrics(samples),
         "zero_variance_groups": zero_var,
+        **distill,
         "batch_samples": len(samples),
         "few_shot_fraction": round(cfg.prompt.few_shot_fraction(step) * cfg.rollout.prompts_per_step) / cfg.rollout.prompts_per_step,
         **train_metrics,
@@ -378,6 +383,8 @@ def _train(cfg: RunConfig, console: Console, t0: float, run_dir: Path, resume_di
         meter = loop_meter(model, cfg.train, overlapped=cfg.rollout.mode != "sync", compute_dtypes=dtypes)
     problems = {p.id: p for p in train_problems + eval_problems}
     fingerprint = tokenizer_fingerprint(tokenizer)
+    teacher = None if cfg.train.teacher is None else Teacher.load(  # before any engine starts: refused early
+        cfg.train.teacher, tokenizer, temperature=cfg.rollout.temperature, chunk_tokens=cfg.train.logprob_chunk_tokens)
 
     def check_resume(state: dict[str, Any]) -> None:
         """Before any engine starts: the checkpoint must fit this configuration."""
@@ -450,7 +457,7 @@ def _train(cfg: RunConfig, console: Console, t0: float, run_dir: Path, resume_di
     try:
         with _progress(console) as progress:
             run = Run(cfg, run_dir, task, problems, encoder, engine, worker, controller, trainer, placement, progress, t0,
-                      meter=meter)
+                      meter=meter, teacher=teacher)
 
             def record_eval(step: int, label: str) -> dict[str, Any]:
                 result = evaluate(run, step, label)

