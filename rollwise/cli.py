@@ -13,6 +13,8 @@
     rollwise bench trainer [--quick] [--json PATH]    1 trainer rank vs 2 FSDP2 ranks: tokens/s, MFU, memory/rank, push
     rollwise bench trainer-step [--quick] [--arms A,B] one train step per trainer variant, interleaved: ratios
     rollwise bench loop [--quick] [--json PATH]       the default `rollwise train`: wall, samples/s, MFU, idle cores
+    rollwise bench algorithms [--quick] [--arms R,..] [--seeds N] [--steps N] [--json PATH]
+                                                     the default run per RL recipe (GRPO ... PPO+GAE): accuracy, s/step
     rollwise bench r3 [--quick] [--json PATH]         an MoE trained with / without rollout routing replay (mismatch)
     rollwise bench allocator [--quick] [--rounds N]   glibc malloc as it is vs freed memory kept (fresh processes)
     rollwise bench index [--check]                    docs/benchmarks.md: every goal's latest figure, from the JSON files
@@ -113,7 +115,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "name", choices=["engine", "rollout", "sync", "router", "sandbox", "mux", "speculation", "trainer", "loop",
-                 "intercept", "r3", "trainer-step", "allocator", "index", "load"],
+                 "intercept", "r3", "trainer-step", "allocator", "index", "load", "algorithms"],
         help="index: regenerate docs/benchmarks.md (every goal's latest figure) from the JSON files (--check: only "
         "say whether it is current); router: routing policies (round robin ... prefix-aware) side by side on real tiny-model replicas and "
         "64 simulated ones, every router in its own process, vllm-router's cache_aware too when installed "
@@ -138,7 +140,14 @@ def _build_parser() -> argparse.ArgumentParser:
         "trainer-step: one default-shaped train step under trainer variants (train.fused_*), interleaved in one "
         "process, step-time ratios to the baseline (--quick: a tiny model, 1 round); "
         "allocator: glibc's default malloc vs freed memory kept for reuse (rollwise's default) in fresh processes "
-        "side by side: reference-engine decode steps and train steps, time, page faults, kernel time",
+        "side by side: reference-engine decode steps and train steps, time, page faults, kernel time; "
+        "algorithms: the default run under each RL recipe (grpo, dr_grpo, dapo, rloo, reinforce_pp, gspo, cispo, "
+        "ppo_gae: rollwise/types/recipes.py) x seeds, held-out strict accuracy after 3 steps and at the end, seconds "
+        "per step vs GRPO, peak memory (--quick: tiny model, 2 steps, grpo and ppo_gae, 1 seed); "
+        "load: weights from files to resident memory, flat checkpoints (`rollwise model flatten`) against "
+        "from_pretrained, safetensors load_file and vLLM's weight iterator, and against a raw parallel read and a "
+        "memcpy of the same bytes (--quick: SmolLM2 from the page cache; full: also a 1B-shaped model, and cold "
+        "reads where the page cache can be dropped; --model is not used)",
     )
     bench.add_argument("--quick", action="store_true", help="small workload (< 1 minute on 2 CPU cores)")
     bench.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
@@ -159,14 +168,21 @@ def _build_parser() -> argparse.ArgumentParser:
                        "vs. dedicated engines (issue 22)")
     bench.add_argument("--steps", type=int, default=None, metavar="N",
                        help="r3: GRPO steps per run (default: 2 with --quick, else 6; a step of the upcycled MoE "
-                       "takes ~3 min on 2 CPU cores)")
+                       "takes ~3 min on 2 CPU cores); algorithms: steps per run (default: 15; 2 with --quick)")
     bench.add_argument("--rounds", type=int, default=None, metavar="N",
                        help="router: rotated rounds of the workload per arm (default: 2 with --quick, else 4); "
                        "more rounds make the median-round p50/p99 steadier; allocator: pairs of processes per "
                        "workload (default: 1 with --quick, else 3)")
+    bench.add_argument("--memory", action="store_true",
+                       help="trainer: the memory arm instead: one train step per response length (512 to 16k "
+                       "tokens; --quick: 128 to 1k, a few minutes), each in a fresh process, with and without "
+                       "train.gradient_checkpointing: the step's peak memory, per token and per further token")
     bench.add_argument("--arms", default=None, metavar="A,B,...",
                        help="trainer-step: the trainer variants to run, comma-separated, baseline among them "
-                       "(default: all; e.g. --arms baseline,default,default_bfloat16)")
+                       "(default: all; e.g. --arms baseline,default,default_bfloat16); algorithms: the recipes "
+                       "(default: all; e.g. --arms grpo,ppo_gae)")
+    bench.add_argument("--seeds", type=int, default=None, metavar="N",
+                       help="algorithms: seeds per recipe (default: 3; 1 with --quick)")
     bench.add_argument("--plot", type=Path, metavar="PNG", default=Path("rollout_timeline.png"),
                        help="rollout: where to write the timeline plot (default: rollout_timeline.png)")
     compare = sub.add_parser(
@@ -360,6 +376,10 @@ def _cmd_config(args: argparse.Namespace, console: Console) -> int:
 def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     from rollwise.sim.commands import write_json
 
+    if args.name == "algorithms":  # `rollwise train` runs, one per recipe and seed: rollwise/bench/algorithms.py
+        from rollwise.bench.algorithms import cli_bench_algorithms
+
+        return cli_bench_algorithms(args, console)
     if args.name == "load":  # its own models, written and read as files: rollwise/bench/load.py
         from rollwise.bench.load import cli_bench_load
 
@@ -434,6 +454,15 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
                 return 2
         result["command"] = " ".join(["rollwise"] + sys.argv[1:])
         console.print(format_trainer_step_bench(result))
+        write_json(args.json, result, console)
+        return 0
+    if args.name == "trainer" and args.memory:  # the memory arm: SmolLM2 (--model) also with --quick
+        from rollwise.bench.trainer_memory import format_memory_bench, run_memory_bench
+
+        with console.status(f"train-step memory by response length ({args.model})") as status:
+            result = run_memory_bench(args.model, quick=args.quick, seed=args.seed, progress=status.update)
+        result["command"] = " ".join(["rollwise"] + sys.argv[1:])
+        console.print(format_memory_bench(result))
         write_json(args.json, result, console)
         return 0
     if args.name == "trainer":  # --quick: a tiny model built in code instead of --model

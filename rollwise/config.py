@@ -19,9 +19,12 @@ from rollwise.reward.scoring import RewardConfig
 from rollwise.tasks import TaskConfig
 from rollwise.tasks.prompts import PromptConfig
 from rollwise.types.adapter_limits import MAX_LORA_ALPHA
-from rollwise.types.algorithms import (ADVANTAGE_ESTIMATORS, MIS_LEVELS, OFF_POLICY_CORRECTIONS, check_choice,
-                                       check_policy_loss_name)
+from rollwise.types.algorithms import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, KL_PENALTIES, MIS_LEVELS,
+                                       OFF_POLICY_CORRECTIONS, check_choice, check_policy_loss_name)
+from rollwise.types.critic_config import (GaeConfig, check_kl_penalty, check_token_advantage_placement,
+                                          token_advantage_reason)
 from rollwise.types.config_section import ConfigSection
+from rollwise.types.logging_config import LoggingConfig
 from rollwise.types.sft_config import SftConfig, TeacherConfig
 
 
@@ -202,12 +205,15 @@ class TrainConfig(_Section):
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     micro_batch_size: int = Field(16, ge=1, description="sequences per forward/backward; gradients accumulate")
     advantage: Annotated[
-        Literal["mean_std", "mean", "rloo", "reinforce_pp", "reinforce_pp_baseline"],
+        Literal["mean_std", "mean", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"],
         BeforeValidator(lambda v: check_choice(v, ADVANTAGE_ESTIMATORS, "advantage estimator")),
     ] = Field("mean_std", description="mean_std: GRPO (group mean/std); mean: Dr. GRPO (group mean); rloo: "
               "leave-one-out mean; reinforce_pp: REINFORCE++ (rewards normalised over the batch's tokens); "
               "reinforce_pp_baseline: group mean subtracted, then normalised over the batch "
-              "(rollwise.train.advantages)")
+              "(rollwise.train.advantages); gae: PPO with a learned critic, GAE per token (train.gae, "
+              "rollwise.train.critic)")
+    gae: GaeConfig = Field(default_factory=GaeConfig, description="train.advantage=gae: gamma, lam, critic_lr, "
+                           "value_clip, whiten")
     policy_loss: Annotated[str, AfterValidator(check_policy_loss_name)] = Field(
         "ppo_clip", description="ppo_clip: token-level PPO clip (clip_low/clip_high, DAPO clip-higher); dual_clip: "
         "plus dual_clip_c bound for negative advantages; gspo: sequence-level length-normalised ratio and clip; cispo: "
@@ -218,6 +224,15 @@ class TrainConfig(_Section):
     clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below 1 (1 - clip_low)")
     clip_high: float = Field(0.28, ge=0, description="PPO ratio clip above 1 (DAPO clip-higher)")
     kl_coef: float = Field(0.0, ge=0, description="k3 KL to the initial policy; 0 skips the reference model")
+    kl_penalty: Annotated[Literal["auto", "loss", "reward"],
+                          BeforeValidator(lambda v: check_choice(v, KL_PENALTIES, "KL penalty"))] = Field(
+        "auto", description="where kl_coef's KL goes: loss (the k3 loss term) or reward (a per-token penalty in the "
+        "reward, before the advantages: reinforce_pp, reinforce_pp_baseline, gae); auto: reward for reinforce_pp "
+        "(REINFORCE++), loss otherwise (rollwise.train.token_advantages)")
+    kl_estimator: Annotated[Literal["k1", "k2", "k3"],
+                            BeforeValidator(lambda v: check_choice(v, KL_ESTIMATORS, "KL estimator"))] = Field(
+        "k1", description="kl_penalty=reward: the per-token estimate of KL(pi || ref) folded into the reward: k1 "
+        "log(pi/ref), k2 log(pi/ref)^2 / 2, k3 ref/pi - 1 - log(ref/pi)")
     loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
     logprob_chunk_tokens: int = Field(1024, ge=1, description="LM-head rows computed at once (bounds fp32 logits)")
     fused_logprobs: bool = Field(True, description="LM head + log-softmax + entropy as one autograd function with a "
@@ -230,9 +245,14 @@ class TrainConfig(_Section):
     pack_groups: bool = Field(True, description="with pack_responses: several whole groups per micro-batch (each "
                               "prompt once, rows over their own prompt's KV; rollwise.train.packing), up to "
                               "micro_batch_tokens computed positions")
-    micro_batch_tokens: int = Field(2048, ge=1, description="pack_groups: positions a micro-batch of several groups "
-                                    "may compute (prompts + packed response rows); bounds its activation memory")
-    gradient_checkpointing: bool = False
+    micro_batch_tokens: int = Field(2048, ge=1, description="the most positions a micro-batch computes (prompts + "
+                                    "response rows): a group that would exceed it is cut into several micro-batches "
+                                    "(a longer sample trains alone), pack_groups fills it with several groups; "
+                                    "bounds activation memory whatever the response length")
+    gradient_checkpointing: bool = Field(False, description="activation checkpointing: each decoder layer's "
+                                         "activations recomputed in the backward (rollwise.train.activation_"
+                                         "checkpointing); a micro-batch then holds ~1/20 of them, for ~1/3 more "
+                                         "train-step compute. Works with share_prompt_prefix")
     compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "float32", description="the trainer's matmuls (torch.autocast); weights, gradients and optimizer state "
         "stay float32. auto: bfloat16 where the hardware computes it natively (rollwise.model.precision)")
@@ -242,14 +262,6 @@ class TrainConfig(_Section):
     router_aux_loss_coef: float = Field(
         0.0, ge=0, description="MoE: weight of the load-balancing auxiliary loss (Switch/Mixtral); 0 = off, as usual in RL")
 
-    @model_validator(mode="after")
-    def _prefix_sharing_needs_cache(self) -> TrainConfig:
-        if self.share_prompt_prefix and self.gradient_checkpointing:
-            raise ValueError(
-                "share_prompt_prefix needs the KV cache, which gradient checkpointing disables: "
-                "set train.share_prompt_prefix=false to use train.gradient_checkpointing=true"
-            )
-        return self
     updates_per_step: int = Field(1, ge=1, description="optimizer updates per rollout batch (PPO epochs)")
     off_policy_correction: Annotated[
         Literal["auto", "none", "decoupled", "tis", "mis", "icepop"],
@@ -276,6 +288,11 @@ class TrainConfig(_Section):
         if self.is_floor is not None and self.is_floor >= self.is_cap:
             raise ValueError(f"train.is_floor={self.is_floor} must be below train.is_cap={self.is_cap} (the importance "
                              "weights kept lie between them): lower is_floor or raise is_cap")
+        return self
+
+    @model_validator(mode="after")
+    def _resolve_kl_penalty(self) -> TrainConfig:
+        self.kl_penalty = check_kl_penalty(self.advantage, self.kl_penalty)  # type: ignore[assignment]
         return self
     lora: LoraConfig | None = Field(None, description="LoRA adapters instead of full-parameter training")
     teacher: TeacherConfig | None = Field(None, description="on-policy distillation: a teacher scores the student's "
@@ -375,6 +392,9 @@ class RunConfig(_Section):
     pool: PoolConfig = PoolConfig()
     sync: SyncConfig = SyncConfig()
     tensorboard: bool = True
+    # Experiment trackers (rollwise.observe.trackers): `logging.backends: [tensorboard, wandb, mlflow]`;
+    # `tensorboard: false` leaves TensorBoard out of them.
+    logging: LoggingConfig = LoggingConfig()
     # Multi-turn, tool-using episodes instead of single completions (rollwise.agent); e.g.
     # `rollwise train agent.tools=[calculator]`. None: the single-turn loop.
     agent: AgentConfig | None = None
@@ -394,6 +414,13 @@ class RunConfig(_Section):
             raise ValueError(f"trainer.world_size={self.trainer.world_size} starts its ranks from this process; "
                              f"with placement=ray the ranks are Ray actors: set ray.trainer_ranks="
                              f"{self.trainer.world_size} (and trainer.world_size=1)")
+        return self
+
+    @model_validator(mode="after")
+    def _token_advantages_placement(self) -> RunConfig:
+        check_token_advantage_placement(token_advantage_reason(self.train.advantage, self.train.kl_penalty,
+                                                               self.train.kl_coef),
+                                        self.trainer.world_size, self.ray.trainer_ranks, self.agent is not None)
         return self
 
     @model_validator(mode="after")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from rollwise.protocols import RolloutBackend
+from rollwise.types.contracts import RolloutBackend
 
 
 def collect(backend: RolloutBackend, n: int, timeout: float = 60.0) -> list:

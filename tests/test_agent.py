@@ -383,7 +383,7 @@ def test_grpo_trains_on_sampled_tokens_only(toy):
     from rollwise.agent.rollout import AgentConfig, run_agent_groups, score_episodes
     from rollwise.agent.samples import assign_episode_advantages
     from rollwise.config import TrainConfig
-    from rollwise.tasks.base import Problem
+    from rollwise.types.task import Problem
     from rollwise.train.trainer import GRPOTrainer
 
     model, tokenizer, generator, _ = toy

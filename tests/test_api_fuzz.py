@@ -22,6 +22,7 @@ from rollwise.engine.server import build_engine, create_app
 from rollwise.local_server import serve_in_thread
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.control.pool_backend import PoolClient, PoolWorker
+from rollwise.types.weight_update import WeightUpdate
 from rollwise.pool.scheduler import Policy
 from rollwise.pool.server import EnginePool
 from rollwise.pool.server import create_app as create_pool_app
@@ -59,7 +60,7 @@ def pool_job() -> Iterator[tuple[str, str]]:
         fp = tokenizer_fingerprint(tokenizer)
         client = PoolClient(url, api_key=POOL_KEY)
         client.attach("fuzz", MODEL, 1.0, fp)
-        PoolWorker(client, fp, poll_s=0.2).update_weights(model.state_dict(), 0)
+        PoolWorker(client, fp, poll_s=0.2).load_weights(WeightUpdate.of_state(model.state_dict(), 0, fp))
         yield url, client.token
 
 

@@ -26,11 +26,11 @@ from rollwise.config import RunConfig, load_config  # noqa: E402
 from rollwise.control import ray_placement  # noqa: E402
 from rollwise.control.train_loop import train  # noqa: E402
 from rollwise.engine.reference.engine import ReferenceEngine  # noqa: E402
-from rollwise.engine.types import GenerationRequest, SamplingParams  # noqa: E402
+from rollwise.types.generation import GenerationRequest, SamplingParams  # noqa: E402
 from rollwise.model.loading import load_model, tokenizer_fingerprint  # noqa: E402
 from rollwise.model.tiny import tiny_llama  # noqa: E402
 from rollwise.sync import distributed  # noqa: E402
-from rollwise.sync.buckets import WeightUpdate  # noqa: E402
+from rollwise.types.weight_update import WeightUpdate  # noqa: E402
 from rollwise.types.weights import WeightUpdateError  # noqa: E402
 
 PROMPTS = [[5, 17, 30, 42, 11], [9, 8, 7]]
@@ -75,7 +75,7 @@ def _greedy_local(state: dict[str, torch.Tensor] | None) -> list[tuple[list[int]
     model, _ = load_model("tiny:0")
     engine = ReferenceEngine(model, max_num_seqs=4, max_model_len=64, seed=0)
     if state is not None:
-        engine.update_weights(state, 1)
+        engine.apply_weights(state, 1)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     done = engine.generate([GenerationRequest(f"g{i}", p, params) for i, p in enumerate(PROMPTS)])
     return [(c.token_ids, c.logprobs) for c in sorted(done, key=lambda c: c.request_id)]
@@ -134,7 +134,7 @@ def test_fleet_broadcast_applies_refuses_bad_updates_whole_and_rejoins_a_restart
         expected = _greedy_local(new)
         assert not _same(expected, _greedy_local(None))  # the two weight sets are told apart
 
-        fleet.update_weights(WeightUpdate.of_state(new, 1, fp))
+        fleet.load_weights(WeightUpdate.of_state(new, 1, fp))
         assert _versions(fleet) == [1, 1]
         assert _same(_greedy_fleet(fleet, "a"), expected)
 
@@ -143,7 +143,7 @@ def test_fleet_broadcast_applies_refuses_bad_updates_whole_and_rejoins_a_restart
         bad[WRONG_SHAPE] = torch.zeros(bad[WRONG_SHAPE].shape[0] + 1, bad[WRONG_SHAPE].shape[1])
         with pytest.raises(WeightUpdateError, match=r"version 2 was rejected by 2 of 2 engines: engine 0: .*"
                                                     rf"{WRONG_SHAPE}: shape .*\| engine 1: "):
-            fleet.update_weights(WeightUpdate.of_state(bad, 2, fp))
+            fleet.load_weights(WeightUpdate.of_state(bad, 2, fp))
 
         # Damaged bytes: the manifest's checksum of bucket 0 is wrong (as if the bytes changed on the way).
         honest = distributed.build_manifest
@@ -158,7 +158,7 @@ def test_fleet_broadcast_applies_refuses_bad_updates_whole_and_rejoins_a_restart
             mp.setattr(distributed, "build_manifest", wrong_checksum)
             with pytest.raises(WeightUpdateError, match=r"rejected by 2 of 2 engines: engine 0: .*checksum "
                                                         r"mismatch.*\| engine 1: .*checksum mismatch"):
-                fleet.update_weights(WeightUpdate.of_state(tiny_llama(seed=2).state_dict(), 2, fp))
+                fleet.load_weights(WeightUpdate.of_state(tiny_llama(seed=2).state_dict(), 2, fp))
         # Both refusals left every engine serving version 1, and the group still works.
         assert _versions(fleet) == [1, 1]
         assert _same(_greedy_fleet(fleet, "b"), expected)
@@ -169,7 +169,7 @@ def test_fleet_broadcast_applies_refuses_bad_updates_whole_and_rejoins_a_restart
         old_token, old_pid = fleet.slots[1].token, fleet.slots[1].info["pid"]
         ray.kill(fleet.slots[1].actor, no_restart=False)
         _wait_gone(old_pid)  # ray.kill returns before the process dies: a push in between still reaches it
-        fleet.update_weights(WeightUpdate.of_state(new, 2, fp))
+        fleet.load_weights(WeightUpdate.of_state(new, 2, fp))
         assert fleet.slots[1].token != old_token and fleet.restarts == 1
         assert fleet.restart_log[0]["policy_version"] == 1  # re-synced to what every engine held then
         assert fleet.collective.formed == 2

@@ -9,7 +9,7 @@ from array import array
 import pytest
 import torch
 
-from rollwise.engine.types import Completion
+from rollwise.types.generation import Completion
 from rollwise.sim.run import build
 from rollwise.sim.scenario import Scenario
 from rollwise.train.packing import collate_packed_groups

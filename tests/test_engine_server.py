@@ -36,7 +36,7 @@ from rollwise.cli import main
 from rollwise.engine.client import EngineClient, EngineServerError
 from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.engine.server import build_engine, create_app
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.local_server import serve_in_thread
 from rollwise.model.loading import tokenizer_fingerprint
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer

@@ -26,7 +26,7 @@ from rollwise.agent.template import ChatRenderer
 from rollwise.agent.toolcalls import MAX_CALLS_PER_TURN, HermesToolParser, ParsedReply, ToolCall, parse_reply
 from rollwise.agent.tools import CalculatorTool, ToolRegistry
 from rollwise.agent.trajectory import TrajectoryBuilder
-from rollwise.engine.types import Completion
+from rollwise.types.generation import Completion
 from rollwise.model.tiny import tiny_tokenizer
 
 PARSER = HermesToolParser()

@@ -11,7 +11,7 @@ from rollwise.engine.retention import RetentionLimits, RetentionRequest
 from rollwise.engine.retention_policy import (
     CostMeter, EngineSnapshot, HeldSlot, RetentionCosts, ToolLatencies, choose, reclaim,
 )
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.model.tiny import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -122,7 +122,7 @@ def test_pins_are_released_on_abort_weight_update_and_session_end(model):
     assert engine.retention_stats()["pinned_sessions"] == 2
     assert engine.release_session("s1") and not engine.release_session("s1")
     norm = {"model.norm.weight": model.state_dict()["model.norm.weight"]}
-    engine.update_weights(norm, version=1)  # the KV was computed by the old weights
+    engine.apply_weights(norm, version=1)  # the KV was computed by the old weights
     stats = engine.retention_stats()
     assert stats["pinned_sessions"] == 0
     assert (stats["released_abort"], stats["released_session_end"], stats["released_weight_update"]) == (1, 1, 1)

@@ -17,7 +17,7 @@ import torch
 
 from rollwise.config import TrainConfig
 from rollwise.engine.reference.engine import ReferenceEngine
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer
 from rollwise.types.sample import Sample
 from rollwise.sync.inprocess import push_weights

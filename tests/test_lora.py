@@ -14,11 +14,11 @@ import torch
 
 from rollwise.config import LoraConfig, TrainConfig
 from rollwise.engine.reference.engine import ReferenceEngine
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.model.tiny import tiny_llama
 from rollwise.sync.adapters import AdapterSender, adapter_update
 from rollwise.sync.layout import flatten_bucket
-from rollwise.sync.receiver import StagedUpdate, WeightReceiver
+from rollwise.engine.weight_receiver import StagedUpdate, WeightReceiver
 from rollwise.types.weights import WeightUpdateError
 from rollwise.train.trainer import GRPOTrainer
 from rollwise.types.sample import Sample
@@ -47,7 +47,7 @@ def _samples(engine: ReferenceEngine, seed: int, n: int = 4) -> list[Sample]:
 
 
 def _push(trainer: GRPOTrainer, engine: ReferenceEngine) -> None:
-    AdapterSender(FP).update(trainer).apply_to(engine, FP)
+    WeightReceiver(engine, FP).receive(AdapterSender(FP).update(trainer))
 
 
 def test_only_adapter_parameters_train_and_the_base_is_untouched():

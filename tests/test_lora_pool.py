@@ -19,8 +19,9 @@ from adapters import random_adapter
 
 from rollwise.config import LoraConfig
 from rollwise.engine.reference.engine import ReferenceEngine
+from rollwise.engine.weight_receiver import WeightReceiver
 from rollwise.engine.server import create_app
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.local_server import serve_in_thread
 from rollwise.model.loading import tokenizer_fingerprint
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer
@@ -32,7 +33,7 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 
 def _push(engine, base, name: str, cfg: LoraConfig, seed: int, version: int, fp: str | None = None) -> None:
     spec = adapter_spec(cfg, name, default=False)
-    adapter_update(random_adapter(base, cfg, seed), spec, version, fp or "").apply_to(engine, fp)
+    WeightReceiver(engine, fp).receive(adapter_update(random_adapter(base, cfg, seed), spec, version, fp or ""))
 
 
 JOB_A = LoraConfig(rank=4, alpha=8.0)

@@ -28,7 +28,8 @@ from completions import collect
 
 from rollwise.config import LoraConfig
 from rollwise.engine.reference.engine import ReferenceEngine
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.engine.weight_receiver import WeightReceiver
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.local_server import serve_in_thread
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.control.pool_backend import PoolClient, PoolServerError, PoolWorker
@@ -69,7 +70,7 @@ def _alone(cfg: LoraConfig, seed: int, version: int, tag: str) -> tuple[dict, in
     base, _ = load_model(BASE)
     engine = ReferenceEngine(base, max_num_seqs=8, max_model_len=MAX_LEN, seed=0)
     spec = adapter_spec(cfg, tag, default=False)
-    adapter_update(random_adapter(load_model(BASE)[0], cfg, seed), spec, version, "").apply_to(engine, None)
+    WeightReceiver(engine, None).receive(adapter_update(random_adapter(load_model(BASE)[0], cfg, seed), spec, version, ""))
     reqs = [GenerationRequest(rid, p, params, adapter=tag) for rid, p, params in _greedy(tag)]
     return {c.request_id: c for c in engine.generate(reqs)}, engine.stats["steps"]
 

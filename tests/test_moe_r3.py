@@ -14,7 +14,7 @@ import torch
 
 from rollwise.config import TrainConfig
 from rollwise.engine.reference.engine import ReferenceEngine
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.model.tiny import tiny_mixtral
 from rollwise.train.logprobs import sequence_logprobs
 from rollwise.train.routing_replay import RoutingReplay, find_routers, rows_batch

@@ -29,10 +29,11 @@ from completions import collect
 from rollwise.config import ConfigError, load_config
 from rollwise.engine.contract import run_to_completion
 from rollwise.engine.factory import create_engine
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.local_server import serve_in_thread
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.control.pool_backend import PoolClient, PoolServerError, PoolWorker, attach_to_pool
+from rollwise.types.weight_update import WeightUpdate
 from rollwise.pool.scheduler import JobView, Policy, SlotView, plan
 from rollwise.pool.server import EnginePool, create_app
 from rollwise.pool.states import ACTIVE, EVICTED, SLEEPING, StateError, StateMachine, check_log
@@ -54,7 +55,7 @@ def _attach(url: str, job: str, spec: str, priority: float = 1.0, version: int =
     client = PoolClient(url)
     client.attach(job, spec, priority, fp)
     worker = PoolWorker(client, fp, poll_s=0.2)
-    worker.update_weights(model.state_dict(), version)
+    worker.load_weights(WeightUpdate.of_state(model.state_dict(), version, fp))
     return worker, model, fp
 
 
@@ -99,7 +100,7 @@ def test_two_jobs_keep_weights_and_data_apart():
                     version = jobs[name][1] + rnd
                     if rnd:  # a new policy version, pushed while the other job generates
                         _perturb(model, seed=hash((name, rnd)) % 2**31)
-                        worker.update_weights(model.state_dict(), version)
+                        worker.load_weights(WeightUpdate.of_state(model.state_dict(), version, worker.fingerprint))
                     reqs = _requests(name, rnd)
                     worker.submit(reqs)
                     got = collect(worker, sum(r.params.n for r in reqs))
@@ -327,7 +328,7 @@ def test_state_transitions_under_concurrent_requests():
                         worker.resume()
                     if rnd == 2:
                         _perturb(model, rnd)
-                        worker.update_weights(model.state_dict(), rnd)
+                        worker.load_weights(WeightUpdate.of_state(model.state_dict(), rnd, worker.fingerprint))
                     deadline = time.monotonic() + 60
                     while set(seen) != expected:
                         assert time.monotonic() < deadline, "samples missing"

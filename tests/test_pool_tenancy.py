@@ -28,7 +28,7 @@ import torch
 from adapters import random_adapter
 
 from rollwise.config import ConfigError, LoraConfig, load_config
-from rollwise.engine.types import SamplingParams
+from rollwise.types.generation import SamplingParams
 from rollwise.local_server import serve_in_thread
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer

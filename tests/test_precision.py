@@ -11,7 +11,7 @@ import torch
 
 from rollwise.config import ConfigError, TrainConfig, load_config
 from rollwise.engine.factory import EngineSettings, create_engine
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.model.precision import cpu_has_native_bf16, resolve_dtype
 from rollwise.model.tiny import tiny_llama
 from rollwise.observe.metrics import loop_meter
@@ -101,7 +101,7 @@ def test_bfloat16_reference_engine_takes_float32_pushes_and_samples_near_the_flo
         settings = EngineSettings(kind="reference", max_num_seqs=4, max_model_len=64, dtype=dtype)
         engine = create_engine(settings, model, None, seed=0)
         assert engine.model.dtype == resolve_dtype(dtype)
-        engine.update_weights(pushed, 1)  # the trainer's float32 tensors, cast as they are copied in
+        engine.apply_weights(pushed, 1)  # the trainer's float32 tensors, cast as they are copied in
         done = engine.generate([GenerationRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])
         out[dtype] = sorted(done, key=lambda c: c.request_id)
     for a, b in zip(out["float32"], out["bfloat16"]):

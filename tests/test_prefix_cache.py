@@ -15,7 +15,7 @@ import torch
 
 from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.engine.reference.prefix_cache import PrefixCache
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.model.tiny import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -101,7 +101,7 @@ def test_weight_update_empties_the_cache(model):
     engine.generate([GenerationRequest("a", prompt, SamplingParams(max_tokens=4, seed=0))])
     assert engine.prefix_cache.num_tokens > 0
     other = tiny_llama(seed=1)
-    engine.update_weights(other.state_dict(), version=1)
+    engine.apply_weights(other.state_dict(), version=1)
     assert engine.prefix_cache.num_tokens == 0
     after = engine.generate([GenerationRequest("b", prompt, SamplingParams(max_tokens=4, seed=0))])[0]
     fresh = _engine(other, 0).generate([GenerationRequest("c", prompt, SamplingParams(max_tokens=4, seed=0))])[0]

@@ -1,5 +1,5 @@
-"""Every implementation of the three protocols (rollwise.protocols) conforms, and keeps the shared
-semantics: submit -> completion -> update_weights (checked whole) -> later tokens carry the version."""
+"""Every implementation of the three protocols (rollwise.types.contracts) conforms, and keeps the shared
+semantics: submit -> completion -> load_weights (checked whole) -> later tokens carry the version."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from completions import collect
 from rollwise.config import load_config
 from rollwise.engine.core import EngineWorker
 from rollwise.engine.factory import create_engine
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.local_server import serve_in_thread
 from rollwise.model.loading import load_model, tokenizer_fingerprint
-from rollwise.protocols import RolloutBackend, RolloutControl, Trainer
-from rollwise.sync.buckets import WeightUpdate
+from rollwise.types.contracts import RolloutBackend, RolloutControl, Trainer
+from rollwise.types.weight_update import WeightUpdate
 from rollwise.types.weights import WeightUpdateError
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -38,7 +38,7 @@ def _versions_move(backend: RolloutBackend, update: WeightUpdate) -> None:
     backend.submit([_request("before")])
     before = collect(backend, 2)
     assert {v for c in before for v in c.versions} == {update.version - 1}
-    backend.update_weights(update)
+    backend.load_weights(update)
     assert backend.model_info().policy_version == update.version
     backend.submit([_request("after")])
     after = collect(backend, 2)
@@ -58,11 +58,11 @@ def test_engine_worker_is_a_backend_and_refuses_a_bad_update_whole():
         held = engine.model.state_dict()["model.norm.weight"].clone()
         # Another tokenizer's update: refused before anything is applied; the engine stays at version 1.
         with pytest.raises(WeightUpdateError, match="tokenizer fingerprint"):
-            worker.update_weights(WeightUpdate.of_state(_perturbed(model, 2), 2, "0" * 64))
+            worker.load_weights(WeightUpdate.of_state(_perturbed(model, 2), 2, "0" * 64))
         bad = _perturbed(model, 3)
         bad.pop("model.norm.weight")
         with pytest.raises(WeightUpdateError, match="missing weight 'model.norm.weight'"):
-            worker.update_weights(WeightUpdate.of_state(bad, 2, fp))
+            worker.load_weights(WeightUpdate.of_state(bad, 2, fp))
         assert worker.model_info().policy_version == 1
         assert torch.equal(engine.model.state_dict()["model.norm.weight"], held)
     finally:
@@ -80,7 +80,7 @@ def test_sim_cluster_is_a_backend():
     cluster = SimCluster([SimEngine(cost, clock=clock), SimEngine(cost, clock=clock)], clock)
     model, _ = load_model("tiny:0")
     update = WeightUpdate.of_state(model.state_dict(), 1, None)
-    assert cluster.update_weights(WeightUpdate.of_state(model.state_dict(), 0, None)) is None  # no float any more
+    assert cluster.load_weights(WeightUpdate.of_state(model.state_dict(), 0, None)) is None  # no float any more
     _versions_move(cluster, update)
     assert cluster.weights_loaded_at <= clock.now
 
@@ -98,7 +98,7 @@ def test_pool_worker_is_a_backend():
         client.attach("conformance", "tiny:0", 1.0, fp)
         worker = PoolWorker(client, fp, poll_s=0.2)
         try:
-            worker.update_weights(WeightUpdate.of_state(model.state_dict(), 0, fp))
+            worker.load_weights(WeightUpdate.of_state(model.state_dict(), 0, fp))
             _versions_move(worker, WeightUpdate.of_state(_perturbed(model, 1), 1, fp))
         finally:
             worker.close()

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from rollwise.bench.bf16_gemms import emulated_bf16, round_to_bf16, round_weights_
 from rollwise.bench.r3 import BenchEngine, mismatch_cut, step_share
 from rollwise.engine.reference.engine import ReferenceEngine
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from test_cli import _run
 from test_moe_r3 import PROMPTS, moe_model
 

@@ -221,7 +221,7 @@ def test_engine_actor_resends_until_acknowledged():
     """A drain reply lost in transit is sent again; what the fleet acknowledged is never sent twice; an
     abort hands back the samples that finished before it."""
     from rollwise.control.ray_engine_actor import EngineActor
-    from rollwise.engine.types import GenerationRequest, SamplingParams
+    from rollwise.types.generation import GenerationRequest, SamplingParams
     from rollwise.model.loading import load_model, tokenizer_fingerprint
 
     _, tokenizer = load_model("tiny:0")

@@ -10,7 +10,7 @@ from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qw
 from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.engine.reference.model import LlamaFamilyModel, ModelConfig
 from rollwise.engine.reference.sampling import sample
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.model.tiny import tiny_llama
 
 VOCAB = 103  # tiny_tokenizer's size; the models below share it
@@ -237,7 +237,7 @@ def test_update_weights_stamps_versions_per_token(hf_model):
     engine = ReferenceEngine(hf_model, max_model_len=64, policy_version=3)
     engine.add_request(_req("v", _prompt(10), max_tokens=12, temperature=0.0, ignore_eos=True))
     engine.step()  # prefill token + one decode token under version 3
-    engine.update_weights(_perturbed(hf_model), version=4)
+    engine.apply_weights(_perturbed(hf_model), version=4)
     assert engine.policy_version == 4
     done = []
     while engine.has_unfinished():
@@ -254,7 +254,7 @@ def test_update_weights_stamps_versions_per_token(hf_model):
 def test_update_weights_accepts_the_trainers_full_state_dict():
     trainer = tiny_llama(vocab_size=VOCAB, seed=5)
     engine = ReferenceEngine(tiny_llama(vocab_size=VOCAB), max_model_len=64)
-    engine.update_weights(trainer.state_dict(), version=1)
+    engine.apply_weights(trainer.state_dict(), version=1)
     fresh = ReferenceEngine(trainer, max_model_len=64)
     req = _req("w", _prompt(9), max_tokens=10, temperature=0.0, ignore_eos=True)
     updated = engine.generate([req])[0]
@@ -269,11 +269,11 @@ def test_bad_update_raises_and_keeps_old_weights(hf_model):
     bad_shape = _perturbed(hf_model)  # every other entry is valid and would change the outputs
     bad_shape["model.layers.1.mlp.down_proj.weight"] = torch.zeros(3, 3)
     with pytest.raises(ValueError, match="down_proj.*shape"):
-        engine.update_weights(bad_shape, version=9)
+        engine.apply_weights(bad_shape, version=9)
     unknown = _perturbed(hf_model)
     unknown["model.layers.7.self_attn.q_proj.weight"] = torch.zeros(64, 64)
     with pytest.raises(ValueError, match="unexpected weight"):
-        engine.update_weights(unknown, version=9)
+        engine.apply_weights(unknown, version=9)
     assert engine.policy_version == 0
     assert engine.generate([req])[0].token_ids == before
 
@@ -389,8 +389,9 @@ def _llama_config(**kw) -> LlamaConfig:
 def test_unsupported_architectures_raise():
     with pytest.raises(ValueError, match="gpt2"):
         ModelConfig.from_hf(GPT2Config())
-    with pytest.raises(ValueError, match="RoPE type 'linear'"):
-        ModelConfig.from_hf(_llama_config(rope_scaling={"rope_type": "linear", "factor": 2.0}))
+    # Frequencies that change with the sequence length (scaled RoPE is tests/test_qwen_models.py's)
+    with pytest.raises(ValueError, match="RoPE type 'dynamic'"):
+        ModelConfig.from_hf(_llama_config(rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
     with pytest.raises(ValueError, match="sliding-window"):
         ModelConfig.from_hf(Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=0))
     assert ModelConfig.from_hf(_llama_config(rope_theta=5000.0)).rope_theta == 5000.0

@@ -22,7 +22,7 @@ from rollwise.reward.pool import (
 )
 from rollwise.types.sample import Sample
 from rollwise.sandbox import LocalSandbox
-from rollwise.tasks.base import Problem
+from rollwise.types.task import Problem
 
 pytestmark = pytest.mark.timeout(120)
 

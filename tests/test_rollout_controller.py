@@ -13,11 +13,11 @@ import torch
 
 from rollwise.config import RunConfig
 from rollwise.engine.reference.engine import ReferenceEngine
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer
 from rollwise.rollout.controller import RolloutController
 from rollwise.rollout.data import ProblemStream
-from rollwise.rollout.ledger import LedgerError, RolloutLedger
+from rollwise.types.ledger import LedgerError, RolloutLedger
 from rollwise.rollout.sync_rollout import PromptEncoder, RolloutPlan, rollout, sampling_seed
 from rollwise.engine.core import EngineWorker
 from rollwise.sync.inprocess import push_weights
@@ -208,7 +208,7 @@ def test_partial_rollout_version_stamps_are_exact():
     (seq,) = engine.scheduler.running.values()
     before = len(seq.token_ids)
     new_state = {k: v + 0.05 for k, v in model.state_dict().items()}
-    engine.update_weights(new_state, version=7)
+    engine.apply_weights(new_state, version=7)
     done = []
     while engine.has_unfinished():
         done += engine.step()

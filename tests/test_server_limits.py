@@ -27,6 +27,7 @@ from rollwise.local_server import serve_in_thread
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.pool.cli import main as pool_main
 from rollwise.control.pool_backend import PoolClient, PoolWorker
+from rollwise.types.weight_update import WeightUpdate
 from rollwise.pool.scheduler import Policy
 from rollwise.pool.server import EnginePool
 from rollwise.pool.server import create_app as create_pool_app
@@ -185,7 +186,7 @@ def test_an_abandoned_pool_generate_is_aborted():
         fp = tokenizer_fingerprint(tokenizer)
         client = PoolClient(url)
         client.attach("a", MODEL, 1.0, fp)
-        PoolWorker(client, fp, poll_s=0.2).update_weights(model.state_dict(), 0)
+        PoolWorker(client, fp, poll_s=0.2).load_weights(WeightUpdate.of_state(model.state_dict(), 0, fp))
 
         def in_flight() -> int:
             return httpx.get(f"{url}/state").json()["jobs"]["a"]["requests_in_flight"]

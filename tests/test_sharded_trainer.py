@@ -11,8 +11,9 @@ import torch
 import torch.multiprocessing as mp
 
 from rollwise.config import ConfigError, TrainConfig, TrainerConfig, load_config
+from rollwise.engine.weight_receiver import WeightReceiver
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer
-from rollwise.sync.buckets import WeightUpdate
+from rollwise.types.weight_update import WeightUpdate
 from rollwise.train.distributed import RankSpec, free_port, init_rank
 from rollwise.train.rank import RankTrainer
 from rollwise.train.sharded import ShardedTrainer, split_work
@@ -140,7 +141,7 @@ def test_push_from_shards_equals_the_single_process_push(tmp_path):
         # Through the engine's checked commit, as a local run pushes it.
         engine = create_engine(EngineConfig(kind="reference"), tiny_llama(seed=3), tok, model_name="tiny",
                                tokenizer_fingerprint="fp")
-        update.apply_to(engine, "fp")
+        WeightReceiver(engine, "fp").receive(update)
         state = engine.model.state_dict()
         for name, tensor in after.items():
             assert torch.equal(state[name], tensor), name

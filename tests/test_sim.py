@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rollwise.engine.contract import Engine
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.sim.fit import StepRecord, fit_steps
 from rollwise.sim.cluster import SimCluster
 from rollwise.sim.cost import CostModel, load_cost_file
@@ -76,7 +76,7 @@ def test_sim_engine_abort_pause_resume_and_versions():
     engine.add_request(_req("w", n=4, max_tokens=10))  # does not fit next to a: waits
     engine.step()
     engine.step()
-    engine.update_weights(None, 1)
+    engine.apply_weights(None, 1)
     t = engine.clock.now
     engine.step()  # the weight load (0.25 s) then a step
     assert engine.clock.now >= t + 0.25
@@ -101,7 +101,7 @@ def test_sim_engine_rejects_bad_input():
     with pytest.raises(ValueError, match="already in flight"):
         engine.add_request(_req("dup"))
     with pytest.raises(ValueError):
-        engine.update_weights(None, "v2")  # type: ignore[arg-type]
+        engine.apply_weights(None, "v2")  # type: ignore[arg-type]
 
 
 def test_planned_multi_step_ops_equal_step_by_step():
@@ -140,7 +140,7 @@ def test_sim_engine_under_the_production_engine_worker():
             assert len(batch) == 2 * s.workload.group_size
             controller.before_update()
             controller.mark_trained(batch)
-            worker.update_weights(None, version)
+            worker.apply_weights(None, version)
             controller.after_update(version)
     finally:
         controller.close()

@@ -14,7 +14,7 @@ from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.engine.reference import speculative as speculative_module
 from rollwise.engine.speculation.budget import BudgetPolicy, draft_budget
 from rollwise.engine.speculation.history import HistoryDrafter, HistorySettings
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.model.tiny import tiny_llama
 
 VOCAB = 103

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from rollwise.model.tiny import tiny_tokenizer
 from rollwise.reward.scoring import RewardConfig, score
 from rollwise.tasks import make_task, TaskConfig
-from rollwise.tasks.base import Problem, Task
+from rollwise.types.task import Problem, Task
 from rollwise.tasks.jsonl_task import JsonlTask
 from rollwise.tasks.reasoning_gym_task import ReasoningGymTask
 from rollwise.tasks.answer_format import AnswerFormat, answers_match, last_number, parse_number, parse_response

@@ -22,7 +22,7 @@ from rollwise.agent.toy import toy_question, toy_tool_model
 from rollwise.agent.trajectory import NO_VERSION, TrajectoryBuilder
 from rollwise.agent.verify import RecordingGenerator, verify_trajectory
 from rollwise.engine.factory import create_engine
-from rollwise.engine.types import Completion, SamplingParams
+from rollwise.types.generation import Completion, SamplingParams
 from rollwise.model.tiny import CHATML_TEMPLATE, SPECIAL_TOKENS, tiny_llama
 
 pytestmark = [pytest.mark.usefixtures("single_torch_thread"), pytest.mark.timeout(120)]

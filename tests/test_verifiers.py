@@ -5,7 +5,7 @@ import json
 from rollwise.reward.pool import RewardPool
 from rollwise.reward.verifiers import math_verify_reward
 from rollwise.tasks import make_task
-from rollwise.tasks.base import Problem
+from rollwise.types.task import Problem
 from rollwise.tasks.math_equal import math_equal
 
 

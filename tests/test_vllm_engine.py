@@ -22,7 +22,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e \".[cp
 
 from rollwise.engine.contract import Engine  # noqa: E402
 from rollwise.engine.reference.engine import ReferenceEngine  # noqa: E402
-from rollwise.engine.types import GenerationRequest, SamplingParams  # noqa: E402
+from rollwise.types.generation import GenerationRequest, SamplingParams  # noqa: E402
 from rollwise.engine.vllm_backend import VLLMEngine  # noqa: E402
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer  # noqa: E402
 from rollwise.engine.core import EngineWorker  # noqa: E402
@@ -61,8 +61,8 @@ def _original_weights(engine, model):
     engine.resume()
     engine.wake()
     if engine.policy_version != 0:
-        engine._version = 0  # back to a fresh engine's version: update_weights only moves versions forward
-        engine.update_weights(model.state_dict(), version=0)
+        engine._version = 0  # back to a fresh engine's version: apply_weights only moves versions forward
+        engine.apply_weights(model.state_dict(), version=0)
 
 
 @pytest.fixture
@@ -142,7 +142,7 @@ def test_stop_token_ends_a_sample_and_stays_in_its_ids(engine):
 def test_weight_update_changes_greedy_output_and_version(engine, model):
     before = sampled(engine)
     other = vllm_tiny(seed=5)
-    engine.update_weights(other.state_dict(), version=3)
+    engine.apply_weights(other.state_dict(), version=3)
     after = sampled(engine)
     assert engine.policy_version == 3 and after.versions == [3] * len(after.token_ids)
     assert after.token_ids != before.token_ids
@@ -169,7 +169,7 @@ def test_corrupt_weight_update_is_refused_and_the_engine_keeps_serving(engine, c
     before = sampled(engine)
     state = corrupt(dict(vllm_tiny(seed=9).state_dict()))
     with pytest.raises(ValueError, match=message):
-        engine.update_weights(state, version=7)
+        engine.apply_weights(state, version=7)
     assert engine.policy_version == 0
     after = sampled(engine)  # nothing of the bad update was applied
     assert after.token_ids == before.token_ids and after.logprobs == pytest.approx(before.logprobs, abs=1e-5)
@@ -182,7 +182,7 @@ def test_prefix_cache_reuses_a_shared_prompt_and_forgets_it_at_a_weight_update(e
     second = engine.generate([GenerationRequest("second", shared + [6], params)])[0]
     assert first.cached_prompt_tokens == 0
     assert second.cached_prompt_tokens >= 64  # whole 32-token KV blocks of the shared 81 tokens
-    engine.update_weights(vllm_tiny(seed=2).state_dict(), version=1)
+    engine.apply_weights(vllm_tiny(seed=2).state_dict(), version=1)
     third = engine.generate([GenerationRequest("third", shared + [7], params)])[0]
     assert third.cached_prompt_tokens == 0  # KV computed by the old weights is never reused
 
@@ -191,7 +191,7 @@ def test_checked_weight_transport_targets_vllm(engine):
     """The manifest-checked transports (in-process here; files and broadcast use the same receiver)
     apply to vLLM by HF names, and refuse a mismatched model whole."""
     from rollwise.sync.buckets import InProcessTransport
-    from rollwise.sync.receiver import WeightReceiver
+    from rollwise.engine.weight_receiver import WeightReceiver
     from rollwise.types.weights import WeightUpdateError
 
     fingerprint = "test-tokenizer"
@@ -204,7 +204,7 @@ def test_checked_weight_transport_targets_vllm(engine):
     with pytest.raises(WeightUpdateError):
         transport.push(bad, 2)
     assert engine.policy_version == 1
-    engine.update_weights(vllm_tiny(0).state_dict(), version=2)  # the original weights again, a newer version
+    engine.apply_weights(vllm_tiny(0).state_dict(), version=2)  # the original weights again, a newer version
     assert sampled(engine).token_ids == before.token_ids
 
 
@@ -212,13 +212,14 @@ def test_checked_update_of_a_tied_model_reaches_the_lm_head(engine):
     """The tied lm_head travels once on the wire (a manifest alias) but reaches vLLM under both names: its
     CPU backend repacks lm_head separately, and loading only the embedding left the head stale (the
     default run's mismatch rose from 1e-5 to 1e-3 after the first push)."""
-    from rollwise.sync.buckets import WeightUpdate
+    from rollwise.engine.weight_receiver import WeightReceiver
+    from rollwise.types.weight_update import WeightUpdate
 
     new_model = vllm_tiny(seed=8)
     assert new_model.config.tie_word_embeddings
     update = WeightUpdate.of_state(new_model.state_dict(), 1, None)
     assert update.manifest.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
-    update.apply_to(engine, None)
+    WeightReceiver(engine, None).receive(update)
     c = engine.generate([GenerationRequest("tied", PROMPT, SamplingParams(max_tokens=24, temperature=0.8, seed=5))])[0]
     ids = torch.tensor([c.prompt_ids + c.token_ids])
     mask = torch.zeros_like(ids, dtype=torch.bool)
@@ -297,7 +298,7 @@ def test_weight_update_mid_generation_stamps_versions(engine, model):
         while engine.stats["generated_tokens"] == 0 or not engine.has_unfinished():
             if worker.next_completion(timeout=0.01) is not None:
                 pytest.fail("finished before the update")
-        worker.update_weights(vllm_tiny(seed=4).state_dict(), version=1)
+        worker.apply_weights(vllm_tiny(seed=4).state_dict(), version=1)
         completion = worker.next_completion(timeout=120)
     finally:
         worker.close()

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e \".[cpu]\")")
 
 from rollwise.engine.retention import RetentionLimits, RetentionRequest  # noqa: E402
-from rollwise.engine.types import GenerationRequest, SamplingParams  # noqa: E402
+from rollwise.types.generation import GenerationRequest, SamplingParams  # noqa: E402
 from rollwise.engine.vllm_backend import VLLMEngine  # noqa: E402
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer  # noqa: E402
 
@@ -170,14 +170,14 @@ def test_pins_end_with_the_session_abort_and_a_weight_update(engine, model):
     assert set(engine.session_pins.pins) == {"e3"}
     _turn(engine, "e4-t0", _prompt(63, 80))  # finished, its retain() not yet arrived
     before = engine.retention_stats()
-    engine.update_weights(model.state_dict(), 1)  # old-policy KV is not kept
+    engine.apply_weights(model.state_dict(), 1)  # old-policy KV is not kept
     assert engine.session_pins.pins == {} and _used_blocks(engine) == 0
     stats = engine.retention_stats()
     assert stats["released_session_end"] >= 1 and stats["released_abort"] >= 1
     assert stats["released_weight_update"] == before["released_weight_update"] + 1
     late = engine.retain(RetentionRequest("e4", "e4-t0", "python", 30.0))  # its KV went with the old weights
     assert late.action == "discard" and late.tokens == 0
-    engine.update_weights(model.state_dict(), 2)  # (versions only move forward)
+    engine.apply_weights(model.state_dict(), 2)  # (versions only move forward)
 
 
 def test_a_resumed_session_waiting_for_a_seat_keeps_its_pin(engine):

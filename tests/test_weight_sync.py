@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from rollwise.engine.reference.engine import ReferenceEngine
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer
 from rollwise.engine.core import EngineWorker
@@ -27,7 +27,7 @@ from rollwise.sync.layout import (
     plan_buckets,
     unflatten_bucket,
 )
-from rollwise.sync.receiver import StagedUpdate, WeightReceiver
+from rollwise.engine.weight_receiver import StagedUpdate, WeightReceiver
 from rollwise.types.weights import WeightUpdateError
 from rollwise.sync.distributed import (
     DistributedReceiver,
@@ -60,7 +60,7 @@ def _engine(state: dict[str, torch.Tensor] | None = None) -> ReferenceEngine:
     model, _ = load_model("tiny:0")
     engine = ReferenceEngine(model, max_num_seqs=4, max_model_len=64, seed=0)
     if state is not None:
-        engine.update_weights(state, 1)
+        engine.apply_weights(state, 1)
     return engine
 
 

@@ -9,7 +9,7 @@ characters (`../../x`).
 
 Through the public surfaces: the engine server's HTTP route on loopback, the pool's `PUT /jobs/J/weights`
 (a full-parameter job and a LoRA job), and the Python API (in-process push, the file transport, an adapter
-push, the engine's own update_weights). Each refusal is a 4xx (or WeightUpdateError / ValueError) naming the
+push, the engine's own apply_weights). Each refusal is a 4xx (or WeightUpdateError / ValueError) naming the
 field; afterwards the version is still 16 and greedy generation gives the same tokens and logprobs.
 """
 
@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from rollwise.config import LoraConfig
 from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.engine.server import build_engine, create_app
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.local_server import serve_in_thread
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.model.tiny import tiny_llama
@@ -39,7 +39,7 @@ from rollwise.pool.server import EnginePool
 from rollwise.pool.server import create_app as create_pool_app
 from rollwise.sync.buckets import InProcessTransport
 from rollwise.sync.files import FileReceiver, FileTransport
-from rollwise.sync.receiver import WeightReceiver
+from rollwise.engine.weight_receiver import WeightReceiver
 from rollwise.types.weights import WeightUpdateError
 from rollwise.sync.adapters import adapter_update
 from rollwise.sync.layout import build_manifest, flatten_bucket
@@ -260,7 +260,7 @@ def local() -> SimpleNamespace:
     engine = ReferenceEngine(model, max_num_seqs=4, max_model_len=MAX_LEN, seed=0, tokenizer_fingerprint=fp)
     receiver = WeightReceiver(engine, fp)
     InProcessTransport([receiver], fp).push(_state(), VERSION)
-    adapter_update(_adapter(), adapter_spec(LORA, "side", default=False), VERSION, fp).apply_to(engine, fp)
+    WeightReceiver(engine, fp).receive(adapter_update(_adapter(), adapter_spec(LORA, "side", default=False), VERSION, fp))
     return SimpleNamespace(engine=engine, fp=fp, receiver=receiver, before=_local_greedy(engine))
 
 
@@ -284,17 +284,17 @@ def _local_case(kind: str, local: SimpleNamespace, tmp: Path) -> tuple[Callable[
     if kind.startswith("engine-") and kind != "engine-older-version":  # the engine held directly: it checks the same
         tensor_kind = kind.removeprefix("engine-")
         bad = {**state, BAD: _spoil(tensor_kind, state[BAD])}
-        return lambda: engine.update_weights(bad, VERSION + 1), ValueError, "", TENSOR_CASES[tensor_kind]
+        return lambda: engine.apply_weights(bad, VERSION + 1), ValueError, "", TENSOR_CASES[tensor_kind]
     if kind == "older-version":
         return lambda: push(state, VERSION - 1), WeightUpdateError, "version", f"already at version {VERSION}"
     if kind == "engine-older-version":
-        return lambda: engine.update_weights(state, VERSION - 1), ValueError, "", f"already at version {VERSION}"
+        return lambda: engine.apply_weights(state, VERSION - 1), ValueError, "", f"already at version {VERSION}"
     if kind == "files-no-checksum":
         _no_checksums(tmp, fp)
         return (lambda: FileReceiver(local.receiver).load_latest(tmp), WeightUpdateError, "buckets[0].checksum",
                 "no checksum")
     spec, tensors, field, words = _bad_adapter(kind.removeprefix("adapter-"), "side")
-    return lambda: adapter_update(tensors, spec, VERSION + 1, fp).apply_to(engine, fp), WeightUpdateError, field, words
+    return lambda: WeightReceiver(engine, fp).receive(adapter_update(tensors, spec, VERSION + 1, fp)), WeightUpdateError, field, words
 
 
 @pytest.mark.parametrize("kind", [*TENSOR_CASES, "engine-nan", "engine-int32", "older-version", "engine-older-version",

@@ -37,7 +37,7 @@ from rollwise.agent.tools import CalculatorTool, ToolRegistry
 from rollwise.agent.toy import toy_question
 from rollwise.agent.trajectory import TrajectoryBuilder
 from rollwise.agent.verify import RecordingGenerator, TitoReport, verify_trajectory
-from rollwise.engine.types import Completion
+from rollwise.types.generation import Completion
 
 # ---------------------------------------------------------------------------------------- template probe
 

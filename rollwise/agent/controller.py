@@ -18,13 +18,13 @@ from rollwise.agent.generator import LocalGenerator
 from rollwise.agent.rollout import EpisodeOutcome, run_agent_groups, score_episodes
 from rollwise.agent.samples import assign_episode_advantages
 from rollwise.config import AgentConfig
-from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
+from rollwise.types.generation import Completion, GenerationRequest, SamplingParams
 from rollwise.rollout.data import ProblemStream
-from rollwise.rollout.ledger import RolloutLedger
+from rollwise.types.ledger import RolloutLedger
 from rollwise.rollout.sync_rollout import sampling_seed
 from rollwise.types.sample import Sample
 from rollwise.engine.core import EngineWorker
-from rollwise.tasks.base import Problem
+from rollwise.types.task import Problem
 from rollwise.tasks.prompts import build_messages
 
 if TYPE_CHECKING:

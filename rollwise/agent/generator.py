@@ -20,9 +20,9 @@ from typing import Any, Protocol
 import httpx
 
 from rollwise.engine.retention import RetentionDecision, RetentionRequest
-from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
+from rollwise.types.generation import Completion, GenerationRequest, SamplingParams
 from rollwise.engine.core import EngineWorker
-from rollwise.protocols import RolloutBackend
+from rollwise.types.contracts import RolloutBackend
 from rollwise.serve.settings import client_auth_headers
 from rollwise.types.routing import RoutedExperts
 

@@ -22,7 +22,7 @@ from rollwise.agent.session import AgentSession, SessionLimits
 from rollwise.agent.tools import BashTool, CalculatorTool, PythonTool, Tool, ToolRegistry
 from rollwise.config import AgentConfig
 from rollwise.types.sample import Sample
-from rollwise.tasks.base import Problem
+from rollwise.types.task import Problem
 
 @dataclass
 class EpisodeOutcome:

@@ -35,7 +35,7 @@ from rollwise.agent.toolcalls import (
 )
 from rollwise.agent.trajectory import Trajectory, TrajectoryBuilder
 from rollwise.engine.samples import longest_token_chars
-from rollwise.engine.types import Completion, SamplingParams
+from rollwise.types.generation import Completion, SamplingParams
 
 _LONGEST: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 

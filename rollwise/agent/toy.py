@@ -124,7 +124,7 @@ def toy_grpo_demo(steps: int = 30, lr: float = 3e-4, teach_steps: int = 90, seed
     from rollwise.agent.samples import assign_episode_advantages
     from rollwise.config import AgentConfig, EngineConfig, TrainConfig
     from rollwise.engine.factory import create_engine
-    from rollwise.tasks.base import Problem
+    from rollwise.types.task import Problem
     from rollwise.train.trainer import GRPOTrainer
 
     model, tokenizer = toy_tool_model(seed=seed, steps=teach_steps)
@@ -156,8 +156,8 @@ def toy_grpo_demo(steps: int = 30, lr: float = 3e-4, teach_steps: int = 90, seed
             samples = score_episodes(outcomes, score)
             assign_episode_advantages(samples, "mean_std")
             metrics = trainer.train_step(samples)
-            generator.worker.update_weights({k: v.detach().clone() for k, v in model.state_dict().items()},
-                                            trainer.version)
+            generator.worker.apply_weights({k: v.detach().clone() for k, v in model.state_dict().items()},
+                                           trainer.version)
             calls = sum(o.tool_calls for o in outcomes)
             row = {"step": step, "ok_call_rate": sum(o.tool_calls > o.tool_errors for o in outcomes) / len(outcomes),
                    "tool_error_rate": sum(o.tool_errors for o in outcomes) / max(calls, 1),

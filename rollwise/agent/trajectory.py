@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rollwise.agent.template import ChatRenderer, Message
-from rollwise.engine.types import Completion
+from rollwise.types.generation import Completion
 from rollwise.types.routing import RoutedExperts
 
 NO_VERSION = -1  # policy version of tokens no policy sampled (prompt, template, tool results)

@@ -20,7 +20,7 @@ import torch
 
 from rollwise.agent.generator import Generator, GeneratorInfo
 from rollwise.agent.trajectory import Trajectory
-from rollwise.engine.types import Completion, SamplingParams
+from rollwise.types.generation import Completion, SamplingParams
 
 
 class RecordingGenerator:

@@ -48,7 +48,7 @@ def _usage() -> tuple[float, int]:
 
 def _engine_units(quick: bool, units: int) -> list[tuple[float, float, int]]:
     from rollwise.engine.reference.engine import ReferenceEngine
-    from rollwise.engine.types import GenerationRequest, SamplingParams
+    from rollwise.types.generation import GenerationRequest, SamplingParams
     from rollwise.model.loading import load_model
 
     model, _ = load_model("tiny:0" if quick else "bundled:smollm2-135m-instruct")

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.sim.cost import CostModel, TrainerModel
 from rollwise.sim.fit import StepRecord, fit_steps, nonneg_lstsq
 

@@ -21,7 +21,7 @@ import torch
 from rich.table import Table
 
 from rollwise.engine.reference.engine import ReferenceEngine
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.engine.vllm_backend import vllm_available
 
 QUESTIONS = [

@@ -47,7 +47,7 @@ from rollwise.agent.tools import CalculatorTool, PythonTool
 from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.engine.retention import RetentionLimits, RetentionRequest
 from rollwise.engine.retention_policy import ToolLatencies
-from rollwise.engine.types import SamplingParams
+from rollwise.types.generation import SamplingParams
 from rollwise.sandbox.local import LocalSandbox
 
 POLICIES = ("min_waste", "always_discard", "always_preserve", "prefix_cache_only")

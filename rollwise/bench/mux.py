@@ -469,8 +469,9 @@ def measure_batch_share(lora: bool, workload: dict[str, Any], repeats: int = 3) 
 
     from rollwise.bench.adapters import random_adapter
     from rollwise.engine.reference.engine import ReferenceEngine
-    from rollwise.engine.types import GenerationRequest, SamplingParams
+    from rollwise.types.generation import GenerationRequest, SamplingParams
     from rollwise.model.loading import load_model
+    from rollwise.engine.weight_receiver import WeightReceiver
     from rollwise.sync.adapters import adapter_update
 
     batch, tokens = workload["prompts_per_step"] * workload["group_size"], workload["max_tokens"]
@@ -483,7 +484,7 @@ def measure_batch_share(lora: bool, workload: dict[str, Any], repeats: int = 3) 
         if lora:
             for j in range(2):
                 state, spec = random_adapter(engine.model, LORA["rank"], name=f"job{j}", default=False, seed=j)
-                adapter_update(state, spec, 1, "").apply_to(engine, None)
+                WeightReceiver(engine, None).receive(adapter_update(state, spec, 1, ""))
             adapters = ["job0", "job1"]
 
         def step_s(jobs: int) -> float:

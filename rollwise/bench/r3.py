@@ -41,7 +41,7 @@ from rollwise.bench.bf16_gemms import emulated_bf16, round_weights_
 from rollwise.bench.moe_cap import moe_cap, moe_cap_efficiency
 from rollwise.config import RewardConfig, TrainConfig, load_config
 from rollwise.engine.reference.engine import ReferenceEngine
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.model.precision import resolve_dtype
 from rollwise.observe.peak import machine_peak
 from rollwise.reward.scoring import score
@@ -78,7 +78,7 @@ class BenchEngine:
             return self.engine.generate(requests)
 
     def push(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        self.engine.update_weights(weights, version)
+        self.engine.apply_weights(weights, version)
         if self.emulated:
             round_weights_(self.engine.model)
 

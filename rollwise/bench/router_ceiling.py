@@ -45,7 +45,7 @@ def replica_work(requests: list[tuple[list[int], int]], max_num_seqs: int, max_m
                  model: torch.nn.Module) -> ReplicaWork:
     """One replica computing `requests` (prompt ids, max_tokens) from an empty cache, all admitted together."""
     from rollwise.engine.reference.engine import ReferenceEngine
-    from rollwise.engine.types import GenerationRequest, SamplingParams
+    from rollwise.types.generation import GenerationRequest, SamplingParams
 
     engine = ReferenceEngine(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, seed=0,
                              prefix_cache_tokens=16384)

@@ -31,7 +31,7 @@ from rollwise.config import EngineConfig, load_config
 from rollwise.engine.contract import add_all
 from rollwise.engine.factory import create_engine
 from rollwise.engine.speculation.counters import counters_of, step_metrics
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.rollout.sync_rollout import PromptEncoder
 from rollwise.tasks import make_task
 

@@ -29,9 +29,9 @@ from rollwise.bench.adapters import random_adapter
 from rollwise.engine.core import EngineWorker
 from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.model.loading import load_model, tokenizer_fingerprint
-from rollwise.sync.buckets import WeightUpdate
+from rollwise.types.weight_update import WeightUpdate
 from rollwise.sync.layout import bucket_checksum, build_manifest, flatten_bucket
-from rollwise.sync.receiver import WeightReceiver
+from rollwise.engine.weight_receiver import WeightReceiver
 from rollwise.types.weights import WeightManifest
 from rollwise.sync.distributed import (
     KEEP_BUFFERS_MB,
@@ -41,7 +41,7 @@ from rollwise.sync.distributed import (
     loopback_init_method,
 )
 from rollwise.sync.adapters import adapter_update
-from rollwise.sync.receiver import StagedUpdate
+from rollwise.engine.weight_receiver import StagedUpdate
 from rollwise.sync.files import FileReceiver, FileTransport
 from rollwise.types.weights import AdapterSpec
 
@@ -185,7 +185,7 @@ def _time_local_transports(model: Any, state: dict, fingerprint: str, repeats: i
     worker = EngineWorker(engine, name="bench-sync")
     try:
         def push() -> None:
-            worker.update_weights(WeightUpdate.of_state(state, next(versions), fingerprint))
+            worker.load_weights(WeightUpdate.of_state(state, next(versions), fingerprint))
 
         seconds["in-process"] = _median_seconds(push, repeats)
         in_process_ratio = _paired_ratio(push, memcpy, 3 * repeats)
@@ -223,10 +223,10 @@ def _time_adapter_push(model: Any, state: dict, adapter: dict, spec: AdapterSpec
     worker = EngineWorker(engine, name="bench-sync-adapter")
     try:
         def push_adapter() -> None:
-            worker.update_weights(adapter_update(adapter, spec, next(versions), fingerprint))
+            worker.load_weights(adapter_update(adapter, spec, next(versions), fingerprint))
 
         def push_full() -> None:
-            worker.update_weights(WeightUpdate.of_state(state, next(versions), fingerprint))
+            worker.load_weights(WeightUpdate.of_state(state, next(versions), fingerprint))
 
         if time_full:  # (the full bench times it among the local transports)
             seconds["in-process"] = _median_seconds(push_full, repeats)

@@ -34,10 +34,11 @@ from torch import nn
 
 from rollwise.config import EngineConfig, TrainConfig, TrainerConfig
 from rollwise.engine.factory import create_engine
+from rollwise.engine.weight_receiver import WeightReceiver
 from rollwise.observe.flops import DenseModel, training_flops
 from rollwise.model.precision import resolve_dtype
 from rollwise.observe.peak import measure_matmul
-from rollwise.sync.buckets import WeightUpdate
+from rollwise.types.weight_update import WeightUpdate
 from rollwise.train.sharded import ShardedTrainer
 from rollwise.train.trainer import GRPOTrainer
 from rollwise.types.microbatch import chunk_samples
@@ -93,7 +94,7 @@ def loopback_bytes() -> int:
 def _timed_push(trainer: Any, engine: Any) -> float:
     """Gather the full weights (from the ranks, for the sharded trainer) and commit them to `engine`."""
     start = time.perf_counter()
-    WeightUpdate.of_state(trainer.weights(), trainer.version, FINGERPRINT).apply_to(engine, FINGERPRINT)
+    WeightReceiver(engine, FINGERPRINT).receive(WeightUpdate.of_state(trainer.weights(), trainer.version, FINGERPRINT))
     return time.perf_counter() - start
 
 
@@ -212,6 +213,8 @@ STEP_ARMS: dict[str, dict[str, Any]] = {
     "default": {},
     # mixed precision: matmuls in bfloat16 under autocast (its MFU is against the bf16 peak)
     "default_bfloat16": {"compute_dtype": "bfloat16"},
+    # activation checkpointing (issue 41 item 7): decoder layers recomputed in the backward
+    "default_checkpointing": {"gradient_checkpointing": True},
 }
 
 

@@ -186,7 +186,7 @@ def measure_rollout_only(model: Any, tokenizer: Any, engine_kind: str, mode: str
         batch = controller.next_batch()
         controller.before_update()
         controller.mark_trained(batch)
-        worker.update_weights({}, version)  # an empty update: the version advances, no weights move
+        worker.apply_weights({}, version)  # an empty update: the version advances, no weights move
         controller.after_update(version)
     t1 = time.monotonic()
     controller.close("validation over")
@@ -223,7 +223,7 @@ def simulate_rollout_only(tokenizer: Any, cost: CostModel, mode: str, *, quick: 
         batch = c.next_batch()
         c.before_update()
         c.mark_trained(batch)
-        cluster.update_weights(None, version)
+        cluster.load_version(version)
         c.after_update(version)
     t1 = clock.now
     e = cluster.engines[0]

@@ -66,7 +66,7 @@ def _cache_hit_cost(engine: Any, vocab: int, seed: int, prompt_tokens: int, pair
     an admission, alternating, while a few sequences decode."""
     import random
 
-    from rollwise.engine.types import GenerationRequest, SamplingParams
+    from rollwise.types.generation import GenerationRequest, SamplingParams
 
     rng = random.Random(seed)
     prompt = [rng.randrange(5, vocab - 1) for _ in range(prompt_tokens)]

@@ -2,7 +2,7 @@
 
 `attach_to_pool` is what `rollwise train pool.url=...` calls (rollwise.control.placement.pool): it
 attaches the job, pushes the trainer's current weights, and returns the job's `PoolWorker`, the
-RolloutBackend (rollwise.protocols) over HTTP, so the rollout controller drives a pool job exactly
+RolloutBackend (rollwise.types.contracts) over HTTP, so the rollout controller drives a pool job exactly
 as it drives a local engine. A weight update travels as checksummed buckets (the HTTP transport of
 rollwise.sync); the pool checks the whole update, then commits it.
 
@@ -28,10 +28,10 @@ import torch
 
 from rollwise.config import ConfigError, check_engine_fits
 from rollwise.engine.client import EngineServerError, read_response
-from rollwise.engine.contract import ModelInfo
-from rollwise.engine.types import Completion, GenerationRequest
+from rollwise.types.generation import ModelInfo
+from rollwise.types.generation import Completion, GenerationRequest
 from rollwise.serve.auth import CLIENT_KEY_ENV
-from rollwise.sync.buckets import WeightUpdate
+from rollwise.types.weight_update import WeightUpdate
 from rollwise.sync.layout import build_manifest, flatten_bucket
 from rollwise.types.routing import RoutedExperts
 
@@ -141,7 +141,7 @@ def completion_of(entry: dict[str, Any]) -> Completion:
 
 
 class PoolWorker:
-    """The RolloutBackend (rollwise.protocols) for one pool job, over HTTP."""
+    """The RolloutBackend (rollwise.types.contracts) for one pool job, over HTTP."""
 
     def __init__(self, client: PoolClient, tokenizer_fingerprint: str, poll_s: float = 0.25) -> None:
         self.client = client
@@ -196,20 +196,13 @@ class PoolWorker:
     def resume(self) -> None:
         self.client.resume()
 
-    def update_weights(self, update: WeightUpdate | Mapping[str, torch.Tensor], version: int | None = None) -> None:
+    def load_weights(self, update: WeightUpdate) -> None:
         """Ship the update's tensors to the pool as checksummed buckets; the pool checks the whole update
-        against the job's model and tokenizer, then commits it (or refuses it: PoolServerError).
-        `update_weights(state_dict, version)` is the same push from a plain mapping."""
-        adapter = None
-        if isinstance(update, WeightUpdate):
-            state, version, fingerprint = update.tensors(), update.version, update.tokenizer_fingerprint
-            adapter = update.manifest.adapter  # train.lora: the adapter only
-        elif version is None:
-            raise TypeError("update_weights takes a WeightUpdate (or a state dict and a version)")
-        else:
-            state, fingerprint = update, self.fingerprint
-        self.client.push_weights(state, version, fingerprint, adapter=adapter)
-        self.policy_version = version
+        against the job's model and tokenizer, then commits it (or refuses it: PoolServerError). A train.lora
+        update carries the adapter only (its manifest's `adapter`)."""
+        self.client.push_weights(update.tensors(), update.version, update.tokenizer_fingerprint,
+                                 adapter=update.manifest.adapter)
+        self.policy_version = update.version
 
     def model_info(self) -> ModelInfo:
         """The job's engines in the pool, from the attach answer (at the version last pushed)."""
@@ -323,7 +316,7 @@ def attach_to_pool(cfg: Any, model: Any, tokenizer: Any, *, fingerprint: str, po
         raise ConfigError(f"pool.url={url}: {exc}") from None
     worker = PoolWorker(client, fingerprint)
     try:
-        worker.update_weights(initial or WeightUpdate.of_state(model.state_dict(), policy_version, fingerprint))
+        worker.load_weights(initial or WeightUpdate.of_state(model.state_dict(), policy_version, fingerprint))
     except Exception:
         worker.close()
         client.detach()

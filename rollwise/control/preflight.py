@@ -24,7 +24,7 @@ from rollwise.config import ConfigError, RunConfig, RunError
 from rollwise.model.loading import load_model
 from rollwise.scratch import size_text
 from rollwise.tasks import make_task
-from rollwise.tasks.base import Problem, Task
+from rollwise.types.task import Problem, Task
 
 CONFIG_FILE = "config.yaml"
 # The first logs, plots and TensorBoard events of a run, beyond its checkpoints: the least free space it starts with.

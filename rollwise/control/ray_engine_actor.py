@@ -13,13 +13,16 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import RayActorError
 
 from rollwise.engine.outbox import Outbox
-from rollwise.engine.types import Completion, GenerationRequest
+from rollwise.types.generation import Completion, GenerationRequest
+
+if TYPE_CHECKING:
+    from rollwise.types.weights import WeightManifest
 
 
 class IncarnationChanged(RuntimeError):
@@ -110,12 +113,12 @@ class EngineActor:
     def resume(self, token: str | None = None) -> None:
         self._check(token).resume()
 
-    def update_weights(self, manifest: Any, state_dict: dict, token: str | None = None) -> int:
+    def load_weights(self, manifest: WeightManifest, state_dict: dict, token: str | None = None) -> int:
         """One WeightUpdate: its manifest, and its payload (Ray resolves the fleet's ObjectRef argument
         to the tensors, read from the object store). Checked whole against this engine, then applied."""
-        from rollwise.sync.buckets import WeightUpdate
+        from rollwise.types.weight_update import WeightUpdate
 
-        self._check(token).update_weights(WeightUpdate(manifest, state_dict))
+        self._check(token).load_weights(WeightUpdate(manifest, state_dict))
         return manifest.version
 
     def join_weight_group(self, init_method: str, rank: int, world_size: int, device: str, timeout_s: float,
@@ -123,7 +126,7 @@ class EngineActor:
         """Join the fleet's weight group as `rank` (sync.sender=collective; rollwise.sync.distributed),
         leaving the one joined before (the fleet re-forms the group when its engines change). Returns
         once every rank has joined; `device` is cuda (NCCL) or cpu (gloo), the fleet's choice for all."""
-        from rollwise.sync.receiver import WeightReceiver
+        from rollwise.engine.weight_receiver import WeightReceiver
         from rollwise.sync.distributed import DistributedReceiver, init_weight_group
 
         worker = self._check(token)
@@ -135,7 +138,7 @@ class EngineActor:
 
     def receive_weights_collective(self, token: str | None = None) -> Any:
         """Receive the next broadcast update and commit it through the same checked WeightReceiver as
-        update_weights. Returns the ReceiveResult (a refusal included: the engine keeps its version);
+        load_weights. Returns the ReceiveResult (a refusal included: the engine keeps its version);
         raises only when the transfer itself broke."""
         self._check(token)
         if self.weight_rx is None:

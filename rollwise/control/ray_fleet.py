@@ -2,8 +2,8 @@
 
 `EngineActor` builds its own engine (rollwise.engine.factory) inside the actor and runs it on an
 `EngineWorker` thread, exactly as local placement does in the trainer's process. `RayEngineFleet`
-is the RolloutBackend (rollwise.protocols) the rollout controller drives: submit / next_completion /
-abort / pause / resume / update_weights over `ray.num_engines` actors. A weight update travels as
+is the RolloutBackend (rollwise.types.contracts) the rollout controller drives: submit / next_completion /
+abort / pause / resume / load_weights over `ray.num_engines` actors. A weight update travels as
 its manifest plus an ObjectRef: each actor fetches the tensors from the object store and commits
 them through the checked two-phase path; with `sync.sender: collective` it is one gloo/NCCL broadcast
 from this process to every actor instead (rollwise.control.ray_fleet_collective), committed the same way.
@@ -45,9 +45,9 @@ from rollwise.control.ray_fleet_collective import FleetWeightGroup
 from rollwise.control.ray_fleet_recovery import FleetRecovery
 from rollwise.control.ray_fleet_timeline import TIMELINE_REFRESH_S, FleetView
 from rollwise.control.ray_slots import Outstanding, Slot
-from rollwise.engine.contract import ModelInfo
-from rollwise.engine.types import Completion, GenerationRequest
-from rollwise.sync.buckets import WeightUpdate
+from rollwise.types.generation import ModelInfo
+from rollwise.types.generation import Completion, GenerationRequest
+from rollwise.types.weight_update import WeightUpdate
 
 DRAIN_WAIT_S = 0.25  # how long one drain call waits on an idle actor before it answers []
 
@@ -191,10 +191,10 @@ class RayEngineFleet(FleetRecovery):
         actor the tensors from the object store). With sync.sender=collective the fleet keeps the
         tensors here and puts them in the store only when a restarted engine needs them."""
         self._update = _in_store(self._update)
-        return slot.actor.update_weights.remote(self._update.manifest, self._update.payload, slot.token)
+        return slot.actor.load_weights.remote(self._update.manifest, self._update.payload, slot.token)
 
     @_locked
-    def update_weights(self, update: WeightUpdate) -> None:
+    def load_weights(self, update: WeightUpdate) -> None:
         """Every live engine checks the whole update, then applies it between two steps; a refusal
         (WeightUpdateError) is raised here, and an engine restarted later gets this update too."""
         if self.collective is None:

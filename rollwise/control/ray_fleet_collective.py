@@ -33,7 +33,7 @@ from torch import Tensor
 
 from rollwise.control.ray_engine_actor import GONE
 from rollwise.control.ray_slots import Slot
-from rollwise.sync.buckets import WeightUpdate
+from rollwise.types.weight_update import WeightUpdate
 from rollwise.sync.distributed import DistributedSender, WeightGroup, free_init_method, init_weight_group
 
 Recover = Callable[[int, BaseException], None]  # the fleet's restart handling, for the slot that died

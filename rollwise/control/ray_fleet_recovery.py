@@ -20,7 +20,7 @@ from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 from rollwise.control.ray_calls import log
 from rollwise.control.ray_engine_actor import GONE
 from rollwise.control.ray_slots import Outstanding, Slot
-from rollwise.engine.types import GenerationRequest
+from rollwise.types.generation import GenerationRequest
 
 
 class FleetRecovery:

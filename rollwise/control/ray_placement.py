@@ -4,7 +4,7 @@ The training loop (rollwise.control.train_loop) runs unchanged; what it holds ar
 
 - the engines: a `RayEngineFleet` (rollwise.control.ray_fleet), the RolloutBackend over `ray.num_engines` engine actors; a dead engine actor is restarted by Ray, re-synced to the
   current weights and policy version, and its outstanding requests are generated again;
-- the trainer: `RayTrainer`, the Trainer (rollwise.protocols) proxying a `TrainerActor` that holds the
+- the trainer: `RayTrainer`, the Trainer (rollwise.types.contracts) proxying a `TrainerActor` that holds the
   model, the optimizer and the GRPOTrainer, and runs train steps and checkpoint save/load; weights go
   from the trainer actor to the engine actors through Ray's object store, never through the driver
   (rollwise.sync.senders.ObjectStoreSender), or with `sync.sender: collective` as one gloo/NCCL
@@ -44,7 +44,7 @@ from rollwise.control.ray_fleet import RayEngineFleet
 from rollwise.control.ray_fleet_collective import FleetWeightGroup
 from rollwise.control.ray_trainer_ranks import RayRankGroup, TrainerRankActor, kill_actors
 from rollwise.types.sample import Sample
-from rollwise.sync.buckets import WeightUpdate
+from rollwise.types.weight_update import WeightUpdate
 from rollwise.train.sharded import ShardedTrainer
 
 # Called with every fleet place_on_ray creates (tests use it to kill actors mid-rollout).
@@ -219,7 +219,7 @@ class TrainerActor:
 
 
 class RayTrainer:
-    """The Trainer protocol (rollwise.protocols), run by the trainer actor."""
+    """The Trainer protocol (rollwise.types.contracts), run by the trainer actor."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollwise.engine.types import GenerationRequest
+from rollwise.types.generation import GenerationRequest
 
 
 @dataclass

@@ -37,7 +37,7 @@ from rollwise.control.preflight import (
     RunInputs, check_machine, check_run_dir, check_space, create_run_dir, discard_unstarted_run, load_inputs,
 )
 from rollwise.engine.speculation.counters import counters_of, run_summary, step_metrics
-from rollwise.engine.types import SamplingParams
+from rollwise.types.generation import SamplingParams
 from rollwise.model.allocator import keep_freed_memory
 from rollwise.model.loading import tokenizer_fingerprint
 from rollwise.model.precision import resolve_dtype
@@ -49,13 +49,13 @@ from rollwise.observe.run_logs import (
     EVAL_SAMPLES_LOG, EVALS_LOG, METRICS_LOG, SAMPLES_LOG, cut_logs, cut_logs_by_step, has_logs, log_sizes,
 )
 from rollwise.observe.summary import render_summary, total_time_split
-from rollwise.protocols import RolloutBackend, RolloutControl, Trainer
+from rollwise.types.contracts import RolloutBackend, RolloutControl, Trainer
 from rollwise.reward.batch import score_samples
 from rollwise.rollout.data import ProblemStream
 from rollwise.rollout.controller import RolloutController
 from rollwise.rollout.sync_rollout import PromptEncoder
 from rollwise.types.sample import Sample
-from rollwise.tasks.base import Problem, Task
+from rollwise.types.task import Problem, Task
 from rollwise.train.checkpoint import latest_checkpoint, whole_checkpoint
 from rollwise.train.checkpoint_manifest import verify_checkpoint
 from rollwise.train.distill import Teacher
@@ -288,6 +288,7 @@ def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
         for s in samples[: cfg.rollout.group_size]:  # one group per step, for reading what the model writes
             f.write(json.dumps({"step": step + 1, "response": s.response_text, "reward": s.reward,
                                 "outcome": s.outcome}) + "\n")
+    logger.log_samples(step + 1, samples[: cfg.rollout.group_size], run.problems)  # the trackers' table of the step
     return record
 
 
@@ -452,7 +453,8 @@ def _train(cfg: RunConfig, console: Console, t0: float, run_dir: Path, resume_di
         f"  tokenizer fingerprint: {fingerprint[:16]}…"
     )
 
-    logger = MetricsLogger(run_dir, tensorboard=cfg.tensorboard, purge_after_step=start_step if logs_cut else None)
+    logger = MetricsLogger(run_dir, tensorboard=cfg.tensorboard, purge_after_step=start_step if logs_cut else None,
+                           tracking=cfg.logging, config=dump_config(cfg))
     evals_path = run_dir / EVALS_LOG
     try:
         with _progress(console) as progress:
@@ -464,6 +466,7 @@ def _train(cfg: RunConfig, console: Console, t0: float, run_dir: Path, resume_di
                 if result:
                     with evals_path.open("a") as f:
                         f.write(json.dumps(result) + "\n")
+                    logger.log_eval(result)
                     progress.console.print(
                         f"[cyan]eval[/] {label:>6} step {step:>3}: strict accuracy {result['strict_accuracy']:.1%}  "
                         f"format {result['format_rate']:.1%}  last-number {result['lenient_accuracy']:.1%}"

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from rollwise.engine.types import Completion, SamplingParams
+from rollwise.types.generation import Completion, SamplingParams
 from rollwise.serve.settings import client_auth_headers
 from rollwise.types.routing import RoutedExperts
 

@@ -10,47 +10,15 @@ The HTTP server (`rollwise serve engine`) exposes the same operations over HTTP.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from rollwise.engine.retention import RetentionDecision, RetentionRequest
-from rollwise.engine.types import Completion, GenerationRequest
+from rollwise.types.generation import Completion, EngineLoad, GenerationRequest, ModelInfo
 from rollwise.types.weight_checks import nonfinite, state_problems, version_problem
 from rollwise.types.weights import ExpectedWeights
-
-
-@dataclass
-class EngineLoad:
-    """What a router or a pool needs to place work: a snapshot, read between steps."""
-
-    running: int  # sequences holding KV cache and decoding
-    waiting: int  # samples queued, not yet admitted
-    max_num_seqs: int
-    kv_cache_usage: float  # fraction of KV capacity in use, 0..1
-    prompt_tokens: int  # totals since start: prefix hit rate = cached_prompt_tokens / prompt_tokens
-    cached_prompt_tokens: int
-    generated_tokens: int
-    paused: bool
-    sleeping: bool
-    policy_version: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
-class ModelInfo:
-    engine: str  # "reference" | "vllm"
-    model: str
-    vocab_size: int
-    max_model_len: int
-    max_num_seqs: int
-    eos_token_ids: list[int]
-    tokenizer_fingerprint: str | None  # invariant 1: the trainer refuses an engine whose tokenizer differs
-    policy_version: int
 
 
 @runtime_checkable
@@ -91,7 +59,7 @@ class Engine(Protocol):
     def pause(self) -> None:
         """Stop generating; in-flight requests keep their state and continue on resume()."""
     def resume(self) -> None: ...
-    def update_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+    def apply_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         """Load new weights by HF name, versioned. Everything is validated before anything is applied:
         a bad update raises ValueError and the engine keeps serving its previous version. Tokens
         sampled afterwards carry `version`, so a request that spans an update says so token by token."""
@@ -210,7 +178,7 @@ def check_version(version: int, current: int) -> None:
 
 
 def check_update(state_dict: Mapping[str, Tensor], version: int, current: int, expected: ExpectedWeights) -> None:
-    """What an engine's update_weights refuses before it touches a weight (the reference engine's; vLLM's checks
+    """What an engine's apply_weights refuses before it touches a weight (the reference engine's; vLLM's checks
     its own names and shapes): a version older than the one it serves, and tensors whose names, shapes, dtypes
     or values (NaN, inf) do not fit its model, by the rules every path shares (rollwise.types.weight_checks).
     A subset of the weights is fine here (buckets streamed in)."""

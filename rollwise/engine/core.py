@@ -6,7 +6,7 @@ Every engine call (submit, abort, weight update, pause) runs *on the worker thre
 engine steps*, so the engine is never touched by two threads and a weight update never lands in
 the middle of a step. Finished samples come out of `completions`, in finishing order.
 
-`EngineWorker` is the local `RolloutBackend` (rollwise.protocols); the Ray engine actor, the engine
+`EngineWorker` is the local `RolloutBackend` (rollwise.types.contracts); the Ray engine actor, the engine
 server and the pool's slots run one each. The pool swaps which engine a worker steps with
 `swap_engine` (a slot serves one job's engine at a time; `None`: an idle worker that steps nothing).
 """
@@ -22,11 +22,14 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from rollwise.engine.contract import add_all
-from rollwise.engine.types import Completion, GenerationRequest
+from rollwise.engine.weight_receiver import WeightReceiver
+from rollwise.types.generation import Completion, GenerationRequest
 
-if TYPE_CHECKING:  # the update's type lives with the transports (rollwise.sync); only its methods are used here
-    from rollwise.engine.contract import ModelInfo
-    from rollwise.sync.buckets import WeightUpdate
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from rollwise.types.generation import ModelInfo
+    from rollwise.types.weight_update import WeightUpdate
 
 T = TypeVar("T")
 
@@ -91,22 +94,18 @@ class EngineWorker:
     def abort(self, request_ids: list[str]) -> list[Completion]:
         return self.call(lambda engine: [c for rid in request_ids for c in engine.abort(rid)])
 
-    def update_weights(self, update: WeightUpdate | Mapping[str, Any] | None, version: int | None = None) -> None:
-        """Load a WeightUpdate through the checked two-phase commit: the whole update is checked
-        against the engine's model and tokenizer here, then applied on the worker thread between two
-        steps (rollwise.sync.buckets.WeightReceiver), or refused with nothing applied.
+    def load_weights(self, update: WeightUpdate) -> None:
+        """Load a WeightUpdate through the engine side's checked two-phase commit
+        (rollwise.engine.weight_receiver): the whole update is checked against the engine's model and
+        tokenizer here, then applied between two steps (`apply_weights`), or refused with nothing applied.
+        The one way weights come in: the transports (rollwise.sync) call down to it, never the reverse."""
+        WeightReceiver(self, self.model_info().tokenizer_fingerprint).receive(update)
 
-        The older form `update_weights(state_dict, version)` is the commit's apply step: it hands a
-        plain mapping to the engine's own update_weights (which validates names and shapes before it
-        copies anything). The receiver calls it; so do callers that have no manifest (the simulator's
-        versions-only updates, the pool server's slots)."""
-        if version is not None:
-            self.call_here(lambda engine: engine.update_weights(update, version))
-            return
-        if not hasattr(update, "apply_to"):
-            raise TypeError(f"update_weights takes a WeightUpdate (or a state dict and a version), "
-                            f"got {type(update).__name__}")
-        update.apply_to(self, self.model_info().tokenizer_fingerprint)
+    def apply_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        """The engine contract's apply step (Engine.apply_weights: it validates names and shapes before it
+        copies anything), run on this thread between two steps. The receiver calls it after its checks; so
+        do callers that have no manifest (the simulator's versions-only updates, the pool server's slots)."""
+        self.call_here(lambda engine: engine.apply_weights(state_dict, version))
 
     @property
     def policy_version(self) -> int:

@@ -1,11 +1,12 @@
 """What `POST /update_weights_from_disk` loads: the safetensors files a path names, read into one whole update
 and checked by the rules every weight path shares (rollwise.types.weight_checks) before the engine sees it.
 
-A path is one .safetensors file or a model directory (its model.safetensors.index.json, else every
-*.safetensors in it). The files must hold every weight of the engine's model (a file with only some of them
-would leave the engine serving a mix of two versions under one version number), each tensor once (two files
-naming the same tensor: which one is the model?), with the engine's dtypes and finite values. Refusals are
-400s naming the field (`path`, or `version` for a version older than the engine's), the file and the tensor.
+A path is one .safetensors file or a model directory (a flat checkpoint's model.flat.json, of
+rollwise.model.flat_format; else its model.safetensors.index.json, else every *.safetensors in it). The files
+must hold every weight of the engine's model (a file with only some of them would leave the engine serving a
+mix of two versions under one version number), each tensor once (two files naming the same tensor: which one
+is the model?), with the engine's dtypes and finite values. Refusals are 400s naming the field (`path`, or
+`version` for a version older than the engine's), the file and the tensor.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 
 from torch import Tensor
 
+from rollwise.model.flat_format import INDEX_FILE as FLAT_INDEX_FILE
+from rollwise.model.flat_reader import FlatCheckpointError, read_flat
 from rollwise.serve.errors import APIError
 from rollwise.types.weight_checks import WeightProblem, state_problems, version_problem
 from rollwise.types.weights import ExpectedWeights
@@ -36,6 +39,8 @@ def weight_files(path: Path) -> list[Path]:
         if path.suffix != ".safetensors":
             raise APIError(400, f"path must be a .safetensors file or a model directory, got {path.name!r}", "path")
         return [path]
+    if (path / FLAT_INDEX_FILE).is_file():
+        return [path / FLAT_INDEX_FILE]  # a flat checkpoint: read whole by read_weights
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -56,6 +61,8 @@ def _unreadable(file: Path, exc: Exception) -> APIError:
 def read_weights(files: list[Path]) -> DiskWeights:
     """Every file's tensors; refused (APIError 400) when a file cannot be read or two files hold the same name,
     which the headers tell before any tensor's bytes are read."""
+    if len(files) == 1 and files[0].name == FLAT_INDEX_FILE:
+        return _read_flat(files[0].parent)
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -79,6 +86,17 @@ def read_weights(files: list[Path]) -> DiskWeights:
         except Exception as exc:  # noqa: BLE001 - damaged after its header
             raise _unreadable(file, exc) from exc
     return DiskWeights(state, origin)
+
+
+def _read_flat(directory: Path) -> DiskWeights:
+    """A flat checkpoint, read in parallel and checksummed; a truncated or damaged chunk is a 400 naming its
+    tensors, before any of them reaches the engine."""
+    try:
+        weights = read_flat(directory)
+    except FlatCheckpointError as exc:
+        raise APIError(400, f"path: {exc}", "path") from exc
+    data = directory / weights.index.data_file
+    return DiskWeights(weights.state, {name: data for name in weights.state})
 
 
 def refusal(weights: DiskWeights, expected: ExpectedWeights, version: int, current: int) -> APIError | None:

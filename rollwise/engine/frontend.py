@@ -18,7 +18,7 @@ from typing import Any
 
 from rollwise.engine.contract import add_all
 from rollwise.engine.core import EngineWorker
-from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
+from rollwise.types.generation import Completion, GenerationRequest, SamplingParams
 from rollwise.serve.errors import APIError
 
 

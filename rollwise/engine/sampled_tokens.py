@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rollwise.engine.types import Completion, FinishReason, GenerationRequest
+from rollwise.types.generation import Completion, FinishReason, GenerationRequest
 
 
 @dataclass

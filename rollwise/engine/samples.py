@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollwise.engine.types import Completion
+from rollwise.types.generation import Completion
 from rollwise.types.routing import RoutedExperts
 
 

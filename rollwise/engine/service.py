@@ -25,7 +25,7 @@ from rollwise.engine.metrics import EngineCollector
 from rollwise.engine.openai_responses import OpenAIResponses, sse
 from rollwise.engine.samples import Detokenizer, Sample, longest_token_chars
 from rollwise.engine.speculation.counters import counters_of
-from rollwise.engine.types import Completion, SamplingParams
+from rollwise.types.generation import Completion, SamplingParams
 from rollwise.model.loading import tokenizer_fingerprint
 from rollwise.serve.disconnect import unless_disconnected
 from rollwise.serve.errors import APIError
@@ -306,7 +306,7 @@ class EngineService:
         if refused is not None:
             raise refused
         try:  # (the engine checks the version again, on its thread: another update may have landed meanwhile)
-            await self.frontend.call(lambda engine: engine.update_weights(weights.state, body.version))
+            await self.frontend.call(lambda engine: engine.apply_weights(weights.state, body.version))
         except ValueError as exc:
             raise APIError(400, f"weights rejected, still serving policy version {old}: {exc}", "path") from exc
         return {"policy_version": body.version, "previous_version": old, "tensors": len(weights.state),

@@ -56,11 +56,12 @@ from rollwise.engine.speculation.history import HistoryDrafter
 from rollwise.engine.speculation.counters import add_accept_histogram, new_counters, step_metrics
 from rollwise.engine.speculation.vllm_proposer import ProposerSource, patch_cpu_expand, register, unregister
 from rollwise.engine.state import EngineState
-from rollwise.engine.types import Completion, GenerationRequest
+from rollwise.types.generation import Completion, GenerationRequest
 from rollwise.engine.vllm_adapters import VllmAdapters
 from rollwise.engine.vllm_requests import VllmSample, config_eos, top_logprobs, vllm_sampling_params
 from rollwise.engine.vllm_retention import VllmSessionPins
-from rollwise.engine.vllm_startup import configure_vllm_environment, write_model_copy
+from rollwise.engine.vllm_startup import (configure_vllm_environment, kv_cache_blocks_for_run, kv_cache_cap_gib,
+                                           write_model_copy)
 from rollwise.model.upcycle import checkpoint_items
 from rollwise.scratch import scratch_dir
 from rollwise.types.routing import RoutedExperts
@@ -181,6 +182,9 @@ class VLLMEngine(EngineState):
                  "per_request_spec_decode_metrics": "summary"} if self._proposer is not None else {})
         # Running totals for the per-step spec_* metrics and /metrics (rollwise.engine.speculation.counters).
         self.spec_stats: dict[str, int] | None = new_counters(drafter.budget.max_draft) if drafter is not None else None
+        if kv_cache_blocks is None and on_cpu and block_size and retention is None:
+            kv_cache_blocks = kv_cache_blocks_for_run(hf_model.config, dtype.itemsize, max_num_seqs, max_model_len,
+                                                      block_size, kv_cache_cap_gib(kv_cache_gib))
         args = EngineArgs(
             model=str(self._dir),
             dtype=str(dtype).removeprefix("torch."),
@@ -205,8 +209,9 @@ class VLLMEngine(EngineState):
             # train.lora / multi-LoRA (issue 22): adapters served unmerged, one LoRARequest per adapter version
             # One slot more than asked: the base rows' zero adapter (rollwise.engine.vllm_adapters).
             **({"enable_lora": True, "max_loras": max_loras + 1, "max_lora_rank": max_lora_rank} if max_loras else {}),
-            # A KV cache of exactly this many blocks (tests and benchmarks that need memory pressure; on CPU
-            # the cache is otherwise sized in whole GiB by kv_cache_gib).
+            # A KV cache of exactly this many blocks (tests and benchmarks that need memory pressure); on CPU
+            # otherwise what max_num_seqs x max_model_len needs, at most kv_cache_gib (vllm_startup), unless
+            # session retention pins blocks beyond the running sequences'.
             **({"num_gpu_blocks_override": kv_cache_blocks} if kv_cache_blocks else {}),
         )
         self.max_loras = max_loras
@@ -420,7 +425,7 @@ class VLLMEngine(EngineState):
 
     # ---------------------------------------------------------------- weights and memory
 
-    def update_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+    def apply_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         check_version(version, self._version)
         check_weights(state_dict, self._shapes, require_all=False)
         missing = sorted(self._required - set(state_dict))

@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from rollwise.engine.sampled_tokens import SampledTokens
-from rollwise.engine.types import Completion, FinishReason, GenerationRequest, SamplingParams
+from rollwise.types.generation import Completion, FinishReason, GenerationRequest, SamplingParams
 
 # SamplingParams fields that map one to one onto vLLM's SamplingParams fields of the same names.
 SAME_NAMED_FIELDS = ("max_tokens", "temperature", "top_p", "ignore_eos", "min_tokens", "repetition_penalty",

@@ -52,3 +52,25 @@ def write_model_copy(hf_model: nn.Module, tokenizer: Any, directory: Path) -> No
         raise
     finally:
         hf_logging.enable_progress_bar()
+
+
+def kv_cache_blocks_for_run(model_config: Any, dtype_bytes: int, max_num_seqs: int, max_model_len: int,
+                            block_size: int, cap_gib: float) -> int | None:
+    """KV cache blocks that hold what the engine can run at once: max_num_seqs sequences of max_model_len
+    tokens (+1: the null block vLLM keeps back), when that is less than `cap_gib` (engine.kv_cache_gib or
+    an exported VLLM_CPU_KVCACHE_SPACE); None: the cap is the smaller, vLLM sizes the cache by it. A run
+    of 64 x 512-token sequences on SmolLM2-135M in float32 needs 1.4 GiB, not the 2 GiB default, and a
+    cache larger than the engine can fill is memory the trainer then lacks."""
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
+    token_bytes = 2 * model_config.num_hidden_layers * kv_heads * head_dim * dtype_bytes  # keys and values
+    blocks = max_num_seqs * -(-max_model_len // block_size) + 1
+    return blocks if blocks * block_size * token_bytes < cap_gib * 2**30 else None
+
+
+def kv_cache_cap_gib(kv_cache_gib: int) -> float:
+    """The KV cache's upper bound in GiB: an exported VLLM_CPU_KVCACHE_SPACE, else engine.kv_cache_gib."""
+    try:
+        return float(_USER_KV_SPACE) if _USER_KV_SPACE else float(kv_cache_gib)
+    except ValueError:
+        return float(kv_cache_gib)

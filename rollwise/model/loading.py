@@ -14,9 +14,11 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
+from pydantic import BaseModel, ValidationError
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from rollwise.model.architectures import check_architecture
 from rollwise.model.flat_format import INDEX_FILE as FLAT_INDEX_FILE
 
 BUNDLED_MODELS = {
@@ -116,7 +118,8 @@ TINY_MOE_PREFIX = "tiny-moe:"
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """`bundled:NAME`, a local HF directory, `tiny:SEED` or `tiny-moe:SEED` (random test models built in code)."""
+    """`bundled:NAME`, a local HF directory, or a random test model built in code: `tiny:SEED` (Llama),
+    `tiny:qwen2:SEED`, `tiny:qwen3:SEED`, `tiny-moe:SEED` (Mixtral)."""
     if spec.startswith(TINY_MOE_PREFIX):
         from rollwise.model.tiny import tiny_mixtral, tiny_tokenizer
 
@@ -125,13 +128,18 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> tuple[PreTraine
             raise ValueError(f"tiny MoE model spec must be 'tiny-moe:<seed>', got {spec!r}")
         return tiny_mixtral(seed=int(seed)), tiny_tokenizer()
     if spec.startswith(TINY_PREFIX):
-        from rollwise.model.tiny import tiny_llama, tiny_tokenizer
+        from rollwise.model.tiny import TINY_FAMILIES, tiny_tokenizer
 
-        seed = spec[len(TINY_PREFIX):] or "0"
-        if not seed.isdigit():
-            raise ValueError(f"tiny model spec must be 'tiny:<seed>', got {spec!r}")
-        return tiny_llama(seed=int(seed)), tiny_tokenizer()
+        family, _, seed = spec[len(TINY_PREFIX):].rpartition(":")
+        seed = seed or "0"
+        if family == "" and not seed.isdigit() and seed in TINY_FAMILIES:  # `tiny:qwen3`: seed 0
+            family, seed = seed, "0"
+        if not seed.isdigit() or (family and family not in TINY_FAMILIES):
+            raise ValueError(f"tiny model spec must be 'tiny:<seed>' or 'tiny:<family>:<seed>' with family one of "
+                             f"{', '.join(TINY_FAMILIES)}, got {spec!r}")
+        return TINY_FAMILIES[family or "llama"](seed=int(seed)), tiny_tokenizer()
     path = resolve_model_path(spec)
+    _check_config_architecture(spec, path)
     # A directory with a config.json can still be unusable (no or truncated weights, a broken config, no
     # tokenizer, an architecture transformers lacks): one ValueError naming the directory, for every caller.
     part = "tokenizer"
@@ -150,6 +158,26 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> tuple[PreTraine
                          "a model directory needs config.json, the tokenizer files and whole *.safetensors "
                          "(save_pretrained writes them)") from exc
     return model, tokenizer
+
+
+class _ArchitectureFields(BaseModel):
+    """The fields of config.json that say which model it is (the rest is transformers' business)."""
+
+    architectures: list[str] | None = None
+    model_type: str | None = None
+
+
+def _check_config_architecture(spec: str, path: Path) -> None:
+    """Refuse a directory of an architecture rollwise does not run before any weights are read (the
+    engines, LoRA targets and weight pushes know only rollwise.model.architectures' table)."""
+    config = path / "config.json"
+    try:
+        fields = _ArchitectureFields.model_validate_json(config.read_bytes())
+    except (OSError, ValidationError) as exc:
+        detail = " ".join(str(exc).split())[:300]
+        raise ValueError(f"model {spec!r}: cannot read {config} ({type(exc).__name__}: {detail}); "
+                         "a model directory needs a valid config.json (save_pretrained writes it)") from exc
+    check_architecture(fields.architectures, fields.model_type, f"model {spec!r} ({config})")
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:

@@ -1,4 +1,4 @@
-"""Per-step metrics to metrics.jsonl (one JSON object per line) and TensorBoard event files, and the
+"""Per-step metrics to metrics.jsonl (one JSON object per line) and the experiment trackers, and the
 loop's utilisation: model-FLOPs utilisation (MFU) and idle core-seconds per step, evaluation and run."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 import math
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -18,39 +18,49 @@ import torch
 from rollwise.observe.flops import DenseModel, Flops, generation_flops, training_flops, utilisation
 from rollwise.observe.peak import Peak, machine_peak
 from rollwise.observe.run_logs import METRICS_LOG
+from rollwise.observe.trackers.base import Completion, tracked_metrics
+from rollwise.observe.trackers.factory import open_trackers
+from rollwise.observe.trackers.run_info import run_info
+from rollwise.types.logging_config import LoggingConfig
 from rollwise.types.microbatch import MicroBatchSettings
 from rollwise.types.sample import Sample
+from rollwise.types.task import Problem
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, tensorboard: bool = True, purge_after_step: int | None = None):
-        self.path = run_dir / METRICS_LOG
-        self._file = self.path.open("a")
-        self._tb = None
-        if tensorboard:
-            # Imported lazily: the TensorBoard writer pulls in protobuf and takes a second to import.
-            from torch.utils.tensorboard import SummaryWriter
+    """Each step's record to metrics.jsonl, and its finite numbers to every experiment tracker of
+    `tracking.backends` (TensorBoard, wandb, MLflow: rollwise.observe.trackers), under the same names."""
 
-            # On resume, purge events logged after the checkpoint so steps are not shown twice.
-            purge = purge_after_step + 1 if purge_after_step is not None else None
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
+    def __init__(self, run_dir: Path, tensorboard: bool = True, purge_after_step: int | None = None, *,
+                 tracking: LoggingConfig | None = None, config: dict[str, Any] | None = None):
+        self.path = run_dir / METRICS_LOG
+        backends = tracking.backends if tracking is not None else ["tensorboard"]
+        # `tensorboard: false` (the older switch) leaves TensorBoard out whatever the backends say.
+        backends = [b for b in backends if b != "tensorboard" or tensorboard]
+        info = run_info(run_dir, config or {}, start_step=purge_after_step or 0)
+        self.trackers = open_trackers(backends, run_dir, info, tracking or LoggingConfig(), purge_after_step)
+        self._file = self.path.open("a")
 
     def log(self, record: dict[str, Any]) -> None:
-        """record must hold "step"; every numeric field also goes to TensorBoard under its name."""
+        """record must hold "step"; every finite number in it also goes to the trackers under its name."""
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            step = int(record["step"])
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key.replace(".", "/"), value, step)
-            self._tb.flush()
+        self.trackers.log_metrics(int(record["step"]), tracked_metrics(record))
+
+    def log_eval(self, result: dict[str, Any]) -> None:
+        """An evaluation's numbers to the trackers, as eval/<name> at its step (evals.jsonl is the loop's)."""
+        self.trackers.log_metrics(int(result["step"]), tracked_metrics(result, prefix="eval/"))
+
+    def log_samples(self, step: int, samples: Sequence[Sample], problems: Mapping[str, Problem]) -> None:
+        """The step's table of sampled completions for the trackers: each sample's question, response, reward."""
+        self.trackers.log_completions(step, [
+            Completion(problems[s.problem_id].question if s.problem_id in problems else "", s.response_text, s.reward)
+            for s in samples])
 
     def close(self) -> None:
         self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        self.trackers.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import Field
 
-from rollwise.engine.types import SamplingParams
+from rollwise.types.generation import SamplingParams
 from rollwise.pool.engine_pool import EnginePool
 from rollwise.pool.jobs import Job, PoolError
 from rollwise.pool.metrics import metrics_registry, render
@@ -166,7 +166,7 @@ def create_app(pool: EnginePool, max_request_bytes: int = DEFAULT_MAX_REQUEST_BY
     async def weights(job: str, request: Request, authorization: str | None = Header(None)) -> dict[str, Any]:
         j = auth(job, authorization)
         body = await request.body()
-        return await asyncio.to_thread(pool.update_weights, j, body)
+        return await asyncio.to_thread(pool.load_weights, j, body)
 
     @app.get("/jobs/{job}/adapter", responses=_JOB_CALL)
     def adapter(job: str, authorization: str | None = Header(None)) -> dict[str, Any]:

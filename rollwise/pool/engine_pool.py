@@ -17,7 +17,7 @@ from typing import Any
 
 from rollwise.config import EngineConfig
 from rollwise.engine.core import EngineWorker
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.pool.jobs import (Job, LoraBase, PoolError, QueuedRequest, Slot, Waiter, empty_abort, fault_error,
                                 stamp)
 from rollwise.pool.scheduler import Policy
@@ -26,7 +26,7 @@ from rollwise.pool.states import ACTIVE, EVICTED, StateMachine
 from rollwise.pool.tenancy import MemoryBudget, footprint, kv_bytes, module_bytes
 from rollwise.pool.weights import JobAdapter, JobWeights, own_adapter, parse_weight_upload
 from rollwise.serve.auth import ANONYMOUS, KeyQuota
-from rollwise.sync.receiver import WeightReceiver
+from rollwise.engine.weight_receiver import WeightReceiver
 from rollwise.types.weights import ExpectedWeights, WeightUpdateError
 
 
@@ -261,7 +261,7 @@ class EnginePool(SlotLoops):
 
     # ------------------------------------------------------------ weights
 
-    def update_weights(self, job: Job, body: bytes) -> dict[str, Any]:
+    def load_weights(self, job: Job, body: bytes) -> dict[str, Any]:
         """A whole update (manifest + flat buckets), checked like any transport's (rollwise.sync.buckets)."""
         staged = parse_weight_upload(body)
         own_adapter(staged, job)  # an adapter loads as this job's own, a full upload only for a full job

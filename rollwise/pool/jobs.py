@@ -17,7 +17,7 @@ import torch
 
 from rollwise.engine.core import EngineWorker
 from rollwise.engine.outbox import Outbox
-from rollwise.engine.types import Completion, GenerationRequest
+from rollwise.types.generation import Completion, GenerationRequest
 from rollwise.pool.scheduler import LORA_PREFIX
 from rollwise.types.weights import ExpectedWeights
 from rollwise.types.weights import AdapterSpec

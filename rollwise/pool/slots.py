@@ -24,7 +24,7 @@ from rollwise.config import EngineConfig
 from rollwise.engine.contract import add_all, run_to_completion
 from rollwise.engine.core import EngineWorker
 from rollwise.engine.factory import create_engine
-from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
+from rollwise.types.generation import Completion, GenerationRequest, SamplingParams
 from rollwise.pool.jobs import Job, LoraBase, PoolError, QueuedRequest, Slot, empty_abort, fault_error, stamp
 from rollwise.pool.scheduler import JobView, Policy, SlotView, plan
 from rollwise.pool.states import ACTIVE, EVICTED, SLEEPING, StateMachine
@@ -321,7 +321,7 @@ class SlotLoops:
                 inst.wake()
                 failed = _sync_adapters(inst, tenancy) if lora else {}
                 if not lora and inst.policy_version != version:
-                    inst.update_weights(weights, version)
+                    inst.apply_weights(weights, version)
                 inst.resume() if not paused else inst.pause()
                 return failed
 
@@ -352,7 +352,7 @@ class SlotLoops:
         if isinstance(tenancy, LoraBase):
             failed = _sync_adapters(engine, tenancy)
         else:
-            engine.update_weights(tenancy.weights, tenancy.version)  # the job's latest pushed weights, validated whole
+            engine.apply_weights(tenancy.weights, tenancy.version)  # the job's latest pushed weights, validated whole
         engine.pool_owner = tenancy.name
         return engine, failed
 
@@ -424,7 +424,7 @@ class SlotLoops:
                 if lora:
                     engine.load_adapter(job.adapter, job.weights, job.version)
                 else:
-                    engine.update_weights(job.weights, job.version)
+                    engine.apply_weights(job.weights, job.version)
                 run_to_completion(engine, [probe])
             except Exception as exc:  # noqa: BLE001 - what the job's weights do to an engine: its fault
                 faults[job.name] = f"{what} breaks the engine ({exc!r})"

@@ -21,7 +21,7 @@ from rollwise.engine.contract import Engine
 from rollwise.pool.jobs import Job, PoolError, Slot
 from rollwise.pool.states import ACTIVE, StateMachine
 from rollwise.sync.layout import parse_manifest
-from rollwise.sync.receiver import StagedUpdate
+from rollwise.engine.weight_receiver import StagedUpdate
 from rollwise.types.weights import WeightUpdateError
 from rollwise.types.weights import AdapterSpec
 
@@ -76,9 +76,9 @@ class JobTarget:
 class JobWeights(JobTarget):
     """WeightReceiver's target for one job: store the version, apply it to the job's active engines."""
 
-    def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+    def apply_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         # caller holds job.lock: no activation or admission of this job interleaves
-        self.on_active_engines(self.job.name, lambda inst: inst.update_weights(state, version))
+        self.on_active_engines(self.job.name, lambda inst: inst.apply_weights(state, version))
         self.job.weights, self.job.version = state, version
         self.job.versions.add(version)
 

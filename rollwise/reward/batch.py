@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from rollwise.reward.scoring import RewardConfig, score
-from rollwise.tasks.base import Problem, Task
+from rollwise.types.task import Problem, Task
 
 
 class ScoredSample(Protocol):

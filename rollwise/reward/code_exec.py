@@ -25,7 +25,7 @@ import re
 from rollwise.reward.scoring import RewardConfig, RewardResult
 from rollwise.sandbox.local import LocalSandbox
 from rollwise.sandbox.types import RunResult, SandboxLimits
-from rollwise.tasks.base import Problem
+from rollwise.types.task import Problem
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 

@@ -54,7 +54,7 @@ from typing import Any, Literal
 from typing_extensions import Self
 
 from rollwise.reward.scoring import CORRECT_THRESHOLD, RewardResult
-from rollwise.tasks.base import Problem
+from rollwise.types.task import Problem
 
 ErrorKind = Literal["import", "exception", "bad_return", "timeout", "crash", "pool_closed"]
 log = logging.getLogger("rollwise.reward")

@@ -16,7 +16,7 @@ from pydantic import model_validator
 
 from rollwise.tasks.answer_format import AnswerFormat, answers_match, last_number, parse_number, parse_response
 
-from rollwise.tasks.base import Problem, Task  # reward -> tasks: one way (tasks import nothing of reward)
+from rollwise.types.task import Problem, Task  # reward -> tasks: one way (tasks import nothing of reward)
 from rollwise.types.config_section import ConfigSection
 
 Outcome = Literal["correct", "formatted_wrong", "unparseable"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from rollwise.reward.scoring import RewardConfig, RewardResult, score
-from rollwise.tasks.base import Problem, Task
+from rollwise.types.task import Problem, Task
 from rollwise.tasks.math_equal import math_equal
 
 

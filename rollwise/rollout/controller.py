@@ -37,16 +37,16 @@ from dataclasses import dataclass, field
 
 from rollwise.config import RunConfig
 from rollwise.engine.speculation.drafter import Drafter
-from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
-from rollwise.protocols import RolloutBackend
+from rollwise.types.generation import Completion, GenerationRequest, SamplingParams
+from rollwise.types.contracts import RolloutBackend
 from rollwise.rollout import admission
 from rollwise.rollout.admission import AdmissionPolicy, RolloutCounts
 from rollwise.rollout.data import ProblemStream
-from rollwise.rollout.ledger import RolloutLedger
+from rollwise.types.ledger import RolloutLedger
 from rollwise.rollout.sync_rollout import PromptEncoder, RolloutPlan, build_requests, sampling_seed, to_samples
 from rollwise.types.compact import lowest_version, token_array
 from rollwise.types.sample import Sample
-from rollwise.tasks.base import Problem
+from rollwise.types.task import Problem
 from rollwise.train.advantages import assign_advantages
 
 # Called with a complete group's samples, to score them (reward) in place.
@@ -79,7 +79,7 @@ class _Running:
 
 
 class ControllerDefaults:
-    """The parts of the controller interface (rollwise.protocols.RolloutControl) most controllers share:
+    """The parts of the controller interface (rollwise.types.contracts.RolloutControl) most controllers share:
     GRPO group advantages and no extra step metrics. The agent layer overrides both (one advantage
     per episode; tool-call counts)."""
 

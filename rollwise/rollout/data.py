@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rollwise.tasks.base import Problem
+from rollwise.types.task import Problem
 
 
 class ProblemStream:

@@ -11,10 +11,10 @@ from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
-from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
+from rollwise.types.generation import Completion, GenerationRequest, SamplingParams
 from rollwise.reward.scoring import RewardConfig
 from rollwise.types.sample import Sample
-from rollwise.tasks.base import Problem
+from rollwise.types.task import Problem
 from rollwise.tasks.prompts import build_messages, encode_prompt, PromptConfig
 
 

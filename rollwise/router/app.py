@@ -179,7 +179,7 @@ def create_app(config: RouterConfig, tokenizer: Any | None = None, front: Front 
 
     @app.post("/update_weights_from_disk", responses=errors(400, 401, 404, 409, 413, 502),
               openapi_extra=JSON_OBJECT_BODY)
-    async def update_weights(request: Request) -> dict[str, Any]:
+    async def update_weights_from_disk(request: Request) -> dict[str, Any]:
         return await update.run(await request.body())
 
     app.add_middleware(FastPathAndMetrics, router=router, relay=relay)

@@ -1,14 +1,14 @@
-"""SimCluster: many SimEngines behind the RolloutBackend protocol (rollwise.protocols), on one virtual clock.
+"""SimCluster: many SimEngines behind the RolloutBackend protocol (rollwise.types.contracts), on one virtual clock.
 
 The RolloutController talks to a RolloutBackend (submit, next_completion, abort, pause, resume,
-update_weights). The real one steps an engine on a thread while wall time passes; this one steps
+load_weights). The real one steps an engine on a thread while wall time passes; this one steps
 SimEngines in event order while *virtual* time passes, and only when the controller would wait:
 
 - `next_completion(timeout)`: run engine steps in time order until one returns a finished sample
   (the controller then does exactly what it does on a real engine: admit, regenerate, batch);
 - `advance_to(t)`: the trainer trains until t; engines keep generating, completions queue up;
 - `load_version(v)`: every engine loads version v (no weights move); returns the time the last one
-  is done (the trainer blocks until then, as a real weight push does). `update_weights(update)` is
+  is done (the trainer blocks until then, as a real weight push does). `load_weights(update)` is
   the same through the protocol; the time is left in `weights_loaded_at`.
 
 Requests are placed by a production routing policy (rollwise.router.policies, called exactly as the
@@ -22,17 +22,16 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from rollwise.engine.contract import ModelInfo
-from rollwise.engine.types import Completion, GenerationRequest
+from rollwise.types.generation import ModelInfo
+from rollwise.types.generation import Completion, GenerationRequest
 from rollwise.router.policies import Policy, ReplicaLoad, RouteRequest
 from rollwise.sim.engine import SimEngine, VirtualClock
 
 if TYPE_CHECKING:
-    from rollwise.sync.buckets import WeightUpdate
+    from rollwise.types.weight_update import WeightUpdate
 
 
 class SimulationStuck(RuntimeError):
@@ -113,20 +112,16 @@ class SimCluster:
             self._sync(i)
         return out
 
-    def update_weights(self, update: WeightUpdate | Mapping[str, Any] | None, version: int | None = None) -> None:
+    def load_weights(self, update: WeightUpdate) -> None:
         """Every engine loads the update's version at its next step boundary (a simulated engine holds
         no weights: only the version moves); `weights_loaded_at` is when the last one is done."""
-        if version is None:
-            if update is None or not hasattr(update, "version"):
-                raise TypeError("update_weights takes a WeightUpdate (or None and a version)")
-            version = update.version
-        self.load_version(version)
+        self.load_version(update.version)
 
     def load_version(self, version: int) -> float:
         """Every engine loads `version` at its next step boundary; returns when the last one is done."""
         done = self.clock.now
         for i, e in enumerate(self.engines):
-            e.update_weights(None, version)
+            e.apply_weights(None, version)
             self._sync(i)
             if e.op is not None:  # a stall now, or a step whose end applies the update and then stalls
                 done = max(done, e.op.end + (e.cost.weight_update_s if not e.op.stall else 0.0))

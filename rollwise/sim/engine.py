@@ -30,10 +30,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, run_to_completion
+from rollwise.engine.contract import check_request, run_to_completion
 from rollwise.engine.retention import RetentionDecision, RetentionRequest
 from rollwise.engine.state import EngineState
-from rollwise.engine.types import Completion, FinishReason, GenerationRequest
+from rollwise.types.generation import Completion, EngineLoad, FinishReason, GenerationRequest, ModelInfo
 from rollwise.sim.routing import BlockLRU
 from rollwise.sim.cost import CostModel
 from rollwise.types.compact import LogprobRuns, TokenRuns, VersionRuns
@@ -192,11 +192,11 @@ class SimEngine(EngineState):
         self.mark_timeline()
         return sorted(aborted, key=lambda c: c.index)
 
-    def update_weights(self, state_dict: Mapping[str, Any] | None, version: int) -> None:
+    def apply_weights(self, state_dict: Mapping[str, Any] | None, version: int) -> None:
         """No weights to load: validate, then version the tokens sampled after the next step boundary and
         block the engine for cost.weight_update_s (the time a real load takes)."""
         if state_dict is not None and not isinstance(state_dict, Mapping):
-            raise ValueError("update_weights needs a mapping of weight names to tensors (or None in simulation)")
+            raise ValueError("apply_weights needs a mapping of weight names to tensors (or None in simulation)")
         if isinstance(version, bool) or not isinstance(version, int):
             raise ValueError(f"version must be an int, got {version!r}")
         self._cut()

@@ -39,7 +39,7 @@ from typing import Any
 _WORKER = '''
 import json, sys, time, torch
 torch.set_num_threads(1)
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.model.loading import load_model
 model, _ = load_model("tiny:0")

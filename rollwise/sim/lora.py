@@ -35,7 +35,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.sim.commands import SimCommand, write_json
 from rollwise.sim.cost import CostModel, TrainerModel, load_cost_file
 from rollwise.sim.engine import SimEngine, VirtualClock

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.pool.scheduler import JobView, Policy, SlotView, engine_key, plan
 from rollwise.sim.cores import SharedCores
 from rollwise.sim.cost import CostModel

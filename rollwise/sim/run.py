@@ -21,7 +21,7 @@ from rollwise.sim.cluster import SimCluster
 from rollwise.sim.cost import CostModel, TrainerModel
 from rollwise.sim.engine import SimEngine, VirtualClock
 from rollwise.sim.scenario import LengthModel, Scenario
-from rollwise.tasks.base import Problem
+from rollwise.types.task import Problem
 from rollwise.types.compact import version_runs
 
 

@@ -10,7 +10,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollwise.engine.types import GenerationRequest
+from rollwise.types.generation import GenerationRequest
 from rollwise.sim.cost import CostModel, TrainerModel, load_cost_file
 from rollwise.sim.speculation import SpeculationModel
 

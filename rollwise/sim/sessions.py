@@ -10,7 +10,7 @@ import math
 import time
 from typing import Any
 
-from rollwise.engine.types import GenerationRequest, SamplingParams
+from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.observe.bubble import busy_integral
 from rollwise.router.policies import make_policy
 from rollwise.sim.cluster import SimCluster

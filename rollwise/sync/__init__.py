@@ -1,16 +1,17 @@
 """Weight transport from the trainer to the engines: versioned, verified, all-or-nothing.
 
-One update (`WeightUpdate`: a manifest + its payload) and one receiving side (`WeightReceiver`:
-stage everything, verify, then apply the whole update). The trainer makes the update
+One update (`WeightUpdate`, rollwise.types.weight_update: a manifest + its payload) and one receiving side
+(`WeightReceiver`, the engine side's, rollwise.engine.weight_receiver: stage everything, verify, then apply the
+whole update). The transports call down into it, never the reverse. The trainer makes the update
 (`Trainer.weight_update`); the placement's RolloutBackend carries it over the transport its
 configuration picks:
 
-    placement: local      EngineWorker.update_weights      in-process, zero-copy views
-    placement: ray        RayEngineFleet.update_weights    Ray object store (an ObjectRef payload)
-      + sync.sender:      RayEngineFleet.update_weights    one torch.distributed broadcast from the driver
+    placement: local      EngineWorker.load_weights        in-process, zero-copy views
+    placement: ray        RayEngineFleet.load_weights      Ray object store (an ObjectRef payload)
+      + sync.sender:      RayEngineFleet.load_weights      one torch.distributed broadcast from the driver
         collective                                         to every engine actor (DistributedSender /
                                                            DistributedReceiver; gloo on CPU, NCCL on GPU)
-    pool.url              PoolWorker.update_weights        HTTP: checksummed buckets, the pool commits
+    pool.url              PoolWorker.load_weights          HTTP: checksummed buckets, the pool commits
 
 The byte-moving transports share one format (rollwise.sync.buckets: manifest, buckets, xxh3 checksums):
 

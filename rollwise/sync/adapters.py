@@ -4,7 +4,7 @@ An adapter update is an ordinary `WeightUpdate` (manifest + checksummed buckets,
 manifest carries an `AdapterSpec` (name, rank, alpha, targets; rollwise.types.weights, which refuses
 a rank below 1, a non-finite or absurd alpha and a name that is not a plain path component): every
 transport moves it unchanged, and `WeightReceiver.check`/`commit` check and load it as an adapter
-(rollwise.sync.receiver, with rollwise.sync.adapter_checks). The checks are the full-weight ones (rollwise.types.weight_checks: version only
+(rollwise.engine.weight_receiver, with rollwise.engine.adapter_checks). The checks are the full-weight ones (rollwise.types.weight_checks: version only
 moves forward, same tokenizer, every tensor's shape and dtype fit the engine's base projection,
 checksums, every bucket arrived, finite values), then the engine's `load_adapter(spec, tensors,
 version)` loads it without touching the base weights. A rejected adapter leaves the engine serving
@@ -21,8 +21,8 @@ from typing import Any
 
 from torch import Tensor
 
-from rollwise.protocols import Trainer
-from rollwise.sync.buckets import WeightUpdate
+from rollwise.types.contracts import Trainer
+from rollwise.types.weight_update import WeightUpdate
 from rollwise.sync.layout import build_manifest
 from rollwise.types.weights import AdapterSpec
 

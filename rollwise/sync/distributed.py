@@ -35,7 +35,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rollwise.sync.layout import build_manifest, flatten_bucket, parse_manifest
-from rollwise.sync.receiver import raise_if_rejected, StagedUpdate, WeightReceiver
+from rollwise.engine.weight_receiver import StagedUpdate, WeightReceiver
+from rollwise.sync.buckets import raise_if_rejected
 from rollwise.types.weights import WeightManifest, WeightUpdateError
 from rollwise.types.weights import AdapterSpec
 

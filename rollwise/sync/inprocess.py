@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from rollwise.sync.buckets import WeightUpdate
-from rollwise.sync.receiver import WeightReceiver
+from rollwise.types.weight_update import WeightUpdate
+from rollwise.engine.weight_receiver import WeightReceiver
 
 
 def push_weights(model: nn.Module, engines: list, version: int, tokenizer_fingerprint: str | None = None) -> None:

@@ -23,9 +23,9 @@ from typing import Any, Literal, Protocol
 
 from torch import Tensor
 
-from rollwise.protocols import Trainer
+from rollwise.types.contracts import Trainer
 from rollwise.sync.adapters import AdapterSender, is_lora_trainer
-from rollwise.sync.buckets import WeightUpdate
+from rollwise.types.weight_update import WeightUpdate
 from rollwise.sync.layout import build_manifest
 
 SenderKind = Literal["in-process", "object-store", "collective"]

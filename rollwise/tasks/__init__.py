@@ -11,7 +11,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from rollwise.tasks.base import Task
+from rollwise.types.task import Task
 from rollwise.tasks.jsonl_task import JsonlTask
 from rollwise.tasks.reasoning_gym_task import ReasoningGymTask
 from rollwise.types.config_section import ConfigSection

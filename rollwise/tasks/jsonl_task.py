@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rollwise.tasks.answer_format import answers_match
-from rollwise.tasks.base import Problem, Split, Task, check_split, question_digest
+from rollwise.types.task import Problem, Split, Task, check_split, question_digest
 
 
 def read_jsonl(path: str | Path, prompt_key: str, answer_key: str) -> list[tuple[int, str, str, dict[str, Any]]]:

@@ -1,5 +1,5 @@
 """Mathematical answer equivalence: the JSONL task's `verifier: math_verify` (a task decides
-correctness, rollwise.tasks.base), also used by the reward pool's `math_verify_reward`
+correctness, rollwise.types.task), also used by the reward pool's `math_verify_reward`
 (rollwise.reward.verifiers)."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from pydantic import Field, field_validator
 
 from rollwise.model.template_ids import flat_token_ids
 from rollwise.tasks.answer_format import AnswerFormat, parse_response
-from rollwise.tasks.base import Problem
+from rollwise.types.task import Problem
 from rollwise.types.config_section import ConfigSection
 
 DEFAULT_SYSTEM_PROMPT = (

@@ -18,7 +18,7 @@ import hashlib
 import re
 from typing import Any
 
-from rollwise.tasks.base import Problem, Split, Task, check_split, question_digest
+from rollwise.types.task import Problem, Split, Task, check_split, question_digest
 
 # Sentences in reasoning-gym questions that only say "reply with nothing but the answer". They
 # conflict with our own format (reason, then <answer>...</answer>), so `strip_instructions` removes

@@ -16,10 +16,12 @@ as does a group whose rewards are all equal (rloo and the REINFORCE++ baseline e
 reference reward first, so equal rewards cancel without rounding). mean_std and mean keep the historical
 arithmetic bit for bit (rollwise.train.grpo.group_advantages).
 
-REINFORCE++'s KL: the paper folds a k1 KL to the reference into the token reward. rollwise's KL to the
-reference is the k3 loss term (train.kl_coef, in every policy loss, rollwise.train.policy_loss); it is not
-folded into the reward here, since advantages are computed per sample before the trainer's reference
-forward. REINFORCE++-baseline's own recipe uses the KL loss term, as here.
+REINFORCE++'s KL: the paper folds a per-token KL to the reference into the token reward. With train.kl_coef > 0
+and train.kl_penalty=reward (auto's choice for reinforce_pp) the trainer does so, since only it has the
+reference's log-probs: it recomputes these advantages per token (rollwise.train.token_advantages), and the
+values here are what a sample's tokens get without a KL. REINFORCE++-baseline's own recipe uses the k3 KL loss
+term (kl_penalty=loss, auto's choice for it). gae: the critic's values are the trainer's too; here each sample
+gets its reward (the trainer replaces it per token with GAE over the critic's values, rollwise.train.critic).
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def rloo(groups: RewardGroups) -> list[Tensor]:
     return out
 
 
-def _whiten_over_tokens(values: list[Tensor], tokens: list[Tensor]) -> list[Tensor]:
+def whiten_over_tokens(values: list[Tensor], tokens: list[Tensor]) -> list[Tensor]:
     """Each sample's value, whitened by the mean and unbiased variance over the batch's trained tokens."""
     if not values:
         return []
@@ -99,7 +101,13 @@ def _whiten_over_tokens(values: list[Tensor], tokens: list[Tensor]) -> list[Tens
 
 
 def reinforce_pp(groups: RewardGroups) -> list[Tensor]:
-    return _whiten_over_tokens(list(groups.rewards), groups.tokens)
+    return whiten_over_tokens(list(groups.rewards), groups.tokens)
+
+
+def gae_placeholder(groups: RewardGroups) -> list[Tensor]:
+    """train.advantage=gae before the trainer's critic: the reward itself (a return with no baseline); the trainer
+    replaces it per token (rollwise.train.token_advantages)."""
+    return [r.clone() for r in groups.rewards]
 
 
 def reinforce_pp_baseline(groups: RewardGroups) -> list[Tensor]:
@@ -107,7 +115,7 @@ def reinforce_pp_baseline(groups: RewardGroups) -> list[Tensor]:
     for r in groups.rewards:
         d = r - r[0]
         centred.append(d - d.mean())  # r - mean_group, exactly 0 for equal rewards (and a group of one)
-    return _whiten_over_tokens(centred, groups.tokens)
+    return whiten_over_tokens(centred, groups.tokens)
 
 
 ESTIMATORS: dict[str, Estimator] = {
@@ -116,6 +124,7 @@ ESTIMATORS: dict[str, Estimator] = {
     "rloo": rloo,
     "reinforce_pp": reinforce_pp,
     "reinforce_pp_baseline": reinforce_pp_baseline,
+    "gae": gae_placeholder,
 }
 assert tuple(ESTIMATORS) == ADVANTAGE_ESTIMATORS, "rollwise.types.algorithms lists the same names"
 

@@ -104,8 +104,10 @@ def _tree_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def save_checkpoint(run_dir: Path, trainer: CheckpointedTrainer, tokenizer, step: int, extra: dict[str, Any], keep_last: int) -> Path:
-    """`step` is the number of completed training steps; resume starts at `step`."""
+def save_checkpoint(run_dir: Path, trainer: CheckpointedTrainer, tokenizer, step: int, extra: dict[str, Any], keep_last: int,
+                    also: Callable[[Path], None] | None = None) -> Path:
+    """`step` is the number of completed training steps; resume starts at `step`. `also(tmp)` writes the trainer's
+    other files (the critic of train.advantage=gae: rollwise.train.critic) into the checkpoint, before its manifest."""
 
     def write(tmp: Path) -> None:
         trainer.model.save_pretrained(tmp / "model", safe_serialization=True)
@@ -114,6 +116,8 @@ def save_checkpoint(run_dir: Path, trainer: CheckpointedTrainer, tokenizer, step
             {"optimizer": trainer.optimizer.state_dict(), "scheduler": trainer.scheduler.state_dict()},
             tmp / OPTIMIZER_FILE,
         )
+        if also is not None:
+            also(tmp)
 
     return write_checkpoint(run_dir, step, trainer.version, extra, keep_last, write)
 

@@ -1,6 +1,6 @@
 """The sharded GRPO trainer: `trainer.world_size` FSDP2 data-parallel ranks behind one `Trainer`.
 
-`ShardedTrainer` (this process, the controller side) implements rollwise.protocols.Trainer and
+`ShardedTrainer` (this process, the controller side) implements rollwise.types.contracts.Trainer and
 speaks for the group. It starts the ranks itself (torch.multiprocessing, spawn), one process per
 rank, each holding 1/N of the parameters, gradients and optimizer state (rollwise.train.rank).
 The same trainer drives ranks started elsewhere through `ShardedTrainer.over(group)`: Ray actors
@@ -25,12 +25,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rollwise.config import TrainConfig, TrainerConfig
+from rollwise.config import ConfigError, TrainConfig, TrainerConfig
 from rollwise.train.checkpoint import load_rng_and_state, write_checkpoint
 from rollwise.train.grpo import token_weights
 from rollwise.train.policy_loss import resolve_policy_loss, skips_zero_advantage
 from rollwise.train.rank import RankWork
 from rollwise.train.rank_group import ProcessRankGroup, RankGroup, TrainerRankError
+from rollwise.types.critic_config import token_advantage_reason
 from rollwise.types.microbatch import chunk_samples, computed_tokens
 from rollwise.types.sample import Sample
 
@@ -104,6 +105,7 @@ class ShardedTrainer:
                  temperature: float = 1.0, tokenizer: Any = None, threads: int = 0,
                  bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
         refuse_torchrun(os.environ)
+        refuse_token_advantages(cfg)  # before any rank starts
         resolve_policy_loss(cfg)  # a custom train.policy_loss is checked here, once, before any rank starts
         group = ProcessRankGroup(model, cfg, trainer_cfg, pad_token_id=pad_token_id, temperature=temperature,
                                  threads=threads or len(os.sched_getaffinity(0)))
@@ -119,6 +121,7 @@ class ShardedTrainer:
         return trainer
 
     def _attach(self, group: RankGroup, cfg: TrainConfig, tokenizer: Any, bucket_mb: float) -> None:
+        refuse_token_advantages(cfg)
         self.group, self.cfg, self.tokenizer, self.bucket_mb = group, cfg, tokenizer, bucket_mb
         self.world_size = group.world_size
         self._version = 0
@@ -129,7 +132,7 @@ class ShardedTrainer:
     def close(self) -> None:
         self.group.close()
 
-    # ------------------------------------------------------------ rollwise.protocols.Trainer
+    # ------------------------------------------------------------ rollwise.types.contracts.Trainer
 
     @property
     def version(self) -> int:
@@ -192,6 +195,15 @@ def refuse_torchrun(env: Mapping[str, str]) -> None:
             "ShardedTrainer(model, ...) would start its own ranks in every one of them: run `torchrun "
             "--nproc-per-node=N -m rollwise.cli train trainer.world_size=N` (rank 0 drives, the others follow: "
             "rollwise.train.torchrun), or `rollwise train trainer.world_size=N` without torchrun")
+
+
+def refuse_token_advantages(cfg: TrainConfig) -> None:
+    """GAE's critic and the KL in the reward run on the one-process trainer for now (the config refuses them with
+    trainer.world_size > 1 too: rollwise.types.critic_config); refused here for callers that build the trainer."""
+    reason = token_advantage_reason(cfg.advantage, cfg.kl_penalty, cfg.kl_coef)
+    if reason is not None:
+        raise ConfigError(f"{reason} runs on the one-process trainer for now (the critic and the per-token rewards are "
+                          "not sharded): use trainer.world_size=1, or train.kl_penalty=loss / another train.advantage")
 
 
 def _imbalance(tokens: list[float]) -> float:

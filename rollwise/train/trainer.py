@@ -2,7 +2,7 @@
 
 It owns the Hugging Face model and the optimizer and knows nothing about engines or tasks: it is
 handed samples with advantages and returns metrics. Pushing the new weights out is `rollwise.sync`
-(`weights()` hands them over as zero-copy views). It implements rollwise.protocols.Trainer.
+(`weights()` hands them over as zero-copy views). It implements rollwise.types.contracts.Trainer.
 """
 
 from __future__ import annotations
@@ -30,7 +30,11 @@ from rollwise.train.lora import adapter_state, wrap_lora
 from rollwise.train.packing import GroupMicroBatch, collate_group, collate_packed_groups
 from rollwise.train.policy_loss import PolicyLossInputs, resolve_policy_loss, skips_zero_advantage
 from rollwise.train.logprobs import sequence_logprobs
+from rollwise.train.activation_checkpointing import enable_activation_checkpointing
 from rollwise.train.routing_replay import ReplayBatch, RoutingReplay, find_routers, rows_batch
+from rollwise.train.critic import Critic
+from rollwise.train.token_advantages import KL_REWARD, compute_token_advantages, kl_estimate, set_token_advantages
+from rollwise.types.critic_config import token_advantage_reason
 
 __all__ = ["GRPOTrainer", "MicroBatch", "GroupMicroBatch", "chunk_samples", "computed_tokens"]
 
@@ -104,8 +108,13 @@ def token_owners(chunk: list[Sample]) -> dict[str, Any]:
     the order every collate flattens trained tokens (sample after sample)."""
     counts = torch.tensor([s.trained_tokens for s in chunk], dtype=torch.long)
     versions = [v for s in chunk for v, m in zip(s.versions, s.trained_mask) if m]
-    return {"seq_index": torch.repeat_interleave(torch.arange(len(chunk)), counts),
-            "versions": torch.tensor(versions, dtype=torch.long), "num_seqs": len(chunk)}
+    owners = {"seq_index": torch.repeat_interleave(torch.arange(len(chunk)), counts),
+              "versions": torch.tensor(versions, dtype=torch.long), "num_seqs": len(chunk)}
+    if any(s.token_advantages is not None for s in chunk):  # per-token advantages (rollwise.train.token_advantages)
+        owners["advantages"] = torch.tensor([a for s in chunk for a in (
+            s.token_advantages if s.token_advantages is not None else [s.advantage] * s.trained_tokens)],
+            dtype=torch.float32)
+    return owners
 
 
 def mismatch_sums(engine_logp: Tensor, trainer_logp: Tensor) -> tuple[float, float]:
@@ -137,6 +146,11 @@ class GRPOTrainer:
         # train.lora: PEFT adapters on a copy of `model` (rollwise.train.lora); only they are trainable,
         # weights() hands out only them, and a checkpoint holds only them.
         self.lora = cfg.lora
+        # train.advantage=gae: the critic, a copy of the (base) policy's decoder with a value head (rollwise.train.critic)
+        self.critic = Critic(model, cfg) if cfg.advantage == "gae" else None
+        # gae, or the KL in the reward: the advantages are computed per token in the step (_token_advantages)
+        self.token_advantages = token_advantage_reason(cfg.advantage, cfg.kl_penalty, cfg.kl_coef) is not None
+        self.loss_kl_coef = cfg.kl_coef if cfg.kl_penalty != "reward" else 0.0  # the KL is in the loss, or not
         if cfg.lora is not None:
             model = wrap_lora(model, cfg.lora)
         self.model = model
@@ -152,10 +166,8 @@ class GRPOTrainer:
         # gradients here, the trainer benchmark their memory).
         self.before_step: Callable[[nn.Module], None] | None = None
         self.model.train()
-        if cfg.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
-            if cfg.lora is not None:  # frozen embeddings: checkpointed blocks need an input that requires grad
-                self.model.enable_input_require_grads()
+        if cfg.gradient_checkpointing:  # decoder layers recomputed in the backward, KV cache kept (shared prompts)
+            enable_activation_checkpointing(self.model)
         self.model.config.use_cache = False
         # train.compute_dtype, resolved once (auto reads the CPU's flags): autocast in it when it differs
         # from the parameters' dtype (_compute)
@@ -183,7 +195,7 @@ class GRPOTrainer:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_factor, cfg))
 
-    # ------------------------------------------------------------ rollwise.protocols.Trainer
+    # ------------------------------------------------------------ rollwise.types.contracts.Trainer
 
     def weights(self) -> dict[str, Tensor]:
         """The current weights for a transport: detached views of the model's tensors (no copy). With
@@ -195,10 +207,14 @@ class GRPOTrainer:
     def save_checkpoint(self, run_dir: Path, step: int, extra: dict[str, Any], keep_last: int) -> Path:
         if self.tokenizer is None:
             raise ValueError("GRPOTrainer(tokenizer=...) is needed to write a checkpoint (it is saved with the model)")
-        return checkpoint.save_checkpoint(run_dir, self, self.tokenizer, step, extra, keep_last)
+        return checkpoint.save_checkpoint(run_dir, self, self.tokenizer, step, extra, keep_last,
+                                          also=self.critic.save if self.critic is not None else None)
 
     def load_checkpoint(self, ckpt: Path) -> dict[str, Any]:
-        return checkpoint.load_checkpoint(ckpt, self)
+        state = checkpoint.load_checkpoint(ckpt, self)
+        if self.critic is not None:
+            self.critic.load(ckpt)
+        return state
 
     def _prepare_model(self) -> None:
         """Hook before the optimizer is built (rollwise.train.sharded shards the model here)."""
@@ -276,6 +292,7 @@ class GRPOTrainer:
                     "trained_samples": 0.0, "clip_fraction": 0.0, "kl": 0.0,
                     "lr": self.scheduler.get_last_lr()[0], **self._measure(self._micro_batches(samples)[:1]),
                     **(self.routing.take_metrics() if self.routing is not None else {})}
+        planned = self._token_advantages(informative) if self.token_advantages else None
         batches = self._micro_batches(informative)
         metrics: dict[str, float] = {}
         # The proximal policy of decoupled PPO is the trainer's policy before this step's first
@@ -288,6 +305,39 @@ class GRPOTrainer:
         if self.routing is not None:
             metrics.update(self.routing.take_metrics())
         metrics["update_skipped_no_signal"] = 0.0
+        if planned is not None:
+            metrics.update(self._after_token_advantages(*planned))
+        return metrics
+
+    def _token_advantages(self, samples: list[Sample]) -> tuple[list[MicroBatch], Any, dict[str, float]]:
+        """train.advantage=gae / train.kl_penalty=reward: each sample's per-token advantages, set on it
+        (rollwise.train.token_advantages), from padded forwards of the critic and the reference (no grad)."""
+        device = next(self.model.parameters()).device
+        size = self.cfg.micro_batch_size
+        padded = [to_device(collate(samples[i:i + size], torch.zeros(0), self.pad_token_id), device)
+                  for i in range(0, len(samples), size)]
+        counts = [s.trained_tokens for s in samples]
+        kl, metrics = None, {}
+        if self.ref_model is not None and self.cfg.kl_penalty == "reward":
+            with torch.no_grad():
+                flat = torch.cat([kl_estimate(mb.behaviour_logp, self._forward_logprobs(self.ref_model, mb)[0],
+                                              self.cfg.kl_estimator) for mb in padded]).cpu()
+            kl = list(torch.split(flat, counts))
+            metrics[KL_REWARD] = float(flat.mean()) if flat.numel() else 0.0
+        values = None
+        if self.critic is not None:
+            values = list(torch.split(torch.cat(self.critic.values(padded, self._compute)).cpu(), counts))
+        plan = compute_token_advantages(samples, self.cfg, kl=kl, values=values)
+        set_token_advantages(samples, plan.advantages)
+        return padded, plan, metrics
+
+    def _after_token_advantages(self, padded: list[MicroBatch], plan: Any, metrics: dict[str, float]) -> dict[str, float]:
+        """The critic's update on the step's returns (gae), and the step's per-token advantage metrics."""
+        if self.critic is not None:
+            sizes = [mb.n_tokens for mb in padded]
+            old = list(torch.split(torch.cat(plan.values), sizes))
+            returns = list(torch.split(torch.cat(plan.returns), sizes))
+            metrics.update(self.critic.update(padded, old, returns, self._compute))
         return metrics
 
     @torch.no_grad()
@@ -339,7 +389,7 @@ class GRPOTrainer:
                     is_weight_sum += float(weights.sum())
                     masked += corr.masked_tokens
             ref_logp = None
-            if self.ref_model is not None:
+            if self.ref_model is not None and self.loss_kl_coef > 0:
                 with torch.no_grad():
                     ref_logp, _ = self._forward_logprobs(self.ref_model, mb)
             batch = PolicyLossInputs(
@@ -347,7 +397,7 @@ class GRPOTrainer:
                 token_weights=mb.weights, is_weights=weights, kept=kept, seq_index=mb.seq_index,
                 num_seqs=mb.num_seqs, versions=mb.versions, policy_version=self.version)
             terms = self.policy_loss.terms(batch, corrected=correction != "none", masked=correction in MASKING,
-                                           ref_logp=ref_logp, kl_coef=self.cfg.kl_coef)
+                                           ref_logp=ref_logp, kl_coef=self.loss_kl_coef)
             self._with_router_aux(terms.loss, mb).backward()
             if mb.padding:
                 continue  # its weights are 0: no gradient, and it is not counted in the metrics

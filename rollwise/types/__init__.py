@@ -1,5 +1,9 @@
 """The bottom layer: plain data every other layer passes around (DESIGN.md "Shape of the code").
 
+- contracts: the three interfaces the training loop is written against (`RolloutBackend`, `Trainer`,
+  `RolloutControl`); read it first: every other module here is a word they speak;
+- generation: the engine contract's data (`GenerationRequest`, `SamplingParams`, `Completion`, `ModelInfo`,
+  `EngineLoad`); task: `Problem` and the `Task` base; ledger: `RolloutLedger`, where every sample slot is;
 - sample: `Sample` (a trajectory as the trainer receives it) and `group_samples`;
 - routing: `RoutedExperts`, the experts an MoE engine routed each token to (a Completion's and a Sample's);
 - compact: how a Sample stores its per-token data (int32 ids, float32 log-probs, run-length versions;
@@ -11,6 +15,8 @@
 - weight_checks: the rules every weight update is held to, whichever path brings it (names, shapes,
   dtypes, finite values, versions only forward); adapter_limits: an adapter's bounds, torch-free.
 - checksum: a file's xxh3-64 (checkpoint manifests).
+- bucket_layout: how a weight update's tensors are cut into aligned, checksummed buckets and its manifest
+  built (re-exported by rollwise.sync.layout for the transports; the flat checkpoints of rollwise.model use it).
 - config_section: the base of every run-config section, wherever it is defined (no unknown keys, finite
   numbers, no true/false for a number).
 

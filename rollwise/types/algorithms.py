@@ -11,7 +11,15 @@ from __future__ import annotations
 import difflib
 
 # train.advantage: mean_std (GRPO) and mean (Dr. GRPO) are the historical names of the group baselines.
-ADVANTAGE_ESTIMATORS = ("mean_std", "mean", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+# gae: PPO with a learned critic; its advantages are per token and computed by the trainer (rollwise.train.critic).
+ADVANTAGE_ESTIMATORS = ("mean_std", "mean", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
+# The estimators whose rewards may be per token: train.kl_penalty=reward folds the per-token KL to the reference
+# into their reward (rollwise.train.token_advantages); the group baselines see one reward per sample.
+TOKEN_REWARD_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")
+# train.kl_penalty: where the KL to the reference goes (auto: the reward for reinforce_pp, as REINFORCE++ does,
+# the loss otherwise); train.kl_estimator: the per-token estimate folded into the reward.
+KL_PENALTIES = ("auto", "loss", "reward")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 # train.policy_loss: these, or a custom loss given as "module:function" (or "path/to/file.py:function").
 POLICY_LOSSES = ("ppo_clip", "dual_clip", "gspo", "cispo")
 # train.off_policy_correction (auto resolves to none or tis from rollout.mode, see rollwise.config).
@@ -26,7 +34,8 @@ OTHER_NAMES = {
     "reinforce_plus_plus": "reinforce_pp", "reinforce++_baseline": "reinforce_pp_baseline",
     "reinforce_plus_plus_baseline": "reinforce_pp_baseline", "ppo": "ppo_clip", "vanilla": "ppo_clip",
     "dapo": "ppo_clip", "seq-mask-tis": "seq_mask_tis", "geometric": "seq_mask_tis",
-    "ice_pop": "icepop", "ice-pop": "icepop",
+    "ice_pop": "icepop", "ice-pop": "icepop", "ppo_gae": "gae", "critic": "gae", "kl_loss": "loss",
+    "in_reward": "reward", "low_var_kl": "k3", "kl": "k1",
 }
 
 

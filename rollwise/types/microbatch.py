@@ -7,6 +7,7 @@ Sample fields are read with len() and iteration only (they may be lists or array
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from rollwise.types.sample import Sample
@@ -15,7 +16,8 @@ from rollwise.types.sample import Sample
 class MicroBatchSettings(Protocol):
     """The fields of the train section (rollwise.config.TrainConfig) that micro-batching reads.
     `pack_responses`, `pack_groups` and `micro_batch_tokens` are read with defaults (off, off, 2048)
-    where a settings object lacks them."""
+    where a settings object lacks them. micro_batch_tokens bounds every micro-batch's computed positions
+    (a group is cut into parts when it would exceed it), so memory does not grow with response length."""
 
     micro_batch_size: int
     share_prompt_prefix: bool
@@ -28,6 +30,10 @@ def _packs_responses(cfg: MicroBatchSettings) -> bool:
 def _packs_groups(cfg: MicroBatchSettings) -> bool:
     # Several groups in one forward is an extension of the packed forward (rows over each prompt's KV).
     return _packs_responses(cfg) and bool(getattr(cfg, "pack_groups", False))
+
+
+def _token_budget(cfg: MicroBatchSettings) -> int:
+    return int(getattr(cfg, "micro_batch_tokens", 2048))
 
 
 def pack_responses(lengths: list[int], width: int | None = None) -> tuple[list[list[int]], int]:
@@ -69,11 +75,31 @@ def _shared_cost(chunk: list[Sample], packed: bool) -> int:
     return prompts + rows * width
 
 
+def _padded_cost(chunk: list[Sample]) -> int:
+    """Positions a padded micro-batch computes: rows x its longest prompt + response."""
+    return len(chunk) * max(len(s.prompt_ids) + len(s.response_ids) for s in chunk)
+
+
+def _within_budget(chunk: list[Sample], cost: Callable[[list[Sample]], int], budget: int) -> list[list[Sample]]:
+    """`chunk` itself when it computes at most `budget` positions, else cut into parts that do (longest
+    response first, next fit); a sample longer than the budget is a part of its own. Long responses
+    then train in more, smaller micro-batches instead of one whose activations outgrow memory."""
+    if cost(chunk) <= budget:
+        return [chunk]
+    parts: list[list[Sample]] = []
+    for s in sorted(chunk, key=lambda s: -len(s.response_ids)):
+        if parts and cost(parts[-1] + [s]) <= budget:
+            parts[-1].append(s)
+        else:
+            parts.append([s])
+    return parts
+
+
 def _pack_group_pieces(pieces: list[list[Sample]], cfg: MicroBatchSettings) -> list[list[Sample]]:
     """Whole groups (pieces of at most micro_batch_size samples) together in a micro-batch while it
     computes at most micro_batch_tokens positions (next fit). Longest response first: a micro-batch's
     rows are as wide as its longest response, so groups of similar widths go together."""
-    budget = int(getattr(cfg, "micro_batch_tokens", 2048))
+    budget = _token_budget(cfg)
     chunks: list[list[Sample]] = []
     for piece in sorted(pieces, key=lambda p: -max(len(s.response_ids) for s in p)):
         if chunks and _shared_cost(chunks[-1] + piece, packed=True) <= budget:
@@ -86,17 +112,20 @@ def _pack_group_pieces(pieces: list[list[Sample]], cfg: MicroBatchSettings) -> l
 def chunk_samples(samples: list[Sample], cfg: MicroBatchSettings) -> tuple[bool, list[list[Sample]]]:
     """The micro-batches a train step runs: (whether they share their prompt, the samples of each).
     A shared-prompt micro-batch holds one group's samples (at most micro_batch_size), or with
-    train.pack_groups several whole groups (each prompt computed once, see _pack_group_pieces)."""
+    train.pack_groups several whole groups (each prompt computed once, see _pack_group_pieces). No
+    micro-batch computes more than micro_batch_tokens positions unless one sample alone does."""
     samples = [s for s in samples if s.trained_tokens]
     # The shared-prompt forward uses the response mask as attention mask; multi-turn samples
     # (loss mask 0 on tool/template tokens the model must still attend to) take the padded forward.
     share = cfg.share_prompt_prefix and all(s.loss_mask is None for s in samples)
+    size, budget = cfg.micro_batch_size, _token_budget(cfg)
     if not share:
-        size = cfg.micro_batch_size
-        return share, [samples[i : i + size] for i in range(0, len(samples), size)]
+        return share, [part for i in range(0, len(samples), size)
+                       for part in _within_budget(samples[i : i + size], _padded_cost, budget)]
     # Samples with the same prompt (a GRPO group) go together: the prompt is computed once.
-    size = cfg.micro_batch_size
-    pieces = [g[i : i + size] for g in prompt_groups(samples) for i in range(0, len(g), size)]
+    packed = _packs_responses(cfg)
+    pieces = [part for g in prompt_groups(samples) for i in range(0, len(g), size)
+              for part in _within_budget(g[i : i + size], lambda c: _shared_cost(c, packed), budget)]
     if _packs_groups(cfg):
         return share, _pack_group_pieces(pieces, cfg)
     return share, pieces
@@ -111,4 +140,4 @@ def computed_tokens(samples: list[Sample], cfg: MicroBatchSettings) -> int:
     share, chunks = chunk_samples(samples, cfg)
     if share:
         return sum(_shared_cost(c, _packs_responses(cfg)) for c in chunks)
-    return sum(len(c) * max(len(s.prompt_ids) + len(s.response_ids) for s in c) for c in chunks)
+    return sum(_padded_cost(c) for c in chunks)

@@ -1,5 +1,5 @@
 """The experts an MoE engine routed each token to (`RoutedExperts`, for routing replay: R3), stored compactly.
-Engines fill it into a Completion (rollwise.engine.types), the trainer reads it from a Sample (rollwise.types.sample).
+Engines fill it into a Completion (rollwise.types.generation), the trainer reads it from a Sample (rollwise.types.sample).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from rollwise.types.compact import as_versions, logprob_array, token_array
 from rollwise.types.routing import RoutedExperts
 
 if TYPE_CHECKING:  # annotations only: the types layer imports no other rollwise package
-    from rollwise.engine.types import Completion
+    from rollwise.types.generation import Completion
 
 
 @dataclass
@@ -42,6 +42,9 @@ class Sample:
     loss_mask: list[int] | None = None
     # MoE: the experts the engine routed every token to (prompt + response[:-1]); the trainer replays them.
     routed_experts: RoutedExperts | None = None
+    # One advantage per trained token, when the trainer computes them per token (train.advantage=gae,
+    # train.kl_penalty=reward: rollwise.train.token_advantages); None: `advantage` on every trained token.
+    token_advantages: Sequence[float] | None = None
 
     def __post_init__(self) -> None:
         where = f"sample {self.sample_id}"

@@ -5,7 +5,7 @@ One set of rules, called by every path that hands weights to an engine:
 - rollwise.sync's WeightReceiver (`check` / `commit`): every transport (in-process, files, broadcast, Ray),
   the pool's `PUT /jobs/J/weights`, and LoRA adapters (rollwise.sync.adapters);
 - the engine server's `POST /update_weights_from_disk` (rollwise.engine.service), which has no manifest;
-- the engines' own `update_weights` (rollwise.engine.contract), for callers that hold an engine directly.
+- the engines' own `apply_weights` (rollwise.engine.contract), for callers that hold an engine directly.
 
 The rules: a tensor's name, shape and dtype are the engine's (`tensor_problems`; a float tensor wider than the
 engine's float dtype is cast down as it loads, as the engine was configured to serve: `dtype_problem`); a

@@ -3,7 +3,7 @@
 A placement decides where the trainer, the engines and the reward run. `place(request)` returns a
 `Placement`: a Trainer, a RolloutBackend, the WeightSender that carries the trainer's weights to
 that backend, the scorer, and the read-only engine view the loop's metrics use. The training loop
-holds these and never asks which placement made them (rollwise.protocols).
+holds these and never asks which placement made them (rollwise.types.contracts).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import Any, Protocol
 from torch import nn
 
 from rollwise.config import ConfigError, RunConfig, TrainerConfig
-from rollwise.protocols import RolloutBackend, Trainer
+from rollwise.types.contracts import RolloutBackend, Trainer
 from rollwise.reward.batch import score_samples
 from rollwise.types.sample import Sample
 from rollwise.sync.senders import WeightSender
-from rollwise.tasks.base import Problem, Task
+from rollwise.types.task import Problem, Task
 from rollwise.train.distributed import resolve_device
 from rollwise.train.sharded import ShardedTrainer
 from rollwise.train.torchrun import TorchrunRankGroup, launched_rank
@@ -73,7 +73,7 @@ class Placement:
 
     def push_weights(self) -> None:
         """The trainer's current weights to every engine, through the one checked path."""
-        self.backend.update_weights(self.sender.update(self.trainer))
+        self.backend.load_weights(self.sender.update(self.trainer))
 
     def close(self) -> None:
         try:

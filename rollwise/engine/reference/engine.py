@@ -26,11 +26,11 @@ from rollwise.engine.reference.sampling import (
 from rollwise.engine.reference.scheduler import Scheduler, Sequence
 from rollwise.engine.reference.speculative import SpeculativeDecoding
 from rollwise.engine.speculation.drafter import Drafter
-from rollwise.engine.contract import EngineLoad, ModelInfo, check_request, check_update, run_to_completion
+from rollwise.engine.contract import check_request, check_update, run_to_completion
 from rollwise.engine.retention import RetentionLimits
 from rollwise.engine.retention_policy import CostMeter, PolicyName
 from rollwise.engine.state import EngineState
-from rollwise.engine.types import Completion, FinishReason, GenerationRequest
+from rollwise.types.generation import Completion, EngineLoad, FinishReason, GenerationRequest, ModelInfo
 from rollwise.types.weights import ExpectedWeights
 
 
@@ -241,7 +241,7 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, LoraServing, Engine
 
     # ---------------------------------------------------------------- weights
 
-    def update_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+    def apply_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         """Copy new weights in by HF name (a subset is fine, e.g. streamed buckets). The version (never
         backwards), names, shapes, dtypes and values (no NaN or inf) are all validated before anything is
         copied; on a problem this raises ValueError and the old weights stay. Partial-rollout semantics:

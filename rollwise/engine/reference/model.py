@@ -1,4 +1,4 @@
-"""A compact Llama-family decoder (Llama, Mistral, Qwen2) that runs against a slot-based KV cache.
+"""A compact Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Mixtral) that runs against a slot-based KV cache.
 
 The module tree mirrors Hugging Face's, so parameter names match HF state_dict names exactly
 (`model.layers.0.self_attn.q_proj.weight`, ...) and trainer weights load by name. The numerics
@@ -18,94 +18,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
+from rollwise.engine.reference.model_config import ModelConfig
 
 # attend(q [T, H, D], k [T, KV, D], v [T, KV, D]) -> [T, H * D]; stores k/v in the cache first.
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The architecture facts the decoder needs, normalised from an HF config."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    tie_word_embeddings: bool
-    sliding_window: int | None  # Mistral's window; caches longer than it are refused
-    num_experts: int = 0  # Mixtral: experts per layer (0: a dense MLP)
-    top_k: int = 0  # Mixtral: experts each token is routed to
-
-    @classmethod
-    def from_hf(cls, config: Any) -> ModelConfig:
-        model_type = getattr(config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            arch = getattr(config, "architectures", None) or model_type
-            raise ValueError(
-                f"unsupported architecture {arch!r} (model_type={model_type!r}); "
-                f"the reference engine supports model types {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r} for {model_type}; only 'silu' is implemented")
-        if model_type == "qwen2":
-            layer_types = getattr(config, "layer_types", None) or []
-            if getattr(config, "use_sliding_window", False) or "sliding_attention" in layer_types:
-                raise ValueError("Qwen2 with sliding-window attention layers is not supported by the reference engine")
-        attention_bias = bool(getattr(config, "attention_bias", False))
-        num_heads = config.num_attention_heads
-        return cls(
-            model_type=model_type,
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
-            rms_norm_eps=config.rms_norm_eps,
-            rope_theta=_rope_theta(config),
-            # Qwen2 always has q/k/v biases and no o_proj bias; Llama's attention_bias covers all four.
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type != "qwen2" and attention_bias,
-            mlp_bias=model_type == "llama" and bool(getattr(config, "mlp_bias", False)),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            sliding_window=getattr(config, "sliding_window", None) if model_type in ("mistral", "mixtral") else None,
-            num_experts=getattr(config, "num_local_experts", 0) if model_type == "mixtral" else 0,
-            top_k=getattr(config, "num_experts_per_tok", 0) if model_type == "mixtral" else 0,
-        )
-
-
-def _rope_theta(config: Any) -> float:
-    """rope_theta from transformers 5 (`rope_parameters`) or older configs (`rope_theta`/`rope_scaling`)."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    scaling = dict(getattr(config, "rope_scaling", None) or {})
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise ValueError(f"unsupported RoPE type {rope_type!r}; the reference engine implements only default RoPE")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial rotary embeddings are not supported by the reference engine")
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    if theta is None:
-        raise ValueError("the model config has no rope_theta")
-    return float(theta)
 
 
 class Linear(nn.Module):
@@ -172,6 +94,10 @@ class Attention(nn.Module):
             self, ["q_proj", "k_proj", "v_proj"], self.split, cfg.hidden_size, cfg.qkv_bias, dtype
         )
         self.o_proj = _new_linear(cfg.hidden_size, q_dim, cfg.o_bias, dtype)
+        if cfg.qk_norm:  # Qwen3: each head of q and k is RMS-normalised before RoPE (HF's q_norm/k_norm)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+        self.qk_norm = cfg.qk_norm
         self.lora_fused = (["q_proj", "k_proj", "v_proj"], self.split)  # for LoRA hooks on the fused matmul
         self.lora_hook: Callable[[Tensor, Tensor], None] | None = None
 
@@ -184,6 +110,8 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         return self.o_proj(attend(q, k, v))
@@ -299,7 +227,7 @@ class KVCache:
 
 
 class LlamaFamilyModel(nn.Module):
-    """Llama/Mistral/Qwen2 decoder with prefill and batched-decode entry points over a KVCache."""
+    """Llama/Mistral/Qwen2/Qwen3/Mixtral decoder with prefill and batched-decode entry points over a KVCache."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -311,9 +239,9 @@ class LlamaFamilyModel(nn.Module):
             self.lm_head = Linear(self.model.embed_tokens.weight)
         else:
             self.lm_head = _new_linear(cfg.vocab_size, cfg.hidden_size, False, dtype)
-        # HF's default-RoPE inverse frequencies, computed by the same formula for identical cos/sin.
-        dim = cfg.head_dim
-        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        # HF's RoPE inverse frequencies for the configured type (same formula: identical cos/sin).
+        self.inv_freq = cfg.inv_freq()
+        self.rope_scale = cfg.rope_attention_scaling
         # MoE only: the experts chosen for the tokens of the latest forward, [T, num_layers, top_k].
         self.last_routing: Tensor | None = None
         self.capture_routing = self.is_moe  # the engine turns it off to measure what capture costs
@@ -372,8 +300,9 @@ class LlamaFamilyModel(nn.Module):
         x = F.embedding(token_ids, self.model.embed_tokens.weight)
         freqs = positions.float()[:, None] * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(self.dtype)[:, None, :]  # [T, 1, head_dim], broadcast over heads
-        sin = emb.sin().to(self.dtype)[:, None, :]
+        # [T, 1, head_dim], broadcast over heads; scaled in fp32 before the cast, as HF does.
+        cos = (emb.cos() * self.rope_scale).to(self.dtype)[:, None, :]
+        sin = (emb.sin() * self.rope_scale).to(self.dtype)[:, None, :]
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, functools.partial(attend, i))
         if self.capture_routing:

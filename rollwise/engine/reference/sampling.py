@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rollwise.engine.types import SamplingParams
+from rollwise.types.generation import SamplingParams
 
 
 def truncate(probs: Tensor, top_k: int, top_p: float) -> Tensor:

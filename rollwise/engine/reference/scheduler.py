@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from rollwise.engine.types import Completion, FinishReason, GenerationRequest
+from rollwise.types.generation import Completion, FinishReason, GenerationRequest
 from rollwise.types.routing import RoutedExperts
 
 

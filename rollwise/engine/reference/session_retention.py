@@ -13,7 +13,7 @@ from rollwise.engine.retention import ReleaseReason, RetentionDecision, Retentio
 from rollwise.engine.retention_policy import (
     CostMeter, EngineSnapshot, HeldSlot, PolicyName, RetentionCosts, choose, reclaim, reclaim_wastes,
 )
-from rollwise.engine.types import GenerationRequest
+from rollwise.types.generation import GenerationRequest
 
 if TYPE_CHECKING:
     from rollwise.engine.reference.scheduler import Scheduler

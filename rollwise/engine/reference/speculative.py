@@ -13,7 +13,7 @@ from torch import Tensor
 
 from rollwise.engine.reference.sampling import sample_one, scaled_logprobs, top_logprobs, verify_draft_token
 from rollwise.engine.speculation.drafter import Drafter
-from rollwise.engine.types import Completion
+from rollwise.types.generation import Completion
 
 if TYPE_CHECKING:
     from collections.abc import Callable

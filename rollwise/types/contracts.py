@@ -12,8 +12,8 @@
 
 Placement (rollwise.control.placement) returns one of each; the loop never asks which.
 
-This module sits at the bottom of the layers: it imports nothing of rollwise at runtime (the types
-in the signatures are imported for type checkers only).
+This module sits at the bottom of the layers, beside the types its signatures name (rollwise.types:
+generation, sample, ledger, task, weight_update): it imports nothing of rollwise at run time.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from rollwise.engine.contract import ModelInfo
-    from rollwise.engine.types import Completion, GenerationRequest, SamplingParams
-    from rollwise.rollout.ledger import RolloutLedger
+    from rollwise.types.weight_update import WeightUpdate
+    from rollwise.types.generation import Completion, GenerationRequest, ModelInfo, SamplingParams
+    from rollwise.types.ledger import RolloutLedger
     from rollwise.types.sample import Sample
-    from rollwise.sync.buckets import WeightUpdate
-    from rollwise.tasks.base import Problem
+    from rollwise.types.task import Problem
 
 Progress = Callable[[int], None]
 
@@ -42,7 +41,7 @@ class RolloutBackend(Protocol):
       each (request id, sample index) is delivered once;
     - abort: the aborted samples come back (finish_reason 'abort'); a sample that finished before
       the abort is already receivable from next_completion when abort returns;
-    - update_weights: the whole update is checked, then applied between two engine steps (or
+    - load_weights: the whole update is checked, then applied between two engine steps (or
       refused, nothing applied); every token sampled afterwards carries `update.version`;
     - pause/resume: in-flight samples keep their state; close: stop and release the engines.
     """
@@ -52,7 +51,7 @@ class RolloutBackend(Protocol):
     def abort(self, request_ids: list[str]) -> list[Completion]: ...
     def pause(self) -> None: ...
     def resume(self) -> None: ...
-    def update_weights(self, update: WeightUpdate) -> None: ...
+    def load_weights(self, update: WeightUpdate) -> None: ...
     def model_info(self) -> ModelInfo: ...
     def metrics(self) -> dict[str, float]:
         """Placement metrics for the step record (the Ray fleet: engine restarts); {} when none."""

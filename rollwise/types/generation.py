@@ -7,8 +7,8 @@ trainer never care which engine produced a sample.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
 
 from rollwise.types.routing import RoutedExperts
 
@@ -94,3 +94,34 @@ class Completion:
     @property
     def sample_id(self) -> str:
         return f"{self.request_id}/{self.index}"
+
+
+@dataclass
+class EngineLoad:
+    """What a router or a pool needs to place work: a snapshot, read between steps."""
+
+    running: int  # sequences holding KV cache and decoding
+    waiting: int  # samples queued, not yet admitted
+    max_num_seqs: int
+    kv_cache_usage: float  # fraction of KV capacity in use, 0..1
+    prompt_tokens: int  # totals since start: prefix hit rate = cached_prompt_tokens / prompt_tokens
+    cached_prompt_tokens: int
+    generated_tokens: int
+    paused: bool
+    sleeping: bool
+    policy_version: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ModelInfo:
+    engine: str  # "reference" | "vllm"
+    model: str
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    eos_token_ids: list[int]
+    tokenizer_fingerprint: str | None  # invariant 1: the trainer refuses an engine whose tokenizer differs
+    policy_version: int

@@ -1,6 +1,6 @@
 """Whether a LoRA adapter's manifest fits an engine's base model (rollwise.sync.adapters: adapter-only sync).
 
-Pure checks on the manifest and the engine's expected weights; WeightReceiver (rollwise.sync.receiver)
+Pure checks on the manifest and the engine's expected weights; WeightReceiver (rollwise.engine.weight_receiver)
 runs them, with the full-weight ones, before it loads an adapter.
 """
 

@@ -1,6 +1,6 @@
 """The receiving side of a weight update: stage its buckets (`StagedUpdate`), then check the whole
 manifest against the engine and apply it at once or not at all (`WeightReceiver`, the checked two-phase
-commit every transport ends in; a LoRA adapter's manifest is checked with rollwise.sync.adapter_checks
+commit every transport ends in; a LoRA adapter's manifest is checked with rollwise.engine.adapter_checks
 and loaded beside the base). rollwise.sync.buckets describes the format. The rules themselves (names,
 shapes, dtypes, finite values, versions only forward) are rollwise.types.weight_checks', shared with the
 engine server's disk route and the engines.
@@ -13,8 +13,8 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-from rollwise.sync.adapter_checks import adapter_problems, adapter_version, base_projections
-from rollwise.sync.layout import bucket_checksum, unflatten_bucket
+from rollwise.engine.adapter_checks import adapter_problems, adapter_version, base_projections
+from rollwise.types.bucket_layout import bucket_checksum, unflatten_bucket
 from rollwise.types.weight_checks import (
     WeightProblem,
     adapter_spec_problems,
@@ -23,11 +23,18 @@ from rollwise.types.weight_checks import (
     tensor_problems,
     version_problem,
 )
-from rollwise.types.weights import MAX_LORA_ALPHA, ExpectedWeights, WeightManifest, WeightUpdateError, dtype_name
+from rollwise.types.weights import (
+    MAX_LORA_ALPHA,
+    BucketSpec,
+    ExpectedWeights,
+    WeightManifest,
+    WeightUpdateError,
+    dtype_name,
+)
 
 
 class CarriedUpdate(Protocol):
-    """What `WeightReceiver.receive` reads of an update: rollwise.sync.buckets.WeightUpdate, which is built
+    """What `WeightReceiver.receive` reads of an update: rollwise.types.weight_update.WeightUpdate, which is built
     on this module, named by its shape so that the receiving side imports nothing above it."""
 
     @property
@@ -42,6 +49,12 @@ class CarriedUpdate(Protocol):
 def _shown(problems: Sequence[str], limit: int = 8) -> str:
     more = f"; ... ({len(problems)} problems in all)" if len(problems) > limit else ""
     return "; ".join(problems[:limit]) + more
+
+
+def _spoiled(spec: BucketSpec) -> str:
+    """The tensors of a bad bucket, as a refusal names them."""
+    names = [t.name for t in spec.tensors]
+    return ", ".join(names[:8]) + (f", ... ({len(names)} tensors)" if len(names) > 8 else "")
 
 
 class StagedUpdate:
@@ -92,7 +105,8 @@ class StagedUpdate:
             if checksum != spec.checksum:
                 problems.append(WeightProblem(
                     f"buckets[{index}]", f"{source}: checksum mismatch (xxh3 {checksum:016x}, manifest "
-                                         f"{spec.checksum:016x}): the bytes were damaged in transit or on disk"))
+                                         f"{spec.checksum:016x}): the bytes were damaged in transit or on disk, "
+                                         f"spoiling {_spoiled(spec)}"))
         if problems:
             self.problems += problems
         else:
@@ -121,7 +135,7 @@ def _current_version(engine: Any) -> int | None:
 class WeightReceiver:
     """The engine side shared by all transports: check a manifest, then apply a staged update whole.
 
-    `engine` is anything with update_weights(state_dict, version): a ReferenceEngine, or an
+    `engine` is anything with apply_weights(state_dict, version): a ReferenceEngine, or an
     EngineWorker (then the apply runs on its thread between two steps). `tokenizer_fingerprint` is
     the engine's own tokenizer's (rollwise.model.loading.tokenizer_fingerprint); None only for an
     engine built without one (tests, benchmarks): then the fingerprint is the one thing not checked."""
@@ -195,7 +209,7 @@ class WeightReceiver:
             if self.expected.ties.get(alias) != source and self.expected.ties.get(source) != alias:
                 state[alias] = state[source]
         try:
-            self.engine.update_weights(state, manifest.version)
+            self.engine.apply_weights(state, manifest.version)
         except ValueError as exc:  # the engine's own validation; it also leaves the weights untouched
             raise self.reject(manifest.version, [WeightProblem("weights", str(exc))], "Nothing was applied.") from exc
 
@@ -263,12 +277,3 @@ class WeightReceiver:
                 engine.load_adapter(spec, state, manifest.version)
         except ValueError as exc:  # the engine's own validation; it also leaves everything as it was
             raise self.reject(manifest.version, [WeightProblem("adapter", str(exc))], "Nothing was applied.") from exc
-
-
-def raise_if_rejected(version: int, failures: Sequence[tuple[str, str]], total: int) -> None:
-    """Trainer side: one error naming every engine that rejected `version` (the others applied it)."""
-    if failures:
-        details = " | ".join(f"{who}: {message}" for who, message in failures)
-        others = " (the others applied it)" if len(failures) < total else ""
-        raise WeightUpdateError(f"version {version} was rejected by {len(failures)} of {total} engines{others}: "
-                                f"{details}")

@@ -1,0 +1,217 @@
+"""`rollwise bench algorithms`: the default task under each RL recipe users name (issue 41's benchmark).
+
+For each recipe of rollwise.types.recipes (GRPO, Dr. GRPO, DAPO, RLOO, REINFORCE++, GSPO, CISPO, PPO+GAE: the
+overrides that make it from rollwise's advantage estimators and policy losses) and each seed, the default
+config (`rollwise train`: 15 steps, evaluations every 3) runs in a fresh process, and the bench reports:
+
+    held-out strict accuracy   before training, after 3 steps (the first mid-run evaluation) and at the end
+    seconds per step           mean `time_step_s` over the steps (rollout + train + weight push), and the
+                               train phase alone (`time_train_s`)
+    peak memory                the run's peak RSS, engine child processes included; on CUDA also the
+                               trainer's peak allocated GPU memory
+
+Goals (issue 41): every recipe learns, +40 points of held-out strict accuracy or more at the end (mean over
+seeds); none costs more than 1.2x GRPO's seconds per step, except PPO+GAE (a critic trained each step): 1.6x.
+
+--quick: a tiny random model (tiny:0) on the default task, 2 steps of 2 groups of 4, 4 held-out problems, GRPO
+and PPO+GAE, one seed, in this process: it checks that the command runs end to end (a test runs it), its
+numbers are not the goal's. The full run takes hours on a CPU: 8 recipes x 3 seeds x the default run.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from rollwise.types.recipes import BASELINE, CRITIC_RECIPES, RECIPES
+
+GOAL_GAIN = 0.40
+GOAL_STEP_RATIO = 1.2
+GOAL_STEP_RATIO_CRITIC = 1.6
+EARLY_STEP = 3
+QUICK_RECIPES = ("grpo", "ppo_gae")
+QUICK = ["model=tiny:0", "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_tokens=8",
+         "engine.kind=reference", "engine.max_num_seqs=8", "engine.max_model_len=256", "eval.size=4",
+         "train.micro_batch_size=8", "tensorboard=false", "threads=1"]
+
+
+def arm_overrides(recipe: str, seed: int, steps: int, output_dir: str, quick: bool, model: str | None,
+                  extra: list[str]) -> list[str]:
+    """The default config's overrides for one (recipe, seed) run: the recipe's, then the bench's, then --set's."""
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; choose among {', '.join(RECIPES)}")
+    early = min(EARLY_STEP, steps)
+    bench = [f"seed={seed}", f"train.steps={steps}", f"eval.every={early}", "checkpoint.every=0",
+             f"output_dir={output_dir}"]
+    return [*RECIPES[recipe], *(QUICK if quick else []), *([f"model={model}"] if model else []), *bench, *extra]
+
+
+def run_arm(overrides: list[str]) -> dict[str, Any]:
+    """One `rollwise train` run (in the calling process); its evaluations, step times and peak memory."""
+    import torch
+
+    from rollwise.config import load_config
+    from rollwise.control.train_loop import train
+
+    cfg = load_config(None, overrides)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.monotonic()
+    summary = train(cfg, Console(quiet=True))
+    wall = time.monotonic() - t0
+    run_dir = Path(summary["run_dir"])
+    evals = [json.loads(line) for line in (run_dir / "evals.jsonl").read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    before = next((e["strict_accuracy"] for e in evals if e["label"] == "before"), None)
+    early = next((e["strict_accuracy"] for e in evals if e["step"] == min(EARLY_STEP, cfg.train.steps)
+                  and e["label"] != "before"), None)
+    after = (summary.get("eval_after") or {}).get("strict_accuracy")
+    # the first step also warms caches (and compiles, on GPU): its time is kept out of the mean where there are more
+    timed = records[1:] if len(records) > 1 else records
+    last = records[-1] if records else {}
+    return {
+        "strict_before": before, "strict_early": early, "strict_after": after,
+        "gain_early": None if early is None or before is None else early - before,
+        "gain_end": None if after is None or before is None else after - before,
+        "step_s": statistics.mean(r["time_step_s"] for r in timed) if timed else None,
+        "train_s": statistics.mean(r["time_train_s"] for r in timed) if timed else None,
+        "peak_memory_gb": summary.get("peak_rss_run_gb") or summary.get("peak_rss_gb"),
+        "cuda_peak_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+        "critic_value_loss": last.get("critic/value_loss"),
+        "critic_explained_variance": last.get("critic/explained_variance"),
+        "wall_s": wall, "run_dir": str(run_dir.resolve()), "engine": summary.get("engine"),
+    }
+
+
+def _mean(values: list[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return statistics.mean(kept) if kept else None
+
+
+def summarise(arms: dict[str, list[dict[str, Any]]], quick: bool) -> dict[str, Any]:
+    """Per recipe: the means over seeds, the step-time ratio to GRPO, and the issue's goals checked."""
+    recipes: dict[str, dict[str, Any]] = {}
+    for name, runs in arms.items():
+        recipes[name] = {key: _mean([r[key] for r in runs]) for key in
+                         ("strict_before", "strict_early", "strict_after", "gain_early", "gain_end", "step_s",
+                          "train_s", "peak_memory_gb", "cuda_peak_gb")}
+        recipes[name]["seeds"] = len(runs)
+    base = recipes.get(BASELINE, {}).get("step_s")
+    goals: dict[str, bool | None] = {}
+    for name, r in recipes.items():
+        r["step_ratio_vs_grpo"] = r["step_s"] / base if base and r["step_s"] is not None else None
+        goals[f"{name}: held-out strict +40 points at the end"] = (
+            None if r["gain_end"] is None else r["gain_end"] >= GOAL_GAIN)
+        if name != BASELINE:
+            bound = GOAL_STEP_RATIO_CRITIC if name in CRITIC_RECIPES else GOAL_STEP_RATIO
+            goals[f"{name}: seconds per step <= {bound}x GRPO"] = (
+                None if r["step_ratio_vs_grpo"] is None else r["step_ratio_vs_grpo"] <= bound)
+    return {"quick": quick, "recipes": recipes, "goals": goals, "recipe_overrides": {n: RECIPES[n] for n in arms}}
+
+
+def run_algorithms_bench(quick: bool = False, steps: int | None = None, seeds: int | None = None,
+                         recipes: list[str] | None = None, model: str | None = None, extra: list[str] | None = None,
+                         output_dir: str = "runs/bench-algorithms", log: Any = print) -> dict[str, Any]:
+    """Every (recipe, seed) run, each in a fresh process (--quick: in this one), then the summary."""
+    steps = steps or (2 if quick else 15)
+    seeds = seeds or (1 if quick else 3)
+    names = list(recipes or (QUICK_RECIPES if quick else RECIPES))
+    from rollwise.config import load_config
+
+    for name in names:  # an unknown recipe or a bad override is refused before any run starts
+        load_config(None, arm_overrides(name, 0, steps, output_dir, quick, model, list(extra or [])))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    arms: dict[str, list[dict[str, Any]]] = {}
+    for name in names:
+        for seed in range(seeds):
+            overrides = arm_overrides(name, seed, steps, f"{output_dir}/{stamp}/{name}-seed{seed}", quick, model,
+                                      list(extra or []))
+            log(f"{name} seed {seed}: rollwise train {' '.join(overrides)}")
+            if quick:
+                result = run_arm(overrides)
+            else:  # a fresh process per run: its own peak memory, nothing cached from the run before
+                with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                    result = pool.submit(run_arm, overrides).result()
+            arms.setdefault(name, []).append({"seed": seed, **result})
+    out = summarise(arms, quick)
+    out.update({"steps": steps, "seeds": seeds, "early_step": min(EARLY_STEP, steps), "model": model or ("tiny:0" if quick else "the default config's"),
+                "runs": arms})
+    out["markdown"] = markdown_table(out)
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{x:.0%}"
+
+
+def _points(x: float | None) -> str:
+    return "—" if x is None else f"{x * 100:+.0f}"
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def _rows(result: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for name, r in result["recipes"].items():
+        rows.append([name, str(r["seeds"]), _pct(r["strict_before"]), _pct(r["strict_early"]), _pct(r["strict_after"]),
+                     _points(r["gain_end"]), _num(r["step_s"], ".1f"), _num(r["step_ratio_vs_grpo"], ".2f") + "x",
+                     _num(r["train_s"], ".1f"), _num(r["peak_memory_gb"], ".1f")])
+    return rows
+
+
+def _header(result: dict[str, Any]) -> list[str]:
+    return ["recipe", "seeds", "strict before", f"after {result['early_step']}", "end", "gain (points)", "s/step",
+            "vs GRPO", "train s/step", "peak GB"]
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    header = _header(result)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in _rows(result)]
+    return "\n".join(lines)
+
+
+def format_algorithms_bench(result: dict[str, Any]) -> Table:
+    table = Table(title=f"rollwise bench algorithms — {result['model']}, {result['steps']} steps x {result['seeds']} "
+                        f"seed(s)" + (" (--quick)" if result["quick"] else ""))
+    header = _header(result)
+    for i, column in enumerate(header):
+        table.add_column(column, justify="left" if i == 0 else "right")
+    for row in _rows(result):
+        table.add_row(*row)
+    for goal, met in result["goals"].items():
+        table.add_row(f"goal: {goal}", {True: "met", False: "NOT met", None: "—"}[met], *[""] * (len(header) - 2))
+    return table
+
+
+def cli_bench_algorithms(args: Any, console: Console) -> int:
+    from rollwise.sim.commands import write_json
+
+    explicit_model = args.model if any(a == "--model" or a.startswith("--model=") for a in _argv()) else None
+    recipes = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
+    try:
+        result = run_algorithms_bench(quick=args.quick, steps=args.steps, seeds=args.seeds, recipes=recipes,
+                                      model=explicit_model, extra=args.set, log=console.log)
+    except ValueError as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        return 2
+    result["command"] = " ".join(["rollwise", *_argv()[1:]])
+    console.print(format_algorithms_bench(result))
+    write_json(args.json, result, console)
+    return 0
+
+
+def _argv() -> list[str]:
+    import sys
+
+    return sys.argv

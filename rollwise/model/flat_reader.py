@@ -1,0 +1,146 @@
+"""Read a flat checkpoint (rollwise.model.flat_format) into one pre-allocated buffer, in parallel, and hand out
+tensors that are views into it: no deserialisation, no per-tensor allocation, no copy.
+
+A thread pool reads the file's chunks (4 MiB by default) with os.preadv straight into their slices of the
+buffer, and each thread hashes its chunk right after reading it, while the bytes are still in its core's cache
+(both the read and xxh3 release the GIL, so the threads overlap). Only when every chunk has been read whole and
+matched its checksum are tensors made; a truncated or damaged chunk raises `FlatCheckpointError` naming the
+tensors with bytes in it, and nothing is handed out.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+from pydantic import ValidationError
+from torch import Tensor
+
+from rollwise.model.flat_format import INDEX_FILE, FlatIndex
+from rollwise.types.bucket_layout import unflatten_bucket
+
+SHOWN_NAMES = 8
+
+
+class FlatCheckpointError(ValueError):
+    """A flat checkpoint that cannot be used as it is (index unreadable, file truncated, a chunk damaged).
+    `tensors`: the tensors it spoils, `chunks`: the chunks (empty when the index itself is bad); nothing was
+    handed out."""
+
+    def __init__(self, message: str, tensors: list[str] | None = None, chunks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.tensors = tensors or []
+        self.chunks = chunks or []
+
+
+def _named(names: list[str]) -> str:
+    more = f", ... ({len(names)} in all)" if len(names) > SHOWN_NAMES else ""
+    return ", ".join(names[:SHOWN_NAMES]) + more
+
+
+def read_index(directory: str | Path) -> FlatIndex:
+    path = Path(directory) / INDEX_FILE
+    try:
+        return FlatIndex.model_validate_json(path.read_bytes())
+    except OSError as exc:
+        raise FlatCheckpointError(f"{path}: cannot read the flat checkpoint's index ({exc})") from exc
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "index"
+        raise FlatCheckpointError(f"{path}: not a valid flat checkpoint index ({where}: {first['msg']}); "
+                                  "write it again with `rollwise model flatten`") from None
+
+
+@dataclass
+class FlatWeights:
+    """Every tensor of a flat checkpoint (aliases included, as the same tensor), all views into `buffer`."""
+
+    state: dict[str, Tensor]
+    buffer: Tensor
+    index: FlatIndex
+    seconds: float  # wall time of the read (and verification)
+
+    @property
+    def nbytes(self) -> int:
+        return self.index.layout.total_bytes
+
+
+def default_threads() -> int:
+    return max(1, min(16, os.cpu_count() or 1))
+
+
+def allocate(nbytes: int, pin: bool) -> Tensor:
+    """The destination buffer; pinned (page-locked, for fast copies to a GPU) only when asked and CUDA exists."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
+
+
+def read_flat(directory: str | Path, *, threads: int | None = None, verify: bool = True, pin: bool = False,
+              buffer: Tensor | None = None) -> FlatWeights:
+    """Read directory's flat checkpoint. `buffer`: a uint8 CPU tensor of at least index.data_bytes to read into
+    (a caller's reused pool); else one is allocated. verify=False skips the checksums (a caller that checks
+    them itself, or a benchmark's arm)."""
+    start = time.perf_counter()
+    index = read_index(directory)
+    path = Path(directory) / index.data_file
+    if buffer is not None and (buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < index.data_bytes):
+        raise ValueError(f"buffer must be a flat uint8 tensor of at least {index.data_bytes} bytes")
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise FlatCheckpointError(f"{path}: cannot open the flat checkpoint's data ({exc})",
+                                  index.names_in(list(range(len(index.checksums)))),
+                                  list(range(len(index.checksums)))) from exc
+    try:
+        _check_length(index, path, os.fstat(fd).st_size)  # before allocating what the index claims
+        if buffer is None:
+            buffer = allocate(index.data_bytes, pin)
+        bad = _read_chunks(index, fd, path, buffer, threads or default_threads(), verify)
+    finally:
+        os.close(fd)
+    if bad:
+        names = index.names_in(bad)
+        raise FlatCheckpointError(f"{path}: chunk(s) {bad[:SHOWN_NAMES]} do not match their checksums (damaged on "
+                                  f"disk or in a copy), spoiling {_named(names)}; nothing was loaded: write the "
+                                  "checkpoint again (`rollwise model flatten`)", names, bad)
+    state: dict[str, Tensor] = {}
+    for bucket, offset in zip(index.layout.buckets, index.bucket_offsets, strict=True):
+        state.update(unflatten_bucket(bucket, buffer[offset: offset + bucket.nbytes]))
+    for alias, source in index.layout.aliases.items():
+        state[alias] = state[source]
+    return FlatWeights(state, buffer, index, time.perf_counter() - start)
+
+
+def _check_length(index: FlatIndex, path: Path, size: int) -> None:
+    short = [c for c in range(len(index.checksums)) if index.chunk_range(c)[1] > size]
+    if short:
+        names = index.names_in(short)
+        raise FlatCheckpointError(f"{path}: truncated ({size} of {index.data_bytes} bytes): chunk(s) "
+                                  f"{short[:SHOWN_NAMES]} are cut off, spoiling {_named(names)}; nothing was loaded: "
+                                  "copy or write the checkpoint again", names, short)
+
+
+def _read_chunks(index: FlatIndex, fd: int, path: Path, buffer: Tensor, threads: int, verify: bool) -> list[int]:
+    """Read every chunk into its place in buffer; the chunks whose checksum does not match."""
+    view = memoryview(buffer.numpy())
+
+    def read(chunk: int) -> bool:
+        """Read one chunk and hash it while it is in cache; False if its checksum does not match."""
+        a, b = index.chunk_range(chunk)
+        at = a
+        while at < b:
+            n = os.preadv(fd, [view[at:b]], at)
+            if n == 0:  # the file shrank after its length was checked
+                names = index.names_in([chunk])
+                raise FlatCheckpointError(f"{path}: truncated while reading chunk {chunk}, spoiling {_named(names)}; "
+                                          "nothing was loaded", names, [chunk])
+            at += n
+        return not verify or xxhash.xxh3_64_intdigest(view[a:b]) == index.checksums[chunk]
+
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="flat-read") as pool:
+        ok = list(pool.map(read, range(len(index.checksums))))
+    return [chunk for chunk, good in enumerate(ok) if not good]

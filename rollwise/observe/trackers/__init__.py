@@ -1,0 +1,1 @@
+"""Experiment trackers (TensorBoard, Weights & Biases, MLflow) behind one interface (base.Tracker)."""

@@ -1,0 +1,68 @@
+"""The `train.gae:` section (PPO with a learned critic, train.advantage=gae) and the checks of the settings whose
+advantages the trainer computes per token (gae, and the KL folded into the reward: train.kl_penalty=reward).
+
+Here, beside the other sections that live outside rollwise.config, so config.py stays one page of sections and
+the trainer's code reads its settings without importing config.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from rollwise.types.algorithms import TOKEN_REWARD_ESTIMATORS
+from rollwise.types.config_section import ConfigSection
+
+
+class GaeConfig(ConfigSection):
+    """GAE(gamma, lambda) over the response tokens, the reward on the last one, with values from a critic: a
+    copy of the policy's decoder with a scalar value head, trained in the same step by its own optimizer
+    (rollwise.train.critic), saved and resumed with the policy's checkpoint."""
+
+    gamma: float = Field(1.0, ge=0, le=1, description="discount per token (1: the reward counts fully at every token)")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE's lambda: 0 one-step TD (leans on the critic), 1 Monte "
+                       "Carlo returns minus the value (unbiased, noisier)")
+    critic_lr: float = Field(1e-5, gt=0, description="the critic's AdamW learning rate, constant (betas, "
+                             "weight decay and grad clip are train:'s)")
+    value_clip: float | None = Field(0.2, gt=0, description="PPO value clipping: a new value moves at most this far "
+                                     "from the one the advantages were computed with (max of the clipped and "
+                                     "unclipped squared errors); null: no clipping")
+    whiten: bool = Field(True, description="normalise the advantages over the batch's trained tokens (mean 0, "
+                         "variance 1), as PPO implementations do")
+
+
+def token_advantage_reason(advantage: str, kl_penalty: str, kl_coef: float) -> str | None:
+    """Why the trainer computes this run's advantages per token (None: it does not): GAE needs the critic's
+    values, a KL in the reward needs the reference's log-probs, both only the trainer has."""
+    if advantage == "gae":
+        return "train.advantage=gae"
+    if kl_penalty == "reward" and kl_coef > 0:
+        return "train.kl_penalty=reward"
+    return None
+
+
+def check_kl_penalty(advantage: str, kl_penalty: str) -> str:
+    """train.kl_penalty resolved (auto: reward for reinforce_pp, loss otherwise); a ValueError naming the field
+    when the KL cannot go into this estimator's reward."""
+    if kl_penalty == "auto":
+        return "reward" if advantage == "reinforce_pp" else "loss"
+    if kl_penalty == "reward" and advantage not in TOKEN_REWARD_ESTIMATORS:
+        raise ValueError(f"train.kl_penalty=reward folds a per-token KL into the reward, which "
+                         f"train.advantage={advantage!r} (one reward per sample, group-relative) cannot take: use "
+                         f"train.kl_penalty=loss, or train.advantage one of {', '.join(TOKEN_REWARD_ESTIMATORS)}")
+    return kl_penalty
+
+
+def check_token_advantage_placement(reason: str | None, world_size: int, ray_ranks: int, agent: bool) -> None:
+    """The settings whose advantages the trainer computes per token run on the one-process trainer, single-turn,
+    for now: a ValueError naming the fields otherwise."""
+    if reason is None:
+        return
+    if world_size > 1 or ray_ranks > 1:
+        field = f"trainer.world_size={world_size}" if world_size > 1 else f"ray.trainer_ranks={ray_ranks}"
+        raise ValueError(f"{reason} runs on the one-process trainer for now (the critic and the per-token rewards "
+                         f"are not sharded): set {field.split('=')[0]}=1, or choose another train.advantage "
+                         "(train.kl_penalty=loss keeps the KL as a loss term)")
+    if agent:
+        raise ValueError(f"{reason} is single-turn for now (an agent episode split into segments would get its "
+                         "reward at each segment's end): unset agent:, or choose another train.advantage "
+                         "(train.kl_penalty=loss keeps the KL as a loss term)")

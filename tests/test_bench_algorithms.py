@@ -1,0 +1,54 @@
+"""`rollwise bench algorithms` (issue 41's benchmark): --quick runs end to end through the CLI (two recipes on a
+tiny model, in one process) and writes the JSON the lead's full run writes; a bad recipe is refused before any
+run, naming it. The recipe table is the config's: every recipe's overrides load."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollwise.config import load_config
+from rollwise.types.recipes import RECIPES
+
+
+def _rollwise(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    script = Path(sys.executable).parent / "rollwise"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "rollwise.cli"]
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "ROLLWISE_CACHE": str(cwd / "rollwise-cache")}
+    return subprocess.run(cmd + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_every_recipe_is_a_valid_config(recipe):
+    cfg = load_config(None, RECIPES[recipe])
+    assert cfg.train.policy_loss in ("ppo_clip", "gspo", "cispo")
+
+
+def test_quick_runs_end_to_end(tmp_path):
+    proc = _rollwise(["bench", "algorithms", "--quick", "--json", str(tmp_path / "out.json")], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert list(result["recipes"]) == ["grpo", "ppo_gae"] and result["quick"] and result["steps"] == 2
+    for name, r in result["recipes"].items():
+        assert r["seeds"] == 1 and r["step_s"] > 0 and r["peak_memory_gb"] > 0
+        assert r["strict_before"] is not None and r["strict_after"] is not None and r["strict_early"] is not None
+    assert result["recipes"]["grpo"]["step_ratio_vs_grpo"] == 1.0
+    run = result["runs"]["ppo_gae"][0]
+    assert run["critic_value_loss"] is not None  # the critic trained in the run
+    assert "ppo_gae: seconds per step <= 1.6x GRPO" in result["goals"]
+    assert result["markdown"].startswith("| recipe |") and "| ppo_gae |" in result["markdown"]
+    assert (Path(run["run_dir"]) / "checkpoints").is_dir()
+
+
+def test_unknown_recipe_refused_before_any_run(tmp_path):
+    proc = _rollwise(["bench", "algorithms", "--quick", "--arms", "grpo,ppo", "--json", str(tmp_path / "out.json")],
+                     tmp_path)
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 2 and "unknown recipe 'ppo'" in out and "Traceback" not in out
+    assert not (tmp_path / "out.json").exists() and not (tmp_path / "runs").exists()
