@@ -504,8 +504,10 @@ def _train(cfg: RunConfig, console: Console, t0: float, run_dir: Path, resume_di
             controller.close("the run ended")  # samples still in flight are recorded as dropped
             final_eval = record_eval(cfg.train.steps, "after")
     finally:
-        placement.close()  # also on errors: a live engine thread at exit aborts the interpreter
-    logger.close()
+        try:
+            placement.close()  # also on errors: a live engine thread at exit aborts the interpreter
+        finally:
+            logger.close()  # also on errors: trackers end their runs (MLflow's would stay RUNNING)
 
     records = read_metrics(run_dir / METRICS_LOG)
     evals = [json.loads(line) for line in evals_path.read_text().splitlines()] if evals_path.exists() else []

@@ -192,7 +192,7 @@ def run_sft(cfg: RunConfig, log: Callable[[str], None] = print) -> dict[str, Any
     log(f"rollwise sft  model={cfg.model}  data={cfg.sft.data}: {len(train_chats)} conversations in {len(rows)} rows "
         f"of {cfg.sft.pack_tokens} tokens ({n_cut} cut to fit), {len(held_chats)} held out  steps={steps}  "
         f"lr={cfg.sft.lr}\n  run dir: {run_dir}")
-    logger = MetricsLogger(run_dir, tensorboard=cfg.tensorboard)
+    logger = MetricsLogger(run_dir, tensorboard=cfg.tensorboard, tracking=cfg.logging, config=dump_config(cfg))
     evals: list[dict[str, Any]] = []
 
     def evaluate(step: int, label: str) -> None:
@@ -203,6 +203,7 @@ def run_sft(cfg: RunConfig, log: Callable[[str], None] = print) -> dict[str, Any
         evals.append(record)
         with (run_dir / EVALS_LOG).open("a") as f:
             f.write(json.dumps(record) + "\n")
+        logger.log_eval(record)
         log(f"held-out loss ({label}, step {step}): {record['held_out_loss']:.4f}")
 
     stream = _row_stream(rows, cfg.seed)
