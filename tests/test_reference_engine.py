@@ -8,7 +8,8 @@ import torch
 from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen2ForCausalLM
 
 from rollwise.engine.reference.engine import ReferenceEngine
-from rollwise.engine.reference.model import LlamaFamilyModel, ModelConfig
+from rollwise.engine.reference.model import LlamaFamilyModel
+from rollwise.engine.reference.model_config import ModelConfig
 from rollwise.engine.reference.sampling import sample
 from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.model.tiny import tiny_llama
