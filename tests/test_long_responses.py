@@ -1,0 +1,173 @@
+"""Long responses without running out of memory (issue 41 item 7): log-probs and entropy in chunks of
+tokens (values and gradients against a plain full-vocabulary log_softmax), their memory bounded by a
+chunk, activation checkpointing over the shared-prompt KV cache (train.gradient_checkpointing), micro-
+batches cut to train.micro_batch_tokens, and the vLLM KV cache sized to the run."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rollwise.config import TrainConfig
+from rollwise.engine.vllm_startup import kv_cache_blocks_for_run
+from rollwise.model.tiny import tiny_llama
+from rollwise.train.logprobs import lm_head_logprobs, sequence_logprobs
+from rollwise.train.trainer import GRPOTrainer
+from rollwise.types.microbatch import chunk_samples, computed_tokens
+from rollwise.types.sample import Sample
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def _plain(model, input_ids, target_mask, temperature):
+    """Independent: the whole [rows, T, vocab] logits, log_softmax, gather, entropy."""
+    logits = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits.float() / temperature
+    logp_all = torch.log_softmax(logits[:, :-1], dim=-1)
+    logp = logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    mask = target_mask[:, 1:]
+    return logp[mask], entropy[mask]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 1000])  # one row at a time; boundaries inside sequences; one chunk
+def test_chunked_logprobs_and_gradients_equal_the_full_log_softmax(fused, chunk_tokens):
+    model = tiny_llama(seed=5)
+    input_ids = torch.randint(3, 90, (3, 13), generator=torch.Generator().manual_seed(1))
+    target_mask = torch.zeros(3, 13, dtype=torch.bool)
+    target_mask[0, 4:] = True
+    target_mask[1, 2:9] = True  # masked tokens at the end of a row
+    target_mask[2, [3, 5, 6, 11]] = True  # holes (tool tokens of a multi-turn sample)
+    n = int(target_mask[:, 1:].sum())
+    assert n % 7 != 0  # the last chunk is a partial one
+    upstream = torch.randn(n, generator=torch.Generator().manual_seed(2))
+
+    def grads(logp):
+        model.zero_grad()
+        (logp * upstream).sum().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    want_logp, want_entropy = _plain(model, input_ids, target_mask, 0.8)
+    want = grads(want_logp)
+    got_logp, got_entropy = sequence_logprobs(model, input_ids, torch.ones_like(input_ids), target_mask,
+                                              temperature=0.8, chunk_tokens=chunk_tokens, fused=fused)
+    got = grads(got_logp)
+    assert _rel(got_logp, want_logp) < 1e-5 and _rel(got_entropy, want_entropy.detach()) < 1e-5
+    for name in want:
+        assert _rel(got[name], want[name]) < 1e-5, name
+
+
+def _peak_reset() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _kib(field: str) -> int:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resident high-water mark")
+@pytest.mark.parametrize("fused", [False, True])
+def test_chunked_logprobs_never_hold_the_whole_logits(fused):
+    """1024 tokens x a 150,000-word vocabulary: the logits alone are 586 MiB in fp32 (the plain path holds
+    several such tensors; the fused path keeps the softmax for its backward only up to KEEP_PROBS_MIB, 512):
+    the chunked forward + backward stays below half of them. Measured as this process's resident
+    high-water mark, so other work on the machine does not move it."""
+    tokens, vocab, chunk = 1024, 150_000, 64
+    lm_head = torch.nn.Linear(8, vocab, bias=False)
+    hidden = torch.randn(tokens, 8, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,))
+    full_logits = tokens * vocab * 4
+    if not _peak_reset():
+        pytest.skip("the kernel refuses to reset the high-water mark")
+    base = _kib("VmRSS") * 1024
+    logp, entropy = lm_head_logprobs(hidden, lm_head, targets, chunk_tokens=chunk, fused=fused)
+    logp.sum().backward()
+    grown = _kib("VmHWM") * 1024 - base
+    assert torch.isfinite(hidden.grad).all() and entropy.shape == (tokens,)
+    # a few chunks' [64, vocab] temporaries (~4 x 37 MiB), not one full-size tensor (plain: 3 or more of them)
+    assert grown < full_logits / 2, f"peak grew {grown / 2**20:.0f} MiB for {full_logits / 2**20:.0f} MiB of logits"
+
+
+def _groups(seed: int, groups: int, size: int, lengths: tuple[int, int]) -> list[Sample]:
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        prompt = [rng.randrange(3, 90) for _ in range(rng.randint(3, 8))]
+        for i in range(size):
+            response = [rng.randrange(3, 90) for _ in range(rng.randint(*lengths))]
+            out.append(Sample(f"{g}/{i}", str(g), str(g), prompt, response, [rng.uniform(-5, -1) for _ in response],
+                              [0] * len(response), "stop", advantage=rng.uniform(-1, 1)))
+    return out
+
+
+def _step_grads(cfg: TrainConfig, samples: list[Sample], calls: list[int] | None = None):
+    trainer = GRPOTrainer(tiny_llama(seed=3), cfg, pad_token_id=0)
+    if calls is not None:  # how often a layer's MLP starts: twice per forward when it is recomputed (a pre-hook:
+        # the recompute stops once the last saved tensor is back, before the MLP's forward hooks would run)
+        trainer.model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    got: dict[str, torch.Tensor] = {}
+    trainer.before_step = lambda m: got.update({n: p.grad.clone() for n, p in m.named_parameters()})
+    metrics = trainer.train_step(samples)
+    return got, metrics, len(chunk_samples(samples, cfg)[1])
+
+
+@pytest.mark.parametrize("layout", [dict(share_prompt_prefix=True, pack_responses=True, pack_groups=True),
+                                    dict(share_prompt_prefix=True, pack_responses=False),
+                                    dict(share_prompt_prefix=False)])
+def test_activation_checkpointing_recomputes_layers_and_gives_the_same_step(layout):
+    """Shared-prompt forwards keep the prompt's KV cache under checkpointing (Hugging Face's switch drops it;
+    the config used to refuse the combination): same gradients, loss and entropy, layers run twice."""
+    samples = _groups(seed=1, groups=3, size=3, lengths=(2, 11))
+    base = dict(lr=1e-3, micro_batch_size=3, off_policy_correction="none", kl_coef=0.05, **layout)
+    plain_calls: list[int] = []
+    want, want_metrics, micro_batches = _step_grads(TrainConfig(**base), samples, plain_calls)
+    calls: list[int] = []
+    got, got_metrics, _ = _step_grads(TrainConfig(**base, gradient_checkpointing=True), samples, calls)
+    assert len(plain_calls) == micro_batches * (2 if layout["share_prompt_prefix"] else 1)  # prompt + responses
+    assert len(calls) == 2 * len(plain_calls)  # every layer forward recomputed once in the backward
+    for name in want:
+        assert _rel(got[name], want[name]) < 1e-5, name
+    for key in ("loss", "entropy", "kl", "grad_norm"):
+        assert got_metrics[key] == pytest.approx(want_metrics[key], rel=1e-5, abs=1e-9), key
+
+
+@pytest.mark.parametrize("layout", [dict(share_prompt_prefix=True), dict(share_prompt_prefix=False)])
+def test_micro_batches_stay_within_the_token_budget_and_train_the_same(layout):
+    """A group whose responses would exceed train.micro_batch_tokens is cut into several micro-batches (one
+    sample longer than the budget alone); the step is the same as with one micro-batch per group."""
+    samples = _groups(seed=2, groups=2, size=4, lengths=(20, 40))
+    samples[0] = Sample("long", "0", "0", samples[0].prompt_ids, [7] * 90, [-3.0] * 90, [0] * 90, "stop",
+                        advantage=0.5)
+    base = dict(lr=1e-3, micro_batch_size=4, off_policy_correction="none", **layout)
+    budget = TrainConfig(**base, micro_batch_tokens=64)
+    share, chunks = chunk_samples(samples, budget)
+    assert len(chunks) > 2 and sorted(id(s) for c in chunks for s in c) == sorted(id(s) for s in samples)
+    for chunk in chunks:
+        assert computed_tokens(chunk, budget) <= 64 or len(chunk) == 1
+    assert any(len(c) == 1 and c[0].sample_id == "long" for c in chunks)
+    want, want_metrics, _ = _step_grads(TrainConfig(**base, micro_batch_tokens=10_000), samples)
+    got, got_metrics, _ = _step_grads(budget, samples)
+    for name in want:
+        assert _rel(got[name], want[name]) < 1e-5, name
+    assert got_metrics["loss"] == pytest.approx(want_metrics["loss"], rel=1e-5, abs=1e-9)
+
+
+def test_vllm_kv_cache_is_sized_to_the_run_within_its_cap():
+    smollm2 = SimpleNamespace(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30)
+    # 64 sequences x 512 tokens in 32-token blocks, + vLLM's null block: 1.41 GiB in fp32, under the 2 GiB cap
+    assert kv_cache_blocks_for_run(smollm2, 4, 64, 512, 32, 2.0) == 64 * 16 + 1
+    assert kv_cache_blocks_for_run(smollm2, 4, 64, 1024, 32, 2.0) is None  # 2.8 GiB: the cap sizes it
+    assert kv_cache_blocks_for_run(smollm2, 2, 64, 1024, 32, 2.0) == 64 * 32 + 1  # bfloat16: half the bytes
