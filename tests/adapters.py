@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rollwise.config import LoraConfig
+from rollwise.types.train_config import LoraConfig
 from rollwise.train.lora import adapter_state, wrap_lora
 
 

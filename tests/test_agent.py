@@ -189,7 +189,8 @@ def test_agent_inserted_turns(toy):
 
 
 def test_python_and_bash_tools_share_the_rollout_sandbox():
-    from rollwise.sandbox import LocalSandbox, SandboxLimits
+    from rollwise.sandbox.local import LocalSandbox
+    from rollwise.sandbox.types import SandboxLimits
 
     with LocalSandbox(SandboxLimits(timeout_s=10)) as sb:
         if not sb.run("command -v python3").ok:
@@ -380,9 +381,10 @@ def test_proxy_refuses_an_engine_with_another_tokenizer(toy):
 
 
 def test_grpo_trains_on_sampled_tokens_only(toy):
-    from rollwise.agent.rollout import AgentConfig, run_agent_groups, score_episodes
+    from rollwise.config import AgentConfig
+    from rollwise.agent.rollout import run_agent_groups, score_episodes
     from rollwise.agent.samples import assign_episode_advantages
-    from rollwise.config import TrainConfig
+    from rollwise.types.train_config import TrainConfig
     from rollwise.types.task import Problem
     from rollwise.train.trainer import GRPOTrainer
 
@@ -502,7 +504,7 @@ def test_proxy_serves_concurrent_sessions(proxy):
 
 def test_proxy_through_the_router_keeps_sessions_on_one_replica():
     """proxy -> router (X-Session-Id) -> two engine replicas: each session's turns stay on one replica."""
-    from rollwise.router.app import RouterConfig
+    from rollwise.router.config import RouterConfig
     from rollwise.router.app import create_app as create_router_app
 
     model, tokenizer = toy_tool_model(seed=0)

@@ -21,7 +21,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from rollwise.config import ConfigError, TrainConfig
+from rollwise.config import ConfigError
+from rollwise.types.train_config import TrainConfig
 from rollwise.model.tiny import tiny_llama
 from rollwise.train import advantages as adv_mod
 from rollwise.train.advantages import RewardGroups, assign_advantages, estimate

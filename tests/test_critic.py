@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from rollwise.config import ConfigError, RunError, TrainConfig, load_config
+from rollwise.config import ConfigError, RunError, load_config
+from rollwise.types.train_config import TrainConfig
 from rollwise.model.tiny import tiny_llama
 from rollwise.train.advantages import assign_advantages
 from rollwise.train.critic import EXPLAINED_VARIANCE, VALUE_LOSS

@@ -10,7 +10,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from rollwise.config import ConfigError, TrainConfig, load_config
+from rollwise.config import ConfigError, load_config
+from rollwise.types.train_config import TrainConfig
 from rollwise.control.train_loop import train
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer
 from rollwise.train.advantages import assign_advantages

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rollwise.config import TrainConfig
+from rollwise.types.train_config import TrainConfig
 from rollwise.model.tiny import tiny_llama
 from rollwise.types.sample import Sample
 from rollwise.train.grpo import clipped_surrogate_loss, group_advantages, token_weights
@@ -147,7 +147,7 @@ def test_gradient_accumulation_equals_one_big_batch(share_prompt_prefix):
 
 def test_shared_prompt_logprobs_equal_full_forward():
     from rollwise.train.logprobs import shared_prompt_logprobs
-    from rollwise.train.trainer import collate_group
+    from rollwise.train.packing import collate_group
 
     model = tiny_llama(seed=5)
     samples = [_sample([5, 6, 7, 9], [8, 9, 3], 1.0), _sample([5, 6, 7, 9], [10], 1.0), _sample([5, 6, 7, 9], [4, 4], 1.0)]

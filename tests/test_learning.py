@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from rollwise.config import TrainConfig
+from rollwise.types.train_config import TrainConfig
 from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rollwise.config import TrainConfig
+from rollwise.types.train_config import TrainConfig
 from rollwise.engine.vllm_startup import kv_cache_blocks_for_run
 from rollwise.model.tiny import tiny_llama
 from rollwise.train.logprobs import lm_head_logprobs, sequence_logprobs

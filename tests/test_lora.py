@@ -12,12 +12,12 @@ import random
 import pytest
 import torch
 
-from rollwise.config import LoraConfig, TrainConfig
+from rollwise.types.train_config import LoraConfig, TrainConfig
 from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.model.tiny import tiny_llama
 from rollwise.sync.adapters import AdapterSender, adapter_update
-from rollwise.sync.layout import flatten_bucket
+from rollwise.types.bucket_layout import flatten_bucket
 from rollwise.engine.weight_receiver import StagedUpdate, WeightReceiver
 from rollwise.types.weights import WeightUpdateError
 from rollwise.train.trainer import GRPOTrainer
@@ -47,7 +47,7 @@ def _samples(engine: ReferenceEngine, seed: int, n: int = 4) -> list[Sample]:
 
 
 def _push(trainer: GRPOTrainer, engine: ReferenceEngine) -> None:
-    WeightReceiver(engine, FP).receive(AdapterSender(FP).update(trainer))
+    WeightReceiver(engine, FP, adapters=engine).receive(AdapterSender(FP, trainer.lora).update(trainer))
 
 
 def test_only_adapter_parameters_train_and_the_base_is_untouched():
@@ -108,8 +108,8 @@ def test_corrupt_or_misshaped_adapter_is_refused_and_the_engine_keeps_serving():
     req = GenerationRequest("q", [5, 6, 7], SamplingParams(max_tokens=5, temperature=0.0))
     served = engine.generate([req])[0]
     state = trainer.weights()
-    spec = AdapterSender(FP).spec(trainer)
-    receiver = WeightReceiver(engine, FP)
+    spec = AdapterSender(FP, trainer.lora).spec()
+    receiver = WeightReceiver(engine, FP, adapters=engine)
 
     # a flipped byte: the checksum catches it
     update = adapter_update(state, spec, 2, FP, checksum=True)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from adapters import random_adapter
 
-from rollwise.config import LoraConfig
+from rollwise.types.train_config import LoraConfig
 from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.engine.weight_receiver import WeightReceiver
 from rollwise.engine.server import create_app
@@ -33,7 +33,7 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 
 def _push(engine, base, name: str, cfg: LoraConfig, seed: int, version: int, fp: str | None = None) -> None:
     spec = adapter_spec(cfg, name, default=False)
-    WeightReceiver(engine, fp).receive(adapter_update(random_adapter(base, cfg, seed), spec, version, fp or ""))
+    WeightReceiver(engine, fp, adapters=engine).receive(adapter_update(random_adapter(base, cfg, seed), spec, version, fp or ""))
 
 
 JOB_A = LoraConfig(rank=4, alpha=8.0)

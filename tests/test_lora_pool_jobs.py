@@ -26,7 +26,7 @@ import yaml
 from adapters import random_adapter
 from completions import collect
 
-from rollwise.config import LoraConfig
+from rollwise.types.train_config import LoraConfig
 from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.engine.weight_receiver import WeightReceiver
 from rollwise.types.generation import GenerationRequest, SamplingParams
@@ -34,7 +34,8 @@ from rollwise.local_server import serve_in_thread
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.control.pool_backend import PoolClient, PoolServerError, PoolWorker
 from rollwise.pool.scheduler import JobView, Policy, SlotView, plan
-from rollwise.pool.server import EnginePool, create_app
+from rollwise.pool.engine_pool import EnginePool
+from rollwise.pool.app import create_app
 from rollwise.pool.states import check_log
 from rollwise.sync.adapters import adapter_update
 from rollwise.train.lora import adapter_spec
@@ -70,7 +71,7 @@ def _alone(cfg: LoraConfig, seed: int, version: int, tag: str) -> tuple[dict, in
     base, _ = load_model(BASE)
     engine = ReferenceEngine(base, max_num_seqs=8, max_model_len=MAX_LEN, seed=0)
     spec = adapter_spec(cfg, tag, default=False)
-    WeightReceiver(engine, None).receive(adapter_update(random_adapter(load_model(BASE)[0], cfg, seed), spec, version, ""))
+    WeightReceiver(engine, None, adapters=engine).receive(adapter_update(random_adapter(load_model(BASE)[0], cfg, seed), spec, version, ""))
     reqs = [GenerationRequest(rid, p, params, adapter=tag) for rid, p, params in _greedy(tag)]
     return {c.request_id: c for c in engine.generate(reqs)}, engine.stats["steps"]
 

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from rollwise.config import TrainConfig
+from rollwise.types.train_config import TrainConfig
 from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.model.tiny import tiny_mixtral
@@ -183,7 +183,7 @@ def test_routing_survives_engine_server_router_and_agent_proxy_byte_for_byte():
     from rollwise.engine.server import create_app
     from rollwise.local_server import serve_in_thread
     from rollwise.model.tiny import tiny_tokenizer
-    from rollwise.router.app import RouterConfig
+    from rollwise.router.config import RouterConfig
     from rollwise.router.app import create_app as create_router_app
 
     model = moe_model()

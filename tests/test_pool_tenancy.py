@@ -27,7 +27,8 @@ import torch
 
 from adapters import random_adapter
 
-from rollwise.config import ConfigError, LoraConfig, load_config
+from rollwise.config import ConfigError, load_config
+from rollwise.types.train_config import LoraConfig
 from rollwise.types.generation import SamplingParams
 from rollwise.local_server import serve_in_thread
 from rollwise.model.loading import load_model, tokenizer_fingerprint
@@ -35,7 +36,8 @@ from rollwise.model.tiny import tiny_llama, tiny_tokenizer
 from rollwise.pool.cli import main as pool_main
 from rollwise.control.pool_backend import PoolClient, attach_to_pool
 from rollwise.pool.scheduler import Policy
-from rollwise.pool.server import EnginePool, create_app
+from rollwise.pool.engine_pool import EnginePool
+from rollwise.pool.app import create_app
 from rollwise.pool.states import check_log
 from rollwise.pool.weights import JobAdapter
 from rollwise.serve.auth import ApiKeys

@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from rollwise.config import ConfigError, TrainConfig, load_config
+from rollwise.config import ConfigError, load_config
+from rollwise.types.train_config import TrainConfig
 from rollwise.engine.factory import EngineSettings, create_engine
 from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.model.precision import cpu_has_native_bf16, resolve_dtype
@@ -124,7 +125,7 @@ def test_mfu_is_held_to_the_fastest_dtype_the_run_computes_in():
 
 def test_two_ranks_train_in_bfloat16_like_one_process():
     """FSDP2 ranks autocast as one process does: the same batch gives nearly the same gradient norm."""
-    from rollwise.config import TrainerConfig
+    from rollwise.types.train_config import TrainerConfig
     from rollwise.train.sharded import ShardedTrainer
 
     cfg = TrainConfig(lr=1e-3, micro_batch_size=4, compute_dtype="bfloat16", off_policy_correction="none")

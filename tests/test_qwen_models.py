@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from engine_processes import wait_healthy
-from rollwise.config import LoraConfig, TrainConfig
+from rollwise.types.train_config import LoraConfig, TrainConfig
 from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.engine.reference.model import LlamaFamilyModel
 from rollwise.engine.reference.model_config import ModelConfig
@@ -188,7 +188,7 @@ def test_lora_adapter_round_trip_on_qwen3():
     engine = _engine(base)
     for step in range(2):
         trainer.train_step(_samples(engine, step))
-        WeightReceiver(engine, FP).receive(AdapterSender(FP).update(trainer))
+        WeightReceiver(engine, FP, adapters=engine).receive(AdapterSender(FP, trainer.lora).update(trainer))
     assert engine.loaded_adapters() == {"policy": 2}
     # The adapter sits before Qwen3's q_norm/k_norm in both: engine and trainer agree to fp32 round-off...
     assert _mismatch(trainer, engine) < 1e-5

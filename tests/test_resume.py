@@ -263,11 +263,11 @@ def test_resume_from_non_checkpoint_fails_clearly(setup, tmp_path, target):
 
 
 def test_fresh_run_refuses_a_directory_that_holds_a_run(tmp_path):
-    from rollwise.control.train_loop import _resolve_run_dir
+    from rollwise.control.run_dir import resolve_run_dir
 
     cfg = load_config(None, [f"output_dir={tmp_path / 'run'}"])
-    assert _resolve_run_dir(cfg) == (tmp_path / "run", None)  # empty or missing: fine
+    assert resolve_run_dir(cfg) == (tmp_path / "run", None)  # empty or missing: fine
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(ConfigError, match="checkpoint.resume=auto"):
-        _resolve_run_dir(cfg)
+        resolve_run_dir(cfg)

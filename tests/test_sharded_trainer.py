@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rollwise.config import ConfigError, TrainConfig, TrainerConfig, load_config
+from rollwise.config import ConfigError, load_config
+from rollwise.types.train_config import TrainConfig, TrainerConfig
 from rollwise.engine.weight_receiver import WeightReceiver
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer
 from rollwise.types.weight_update import WeightUpdate
@@ -111,7 +112,7 @@ def _tok_pad():
 
 def test_push_from_shards_equals_the_single_process_push(tmp_path):
     from rollwise.engine.factory import create_engine
-    from rollwise.config import EngineConfig
+    from rollwise.types.engine_config import EngineConfig
 
     cfg = _cfg()
     tok, pad = _tok_pad()

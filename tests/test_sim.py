@@ -125,6 +125,7 @@ def test_planned_multi_step_ops_equal_step_by_step():
 
 def test_sim_engine_under_the_production_engine_worker():
     """The real EngineWorker thread and RolloutController run on a SimEngine unchanged."""
+    from rollwise.reward.batch import Unscored
     from rollwise.rollout.controller import RolloutController
     from rollwise.engine.core import EngineWorker
     from rollwise.sim.run import SimEncoder, SimStream, run_config
@@ -133,7 +134,7 @@ def test_sim_engine_under_the_production_engine_worker():
     engine = SimEngine(COST.model_copy(update={"max_num_seqs": 16, "max_model_len": 512}),
                        length_sampler=lambda req, i: 3 + (req.params.seed + i) % 7)
     worker = EngineWorker(engine)
-    controller = RolloutController(run_config(s, 2), worker, SimEncoder(16, 4), SimStream(), lambda g: None)
+    controller = RolloutController(run_config(s, 2), worker, SimEncoder(16, 4), SimStream(), Unscored())
     try:
         for version in (1, 2):
             batch = controller.next_batch()
@@ -256,7 +257,7 @@ def test_calibration_table_follows_a_step_cost_that_is_not_linear_in_batch():
 
 
 def test_trainer_model_counts_the_tokens_the_trainer_computes():
-    from rollwise.config import TrainConfig
+    from rollwise.types.train_config import TrainConfig
     from rollwise.types.sample import Sample
     from rollwise.sim.cost import TrainerModel
     from rollwise.types.microbatch import computed_tokens

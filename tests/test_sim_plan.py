@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rollwise.config import RayConfig
+from rollwise.types.ray_config import RayConfig
 from rollwise.rollout.admission import AdmissionPolicy, RolloutCounts, batch_size, may_admit
 from rollwise.sim.cli import main as sim_main
 from rollwise.sim.plan import Split, candidate_splits, evaluate, plan, scenario_for

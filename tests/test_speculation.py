@@ -214,7 +214,7 @@ def test_sampling_matches_the_target_distribution_and_catches_a_lenient_rule(hf_
 
 
 def test_engine_speculation_config_builds_the_drafter(hf_model):
-    from rollwise.config import EngineConfig
+    from rollwise.types.engine_config import EngineConfig
     from rollwise.engine.factory import create_engine
     from rollwise.model.tiny import tiny_tokenizer
 
@@ -232,6 +232,7 @@ def test_the_rollout_controller_feeds_every_finished_sample(tmp_path):
 
     from rollwise.config import RunConfig
     from rollwise.model.tiny import tiny_tokenizer
+    from rollwise.reward.batch import Unscored
     from rollwise.rollout.controller import RolloutController
     from rollwise.rollout.data import ProblemStream
     from rollwise.rollout.sync_rollout import PromptEncoder
@@ -251,7 +252,7 @@ def test_the_rollout_controller_feeds_every_finished_sample(tmp_path):
     worker = EngineWorker(engine)
     controller = RolloutController(cfg, worker, PromptEncoder(tokenizer, cfg.prompt, cfg.reward),
                                    ProblemStream(make_task(cfg.task).problems("train"), cfg.seed),
-                                   lambda group: None, drafter=drafter)
+                                   Unscored(), drafter=drafter)
     try:
         samples = controller.next_batch()
     finally:
@@ -383,7 +384,7 @@ def test_vllm_drafts_from_history_and_reports_acceptance():
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    from rollwise.config import EngineConfig
+    from rollwise.types.engine_config import EngineConfig
     from rollwise.engine.factory import create_engine
     from rollwise.engine.server import create_app
     from rollwise.engine.speculation import vllm_proposer

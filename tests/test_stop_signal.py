@@ -15,7 +15,7 @@ import psutil
 
 from rollwise.config import load_config
 from rollwise.control.stop_signal import stop_on_sigterm
-from rollwise.control.train_loop import how_to_continue
+from rollwise.control.run_dir import how_to_continue
 from run_configs import tiny_run_config
 from test_cli import _rollwise_cmd
 

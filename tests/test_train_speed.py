@@ -14,14 +14,15 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rollwise.config import TrainConfig
+from rollwise.types.train_config import TrainConfig
 from rollwise.model.tiny import tiny_llama
 from rollwise.train.logprobs import FusedLogprobs, lm_head_logprobs
 from rollwise.types.microbatch import pack_responses
 from rollwise.train.distributed import RankSpec, free_port, init_rank
 from rollwise.train.rank import RankTrainer
 from rollwise.train.sharded import split_work
-from rollwise.train.trainer import GRPOTrainer, collate_group
+from rollwise.train.trainer import GRPOTrainer
+from rollwise.train.packing import collate_group
 from rollwise.types.sample import Sample
 
 MAX_REL = 1e-5

@@ -26,7 +26,7 @@ import torch
 from adapters import random_adapter
 from safetensors.torch import save_file
 
-from rollwise.config import LoraConfig
+from rollwise.types.train_config import LoraConfig
 from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.engine.server import build_engine, create_app
 from rollwise.types.generation import GenerationRequest, SamplingParams
@@ -35,14 +35,14 @@ from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.model.tiny import tiny_llama
 from rollwise.control.pool_backend import PoolClient
 from rollwise.pool.scheduler import Policy
-from rollwise.pool.server import EnginePool
-from rollwise.pool.server import create_app as create_pool_app
+from rollwise.pool.engine_pool import EnginePool
+from rollwise.pool.app import create_app as create_pool_app
 from rollwise.sync.buckets import InProcessTransport
 from rollwise.sync.files import FileReceiver, FileTransport
 from rollwise.engine.weight_receiver import WeightReceiver
 from rollwise.types.weights import WeightUpdateError
 from rollwise.sync.adapters import adapter_update
-from rollwise.sync.layout import build_manifest, flatten_bucket
+from rollwise.types.bucket_layout import build_manifest, flatten_bucket
 from rollwise.train.lora import adapter_spec
 from rollwise.types.weights import AdapterSpec
 
@@ -260,7 +260,8 @@ def local() -> SimpleNamespace:
     engine = ReferenceEngine(model, max_num_seqs=4, max_model_len=MAX_LEN, seed=0, tokenizer_fingerprint=fp)
     receiver = WeightReceiver(engine, fp)
     InProcessTransport([receiver], fp).push(_state(), VERSION)
-    WeightReceiver(engine, fp).receive(adapter_update(_adapter(), adapter_spec(LORA, "side", default=False), VERSION, fp))
+    WeightReceiver(engine, fp, adapters=engine).receive(
+        adapter_update(_adapter(), adapter_spec(LORA, "side", default=False), VERSION, fp))
     return SimpleNamespace(engine=engine, fp=fp, receiver=receiver, before=_local_greedy(engine))
 
 
@@ -294,7 +295,8 @@ def _local_case(kind: str, local: SimpleNamespace, tmp: Path) -> tuple[Callable[
         return (lambda: FileReceiver(local.receiver).load_latest(tmp), WeightUpdateError, "buckets[0].checksum",
                 "no checksum")
     spec, tensors, field, words = _bad_adapter(kind.removeprefix("adapter-"), "side")
-    return lambda: WeightReceiver(engine, fp).receive(adapter_update(tensors, spec, VERSION + 1, fp)), WeightUpdateError, field, words
+    receiver = WeightReceiver(engine, fp, adapters=engine)
+    return lambda: receiver.receive(adapter_update(tensors, spec, VERSION + 1, fp)), WeightUpdateError, field, words
 
 
 @pytest.mark.parametrize("kind", [*TENSOR_CASES, "engine-nan", "engine-int32", "older-version", "engine-older-version",

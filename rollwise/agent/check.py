@@ -99,7 +99,7 @@ class _CheckAgent(ToolAgent):
 
 
 def _load(model_spec: str, engine_kind: str, max_model_len: int, seed: int) -> tuple[Any, Any, Any]:
-    from rollwise.config import EngineConfig
+    from rollwise.types.engine_config import EngineConfig
     from rollwise.engine.factory import create_engine, resolve_engine_kind
     from rollwise.model.loading import load_model, tokenizer_fingerprint
 

@@ -122,7 +122,9 @@ def toy_grpo_demo(steps: int = 30, lr: float = 3e-4, teach_steps: int = 90, seed
     from rollwise.agent.generator import LocalGenerator
     from rollwise.agent.rollout import run_agent_groups, score_episodes
     from rollwise.agent.samples import assign_episode_advantages
-    from rollwise.config import AgentConfig, EngineConfig, TrainConfig
+    from rollwise.config import AgentConfig
+    from rollwise.types.engine_config import EngineConfig
+    from rollwise.types.train_config import TrainConfig
     from rollwise.engine.factory import create_engine
     from rollwise.types.task import Problem
     from rollwise.train.trainer import GRPOTrainer

@@ -65,7 +65,7 @@ def _engine_units(quick: bool, units: int) -> list[tuple[float, float, int]]:
 
 def _train_units(quick: bool, units: int) -> list[tuple[float, float, int]]:
     from rollwise.bench.trainer import default_like_batch
-    from rollwise.config import TrainConfig
+    from rollwise.types.train_config import TrainConfig
     from rollwise.model.loading import load_model
     from rollwise.train.trainer import GRPOTrainer
 

@@ -171,8 +171,8 @@ def _contention_window(engine: Any, trainer: Any, rng: np.random.Generator, voca
 def calibrate(model: Any, tokenizer: Any, engine_kind: str = "reference", seed: int = 0,
               progress: Any = None, with_trainer: bool = True) -> tuple[CostModel, TrainerModel, dict[str, Any]]:
     """with_trainer=False: engine only (train-step timing and contention are the slow part on a busy CPU)."""
-    from rollwise.config import TrainConfig
-    from rollwise.config import EngineConfig
+    from rollwise.types.train_config import TrainConfig
+    from rollwise.types.engine_config import EngineConfig
     from rollwise.engine.factory import create_engine
     from rollwise.sync.inprocess import push_weights
     from rollwise.train.trainer import GRPOTrainer

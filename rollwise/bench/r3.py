@@ -39,7 +39,9 @@ from torch import nn
 
 from rollwise.bench.bf16_gemms import emulated_bf16, round_weights_
 from rollwise.bench.moe_cap import moe_cap, moe_cap_efficiency
-from rollwise.config import RewardConfig, TrainConfig, load_config
+from rollwise.reward.scoring import RewardConfig
+from rollwise.config import load_config
+from rollwise.types.train_config import TrainConfig
 from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.model.precision import resolve_dtype

@@ -20,10 +20,12 @@ import numpy as np
 import torch
 from rich.table import Table
 
-from rollwise.config import EngineConfig, RunConfig
+from rollwise.config import RunConfig
+from rollwise.types.engine_config import EngineConfig
 from rollwise.engine.factory import create_engine
 from rollwise.observe.bubble import bubble_ratio
 from rollwise.observe.plots import plot_rollout_timelines
+from rollwise.reward.batch import Unscored
 from rollwise.rollout.controller import RolloutController
 from rollwise.rollout.data import ProblemStream
 from rollwise.rollout.sync_rollout import PromptEncoder
@@ -103,7 +105,7 @@ def _run_mode(mode: str, model: Any, tokenizer: Any, base_state: dict, w: Worklo
     engine = create_engine(with_kind(cfg.engine, engine_kind), model, tokenizer, seed=seed)
     worker = EngineWorker(engine)
     controller = RolloutController(cfg, worker, PromptEncoder(tokenizer, cfg.prompt, cfg.reward),
-                                   ProblemStream(task.problems("train"), seed), lambda group: None,
+                                   ProblemStream(task.problems("train"), seed), Unscored(),
                                    length_fn=forced_lengths(seed, w))
     staleness: list[int] = []
     trained_tokens = 0

@@ -27,7 +27,8 @@ import numpy as np
 from rich.table import Table
 from torch import nn
 
-from rollwise.config import EngineConfig, load_config
+from rollwise.config import load_config
+from rollwise.types.engine_config import EngineConfig
 from rollwise.engine.contract import add_all
 from rollwise.engine.factory import create_engine
 from rollwise.engine.speculation.counters import counters_of, step_metrics

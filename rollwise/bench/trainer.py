@@ -32,7 +32,8 @@ import torch
 from rich.table import Table
 from torch import nn
 
-from rollwise.config import EngineConfig, TrainConfig, TrainerConfig
+from rollwise.types.engine_config import EngineConfig
+from rollwise.types.train_config import TrainConfig, TrainerConfig
 from rollwise.engine.factory import create_engine
 from rollwise.engine.weight_receiver import WeightReceiver
 from rollwise.observe.flops import DenseModel, training_flops

@@ -61,7 +61,7 @@ def measure_step(model_spec: str, length: int, overrides: dict[str, Any], seed: 
     import torch
 
     from rollwise.bench.trainer import bench_batch
-    from rollwise.config import TrainConfig
+    from rollwise.types.train_config import TrainConfig
     from rollwise.model.loading import load_model
     from rollwise.train.trainer import GRPOTrainer
 

@@ -14,12 +14,8 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import time
-import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +52,7 @@ from rollwise.rollout.controller import RolloutController
 from rollwise.rollout.sync_rollout import PromptEncoder
 from rollwise.types.sample import Sample
 from rollwise.types.task import Problem, Task
-from rollwise.train.checkpoint import latest_checkpoint, whole_checkpoint
-from rollwise.train.checkpoint_manifest import verify_checkpoint
+from rollwise.control.run_dir import how_to_continue, resolve_run_dir
 from rollwise.train.distill import Teacher
 from rollwise.train.policy_loss import resolve_policy_loss
 
@@ -81,54 +76,6 @@ class Run:
     update_times: list[float] = field(default_factory=list)  # when each weight update landed (timeline plot)
     meter: LoopMeter | None = None  # model FLOPs, MFU and idle cores (None: an architecture it cannot count)
     teacher: Teacher | None = None  # train.teacher: on-policy distillation's scorer (rollwise.train.distill)
-
-
-def _run_dir(cfg: RunConfig) -> Path:
-    model_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", cfg.model.split("/")[-1].replace("bundled:", ""))
-    task_name = cfg.task.name or Path(cfg.task.path or "task").stem
-    return Path(
-        cfg.output_dir.format(
-            model_name=model_name, task_name=task_name, timestamp=datetime.now().strftime("%Y%m%d-%H%M%S")
-        )
-    )
-
-
-def _warn(message: str) -> None:
-    warnings.warn(message, stacklevel=3)
-
-
-def _resolve_run_dir(cfg: RunConfig, warn: Callable[[str], None] = _warn) -> tuple[Path, Path | None]:
-    """(run directory, checkpoint to resume from or None). The checkpoint is verified (its manifest's
-    checksums, its state.json): `auto` skips damaged ones (`warn`ing, naming the file); a named one that
-    is damaged is refused (rollwise.train.checkpoint_manifest.CheckpointError)."""
-    resume = cfg.checkpoint.resume
-    if not resume:
-        run_dir = _run_dir(cfg)
-        if has_logs(run_dir):
-            # Appending a fresh run to an old run's logs would mix two curves in one file.
-            raise ConfigError(
-                f"run directory {run_dir} already holds a run: pass checkpoint.resume=auto to continue it, "
-                "or choose another output_dir (the default has a {timestamp})"
-            )
-        return run_dir, None
-    if resume == "auto":
-        # output_dir may hold {timestamp}: resume the newest run directory that matches the pattern.
-        pattern = cfg.output_dir.replace("{timestamp}", "*")
-        pattern = str(_run_dir(cfg.model_copy(update={"output_dir": pattern})))
-        candidates = sorted(Path().glob(pattern) if not Path(pattern).is_absolute()
-                            else Path("/").glob(pattern.lstrip("/")))
-        for run_dir in reversed(candidates):
-            if latest_checkpoint(run_dir) is not None:
-                return run_dir, whole_checkpoint(run_dir, warn)
-        return _run_dir(cfg), None  # nothing to resume: a fresh run (one stopped before its first checkpoint: again)
-    ckpt = Path(resume)
-    if not (ckpt / "state.json").exists():
-        raise ConfigError(
-            f"checkpoint.resume={resume!r} is not a checkpoint directory (expected RUN_DIR/checkpoints/step_NNNNNN "
-            "holding state.json), or use checkpoint.resume=auto"
-        )
-    verify_checkpoint(ckpt)
-    return ckpt.parent.parent, ckpt
 
 
 def _seed_everything(seed: int) -> None:
@@ -332,7 +279,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         torch.set_num_threads(cfg.threads)
     _seed_everything(cfg.seed)
 
-    run_dir, resume_dir = _resolve_run_dir(cfg, lambda message: console.print(f"[bold red]warning:[/] {escape(message)}"))
+    run_dir, resume_dir = resolve_run_dir(cfg, lambda message: console.print(f"[bold red]warning:[/] {escape(message)}"))
     # Bad inputs are refused before anything is written (rollwise.control.preflight): the run directory is
     # created only once it is writable, the model and the task are loaded and its disk has room for them.
     check_run_dir(run_dir)
@@ -353,17 +300,6 @@ def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
         raise
     finally:
         memory.stop()
-
-
-def how_to_continue(cfg: RunConfig, run_dir: Path) -> str:
-    """What a stopped run prints last: the checkpoint `checkpoint.resume=auto` continues from, or, with none
-    written yet, the setting that writes them."""
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is None:
-        every = cfg.checkpoint.every
-        when = f"now {every}: the first after step {every}" if every else "now 0: only at the end"
-        return f"run {run_dir} stopped before its first checkpoint: checkpoint.every=N saves one every N steps ({when})"
-    return f"run {run_dir} stopped; the same command with checkpoint.resume=auto continues from {ckpt.name}"
 
 
 def _memory_hints(cfg: RunConfig) -> str:
@@ -401,7 +337,7 @@ def _train(cfg: RunConfig, console: Console, t0: float, run_dir: Path, resume_di
     # Placement says where the trainer, the engines and the reward run (this process, Ray actors, or a
     # shared pool); the engines start from the trainer's current weights (a resumed run's included).
     placement = place(PlaceRequest(cfg, model, tokenizer, fingerprint, problems, task, resume_dir, check_resume))
-    trainer, score = placement.trainer, placement.score
+    trainer, scorer = placement.trainer, placement.scorer
     start_step = 0
     start_group, pending_groups = 0, []
     logs_cut = False  # the run's logs were cut back to where this run starts (TensorBoard's too, below)
@@ -432,12 +368,12 @@ def _train(cfg: RunConfig, console: Console, t0: float, run_dir: Path, resume_di
         from rollwise.agent.controller import AgentController
 
         controller = AgentController(
-            cfg, worker, tokenizer, stream, score,
+            cfg, worker, tokenizer, stream, scorer,
             policy_version=trainer.version, start_group=start_group, pending_groups=pending_groups,
         )
     else:
         controller = RolloutController(
-            cfg, worker, encoder, stream, score, policy_version=trainer.version, updates=start_step,
+            cfg, worker, encoder, stream, scorer, policy_version=trainer.version, updates=start_step,
             start_group=start_group, pending_groups=pending_groups,
         )
 

@@ -16,7 +16,7 @@ from rollwise.model.precision import resolve_dtype
 from rollwise.types.weights import dtype_name
 
 if TYPE_CHECKING:
-    from rollwise.config import EngineConfig
+    from rollwise.types.engine_config import EngineConfig
 
 ENGINE_KINDS = ("auto", "reference", "vllm")
 
@@ -49,7 +49,7 @@ def resolve_engine_kind(kind: str, model_spec: str = "", *, lora: bool = False) 
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """The engine section's fields create_engine reads (rollwise.config.EngineConfig has them all)."""
+    """The engine section's fields create_engine reads (rollwise.types.engine_config.EngineConfig has them all)."""
 
     kind: str
     max_num_seqs: int

@@ -164,7 +164,7 @@ class LoopMeter:
 
 
 class LoopTrainSettings(MicroBatchSettings, Protocol):
-    """The fields of the train section (rollwise.config.TrainConfig) the FLOP count reads."""
+    """The fields of the train section (rollwise.types.train_config.TrainConfig) the FLOP count reads."""
 
     updates_per_step: int
     kl_coef: float

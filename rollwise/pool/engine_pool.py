@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Any
 
-from rollwise.config import EngineConfig
+from rollwise.types.engine_config import EngineConfig
 from rollwise.engine.core import EngineWorker
 from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.pool.jobs import (Job, LoraBase, PoolError, QueuedRequest, Slot, Waiter, empty_abort, fault_error,
@@ -24,7 +24,7 @@ from rollwise.pool.scheduler import Policy
 from rollwise.pool.slots import SlotLoops
 from rollwise.pool.states import ACTIVE, EVICTED, StateMachine
 from rollwise.pool.tenancy import MemoryBudget, footprint, kv_bytes, module_bytes
-from rollwise.pool.weights import JobAdapter, JobWeights, own_adapter, parse_weight_upload
+from rollwise.pool.weights import JobAdapter, JobTarget, JobWeights, own_adapter, parse_weight_upload
 from rollwise.serve.auth import ANONYMOUS, KeyQuota
 from rollwise.engine.weight_receiver import WeightReceiver
 from rollwise.types.weights import ExpectedWeights, WeightUpdateError
@@ -270,9 +270,15 @@ class EnginePool(SlotLoops):
             if job.detached:
                 raise PoolError(404, f"job {job.name!r} detached")
             previous = job.version
-            target = (JobAdapter if job.lora else JobWeights)(self.slots, self.states, job)
+            target: JobTarget
+            if job.lora:  # an adapter job's target loads adapters, a full job's applies weights
+                target = adapters = JobAdapter(self.slots, self.states, job)
+                receiver = WeightReceiver(target, job.fingerprint, adapters=adapters)
+            else:
+                target = JobWeights(self.slots, self.states, job)
+                receiver = WeightReceiver(target, job.fingerprint)
             try:
-                WeightReceiver(target, job.fingerprint, expected=job.expected).commit(staged)
+                receiver.commit(staged)
             except WeightUpdateError as exc:  # param: the manifest field or tensor at fault
                 raise PoolError(400, str(exc), exc.field or "body") from exc
             job.fault = None  # a new version: the pool runs the job again (a fault recurs if it fails again)

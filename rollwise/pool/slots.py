@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from rollwise.config import EngineConfig
+from rollwise.types.engine_config import EngineConfig
 from rollwise.engine.contract import add_all, run_to_completion
 from rollwise.engine.core import EngineWorker
 from rollwise.engine.factory import create_engine

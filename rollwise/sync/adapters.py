@@ -17,13 +17,13 @@ The tensors are named by the base model's modules: `model.layers.0.self_attn.q_p
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from torch import Tensor
 
+from rollwise.types.train_config import LoraConfig
 from rollwise.types.contracts import Trainer
 from rollwise.types.weight_update import WeightUpdate
-from rollwise.sync.layout import build_manifest
+from rollwise.types.bucket_layout import build_manifest
 from rollwise.types.weights import AdapterSpec
 
 # The name a single LoRA run's policy adapter is pushed under (it serves requests naming no adapter).
@@ -39,21 +39,21 @@ def adapter_update(state: Mapping[str, Tensor], spec: AdapterSpec, version: int,
 
 
 class AdapterSender:
-    """The WeightSender of a train.lora trainer: its adapter as the engines' default policy adapter."""
+    """The WeightSender of a train.lora trainer: its adapter as the engines' default policy adapter. Built
+    from the run's `train.lora` section (the one the trainer wrapped its model with), so nothing asks the
+    trainer what it is."""
 
-    def __init__(self, tokenizer_fingerprint: str, name: str = POLICY_ADAPTER, *, default: bool = True) -> None:
+    def __init__(self, tokenizer_fingerprint: str, lora: LoraConfig, name: str = POLICY_ADAPTER, *,
+                 default: bool = True) -> None:
         self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.lora = lora
         self.name = name
         self.default = default
 
-    def spec(self, trainer: Any) -> AdapterSpec:
-        cfg = trainer.lora
+    def spec(self) -> AdapterSpec:
+        cfg = self.lora
         return AdapterSpec(name=self.name, rank=cfg.rank, alpha=cfg.alpha, target_modules=tuple(cfg.target_modules),
                            default=self.default)
 
     def update(self, trainer: Trainer) -> WeightUpdate:
-        return adapter_update(trainer.weights(), self.spec(trainer), trainer.version, self.tokenizer_fingerprint)
-
-
-def is_lora_trainer(trainer: Any) -> bool:
-    return getattr(trainer, "lora", None) is not None
+        return adapter_update(trainer.weights(), self.spec(), trainer.version, self.tokenizer_fingerprint)

@@ -9,7 +9,7 @@ Placement picks the sender from the run's configuration (rollwise.control.placem
     collective    placement: ray,                  the tensors as they are: the fleet broadcasts them
                   sync.sender: collective          from the driver to every engine actor at once over
                                                    torch.distributed (rollwise.sync.distributed: gloo on
-                                                   CPU, NCCL on GPU; rollwise.control.ray_fleet_collective)
+                                                   CPU, NCCL on GPU; rollwise.control.ray.fleet_collective)
 
 Every update lands through WeightReceiver.commit on the engine side: checked whole, then applied.
 LoRA adapter-only updates (rollwise.sync.adapters) go in process; the collective transport can carry them
@@ -19,17 +19,15 @@ LoRA adapter-only updates (rollwise.sync.adapters) go in process; the collective
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from torch import Tensor
 
 from rollwise.types.contracts import Trainer
-from rollwise.sync.adapters import AdapterSender, is_lora_trainer
+from rollwise.types.train_config import LoraConfig
+from rollwise.sync.adapters import AdapterSender
 from rollwise.types.weight_update import WeightUpdate
-from rollwise.sync.layout import build_manifest
-
-SenderKind = Literal["in-process", "object-store", "collective"]
-
+from rollwise.types.bucket_layout import build_manifest
 
 class WeightSender(Protocol):
     def update(self, trainer: Trainer) -> WeightUpdate:
@@ -41,9 +39,13 @@ class InProcessSender:
         self.tokenizer_fingerprint = tokenizer_fingerprint
 
     def update(self, trainer: Trainer) -> WeightUpdate:
-        if is_lora_trainer(trainer):  # train.lora: the adapter only (rollwise.sync.adapters)
-            return AdapterSender(self.tokenizer_fingerprint).update(trainer)
         return WeightUpdate.of_state(trainer.weights(), trainer.version, self.tokenizer_fingerprint)
+
+
+def in_process_sender(tokenizer_fingerprint: str, lora: LoraConfig | None) -> WeightSender:
+    """The sender of a trainer in this process: its adapter only under train.lora (rollwise.sync.adapters),
+    else its whole weights as views."""
+    return InProcessSender(tokenizer_fingerprint) if lora is None else AdapterSender(tokenizer_fingerprint, lora)
 
 
 class ObjectStoreSender:
@@ -77,12 +79,3 @@ class CollectiveSender(ObjectStoreSender):
                                   checksum=False)
         return WeightUpdate(manifest, trainer.weights())
 
-
-def make_sender(kind: SenderKind, tokenizer_fingerprint: str, layout: Mapping[str, Tensor]) -> WeightSender:
-    if kind == "in-process":
-        return InProcessSender(tokenizer_fingerprint)
-    if kind == "object-store":
-        return ObjectStoreSender(tokenizer_fingerprint, layout)
-    if kind == "collective":
-        return CollectiveSender(tokenizer_fingerprint, layout)
-    raise ValueError(f"weight sender must be 'in-process', 'object-store' or 'collective', got {kind!r}")

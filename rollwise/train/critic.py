@@ -26,7 +26,8 @@ import torch
 from safetensors.torch import load_model, save_model
 from torch import Tensor, nn
 
-from rollwise.config import RunError, TrainConfig
+from rollwise.config import RunError
+from rollwise.types.train_config import TrainConfig
 from rollwise.train.logprobs import backbone_of
 
 CRITIC_DIR = "critic"  # in a checkpoint folder

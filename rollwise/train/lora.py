@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from rollwise.config import LoraConfig
+from rollwise.types.train_config import LoraConfig
 from rollwise.types.weights import AdapterSpec
 
 if TYPE_CHECKING:

@@ -41,7 +41,8 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from rollwise.config import ConfigError, TrainConfig
+from rollwise.config import ConfigError
+from rollwise.types.train_config import TrainConfig
 from rollwise.train.corrections import seq_sum
 from rollwise.types.algorithms import POLICY_LOSSES, did_you_mean, is_custom_loss
 

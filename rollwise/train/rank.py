@@ -2,7 +2,7 @@
 
 `RankTrainer.handle(cmd, arg)` is the one dispatcher every way of driving a rank uses: the local
 rank processes (`rank_main`, over a pipe; rollwise.train.rank_group), Ray actors
-(rollwise.control.ray_trainer_ranks) and torchrun-launched ranks (rollwise.train.torchrun). The
+(rollwise.control.ray.trainer_ranks) and torchrun-launched ranks (rollwise.train.torchrun). The
 commands: train, measure, write_shards, save, load, memory. Over the pipe each reply is ("ok", value)
 or ("error", traceback); a rank that raises leaves the group, and the controller stops the others
 (they would wait in a collective forever).
@@ -42,10 +42,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from rollwise.config import TrainConfig
+from rollwise.types.train_config import TrainConfig
 from rollwise.train.checkpoint import DCP_DIR, SCHEDULER_FILE, optimizer_state_by_name
 from rollwise.train.distributed import RankSpec, gathered_buckets, init_rank, shard_model
-from rollwise.train.trainer import GRPOTrainer, GroupMicroBatch, MicroBatch, to_device
+from rollwise.train.trainer import GRPOTrainer, MicroBatch, to_device
+from rollwise.train.packing import GroupMicroBatch
 from rollwise.types.sample import Sample
 
 

@@ -6,7 +6,7 @@ groups implement it:
 
     ProcessRankGroup     this module      rank processes started from here (torch.multiprocessing,
                                           spawn) over pipes; weights land in shared memory
-    RayRankGroup         rollwise.control.ray_trainer_ranks   one Ray actor per rank (placement: ray)
+    RayRankGroup         rollwise.control.ray.trainer_ranks   one Ray actor per rank (placement: ray)
     TorchrunRankGroup    rollwise.train.torchrun               ranks a launcher (torchrun) started;
                                                                this process is rank 0
 
@@ -25,7 +25,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import Tensor, nn
 
-from rollwise.config import TrainConfig, TrainerConfig
+from rollwise.types.train_config import TrainConfig, TrainerConfig
 from rollwise.train.distributed import RankSpec, free_port, resolve_device
 from rollwise.train.rank import rank_main
 

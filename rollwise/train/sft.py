@@ -15,10 +15,8 @@ from __future__ import annotations
 import json
 import math
 import random
-import re
 import time
 from collections.abc import Callable, Iterator
-from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,8 @@ import yaml
 from torch import Tensor, nn
 
 import rollwise.train.checkpoint as checkpoint
-from rollwise.config import ConfigError, RunConfig, TrainConfig, dump_config
+from rollwise.config import ConfigError, RunConfig, dump_config
+from rollwise.types.train_config import TrainConfig
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.model.precision import resolve_dtype
 from rollwise.observe.metrics import MetricsLogger
@@ -110,10 +109,8 @@ class SftTrainer:
 
 
 def sft_run_dir(cfg: RunConfig) -> Path:
-    """output_dir with {model_name}, {task_name} (sft-<data file stem>) and {timestamp} filled in."""
-    model_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", cfg.model.split("/")[-1].replace("bundled:", ""))
-    return Path(cfg.output_dir.format(model_name=model_name, task_name=f"sft-{Path(cfg.sft.data or 'data').stem}",
-                                      timestamp=datetime.now().strftime("%Y%m%d-%H%M%S")))
+    """output_dir with {task_name} sft-<data file stem>."""
+    return cfg.output_path(f"sft-{Path(cfg.sft.data or 'data').stem}")
 
 
 def _check(cfg: RunConfig) -> None:

@@ -4,7 +4,7 @@
 speaks for the group. It starts the ranks itself (torch.multiprocessing, spawn), one process per
 rank, each holding 1/N of the parameters, gradients and optimizer state (rollwise.train.rank).
 The same trainer drives ranks started elsewhere through `ShardedTrainer.over(group)`: Ray actors
-(rollwise.control.ray_trainer_ranks) or torchrun-launched processes (rollwise.train.torchrun).
+(rollwise.control.ray.trainer_ranks) or torchrun-launched processes (rollwise.train.torchrun).
 
 A train step is exact: the controller weighs every trained token against the global batch (the
 token or sequence count over all ranks), then deals the micro-batches to the ranks balanced by
@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rollwise.config import ConfigError, TrainConfig, TrainerConfig
+from rollwise.config import ConfigError
+from rollwise.types.train_config import TrainConfig, TrainerConfig
 from rollwise.train.checkpoint import load_rng_and_state, write_checkpoint
 from rollwise.train.grpo import token_weights
 from rollwise.train.policy_loss import resolve_policy_loss, skips_zero_advantage

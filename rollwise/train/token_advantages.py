@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rollwise.config import TrainConfig
+from rollwise.types.train_config import TrainConfig
 from rollwise.train.advantages import whiten_over_tokens
 from rollwise.types.sample import Sample, group_samples
 

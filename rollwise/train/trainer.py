@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rollwise.config import TrainConfig
+from rollwise.types.train_config import TrainConfig
 from rollwise.model.precision import resolve_dtype
-from rollwise.types.microbatch import chunk_samples, computed_tokens, prompt_groups
+from rollwise.types.microbatch import chunk_samples, prompt_groups
 from rollwise.types.sample import Sample
 import rollwise.train.checkpoint as checkpoint
 from rollwise.train.corrections import MASKING
@@ -33,10 +33,9 @@ from rollwise.train.logprobs import sequence_logprobs
 from rollwise.train.activation_checkpointing import enable_activation_checkpointing
 from rollwise.train.routing_replay import ReplayBatch, RoutingReplay, find_routers, rows_batch
 from rollwise.train.critic import Critic
-from rollwise.train.token_advantages import KL_REWARD, compute_token_advantages, kl_estimate, set_token_advantages
+from rollwise.train.token_advantages import (KL_REWARD, TokenAdvantages, compute_token_advantages, kl_estimate,
+                                              set_token_advantages)
 from rollwise.types.critic_config import token_advantage_reason
-
-__all__ = ["GRPOTrainer", "MicroBatch", "GroupMicroBatch", "chunk_samples", "computed_tokens"]
 
 
 @dataclass
@@ -309,7 +308,7 @@ class GRPOTrainer:
             metrics.update(self._after_token_advantages(*planned))
         return metrics
 
-    def _token_advantages(self, samples: list[Sample]) -> tuple[list[MicroBatch], Any, dict[str, float]]:
+    def _token_advantages(self, samples: list[Sample]) -> tuple[list[MicroBatch], TokenAdvantages, dict[str, float]]:
         """train.advantage=gae / train.kl_penalty=reward: each sample's per-token advantages, set on it
         (rollwise.train.token_advantages), from padded forwards of the critic and the reference (no grad)."""
         device = next(self.model.parameters()).device
@@ -331,9 +330,10 @@ class GRPOTrainer:
         set_token_advantages(samples, plan.advantages)
         return padded, plan, metrics
 
-    def _after_token_advantages(self, padded: list[MicroBatch], plan: Any, metrics: dict[str, float]) -> dict[str, float]:
+    def _after_token_advantages(self, padded: list[MicroBatch], plan: TokenAdvantages,
+                                metrics: dict[str, float]) -> dict[str, float]:
         """The critic's update on the step's returns (gae), and the step's per-token advantage metrics."""
-        if self.critic is not None:
+        if self.critic is not None and plan.values is not None and plan.returns is not None:
             sizes = [mb.n_tokens for mb in padded]
             old = list(torch.split(torch.cat(plan.values), sizes))
             returns = list(torch.split(torch.cat(plan.returns), sizes))

@@ -14,7 +14,7 @@ from rollwise.types.sample import Sample
 
 
 class MicroBatchSettings(Protocol):
-    """The fields of the train section (rollwise.config.TrainConfig) that micro-batching reads.
+    """The fields of the train section (rollwise.types.train_config.TrainConfig) that micro-batching reads.
     `pack_responses`, `pack_groups` and `micro_batch_tokens` are read with defaults (off, off, 2048)
     where a settings object lacks them. micro_batch_tokens bounds every micro-batch's computed positions
     (a group is cut into parts when it would exceed it), so memory does not grow with response length."""

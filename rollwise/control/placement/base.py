@@ -16,20 +16,16 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from rollwise.config import ConfigError, RunConfig, TrainerConfig
-from rollwise.types.contracts import RolloutBackend, Trainer
-from rollwise.reward.batch import score_samples
-from rollwise.types.sample import Sample
+from rollwise.config import ConfigError, RunConfig
+from rollwise.types.train_config import TrainerConfig
+from rollwise.types.contracts import RolloutBackend, Scorer, Trainer
+from rollwise.reward.batch import InProcessScorer
 from rollwise.sync.senders import WeightSender
 from rollwise.types.task import Problem, Task
 from rollwise.train.distributed import resolve_device
 from rollwise.train.sharded import ShardedTrainer
 from rollwise.train.torchrun import TorchrunRankGroup, launched_rank
 from rollwise.train.trainer import GRPOTrainer
-
-# Scores a complete group's samples in place (reward).
-ScoreFn = Callable[[list[Sample]], None]
-
 
 class EngineView(Protocol):
     """What the loop reads from 'the engine' for metrics and plots, wherever it runs."""
@@ -64,7 +60,7 @@ class Placement:
     trainer: Trainer
     backend: RolloutBackend
     sender: WeightSender
-    score: ScoreFn
+    scorer: Scorer  # the reward layer: in this process, or reward actors
     engine: EngineView
     description: str  # one line for the console
     resumed: dict[str, Any] | None = None  # the checkpoint's state.json when the run resumed
@@ -110,14 +106,9 @@ def needs_ranks(trainer: TrainerConfig) -> bool:
             or trainer.mixed_precision != "none" or trainer.cpu_offload)
 
 
-def local_score(req: PlaceRequest) -> ScoreFn:
+def local_scorer(req: PlaceRequest) -> InProcessScorer:
     """Scoring in this process."""
-    cfg = req.cfg
-
-    def score(group: list[Sample]) -> None:
-        score_samples(group, req.problems, req.task, cfg.reward)
-
-    return score
+    return InProcessScorer(req.problems, req.task, req.cfg.reward)
 
 
 def resume(trainer: Trainer, req: PlaceRequest) -> dict[str, Any] | None:

@@ -19,7 +19,7 @@ class Drafter(Protocol):
 
 
 def drafter_for(engine_cfg: object) -> HistoryDrafter | None:
-    """The drafter an engine section asks for (`engine.speculation` and its knobs; rollwise.config.EngineConfig),
+    """The drafter an engine section asks for (`engine.speculation` and its knobs; rollwise.types.engine_config.EngineConfig),
     or None for `none` and for sections without the fields (older EngineSettings)."""
     if getattr(engine_cfg, "speculation", "none") == "none":
         return None
