@@ -81,6 +81,12 @@ def add_bench_parser(sub: Any) -> None:
                        help="router: rotated rounds of the workload per arm (default: 2 with --quick, else 4); "
                        "more rounds make the median-round p50/p99 steadier; allocator: pairs of processes per "
                        "workload (default: 1 with --quick, else 3)")
+    bench.add_argument("--replica-only", action="store_true",
+                       help="router: only the replica arm (one engine server's CPU per request beyond its engine, "
+                       "p50/p99 at concurrency 1, 8, 64, an aiohttp load generator in its own process)")
+    bench.add_argument("--replica-baseline", type=Path, default=None, metavar="DIR",
+                       help="router: also run the replica arm on the engine server of this checkout (e.g. "
+                       "`git worktree add /tmp/before HEAD`), rounds interleaved: the before figure in the same run")
     bench.add_argument("--memory", action="store_true",
                        help="trainer: the memory arm instead: one train step per response length (512 to 16k "
                        "tokens; --quick: 128 to 1k, a few minutes), each in a fresh process, with and without "

@@ -44,6 +44,9 @@ from rich.table import Table
 
 from rollwise.bench import percentile, router_processes
 from rollwise.bench.router_processes import MODEL_SIZE, Arm, arms, flush_caches, router_process
+from rollwise.bench.router_replica import FULL as REPLICA_FULL
+from rollwise.bench.router_replica import QUICK as REPLICA_QUICK
+from rollwise.bench.router_replica import format_replica, measure_replica, replica_goal_line
 from rollwise.bench.router_tail import format_tail, tail_of
 from rollwise.router.policies import POLICIES, make_policy
 from rollwise.sim.commands import write_json
@@ -98,7 +101,8 @@ def router(urls: list[str], policy: str):
     process's CPU); the benchmark's arms run every router in its own process (router_processes.py)."""
     from rollwise.local_server import serve_in_thread
     from rollwise.model.tiny import tiny_tokenizer
-    from rollwise.router.app import RouterConfig, bind_socket, create_app
+    from rollwise.router.config import RouterConfig
+    from rollwise.router.app import bind_socket, create_app
 
     config = RouterConfig(replicas=urls, policy=policy, health_interval_s=0.5, queue_timeout_s=300)
     sock = bind_socket("127.0.0.1", 0, reuse_port=False)
@@ -262,8 +266,15 @@ def measure_real(shape: BenchShape, seed: int, policies: list[str], progress: An
     return real
 
 
+def run_replica_arm(quick: bool = False, seed: int = 0, baseline: Path | None = None, progress: Any = None) -> dict:
+    """Only the replica arm (router_replica.py): one engine server's CPU per request beyond its engine."""
+    replica = measure_replica(REPLICA_QUICK if quick else REPLICA_FULL, seed, baseline, progress=progress)
+    return {"benchmark": "router", "quick": quick, "replica": replica, "goals": replica["goals"]}
+
+
 def run_router_bench(quick: bool = False, seed: int = 0, plot: Path | None = None,
-                     policies: list[str] | None = None, progress: Any = None, rounds: int | None = None) -> dict:
+                     policies: list[str] | None = None, progress: Any = None, rounds: int | None = None,
+                     replica_baseline: Path | None = None) -> dict:
     policies = policies or list(POLICIES)
     if "round_robin" not in policies:
         policies = ["round_robin", *policies]
@@ -291,6 +302,9 @@ def run_router_bench(quick: bool = False, seed: int = 0, plot: Path | None = Non
                       "policies": sim},
         "goal": {"p99_vs_round_robin": 1.5, "prefill_vs_round_robin": 2.0, "policy": "prefix"},
     }
+    result["replica"] = measure_replica(REPLICA_QUICK if quick else REPLICA_FULL, seed, replica_baseline,
+                                        progress=progress)
+    result["goals"] = result["replica"]["goals"]
     if plot is not None:
         result["plot"] = str(_plot(result, plot))
     return result
@@ -362,10 +376,19 @@ def _peer_line(real: dict[str, dict]) -> str | None:
 def cli_bench_router(args: argparse.Namespace, console: Any) -> int:
     # --plot defaults to the rollout bench's file name; the router bench plots only when asked.
     plot = args.plot if args.plot != Path("rollout_timeline.png") else None
+    baseline = getattr(args, "replica_baseline", None)
     with console.status("starting replicas") as status:
-        result = run_router_bench(quick=args.quick, seed=args.seed, plot=plot, progress=status.update,
-                                  rounds=getattr(args, "rounds", None))
+        if getattr(args, "replica_only", False):
+            result = run_replica_arm(quick=args.quick, seed=args.seed, baseline=baseline, progress=status.update)
+        else:
+            result = run_router_bench(quick=args.quick, seed=args.seed, plot=plot, progress=status.update,
+                                      rounds=getattr(args, "rounds", None), replica_baseline=baseline)
     result["command"] = " ".join(["rollwise"] + sys.argv[1:])
+    console.print(format_replica(result["replica"]))
+    console.print(replica_goal_line(result["goals"]))
+    if "real" not in result:  # --replica-only
+        write_json(args.json, result, console)
+        return 0
     console.print(format_router_bench(result))
     for message in result["real"]["skipped"]:
         console.print(f"[yellow]skipped:[/yellow] {escape(message)}")  # its [extra] is not markup

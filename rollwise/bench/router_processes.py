@@ -109,21 +109,12 @@ def replica_main(argv: list[str]) -> None:
     p.add_argument("--max-model-len", type=int, default=1536)
     p.add_argument("--prefix-cache-tokens", type=int, default=16384)
     args = p.parse_args(argv)
-    import torch
     import uvicorn
 
-    from rollwise.engine.reference.engine import ReferenceEngine
-    from rollwise.engine.server import create_app
-    from rollwise.model.tiny import tiny_llama, tiny_tokenizer
+    from rollwise.bench.replica_server import timed_app  # the engine server, its steps' CPU on /bench/engine_cpu
 
-    torch.set_num_threads(1)  # several replicas share 2 cores
-    tokenizer = tiny_tokenizer()
-    model = tiny_llama(seed=0, max_position_embeddings=args.max_model_len, **MODEL_SIZE)
-    engine = ReferenceEngine(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                             eos_token_ids=[tokenizer.eos_token_id], seed=0,
-                             prefix_cache_tokens=args.prefix_cache_tokens)
-    uvicorn.run(create_app(engine, tokenizer, "bench-replica"), host="127.0.0.1", port=args.port,
-                log_level="warning")
+    app = timed_app(MODEL_SIZE, args.max_num_seqs, args.max_model_len, args.prefix_cache_tokens)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
 
 @contextlib.contextmanager

@@ -22,9 +22,18 @@ from typing import Any
 
 import torch
 
-from rollwise.bench import process_cpu_s
-from rollwise.bench.router import (FULL, MODEL_SIZE, QUICK, BenchShape, engine_counters, measure_real, replicas,
-                                   round_workload, summarize)
+from rollwise.bench.router_processes import cpu_clock_s
+from rollwise.bench.router import (
+    FULL,
+    QUICK,
+    BenchShape,
+    engine_counters,
+    measure_real,
+    replicas,
+    round_workload,
+    summarize,
+)
+from rollwise.bench.router_processes import MODEL_SIZE
 from rollwise.router.policies import POLICIES, make_policy
 from rollwise.sim.routing import SimConfig, simulate
 
@@ -90,8 +99,9 @@ def _cache_hit_cost(engine: Any, vocab: int, seed: int, prompt_tokens: int, pair
 
 
 def _replica_cpu_s(urls: list[str]) -> float:
-    """CPU seconds (user + system) the replica processes have used, read from /proc (Linux): each is
-    found by its `--port` on the command line."""
+    """CPU seconds (user + system) the replica processes have used, from the kernel's per-process CPU clock
+    (router_processes.cpu_clock_s, as the bench's replica arm reads it): each is found by its `--port` on the
+    command line."""
     ports = {url.rsplit(":", 1)[1] for url in urls}
     total = 0.0
     for pid in (p for p in os.listdir("/proc") if p.isdigit()):
@@ -99,7 +109,7 @@ def _replica_cpu_s(urls: list[str]) -> float:
             cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
             if b"--replica-worker" not in cmd or cmd[cmd.index(b"--port") + 1].decode() not in ports:
                 continue
-            total += process_cpu_s(int(pid))
+            total += cpu_clock_s(int(pid))
         except (OSError, ValueError, IndexError):
             continue  # a process that ended or is not ours
     return total
@@ -109,10 +119,10 @@ def measure_serving(urls: list[str], fit: dict[str, Any], prompt_tokens: int, n:
     """What a replica behind HTTP costs beyond its engine, from sequential requests with distinct prompts
     of the benchmark's length (JSON, hashing and cache lookups grow with it) through a router (client ->
     router -> replica and back, as the benchmark sends them). Per 1-token request: the CPU time of this
-    process (client and router: `request_s`) and of the replica processes beyond their engine steps
-    (HTTP, asyncio: `replica_request_s`; busy time as the replicas report it in
-    rollwise_engine_step_seconds_total). 33-token requests give the step time as the replica's server
-    runs it. Sequential, so latency is work."""
+    process (client and router: `request_s`) and of the replica processes beyond their engine steps (HTTP,
+    asyncio, the hand-offs to and from the engine thread: `replica_request_s`, as `bench router`'s replica arm
+    measures a server: the processes' CPU clocks less their engine steps' CPU, GET /bench/engine_cpu).
+    33-token requests give the step time as the replica's server runs it. Sequential, so latency is work."""
     import random
 
     import httpx
@@ -124,11 +134,14 @@ def measure_serving(urls: list[str], fit: dict[str, Any], prompt_tokens: int, n:
     def busy() -> float:
         return sum(c.get("step_seconds", 0.0) for c in engine_counters(urls))
 
+    def engine_cpu() -> float:  # the engines' own CPU: their steps' thread clocks
+        return sum(httpx.get(f"{url}/bench/engine_cpu", timeout=30).json()["step_cpu_s"] for url in urls)
+
     def timed(http: httpx.Client, max_tokens: int) -> dict[str, float]:
         for _ in range(3):  # warm up connections
             http.post("/generate", json={"prompt_ids": [7] * 16, "max_tokens": 1}).raise_for_status()
         latencies = []
-        busy0, own0, replicas0 = busy(), time.process_time(), _replica_cpu_s(urls)
+        busy0, cpu0, own0, replicas0 = busy(), engine_cpu(), time.process_time(), _replica_cpu_s(urls)
         for _ in range(n):
             body = {"prompt_ids": [rng.randrange(5, 95) for _ in range(prompt_tokens)], "max_tokens": max_tokens,
                     "ignore_eos": True}
@@ -136,9 +149,10 @@ def measure_serving(urls: list[str], fit: dict[str, Any], prompt_tokens: int, n:
             http.post("/generate", json=body).raise_for_status()
             latencies.append(time.perf_counter() - t)
         own, replicas, engine = time.process_time() - own0, _replica_cpu_s(urls) - replicas0, busy() - busy0
+        engine_cpu_s = engine_cpu() - cpu0
         return {"latency_s": statistics.median(latencies), "latency_cv": statistics.pstdev(latencies) / statistics.mean(latencies),
                 "client_router_cpu_s": own / n,
-                "replica_serving_cpu_s": max(replicas - engine, 0.0) / n,
+                "replica_serving_cpu_s": max(replicas - engine_cpu_s, 0.0) / n,
                 "latency_less_busy_s": max(sum(latencies) - engine, 0.0) / n}
 
     with router(urls, "round_robin") as url, httpx.Client(base_url=url, timeout=60) as http:

@@ -4,7 +4,9 @@ Why a thread and not a process: the reference engine and the trainer share one m
 CPU; torch releases the GIL inside its kernels, so generation and the train step really overlap.
 Every engine call (submit, abort, weight update, pause) runs *on the worker thread, between two
 engine steps*, so the engine is never touched by two threads and a weight update never lands in
-the middle of a step. Finished samples come out of `completions`, in finishing order.
+the middle of a step. Finished samples come out of `completions`, in finishing order; or, for a
+caller that gives `outputs` (the engine server), are handed to it at the end of each pass on the
+worker thread, with nothing queued (vLLM v1's shape: a submit queue in, one hand-off per step out).
 
 `EngineWorker` is the local `RolloutBackend` (rollwise.types.contracts); the Ray engine actor, the engine
 server and the pool's slots run one each. The pool swaps which engine a worker steps with
@@ -19,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from rollwise.engine.contract import add_all
 from rollwise.engine.weight_receiver import WeightReceiver
@@ -30,14 +32,31 @@ if TYPE_CHECKING:
 
     from rollwise.types.generation import ModelInfo
     from rollwise.types.weight_update import WeightUpdate
+    from rollwise.types.weights import AdapterSpec, ExpectedWeights
 
 T = TypeVar("T")
 
 
+class EngineStopped(RuntimeError):
+    """The worker thread is gone (an engine step raised, or it was closed): no command will run."""
+
+
+class StepOutputs(Protocol):
+    """Where a worker hands each pass's results, on its own thread (instead of `completions`)."""
+
+    def passed(self, finished: list[Completion]) -> None:
+        """After every pass of the loop (its commands run, then one engine step when there is work):
+        the samples that step finished, possibly none."""
+
+    def failed(self, error: BaseException) -> None:
+        """The loop ended on `error`; every queued command was answered with EngineStopped first."""
+
+
 class EngineWorker:
-    def __init__(self, engine: Any | None, name: str = "engine-0") -> None:
+    def __init__(self, engine: Any | None, name: str = "engine-0", outputs: StepOutputs | None = None) -> None:
         self.engine = engine
         self.completions: queue.Queue[Completion] = queue.Queue()
+        self._outputs = outputs
         self._commands: queue.Queue[tuple[Callable[[Any], Any], Future]] = queue.Queue()
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -47,12 +66,21 @@ class EngineWorker:
 
     # ------------------------------------------------------------ commands (any thread)
 
+    def post(self, fn: Callable[[Any], T], on_done: Callable[[Future], None] | None = None) -> Future:
+        """Queue fn(engine) for the next step boundary and return at once. `on_done(future)` runs on the worker
+        thread once it has run (or was refused with EngineStopped): an event loop's caller batches it into the
+        pass's `outputs` instead of blocking a thread on the answer."""
+        self._raise_if_failed()
+        future: Future = Future()
+        if on_done is not None:  # before it is queued: a callback added to a finished future runs on this thread
+            future.add_done_callback(on_done)
+        self._commands.put((fn, future))
+        return future
+
     def call(self, fn: Callable[[Any], T], timeout: float | None = 600.0) -> T:
         """Run fn(engine) on the worker thread between two steps and return its result (in-process
         only: the servers that own an EngineWorker use it; the RolloutBackend methods below wrap it)."""
-        self._raise_if_failed()
-        future: Future = Future()
-        self._commands.put((fn, future))
+        future = self.post(fn)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:  # a worker that dies after the check above never answers: notice it instead of waiting out
             try:
@@ -80,7 +108,7 @@ class EngineWorker:
         while not holding.wait(0.1):
             self._raise_if_failed()  # a dead worker never reaches the step boundary
             if not self._thread.is_alive():
-                raise RuntimeError(f"engine worker {self._thread.name} is closed")
+                raise EngineStopped(f"engine worker {self._thread.name} is closed")
         try:
             return fn(self.engine)
         finally:
@@ -99,7 +127,22 @@ class EngineWorker:
         (rollwise.engine.weight_receiver): the whole update is checked against the engine's model and
         tokenizer here, then applied between two steps (`apply_weights`), or refused with nothing applied.
         The one way weights come in: the transports (rollwise.sync) call down to it, never the reverse."""
-        WeightReceiver(self, self.model_info().tokenizer_fingerprint).receive(update)
+        self.weight_receiver().receive(update)
+
+    def weight_receiver(self) -> WeightReceiver:
+        """The engine side's checked receiver for this worker: full weights and LoRA adapters (both engines
+        serve adapters), each applied on this thread between two steps."""
+        return WeightReceiver(self, self.model_info().tokenizer_fingerprint, adapters=self)
+
+    @property
+    def expected_weights(self) -> ExpectedWeights:
+        return self.engine.expected_weights
+
+    def loaded_adapters(self) -> dict[str, int]:
+        return self.engine.loaded_adapters()
+
+    def load_adapter(self, spec: AdapterSpec, state: Mapping[str, Tensor], version: int) -> None:
+        self.call_here(lambda engine: engine.load_adapter(spec, state, version))
 
     def apply_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         """The engine contract's apply step (Engine.apply_weights: it validates names and shapes before it
@@ -156,7 +199,7 @@ class EngineWorker:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise RuntimeError(f"engine worker {self._thread.name} failed: {self._error!r}") from self._error
+            raise EngineStopped(f"engine worker {self._thread.name} failed: {self._error!r}") from self._error
 
     def _run_commands(self, block: bool) -> None:
         while True:
@@ -178,14 +221,20 @@ class EngineWorker:
         try:
             while not self._stop.is_set():
                 self._run_commands(block=not self._busy())
+                finished: list[Completion] = []
                 if self._busy():
                     started = time.perf_counter()
                     finished = self.engine.step()
                     self.step_seconds += time.perf_counter() - started
+                if self._outputs is not None:
+                    self._outputs.passed(finished)
+                else:
                     for completion in finished:
                         self.completions.put(completion)
         except BaseException as exc:  # surfaced to the controller on its next call
             self._error = exc
             while not self._commands.empty():
                 _, future = self._commands.get()
-                future.set_exception(RuntimeError(f"engine worker failed: {exc!r}"))
+                future.set_exception(EngineStopped(f"engine worker failed: {exc!r}"))
+            if self._outputs is not None:
+                self._outputs.failed(exc)

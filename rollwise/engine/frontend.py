@@ -1,30 +1,35 @@
 """The engine server's front end over one EngineWorker: requests in from asyncio, results back to it.
 
-An EngineWorker steps the engine on its own thread; this hands it requests between steps and routes what
-comes back to the waiting HTTP request: finished samples (one thread drains `worker.completions`) and, for
-streaming and stop strings, the tokens as they are sampled (the engine's `on_tokens` hook). Request ids: the
-engine only ever sees fresh uuid ids, so clients cannot collide; the public id is what /abort takes.
+vLLM v1's shape: the event loop puts each command (a submit, an abort, a weight update, a snapshot) on the
+worker's submit queue and awaits an asyncio future, no thread in between; the engine thread runs the
+commands between two steps, and at the end of each pass posts everything the pass produced (command
+answers, the tokens streaming requests wait for, finished samples) to the loop in one
+`call_soon_threadsafe`, one per step, never per token. Nothing else runs on a thread of its own (no
+thread pool for the calls, no drain thread). Request ids: the engine only ever sees fresh uuid ids, so
+clients cannot collide; the public id is what /abort takes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollwise.engine.contract import add_all
-from rollwise.engine.core import EngineWorker
+from rollwise.engine.core import EngineStopped, EngineWorker
 from rollwise.types.generation import Completion, GenerationRequest, SamplingParams
 from rollwise.serve.errors import APIError
 
 
 @dataclass(eq=False)
 class Generation:
-    """One HTTP request in flight: its engine requests, with sizes[k] samples in engine_ids[k]."""
+    """One HTTP request in flight: its engine requests, with sizes[k] samples in engine_ids[k]. Its queue
+    holds, per engine step, the list of that step's events for it: ("token", rid, index, token, logprob,
+    version), ("done", Completion), ("error", message)."""
 
     public_id: str
     engine_ids: list[str]
@@ -39,7 +44,8 @@ RECENT_IDS = 4096
 
 class EngineFrontend:
     """Routes an EngineWorker's output to asyncio: finished samples by request id, and optionally
-    each token as it is sampled. Everything but the two hand-offs runs on the event loop."""
+    each token as it is sampled. Everything but `passed`, `failed` and `_on_tokens` (the engine thread's
+    side, which only appends to this pass's batch and posts it) runs on the event loop."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -53,26 +59,43 @@ class EngineFrontend:
         # Finished requests' engine ids by public id (the newest RECENT_IDS): POST /retain names a turn by
         # the request_id /generate returned, the engine knows it by its own id (issue 21).
         self._recent: OrderedDict[str, list[str]] = OrderedDict()
-        self._stop = threading.Event()
-        self._drain_thread: threading.Thread | None = None
-        self._background: set[asyncio.Future] = set()
+        self._batch: list[tuple] = []  # this pass's events; only the engine thread touches it
+        self._waiting: set[asyncio.Future] = set()  # calls not answered yet (failed if the engine dies)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.engine.on_tokens = self._on_tokens
-        self.worker = EngineWorker(self.engine, name="engine-server")
-        self._drain_thread = threading.Thread(target=self._drain, name="engine-server-drain", daemon=True)
-        self._drain_thread.start()
+        self.worker = EngineWorker(self.engine, name="engine-server", outputs=self)
 
     async def close(self) -> None:
-        self._stop.set()
         if self.worker is not None:
-            await asyncio.to_thread(self.worker.close)
-        if self._drain_thread is not None:
-            await asyncio.to_thread(self._drain_thread.join, 5)
+            await asyncio.to_thread(self.worker.close)  # once, at shutdown: joining may take a step
         self.engine.on_tokens = None
+        self._fail_waiting("the engine server is shutting down")
 
-    # ------------------------------------------------------------ other threads
+    # ------------------------------------------------------------ the engine thread
+
+    def _on_tokens(self, rid: str, index: int, token: int, logprob: float, version: int) -> None:
+        """Inside step(): keep the token if its request streams."""
+        if rid in self._token_routes:
+            self._batch.append(("token", rid, index, token, logprob, version))
+
+    def passed(self, finished: list[Completion]) -> None:
+        """The end of a pass (StepOutputs): post its batch, one hand-off per step."""
+        for completion in finished:
+            self._batch.append(("done", completion))
+        if self._batch:
+            batch, self._batch = self._batch, []
+            self._post(self._apply, batch)
+
+    def failed(self, error: BaseException) -> None:
+        """The engine thread died (StepOutputs): the answers it gave on the way out, then every request fails."""
+        self.passed([])
+        self._post(self._fail_all, f"{error!r}")
+
+    def _answered(self, waiter: asyncio.Future, future: Future) -> None:
+        """A command ran (or was refused): its answer goes with this pass's batch."""
+        self._batch.append(("answer", waiter, future))
 
     def _post(self, fn: Callable[..., Any], *args: Any) -> None:
         try:
@@ -80,44 +103,62 @@ class EngineFrontend:
         except RuntimeError:  # the loop is closed: the server is shutting down
             pass
 
-    def _on_tokens(self, rid: str, index: int, token: int, logprob: float, version: int) -> None:
-        """Engine thread, inside step(): forward the token if its request streams."""
-        queue = self._token_routes.get(rid)
-        if queue is not None:
-            self._post(queue.put_nowait, ("token", rid, index, token, logprob, version))
-
-    def _drain(self) -> None:
-        """Drain thread: worker.completions -> the event loop. A sample's tokens were posted during
-        the step that finished it, before the step returned, so they reach the loop first."""
-        while not self._stop.is_set():
-            try:
-                completion = self.worker.next_completion(timeout=0.1)
-            except RuntimeError as exc:  # the engine thread died
-                self._post(self._fail_all, str(exc))
-                return
-            if completion is not None:
-                self._post(self._deliver, completion)
-
     # ------------------------------------------------------------ event loop
+
+    def _apply(self, batch: list[tuple]) -> None:
+        """One pass's events, in order: answers resolve their callers; tokens and finished samples go to their
+        HTTP requests' queues, one list per request per step."""
+        per_request: dict[int, tuple[asyncio.Queue, list[tuple]]] = {}
+        for event in batch:
+            kind = event[0]
+            if kind == "answer":
+                _, waiter, future = event
+                if not waiter.done():  # its handler may have been cancelled (client gone)
+                    error = future.exception()
+                    waiter.set_exception(error) if error is not None else waiter.set_result(future.result())
+                continue
+            queue = (self._token_routes if kind == "token" else self._routes).get(
+                event[1] if kind == "token" else event[1].request_id)
+            if queue is not None:
+                per_request.setdefault(id(queue), (queue, []))[1].append(event)
+        for queue, events in per_request.values():
+            queue.put_nowait(events)
 
     def _deliver(self, completion: Completion) -> None:
         queue = self._routes.get(completion.request_id)
         if queue is not None:
-            queue.put_nowait(("done", completion))
+            queue.put_nowait([("done", completion)])
 
     def _fail_all(self, message: str) -> None:
         self.error = message
         for queue in {id(q): q for q in self._routes.values()}.values():
-            queue.put_nowait(("error", message))
+            queue.put_nowait([("error", message)])
+        self._fail_waiting(message)
+
+    def _fail_waiting(self, message: str) -> None:
+        """Calls queued after the worker's last look at its queue get no answer from it: answer them here."""
+        for waiter in list(self._waiting):
+            if not waiter.done():
+                waiter.set_exception(EngineStopped(message))
+        self._waiting.clear()
+
+    def _not_running(self, reason: object) -> APIError:
+        return APIError(503, f"the engine is not running: {reason}", kind="server_error")
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """fn(engine) on the engine thread, between two steps."""
+        """fn(engine) on the engine thread, between two steps: queued without a thread hop, answered with
+        the pass's batch. What fn raises is raised here (the engine keeps serving); a dead engine is a 503."""
         if self.worker is None or self.error is not None:
-            raise APIError(503, f"the engine is not running: {self.error or 'not started'}", kind="server_error")
+            raise self._not_running(self.error or "not started")
+        waiter = self._loop.create_future()
+        self._waiting.add(waiter)
         try:
-            return await asyncio.to_thread(self.worker.call, fn)
-        except RuntimeError as exc:
-            raise APIError(503, f"the engine is not running: {exc}", kind="server_error") from exc
+            self.worker.post(fn, lambda future: self._answered(waiter, future))
+            return await waiter
+        except EngineStopped as exc:
+            raise self._not_running(exc) from exc
+        finally:
+            self._waiting.discard(waiter)
 
     async def submit(
         self, public_id: str, units: list[tuple[list[int], SamplingParams]], stream_tokens: bool,
@@ -158,15 +199,10 @@ class EngineFrontend:
             self._token_routes.pop(rid, None)
         unfinished = sorted({rid for rid, _ in gen.pending})
         if abort and unfinished and self.worker is not None and self.error is None:
-            future = self._loop.run_in_executor(None, self._abort_quietly, unfinished)
-            self._background.add(future)
-            future.add_done_callback(self._background.discard)
-
-    def _abort_quietly(self, engine_ids: list[str]) -> None:
-        try:
-            self.worker.abort(engine_ids)
-        except Exception:  # noqa: BLE001 - best effort: the client is gone either way
-            pass
+            try:  # queued, not awaited: the client is gone either way (its routes are, too)
+                self.worker.post(lambda engine: [c for rid in unfinished for c in engine.abort(rid)])
+            except EngineStopped:
+                pass
 
     async def abort_engine(self, engine_ids: list[str]) -> int:
         """Abort engine requests; their samples come back (finish_reason 'abort') through the routes."""

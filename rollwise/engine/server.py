@@ -57,7 +57,7 @@ from rollwise.serve.openai_schemas import (  # the request bodies
     UpdateWeightsRequest,
 )
 from rollwise.serve.openai_schemas import report_ignored
-from rollwise.serve.responses import FiniteJSONResponse
+from rollwise.serve.responses import FiniteJSONResponse, as_response
 
 __all__ = ["build_engine", "create_app", "serve"]
 
@@ -95,15 +95,15 @@ def create_app(engine: Any, tokenizer: Any, model_name: str,
 
     @app.post("/v1/chat/completions", responses={**_STREAMS, **_OPENAI_ERRORS})
     async def chat_completions(request: Request, body: ChatCompletionRequest):  # noqa: ANN202
-        return report_ignored(body, await server.chat_completions(request, body))
+        return report_ignored(body, as_response(await server.chat_completions(request, body)))
 
     @app.post("/v1/completions", responses={**_STREAMS, **_OPENAI_ERRORS})
     async def completions(request: Request, body: CompletionRequest):  # noqa: ANN202
-        return report_ignored(body, await server.completions(request, body))
+        return report_ignored(body, as_response(await server.completions(request, body)))
 
-    @app.post("/generate", responses=error_responses(400, 409, 413, 503))
-    async def generate(request: Request, body: GenerateRequest) -> dict[str, Any]:
-        return await server.generate(request, body)
+    @app.post("/generate", response_model=dict[str, Any], responses=error_responses(400, 409, 413, 503))
+    async def generate(request: Request, body: GenerateRequest) -> Response:
+        return FiniteJSONResponse(await server.generate(request, body))
 
     add_vllm_generate_route(app, server)  # POST /inference/v1/generate: vLLM's token-in shape (vllm-router's)
 

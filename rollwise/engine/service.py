@@ -38,7 +38,6 @@ from rollwise.serve.openai_schemas import (
     UpdateWeightsRequest,
 )
 from rollwise.tasks.prompts import encode_prompt
-from rollwise.types.weights import ExpectedWeights
 
 
 class EngineService:
@@ -131,10 +130,10 @@ class EngineService:
     # ------------------------------------------------------------ running a request
 
     async def _pump(self, gen: Generation, samples: dict[tuple[str, int], Sample]) -> list[Sample]:
-        """Wait for events, apply every one queued; return the samples that changed."""
-        events = [await gen.queue.get()]
+        """Wait for events (a list per engine step), apply every one queued; return the samples that changed."""
+        events = await gen.queue.get()
         while not gen.queue.empty():
-            events.append(gen.queue.get_nowait())
+            events = events + gen.queue.get_nowait()
         changed: dict[int, Sample] = {}
         for event in events:
             if event[0] == "error":
@@ -302,7 +301,7 @@ class EngineService:
         files = weight_files(Path(body.path).expanduser())
         old = self.engine.policy_version
         weights = await asyncio.to_thread(read_weights, files)
-        refused = await asyncio.to_thread(refusal, weights, ExpectedWeights.of_engine(self.engine), body.version, old)
+        refused = await asyncio.to_thread(refusal, weights, self.engine.expected_weights, body.version, old)
         if refused is not None:
             raise refused
         try:  # (the engine checks the version again, on its thread: another update may have landed meanwhile)

@@ -34,6 +34,7 @@ from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
 from rollwise.engine.service import EngineService
 from rollwise.serve.errors import APIError, error_responses
+from rollwise.serve.responses import FiniteJSONResponse
 from rollwise.serve.openai_schemas import (
     MAX_TOP_LOGPROBS,
     CheckedJSON,
@@ -163,4 +164,4 @@ def add_vllm_generate_route(app: FastAPI, server: EngineService) -> None:
             result = await server.generate(request, as_rollwise(body))
         except ValueError as exc:  # a field of GenerateRequest's own checks (e.g. top_logprobs range)
             raise APIError(400, f"sampling_params: {exc}", "sampling_params") from exc
-        return report_ignored(body, as_vllm(result, body, server.model_name))
+        return report_ignored(body, FiniteJSONResponse(as_vllm(result, body, server.model_name)))
