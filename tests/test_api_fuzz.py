@@ -24,8 +24,8 @@ from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.control.pool_backend import PoolClient, PoolWorker
 from rollwise.types.weight_update import WeightUpdate
 from rollwise.pool.scheduler import Policy
-from rollwise.pool.server import EnginePool
-from rollwise.pool.server import create_app as create_pool_app
+from rollwise.pool.engine_pool import EnginePool
+from rollwise.pool.app import create_app as create_pool_app
 from rollwise.serve.auth import ApiKeys
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")

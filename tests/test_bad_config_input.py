@@ -288,7 +288,8 @@ def test_group_larger_than_the_pools_engines(workspace: Path, tmp_path: Path, ca
     # pool.url: the pool's engines have their own max_num_seqs; the attach checks the run's requests against it.
     from rollwise.local_server import serve_in_thread
     from rollwise.pool.scheduler import Policy
-    from rollwise.pool.server import EnginePool, create_app
+    from rollwise.pool.engine_pool import EnginePool
+    from rollwise.pool.app import create_app
 
     pool = EnginePool(1, max_num_seqs=2, max_model_len=96, policy=Policy(min_slice_s=0.05))
     with serve_in_thread(create_app(pool)) as (url, _):

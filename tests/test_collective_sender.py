@@ -23,7 +23,7 @@ ray = pytest.importorskip("ray", reason="placement: ray needs Ray: pip install -
 from ray_local import ray_cluster, ray_config  # noqa: E402,F401 (the Ray cluster fixture)
 
 from rollwise.config import RunConfig, load_config  # noqa: E402
-from rollwise.control import ray_placement  # noqa: E402
+from rollwise.control.ray import placement as ray_placement  # noqa: E402
 from rollwise.control.train_loop import train  # noqa: E402
 from rollwise.engine.reference.engine import ReferenceEngine  # noqa: E402
 from rollwise.types.generation import GenerationRequest, SamplingParams  # noqa: E402

@@ -276,7 +276,8 @@ def test_bench_intercept_runs_every_policy_on_the_same_work(model, tmp_path):
 def test_simulated_policies_rank_as_the_waste_model_says():
     """rollwise.sim.intercept: the production policy on a virtual clock; short tools, KV for half the sessions."""
     from rollwise.sim.cost import CostModel
-    from rollwise.sim.intercept import InterceptWorkload, RetentionModel, ToolSpec, projection, simulate
+    from rollwise.sim.intercept_models import InterceptWorkload, RetentionModel, ToolSpec
+    from rollwise.sim.intercept import projection, simulate
 
     cost = CostModel(prefill_s_per_token=2e-4, step_overhead_s=0.01, max_num_seqs=8, max_model_len=1024,
                      kv_capacity_tokens=8 * 700)
@@ -344,7 +345,7 @@ def test_router_forwards_retain_to_the_replica_holding_the_session(model):
     from rollwise.engine.server import create_app
     from rollwise.local_server import serve_in_thread
     from rollwise.model.tiny import tiny_tokenizer
-    from rollwise.router.app import RouterConfig
+    from rollwise.router.config import RouterConfig
     from rollwise.router.app import create_app as create_router_app
 
     tokenizer = tiny_tokenizer()

@@ -35,7 +35,8 @@ from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.control.pool_backend import PoolClient, PoolServerError, PoolWorker, attach_to_pool
 from rollwise.types.weight_update import WeightUpdate
 from rollwise.pool.scheduler import JobView, Policy, SlotView, plan
-from rollwise.pool.server import EnginePool, create_app
+from rollwise.pool.engine_pool import EnginePool
+from rollwise.pool.app import create_app
 from rollwise.pool.states import ACTIVE, EVICTED, SLEEPING, StateError, StateMachine, check_log
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")

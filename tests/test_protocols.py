@@ -88,7 +88,8 @@ def test_sim_cluster_is_a_backend():
 def test_pool_worker_is_a_backend():
     from rollwise.control.pool_backend import PoolClient, PoolWorker
     from rollwise.pool.scheduler import Policy
-    from rollwise.pool.server import EnginePool, create_app
+    from rollwise.pool.engine_pool import EnginePool
+    from rollwise.pool.app import create_app
 
     model, tok = load_model("tiny:0")
     fp = tokenizer_fingerprint(tok)
@@ -109,8 +110,8 @@ def test_pool_worker_is_a_backend():
 def test_ray_fleet_declares_the_backend_methods():
     """Its behaviour runs on a real cluster in tests/test_ray_placement.py; here: the declared shape."""
     pytest.importorskip("ray")
-    from rollwise.control.ray_fleet import RayEngineFleet
-    from rollwise.control.ray_placement import RayTrainer
+    from rollwise.control.ray.fleet import RayEngineFleet
+    from rollwise.control.ray.placement import RayTrainer
 
     assert issubclass(RayEngineFleet, RolloutBackend)
     for name in ("train_step", "weights", "save_checkpoint", "load_checkpoint"):
@@ -136,6 +137,7 @@ def test_grpo_trainer_is_a_trainer_with_zero_copy_weights_and_checkpoints(tmp_pa
 
 def test_controllers_have_the_whole_interface():
     from rollwise.agent.controller import AgentController
+    from rollwise.reward.batch import Unscored
     from rollwise.rollout.controller import RolloutController
     from rollwise.rollout.data import ProblemStream
     from rollwise.rollout.sync_rollout import PromptEncoder
@@ -146,7 +148,7 @@ def test_controllers_have_the_whole_interface():
     worker = EngineWorker(create_engine("reference", model, tok, max_num_seqs=4, max_model_len=64))
     try:
         controller = RolloutController(cfg, worker, PromptEncoder(tok, cfg.prompt, cfg.reward),
-                                       ProblemStream(make_task(cfg.task).problems("train"), 0), lambda group: None)
+                                       ProblemStream(make_task(cfg.task).problems("train"), 0), Unscored())
         assert isinstance(controller, RolloutControl)
         assert controller.step_metrics() == {}
     finally:

@@ -23,7 +23,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="placement: ray needs Ray: pip install -e '.[ray]'")
 
 from rollwise.config import load_config  # noqa: E402
-from rollwise.control import ray_placement  # noqa: E402
+from rollwise.control.ray import placement as ray_placement  # noqa: E402
 from rollwise.control.train_loop import train  # noqa: E402
 from ray_local import GROUP, PROMPTS, STEPS, ray_cluster, ray_config  # noqa: E402,F401 (the fixture)
 
@@ -129,7 +129,7 @@ def test_engine_actor_killed_mid_rollout_is_restarted_and_resynced(ray_cluster, 
     assert len(keys) == len(set(keys)), "a completion was delivered twice"
     train_keys = {k for k in keys if k[0].startswith("g")}
     assert train_keys == {(f"g{g}", i) for g in range(STEPS * PROMPTS) for i in range(GROUP)}
-    assert not fleet._requests
+    assert not fleet.owed.requests
     _check_ledger(summary)
     assert summary["samples"]["dropped"] == 0
     assert summary["engine_restarts"] == 1 and records[-1]["engine_restarts"] == 1
@@ -160,7 +160,7 @@ def test_two_trainer_rank_actors_train_then_a_killed_rank_fails_clearly_and_resu
 
     # Step 1 trains and checkpoints; rank 1's actor is killed during step 2's train step (the commands
     # are out, rank 0 waits in a collective).
-    from rollwise.control.ray_trainer_ranks import RayRankGroup
+    from rollwise.control.ray.trainer_ranks import RayRankGroup
     from rollwise.train.rank_group import TrainerRankError
 
     get, train_calls = RayRankGroup._get, []
@@ -210,7 +210,7 @@ def _actor_cfg() -> dict:
 
 def test_engine_actor_refuses_a_different_tokenizer():
     """Invariant 1: an engine whose tokenizer differs from the trainer's says so on its first call."""
-    from rollwise.control.ray_engine_actor import EngineActor
+    from rollwise.control.ray.engine_actor import EngineActor
 
     actor = EngineActor(_actor_cfg(), 0, "0" * 64, None, 0)
     with pytest.raises(RuntimeError, match="tokenizer fingerprint mismatch"):
@@ -220,7 +220,7 @@ def test_engine_actor_refuses_a_different_tokenizer():
 def test_engine_actor_resends_until_acknowledged():
     """A drain reply lost in transit is sent again; what the fleet acknowledged is never sent twice; an
     abort hands back the samples that finished before it."""
-    from rollwise.control.ray_engine_actor import EngineActor
+    from rollwise.control.ray.engine_actor import EngineActor
     from rollwise.types.generation import GenerationRequest, SamplingParams
     from rollwise.model.loading import load_model, tokenizer_fingerprint
 
@@ -244,7 +244,7 @@ def test_engine_actor_resends_until_acknowledged():
         aborted, unacked = actor.abort(["b"], max(s for s, _ in got))
         assert aborted == [] and [(c.request_id, c.finish_reason) for _, c in unacked] == [("b", "length")]
         # A call meant for a previous incarnation (the actor died and was restarted) does nothing.
-        from rollwise.control.ray_engine_actor import IncarnationChanged
+        from rollwise.control.ray.engine_actor import IncarnationChanged
 
         with pytest.raises(IncarnationChanged):
             actor.submit([GenerationRequest("c", [5], SamplingParams(max_tokens=2))], "an-older-incarnation")

@@ -21,7 +21,7 @@ from rollwise.reward.pool import (
     score_samples_in_pool,
 )
 from rollwise.types.sample import Sample
-from rollwise.sandbox import LocalSandbox
+from rollwise.sandbox.local import LocalSandbox
 from rollwise.types.task import Problem
 
 pytestmark = pytest.mark.timeout(120)

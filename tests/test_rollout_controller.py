@@ -60,10 +60,13 @@ class Setup:
         self.stream = ProblemStream(task.problems("train"), cfg.seed)
         self.encoder = PromptEncoder(tokenizer, cfg.prompt, cfg.reward)
         self.scored: list[str] = []
-        self.controller = RolloutController(cfg, self.worker, self.encoder, self.stream,
-                                            lambda group: self.scored.extend(s.group_id for s in group),
+        self.controller = RolloutController(cfg, self.worker, self.encoder, self.stream, self,
                                             length_fn=length_fn)
         self.version = 0
+
+    def score(self, group: list) -> None:
+        """The controller's Scorer here: records which groups it scored (and when), scoring nothing."""
+        self.scored.extend(s.group_id for s in group)
 
     def update(self) -> None:
         """A real weight update: perturbed weights pushed through the worker, new version."""

@@ -42,7 +42,8 @@ from rollwise.cli import main
 from rollwise.engine.server import build_engine, create_app
 from rollwise.model.tiny import tiny_llama
 from rollwise.local_server import free_port, serve_in_thread
-from rollwise.router.app import RouterConfig, bind_socket
+from rollwise.router.config import RouterConfig
+from rollwise.router.app import bind_socket
 from rollwise.router.app import create_app as create_router_app
 from rollwise.router.app import serve as serve_router
 from rollwise.serve.auth import ApiKeys

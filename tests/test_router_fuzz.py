@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, settings
 
 from rollwise.engine.server import build_engine, create_app
 from rollwise.local_server import serve_in_thread
-from rollwise.router.app import RouterConfig, bind_socket
+from rollwise.router.config import RouterConfig
+from rollwise.router.app import bind_socket
 from rollwise.router.app import create_app as create_router_app
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")

@@ -29,7 +29,8 @@ from engine_processes import engine_processes, engine_subprocess, wait_healthy
 from rollwise.cli import main
 from rollwise.engine.server import build_engine, create_app
 from rollwise.local_server import free_port, serve_in_thread
-from rollwise.router.app import RouterConfig, bind_socket
+from rollwise.router.config import RouterConfig
+from rollwise.router.app import bind_socket
 from rollwise.router.app import create_app as create_router_app
 from rollwise.router.core import Router
 from rollwise.router.policies import Decision, RouteRequest

@@ -15,14 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from rollwise.sandbox import (
-    IsolationLevel,
-    LocalSandbox,
-    SandboxError,
-    SandboxLimits,
-    SandboxPool,
-    detect_isolation,
-)
+from rollwise.sandbox.launch import IsolationLevel
+from rollwise.sandbox.local import LocalSandbox
+from rollwise.sandbox.types import SandboxError, SandboxLimits
+from rollwise.sandbox.pool import SandboxPool
+from rollwise.sandbox.isolation import detect_isolation
 from rollwise.sandbox.cgroups import cgroup_support
 from rollwise.sandbox.launch import NOBODY, candidate_modes
 
@@ -382,7 +379,7 @@ def test_workspace_roots_are_removed_at_exit_and_swept_after_a_kill():
 
     from rollwise.sandbox.workspace import sweep_stale_roots
 
-    script = ("import os, sys\nfrom rollwise.sandbox import LocalSandbox\n"
+    script = ("import os, sys\nfrom rollwise.sandbox.local import LocalSandbox\n"
               "sb = LocalSandbox()\nsb.run('echo x > f')\nprint(sb.host_path.parent, flush=True)\n"
               "if sys.argv[1] == 'kill':\n    os.kill(os.getpid(), 9)\n")
     exited = subprocess.run([sys.executable, "-c", script, "exit"], capture_output=True, text=True, check=True)

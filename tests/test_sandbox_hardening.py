@@ -11,14 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rollwise.sandbox import (
-    IsolationLevel,
-    LocalSandbox,
-    SandboxLimits,
-    SandboxPool,
-    detect_isolation,
-    limits_in_force,
-)
+from rollwise.sandbox.launch import IsolationLevel
+from rollwise.sandbox.local import LocalSandbox
+from rollwise.sandbox.types import SandboxLimits
+from rollwise.sandbox.pool import SandboxPool
+from rollwise.sandbox.isolation import detect_isolation
+from rollwise.sandbox.limits import limits_in_force
 from rollwise.sandbox.cgroups import cgroup_support
 from rollwise.sandbox.workspace import remove_tree
 

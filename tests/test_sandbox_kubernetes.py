@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from rollwise.sandbox import LocalSandbox, SandboxError, SandboxLimits
+from rollwise.sandbox.local import LocalSandbox
+from rollwise.sandbox.types import SandboxError, SandboxLimits
 from rollwise.sandbox.kubernetes import (
     LIST_COMMAND,
     KubernetesConfig,

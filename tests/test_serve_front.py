@@ -28,9 +28,10 @@ from rollwise.engine.server import build_engine
 from rollwise.engine.server import create_app as create_engine_app
 from rollwise.local_server import serve_in_thread
 from rollwise.model.tiny import tiny_tokenizer
-from rollwise.pool.server import EnginePool
-from rollwise.pool.server import create_app as create_pool_app
-from rollwise.router.app import RouterConfig, bind_socket
+from rollwise.pool.engine_pool import EnginePool
+from rollwise.pool.app import create_app as create_pool_app
+from rollwise.router.config import RouterConfig
+from rollwise.router.app import bind_socket
 from rollwise.router.app import create_app as create_router_app
 from rollwise.serve.auth import ApiKeys
 from rollwise.serve.front import Front, install_front

@@ -74,7 +74,8 @@ def test_a_finished_turn_is_parked_until_its_retain_and_admission_may_take_it_fi
     keep: always_preserve discards them, as the bench's engine did (turns_dropped_before_retain). Decided
     when the turn ends instead (park_grace_s None), every retain() finds its KV."""
     from rollwise.sim.cost import CostModel
-    from rollwise.sim.intercept import InterceptWorkload, RetentionModel, ToolSpec, simulate
+    from rollwise.sim.intercept_models import InterceptWorkload, RetentionModel, ToolSpec
+    from rollwise.sim.intercept import simulate
 
     cost = CostModel(prefill_s_per_token=1e-4, step_overhead_s=0.1, max_num_seqs=2, max_model_len=256,
                      kv_capacity_tokens=2 * 256)

@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse
 
 from rollwise.engine.server import build_engine, create_app
 from rollwise.local_server import serve_in_thread
-from rollwise.router.app import RouterConfig, bind_socket
+from rollwise.router.config import RouterConfig
+from rollwise.router.app import bind_socket
 from rollwise.router.app import create_app as create_router_app
 
 MODEL = "tiny:0"
@@ -87,8 +88,8 @@ ALLOWED_QUERY = {("pool", "/jobs/{job}/completions"): {"after", "timeout"}}
 def _apps():
     from rollwise.agent.generator import LocalGenerator
     from rollwise.agent.proxy import create_proxy_app
-    from rollwise.pool.server import EnginePool
-    from rollwise.pool.server import create_app as create_pool_app
+    from rollwise.pool.engine_pool import EnginePool
+    from rollwise.pool.app import create_app as create_pool_app
 
     engine, tokenizer = build_engine(MODEL, max_num_seqs=2, max_model_len=256, seed=0)
     pool = EnginePool(1, max_num_seqs=2, max_model_len=256)

@@ -25,7 +25,8 @@ import pytest
 
 from rollwise.engine.server import build_engine, create_app
 from rollwise.local_server import free_port, serve_in_thread
-from rollwise.router.app import RouterConfig, bind_socket
+from rollwise.router.config import RouterConfig
+from rollwise.router.app import bind_socket
 from rollwise.router.app import create_app as create_router_app
 
 MODEL = "tiny:0"

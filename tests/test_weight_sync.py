@@ -18,7 +18,7 @@ from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer
 from rollwise.engine.core import EngineWorker
 from rollwise.sync.buckets import InProcessTransport
-from rollwise.sync.layout import (
+from rollwise.types.bucket_layout import (
     MIB,
     bucket_checksum,
     build_manifest,
@@ -372,7 +372,7 @@ def _adapter_engine_rank(index: int, init_method: str) -> None:
     try:
         model, tokenizer = load_model("tiny:0")
         engine = ReferenceEngine(model, max_num_seqs=4, max_model_len=64, seed=0)
-        receiver = DistributedReceiver(group, WeightReceiver(engine, tokenizer_fingerprint(tokenizer)))
+        receiver = DistributedReceiver(group, WeightReceiver(engine, tokenizer_fingerprint(tokenizer), adapters=engine))
         kept = []
         while (result := receiver.receive()) is not None:
             kept.append([b.data_ptr() for b in receiver._kept])

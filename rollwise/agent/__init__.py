@@ -20,17 +20,3 @@ Modules, one job each:
     controller   `rollwise train` with an `agent:` section (the rollout controller's interface)
     toy          a tiny model taught to call the calculator (tests and checks)
 """
-
-from rollwise.agent.client import SessionClient
-from rollwise.agent.episode import EpisodeResult, StepAgent, ToolAgent, run_episode
-from rollwise.agent.generator import HTTPGenerator, LocalGenerator
-from rollwise.agent.session import AgentSession, LimitReached, SessionLimits, TurnResult
-from rollwise.agent.tools import BashTool, CalculatorTool, PythonTool, Tool, ToolError, ToolRegistry
-from rollwise.agent.trajectory import Trajectory, TrajectoryBuilder, TrajectorySegment
-
-__all__ = [
-    "AgentSession", "BashTool", "CalculatorTool", "EpisodeResult", "HTTPGenerator", "LimitReached",
-    "LocalGenerator", "PythonTool", "SessionClient", "SessionLimits", "StepAgent", "Tool", "ToolAgent",
-    "ToolError", "ToolRegistry", "Trajectory", "TrajectoryBuilder", "TrajectorySegment", "TurnResult",
-    "run_episode",
-]

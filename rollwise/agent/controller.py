@@ -20,6 +20,7 @@ from rollwise.agent.samples import assign_episode_advantages
 from rollwise.config import AgentConfig
 from rollwise.types.generation import Completion, GenerationRequest, SamplingParams
 from rollwise.rollout.data import ProblemStream
+from rollwise.types.contracts import Scorer
 from rollwise.types.ledger import RolloutLedger
 from rollwise.rollout.sync_rollout import sampling_seed
 from rollwise.types.sample import Sample
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
 class AgentController:
     def __init__(self, cfg: Any, worker: EngineWorker, tokenizer: Any, stream: ProblemStream,
-                 score: Callable[[list[Sample]], None], *, policy_version: int = 0, start_group: int = 0,
+                 scorer: Scorer, *, policy_version: int = 0, start_group: int = 0,
                  pending_groups: list[int] | None = None) -> None:
         if cfg.rollout.mode != "sync":
             raise ValueError("agent: training on episodes needs rollout.mode=sync (set rollout.mode=sync)")
@@ -41,7 +42,7 @@ class AgentController:
         self.agent_cfg: AgentConfig = cfg.agent
         self.tokenizer = tokenizer
         self.stream = stream
-        self.score = score
+        self.scorer = scorer
         self.version = policy_version
         self.generator = LocalGenerator(worker=worker)
         self.ledger = RolloutLedger()  # one slot per episode; episodes are never regenerated
@@ -118,7 +119,7 @@ class AgentController:
             raise RuntimeError(f"no episode of this step sampled a single turn (ended by {reasons}); with "
                                "'context' the opening prompt does not fit: raise engine.max_model_len")
         t = time.monotonic()
-        samples = score_episodes(outcomes, lambda s: self.score([s]))
+        samples = score_episodes(outcomes, lambda s: self.scorer.score([s]))
         self.score_seconds += time.monotonic() - t
         n = max(len(outcomes), 1)
         calls = sum(o.tool_calls for o in outcomes)

@@ -21,6 +21,7 @@ import httpx
 
 from rollwise.engine.retention import RetentionDecision, RetentionRequest
 from rollwise.types.generation import Completion, GenerationRequest, SamplingParams
+from rollwise.engine.contract import Engine
 from rollwise.engine.core import EngineWorker
 from rollwise.types.contracts import RolloutBackend
 from rollwise.serve.settings import client_auth_headers
@@ -55,7 +56,7 @@ class LocalGenerator:
     one that already drives the engine (the training loop's): this generator then takes over routing
     its completions, so every request on that engine must go through here."""
 
-    def __init__(self, engine: Any = None, *, worker: RolloutBackend | None = None) -> None:
+    def __init__(self, engine: Engine | None = None, *, worker: RolloutBackend | None = None) -> None:
         if (engine is None) == (worker is None):
             raise ValueError("LocalGenerator needs an engine or a worker (not both)")
         self._owns_worker = worker is None

@@ -484,7 +484,7 @@ def measure_batch_share(lora: bool, workload: dict[str, Any], repeats: int = 3) 
         if lora:
             for j in range(2):
                 state, spec = random_adapter(engine.model, LORA["rank"], name=f"job{j}", default=False, seed=j)
-                WeightReceiver(engine, None).receive(adapter_update(state, spec, 1, ""))
+                WeightReceiver(engine, None, adapters=engine).receive(adapter_update(state, spec, 1, ""))
             adapters = ["job0", "job1"]
 
         def step_s(jobs: int) -> float:

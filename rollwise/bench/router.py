@@ -55,7 +55,7 @@ from rollwise.sim.routing import SimConfig, Workload, make_workload, simulate
 # vLLM's token-in route: every router arm forwards it to the replicas as sent (rollwise's /generate would
 # be rewritten by vllm-router into its own schema).
 ROUTE = "/inference/v1/generate"
-__all__ = ["MODEL_SIZE", "cli_bench_router", "measure_real", "replicas", "router", "run_router_bench"]
+__all__ = ["cli_bench_router", "measure_real", "replicas", "router", "run_router_bench"]
 
 
 @dataclass(frozen=True)

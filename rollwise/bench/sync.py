@@ -30,7 +30,7 @@ from rollwise.engine.core import EngineWorker
 from rollwise.engine.reference.engine import ReferenceEngine
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.types.weight_update import WeightUpdate
-from rollwise.sync.layout import bucket_checksum, build_manifest, flatten_bucket
+from rollwise.types.bucket_layout import bucket_checksum, build_manifest, flatten_bucket
 from rollwise.engine.weight_receiver import WeightReceiver
 from rollwise.types.weights import WeightManifest
 from rollwise.sync.distributed import (
@@ -234,7 +234,7 @@ def _time_adapter_push(model: Any, state: dict, adapter: dict, spec: AdapterSpec
         seconds["in-process: full / adapter"] = 1.0 / _paired_ratio(push_adapter, push_full, 3 * repeats)
     finally:
         worker.close()
-    receiver = WeightReceiver(engine, fingerprint)
+    receiver = WeightReceiver(engine, fingerprint, adapters=engine)
 
     def checksummed() -> None:
         update = adapter_update(adapter, spec, next(versions), fingerprint, checksum=True)

@@ -170,6 +170,7 @@ def measure_rollout_only(model: Any, tokenizer: Any, engine_kind: str, mode: str
 
     from rollwise.engine.factory import create_engine
     from rollwise.observe.bubble import bubble_ratio
+    from rollwise.reward.batch import Unscored
     from rollwise.rollout.controller import RolloutController
     from rollwise.engine.core import EngineWorker
 
@@ -179,7 +180,7 @@ def measure_rollout_only(model: Any, tokenizer: Any, engine_kind: str, mode: str
     engine = create_engine(with_kind(cfg.engine, engine_kind), model, tokenizer, seed=seed)
     worker = EngineWorker(engine)
     controller = RolloutController(cfg, worker, PromptEncoder(tokenizer, cfg.prompt, cfg.reward),
-                                   ProblemStream(task.problems("train"), seed), lambda group: None,
+                                   ProblemStream(task.problems("train"), seed), Unscored(),
                                    length_fn=forced_lengths(seed, w))
     t0 = time.monotonic()
     for version in range(1, w.updates + 1):

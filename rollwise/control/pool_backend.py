@@ -25,14 +25,15 @@ from typing import Any
 
 import httpx
 import torch
+from torch import nn
 
-from rollwise.config import ConfigError, check_engine_fits
+from rollwise.config import ConfigError, RunConfig, check_engine_fits
 from rollwise.engine.client import EngineServerError, read_response
 from rollwise.types.generation import ModelInfo
 from rollwise.types.generation import Completion, GenerationRequest
-from rollwise.serve.auth import CLIENT_KEY_ENV
+from rollwise.serve.settings import CLIENT_KEY_ENV
 from rollwise.types.weight_update import WeightUpdate
-from rollwise.sync.layout import build_manifest, flatten_bucket
+from rollwise.types.bucket_layout import build_manifest, flatten_bucket
 from rollwise.types.routing import RoutedExperts
 
 
@@ -157,7 +158,7 @@ class PoolWorker:
         # Its own connection: a long poll must not queue behind (or in front of) the trainer's calls.
         self._poller = PoolClient(client.base_url, api_key=client.api_key)
         self._poller.job, self._poller.token = client.job, client.token
-        self.engine: Any = None  # the engine view (attach_to_pool sets it); the agent layer reads worker.engine
+        self.engine: PoolEngineView | None = None  # the engine view (attach_to_pool sets it); the agent layer reads worker.engine
         self._thread = threading.Thread(target=self._receive, name=f"pool-receiver-{client.job}", daemon=True)
         self._thread.start()
 
@@ -266,7 +267,7 @@ class PoolEngineView:
     timeline: list[tuple[float, int]] = field(default_factory=list)
 
 
-def _default_job_name(cfg: Any) -> str:
+def _default_job_name(cfg: RunConfig) -> str:
     model = re.sub(r"[^A-Za-z0-9_.-]+", "-", cfg.model.split("/")[-1].replace("bundled:", "").replace(":", "-"))
     return f"{model}-{os.getpid()}"
 
@@ -281,7 +282,7 @@ class PoolAttachment:
     detach: Callable[[], None]
 
 
-def attach_to_pool(cfg: Any, model: Any, tokenizer: Any, *, fingerprint: str, policy_version: int,
+def attach_to_pool(cfg: RunConfig, model: nn.Module, tokenizer: Any, *, fingerprint: str, policy_version: int,
                    initial: WeightUpdate | None = None) -> PoolAttachment:
     """Attach this run to the pool at cfg.pool.url as job cfg.pool.job; push the trainer's weights (`initial`:
     this update instead, e.g. a train.lora run's adapter: the job then attaches as a LoRA job)."""

@@ -353,7 +353,7 @@ def _train(cfg: RunConfig, console: Console, t0: float, run_dir: Path, resume_di
             cut_logs_by_step(run_dir, start_step)
         logs_cut = True
         console.print(f"[green]resumed[/] from {resume_dir} at step {start_step} (policy version {trainer.version})")
-        if getattr(trainer, "lora", None) is not None:  # the engines start from the base: give them the adapter
+        if cfg.train.lora is not None:  # the engines start from the base: give them the adapter
             placement.push_weights()
     elif cfg.checkpoint.resume == "auto" and has_logs(run_dir):
         console.print(f"[yellow]no checkpoint[/] in {escape(str(run_dir))} (stopped before its first one): "

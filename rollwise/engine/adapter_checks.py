@@ -7,19 +7,11 @@ runs them, with the full-weight ones, before it loads an adapter.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from rollwise.types.weight_checks import WeightProblem, dtype_problem
 from rollwise.types.weights import ExpectedWeights, WeightManifest
 
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
-
-
-def adapter_version(engine: Any, name: str) -> int | None:
-    """The version of adapter `name` the engine holds (None: it holds none)."""
-    inner = getattr(engine, "engine", engine)  # an EngineWorker: the engine it wraps
-    loaded = getattr(inner, "loaded_adapters", None)
-    return loaded().get(name) if callable(loaded) else None
 
 
 def base_projections(expected: ExpectedWeights) -> dict[str, tuple[tuple[int, ...], str]]:

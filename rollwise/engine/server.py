@@ -47,7 +47,8 @@ from rollwise.model.loading import tokenizer_fingerprint
 from rollwise.serve.disconnect import ClientGone, client_gone
 from rollwise.serve.drain import serve_app
 from rollwise.serve.errors import APIError, error_responses
-from rollwise.serve.front import Front, FrontSettings, install_front
+from rollwise.serve.front import Front, install_front
+from rollwise.serve.settings import FrontSettings
 from rollwise.serve.limits import DEFAULT_MAX_REQUEST_BYTES, check_max_request_bytes
 from rollwise.serve.openai_schemas import (  # the request bodies
     AbortRequest,

@@ -41,15 +41,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rollwise.engine.contract import (
-    EngineLoad,
-    ModelInfo,
-    check_request,
-    check_version,
-    check_weights,
-    run_to_completion,
-    seed_source,
-)
+from rollwise.types.generation import EngineLoad, ModelInfo
+from rollwise.engine.contract import check_request, check_version, check_weights, run_to_completion, seed_source
 from rollwise.engine.retention import RetentionDecision, RetentionLimits, RetentionRequest
 from rollwise.engine.retention_policy import PolicyName
 from rollwise.engine.speculation.history import HistoryDrafter

@@ -9,11 +9,12 @@ engine server's disk route and the engines.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from torch import Tensor
 
-from rollwise.engine.adapter_checks import adapter_problems, adapter_version, base_projections
+from rollwise.engine.adapter_checks import adapter_problems, base_projections
+from rollwise.types.contracts import AdapterEngine, WeightEngine
 from rollwise.types.bucket_layout import bucket_checksum, unflatten_bucket
 from rollwise.types.weight_checks import (
     WeightProblem,
@@ -23,14 +24,8 @@ from rollwise.types.weight_checks import (
     tensor_problems,
     version_problem,
 )
-from rollwise.types.weights import (
-    MAX_LORA_ALPHA,
-    BucketSpec,
-    ExpectedWeights,
-    WeightManifest,
-    WeightUpdateError,
-    dtype_name,
-)
+from rollwise.types.adapter_limits import MAX_LORA_ALPHA
+from rollwise.types.weights import BucketSpec, ExpectedWeights, WeightManifest, WeightUpdateError, dtype_name
 
 
 class CarriedUpdate(Protocol):
@@ -125,30 +120,25 @@ class StagedUpdate:
         return [b.index for b in self.manifest.buckets if b.index not in self._received]
 
 
-def _current_version(engine: Any) -> int | None:
-    version = getattr(engine, "policy_version", None)
-    if version is None:  # an EngineWorker: the engine it wraps knows
-        version = getattr(getattr(engine, "engine", None), "policy_version", None)
-    return version
-
-
 class WeightReceiver:
     """The engine side shared by all transports: check a manifest, then apply a staged update whole.
 
-    `engine` is anything with apply_weights(state_dict, version): a ReferenceEngine, or an
-    EngineWorker (then the apply runs on its thread between two steps). `tokenizer_fingerprint` is
-    the engine's own tokenizer's (rollwise.model.loading.tokenizer_fingerprint); None only for an
+    `engine` (a WeightEngine) takes full-weight updates: a ReferenceEngine, a VllmEngine, an EngineWorker
+    (then the apply runs on its thread between two steps), a pool job. `adapters` (an AdapterEngine, most
+    often the same object) takes LoRA adapter updates; without one they are refused. `tokenizer_fingerprint`
+    is the engine's own tokenizer's (rollwise.model.loading.tokenizer_fingerprint); None only for an
     engine built without one (tests, benchmarks): then the fingerprint is the one thing not checked."""
 
-    def __init__(self, engine: Any, tokenizer_fingerprint: str | None,
-                 expected: ExpectedWeights | None = None) -> None:
+    def __init__(self, engine: WeightEngine, tokenizer_fingerprint: str | None, *,
+                 adapters: AdapterEngine | None = None) -> None:
         self.engine = engine
+        self.adapters = adapters
         self.tokenizer_fingerprint = tokenizer_fingerprint
-        self.expected = expected if expected is not None else ExpectedWeights.of_engine(engine)
+        self.expected: ExpectedWeights = engine.expected_weights
 
     @property
     def policy_version(self) -> int | None:
-        return _current_version(self.engine)
+        return self.engine.policy_version
 
     def reject(self, version: int, problems: Sequence[WeightProblem], hint: str) -> WeightUpdateError:
         """The error refusing `version` for `problems` (the first one's field is the error's)."""
@@ -235,7 +225,8 @@ class WeightReceiver:
         if problems:
             raise self.reject(manifest.version, problems, f"Send a LoRA spec with rank >= 1, a finite alpha in "
                                                           f"(0, {MAX_LORA_ALPHA:g}] and a plain name.")
-        current = self.policy_version if spec.default else adapter_version(self.engine, spec.name)
+        held = self.adapters.loaded_adapters().get(spec.name) if self.adapters is not None else None
+        current = self.policy_version if spec.default else held
         backwards = version_problem(manifest.version, current, f"adapter {spec.name!r}")
         if backwards is not None:
             raise self.reject(manifest.version, [backwards], "Nothing was applied.")
@@ -265,15 +256,11 @@ class WeightReceiver:
             raise self.reject(manifest.version, [p.prefixed(f"adapter {spec.name!r}: ") for p in problems],
                               "Nothing was applied.")
         state = dict(staged.tensors)
-        engine = self.engine
-        if not hasattr(getattr(engine, "engine", engine), "load_adapter"):
-            raise self.reject(manifest.version, [WeightProblem("adapter", f"{type(engine).__name__} cannot serve "
-                                                                          "LoRA adapters")],
+        if self.adapters is None:
+            raise self.reject(manifest.version, [WeightProblem("adapter", f"{type(self.engine).__name__} cannot "
+                                                                          "serve LoRA adapters")],
                               "Use the reference or vLLM engine for train.lora runs.")
         try:
-            if hasattr(engine, "call_here"):  # an EngineWorker: load between two steps
-                engine.call_here(lambda e: e.load_adapter(spec, state, manifest.version))
-            else:
-                engine.load_adapter(spec, state, manifest.version)
+            self.adapters.load_adapter(spec, state, manifest.version)  # an EngineWorker: between two steps
         except ValueError as exc:  # the engine's own validation; it also leaves everything as it was
             raise self.reject(manifest.version, [WeightProblem("adapter", str(exc))], "Nothing was applied.") from exc

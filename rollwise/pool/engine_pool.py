@@ -24,6 +24,7 @@ from rollwise.pool.scheduler import Policy
 from rollwise.pool.slots import SlotLoops
 from rollwise.pool.states import ACTIVE, EVICTED, StateMachine
 from rollwise.pool.tenancy import MemoryBudget, footprint, kv_bytes, module_bytes
+from rollwise.pool.tenant_engines import TenantEngines
 from rollwise.pool.weights import JobAdapter, JobTarget, JobWeights, own_adapter, parse_weight_upload
 from rollwise.serve.auth import ANONYMOUS, KeyQuota
 from rollwise.engine.weight_receiver import WeightReceiver
@@ -61,11 +62,11 @@ class EnginePool(SlotLoops):
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         # every job's engines: the reference engine (a job's max_model_len may be shorter than the pool's)
-        self.engine_config = EngineConfig(kind="reference", max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+        self.engines = TenantEngines(EngineConfig(kind="reference", max_num_seqs=max_num_seqs,
+                                                  max_model_len=max_model_len),
+                                     seed=seed, prefix_cache_tokens=prefix_cache_tokens)
         self.policy = policy or Policy()
         self.max_sleeping = max_sleeping
-        self.seed = seed
-        self.prefix_cache_tokens = prefix_cache_tokens
         self.lock = threading.RLock()  # jobs, queues, slot assignments, accounting
         self.states = StateMachine(num_engines)
         self.jobs: dict[str, Job] = {}

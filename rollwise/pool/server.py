@@ -61,8 +61,6 @@ from rollwise.serve.drain import serve_app
 from rollwise.serve.front import Front
 from rollwise.serve.settings import FrontSettings
 
-__all__ = ["EnginePool", "create_app", "serve"]
-
 
 def serve(engines: int = 1, front: Front | None = None, max_num_seqs: int = 16,
           max_model_len: int = 1024, min_slice_s: float = 5.0, max_sleeping: int = 4,

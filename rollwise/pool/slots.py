@@ -20,14 +20,12 @@ import threading
 import time
 from typing import Any
 
-from rollwise.types.engine_config import EngineConfig
-from rollwise.engine.contract import add_all, run_to_completion
 from rollwise.engine.core import EngineWorker
-from rollwise.engine.factory import create_engine
-from rollwise.types.generation import Completion, GenerationRequest, SamplingParams
+from rollwise.types.generation import Completion
 from rollwise.pool.jobs import Job, LoraBase, PoolError, QueuedRequest, Slot, empty_abort, fault_error, stamp
 from rollwise.pool.scheduler import JobView, Policy, SlotView, plan
 from rollwise.pool.states import ACTIVE, EVICTED, SLEEPING, StateMachine
+from rollwise.pool.tenant_engines import TenantEngines, submit_to, sync_adapters
 
 TICK_S = 0.005  # a busy slot's control loop: how long it waits for a finished sample before re-planning
 IDLE_TICK_S = 0.05  # an idle slot re-plans at least this often (time slices expire, jobs finish training)
@@ -41,10 +39,8 @@ class SlotLoops:
     slots: list[Slot]
     states: StateMachine
     policy: Policy
-    engine_config: EngineConfig
+    engines: TenantEngines
     max_sleeping: int
-    seed: int | None
-    prefix_cache_tokens: int
     isolation_checks: int
     violations: list[str]
     _by_internal: dict[str, QueuedRequest]
@@ -242,7 +238,7 @@ class SlotLoops:
             if problem is None:
                 self.isolation_checks += 1
                 try:
-                    slot.worker.call(lambda e: _submit_to(e, inst, [r.request for r in reqs]))
+                    slot.worker.call(lambda e: submit_to(e, inst, [r.request for r in reqs]))
                     return
                 except Exception as exc:  # noqa: BLE001 - refused: the samples come back as aborted
                     if slot.worker.failure is not None:
@@ -319,7 +315,7 @@ class SlotLoops:
 
             def wake(_e: Any, inst: Any = inst) -> dict[str, str]:
                 inst.wake()
-                failed = _sync_adapters(inst, tenancy) if lora else {}
+                failed = sync_adapters(inst, tenancy) if lora else {}
                 if not lora and inst.policy_version != version:
                     inst.apply_weights(weights, version)
                 inst.resume() if not paused else inst.pause()
@@ -328,33 +324,12 @@ class SlotLoops:
             failed = worker.call(wake)  # on the engine thread (the slot steps nothing meanwhile)
             worker.swap_engine(inst)
             return why, failed
-        inst, failed = self._build(tenancy)
+        inst, failed = self.engines.build(tenancy)
         if paused:
             inst.pause()
         worker.swap_engine(inst)
         slot.instances[tenancy.name] = inst
         return "load", failed
-
-    def _new_engine(self, tenancy: Job | LoraBase) -> Any:
-        """An engine for the tenancy's model, holding the weights it attached with (no adapter, no push yet)."""
-        lora = isinstance(tenancy, LoraBase)
-        return create_engine(self.engine_config, tenancy.template, tenancy.tokenizer,
-                             max_model_len=tenancy.max_model_len, eos_token_ids=tenancy.eos_ids,
-                             policy_version=0 if lora else tenancy.version, seed=self.seed,
-                             model_name=tenancy.model, tokenizer_fingerprint=tenancy.fingerprint,
-                             prefix_cache_tokens=self.prefix_cache_tokens)
-
-    def _build(self, tenancy: Job | LoraBase) -> tuple[Any, dict[str, str]]:
-        """The tenancy's engine with its latest weights (a LoRA base: the base as loaded, which LoRA jobs never
-        change, and every member's latest adapter); and the LoRA jobs whose adapter failed to load (-> why)."""
-        engine = self._new_engine(tenancy)
-        failed: dict[str, str] = {}
-        if isinstance(tenancy, LoraBase):
-            failed = _sync_adapters(engine, tenancy)
-        else:
-            engine.apply_weights(tenancy.weights, tenancy.version)  # the job's latest pushed weights, validated whole
-        engine.pool_owner = tenancy.name
-        return engine, failed
 
     def _drop_instance(self, slot: Slot, key: str, why: str) -> None:
         """Evict the tenancy's engine on the slot, whatever state it is in (caller holds the tenancy's lock)."""
@@ -367,7 +342,7 @@ class SlotLoops:
     def _recover(self, slot: Slot) -> None:
         """The slot's engine thread died: an engine step raised (an adapter or weights that passed every check
         but break the forward, or an engine bug). The other tenants keep the slot: it gets a fresh engine thread,
-        the failed engine is evicted, the jobs whose requests were on it are probed (_probe) and those that break
+        the failed engine is evicted, the jobs whose requests were on it are probed (TenantEngines.probe) and those that break
         an engine are faulted (_fault: their requests answered with the error, new ones refused until they push
         weights that load); the others' requests are queued again and rerun. A request on a failed engine twice
         is answered with an error instead (it may be what breaks it)."""
@@ -393,7 +368,7 @@ class SlotLoops:
                     slot.job, slot.running = None, 0
                     slot.running_by.clear()
                     suspects = [self.jobs[n] for n in dict.fromkeys(r.job for r in crashed) if n in self.jobs]
-                faults = self._probe(tenancy, suspects) if tenancy is not None else {}
+                faults = self.engines.probe(tenancy, suspects) if tenancy is not None else {}
                 with self.lock:
                     for name, reason in faults.items():
                         if name in self.jobs:
@@ -405,30 +380,6 @@ class SlotLoops:
                            f"{len(crashed)} request(s) rerun or answered{who}")
         del slot.errors[:-20]
         self.kick()
-
-    def _probe(self, tenancy: Job | LoraBase, suspects: list[Job]) -> dict[str, str]:
-        """Which of `suspects` break an engine: each runs a short sampled generation alone, on an engine built
-        fresh from the tenancy's model holding only that job's current weights (a LoRA job: only its adapter).
-        Runs on the slot's thread (the slot serves nothing meanwhile); caller holds tenancy.lock."""
-        faults: dict[str, str] = {}
-        lora = isinstance(tenancy, LoraBase)
-        for job in suspects:
-            if job.detached or job.version is None or job.fault is not None:
-                continue
-            what = f"its {'adapter' if lora else 'weights'} (version {job.version})"
-            probe = GenerationRequest(f"probe-{job.name}", [t % job.vocab_size for t in (1, 2, 3)],
-                                      SamplingParams(max_tokens=2, temperature=1.0, seed=0),
-                                      adapter=job.name if lora else None)
-            try:
-                engine = self._new_engine(tenancy)
-                if lora:
-                    engine.load_adapter(job.adapter, job.weights, job.version)
-                else:
-                    engine.apply_weights(job.weights, job.version)
-                run_to_completion(engine, [probe])
-            except Exception as exc:  # noqa: BLE001 - what the job's weights do to an engine: its fault
-                faults[job.name] = f"{what} breaks the engine ({exc!r})"
-        return faults
 
     def _fault(self, job: Job, reason: str) -> None:
         """Stop running `job`: its queued requests are answered with the error, new ones refused (409) until it
@@ -488,30 +439,3 @@ class SlotLoops:
                 self.states.transition(slot.index, name, EVICTED, time.perf_counter() - t,
                                        f"more than {self.max_sleeping} sleeping engines on the slot")
 
-
-def _submit_to(current: Any, inst: Any, requests: list[GenerationRequest]) -> None:
-    """On the slot's engine thread: the engine being stepped must be the job's own."""
-    if current is not inst:
-        raise RuntimeError("the slot is stepping another engine than the job's")
-    add_all(inst, requests)
-
-
-
-def _sync_adapters(inst: Any, base: LoraBase) -> dict[str, str]:
-    """A LoRA base's engine serves exactly its jobs' latest adapters (caller holds base.lock; the engine is
-    not being stepped): detached and faulted jobs' adapters off, pushed versions on. A job whose adapter fails
-    to load is left out (it serves nothing, not even its older version): returns its name -> why."""
-    serving = {name: job for name, job in base.members.items() if job.fault is None}
-    loaded = inst.loaded_adapters()
-    for name in set(loaded) - set(serving):
-        inst.unload_adapter(name)
-    failed: dict[str, str] = {}
-    for job in serving.values():
-        if job.version is not None and job.adapter is not None and loaded.get(job.name) != job.version:
-            try:
-                inst.load_adapter(job.adapter, job.weights, job.version)
-            except Exception as exc:  # noqa: BLE001 - this job's adapter; the other jobs are served
-                failed[job.name] = f"its adapter (version {job.version}) failed to load on the engine ({exc})"
-                if job.name in inst.loaded_adapters():
-                    inst.unload_adapter(job.name)
-    return failed

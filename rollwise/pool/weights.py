@@ -20,10 +20,10 @@ import torch
 from rollwise.engine.contract import Engine
 from rollwise.pool.jobs import Job, PoolError, Slot
 from rollwise.pool.states import ACTIVE, StateMachine
-from rollwise.sync.layout import parse_manifest
+from rollwise.types.bucket_layout import parse_manifest
 from rollwise.engine.weight_receiver import StagedUpdate
 from rollwise.types.weights import WeightUpdateError
-from rollwise.types.weights import AdapterSpec
+from rollwise.types.weights import AdapterSpec, ExpectedWeights
 
 
 def parse_weight_upload(body: bytes) -> StagedUpdate:
@@ -61,6 +61,10 @@ class JobTarget:
     @property
     def policy_version(self) -> int | None:
         return self.job.version
+
+    @property
+    def expected_weights(self) -> ExpectedWeights:
+        return self.job.expected
 
     def on_active_engines(self, key: str, call: Callable[[Engine], None]) -> None:
         """Run `call` on every active instance under `key`, between two of its engine's steps."""
@@ -101,6 +105,10 @@ def own_adapter(staged: StagedUpdate, job: Job) -> None:
 class JobAdapter(JobTarget):
     """WeightReceiver's target for a LoRA job: store its adapter, load it on the job's base engines that are
     active (a sleeping one loads it when it wakes). Nothing of the base, or of another job's adapter, changes."""
+
+    def apply_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        # own_adapter refuses a full upload to a LoRA job before the receiver is built: never reached
+        raise ValueError(f"job {self.job.name!r} attached as a LoRA job (lora=true): it takes adapters only")
 
     def loaded_adapters(self) -> dict[str, int]:
         return {} if self.job.version is None else {self.job.name: self.job.version}

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from rollwise.config import RunConfig
 from rollwise.engine.speculation.drafter import Drafter
 from rollwise.types.generation import Completion, GenerationRequest, SamplingParams
-from rollwise.types.contracts import RolloutBackend
+from rollwise.types.contracts import RolloutBackend, Scorer
 from rollwise.rollout import admission
 from rollwise.rollout.admission import AdmissionPolicy, RolloutCounts
 from rollwise.rollout.data import ProblemStream
@@ -49,8 +49,6 @@ from rollwise.types.sample import Sample
 from rollwise.types.task import Problem
 from rollwise.train.advantages import assign_advantages
 
-# Called with a complete group's samples, to score them (reward) in place.
-ScoreFn = Callable[[list[Sample]], None]
 # Forces a sample's generation length (benchmarks): (group index, sample index) -> max_tokens.
 LengthFn = Callable[[int, int], int]
 
@@ -97,7 +95,7 @@ class RolloutController(ControllerDefaults):
         worker: RolloutBackend,
         encoder: PromptEncoder,
         stream: ProblemStream,
-        score: ScoreFn,
+        scorer: Scorer,
         *,
         policy_version: int = 0,
         updates: int | None = None,
@@ -125,7 +123,7 @@ class RolloutController(ControllerDefaults):
         self.worker = worker
         self.encoder = encoder
         self.stream = stream
-        self.score = score
+        self.scorer = scorer  # the reward layer (rollwise.reward), built by the placement
         self.length_fn = length_fn
         self.version = policy_version
         # Train steps taken (skipped ones included): async admission runs ahead of these, not of the
@@ -448,7 +446,7 @@ class RolloutController(ControllerDefaults):
             return
         if len(group.finished) == self.group_size:
             group.completed_at = time.monotonic()
-            self.score([group.finished[i] for i in range(self.group_size)])
+            self.scorer.score([group.finished[i] for i in range(self.group_size)])
             self.score_seconds += time.monotonic() - group.completed_at
             self.ready.append(group.index)
 

@@ -56,7 +56,6 @@ from rollwise.serve.drain import server_for
 from rollwise.serve.front import Front, install_front
 from rollwise.serve.settings import FrontSettings
 
-__all__ = ["RouterConfig", "bind_socket", "create_app", "serve"]
 
 log = logging.getLogger("rollwise.router")
 

@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from rollwise.router.app import RouterConfig, serve
+    from rollwise.router.config import RouterConfig
+    from rollwise.router.app import serve
     from rollwise.serve.front import Front
 
     args = build_parser().parse_args(argv)

@@ -1,6 +1,7 @@
 """Sandboxes: one isolated, persistent workspace per rollout (issue 6, "Sandbox runtime").
 
-    from rollwise.sandbox import SandboxPool, SandboxLimits
+    from rollwise.sandbox.pool import SandboxPool
+    from rollwise.sandbox.types import SandboxLimits
 
     with SandboxPool(SandboxLimits(timeout_s=10), max_sandboxes=8, warm=2) as pool:
         with pool.sandbox() as sb:
@@ -15,33 +16,3 @@ bubblewrap backend), pool (limits, warm sandboxes, cleanup), kubernetes (one pod
 limits (which whole-sandbox limits hold here), seccomp (the syscall deny list),
 probes (`rollwise check sandbox`).
 """
-
-from rollwise.sandbox.isolation import IsolationReport, detect_isolation
-from rollwise.sandbox.launch import IsolationLevel
-from rollwise.sandbox.limits import LimitsReport, announce_limits, limits_in_force
-from rollwise.sandbox.local import LocalSandbox
-from rollwise.sandbox.pool import PooledSandbox, SandboxPool
-from rollwise.sandbox.types import (
-    FileInfo,
-    RunResult,
-    Sandbox,
-    SandboxError,
-    SandboxLimits,
-)
-
-__all__ = [
-    "FileInfo",
-    "IsolationLevel",
-    "IsolationReport",
-    "LimitsReport",
-    "LocalSandbox",
-    "PooledSandbox",
-    "RunResult",
-    "Sandbox",
-    "SandboxError",
-    "SandboxLimits",
-    "SandboxPool",
-    "announce_limits",
-    "detect_isolation",
-    "limits_in_force",
-]

@@ -4,7 +4,7 @@ Per-process limits (rlimits: CPU, address space, processes, open files, file siz
 isolation level. What a sandbox as a whole may use depends on the machine, so it is detected, not
 assumed, and said at start-up (one log line) and by `rollwise check sandbox`:
 
-    from rollwise.sandbox import limits_in_force
+    from rollwise.sandbox.limits import limits_in_force
     print(limits_in_force().describe())
 """
 

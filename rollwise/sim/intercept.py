@@ -48,8 +48,6 @@ from rollwise.sim.cost import CostModel
 from rollwise.sim.intercept_cache import BlockPrefixCache
 from rollwise.sim.intercept_models import InterceptResult, InterceptWorkload, RetentionModel, ToolSpec
 
-__all__ = ["InterceptResult", "InterceptWorkload", "RetentionModel", "ToolSpec", "projection", "simulate"]
-
 
 @dataclass
 class _Session:

@@ -15,6 +15,7 @@ from typing import Any
 
 from rollwise.config import RunConfig
 from rollwise.observe.bubble import busy_integral
+from rollwise.reward.batch import Unscored
 from rollwise.rollout.controller import LengthFn, RolloutController
 from rollwise.router.policies import make_policy
 from rollwise.sim.cluster import SimCluster
@@ -113,7 +114,7 @@ def build(s: Scenario, *, cost: CostModel | None = None, trainer: TrainerModel |
         length_fn = lambda g, i: min(lengths.draw(g * 1009 + i), s.workload.output.max_tokens)  # noqa: E731
     encoder = encoder or SimEncoder(s.workload.prompt_tokens, s.workload.shared_prefix_tokens, vocab_size)
     controller = RolloutController(cfg, cluster, encoder, stream or SimStream(),  # type: ignore[arg-type]
-                                   lambda group: None, length_fn=length_fn)
+                                   Unscored(), length_fn=length_fn)
     controller.pump_in_background = False  # virtual time: simulate() pumps at every engine event instead
     return SimRun(s, cost, trainer, cluster, controller, clock)
 

@@ -5,7 +5,7 @@ A weight update is a `WeightManifest` (version, tokenizer fingerprint, every ten
 dtype and place; rollwise.types.weights) plus the bytes, cut into ordered buckets of at most `bucket_mb`
 MiB so a transport never needs a second full copy of the model in flight. A bucket travels as one
 contiguous uint8 buffer (`flatten_bucket`); the receiver turns it back into typed views without copying
-(`unflatten_bucket`); both, the checksums and `build_manifest` are rollwise.sync.layout's.
+(`unflatten_bucket`); both, the checksums and `build_manifest` are rollwise.types.bucket_layout's.
 
 Receiving is two-phase and shared by all transports (rollwise.engine.weight_receiver, the engine side's): stage every bucket
 (`StagedUpdate`, which checks each bucket's layout and checksum as it lands), then

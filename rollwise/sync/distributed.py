@@ -15,7 +15,7 @@ not exercised on CPU-only machines). One push is:
      the trainer (through the store), which raises WeightUpdateError naming every engine that refused.
 
 Engine processes run `DistributedReceiver.serve()`, which returns when the trainer calls `close()`; a
-Ray fleet (rollwise.control.ray_fleet_collective) instead asks each engine actor to `receive()` once per
+Ray fleet (rollwise.control.ray.fleet_collective) instead asks each engine actor to `receive()` once per
 update, and calls `send` and `collect` itself so it can notice a dead actor before waiting for its verdict.
 """
 
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rollwise.sync.layout import build_manifest, flatten_bucket, parse_manifest
+from rollwise.types.bucket_layout import build_manifest, flatten_bucket, parse_manifest
 from rollwise.engine.weight_receiver import StagedUpdate, WeightReceiver
 from rollwise.sync.buckets import raise_if_rejected
 from rollwise.types.weights import WeightManifest, WeightUpdateError

@@ -28,7 +28,7 @@ from torch import Tensor
 from rollwise.model.flat_format import INDEX_FILE as FLAT_INDEX_FILE
 from rollwise.model.flat_format import write_flat
 from rollwise.model.flat_reader import FlatCheckpointError, read_flat
-from rollwise.sync.layout import build_manifest, parse_manifest
+from rollwise.types.bucket_layout import build_manifest, parse_manifest
 from rollwise.engine.weight_receiver import StagedUpdate, WeightReceiver
 from rollwise.types.weights import WeightManifest, WeightUpdateError
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from torch import nn
 
+from rollwise.types.contracts import WeightEngine
 from rollwise.types.weight_update import WeightUpdate
 from rollwise.engine.weight_receiver import WeightReceiver
 
 
-def push_weights(model: nn.Module, engines: list, version: int, tokenizer_fingerprint: str | None = None) -> None:
+def push_weights(model: nn.Module, engines: list[WeightEngine], version: int, tokenizer_fingerprint: str | None = None) -> None:
     """Push `model`'s weights as `version` to each engine (or EngineWorker). Without a fingerprint the
     receivers check everything but the tokenizer (the engines were built from the same objects)."""
     update = WeightUpdate.of_state(model.state_dict(), version, tokenizer_fingerprint)

@@ -15,8 +15,6 @@ from torch import Tensor
 from rollwise.train.corrections import correction
 from rollwise.train.policy_loss import ClipSettings, LossTerms, PolicyLoss, PolicyLossInputs, ppo_clip
 
-__all__ = ["LossTerms", "clipped_surrogate_loss", "group_advantages", "off_policy_weights", "token_weights"]
-
 
 def group_advantages(rewards: Tensor, mode: Literal["mean_std", "mean"] = "mean_std", eps: float = 1e-6) -> Tensor:
     """rewards [groups, group_size] -> advantages of the same shape.

@@ -16,7 +16,7 @@
   dtypes, finite values, versions only forward); adapter_limits: an adapter's bounds, torch-free.
 - checksum: a file's xxh3-64 (checkpoint manifests).
 - bucket_layout: how a weight update's tensors are cut into aligned, checksummed buckets and its manifest
-  built (re-exported by rollwise.sync.layout for the transports; the flat checkpoints of rollwise.model use it).
+  built (the weight transports of rollwise.sync and the flat checkpoints of rollwise.model use it).
 - config_section: the base of every run-config section, wherever it is defined (no unknown keys, finite
   numbers, no true/false for a number).
 

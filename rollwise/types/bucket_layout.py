@@ -3,7 +3,7 @@
 describes them. The format itself is described in rollwise.sync.buckets.
 
 A types-layer module (pure: torch, xxhash and rollwise.types only) because two layers build on it: the
-weight transports (rollwise.sync, which re-exports it as rollwise.sync.layout) and the model layer's
+weight transports (rollwise.sync) and the model layer's
 loading-optimised checkpoints (rollwise.model.flat_format), whose chunks are these buckets.
 """
 

@@ -1,5 +1,5 @@
 """File checksums: xxh3-64 (the xxhash package), the hash the weight-update format uses for its buckets
-(rollwise.sync.layout), here over a file's bytes: checkpoint manifests (rollwise.train.checkpoint_manifest)."""
+(rollwise.types.bucket_layout), here over a file's bytes: checkpoint manifests (rollwise.train.checkpoint_manifest)."""
 
 from __future__ import annotations
 

@@ -2,13 +2,21 @@
 
 - `RolloutBackend`: where samples are generated. Implemented by the engine core
   (rollwise.engine.core.EngineWorker: one engine on a thread in this process), the Ray fleet
-  (rollwise.control.ray_fleet.RayEngineFleet), a shared-pool job (rollwise.control.pool_backend.PoolWorker)
+  (rollwise.control.ray.fleet.RayEngineFleet), a shared-pool job (rollwise.control.pool_backend.PoolWorker)
   and the simulator (rollwise.sim.cluster.SimCluster).
 - `Trainer`: where gradients are taken; its `weights()` become a WeightUpdate through the sender
   the placement picks (rollwise.sync.senders). GRPOTrainer (rollwise.train.trainer) in this process, or
-  the proxy to a trainer actor (rollwise.control.ray_placement.RayTrainer).
+  the proxy to a trainer actor (rollwise.control.ray.placement.RayTrainer).
 - `RolloutControl`: what the loop asks of a rollout controller (rollwise.rollout.controller's
   RolloutController and the agent layer's AgentController).
+
+The smaller contracts the layers below speak through:
+
+- `Scorer`: the reward layer as the rollout controller sees it (rollwise.reward.batch.InProcessScorer in this
+  process, reward actors on Ray: rollwise.control.ray.reward.RayScorer); the placement builds it.
+- `WeightEngine` / `AdapterEngine`: what the engine side's WeightReceiver (rollwise.engine.weight_receiver)
+  applies a checked update to: an engine, an EngineWorker (between two steps), a pool job's engines; an
+  `AdapterEngine` also serves LoRA adapters beside its base (the receiver is given one for adapter updates).
 
 Placement (rollwise.control.placement) returns one of each; the loop never asks which.
 
@@ -18,11 +26,14 @@ generation, sample, ledger, task, weight_update): it imports nothing of rollwise
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
+    from rollwise.types.weights import AdapterSpec, ExpectedWeights
     from rollwise.types.weight_update import WeightUpdate
     from rollwise.types.generation import Completion, GenerationRequest, ModelInfo, SamplingParams
     from rollwise.types.ledger import RolloutLedger
@@ -96,3 +107,35 @@ class RolloutControl(Protocol):
     def in_flight(self) -> int: ...
     def pending_groups(self) -> list[int]: ...
     def close(self, reason: str = "the run ended") -> None: ...
+
+
+@runtime_checkable
+class WeightEngine(Protocol):
+    """What a WeightReceiver applies a checked full-weight update to (rollwise.engine.weight_receiver)."""
+
+    @property
+    def policy_version(self) -> int | None:
+        """The version it serves (None: a pool job that was never pushed)."""
+    @property
+    def expected_weights(self) -> ExpectedWeights:
+        """Every tensor's name, shape and dtype it holds (and which share memory)."""
+    def apply_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        """Apply the whole checked state at once, between two engine steps (or raise ValueError, nothing applied)."""
+
+
+@runtime_checkable
+class AdapterEngine(WeightEngine, Protocol):
+    """A WeightEngine that also serves LoRA adapters beside its base (rollwise.sync.adapters)."""
+
+    def loaded_adapters(self) -> dict[str, int]:
+        """Adapter name -> the version it holds."""
+    def load_adapter(self, spec: AdapterSpec, state: Mapping[str, Tensor], version: int) -> None:
+        """Load the adapter without touching the base weights (or raise ValueError, nothing changed)."""
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """Scores a complete group's samples in place: reward, outcome, correctness flags (and `extra["reward_error"]`
+    when the reward code failed: reward code is untrusted, so scoring never raises for it)."""
+
+    def score(self, samples: list[Sample]) -> None: ...

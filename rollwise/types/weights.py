@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -193,16 +193,3 @@ class ExpectedWeights:
             elif key is not None:
                 seen[key] = name
         return cls(tensors, ties)
-
-    @classmethod
-    def of_engine(cls, engine: Any) -> ExpectedWeights:
-        """From an engine that declares them (`expected_weights`: both engines) or holds its model
-        (`model`: the reference engine), or an EngineWorker wrapping one (`.engine`)."""
-        inner = getattr(engine, "engine", engine)
-        declared = getattr(inner, "expected_weights", None)
-        if isinstance(declared, ExpectedWeights):
-            return declared
-        model = getattr(inner, "model", None)
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"cannot read the expected weights of {type(engine).__name__}: pass expected= explicitly")
-        return cls.of_module(model)

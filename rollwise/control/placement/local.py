@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from rollwise.control.placement.base import Placement, PlaceRequest, local_score, local_trainer, resume
+from rollwise.control.placement.base import Placement, PlaceRequest, local_scorer, local_trainer, resume
 from rollwise.engine.core import EngineWorker
 from rollwise.engine.factory import create_engine, describe_engine
-from rollwise.sync.senders import InProcessSender
+from rollwise.sync.senders import in_process_sender
 
 
 def place_local(req: PlaceRequest) -> Placement:
@@ -19,6 +19,6 @@ def place_local(req: PlaceRequest) -> Placement:
     # feeding the same HistoryDrafter from the loop's thread would race the engine's reads.
     engine = create_engine(cfg.engine, req.model, req.tokenizer, model_name=cfg.model, eos_token_ids=req.eos_ids,
                            policy_version=trainer.version, seed=cfg.seed, tokenizer_fingerprint=req.fingerprint)
-    return Placement(trainer, EngineWorker(engine), InProcessSender(req.fingerprint), local_score(req), engine,
+    return Placement(trainer, EngineWorker(engine), in_process_sender(req.fingerprint, cfg.train.lora), local_scorer(req), engine,
                      describe_engine(engine), resumed,
                      on_close=[getattr(engine, "close", lambda: None)])  # vLLM: its weight directory

@@ -3,18 +3,18 @@
 
 from __future__ import annotations
 
-from rollwise.control.placement.base import Placement, PlaceRequest, local_score, local_trainer, resume
+from rollwise.control.placement.base import Placement, PlaceRequest, local_scorer, local_trainer, resume
 from rollwise.control.pool_backend import attach_to_pool
-from rollwise.sync.senders import InProcessSender
+from rollwise.sync.senders import in_process_sender
 
 
 def place_pool(req: PlaceRequest) -> Placement:
     trainer = local_trainer(req)
     resumed = resume(trainer, req)
     # Attaching pushes the trainer's current weights (checked and committed whole by the pool).
-    sender = InProcessSender(req.fingerprint)  # train.lora: adapters only, and the job attaches as a LoRA job
+    sender = in_process_sender(req.fingerprint, req.cfg.train.lora)  # train.lora: the job attaches as a LoRA job
     attached = attach_to_pool(req.cfg, req.model, req.tokenizer, fingerprint=req.fingerprint,
                               policy_version=trainer.version,
                               initial=sender.update(trainer) if req.cfg.train.lora is not None else None)
-    return Placement(trainer, attached.worker, sender, local_score(req), attached.view,
+    return Placement(trainer, attached.worker, sender, local_scorer(req), attached.view,
                      attached.description, resumed, on_close=[attached.detach])

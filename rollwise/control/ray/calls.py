@@ -4,17 +4,20 @@ was awaited (`get_all`), and the driver's `[ray]` log line (`log`)."""
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import GetTimeoutError
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
 
 
 def log(message: str) -> None:
     print(f"[ray] {message}", file=sys.stderr, flush=True)
 
 
-def get_all(refs: list[Any], timeout: float, what: str) -> list[Any]:
+def get_all(refs: list[ObjectRef], timeout: float, what: str) -> list[Any]:
     try:
         return ray.get(refs, timeout=timeout)
     except GetTimeoutError:

@@ -2,7 +2,7 @@
 
 The actor builds its engine itself (rollwise.engine.factory), as local placement does in the trainer's
 process, after checking that its tokenizer is the trainer's (invariant 1). Completions leave it only
-when the fleet (rollwise.control.ray_fleet) acknowledges them, and every call names the incarnation it
+when the fleet (rollwise.control.ray.fleet) acknowledges them, and every call names the incarnation it
 means: a restarted actor refuses calls meant for the one that died until the fleet has re-synced it.
 """
 
@@ -22,6 +22,12 @@ from rollwise.engine.outbox import Outbox
 from rollwise.types.generation import Completion, GenerationRequest
 
 if TYPE_CHECKING:
+    from ray.actor import ActorClass
+
+    from rollwise.engine.contract import Engine
+    from rollwise.engine.core import EngineWorker
+    from rollwise.sync.distributed import DistributedReceiver, ReceiveResult
+    from rollwise.types.generation import ModelInfo
     from rollwise.types.weights import WeightManifest
 
 
@@ -43,8 +49,8 @@ class EngineActor:
         # Completions wait here until the fleet acknowledges them (a reply lost in transit is sent again).
         self._outbox: Outbox[Completion] = Outbox()
         self._drain_lock = threading.Lock()  # one drain or abort at a time (the actor runs 8 calls at once)
-        self.worker = None
-        self.weight_rx: Any = None  # sync.sender=collective: this engine's rank in the fleet's weight group
+        self.worker: EngineWorker | None = None
+        self.weight_rx: DistributedReceiver | None = None  # sync.sender=collective: this engine's rank in the fleet's weight group
         self.error: str | None = None
         try:
             self._start(cfg_data, fingerprint, eos_ids, policy_version)
@@ -74,13 +80,14 @@ class EngineActor:
         self.engine = engine
         self.worker = EngineWorker(engine, name=f"engine-{self.index}")
 
-    def _check(self, token: str | None = None) -> Any:
+    def _check(self, token: str | None = None) -> EngineWorker:
         if self.error is not None:
             raise RuntimeError(self.error)
         if token is not None and token != self.token:
             # The fleet addressed the incarnation that died: nothing runs here until it has re-synced
             # this one (current weights and version first, then its requests).
             raise IncarnationChanged(f"engine actor {self.index} was restarted (incarnation {self.token[:8]})")
+        assert self.worker is not None  # _start built it, or self.error says why not
         return self.worker
 
     # ------------------------------------------------------------ commands
@@ -126,7 +133,6 @@ class EngineActor:
         """Join the fleet's weight group as `rank` (sync.sender=collective; rollwise.sync.distributed),
         leaving the one joined before (the fleet re-forms the group when its engines change). Returns
         once every rank has joined; `device` is cuda (NCCL) or cpu (gloo), the fleet's choice for all."""
-        from rollwise.engine.weight_receiver import WeightReceiver
         from rollwise.sync.distributed import DistributedReceiver, init_weight_group
 
         worker = self._check(token)
@@ -134,9 +140,9 @@ class EngineActor:
             self.weight_rx.group.abandon()
             self.weight_rx = None
         group = init_weight_group(rank, world_size, init_method, device=device, timeout_s=timeout_s)
-        self.weight_rx = DistributedReceiver(group, WeightReceiver(worker, worker.model_info().tokenizer_fingerprint))
+        self.weight_rx = DistributedReceiver(group, worker.weight_receiver())
 
-    def receive_weights_collective(self, token: str | None = None) -> Any:
+    def receive_weights_collective(self, token: str | None = None) -> ReceiveResult:
         """Receive the next broadcast update and commit it through the same checked WeightReceiver as
         load_weights. Returns the ReceiveResult (a refusal included: the engine keeps its version);
         raises only when the transfer itself broke."""
@@ -148,7 +154,7 @@ class EngineActor:
             raise RuntimeError(f"engine actor {self.index}: the weight group was closed")
         return result
 
-    def model_info(self) -> Any:
+    def model_info(self) -> ModelInfo:
         return self._check().model_info()
 
     def drain(self, ack: int, timeout: float, token: str | None = None) -> list[tuple[int, Completion]]:
@@ -166,7 +172,7 @@ class EngineActor:
         return list(tl[cursor:]), time.time() - time.monotonic()
 
 
-def _weight_device(engine: Any) -> str:
+def _weight_device(engine: Engine) -> str:
     """cuda when the engine's weights live on a GPU (its rank then joins over NCCL), else cpu (gloo)."""
     device = getattr(engine, "device", None)  # the vLLM backend says
     if device is None:
@@ -176,7 +182,7 @@ def _weight_device(engine: Any) -> str:
     return "cuda" if str(device).startswith("cuda") else "cpu"
 
 
-def _ready(worker: Any, wait: float = 0.0) -> list[Completion]:
+def _ready(worker: EngineWorker, wait: float = 0.0) -> list[Completion]:
     """The completions the worker has finished, waiting up to `wait` seconds for the first one."""
     first = worker.next_completion(timeout=wait) if wait > 0 else None
     out = [] if first is None else [first]
@@ -188,7 +194,7 @@ def _ready(worker: Any, wait: float = 0.0) -> list[Completion]:
     return out
 
 
-def engine_actor_class() -> Any:
+def engine_actor_class() -> ActorClass:
     return ray.remote(EngineActor)
 
 

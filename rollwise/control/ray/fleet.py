@@ -1,4 +1,4 @@
-"""The fleet: the EngineWorker interface over engine actors (rollwise.control.ray_engine_actor).
+"""The fleet: the EngineWorker interface over engine actors (rollwise.control.ray.engine_actor).
 
 `EngineActor` builds its own engine (rollwise.engine.factory) inside the actor and runs it on an
 `EngineWorker` thread, exactly as local placement does in the trainer's process. `RayEngineFleet`
@@ -6,7 +6,7 @@ is the RolloutBackend (rollwise.types.contracts) the rollout controller drives: 
 abort / pause / resume / load_weights over `ray.num_engines` actors. A weight update travels as
 its manifest plus an ObjectRef: each actor fetches the tensors from the object store and commits
 them through the checked two-phase path; with `sync.sender: collective` it is one gloo/NCCL broadcast
-from this process to every actor instead (rollwise.control.ray_fleet_collective), committed the same way.
+from this process to every actor instead (rollwise.control.ray.fleet_collective), committed the same way.
 
 Nothing lost, nothing twice (DESIGN.md invariant 3), through actor deaths:
 
@@ -21,9 +21,10 @@ Nothing lost, nothing twice (DESIGN.md invariant 3), through actor deaths:
   back are generated again and discarded (counted in `discarded`), never delivered twice.
 - an actor Ray cannot bring back (restarts exhausted) hands its requests to the surviving actors.
 
-The restart handling lives in rollwise.control.ray_fleet_recovery (a mixin of the fleet), the merged
-timeline in rollwise.control.ray_fleet_timeline, the per-actor and per-request records they share in
-rollwise.control.ray_slots; this module keeps the fleet's bookkeeping and calls.
+The fleet holds its parts as components: the requests it owes and their routing (`Owed`, with the per-actor
+records, rollwise.control.ray.slots), the restart handling (`FleetRecovery`, rollwise.control.ray.fleet_recovery),
+the collective weight group (rollwise.control.ray.fleet_collective) and the merged timeline
+(rollwise.control.ray.fleet_timeline); this module keeps the calls to the actors.
 """
 
 from __future__ import annotations
@@ -34,28 +35,25 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import GetTimeoutError
 
-from rollwise.control.ray_calls import get_all
-from rollwise.control.ray_engine_actor import GONE
-from rollwise.control.ray_fleet_collective import FleetWeightGroup
-from rollwise.control.ray_fleet_recovery import FleetRecovery
-from rollwise.control.ray_fleet_timeline import TIMELINE_REFRESH_S, FleetView
-from rollwise.control.ray_slots import Outstanding, Slot
-from rollwise.types.generation import ModelInfo
-from rollwise.types.generation import Completion, GenerationRequest
+from rollwise.control.ray.calls import get_all
+from rollwise.control.ray.engine_actor import GONE
+from rollwise.control.ray.fleet_collective import FleetWeightGroup
+from rollwise.control.ray.fleet_recovery import FleetRecovery
+from rollwise.control.ray.fleet_timeline import TIMELINE_REFRESH_S, FleetView
+from rollwise.control.ray.slots import Owed, Slot
+from rollwise.types.generation import Completion, GenerationRequest, ModelInfo
 from rollwise.types.weight_update import WeightUpdate
 
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+
 DRAIN_WAIT_S = 0.25  # how long one drain call waits on an idle actor before it answers []
-
-
-def _group_key(request_id: str) -> str:
-    """Requests of one GRPO group share the part before '/' (the controller names a group's request
-    `g12` and a regenerated sample of it `g12/3#1`): they go to the same engine (shared prefix)."""
-    return request_id.split("/", 1)[0]
 
 
 def _locked(method: Callable) -> Callable:
@@ -80,28 +78,25 @@ class _Running:
         return not self._fleet._closed
 
 
-class RayEngineFleet(FleetRecovery):
+class RayEngineFleet:
     """The EngineWorker interface over engine actors (see the module docstring for the guarantees)."""
 
-    def __init__(self, actors: list[Any], bundles: list[int], *, initial: WeightUpdate,
+    def __init__(self, actors: list[ActorHandle], bundles: list[int], *, initial: WeightUpdate,
                  max_restarts: int, restart_timeout_s: float, start_timeout_s: float,
                  collective: FleetWeightGroup | None = None) -> None:
         self.slots = [Slot(i, a, b) for i, (a, b) in enumerate(zip(actors, bundles))]
         self.collective = collective  # sync.sender=collective: updates are broadcast over this group
-        self.max_restarts = max_restarts
-        self.restart_timeout_s = restart_timeout_s
         self._update = _in_store(initial)  # the weights engines must hold now (an ObjectRef payload)
         self._paused = False
         self._closed = False
-        self._requests: dict[str, Outstanding] = {}
-        self._home: dict[str, int] = {}  # group key -> slot
-        self._home_count: collections.Counter[str] = collections.Counter()
+        self.owed = Owed(self.slots)  # every request given until each of its samples came back
+        self.recovery = FleetRecovery(
+            self.slots, self.owed, max_restarts=max_restarts, restart_timeout_s=restart_timeout_s,
+            resync=lambda slot: ray.get(self._send(slot)), paused=lambda: self._paused,
+            version=lambda: self._version, stale=self._stale)
         self._buffer: collections.deque[tuple[int, Completion]] = collections.deque()
         self._last_refresh = 0.0
         self._dirty_since = math.inf  # merged timeline is stale from this time on
-        self.restarts = 0
-        self.restart_log: list[dict[str, Any]] = []
-        self.discarded = 0  # samples generated again after a restart that had already come back
         self.delivered = 0
         # Tests and debugging: every delivery as (slot, incarnation token, completion), when a list.
         self.deliveries: list[tuple[int, str, Completion]] | None = None
@@ -120,27 +115,43 @@ class RayEngineFleet(FleetRecovery):
         self.view = FleetView(self, infos[0]["name"], sum(i["max_num_seqs"] for i in infos))
         self.engine = self.view  # what a local EngineWorker calls its engine (read-only here)
 
+    @property
+    def restarts(self) -> int:
+        return self.recovery.restarts
+
+    @property
+    def restart_log(self) -> list[dict[str, Any]]:
+        return self.recovery.restart_log
+
+    @property
+    def discarded(self) -> int:
+        """Samples generated again after a restart that had already come back."""
+        return self.owed.discarded
+
+    def _stale(self, since: float) -> None:
+        self._dirty_since = min(self._dirty_since, since)
+
     # ------------------------------------------------------------ EngineWorker interface
 
     @_locked
     def submit(self, requests: list[GenerationRequest]) -> None:
         by_slot: dict[int, list[GenerationRequest]] = collections.defaultdict(list)
         for r in requests:
-            if r.request_id in self._requests:
+            if r.request_id in self.owed.requests:
                 raise ValueError(f"request id {r.request_id!r} is already in flight")
-            by_slot[self._route(r.request_id)].append(r)
+            by_slot[self.owed.route(r.request_id)].append(r)
         for s, reqs in by_slot.items():  # recorded first: a death during submit resubmits them
             for r in reqs:
-                self._track(r, s)
+                self.owed.track(r, s)
         calls = {s: self.slots[s].actor.submit.remote(reqs, self.slots[s].token) for s, reqs in by_slot.items()}
         for s, ref in calls.items():
             try:
                 ray.get(ref)
             except GONE as exc:
-                self._recover(s, exc)
+                self.recovery.recover(s, exc)
             except Exception:
                 for r in by_slot[s]:  # refused (bad request): nothing of it is in the engine
-                    self._untrack(r.request_id)
+                    self.owed.untrack(r.request_id)
                 raise
 
     @_locked
@@ -162,12 +173,12 @@ class RayEngineFleet(FleetRecovery):
     @_locked
     def abort(self, request_ids: list[str]) -> list[Completion]:
         out: list[Completion] = []
-        todo = [rid for rid in dict.fromkeys(request_ids) if rid in self._requests]
+        todo = [rid for rid in dict.fromkeys(request_ids) if rid in self.owed.requests]
         while todo:
             by_slot: dict[int, list[str]] = collections.defaultdict(list)
             for rid in todo:
-                if rid in self._requests:
-                    by_slot[self._requests[rid].slot].append(rid)
+                if rid in self.owed.requests:
+                    by_slot[self.owed.requests[rid].slot].append(rid)
             todo = []
             calls = {s: self.slots[s].actor.abort.remote(rids, self.slots[s].ack, self.slots[s].token)
                      for s, rids in by_slot.items()}
@@ -175,18 +186,18 @@ class RayEngineFleet(FleetRecovery):
                 try:
                     aborted, unacked = ray.get(ref)
                 except GONE as exc:
-                    self._recover(s, exc)  # resubmitted (possibly elsewhere): abort them there
+                    self.recovery.recover(s, exc)  # resubmitted (possibly elsewhere): abort them there
                     todo += by_slot[s]
                     continue
                 self._take(self.slots[s], unacked)  # finished before the abort: next_completion has them
-                out += [c for c in aborted if self._receive(s, c)]
+                out += [c for c in aborted if self.owed.receive(s, c)]
         return out
 
     @property
     def _version(self) -> int:
         return self._update.version
 
-    def _send(self, slot: Slot) -> Any:
+    def _send(self, slot: Slot) -> ObjectRef:
         """The current update to one actor: the manifest, and the payload's ObjectRef (Ray hands the
         actor the tensors from the object store). With sync.sender=collective the fleet keeps the
         tensors here and puts them in the store only when a restarted engine needs them."""
@@ -201,7 +212,7 @@ class RayEngineFleet(FleetRecovery):
             self._update = _in_store(update)
             self._broadcast(self._send)
         else:  # one broadcast to every live engine; only an update all of them took is kept for restarts
-            self._update = self.collective.push_update(self.slots, update, self._recover)
+            self._update = self.collective.push_update(self.slots, update, self.recovery.recover)
         self.refresh_timeline(force=True)
 
     @_locked
@@ -278,41 +289,6 @@ class RayEngineFleet(FleetRecovery):
 
     # ------------------------------------------------------------ internals
 
-    def _route(self, request_id: str) -> int:
-        key = _group_key(request_id)
-        s = self._home.get(key)
-        if s is None or not self.slots[s].alive:
-            s = min((slot for slot in self.slots if slot.alive), key=lambda slot: slot.load).index
-            self._home[key] = s
-        return s
-
-    def _track(self, r: GenerationRequest, s: int, pending: set[int] | None = None) -> None:
-        pending = set(range(r.params.n)) if pending is None else pending
-        self._requests[r.request_id] = Outstanding(r, s, pending)
-        self._home_count[_group_key(r.request_id)] += 1
-        self.slots[s].load += len(pending)
-
-    def _untrack(self, request_id: str) -> None:
-        o = self._requests.pop(request_id)
-        self.slots[o.slot].load -= len(o.pending)
-        key = _group_key(request_id)
-        self._home_count[key] -= 1
-        if self._home_count[key] <= 0:
-            del self._home_count[key]
-            self._home.pop(key, None)
-
-    def _receive(self, s: int, c: Completion) -> bool:
-        """Account for a completion from slot s; False if it is not owed (already delivered)."""
-        o = self._requests.get(c.request_id)
-        if o is None or o.slot != s or c.index not in o.pending:
-            self.discarded += 1
-            return False
-        o.pending.discard(c.index)
-        self.slots[s].load -= 1
-        if not o.pending:
-            self._untrack(c.request_id)
-        return True
-
     def _poll(self, timeout: float) -> None:
         live = [s for s in self.slots if s.alive]
         for slot in live:
@@ -328,7 +304,7 @@ class RayEngineFleet(FleetRecovery):
             try:
                 items = ray.get(ref)
             except GONE as exc:
-                self._recover(slot.index, exc)
+                self.recovery.recover(slot.index, exc)
                 continue
             self._take(slot, items)
         self.refresh_timeline()
@@ -339,10 +315,10 @@ class RayEngineFleet(FleetRecovery):
             if seq <= slot.ack:
                 continue  # already taken from an earlier reply
             slot.ack = seq
-            if self._receive(slot.index, c):
+            if self.owed.receive(slot.index, c):
                 self._buffer.append((slot.index, c))
 
-    def _broadcast(self, call: Callable[[Slot], Any]) -> None:
+    def _broadcast(self, call: Callable[[Slot], ObjectRef]) -> None:
         """Run a state-setting call on every live engine; an engine that died gets the current state
         (weights, version, paused) when it comes back, which covers the call."""
         calls = [(s, call(s)) for s in self.slots if s.alive]
@@ -350,7 +326,7 @@ class RayEngineFleet(FleetRecovery):
             try:
                 ray.get(ref)
             except GONE as exc:
-                self._recover(slot.index, exc)
+                self.recovery.recover(slot.index, exc)
 
 
 def _in_store(update: WeightUpdate) -> WeightUpdate:

@@ -24,17 +24,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayTaskError
 from torch import Tensor
 
-from rollwise.control.ray_engine_actor import GONE
-from rollwise.control.ray_slots import Slot
+from rollwise.control.ray.engine_actor import GONE
+from rollwise.control.ray.slots import Slot
 from rollwise.types.weight_update import WeightUpdate
 from rollwise.sync.distributed import DistributedSender, WeightGroup, free_init_method, init_weight_group
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
 
 Recover = Callable[[int, BaseException], None]  # the fleet's restart handling, for the slot that died
 
@@ -155,12 +158,12 @@ class FleetWeightGroup:
         self.group, self.sender, self.members = None, None, ()
 
 
-def _settle(refs: list[Any]) -> None:
+def _settle(refs: list[ObjectRef]) -> None:
     """Wait (bounded) for calls whose outcome no longer matters, so none is left running."""
     ray.wait(refs, num_returns=len(refs), timeout=30)
 
 
-def _errors(refs: list[Any]) -> str:
+def _errors(refs: list[ObjectRef]) -> str:
     """The errors of the join calls that already failed (why an engine did not join)."""
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
     errors = []

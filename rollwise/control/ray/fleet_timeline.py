@@ -1,6 +1,6 @@
 """The fleet's merged timeline: running sequences summed over its engine actors, in this process's
 monotonic clock (what the training loop reads as 'the engine's timeline'). RayEngineFleet
-(rollwise.control.ray_fleet) fetches each actor's new points; this module holds the view and the merge.
+(rollwise.control.ray.fleet) fetches each actor's new points; this module holds the view and the merge.
 """
 
 from __future__ import annotations

@@ -2,14 +2,14 @@
 
 The training loop (rollwise.control.train_loop) runs unchanged; what it holds are stand-ins:
 
-- the engines: a `RayEngineFleet` (rollwise.control.ray_fleet), the RolloutBackend over `ray.num_engines` engine actors; a dead engine actor is restarted by Ray, re-synced to the
+- the engines: a `RayEngineFleet` (rollwise.control.ray.fleet), the RolloutBackend over `ray.num_engines` engine actors; a dead engine actor is restarted by Ray, re-synced to the
   current weights and policy version, and its outstanding requests are generated again;
 - the trainer: `RayTrainer`, the Trainer (rollwise.types.contracts) proxying a `TrainerActor` that holds the
   model, the optimizer and the GRPOTrainer, and runs train steps and checkpoint save/load; weights go
   from the trainer actor to the engine actors through Ray's object store, never through the driver
   (rollwise.sync.senders.ObjectStoreSender), or with `sync.sender: collective` as one gloo/NCCL
-  broadcast from the driver to every engine actor (rollwise.control.ray_fleet_collective);
-- the reward: `RayScorer` (rollwise.control.ray_reward), which scores each finished group on one of
+  broadcast from the driver to every engine actor (rollwise.control.ray.fleet_collective);
+- the reward: `RayScorer` (rollwise.control.ray.reward), which scores each finished group on one of
   `ray.reward_workers` actors (round robin; Ray retries a call on a restarted actor: scoring is idempotent).
   Held-out evaluation is still scored in the driver.
 
@@ -29,7 +29,7 @@ import random
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
@@ -38,17 +38,23 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rollwise.config import ConfigError, RunConfig, dump_config
-from rollwise.control.ray_calls import get_all, log
-from rollwise.control.ray_engine_actor import engine_actor_class
-from rollwise.control.ray_fleet import RayEngineFleet
-from rollwise.control.ray_fleet_collective import FleetWeightGroup
-from rollwise.control.ray_trainer_ranks import RayRankGroup, TrainerRankActor, kill_actors
+from rollwise.control.ray.calls import get_all, log
+from rollwise.control.ray.engine_actor import engine_actor_class
+from rollwise.control.ray.fleet import RayEngineFleet
+from rollwise.control.ray.fleet_collective import FleetWeightGroup
+from rollwise.control.ray.trainer_ranks import RayRankGroup, TrainerRankActor, kill_actors
 from rollwise.types.sample import Sample
 from rollwise.types.weight_update import WeightUpdate
 from rollwise.train.sharded import ShardedTrainer
 
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+
+    from rollwise.control.ray.reward import RayScorer  # (reward.py imports this module's session)
+
 # Called with every fleet place_on_ray creates (tests use it to kill actors mid-rollout).
-FLEET_HOOKS: list[Any] = []
+FLEET_HOOKS: list[Callable[[RayEngineFleet], None]] = []
 
 _SESSION: RaySession | None = None
 
@@ -133,10 +139,10 @@ class RaySession:
                 f"{rc.start_timeout_s:.0f}s; available: {ray.available_resources()}. Lower ray.engine_cpus / "
                 "ray.trainer_cpus / ray.reward_cpus / ray.num_engines, or add nodes"
             ) from None
-        self.actors: list[Any] = []
+        self.actors: list[ActorHandle] = []
         self.trainer: RayTrainer | ShardedTrainer | None = None
         self.trainer_ready: Callable[[], list[dict]] | None = None  # waits for the trainer's actors
-        self.scorer: Any = None  # rollwise.control.ray_reward.RayScorer
+        self.scorer: RayScorer | None = None
         self.closed = False
 
     def strategy(self, bundle: int) -> PlacementGroupSchedulingStrategy:
@@ -221,7 +227,7 @@ class TrainerActor:
 class RayTrainer:
     """The Trainer protocol (rollwise.types.contracts), run by the trainer actor."""
 
-    def __init__(self, actor: Any) -> None:
+    def __init__(self, actor: ActorHandle) -> None:
         self.actor = actor
         self.info_ref = actor.info.remote()  # answered once it started (awaited with the engines)
         self.version = 0  # a fresh trainer; load_checkpoint sets a resumed one's
@@ -230,7 +236,7 @@ class RayTrainer:
         metrics, self.version = ray.get(self.actor.train_step.remote(samples))
         return metrics
 
-    def weights(self) -> Any:
+    def weights(self) -> ObjectRef:
         """An ObjectRef to the current weights, for the engines to fetch from the object store."""
         return self.actor.state_dict.remote()
 
@@ -245,7 +251,7 @@ class RayTrainer:
 def start_trainer(cfg: RunConfig, *, fingerprint: str, tokenizer: Any = None) -> RayTrainer | ShardedTrainer:
     """The trainer actor(s) (in the run's placement group), behind a Trainer the loop drives like
     GRPOTrainer: one TrainerActor, or with ray.trainer_ranks=N a ShardedTrainer over N rank actors
-    (rollwise.control.ray_trainer_ranks; `tokenizer` is saved with its checkpoints). A single actor
+    (rollwise.control.ray.trainer_ranks; `tokenizer` is saved with its checkpoints). A single actor
     is not awaited here: it starts while the reward and engine actors start (place_on_ray waits for
     all); rank actors must join their process group before the trainer can answer, so they are."""
     s = session(cfg)

@@ -1,18 +1,21 @@
 """Reward workers as Ray actors (`placement: ray`): each finished group is scored on one of them.
 
-Kept apart from rollwise.control.ray_placement so a reward actor imports no torch: scoring needs the
+Kept apart from rollwise.control.ray.placement so a reward actor imports no torch: scoring needs the
 task and the verifiers only, and the actor starts in a fraction of an engine's time.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from rollwise.config import RunConfig, dump_config
 from rollwise.types.sample import Sample
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 
 class RewardActor:
@@ -39,16 +42,16 @@ class RewardActor:
 
 
 class RayScorer:
-    """The controller's score function: a finished group is scored on a reward actor (round robin), and
+    """The controller's Scorer on Ray (rollwise.types.contracts.Scorer): a finished group is scored on a reward actor (round robin), and
     the results are written into the samples in place, as rollwise.reward.batch.score_samples does.
     Scoring is idempotent: Ray retries a call on a restarted actor (max_task_retries)."""
 
-    def __init__(self, actors: list[Any]) -> None:
+    def __init__(self, actors: list[ActorHandle]) -> None:
         self.actors = actors
         self.info_refs = [a.info.remote() for a in actors]  # awaited with the engines (place_on_ray)
         self._next = 0
 
-    def __call__(self, group: list[Sample]) -> None:
+    def score(self, group: list[Sample]) -> None:
         actor = self.actors[self._next % len(self.actors)]
         self._next += 1
         for s, r in zip(group, ray.get(actor.score.remote(group))):
@@ -60,7 +63,7 @@ class RayScorer:
 
 def start_reward_workers(cfg: RunConfig) -> RayScorer:
     """`ray.reward_workers` reward actors in the run's placement group (not awaited: they start with the engines)."""
-    from rollwise.control.ray_placement import session
+    from rollwise.control.ray.placement import session
 
     s = session(cfg)
     actors = [

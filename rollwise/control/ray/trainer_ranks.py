@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
@@ -27,6 +27,10 @@ from rollwise.config import RunConfig
 from rollwise.train.distributed import RankSpec, free_port, init_rank, resolve_device
 from rollwise.train.rank import RankTrainer
 from rollwise.train.rank_group import RESUME_HINT, TrainerRankError, assemble
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
 
 
 class TrainerRankActor:
@@ -84,7 +88,7 @@ class TrainerRankActor:
 class RayRankGroup:
     """The RankGroup over TrainerRankActors (rollwise.train.rank_group)."""
 
-    def __init__(self, actors: list[Any], timeout_s: float) -> None:
+    def __init__(self, actors: list[ActorHandle], timeout_s: float) -> None:
         self.actors = actors
         self.world_size = len(actors)
         self.timeout_s = timeout_s
@@ -105,7 +109,7 @@ class RayRankGroup:
             assemble(bucket, state)
         return state
 
-    def _get(self, refs: list[Any], what: str) -> list[Any]:
+    def _get(self, refs: list[ObjectRef], what: str) -> list[Any]:
         """Every reply; the first failure (an actor that died or raised) kills the group: the others
         may be blocked in a collective with the failed rank and would never answer."""
         pending = list(refs)
@@ -136,7 +140,7 @@ class RayRankGroup:
         kill_actors(self.actors)
 
 
-def kill_actors(actors: list[Any]) -> None:
+def kill_actors(actors: list[ActorHandle]) -> None:
     """Kill each actor for good (no restart); one already gone is not an error."""
     for actor in actors:
         try:

@@ -1,0 +1,98 @@
+"""The engines a pool slot runs for its tenancies (rollwise.pool.slots): built from a tenancy's model with its
+latest weights (a LoRA base: every member's latest adapter), and probed one suspect job at a time when an engine
+step failed (issue 43: a tenant's failure stays its own).
+
+A component the pool holds (`EnginePool.engines`): it knows how the pool builds engines (its engine config, seed,
+prefix cache), nothing of the pool's jobs, queues or slots.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollwise.engine.contract import add_all, run_to_completion
+from rollwise.engine.factory import create_engine
+from rollwise.pool.jobs import Job, LoraBase
+from rollwise.types.engine_config import EngineConfig
+from rollwise.types.generation import GenerationRequest, SamplingParams
+
+
+class TenantEngines:
+    """Builds a tenancy's engines, and finds which suspect jobs break one."""
+
+    def __init__(self, config: EngineConfig, *, seed: int | None, prefix_cache_tokens: int) -> None:
+        self.config = config
+        self.seed = seed
+        self.prefix_cache_tokens = prefix_cache_tokens
+
+    def new(self, tenancy: Job | LoraBase) -> Any:
+        """An engine for the tenancy's model, holding the weights it attached with (no adapter, no push yet)."""
+        lora = isinstance(tenancy, LoraBase)
+        return create_engine(self.config, tenancy.template, tenancy.tokenizer,
+                             max_model_len=tenancy.max_model_len, eos_token_ids=tenancy.eos_ids,
+                             policy_version=0 if lora else tenancy.version, seed=self.seed,
+                             model_name=tenancy.model, tokenizer_fingerprint=tenancy.fingerprint,
+                             prefix_cache_tokens=self.prefix_cache_tokens)
+
+    def build(self, tenancy: Job | LoraBase) -> tuple[Any, dict[str, str]]:
+        """The tenancy's engine with its latest weights (a LoRA base: the base as loaded, which LoRA jobs never
+        change, and every member's latest adapter); and the LoRA jobs whose adapter failed to load (-> why)."""
+        engine = self.new(tenancy)
+        failed: dict[str, str] = {}
+        if isinstance(tenancy, LoraBase):
+            failed = sync_adapters(engine, tenancy)
+        else:
+            engine.apply_weights(tenancy.weights, tenancy.version)  # the job's latest pushed weights, validated whole
+        engine.pool_owner = tenancy.name
+        return engine, failed
+
+    def probe(self, tenancy: Job | LoraBase, suspects: list[Job]) -> dict[str, str]:
+        """Which of `suspects` break an engine: each runs a short sampled generation alone, on an engine built
+        fresh from the tenancy's model holding only that job's current weights (a LoRA job: only its adapter).
+        Runs on the slot's thread (the slot serves nothing meanwhile); caller holds tenancy.lock."""
+        faults: dict[str, str] = {}
+        lora = isinstance(tenancy, LoraBase)
+        for job in suspects:
+            if job.detached or job.version is None or job.fault is not None:
+                continue
+            what = f"its {'adapter' if lora else 'weights'} (version {job.version})"
+            probe = GenerationRequest(f"probe-{job.name}", [t % job.vocab_size for t in (1, 2, 3)],
+                                      SamplingParams(max_tokens=2, temperature=1.0, seed=0),
+                                      adapter=job.name if lora else None)
+            try:
+                engine = self.new(tenancy)
+                if lora:
+                    engine.load_adapter(job.adapter, job.weights, job.version)
+                else:
+                    engine.apply_weights(job.weights, job.version)
+                run_to_completion(engine, [probe])
+            except Exception as exc:  # noqa: BLE001 - what the job's weights do to an engine: its fault
+                faults[job.name] = f"{what} breaks the engine ({exc!r})"
+        return faults
+
+
+def submit_to(current: Any, inst: Any, requests: list[GenerationRequest]) -> None:
+    """On the slot's engine thread: the engine being stepped must be the job's own."""
+    if current is not inst:
+        raise RuntimeError("the slot is stepping another engine than the job's")
+    add_all(inst, requests)
+
+
+def sync_adapters(inst: Any, base: LoraBase) -> dict[str, str]:
+    """A LoRA base's engine serves exactly its jobs' latest adapters (caller holds base.lock; the engine is
+    not being stepped): detached and faulted jobs' adapters off, pushed versions on. A job whose adapter fails
+    to load is left out (it serves nothing, not even its older version): returns its name -> why."""
+    serving = {name: job for name, job in base.members.items() if job.fault is None}
+    loaded = inst.loaded_adapters()
+    for name in set(loaded) - set(serving):
+        inst.unload_adapter(name)
+    failed: dict[str, str] = {}
+    for job in serving.values():
+        if job.version is not None and job.adapter is not None and loaded.get(job.name) != job.version:
+            try:
+                inst.load_adapter(job.adapter, job.weights, job.version)
+            except Exception as exc:  # noqa: BLE001 - this job's adapter; the other jobs are served
+                failed[job.name] = f"its adapter (version {job.version}) failed to load on the engine ({exc})"
+                if job.name in inst.loaded_adapters():
+                    inst.unload_adapter(job.name)
+    return failed
