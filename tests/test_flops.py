@@ -53,7 +53,7 @@ def test_prefill_weight_matmuls_match_flop_counter(model):
     # mm: every weight matrix (layers at every position, LM head at `keep`); bmm: eager attention,
     # which computes the full length x length scores before masking (not model FLOPs: half is masked).
     assert counts["mm"] == spec.forward_flops(0, length, keep) - _attention(spec, 0, length)
-    assert counts["bmm"] == 4 * spec.layers * spec.heads * spec.head_dim * length * length
+    assert counts["bmm"] == 4 * spec.shape.num_layers * spec.shape.num_heads * spec.shape.head_dim * length * length
 
 
 def _attention(spec: DenseModel, start: int, end: int) -> float:

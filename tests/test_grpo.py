@@ -9,7 +9,7 @@ from rollwise.types.train_config import TrainConfig
 from rollwise.model.tiny import tiny_llama
 from rollwise.types.sample import Sample
 from rollwise.train.grpo import clipped_surrogate_loss, group_advantages, token_weights
-from rollwise.train.logprobs import sequence_logprobs
+from rollwise.train.logprobs import LogprobOptions, sequence_logprobs
 from rollwise.train.trainer import GRPOTrainer, collate
 
 
@@ -72,7 +72,8 @@ def test_chunked_logprobs_equal_full_forward():
         logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits.float()
         full = torch.log_softmax(logits[:, :-1], -1).gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
         expected = full[mb.target_mask[:, 1:]]
-        got, entropy = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.target_mask, chunk_tokens=2)
+        got, entropy = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.target_mask,
+                                         LogprobOptions(chunk_tokens=2))
     assert got.shape == (6,)
     assert torch.allclose(got, expected, atol=1e-5)
     assert (entropy > 0).all()
@@ -130,7 +131,7 @@ def test_gradient_accumulation_equals_one_big_batch(share_prompt_prefix):
         cfg = TrainConfig(lr=1e-3, micro_batch_size=mbs, grad_clip=1e9, share_prompt_prefix=share_prompt_prefix)
         trainer = GRPOTrainer(model, cfg, pad_token_id=0)
         for mb in trainer._micro_batches(samples):
-            logp, _ = mb.logprobs(model, 1.0, 1024)
+            logp, _ = mb.logprobs(model, LogprobOptions())
             clipped_surrogate_loss(logp, mb.behaviour_logp, mb.advantages, clip_low=0.2, clip_high=0.2,
                                    token_weights=mb.weights).loss.backward()
         grad = torch.cat([p.grad.flatten() for p in model.parameters()])

@@ -15,7 +15,7 @@ import torch
 from rollwise.types.train_config import TrainConfig
 from rollwise.engine.vllm_startup import kv_cache_blocks_for_run
 from rollwise.model.tiny import tiny_llama
-from rollwise.train.logprobs import lm_head_logprobs, sequence_logprobs
+from rollwise.train.logprobs import LogprobOptions, lm_head_logprobs, sequence_logprobs
 from rollwise.train.trainer import GRPOTrainer
 from rollwise.types.microbatch import chunk_samples, computed_tokens
 from rollwise.types.sample import Sample
@@ -58,7 +58,7 @@ def test_chunked_logprobs_and_gradients_equal_the_full_log_softmax(fused, chunk_
     want_logp, want_entropy = _plain(model, input_ids, target_mask, 0.8)
     want = grads(want_logp)
     got_logp, got_entropy = sequence_logprobs(model, input_ids, torch.ones_like(input_ids), target_mask,
-                                              temperature=0.8, chunk_tokens=chunk_tokens, fused=fused)
+                                              LogprobOptions(0.8, chunk_tokens, fused))
     got = grads(got_logp)
     assert _rel(got_logp, want_logp) < 1e-5 and _rel(got_entropy, want_entropy.detach()) < 1e-5
     for name in want:
@@ -93,7 +93,7 @@ def test_chunked_logprobs_never_hold_the_whole_logits(fused):
     if not _peak_reset():
         pytest.skip("the kernel refuses to reset the high-water mark")
     base = _kib("VmRSS") * 1024
-    logp, entropy = lm_head_logprobs(hidden, lm_head, targets, chunk_tokens=chunk, fused=fused)
+    logp, entropy = lm_head_logprobs(hidden, lm_head, targets, LogprobOptions(chunk_tokens=chunk, fused=fused))
     logp.sum().backward()
     grown = _kib("VmHWM") * 1024 - base
     assert torch.isfinite(hidden.grad).all() and entropy.shape == (tokens,)

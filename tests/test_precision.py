@@ -16,7 +16,7 @@ from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.model.precision import cpu_has_native_bf16, resolve_dtype
 from rollwise.model.tiny import tiny_llama
 from rollwise.observe.metrics import loop_meter
-from rollwise.train.logprobs import FusedLogprobs, lm_head_logprobs
+from rollwise.train.logprobs import FusedLogprobs, LogprobOptions, lm_head_logprobs
 from rollwise.train.trainer import GRPOTrainer
 from rollwise.types.sample import Sample
 
@@ -64,7 +64,7 @@ def test_fused_lm_head_under_autocast_gives_autograd_s_gradient(keep_mib):
             if fused:
                 logp, _ = FusedLogprobs.apply(hidden, lm_head.weight, None, targets, 1.0, 8, keep_mib)
             else:
-                logp, _ = lm_head_logprobs(hidden, lm_head, targets, chunk_tokens=8)
+                logp, _ = lm_head_logprobs(hidden, lm_head, targets, LogprobOptions(chunk_tokens=8))
         (logp.float() * upstream).sum().backward()
         assert hidden.grad.dtype == lm_head.weight.grad.dtype == torch.float32  # float32 master weights
         return [logp.detach().float(), hidden.grad.clone(), lm_head.weight.grad.clone()]

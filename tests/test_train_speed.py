@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from rollwise.types.train_config import TrainConfig
 from rollwise.model.tiny import tiny_llama
-from rollwise.train.logprobs import FusedLogprobs, lm_head_logprobs
+from rollwise.train.logprobs import FusedLogprobs, LogprobOptions, lm_head_logprobs
 from rollwise.types.microbatch import pack_responses
 from rollwise.train.distributed import RankSpec, free_port, init_rank
 from rollwise.train.rank import RankTrainer
@@ -64,7 +64,7 @@ def test_fused_logprobs_equal_the_checkpointed_log_softmax(temperature, bias, ke
             logp, entropy = FusedLogprobs.apply(hidden, lm_head.weight, lm_head.bias, targets, temperature, 5,
                                                 keep_mib)
         else:
-            logp, entropy = lm_head_logprobs(hidden, lm_head, targets, temperature=temperature, chunk_tokens=5)
+            logp, entropy = lm_head_logprobs(hidden, lm_head, targets, LogprobOptions(temperature, chunk_tokens=5))
         (logp * upstream).sum().backward()
         grads = [hidden.grad.clone(), lm_head.weight.grad.clone()] + ([lm_head.bias.grad.clone()] if bias else [])
         return [logp.detach(), entropy.detach()] + grads
@@ -79,8 +79,8 @@ def test_fused_logprobs_without_a_graph_equal_the_plain_path():
     hidden = torch.randn(9, 64)
     targets = torch.randint(0, model.config.vocab_size, (9,))
     with torch.no_grad():
-        fused = lm_head_logprobs(hidden, model.get_output_embeddings(), targets, temperature=0.8, fused=True)
-        plain = lm_head_logprobs(hidden, model.get_output_embeddings(), targets, temperature=0.8)
+        fused = lm_head_logprobs(hidden, model.get_output_embeddings(), targets, LogprobOptions(0.8, fused=True))
+        plain = lm_head_logprobs(hidden, model.get_output_embeddings(), targets, LogprobOptions(0.8))
     for got, want in zip(fused, plain):
         assert _rel(got, want) <= MAX_REL
 
@@ -248,7 +248,7 @@ def test_packed_groups_logprobs_equal_each_group_alone():
 
     def run(batches):
         model.zero_grad()
-        logp = torch.cat([mb.logprobs(model, 0.9, 7, fused=True)[0] for mb in batches])
+        logp = torch.cat([mb.logprobs(model, LogprobOptions(0.9, 7, fused=True))[0] for mb in batches])
         (logp * upstream).sum().backward()
         return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 

@@ -26,7 +26,7 @@ from rollwise.types.generation import GenerationRequest, SamplingParams  # noqa:
 from rollwise.engine.vllm_backend import VLLMEngine  # noqa: E402
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer  # noqa: E402
 from rollwise.engine.core import EngineWorker  # noqa: E402
-from rollwise.train.logprobs import sequence_logprobs  # noqa: E402
+from rollwise.train.logprobs import LogprobOptions, sequence_logprobs  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -125,7 +125,7 @@ def test_logprobs_match_the_trainer_recompute(engine, model):
         mask = torch.zeros_like(ids, dtype=torch.bool)
         mask[0, len(c.prompt_ids):] = True
         with torch.no_grad():
-            trainer_logp, _ = sequence_logprobs(model, ids, torch.ones_like(ids), mask, temperature=0.8)
+            trainer_logp, _ = sequence_logprobs(model, ids, torch.ones_like(ids), mask, LogprobOptions(0.8))
         diffs.append((trainer_logp - torch.tensor(c.logprobs)).abs())
     assert torch.cat(diffs).mean().item() < 1e-3
 
@@ -225,7 +225,7 @@ def test_checked_update_of_a_tied_model_reaches_the_lm_head(engine):
     mask = torch.zeros_like(ids, dtype=torch.bool)
     mask[0, len(c.prompt_ids):] = True
     with torch.no_grad():
-        trainer_logp, _ = sequence_logprobs(new_model, ids, torch.ones_like(ids), mask, temperature=0.8)
+        trainer_logp, _ = sequence_logprobs(new_model, ids, torch.ones_like(ids), mask, LogprobOptions(0.8))
     assert (trainer_logp - torch.tensor(c.logprobs)).abs().mean().item() < 1e-4
 
 

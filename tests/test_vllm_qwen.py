@@ -16,7 +16,7 @@ from rollwise.engine.reference.engine import ReferenceEngine  # noqa: E402
 from rollwise.engine.vllm_backend import VLLMEngine  # noqa: E402
 from rollwise.engine.weight_receiver import WeightReceiver  # noqa: E402
 from rollwise.model.tiny import tiny_qwen3, tiny_tokenizer  # noqa: E402
-from rollwise.train.logprobs import sequence_logprobs  # noqa: E402
+from rollwise.train.logprobs import LogprobOptions, sequence_logprobs  # noqa: E402
 from rollwise.types.generation import GenerationRequest, SamplingParams  # noqa: E402
 from rollwise.types.weight_update import WeightUpdate  # noqa: E402
 
@@ -49,7 +49,7 @@ def test_vllm_samples_from_a_pushed_qwen3_update_at_llama_level_mismatch():
         mask = torch.zeros_like(ids, dtype=torch.bool)
         mask[0, len(c.prompt_ids):] = True
         with torch.no_grad():
-            trainer_logp, _ = sequence_logprobs(update, ids, torch.ones_like(ids), mask, temperature=0.8)
+            trainer_logp, _ = sequence_logprobs(update, ids, torch.ones_like(ids), mask, LogprobOptions(0.8))
         diffs.append((trainer_logp - torch.tensor(c.logprobs)).abs())
     assert torch.cat(diffs).mean().item() < 1e-3
     # The pushed weights, whole: greedy tokens equal the reference engine's on them.

@@ -113,10 +113,10 @@ def verify_trajectory(trajectory: Trajectory, calls: list[tuple[list[int], Sampl
 def _trainer_diff(model: Any, ids: list[int], start: int, end: int, engine_logprobs: list[float],
                   temperature: float) -> float:
     """Max |logp_trainer - logp_engine| over one sampled span, with the trainer's own logprob code."""
-    from rollwise.train.logprobs import sequence_logprobs
+    from rollwise.train.logprobs import LogprobOptions, sequence_logprobs
 
     input_ids = torch.tensor([ids[:end]])
     mask = torch.zeros_like(input_ids, dtype=torch.bool)
     mask[0, start:end] = True
-    logp, _ = sequence_logprobs(model, input_ids, torch.ones_like(input_ids), mask, temperature=temperature)
+    logp, _ = sequence_logprobs(model, input_ids, torch.ones_like(input_ids), mask, LogprobOptions(temperature))
     return float((logp - torch.tensor(engine_logprobs, dtype=logp.dtype)).abs().max())

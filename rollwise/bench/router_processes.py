@@ -73,11 +73,11 @@ def _tail(log: IO[bytes]) -> str:
     return log.read().decode(errors="replace")[-2000:]
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, log: IO[bytes], what: str, timeout_s: float = 180) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, log: IO[bytes], what: str, timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited: {_tail(log)}")
+            raise RuntimeError(f"{what} exited ({proc.returncode}): {_tail(log)}")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return
@@ -86,7 +86,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: IO[bytes], what: str, t
         time.sleep(0.2)
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def stop(procs: list[subprocess.Popen]) -> None:
     for proc in procs:
         proc.terminate()
     for proc in procs:
@@ -129,10 +129,10 @@ def replicas(count: int, max_num_seqs: int, max_model_len: int) -> Iterator[list
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
         for url, proc, log in zip(urls, procs, logs):
-            _wait_healthy(url, proc, log, "benchmark replica")
+            wait_healthy(url, proc, log, "benchmark replica")
         yield urls
     finally:
-        _stop(procs)
+        stop(procs)
         for log in logs:
             log.close()
 
@@ -197,10 +197,10 @@ def router_process(arm: Arm, urls: list[str]) -> Iterator[RouterProcess]:
     proc = subprocess.Popen(_router_command(arm, urls, port), env=env, stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proc, log, f"router {arm.name}")
+        wait_healthy(url, proc, log, f"router {arm.name}")
         yield RouterProcess(url, proc.pid)
     finally:
-        _stop([proc])
+        stop([proc])
         log.close()
 
 

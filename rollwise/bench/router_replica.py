@@ -20,7 +20,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any
 import httpx
 
 from rollwise.bench import percentile
-from rollwise.bench.router_processes import MODEL_SIZE, cpu_clock_s
+from rollwise.bench.router_processes import MODEL_SIZE, cpu_clock_s, stop, wait_healthy
 from rollwise.local_server import free_port
 
 CONCURRENCY = (1, 8, 64)
@@ -79,26 +78,10 @@ def replica(name: str, source: Path | None, shape: ReplicaShape) -> Iterator[Rep
                             stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"the {name} replica server exited ({proc.returncode}): "
-                                   f"{log.read().decode(errors='replace')[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the {name} replica server did not answer /health in 180 s")
-            time.sleep(0.2)
+        wait_healthy(url, proc, log, f"the {name} replica server")
         yield Replica(name, url, proc.pid)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop([proc])
         log.close()
 
 

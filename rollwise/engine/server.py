@@ -33,12 +33,15 @@ it binds only loopback (for a trainer on the same machine) unless --insecure-no-
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from rollwise.engine.contract import Engine
+from rollwise.engine.core import Command
 from rollwise.engine.factory import describe_engine
 from rollwise.engine.retention import ReleaseSessionBody, RetainBody, RetentionRequest
 from rollwise.engine.service import EngineService
@@ -71,7 +74,15 @@ _HEALTH_DOWN = {503: {"description": "the engine thread died: {status: error, er
                       "content": {"application/json": {"schema": {"type": "object"}}}}}
 
 
-def create_app(engine: Any, tokenizer: Any, model_name: str,
+def _switch_route(server: EngineService, switch: Command[None], state: dict[str, bool]
+                  ) -> Callable[[], Awaitable[dict[str, bool]]]:
+    async def route() -> dict[str, bool]:
+        await server.frontend.call(switch)
+        return dict(state)
+    return route
+
+
+def create_app(engine: Engine, tokenizer: Any, model_name: str,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, front: Front | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (a ReferenceEngine not yet driven by any other thread), behind `front`
     (default: loopback, no keys, bodies over `max_request_bytes` refused with 413 before they are read)."""
@@ -134,15 +145,15 @@ def create_app(engine: Any, tokenizer: Any, model_name: str,
     async def metrics() -> Response:
         return await server.metrics()
 
-    @app.post("/pause", responses=_ENGINE_CALL)
-    async def pause() -> dict[str, Any]:
-        await server.frontend.call(lambda e: e.pause())
-        return {"paused": True}
-
-    @app.post("/resume", responses=_ENGINE_CALL)
-    async def resume() -> dict[str, Any]:
-        await server.frontend.call(lambda e: e.resume())
-        return {"paused": False}
+    # The state switches: each runs one engine method on the engine thread and answers the state it set.
+    switches: list[tuple[str, Command[None], dict[str, bool]]] = [
+        ("pause", lambda e: e.pause(), {"paused": True}),
+        ("resume", lambda e: e.resume(), {"paused": False}),
+        ("wake", lambda e: e.wake(), {"sleeping": False}),
+    ]
+    for name, switch, state in switches:
+        app.add_api_route(f"/{name}", _switch_route(server, switch, state), methods=["POST"], name=name,
+                          responses=_ENGINE_CALL)
 
     @app.post("/sleep", responses=error_responses(409, 503))
     async def sleep() -> dict[str, Any]:
@@ -152,11 +163,6 @@ def create_app(engine: Any, tokenizer: Any, model_name: str,
         except RuntimeError as exc:  # requests in flight
             raise APIError(409, str(exc), None, kind="conflict") from exc
         return {"sleeping": True, "memory_released": freed}
-
-    @app.post("/wake", responses=_ENGINE_CALL)
-    async def wake() -> dict[str, Any]:
-        await server.frontend.call(lambda e: e.wake())
-        return {"sleeping": False}
 
     @app.get("/load", responses=_ENGINE_CALL)
     async def load() -> dict[str, Any]:
@@ -173,7 +179,7 @@ def create_app(engine: Any, tokenizer: Any, model_name: str,
 
     @app.post("/flush_cache", responses=_ENGINE_CALL)
     async def flush_cache() -> dict[str, Any]:
-        def flush(e: Any) -> int:
+        def flush(e: Engine) -> int:
             cache = getattr(e, "prefix_cache", None)
             held = cache.num_tokens if cache is not None else 0
             if cache is not None:

@@ -24,64 +24,41 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from rollwise.types.model_shape import ModelShape, config_field
 from rollwise.types.microbatch import MicroBatchSettings, chunk_samples, prompt_groups
 from rollwise.types.sample import Sample
 
-# Architectures whose MLP is two matrices (up, down) rather than gated (gate, up, down).
-_NON_GATED_MLP = {"gpt2", "gpt_neox", "gptj", "opt", "bloom", "phi", "falcon", "starcoder2"}
 # Config fields that mark a mixture of experts: the dense formula would overcount its MLP work.
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 
 @dataclass(frozen=True)
 class DenseModel:
-    """The shape of a dense decoder-only transformer, enough to count its FLOPs."""
+    """A dense decoder-only transformer's shape, with the FLOPs its forwards cost."""
 
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    gated_mlp: bool = True
+    shape: ModelShape
 
     @classmethod
     def from_hf_config(cls, config: Any) -> DenseModel:
         """From a Hugging Face model config (an object with attributes, or its to_dict())."""
-        get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
-        model_type = get("model_type", "") or ""
+        get = config_field(config)
         for field in _MOE_FIELDS:
             if get(field):
                 raise ValueError(f"model config has {field}={get(field)!r}: a mixture of experts is not a dense "
                                  "model, and rollwise.observe.flops counts dense decoders only")
-
-        def need(*names: str) -> int:
-            for name in names:
-                if get(name) is not None:
-                    return int(get(name))
-            raise ValueError(f"model config ({model_type or 'unknown type'}) has none of {', '.join(names)}: "
-                             "rollwise.observe.flops cannot count this architecture's FLOPs")
-
-        hidden = need("hidden_size", "n_embd", "d_model")
-        heads = need("num_attention_heads", "n_head")
-        kv_heads = int(get("num_key_value_heads") or heads)
-        head_dim = int(get("head_dim") or hidden // heads)
-        intermediate = int(get("intermediate_size") or get("n_inner") or 4 * hidden)
-        return cls(layers=need("num_hidden_layers", "n_layer"), hidden=hidden, heads=heads, kv_heads=kv_heads,
-                   head_dim=head_dim, intermediate=intermediate, vocab=need("vocab_size"),
-                   gated_mlp=model_type not in _NON_GATED_MLP)
+        return cls(ModelShape.from_hf(config))
 
     @property
     def body_params(self) -> int:
         """Weights of the layers' matrix multiplies (norms and biases are negligible and not counted)."""
-        attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)  # q, o; k, v
-        mlp = (3 if self.gated_mlp else 2) * self.hidden * self.intermediate
-        return self.layers * (attention + mlp)
+        m = self.shape
+        attention = m.hidden_size * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)  # q, o; k, v
+        mlp = (3 if m.gated_mlp else 2) * m.hidden_size * m.intermediate_size
+        return m.num_layers * (attention + mlp)
 
     @property
     def head_params(self) -> int:
-        return self.hidden * self.vocab
+        return self.shape.hidden_size * self.shape.vocab_size
 
     def forward_flops(self, start: int, end: int, logits: int) -> float:
         """One forward over positions start .. end - 1 of a sequence (keys 0 .. end - 1 are in the
@@ -94,7 +71,8 @@ class DenseModel:
         if end <= start:
             return weights, 0.0
         keys = (end * (end + 1) - start * (start + 1)) // 2  # sum of (t + 1) over the positions
-        return weights + 2.0 * self.body_params * (end - start), 4.0 * self.layers * self.heads * self.head_dim * keys
+        m = self.shape
+        return weights + 2.0 * self.body_params * (end - start), 4.0 * m.num_layers * m.num_heads * m.head_dim * keys
 
 
 @dataclass

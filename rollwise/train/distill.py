@@ -26,6 +26,7 @@ from rollwise.config import ConfigError
 from rollwise.model.loading import load_model
 from rollwise.types.sample import Sample
 from rollwise.types.sft_config import TeacherConfig
+from rollwise.train.logprobs import LogprobOptions
 from rollwise.train.trainer import collate, to_device
 
 REVERSE_KL = "distill/reverse_kl"  # mean over the batch's sampled tokens of log p_S - log p_T
@@ -36,9 +37,8 @@ class Teacher:
                  chunk_tokens: int = 1024):
         self.model = model.eval().requires_grad_(False)
         self.cfg = cfg
-        self.temperature = temperature
+        self.options = LogprobOptions(temperature, chunk_tokens)
         self.pad_token_id = pad_token_id
-        self.chunk_tokens = chunk_tokens
 
     @classmethod
     def load(cls, cfg: TeacherConfig, student_tokenizer: Any, *, temperature: float,
@@ -65,7 +65,7 @@ class Teacher:
         for i in range(0, len(samples), self.cfg.micro_batch_size):
             chunk = samples[i:i + self.cfg.micro_batch_size]
             mb = to_device(collate(chunk, torch.zeros(0), self.pad_token_id), device)
-            logp, _ = mb.logprobs(self.model, self.temperature, self.chunk_tokens)
+            logp, _ = mb.logprobs(self.model, self.options)
             out.extend(logp.float().cpu().split([s.trained_tokens for s in chunk]))
         return out
 

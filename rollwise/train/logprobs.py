@@ -15,16 +15,39 @@ probabilities fit `keep_mib`, and recomputes them chunk by chunk beyond that.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["KEEP_PROBS_MIB", "FusedLogprobs", "lm_head_logprobs", "sequence_logprobs", "shared_prompt_logprobs"]
+if TYPE_CHECKING:
+    from rollwise.types.train_config import TrainConfig
+
+__all__ = ["DEFAULT_OPTIONS", "KEEP_PROBS_MIB", "FusedLogprobs", "LogprobOptions", "lm_head_logprobs",
+           "sequence_logprobs", "shared_prompt_logprobs"]
 
 KEEP_PROBS_MIB = 512  # fused path: softmax kept for the backward up to this size (else recomputed)
+
+
+@dataclass(frozen=True)
+class LogprobOptions:
+    """How every log-prob function here computes: the temperature the log-probs are of (<= 0, greedy: the
+    untempered distribution), LM-head rows at once (bounds fp32 logits), and the fused autograd function or not."""
+
+    temperature: float = 1.0
+    chunk_tokens: int = 1024
+    fused: bool = False
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, temperature: float) -> LogprobOptions:
+        """The trainer's: the rollout's sampling temperature, train.logprob_chunk_tokens, train.fused_logprobs."""
+        return cls(temperature, cfg.logprob_chunk_tokens, cfg.fused_logprobs)
+
+
+DEFAULT_OPTIONS = LogprobOptions()
 
 
 def _chunk_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float):
@@ -153,12 +176,10 @@ def lm_head_logprobs(
     hidden: Tensor,
     lm_head: nn.Linear,
     targets: Tensor,
-    *,
-    temperature: float = 1.0,
-    chunk_tokens: int = 1024,
-    fused: bool = False,
+    options: LogprobOptions = DEFAULT_OPTIONS,
 ) -> tuple[Tensor, Tensor]:
     """hidden [N, H] (the positions that predict `targets` [N]) -> (logprobs [N], entropy [N])."""
+    temperature, chunk_tokens, fused = options.temperature, options.chunk_tokens, options.fused
     if temperature <= 0:
         temperature = 1.0  # greedy sampling reports logprobs of the untempered distribution
     if fused and torch.is_grad_enabled() and hidden.requires_grad:
@@ -195,10 +216,7 @@ def sequence_logprobs(
     input_ids: Tensor,
     attention_mask: Tensor,
     target_mask: Tensor,
-    *,
-    temperature: float = 1.0,
-    chunk_tokens: int = 1024,
-    fused: bool = False,
+    options: LogprobOptions = DEFAULT_OPTIONS,
 ) -> tuple[Tensor, Tensor]:
     """Log-probs of input_ids[:, t] for every t where target_mask[:, t] is set (flattened, row-major).
 
@@ -210,8 +228,7 @@ def sequence_logprobs(
     predict_mask = target_mask[:, 1:]
     selected_hidden = hidden[:, :-1][predict_mask]
     targets = input_ids[:, 1:][predict_mask]
-    return lm_head_logprobs(selected_hidden, model.get_output_embeddings(), targets, temperature=temperature,
-                            chunk_tokens=chunk_tokens, fused=fused)
+    return lm_head_logprobs(selected_hidden, model.get_output_embeddings(), targets, options)
 
 
 def shared_prompt_logprobs(
@@ -219,10 +236,7 @@ def shared_prompt_logprobs(
     prompt_ids: Tensor,
     responses: Tensor,
     response_mask: Tensor,
-    *,
-    temperature: float = 1.0,
-    chunk_tokens: int = 1024,
-    fused: bool = False,
+    options: LogprobOptions = DEFAULT_OPTIONS,
 ) -> tuple[Tensor, Tensor]:
     """Log-probs of G responses that share one prompt, running the prompt through the model once.
 
@@ -250,7 +264,5 @@ def shared_prompt_logprobs(
     last_prompt = prompt_out.last_hidden_state[:, -1:].expand(group, 1, -1)
     predictors = torch.cat([last_prompt, response_hidden[:, :-1]], dim=1)
     return lm_head_logprobs(
-        predictors[response_mask], model.get_output_embeddings(), responses[response_mask],
-        temperature=temperature, chunk_tokens=chunk_tokens, fused=fused,
-    )
+        predictors[response_mask], model.get_output_embeddings(), responses[response_mask], options)
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from rollwise.train.logprobs import backbone_of, lm_head_logprobs, shared_prompt_logprobs
+from rollwise.train.logprobs import (DEFAULT_OPTIONS, LogprobOptions, backbone_of, lm_head_logprobs,
+                                     shared_prompt_logprobs)
 from rollwise.train.routing_replay import ReplayBatch, group_batch
 from rollwise.types.microbatch import pack_responses, prompt_groups
 from rollwise.types.sample import Sample
@@ -46,16 +47,13 @@ class GroupMicroBatch:
     versions: Tensor | None = None
     num_seqs: int = 0
 
-    def logprobs(self, model: nn.Module, temperature: float, chunk_tokens: int,
-                 fused: bool = False) -> tuple[Tensor, Tensor]:
+    def logprobs(self, model: nn.Module, options: LogprobOptions) -> tuple[Tensor, Tensor]:
         if self.order is not None:  # packed: the several-groups forward with this one group
             prompt_len = torch.tensor([self.prompt_ids.shape[0]], device=self.prompt_ids.device)
             row_group = torch.zeros(self.responses.shape[0], dtype=torch.long, device=self.responses.device)
             return packed_groups_logprobs(model, self.prompt_ids[None], prompt_len, self.responses, row_group,
-                                          self.segment_start, self.order, temperature=temperature,
-                                          chunk_tokens=chunk_tokens, fused=fused)
-        return shared_prompt_logprobs(model, self.prompt_ids, self.responses, self.response_mask,
-                                      temperature=temperature, chunk_tokens=chunk_tokens, fused=fused)
+                                          self.segment_start, self.order, options)
+        return shared_prompt_logprobs(model, self.prompt_ids, self.responses, self.response_mask, options)
 
     @property
     def n_tokens(self) -> int:
@@ -127,11 +125,9 @@ class PackedGroupsMicroBatch:
     versions: Tensor | None = None
     num_seqs: int = 0
 
-    def logprobs(self, model: nn.Module, temperature: float, chunk_tokens: int,
-                 fused: bool = False) -> tuple[Tensor, Tensor]:
+    def logprobs(self, model: nn.Module, options: LogprobOptions) -> tuple[Tensor, Tensor]:
         return packed_groups_logprobs(model, self.prompts, self.prompt_lens, self.tokens, self.row_group,
-                                      self.segment_start, self.order, temperature=temperature,
-                                      chunk_tokens=chunk_tokens, fused=fused)
+                                      self.segment_start, self.order, options)
 
     @property
     def n_tokens(self) -> int:
@@ -203,10 +199,7 @@ def packed_groups_logprobs(
     row_group: Tensor,
     segment_start: Tensor,
     order: Tensor,
-    *,
-    temperature: float = 1.0,
-    chunk_tokens: int = 1024,
-    fused: bool = False,
+    options: LogprobOptions = DEFAULT_OPTIONS,
 ) -> tuple[Tensor, Tensor]:
     """Log-probs (and entropy) of the response tokens of several groups, flattened by `order`.
 
@@ -231,5 +224,4 @@ def packed_groups_logprobs(
     shifted = torch.cat([response_hidden[:, :1], response_hidden[:, :-1]], dim=1)
     first = (offsets == 0)[..., None]
     predictors = torch.where(first, last_prompt[row_group][:, None, :], shifted).reshape(-1, hidden_size)
-    return lm_head_logprobs(predictors[order], model.get_output_embeddings(), tokens.reshape(-1)[order],
-                            temperature=temperature, chunk_tokens=chunk_tokens, fused=fused)
+    return lm_head_logprobs(predictors[order], model.get_output_embeddings(), tokens.reshape(-1)[order], options)

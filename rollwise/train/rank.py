@@ -46,6 +46,7 @@ from rollwise.types.train_config import TrainConfig
 from rollwise.train.checkpoint import DCP_DIR, SCHEDULER_FILE, optimizer_state_by_name
 from rollwise.train.distributed import RankSpec, gathered_buckets, init_rank, shard_model
 from rollwise.train.trainer import GRPOTrainer, MicroBatch, to_device
+from rollwise.train.logprobs import LogprobOptions
 from rollwise.train.packing import GroupMicroBatch
 from rollwise.types.sample import Sample
 
@@ -66,13 +67,12 @@ class PolicyLogprobs(nn.Module):
     LM head) are gathered by FSDP's own hooks even though the LM head is applied outside the
     Hugging Face forward (rollwise.train.logprobs)."""
 
-    def __init__(self, model: nn.Module, temperature: float, chunk_tokens: int, fused: bool = False) -> None:
+    def __init__(self, model: nn.Module, options: LogprobOptions) -> None:
         super().__init__()
-        self.model = model
-        self.temperature, self.chunk_tokens, self.fused = temperature, chunk_tokens, fused
+        self.model, self.options = model, options
 
     def forward(self, mb: MicroBatch | GroupMicroBatch) -> tuple[Tensor, Tensor]:
-        return mb.logprobs(self.model, self.temperature, self.chunk_tokens, self.fused)
+        return mb.logprobs(self.model, self.options)
 
 
 class RankTrainer(GRPOTrainer):
@@ -84,8 +84,7 @@ class RankTrainer(GRPOTrainer):
         self.before_step = self._record_grad_bytes
 
     def _prepare_model(self) -> None:
-        self.policy = PolicyLogprobs(self.model, self.temperature, self.cfg.logprob_chunk_tokens,
-                                     self.cfg.fused_logprobs)
+        self.policy = PolicyLogprobs(self.model, LogprobOptions.of(self.cfg, self.temperature))
         shard_model(self.policy, self.model.get_decoder().layers, self.spec)
 
     def _logprobs(self, mb: MicroBatch | GroupMicroBatch) -> tuple[Tensor, Tensor]:

@@ -33,6 +33,7 @@ from rollwise.model.precision import resolve_dtype
 from rollwise.observe.metrics import MetricsLogger
 from rollwise.observe.run_logs import EVALS_LOG, METRICS_LOG
 from rollwise.tasks.chat_jsonl import TokenizedChat, load_chats, split_chats
+from rollwise.train.logprobs import LogprobOptions
 from rollwise.train.sft_packing import PackedRows, collate_rows, cut, pack_rows, packed_logprobs
 from rollwise.train.trainer import lr_factor
 
@@ -61,8 +62,8 @@ class SftTrainer:
     def _logprobs(self, batch: PackedRows) -> tuple[Tensor, Tensor]:
         autocast = self.compute_dtype != next(self.model.parameters()).dtype
         with torch.autocast(self.device, dtype=self.compute_dtype, enabled=autocast):
-            logp, entropy = packed_logprobs(self.model, batch, chunk_tokens=self.train_cfg.logprob_chunk_tokens,
-                                            fused=self.train_cfg.fused_logprobs)
+            # SFT's targets are data, not samples: the untempered distribution.
+            logp, entropy = packed_logprobs(self.model, batch, LogprobOptions.of(self.train_cfg, temperature=1.0))
         return logp.float(), entropy.float()
 
     def train_step(self, micro_batches: list[PackedRows]) -> dict[str, float]:

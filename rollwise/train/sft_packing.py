@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from rollwise.tasks.chat_jsonl import TokenizedChat
-from rollwise.train.logprobs import backbone_of, lm_head_logprobs
+from rollwise.train.logprobs import DEFAULT_OPTIONS, LogprobOptions, backbone_of, lm_head_logprobs
 from rollwise.types.microbatch import pack_responses
 
 
@@ -76,8 +76,8 @@ def collate_rows(rows: list[list[TokenizedChat]], pad_id: int) -> PackedRows:
     return PackedRows(input_ids, position_ids, mask[:, None], target_mask)
 
 
-def packed_logprobs(model: nn.Module, batch: PackedRows, *, chunk_tokens: int = 1024,
-                    fused: bool = False) -> tuple[Tensor, Tensor]:
+def packed_logprobs(model: nn.Module, batch: PackedRows,
+                    options: LogprobOptions = DEFAULT_OPTIONS) -> tuple[Tensor, Tensor]:
     """(log-prob, entropy) of every trained token of the rows, flattened row-major. Token t of a
     conversation is predicted by the hidden state at t - 1 of the same conversation."""
     device = next(model.parameters()).device
@@ -85,5 +85,4 @@ def packed_logprobs(model: nn.Module, batch: PackedRows, *, chunk_tokens: int = 
                                 position_ids=batch.position_ids.to(device)).last_hidden_state
     predict = batch.target_mask[:, 1:].to(device)
     targets = batch.input_ids.to(device)[:, 1:][predict]
-    return lm_head_logprobs(hidden[:, :-1][predict], model.get_output_embeddings(), targets,
-                            chunk_tokens=chunk_tokens, fused=fused)
+    return lm_head_logprobs(hidden[:, :-1][predict], model.get_output_embeddings(), targets, options)

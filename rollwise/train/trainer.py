@@ -29,7 +29,7 @@ from rollwise.train.grpo import token_weights
 from rollwise.train.lora import adapter_state, wrap_lora
 from rollwise.train.packing import GroupMicroBatch, collate_group, collate_packed_groups
 from rollwise.train.policy_loss import PolicyLossInputs, resolve_policy_loss, skips_zero_advantage
-from rollwise.train.logprobs import sequence_logprobs
+from rollwise.train.logprobs import LogprobOptions, sequence_logprobs
 from rollwise.train.activation_checkpointing import enable_activation_checkpointing
 from rollwise.train.routing_replay import ReplayBatch, RoutingReplay, find_routers, rows_batch
 from rollwise.train.critic import Critic
@@ -58,10 +58,8 @@ class MicroBatch:
     versions: Tensor | None = None
     num_seqs: int = 0
 
-    def logprobs(self, model: nn.Module, temperature: float, chunk_tokens: int,
-                 fused: bool = False) -> tuple[Tensor, Tensor]:
-        return sequence_logprobs(model, self.input_ids, self.attention_mask, self.target_mask,
-                                 temperature=temperature, chunk_tokens=chunk_tokens, fused=fused)
+    def logprobs(self, model: nn.Module, options: LogprobOptions) -> tuple[Tensor, Tensor]:
+        return sequence_logprobs(model, self.input_ids, self.attention_mask, self.target_mask, options)
 
     @property
     def n_tokens(self) -> int:
@@ -225,7 +223,7 @@ class GRPOTrainer:
 
     def _forward_logprobs(self, model: nn.Module, mb: MicroBatch | GroupMicroBatch) -> tuple[Tensor, Tensor]:
         with self._compute():
-            logp, entropy = mb.logprobs(model, self.temperature, self.cfg.logprob_chunk_tokens, self.cfg.fused_logprobs)
+            logp, entropy = mb.logprobs(model, LogprobOptions.of(self.cfg, self.temperature))
         return logp.float(), entropy.float()  # the loss and the metrics in float32
 
     def _logprobs(self, mb: MicroBatch | GroupMicroBatch) -> tuple[Tensor, Tensor]:

@@ -19,6 +19,8 @@
   built (the weight transports of rollwise.sync and the flat checkpoints of rollwise.model use it).
 - config_section: the base of every run-config section, wherever it is defined (no unknown keys, finite
   numbers, no true/false for a number).
+- model_shape: `ModelShape`, a decoder's layers, widths, heads and vocabulary read once from a Hugging Face
+  config (the reference engine's ModelConfig and the FLOP counter's DenseModel both hold one).
 
 Nothing here imports another rollwise package (only under TYPE_CHECKING, for annotations).
 """

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from rollwise.engine.reference.lora import LoraServing
+from rollwise.engine.reference.migration import ReferenceMigration
 from rollwise.engine.reference.model import LlamaFamilyModel
 from rollwise.engine.reference.kv_tiers import KVTiers
 from rollwise.engine.reference.session_retention import SessionRetention
@@ -31,7 +32,7 @@ from rollwise.engine.retention import RetentionLimits
 from rollwise.engine.retention_policy import CostMeter, PolicyName
 from rollwise.engine.state import EngineState
 from rollwise.types.generation import Completion, EngineLoad, FinishReason, GenerationRequest, ModelInfo
-from rollwise.types.weights import ExpectedWeights
+from rollwise.types.weights import ExpectedWeights, dtype_name
 
 
 # Prefills of at least this many new tokens measure the recompute cost the retention policy weighs
@@ -39,7 +40,7 @@ from rollwise.types.weights import ExpectedWeights
 RECOMPUTE_SAMPLE_MIN = 64
 
 
-class ReferenceEngine(SessionRetention, SpeculativeDecoding, LoraServing, EngineState):
+class ReferenceEngine(ReferenceMigration, SessionRetention, SpeculativeDecoding, LoraServing, EngineState):
     """Continuous-batching generation with exact fp32 logprobs and per-token policy versions."""
 
     name = "reference"
@@ -100,14 +101,15 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, LoraServing, Engine
         self._init_adapters()  # LoRA adapters, unmerged, per sequence (rollwise.engine.reference.lora)
         self._init_retention(retention, retention_policy)
         self.capture_routing = capture_routing
+        self._init_migration()  # live migration's staged slots (rollwise.engine.reference.migration)
 
     def _init_retention(self, retention: RetentionLimits | None, policy: PolicyName) -> None:
         """Session KV retention across tool calls (rollwise.engine.reference.kv_tiers); None: off."""
         if retention is not None and self.model.is_moe:
             raise ValueError("session KV retention with a mixture-of-experts model is not supported by the reference "
                              "engine (a resumed prefix would need its routing kept); turn engine retention off")
-        cfg = self.model.config
-        bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.model.dtype.itemsize
+        shape = self.model.config.shape
+        bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * self.model.dtype.itemsize
         self.kv_tiers = None if retention is None else KVTiers(retention, self.max_model_len, bytes_per_token,
                                                                max_parked=max(1, self.max_num_seqs // 2))
         self.decode_step_cost = CostMeter(1e-2)  # seconds per decode step: when a running sequence frees its slot
@@ -165,9 +167,17 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, LoraServing, Engine
             policy_version=self._version,
         )
 
+    @property
+    def device(self) -> str:
+        param = next(self.model.parameters(), None)
+        return str(param.device) if param is not None else "cpu"
+
+    def describe(self) -> str:
+        return f"reference (pure PyTorch, {dtype_name(self.model.dtype)})"
+
     def model_info(self) -> ModelInfo:
         return ModelInfo(
-            engine=self.name, model=self.model_name, vocab_size=self.model.config.vocab_size,
+            engine=self.name, model=self.model_name, vocab_size=self.model.config.shape.vocab_size,
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             eos_token_ids=sorted(self.eos_token_ids), tokenizer_fingerprint=self.fingerprint,
             policy_version=self._version,
@@ -176,7 +186,7 @@ class ReferenceEngine(SessionRetention, SpeculativeDecoding, LoraServing, Engine
     # ---------------------------------------------------------------- requests
 
     def add_request(self, req: GenerationRequest) -> None:
-        check_request(req, max_model_len=self.max_model_len, vocab_size=self.model.config.vocab_size,
+        check_request(req, max_model_len=self.max_model_len, vocab_size=self.model.config.shape.vocab_size,
                       in_flight=req.request_id in self._unfinished, sleeping=self.sleeping,
                       max_num_seqs=self.max_num_seqs)
         self.adapters.resolve(req.adapter)  # an adapter that is not loaded is refused here, named

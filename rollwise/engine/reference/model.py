@@ -87,16 +87,17 @@ def _rotate_half(x: Tensor) -> Tensor:
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        shape = cfg.shape
+        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        q_dim, kv_dim = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
         self.split = [q_dim, kv_dim, kv_dim]
         self.qkv_weight, self.qkv_bias = _register_fused(
-            self, ["q_proj", "k_proj", "v_proj"], self.split, cfg.hidden_size, cfg.qkv_bias, dtype
+            self, ["q_proj", "k_proj", "v_proj"], self.split, cfg.shape.hidden_size, cfg.qkv_bias, dtype
         )
-        self.o_proj = _new_linear(cfg.hidden_size, q_dim, cfg.o_bias, dtype)
+        self.o_proj = _new_linear(cfg.shape.hidden_size, q_dim, cfg.o_bias, dtype)
         if cfg.qk_norm:  # Qwen3: each head of q and k is RMS-normalised before RoPE (HF's q_norm/k_norm)
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.q_norm = RMSNorm(cfg.shape.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(cfg.shape.head_dim, cfg.rms_norm_eps, dtype)
         self.qk_norm = cfg.qk_norm
         self.lora_fused = (["q_proj", "k_proj", "v_proj"], self.split)  # for LoRA hooks on the fused matmul
         self.lora_hook: Callable[[Tensor, Tensor], None] | None = None
@@ -120,12 +121,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
+        self.intermediate_size = cfg.shape.intermediate_size
         self.gate_up_weight, self.gate_up_bias = _register_fused(
-            self, ["gate_proj", "up_proj"], [cfg.intermediate_size] * 2, cfg.hidden_size, cfg.mlp_bias, dtype
+            self, ["gate_proj", "up_proj"], [self.intermediate_size] * 2, cfg.shape.hidden_size, cfg.mlp_bias, dtype
         )
-        self.down_proj = _new_linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype)
-        self.lora_fused = (["gate_proj", "up_proj"], [cfg.intermediate_size] * 2)
+        self.down_proj = _new_linear(cfg.shape.hidden_size, cfg.shape.intermediate_size, cfg.mlp_bias, dtype)
+        self.lora_fused = (["gate_proj", "up_proj"], [cfg.shape.intermediate_size] * 2)
         self.lora_hook: Callable[[Tensor, Tensor], None] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
@@ -141,7 +142,7 @@ class Experts(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+        E, H, I = cfg.num_experts, cfg.shape.hidden_size, cfg.shape.intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H, dtype=dtype), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, H, I, dtype=dtype), requires_grad=False)
 
@@ -157,7 +158,7 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.top_k = cfg.top_k
-        self.gate = _new_linear(cfg.num_experts, cfg.hidden_size, False, dtype)  # the router
+        self.gate = _new_linear(cfg.num_experts, cfg.shape.hidden_size, False, dtype)  # the router
         self.experts = Experts(cfg, dtype)
         self.last_experts: Tensor | None = None
 
@@ -180,8 +181,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, dtype)
         self.mlp = SparseMoE(cfg, dtype) if cfg.num_experts else MLP(cfg, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(cfg.shape.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.shape.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
@@ -194,9 +195,9 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         # Only the weight is used (through F.embedding); Linear is just the HF-named holder.
-        self.embed_tokens = Linear(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.embed_tokens = Linear(torch.empty(cfg.shape.vocab_size, cfg.shape.hidden_size, dtype=dtype))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.shape.num_layers))
+        self.norm = RMSNorm(cfg.shape.hidden_size, cfg.rms_norm_eps, dtype)
 
 
 class KVCache:
@@ -208,7 +209,7 @@ class KVCache:
     """
 
     def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype) -> None:
-        shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+        shape = (cfg.shape.num_layers, num_slots, cfg.shape.num_kv_heads, max_len, cfg.shape.head_dim)
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
         self.max_len = max_len
@@ -238,7 +239,7 @@ class LlamaFamilyModel(nn.Module):
             # Shares storage with the embedding, so loading either name updates both.
             self.lm_head = Linear(self.model.embed_tokens.weight)
         else:
-            self.lm_head = _new_linear(cfg.vocab_size, cfg.hidden_size, False, dtype)
+            self.lm_head = _new_linear(cfg.shape.vocab_size, cfg.shape.hidden_size, False, dtype)
         # HF's RoPE inverse frequencies for the configured type (same formula: identical cos/sin).
         self.inv_freq = cfg.inv_freq()
         self.rope_scale = cfg.rope_attention_scaling
@@ -341,7 +342,7 @@ class LlamaFamilyModel(nn.Module):
         # Each slot sees its own filled prefix plus the token being written now.
         mask = (torch.arange(T)[None, :] <= positions[:, None]).view(B, 1, 1, T)
         contiguous = slots[-1] - slots[0] + 1 == B
-        group = self.config.num_heads // self.config.num_kv_heads
+        group = self.config.shape.num_heads // self.config.shape.num_kv_heads
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             k_cache, v_cache = cache.k[layer], cache.v[layer]

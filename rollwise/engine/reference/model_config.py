@@ -19,6 +19,7 @@ import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from rollwise.model.architectures import check_architecture
+from rollwise.types.model_shape import ModelShape
 
 # RoPE types computed once from the config (transformers' names); "default" is plain RoPE.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -29,13 +30,7 @@ class ModelConfig:
     """The architecture facts the decoder needs, normalised from an HF config."""
 
     model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    shape: ModelShape  # layers, widths, heads, vocabulary: read as the FLOP counter reads them
     rms_norm_eps: float
     rope_theta: float
     qkv_bias: bool
@@ -64,18 +59,10 @@ class ModelConfig:
                 raise ValueError(f"{model_type} with sliding-window attention layers is not supported by the "
                                  "reference engine (config use_sliding_window / layer_types)")
         attention_bias = bool(getattr(config, "attention_bias", False))
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         theta, inv_freq, scaling = _rope(config)
         return cls(
             model_type=model_type,
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
+            shape=ModelShape.from_hf(config),
             rms_norm_eps=config.rms_norm_eps,
             rope_theta=theta,
             # Qwen2 always has q/k/v biases and no o_proj bias; attention_bias (Llama, Qwen3) covers all four.
@@ -95,7 +82,7 @@ class ModelConfig:
         """RoPE's inverse frequencies [head_dim / 2] in fp32, by HF's formula for the configured type."""
         if self.rope_inv_freq is not None:
             return torch.tensor(self.rope_inv_freq, dtype=torch.float)
-        dim = self.head_dim
+        dim = self.shape.head_dim
         return 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
 
 
