@@ -262,7 +262,8 @@ def run_trainer_step_bench(model: nn.Module, tokenizer: Any, *, model_spec: str,
     trainers = {arm: GRPOTrainer(model, TrainConfig(**base, **STEP_ARMS[arm]), pad_token_id=tokenizer.pad_token_id)
                 for arm in arms}
     cfg = trainers["baseline"].cfg
-    flops = training_flops(DenseModel.from_hf_config(model.config), batch, cfg)
+    flops = training_flops(DenseModel.from_hf_config(model.config), batch, cfg,
+                           skip_zero_advantage=cfg.skips_zero_advantage())
     threads = torch.get_num_threads()
     # each arm is held to the peak of the dtype its matmuls run in
     peaks = {dtype: measure_matmul_peak(threads, matmul, resolve_dtype(dtype))

@@ -104,10 +104,10 @@ def generation_flops(model: DenseModel, samples: Iterable[Sample]) -> float:
     return total
 
 
-def trained_samples(samples: list[Sample], kl_reference: bool) -> list[Sample]:
-    """The samples the trainer computes on (rollwise.train.trainer.GRPOTrainer.train_step): without a
-    KL term, a zero-advantage sample adds nothing to the gradient and is skipped."""
-    return [s for s in samples if kl_reference or s.advantage != 0.0]
+def trained_samples(samples: list[Sample], skip_zero_advantage: bool) -> list[Sample]:
+    """The samples the trainer computes on (rollwise.train.trainer.GRPOTrainer.train_step): where a
+    zero-advantage sample adds nothing to the gradient (TrainConfig.skips_zero_advantage), it is skipped."""
+    return [s for s in samples if not skip_zero_advantage or s.advantage != 0.0]
 
 
 def _group_spans(group: list[Sample]) -> list[tuple[int, int, int]]:
@@ -128,7 +128,8 @@ def _micro_batch_forward(model: DenseModel, share: bool, chunk: list[Sample]) ->
 
 
 def training_flops(model: DenseModel, samples: list[Sample], settings: MicroBatchSettings, *,
-                   updates: int = 1, kl_reference: bool = False, frozen_weights: bool = False) -> float:
+                   updates: int = 1, kl_reference: bool = False, frozen_weights: bool = False,
+                   skip_zero_advantage: bool | None = None) -> float:
     """Forward + backward (3x the forward) per optimizer update over the trained samples, plus the
     extra forwards: the frozen reference model's (KL term) per update, or, when no sample carries a
     gradient, the one no-grad forward the trainer still runs to measure entropy and mismatch.
@@ -136,7 +137,8 @@ def training_flops(model: DenseModel, samples: list[Sample], settings: MicroBatc
     frozen_weights (LoRA: the base model's weights take no gradient): the backward of a weight matmul
     is then the input gradient alone (1x its forward, not 2x); attention's backward stays 2x. The
     adapters' own FLOPs (rank << hidden) are not counted."""
-    trained = trained_samples(samples, kl_reference)
+    skip = not kl_reference if skip_zero_advantage is None else skip_zero_advantage  # TrainConfig.skips_zero_advantage
+    trained = trained_samples(samples, skip)
     if not trained:
         share, chunks = chunk_samples(samples, settings)
         return sum(_micro_batch_forward(model, share, chunks[0])) if chunks else 0.0

@@ -92,8 +92,10 @@ class LoopMeter:
     so a step's generation FLOPs are spread over the whole step, not over its wait for the batch."""
 
     def __init__(self, model: DenseModel, peak: Peak, settings: MicroBatchSettings, *, updates: int = 1,
-                 kl_reference: bool = False, frozen_weights: bool = False, overlapped: bool = False) -> None:
+                 kl_reference: bool = False, frozen_weights: bool = False, overlapped: bool = False,
+                 skip_zero_advantage: bool | None = None) -> None:
         self.model, self.peak, self.settings = model, peak, settings
+        self.skip_zero_advantage = skip_zero_advantage  # TrainConfig.skips_zero_advantage (None: no KL term)
         self.updates, self.kl_reference, self.overlapped = updates, kl_reference, overlapped
         self.frozen_weights = frozen_weights
         self.cores = psutil.cpu_count() or 1  # idle time is read machine-wide, over every core
@@ -117,7 +119,8 @@ class LoopMeter:
         """The step's FLOPs by phase, MFU overall and per phase, and the cores' idle seconds."""
         gen = generation_flops(self.model, samples)
         train = training_flops(self.model, samples, self.settings, updates=self.updates,
-                               kl_reference=self.kl_reference, frozen_weights=self.frozen_weights)
+                               kl_reference=self.kl_reference, frozen_weights=self.frozen_weights,
+                               skip_zero_advantage=self.skip_zero_advantage)
         self.flops += Flops(generate=gen, train=train)
         self.seconds["generate"] += times.step if self.overlapped else times.generate
         self.seconds["train"] += times.train
@@ -186,4 +189,5 @@ def loop_meter(model: Any, train: LoopTrainSettings, *, overlapped: bool,
     peaks = [machine_peak(dtype) for dtype in dict.fromkeys(compute_dtypes or [next(model.parameters()).dtype])]
     peak = max(peaks, key=lambda p: p.flops)
     return LoopMeter(spec, peak, train, updates=train.updates_per_step, kl_reference=train.kl_coef > 0,
+                     skip_zero_advantage=train.skips_zero_advantage(),
                      frozen_weights=train.lora is not None, overlapped=overlapped)

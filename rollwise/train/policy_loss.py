@@ -189,14 +189,6 @@ class PolicyLoss:
         return LossTerms(loss=loss, clipped_tokens=out.clipped.sum(), kl_sum=kl_sum)
 
 
-def skips_zero_advantage(cfg: TrainConfig) -> bool:
-    """Whether a sample with advantage 0 adds exactly nothing to the gradient, so the trainer may skip its
-    forward/backward: with no KL term (train.kl_coef=0) every built-in loss is 0 there, value and gradient.
-    A custom loss may not be (an entropy bonus, say): it sees every sample."""
-    # With per-token advantages (gae, the KL in the reward) a sample's tokens carry their own advantages: none skipped.
-    return cfg.kl_coef == 0 and not is_custom_loss(cfg.policy_loss) and cfg.advantage != "gae"
-
-
 def resolve_policy_loss(cfg: TrainConfig) -> PolicyLoss:
     """train.policy_loss as a PolicyLoss; a custom one is imported and checked on a dummy batch first (a
     ConfigError naming the field when it cannot be used)."""

@@ -29,7 +29,7 @@ from rollwise.config import ConfigError
 from rollwise.types.train_config import TrainConfig, TrainerConfig
 from rollwise.train.checkpoint import load_rng_and_state, write_checkpoint
 from rollwise.train.grpo import token_weights
-from rollwise.train.policy_loss import resolve_policy_loss, skips_zero_advantage
+from rollwise.train.policy_loss import resolve_policy_loss
 from rollwise.train.rank import RankWork
 from rollwise.train.rank_group import ProcessRankGroup, RankGroup, TrainerRankError
 from rollwise.types.critic_config import token_advantage_reason
@@ -140,7 +140,7 @@ class ShardedTrainer:
         return self._version
 
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
-        informative = [s for s in samples if s.advantage != 0.0] if skips_zero_advantage(self.cfg) else samples
+        informative = [s for s in samples if s.advantage != 0.0] if self.cfg.skips_zero_advantage() else samples
         informative = [s for s in informative if s.trained_tokens]
         if not informative:
             # Nothing to learn from: entropy and mismatch of the first micro-batch, measured on all

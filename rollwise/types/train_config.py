@@ -13,7 +13,8 @@ from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from rollwise.types.adapter_limits import MAX_LORA_ALPHA
 from rollwise.types.algorithms import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, KL_PENALTIES, MIS_LEVELS,
-                                       OFF_POLICY_CORRECTIONS, check_choice, check_policy_loss_name)
+                                       OFF_POLICY_CORRECTIONS, check_choice, check_policy_loss_name,
+                                       is_custom_loss)
 from rollwise.types.config_section import ConfigSection
 from rollwise.types.critic_config import GaeConfig, check_kl_penalty
 from rollwise.types.sft_config import TeacherConfig
@@ -133,6 +134,13 @@ class TrainConfig(ConfigSection):
             raise ValueError(f"train.is_floor={self.is_floor} must be below train.is_cap={self.is_cap} (the importance "
                              "weights kept lie between them): lower is_floor or raise is_cap")
         return self
+
+    def skips_zero_advantage(self) -> bool:
+        """Whether a sample with advantage 0 adds exactly nothing to the gradient, so the trainer may skip its
+        forward/backward (and the FLOP count leaves it out): with no KL term (kl_coef=0) every built-in loss is 0
+        there, value and gradient. A custom loss may not be (an entropy bonus, say): it sees every sample; with
+        per-token advantages (gae) a sample's tokens carry their own advantages: none skipped."""
+        return self.kl_coef == 0 and not is_custom_loss(self.policy_loss) and self.advantage != "gae"
 
     @model_validator(mode="after")
     def _resolve_kl_penalty(self) -> TrainConfig:
