@@ -28,7 +28,7 @@ from rollwise.train.corrections import correction as correction_of
 from rollwise.train.grpo import token_weights
 from rollwise.train.lora import adapter_state, wrap_lora
 from rollwise.train.packing import GroupMicroBatch, collate_group, collate_packed_groups
-from rollwise.train.policy_loss import PolicyLossInputs, resolve_policy_loss, skips_zero_advantage
+from rollwise.train.policy_loss import PolicyLossInputs, resolve_policy_loss
 from rollwise.train.logprobs import LogprobOptions, sequence_logprobs
 from rollwise.train.activation_checkpointing import enable_activation_checkpointing
 from rollwise.train.routing_replay import ReplayBatch, RoutingReplay, find_routers, rows_batch
@@ -277,7 +277,7 @@ class GRPOTrainer:
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
         """One rollout batch -> `updates_per_step` optimizer updates. Returns metrics of the last update."""
         informative = samples
-        if skips_zero_advantage(self.cfg):
+        if self.cfg.skips_zero_advantage():
             # With no KL term (and a built-in loss), a sample with advantage 0 (every sample of a
             # zero-variance group) adds exactly nothing to the gradient: skip its forward/backward. The
             # token mean is then over informative tokens, as with DAPO's dynamic-sampling filter.
