@@ -9,6 +9,10 @@ sample being regenerated) carries its reason.
        ^         |           |
        +---------+-----------+   (aborted at a weight update / too stale: regenerate)
     any state but trained -> dropped (with a reason: the run ended, ...)
+
+A running sample may also move between engines (live migration, rollwise.engine.migration): it stays
+`running` on the same attempt, and the move is recorded with its engines (`migrate`), so a migration is
+never mistaken for a regeneration and a sample can be followed from engine to engine.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class SlotRecord:
     wasted_attempts: int = 0
     discarded_tokens: int = 0
     reasons: list[str] = field(default_factory=list)  # why it went back to queued or was dropped
+    migrations: tuple[tuple[str, str], ...] = ()  # (from engine, to engine) of each live migration, in order
 
 
 class RolloutLedger:
@@ -73,6 +78,23 @@ class RolloutLedger:
         if to == "running":
             record.attempts += 1
         record.state = to
+
+    def migrate(self, slot: Slot, source: str, target: str) -> None:
+        """A running sample moved from engine `source` to `target` with its tokens (same attempt)."""
+        record = self.slots.get(slot)
+        if record is None:
+            raise LedgerError(f"sample {slot} was never queued")
+        if record.state != "running":
+            raise LedgerError(f"sample {slot}: only a running sample migrates, it is {record.state}")
+        if source == target:
+            raise LedgerError(f"sample {slot}: a migration from engine {source!r} to itself")
+        if record.migrations and record.migrations[-1][1] != source:
+            raise LedgerError(f"sample {slot}: migrated from {source!r}, but it runs on {record.migrations[-1][1]!r}")
+        record.migrations += ((source, target),)
+
+    def migrations(self) -> int:
+        """Live migrations of running samples, over all samples."""
+        return sum(len(record.migrations) for record in self.slots.values())
 
     def state(self, slot: Slot) -> SlotState:
         return self.slots[slot].state

@@ -168,6 +168,16 @@ class ReferenceEngine(ReferenceMigration, SessionRetention, SpeculativeDecoding,
         )
 
     @property
+    def prefix_cache_tokens(self) -> int:
+        return self.prefix_cache.num_tokens if self.prefix_cache is not None else 0
+
+    def flush_prefix_cache(self) -> int:
+        held = self.prefix_cache_tokens
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        return held
+
+    @property
     def device(self) -> str:
         param = next(self.model.parameters(), None)
         return str(param.device) if param is not None else "cpu"

@@ -93,3 +93,8 @@ class Scheduler:
 
     def free(self, slot: int) -> None:
         heapq.heappush(self._free, slot)
+
+    def reserve(self) -> int | None:
+        """Take a free slot outside admission (a migrating request's KV is staged in it); free(slot) or
+        start() a sequence in it later. None: no slot is free."""
+        return heapq.heappop(self._free) if self._free else None

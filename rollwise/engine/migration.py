@@ -1,0 +1,240 @@
+"""Live migration of in-flight requests between two engines (issue 42 item 3, ServerlessLLM's token-based
+migration): nothing lost, nothing generated twice.
+
+A running request's state is its tokens, not its KV: the prompt, the tokens sampled so far with their
+logprobs, policy versions (and top logprobs), and each sample's RNG state. The destination B recomputes
+the KV from those tokens (a prefill, through its prefix cache) while the source A keeps decoding; the
+tokens A sampled meanwhile (the delta) are prefilled on B in further rounds (at most max_rounds); when the
+delta is small, B takes the request over at a step boundary of A (prefilling the last delta) and A forgets
+its copy without emitting a sample. The request then continues on B exactly where it stopped on A: greedy decoding gives
+the tokens one engine would have produced, and a seeded sample keeps its stream (its RNG state moves with
+it). Tokens keep the versions that sampled them; B's tokens carry B's version (partial-rollout semantics).
+
+    round 0: s = A.export(r); B.stage(s)                     B prefills prompt + tokens[:-1]
+             (a request still waiting for admission on A moves at once: nothing to catch up)
+    round k: A steps; s = A.export(r); |delta| <= max_delta?  no: B.stage(s) (the delta only), again
+    handover: B.commit(s); A.release_migrated(r)              between two steps of A: no token in between
+
+Should B refuse the handover, A takes the request back from the same state. `migrate` drives two engines
+from this thread (A decodes `source_steps` steps during B's first prefill; the samples A finishes meanwhile
+come back in `MigrationResult.source_finished` for the caller to deliver as usual); `migrate_between` drives
+two EngineWorkers, each stepping on its own thread, so A really decodes while B prefills and A's finished
+samples come out of A's worker as always. Either way a request that finished on A is not migrated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from collections.abc import Callable
+from typing import Protocol, TypeVar, runtime_checkable
+
+from rollwise.types.generation import Completion, GenerationRequest, ModelInfo
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class MigratingSample:
+    """One running sample of a request: everything its continuation depends on."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    top_logprobs: list[list[tuple[int, float]]]
+    rng_state: bytes  # the sample's generator state: a seeded sample continues its own stream
+    cached_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class MigrationState:
+    """A request in flight on an engine, as exported between two of its steps. No samples: it was still
+    waiting for admission (the destination just queues it). session_id: the retained session it resumed."""
+
+    request: GenerationRequest
+    samples: list[MigratingSample]
+    session_id: str | None = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples)
+
+
+@runtime_checkable
+class Migratable(Protocol):
+    """What an engine offers to migration (the reference engine: rollwise.engine.reference.migration)."""
+
+    def model_info(self) -> ModelInfo: ...
+    def step(self) -> list[Completion]: ...
+    def migratable_requests(self) -> list[str]:
+        """The ids of the requests in flight (running or waiting), in submission order."""
+    def export_running(self, request_id: str) -> MigrationState | None:
+        """The request's state now, changing nothing; None when it is not in flight."""
+    def stage_migration(self, state: MigrationState) -> int:
+        """Prefill what of `state` is not in this engine's KV yet (a slot per sample); returns the tokens
+        prefilled. Raises ValueError (nothing staged) when there is no room or the state does not fit."""
+    def commit_migration(self, state: MigrationState) -> None:
+        """Take the request over: stage the rest of `state`, then it decodes here from where it stopped."""
+    def cancel_migration(self, request_id: str) -> None:
+        """Free what was staged for the request (it finished on the source)."""
+    def release_migrated(self, request_id: str) -> int:
+        """Forget the request without emitting a sample (it continues elsewhere); returns its samples dropped."""
+
+
+@dataclass
+class MigrationResult:
+    """What a migration did. migrated: request id -> tokens it had when B took it over; finished_on_source:
+    requests that finished on A during the catch-up (their samples are in source_finished)."""
+
+    migrated: dict[str, int] = field(default_factory=dict)
+    finished_on_source: list[str] = field(default_factory=list)
+    source_finished: list[Completion] = field(default_factory=list)
+    rounds: int = 0
+    tokens_prefilled: int = 0  # on B, over all rounds: what the handover cost instead of regenerating
+
+
+# The handover's last delta is prefilled while the request waits (it is on neither engine's batch then): a few
+# tokens cost about one decode step. More rounds rarely help: when B prefills a delta about as fast as A
+# samples it (a small model, both busy) the delta stops shrinking, so the catch-up is bounded.
+DELTA_TOKENS = 8
+CATCH_UP_ROUNDS = 4
+
+# ModelInfo fields two engines must share for a request to continue from one on the other.
+_SAME = ("model", "vocab_size", "tokenizer_fingerprint", "eos_token_ids")
+
+
+def check_compatible(source: ModelInfo, target: ModelInfo) -> None:
+    """Refuse a migration between engines that would not continue a sample the same way, naming the field."""
+    for name in _SAME:
+        if getattr(source, name) != getattr(target, name):
+            raise ValueError(f"cannot migrate: model_info.{name} differs between the engines "
+                             f"({getattr(source, name)!r} vs {getattr(target, name)!r}); migrate to an engine "
+                             "serving the same model and tokenizer")
+
+
+class CommandRunner(Protocol):
+    """Runs a command on an engine between two of its steps: EngineWorker.call (the engine on its own thread)."""
+
+    def call(self, fn: Callable[[Migratable], T]) -> T: ...
+
+
+@dataclass(frozen=True)
+class _Ends:
+    """Where the coordinator's commands run, and how the source moves on between two rounds."""
+
+    source: Callable[[Callable[[Migratable], T]], T]
+    target: Callable[[Callable[[Migratable], T]], T]
+    advance: Callable[[], list[Completion]]  # the source's samples finished meanwhile that come back here
+
+
+def migrate(
+    source: Migratable, target: Migratable, request_ids: list[str] | None = None, *,
+    source_steps: int = 1, max_delta: int = DELTA_TOKENS, max_rounds: int = CATCH_UP_ROUNDS,
+) -> MigrationResult:
+    """Move `request_ids` (default: all in flight on `source`) from `source` to `target`, two engines this thread
+    steps. On return every request is either running on `target` (its copy on `source` dropped, no sample
+    emitted) or finished on `source` during the catch-up (in `source_finished`). source_steps: the source's steps
+    during the target's first prefill; max_delta: the most tokens any one sample may have left to prefill at the
+    handover; max_rounds bounds the catch-up whatever the delta."""
+    steps = [source_steps]
+
+    def advance() -> list[Completion]:
+        finished = [c for _ in range(steps[0]) for c in source.step()]
+        steps[0] = 1
+        return finished
+
+    return _migrate(_Ends(lambda fn: fn(source), lambda fn: fn(target), advance), request_ids, max_delta, max_rounds)
+
+
+def migrate_between(
+    source: CommandRunner, target: CommandRunner, request_ids: list[str] | None = None, *,
+    max_delta: int = DELTA_TOKENS, max_rounds: int = CATCH_UP_ROUNDS,
+) -> MigrationResult:
+    """`migrate` for engines on their own threads (EngineWorkers): the source keeps stepping on its thread while
+    the target prefills on its own, and the samples the source finishes meanwhile come out of the source as
+    usual (never in the result). Use it to drain an engine before it sleeps or is removed."""
+    return _migrate(_Ends(source.call, target.call, list), request_ids, max_delta, max_rounds)
+
+
+def _migrate(ends: _Ends, request_ids: list[str] | None, max_delta: int, max_rounds: int) -> MigrationResult:
+    for side, run in (("source", ends.source), ("target", ends.target)):
+        if not run(lambda e: isinstance(e, Migratable)):
+            raise ValueError(f"cannot migrate: the {side} engine does not support live migration (the reference "
+                             "engine does; the vLLM backend not yet): abort and resubmit its requests instead")
+    check_compatible(ends.source(lambda e: e.model_info()), ends.target(lambda e: e.model_info()))
+    ids = list(ends.source(lambda e: e.migratable_requests()) if request_ids is None else request_ids)
+    result = MigrationResult()
+    staged: dict[str, MigrationState] = {}
+    try:
+        for rid in ids:
+            state = ends.source(lambda e, rid=rid: e.export_running(rid))
+            if state is None:
+                raise ValueError(f"cannot migrate request {rid!r}: it is not in flight on the source engine")
+            if not state.samples:  # still waiting for admission: it moves at once, with nothing to catch up
+                _hand_over(ends, rid, state, result)
+                continue
+            result.tokens_prefilled += ends.target(lambda e, state=state: e.stage_migration(state))
+            staged[rid] = state
+        while staged:
+            result.rounds += 1
+            result.source_finished += ends.advance()
+            current = _current(ends, staged, result)
+            delta = max((_delta(staged[rid], state) for rid, state in current.items()), default=0)
+            if delta <= max_delta or result.rounds >= max_rounds:
+                for rid in list(current):
+                    _hand_over(ends, rid, staged.pop(rid), result)
+                break
+            for rid, state in current.items():
+                result.tokens_prefilled += ends.target(lambda e, state=state: e.stage_migration(state))
+                staged[rid] = state
+    except BaseException:
+        for rid in staged:  # nothing half-moved: the source still runs every request not yet handed over
+            ends.target(lambda e, rid=rid: e.cancel_migration(rid))
+        raise
+    return result
+
+
+def _hand_over(ends: _Ends, rid: str, staged: MigrationState, result: MigrationResult) -> None:
+    """The switch: the source gives the request up between two of its steps (its final state read in the same
+    command, so no token falls in between), and the target takes it on from that state. Should the target
+    refuse it, the source takes it back from the same state: a request is never lost between the two."""
+
+    def take(e: Migratable) -> MigrationState | None:
+        final = e.export_running(rid)
+        if final is not None:
+            e.release_migrated(rid)
+        return final
+
+    final = ends.source(take)
+    if final is None:  # it finished on the source just before (its samples come out there)
+        ends.target(lambda e: e.cancel_migration(rid))
+        result.finished_on_source.append(rid)
+        return
+    try:
+        ends.target(lambda e: e.commit_migration(final))
+    except BaseException:
+        ends.target(lambda e: e.cancel_migration(rid))
+        ends.source(lambda e: e.commit_migration(final))
+        raise
+    result.migrated[rid] = final.tokens
+    result.tokens_prefilled += final.tokens - staged.tokens
+
+
+def _delta(staged: MigrationState, now: MigrationState) -> int:
+    """The most tokens one sample sampled on the source since `staged` (a sample new since then: all of them)."""
+    before = {s.index: len(s.token_ids) for s in staged.samples}
+    return max((len(s.token_ids) - before.get(s.index, 0) for s in now.samples), default=0)
+
+
+def _current(ends: _Ends, staged: dict[str, MigrationState], result: MigrationResult) -> dict[str, MigrationState]:
+    """The staged requests' states now; those that finished on the source are cancelled on the target."""
+    current = {}
+    for rid in list(staged):
+        state = ends.source(lambda e, rid=rid: e.export_running(rid))
+        if state is None:
+            ends.target(lambda e, rid=rid: e.cancel_migration(rid))
+            result.finished_on_source.append(rid)
+            del staged[rid]
+            continue
+        current[rid] = state
+    return current
