@@ -76,19 +76,15 @@ class _Running:
     remaining: set[int] = field(default_factory=set)  # completion indices not yet returned
 
 
-class ControllerDefaults:
-    """The parts of the controller interface (rollwise.types.contracts.RolloutControl) most controllers share:
-    GRPO group advantages and no extra step metrics. The agent layer overrides both (one advantage
-    per episode; tool-call counts)."""
-
+class RolloutController:
+    # RolloutControl's GRPO defaults (rollwise.types.contracts): group advantages, no extra step metrics (the agent
+    # layer's controller has its own: one advantage per episode, tool-call counts).
     def assign_advantages(self, samples: list[Sample], mode: str) -> float:
         return assign_advantages(samples, mode)
 
     def step_metrics(self) -> dict[str, float]:
         return {}
 
-
-class RolloutController(ControllerDefaults):
     def __init__(
         self,
         cfg: RunConfig,
