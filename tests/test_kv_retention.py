@@ -220,8 +220,8 @@ def test_http_retain_keeps_the_session_between_turns():
 
 def _fixed_costs(engine, recompute_s_per_token: float, decode_step_s: float = 1e-3) -> None:
     """Pin the engine's measured costs (weight 0: no measurement moves them), so reclaim()'s choice is known."""
-    engine.recompute_cost = CostMeter(recompute_s_per_token, weight=0.0)
-    engine.decode_step_cost = CostMeter(decode_step_s, weight=0.0)
+    engine.retention.recompute_cost = CostMeter(recompute_s_per_token, weight=0.0)
+    engine.retention.decode_step_cost = CostMeter(decode_step_s, weight=0.0)
 
 
 def test_a_finished_turn_waits_briefly_for_retain_even_under_pressure(model):

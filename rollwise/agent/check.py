@@ -23,7 +23,7 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.console import Console
@@ -38,6 +38,12 @@ from rollwise.agent.toy import toy_question
 from rollwise.agent.trajectory import TrajectoryBuilder
 from rollwise.agent.verify import RecordingGenerator, TitoReport, verify_trajectory
 from rollwise.types.generation import Completion
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from rollwise.engine.contract import Engine
+
 
 # ---------------------------------------------------------------------------------------- template probe
 
@@ -98,7 +104,7 @@ class _CheckAgent(ToolAgent):
         return super().step(turn, session) or [{"role": "user", "content": "Check it with the calculator."}]
 
 
-def _load(model_spec: str, engine_kind: str, max_model_len: int, seed: int) -> tuple[Any, Any, Any]:
+def _load(model_spec: str, engine_kind: str, max_model_len: int, seed: int) -> tuple[nn.Module, Any, Engine]:
     from rollwise.types.engine_config import EngineConfig
     from rollwise.engine.factory import create_engine, resolve_engine_kind
     from rollwise.model.loading import load_model, tokenizer_fingerprint

@@ -29,11 +29,12 @@ from rollwise.types.task import Problem
 from rollwise.tasks.prompts import build_messages
 
 if TYPE_CHECKING:
+    from rollwise.config import RunConfig
     from rollwise.sandbox.pool import SandboxPool
 
 
 class AgentController:
-    def __init__(self, cfg: Any, worker: EngineWorker, tokenizer: Any, stream: ProblemStream,
+    def __init__(self, cfg: RunConfig, worker: EngineWorker, tokenizer: Any, stream: ProblemStream,
                  scorer: Scorer, *, policy_version: int = 0, start_group: int = 0,
                  pending_groups: list[int] | None = None) -> None:
         if cfg.rollout.mode != "sync":

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollwise.agent.episode import ToolAgent, run_episode
 from rollwise.agent.generator import Generator
@@ -23,6 +23,11 @@ from rollwise.agent.tools import BashTool, CalculatorTool, PythonTool, Tool, Too
 from rollwise.config import AgentConfig
 from rollwise.types.sample import Sample
 from rollwise.types.task import Problem
+
+if TYPE_CHECKING:
+    from rollwise.sandbox.pool import SandboxPool
+    from rollwise.sandbox.types import Sandbox
+
 
 @dataclass
 class EpisodeOutcome:
@@ -37,7 +42,7 @@ class EpisodeOutcome:
     finish_reason: str
 
 
-def _tools(names: list[str], sandbox: Any) -> list[Tool]:
+def _tools(names: list[str], sandbox: Sandbox | None) -> list[Tool]:
     made: list[Tool] = []
     for name in names:
         if name == "calculator":
@@ -62,7 +67,7 @@ def run_agent_groups(
     seed: int = 0,
     group_prefix: str = "agent",
     group_ids: list[str] | None = None,
-    sandbox_pool: Any = None,
+    sandbox_pool: SandboxPool | None = None,
 ) -> list[EpisodeOutcome]:
     """All episodes of the groups, in (problem, try) order. python/bash tools need `sandbox_pool`."""
     needs_sandbox = any(t in ("python", "bash") for t in cfg.tools)

@@ -199,7 +199,7 @@ def run_arm(model: nn.Module, tokenizer: Any, work: Workload, policy: str, seed:
         engine.close()
     else:
         recomputed, swap_s_per_token = stats["recomputed_prompt_tokens"], engine.kv_tiers.swap_cost.s_per_token
-        recompute_s_per_token = engine.recompute_cost.s_per_token
+        recompute_s_per_token = engine.retention.recompute_cost.s_per_token
     prefilled = stats["prompt_tokens"] - stats["cached_prompt_tokens"]
     # Waste estimate (token-s): slots pinned while tools ran, and recomputation stalling the running batch
     # (half the slots busy on average, an assumption stated in the docs).

@@ -18,7 +18,7 @@ from torch import Tensor
 from rollwise.engine.retention import RetentionDecision, RetentionRequest
 from rollwise.types.generation import Completion, EngineLoad, GenerationRequest, ModelInfo
 from rollwise.types.weight_checks import nonfinite, state_problems, version_problem
-from rollwise.types.weights import ExpectedWeights
+from rollwise.types.weights import AdapterSpec, ExpectedWeights
 
 
 @runtime_checkable
@@ -33,6 +33,11 @@ class Engine(Protocol):
     stats: dict[str, int]  # prompt_tokens, cached_prompt_tokens, generated_tokens, steps
     # Called for every sampled token as on_tokens(request_id, index, token, logprob, version).
     on_tokens: Callable[[str, int, int, float, int], None] | None
+    # What a weight update must match (names, shapes, dtypes, ties), read once when the engine starts.
+    expected_weights: ExpectedWeights
+    # Where its weights live ("cpu", "cuda", "cuda:0", ...): a Ray engine rank joins a weight broadcast over
+    # NCCL when they are on a GPU, gloo otherwise.
+    device: str
 
     @property
     def policy_version(self) -> int: ...
@@ -75,6 +80,21 @@ class Engine(Protocol):
     def load(self) -> EngineLoad: ...
     def model_info(self) -> ModelInfo: ...
     def reset_timeline(self) -> None: ...
+    def describe(self) -> str:
+        """One line for the console: which engine, and how it was set up."""
+    def loaded_adapters(self) -> dict[str, int]:
+        """The LoRA adapters it serves beside its base: name -> version ({}: none)."""
+    def load_adapter(self, spec: AdapterSpec, state: Mapping[str, Tensor], version: int) -> None:
+        """Serve adapter `spec.name` at `version` without touching the base (or raise ValueError, nothing changed)."""
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter `name` (or raise ValueError: requests of it in flight, or no unloading here)."""
+    @property
+    def prefix_cache_tokens(self) -> int:
+        """Tokens of KV its own cross-request prefix cache holds (0: it keeps none of its own)."""
+    def flush_prefix_cache(self) -> int:
+        """Empty that prefix cache; returns how many tokens it held."""
+    def close(self) -> None:
+        """Release what the engine holds beyond its memory (vLLM: its engine core and weight directory)."""
 
 
 def run_to_completion(

@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from rollwise.engine.contract import add_all
+from rollwise.engine.contract import Engine, add_all
 from rollwise.engine.weight_receiver import WeightReceiver
 from rollwise.types.generation import Completion, GenerationRequest
 
@@ -52,12 +52,17 @@ class StepOutputs(Protocol):
         """The loop ended on `error`; every queued command was answered with EngineStopped first."""
 
 
+# What a command runs on: the worker's engine, between two steps. None only on a pool slot's idle worker, whose
+# commands never touch it (rollwise.pool.slots: they name the tenancy's engine themselves).
+Command = Callable[[Engine], T]
+
+
 class EngineWorker:
-    def __init__(self, engine: Any | None, name: str = "engine-0", outputs: StepOutputs | None = None) -> None:
+    def __init__(self, engine: Engine | None, name: str = "engine-0", outputs: StepOutputs | None = None) -> None:
         self.engine = engine
         self.completions: queue.Queue[Completion] = queue.Queue()
         self._outputs = outputs
-        self._commands: queue.Queue[tuple[Callable[[Any], Any], Future]] = queue.Queue()
+        self._commands: queue.Queue[tuple[Command[Any], Future]] = queue.Queue()
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self.step_seconds = 0.0  # time spent inside engine.step(): the engine's busy time
@@ -66,7 +71,7 @@ class EngineWorker:
 
     # ------------------------------------------------------------ commands (any thread)
 
-    def post(self, fn: Callable[[Any], T], on_done: Callable[[Future], None] | None = None) -> Future:
+    def post(self, fn: Command[T], on_done: Callable[[Future], None] | None = None) -> Future:
         """Queue fn(engine) for the next step boundary and return at once. `on_done(future)` runs on the worker
         thread once it has run (or was refused with EngineStopped): an event loop's caller batches it into the
         pass's `outputs` instead of blocking a thread on the answer."""
@@ -77,7 +82,7 @@ class EngineWorker:
         self._commands.put((fn, future))
         return future
 
-    def call(self, fn: Callable[[Any], T], timeout: float | None = 600.0) -> T:
+    def call(self, fn: Command[T], timeout: float | None = 600.0) -> T:
         """Run fn(engine) on the worker thread between two steps and return its result (in-process
         only: the servers that own an EngineWorker use it; the RolloutBackend methods below wrap it)."""
         future = self.post(fn)
@@ -91,7 +96,7 @@ class EngineWorker:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
 
-    def call_here(self, fn: Callable[[Any], T]) -> T:
+    def call_here(self, fn: Command[T]) -> T:
         """Run fn(engine) on the calling thread while the worker thread waits between two steps: the same
         guarantee as `call`, for heavy tensor work. A 538 MB weight copy ran ~30% slower on the worker
         thread than on the trainer's thread (a second OpenMP team on cores whose first team still spins
@@ -99,7 +104,7 @@ class EngineWorker:
         self._raise_if_failed()
         holding, released = threading.Event(), threading.Event()
 
-        def hold(engine: Any) -> None:
+        def hold(engine: Engine) -> None:
             holding.set()
             released.wait()
 
@@ -167,11 +172,11 @@ class EngineWorker:
         """Placement metrics for the step record: one local engine has none (a fleet reports restarts)."""
         return {}
 
-    def swap_engine(self, engine: Any | None) -> Any | None:
+    def swap_engine(self, engine: Engine | None) -> Engine | None:
         """Step `engine` from now on (between two steps; None: step nothing); returns the engine it replaced. Not from
         inside `call` (it waits for the worker thread): there, assign `worker.engine` directly."""
 
-        def swap(old: Any) -> Any:
+        def swap(old: Engine | None) -> Engine | None:
             self.engine = engine
             return old
 

@@ -13,7 +13,6 @@ from rollwise.engine.contract import Engine
 from rollwise.engine.retention import engine_retention
 from rollwise.engine.speculation.drafter import drafter_for
 from rollwise.model.precision import resolve_dtype
-from rollwise.types.weights import dtype_name
 
 if TYPE_CHECKING:
     from rollwise.types.engine_config import EngineConfig
@@ -60,7 +59,7 @@ class EngineSettings:
     max_loras: int = 0  # > 0: the engine serves LoRA adapters (vLLM: enable_lora with this many per batch)
 
 
-def _settings(engine: Any, overrides: dict[str, Any]) -> EngineSettings:
+def _settings(engine: EngineConfig | EngineSettings | str, overrides: dict[str, Any]) -> EngineSettings:
     """An EngineConfig (or EngineSettings) with any keyword given explicitly taking precedence; or,
     the older form, a kind string with the sizes as keywords."""
     given = {k: v for k, v in overrides.items() if v is not None}
@@ -121,18 +120,14 @@ def create_engine(
     return ReferenceEngine(hf_model, prefix_cache_tokens=prefix_cache_tokens, drafter=drafter, **held, **common)
 
 
-def describe_engine(engine: Any) -> str:
-    """One line for the console: which engine, and how it was set up."""
-    if engine.name == "vllm":
-        import vllm
-
-        return (f"vllm {vllm.__version__} on {engine.device} (in-process, prefix caching, "
-                f"{'eager' if engine.enforce_eager else 'compiled'}, {dtype_name(engine.dtype)}, "
-                f"started in {engine.start_seconds:.0f}s)")
+def describe_engine(engine: Engine) -> str:
+    """One line for the console: the engine's own description (Engine.describe), with a hint for the reference
+    engine about the fast path."""
+    if engine.name != "reference":
+        return engine.describe()
     from rollwise.engine.vllm_backend import vllm_available
 
     if vllm_available():  # engine.kind=reference, a tiny: model, or LoRA on CPU (resolve_engine_kind says why)
-        return (f"reference (pure PyTorch, {dtype_name(engine.model.dtype)}; engine.kind=auto picks it over vLLM for "
-                "tiny: models and, without a GPU, for LoRA)")
-    return (f"reference (pure PyTorch, {dtype_name(engine.model.dtype)}; install vLLM for the fast path: "
-            "pip install -e \".[cpu]\")")
+        return (f"{engine.describe()}; engine.kind=auto picks it over vLLM for tiny: models and, without a GPU, "
+                "for LoRA")
+    return f"{engine.describe()}; install vLLM for the fast path: pip install -e \".[cpu]\""

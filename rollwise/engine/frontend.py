@@ -17,10 +17,10 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from rollwise.engine.contract import add_all
-from rollwise.engine.core import EngineStopped, EngineWorker
+from rollwise.engine.contract import Engine, add_all
+from rollwise.engine.core import Command, EngineStopped, EngineWorker
 from rollwise.types.generation import Completion, GenerationRequest, SamplingParams
 from rollwise.serve.errors import APIError
 
@@ -40,6 +40,7 @@ class Generation:
 
 
 RECENT_IDS = 4096
+T = TypeVar("T")
 
 
 class EngineFrontend:
@@ -47,7 +48,7 @@ class EngineFrontend:
     each token as it is sampled. Everything but `passed`, `failed` and `_on_tokens` (the engine thread's
     side, which only appends to this pass's batch and posts it) runs on the event loop."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.worker: EngineWorker | None = None
         self.error: str | None = None
@@ -145,7 +146,7 @@ class EngineFrontend:
     def _not_running(self, reason: object) -> APIError:
         return APIError(503, f"the engine is not running: {reason}", kind="server_error")
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
+    async def call(self, fn: Command[T]) -> T:
         """fn(engine) on the engine thread, between two steps: queued without a thread hop, answered with
         the pass's batch. What fn raises is raised here (the engine keeps serving); a dead engine is a 503."""
         if self.worker is None or self.error is not None:

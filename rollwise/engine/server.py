@@ -97,7 +97,7 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str,
             yield
         finally:
             await server.frontend.close()
-            getattr(engine, "close", lambda: None)()  # vLLM: remove its weight directory
+            engine.close()  # vLLM: shut its engine core down, remove its weight directory
 
     app = FastAPI(title="rollwise engine", summary="the rollwise engine contract over HTTP", lifespan=lifespan,
                   default_response_class=FiniteJSONResponse)
@@ -179,13 +179,7 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str,
 
     @app.post("/flush_cache", responses=_ENGINE_CALL)
     async def flush_cache() -> dict[str, Any]:
-        def flush(e: Engine) -> int:
-            cache = getattr(e, "prefix_cache", None)
-            held = cache.num_tokens if cache is not None else 0
-            if cache is not None:
-                cache.clear()
-            return held
-        return {"flushed_tokens": await server.frontend.call(flush)}
+        return {"flushed_tokens": await server.frontend.call(lambda e: e.flush_prefix_cache())}
 
     @app.post("/retain", responses=error_responses(400, 413, 503))
     async def retain(body: RetainBody) -> dict[str, Any]:

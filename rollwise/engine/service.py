@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from rollwise.engine.contract import Engine
 from rollwise.engine.disk_weights import read_weights, refusal, weight_files
 from rollwise.engine.frontend import EngineFrontend, Generation
 from rollwise.engine.metrics import EngineCollector
@@ -43,7 +44,7 @@ from rollwise.tasks.prompts import encode_prompt
 class EngineService:
     """The HTTP handlers' logic over one EngineFrontend."""
 
-    def __init__(self, engine: Any, tokenizer: Any, model_name: str) -> None:
+    def __init__(self, engine: Engine, tokenizer: Any, model_name: str) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -62,8 +63,7 @@ class EngineService:
 
     def adapters(self) -> dict[str, int]:
         """The LoRA adapters the engine serves (name -> version); requests name one as their `model`."""
-        loaded = getattr(self.engine, "loaded_adapters", None)
-        return dict(loaded()) if callable(loaded) else {}
+        return dict(self.engine.loaded_adapters())
 
     def adapter_of(self, model: str | None) -> str | None:
         """The LoRA adapter a request's `model` names (None: the base model / default policy)."""
@@ -192,7 +192,7 @@ class EngineService:
             self.frontend.release(gen)
         self._count(by_key.values())
 
-    def _count(self, samples: Any) -> None:
+    def _count(self, samples: Iterable[Sample]) -> None:
         for s in samples:
             self.frontend.finished_samples[s.finish_reason or "abort"] += 1
 
@@ -326,11 +326,10 @@ class EngineService:
         }
 
     async def metrics(self) -> Response:
-        def snapshot(engine: Any) -> dict[str, Any]:
-            cache = getattr(engine, "prefix_cache", None)
+        def snapshot(engine: Engine) -> dict[str, Any]:
             return {"running": engine.num_running, "waiting": engine.num_waiting, "paused": engine.paused,
                     "policy_version": engine.policy_version, **engine.stats,
-                    "prefix_cache_tokens": cache.num_tokens if cache is not None else 0,
+                    "prefix_cache_tokens": engine.prefix_cache_tokens,
                     "speculation": counters_of(engine)}  # None: the engine keeps no draft counters (vLLM)
 
         snap = await self.frontend.call(snapshot)

@@ -17,7 +17,13 @@ The clock is time.monotonic for the real engines and the simulator's virtual clo
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from rollwise.types.weights import AdapterSpec
 
 
 class EngineState:
@@ -107,3 +113,28 @@ class EngineState:
 
     def reset_timeline(self) -> None:
         self.timeline = []
+
+    # ---------------------------------------------------------------- LoRA adapters: none unless the engine serves them
+
+    def loaded_adapters(self) -> dict[str, int]:
+        return {}
+
+    def load_adapter(self, spec: AdapterSpec, state: Mapping[str, Tensor], version: int) -> None:
+        raise ValueError(f"the {getattr(self, 'name', 'engine')} engine serves no LoRA adapters: "
+                         f"adapter {spec.name!r} was not loaded")
+
+    def unload_adapter(self, name: str) -> None:
+        raise ValueError(f"the {getattr(self, 'name', 'engine')} engine does not unload LoRA adapters: "
+                         f"adapter {name!r} stays as it is")
+
+    # ---------------------------------------------------------------- what an engine without these keeps: nothing
+
+    @property
+    def prefix_cache_tokens(self) -> int:
+        return 0
+
+    def flush_prefix_cache(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        return None

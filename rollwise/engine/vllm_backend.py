@@ -58,7 +58,7 @@ from rollwise.engine.vllm_startup import (configure_vllm_environment, kv_cache_b
 from rollwise.model.upcycle import checkpoint_items
 from rollwise.scratch import scratch_dir
 from rollwise.types.routing import RoutedExperts
-from rollwise.types.weights import AdapterSpec, ExpectedWeights
+from rollwise.types.weights import AdapterSpec, ExpectedWeights, dtype_name
 
 # + pid: what a killed run left behind is swept by the next engine (rollwise.scratch)
 VLLM_DIR_PREFIX = "rollwise-vllm-"
@@ -265,6 +265,13 @@ class VLLMEngine(EngineState):
             cached_prompt_tokens=self.stats["cached_prompt_tokens"], generated_tokens=self.stats["generated_tokens"],
             paused=self.paused, sleeping=self.sleeping, policy_version=self._version,
         )
+
+    def describe(self) -> str:
+        import vllm
+
+        return (f"vllm {vllm.__version__} on {self.device} (in-process, prefix caching, "
+                f"{'eager' if self.enforce_eager else 'compiled'}, {dtype_name(self.dtype)}, "
+                f"started in {self.start_seconds:.0f}s)")
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
+from rollwise.pool.cache_settings import CacheSettings
 from rollwise.serve.settings import add_front_arguments
 
 DESCRIPTION = (
@@ -17,6 +19,9 @@ DESCRIPTION = (
     "Every request and weight update carries its job's token: jobs never see each other's weights or samples. "
     "LoRA jobs (`rollwise train train.lora.rank=8 pool.url=...`) on one base share one engine per slot and run in "
     "one batch, each request with its own job's adapter: no switch between them. "
+    "A load takes the job's weights (or adapter) from the fastest tier of the model cache that holds them "
+    "(--cache-memory-gib, --cache-dir/--cache-disk-gib, else the job's pushed copy), and a waiting job goes to the "
+    "free slot where it starts soonest (it sleeps there; else memory, disk, remote). "
     "GET /state shows slots, states, queues, per-job engine-hours and measured transition costs; /metrics is "
     "Prometheus text. "
     "Who may attach: with API keys (--api-keys FILE, or ROLLWISE_API_KEYS=k1,k2) a job attaches only with one "
@@ -60,8 +65,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host memory the pool lets its jobs hold (each job: its model, the pool's copy of its weights, "
                    "an engine per slot); an attach that does not fit gets 503 (default: 90%% of the memory "
                    "available at start)")
+    p.add_argument("--cache-memory-gib", type=float, default=0.0, metavar="GIB",
+                   help="host-memory tier of the model cache: the jobs' weights (and LoRA adapters) engines loaded "
+                   "last, least recently used / lowest priority evicted first; 0: none (default: %(default)s)")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="local-disk tier of the model cache: flat checkpoints under DIR (default: none)")
+    p.add_argument("--cache-disk-gib", type=float, default=16.0, metavar="GIB",
+                   help="bytes the disk tier may hold under --cache-dir (default: %(default)s)")
     add_front_arguments(p, port=8300)  # --host, --port, --api-keys, --insecure-no-auth, limits, drain, log level
     return p
+
+
+def cache_settings(args: argparse.Namespace) -> CacheSettings:
+    """The model cache's tiers from the flags; a bad size names its flag (ValueError)."""
+    for flag, value in (("--cache-memory-gib", args.cache_memory_gib), ("--cache-disk-gib", args.cache_disk_gib)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{flag} must be a number of GiB >= 0, got {value}")
+    return CacheSettings(memory_bytes=int(args.cache_memory_gib * 2**30),
+                         disk_dir=None if args.cache_dir is None else Path(args.cache_dir),
+                         disk_bytes=int(args.cache_disk_gib * 2**30))
 
 
 def main(argv: list[str]) -> int:
@@ -77,10 +99,11 @@ def main(argv: list[str]) -> int:
         if args.memory_budget is not None and not (math.isfinite(args.memory_budget) and args.memory_budget > 0):
             raise ValueError(f"--memory-budget must be a positive number of GiB, got {args.memory_budget}")
         budget = None if args.memory_budget is None else int(args.memory_budget * 2**30)
+        cache = cache_settings(args)
         serve(args.engines, front=Front.from_args(args), max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, min_slice_s=args.min_slice, max_sleeping=args.max_sleeping,
               job_timeout_s=args.job_timeout, max_jobs=args.max_jobs, max_jobs_per_key=args.max_jobs_per_key,
-              max_queued_per_job=args.max_queued_per_job, memory_budget_bytes=budget)
+              max_queued_per_job=args.max_queued_per_job, memory_budget_bytes=budget, cache=cache)
     except ValueError as exc:
         print(f"error: {exc}")
         return 2

@@ -1,7 +1,8 @@
 """The pool's core: engines (slots), the jobs attached to them, and their requests, weights and accounting.
 
-`EnginePool` holds the state and answers the API's calls (attach, weights, submit, abort, poll, pause, detach,
-state); its slot threads run `SlotLoops` (rollwise.pool.slots). rollwise.pool.app puts it on HTTP.
+`EnginePool` answers the API's calls (attach, weights, submit, abort, poll, pause, detach, state); its slot threads
+run its `SlotLoops` component (rollwise.pool.slots); both work on one PoolState (rollwise.pool.pool_state) that the
+pool owns. rollwise.pool.app puts it on HTTP.
 Locks: `lock` guards jobs, queues, slot assignments and accounting; each `Job.lock` a job's weights,
 activation and pause (taken before `lock` when both are held). LoRA jobs of one base share their
 LoraBase's lock as their Job.lock (rollwise.pool.jobs): they share that base's engines.
@@ -21,24 +22,30 @@ from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.pool.jobs import (Job, LoraBase, PoolError, QueuedRequest, Slot, Waiter, empty_abort, fault_error,
                                 stamp)
 from rollwise.pool.scheduler import Policy
+from rollwise.pool.pool_state import PoolState
 from rollwise.pool.slots import SlotLoops
 from rollwise.pool.states import ACTIVE, EVICTED, StateMachine
 from rollwise.pool.tenancy import MemoryBudget, footprint, kv_bytes, module_bytes
+from rollwise.pool.cache_settings import CacheSettings
+from rollwise.pool.model_cache import ModelCache
+from rollwise.pool.startup_cost import StartupCost
 from rollwise.pool.tenant_engines import TenantEngines
+from rollwise.pool.weight_tiers import WeightTiers
 from rollwise.pool.weights import JobAdapter, JobTarget, JobWeights, own_adapter, parse_weight_upload
 from rollwise.serve.auth import ANONYMOUS, KeyQuota
 from rollwise.engine.weight_receiver import WeightReceiver
 from rollwise.types.weights import ExpectedWeights, WeightUpdateError
 
 
-class EnginePool(SlotLoops):
+class EnginePool:
     """The engines, the jobs, and the slot loops that time-slice one over the other."""
 
     def __init__(self, num_engines: int = 1, *, max_num_seqs: int = 16, max_model_len: int = 1024,
                  policy: Policy | None = None, max_sleeping: int = 4, seed: int | None = 0,
                  prefix_cache_tokens: int = 0, job_timeout_s: float = 120.0, max_jobs: int = 16,
                  max_jobs_per_key: int | None = None, max_queued_per_job: int = 4096,
-                 memory_budget_bytes: int | None = None) -> None:
+                 memory_budget_bytes: int | None = None, cache: CacheSettings | None = None,
+                 startup: StartupCost | None = None) -> None:
         if num_engines < 1:
             raise ValueError(f"--engines must be >= 1, got {num_engines}")
         if max_num_seqs < 1:
@@ -64,27 +71,21 @@ class EnginePool(SlotLoops):
         # every job's engines: the reference engine (a job's max_model_len may be shorter than the pool's)
         self.engines = TenantEngines(EngineConfig(kind="reference", max_num_seqs=max_num_seqs,
                                                   max_model_len=max_model_len),
-                                     seed=seed, prefix_cache_tokens=prefix_cache_tokens)
-        self.policy = policy or Policy()
-        self.max_sleeping = max_sleeping
-        self.lock = threading.RLock()  # jobs, queues, slot assignments, accounting
-        self.states = StateMachine(num_engines)
-        self.jobs: dict[str, Job] = {}
-        self.bases: dict[str, LoraBase] = {}  # LoRA tenancies (Job.key) -> the jobs sharing that base's engines
+                                     seed=seed, prefix_cache_tokens=prefix_cache_tokens,
+                                     tiers=WeightTiers(ModelCache(cache), startup))
+        # What this side and the slot loops share (rollwise.pool.pool_state); its containers are also read here
+        # under their own names (never rebound: the same objects).
+        slots = [Slot(i, max_num_seqs, EngineWorker(None, name=f"pool-engine-{i}")) for i in range(num_engines)]
+        self.shared = PoolState(slots, StateMachine(num_engines), policy or Policy(), max_sleeping)
+        self.lock, self.jobs, self.bases = self.shared.lock, self.shared.jobs, self.shared.bases
+        self.slots, self.states, self.policy = self.shared.slots, self.shared.states, self.shared.policy
+        self.loops = SlotLoops(self.shared, self.engines)
         self.detached: dict[str, dict[str, Any]] = {}  # accounting of jobs that left
-        self._by_internal: dict[str, QueuedRequest] = {}
-        self.slots = [Slot(i, max_num_seqs, EngineWorker(None, name=f"pool-engine-{i}"))
-                      for i in range(num_engines)]
-        self.isolation_checks = 0  # admissions checked: engine owner == job and weights == job's current
-        self.violations: list[str] = []  # must stay empty
         self.t0 = time.monotonic()
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._slot_loop, args=(s,), name=f"pool-slot-{s.index}",
+        self._threads = [threading.Thread(target=self.loops.run, args=(s,), name=f"pool-slot-{s.index}",
                                           daemon=True) for s in self.slots]
         self._threads.append(threading.Thread(target=self._reaper, name="pool-reaper", daemon=True))
         self._started = False
-        self._kick = threading.Condition()
-        self._kicks = 0
 
     # ------------------------------------------------------------ lifecycle
 
@@ -95,8 +96,8 @@ class EnginePool(SlotLoops):
                 t.start()
 
     def close(self) -> None:
-        self._stop.set()
-        self.kick()  # idle slot loops wake now instead of at their next idle tick
+        self.shared.stop.set()
+        self.shared.kick()  # idle slot loops wake now instead of at their next idle tick
         with self.lock:
             jobs = list(self.jobs.values())
         for job in jobs:  # long polls return now
@@ -163,10 +164,6 @@ class EnginePool(SlotLoops):
             self.jobs[name] = job
         return job
 
-    def tenancy(self, key: str) -> Job | LoraBase | None:
-        """What a slot's active key names: a full-parameter job, or a LoRA base shared by its jobs."""
-        return self.bases.get(key) or self.jobs.get(key)
-
     def job(self, name: str, token: str | None) -> Job:
         """The job, if `token` is its token: unknown job 404, any other token 403."""
         with self.lock:
@@ -194,7 +191,7 @@ class EnginePool(SlotLoops):
         return [j.name for j in dead]
 
     def _reaper(self) -> None:
-        while not self._stop.wait(min(5.0, self.job_timeout_s / 4)):
+        while not self.shared.stop.wait(min(5.0, self.job_timeout_s / 4)):
             try:
                 self.reap()
             except Exception as exc:  # noqa: BLE001 - never take the pool down
@@ -208,6 +205,7 @@ class EnginePool(SlotLoops):
             job.detached = True
         self.quota.release(job.owner)
         self.abort(job, list(job.requests))
+        self.engines.tiers.forget(job)  # its cached weights (every tier) go with it
         with job.lock:
             base = self.bases.get(job.key) if job.lora else None
             if base is not None:
@@ -234,7 +232,7 @@ class EnginePool(SlotLoops):
                     slot.worker.swap_engine(None)  # (a failed worker: its recovery swaps in a fresh one)
                 self.states.transition(slot.index, job.key, EVICTED, time.perf_counter() - t, "job detached")
                 with self.lock:
-                    self._account(slot, time.monotonic())
+                    self.loops.account(slot, time.monotonic())
                     if slot.job == job.key:
                         slot.job, slot.running = None, 0
                         slot.running_by.clear()
@@ -332,9 +330,9 @@ class EnginePool(SlotLoops):
                 req = QueuedRequest(internal, rid, job.name, request, params.n, waiter=waiter)
                 job.queue.append(req)
                 job.requests[rid] = req
-                self._by_internal[internal] = req
+                self.shared.by_internal[internal] = req
                 made.append(req)
-        self.kick()
+        self.shared.kick()
         return made
 
     def _refuse_if_faulted(self, job: Job) -> None:
@@ -380,7 +378,7 @@ class EnginePool(SlotLoops):
                         job.queue.remove(req)
                     out += [stamp(empty_abort(req, i), req, -1) for i in range(req.request.params.n)
                             if i not in req.returned]
-                    self._forget(job, req)
+                    self.loops.forget(job, req)
                 else:
                     by_slot.setdefault(req.slot, []).append(req)
         later: list[str] = []
@@ -394,7 +392,7 @@ class EnginePool(SlotLoops):
                 try:
                     aborted = [] if inst is None else slot.worker.call(
                         lambda _e, inst=inst, ids=ids: [c for rid in ids for c in inst.abort(rid)])
-                    self._drain(slot)  # samples that finished before the abort reach the outbox first
+                    self.loops.drain(slot)  # samples that finished before the abort reach the outbox first
                 except RuntimeError:
                     if slot.worker.failure is None:
                         raise
@@ -402,10 +400,10 @@ class EnginePool(SlotLoops):
                     continue
                 with self.lock:
                     for c in aborted:
-                        req = self._by_internal.get(c.request_id)
+                        req = self.shared.by_internal.get(c.request_id)
                         if req is None:
                             continue
-                        self._count_finished(slot, job, req, c)
+                        self.loops.count_finished(slot, job, req, c)
                         out.append(stamp(c, req, slot.index))
         return later
 
@@ -425,7 +423,7 @@ class EnginePool(SlotLoops):
                 inst = slot.instances.get(job.name)
                 if inst is not None and self.states.state(slot.index, job.name) is ACTIVE:
                     slot.call_if_alive(lambda _e, inst=inst: inst.pause() if paused else inst.resume())
-        self.kick()
+        self.shared.kick()
 
     # ------------------------------------------------------------ the slot loops
 
@@ -449,14 +447,14 @@ class EnginePool(SlotLoops):
         with self.lock:
             now = time.monotonic()
             for s in self.slots:
-                self._account(s, now)
+                self.loops.account(s, now)
             uptime = now - self.t0
             held = len(self.slots) * uptime
             allocated = sum(j.allocated_s for j in self.jobs.values()) + sum(
                 d["engine_seconds_allocated"] for d in self.detached.values())
             return {
                 "engines": len(self.slots), "max_num_seqs": self.max_num_seqs, "max_model_len": self.max_model_len,
-                "min_slice_s": self.policy.min_slice_s, "max_sleeping": self.max_sleeping,
+                "min_slice_s": self.policy.min_slice_s, "max_sleeping": self.shared.max_sleeping,
                 "uptime_s": uptime, "engine_hours": held / 3600, "engine_hours_unallocated": max(held - allocated, 0) / 3600,
                 "slots": [{"index": s.index, "job": s.job, "running": s.running, "switching": s.switching,
                            "running_by_job": {j: n for j, n in s.running_by.items() if n},
@@ -465,8 +463,10 @@ class EnginePool(SlotLoops):
                 "jobs": {name: self._job_report(j) for name, j in sorted(self.jobs.items())},
                 "detached_jobs": dict(self.detached),
                 "transition_costs": self.states.costs(),
+                "model_cache": self.engines.tiers.cache.report(),
                 "transitions": [t.as_dict() for t in self.states.log],
-                "isolation": {"checked_admissions": self.isolation_checks, "violations": list(self.violations)},
+                "isolation": {"checked_admissions": self.shared.isolation_checks,
+                              "violations": list(self.shared.violations)},
                 "limits": {"max_jobs": self.quota.total, "max_jobs_per_key": self.quota.per_key,
                            "jobs_by_key": self.quota.held(), "max_queued_per_job": self.max_queued_per_job,
                            "memory_budget_bytes": self.memory.budget,

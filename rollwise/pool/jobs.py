@@ -9,13 +9,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 
-from rollwise.engine.core import EngineWorker
+from rollwise.engine.contract import Engine
+from rollwise.engine.core import Command, EngineWorker
 from rollwise.engine.outbox import Outbox
 from rollwise.types.generation import Completion, GenerationRequest
 from rollwise.pool.scheduler import LORA_PREFIX
@@ -51,7 +52,7 @@ class Job:
     priority: float
     model: str
     fingerprint: str
-    template: Any  # the job's HF model (architecture; engines are built from it)
+    template: nn.Module  # the job's HF model (architecture; engines are built from it)
     tokenizer: Any
     expected: ExpectedWeights
     vocab_size: int
@@ -108,13 +109,14 @@ class Slot:
     running: int = 0  # samples of the active tenancy on the engine
     running_by: dict[str, int] = field(default_factory=dict)  # job -> its samples among them
     switching: bool = False
-    instances: dict[str, Any] = field(default_factory=dict)  # tenancy -> its engine here (active or sleeping)
+    # tenancy (Job.key) -> its engine here (active or sleeping): the key is the engine's owner, the one record of it
+    instances: dict[str, Engine] = field(default_factory=dict)
     last_active: dict[str, float] = field(default_factory=dict)  # tenancy -> when it last left the slot
     route_lock: threading.Lock = field(default_factory=threading.Lock)
     accounted_at: float = field(default_factory=time.monotonic)
     errors: list[str] = field(default_factory=list)
 
-    def call_if_alive(self, fn: Callable[[Any], Any]) -> bool:
+    def call_if_alive(self, fn: Command[object]) -> bool:
         """Run fn on the slot's engine thread, between two steps; False (and nothing run) if that thread died in
         a step: the slot's recovery (rollwise.pool.slots) then evicts its engine, so there is nothing to change."""
         worker = self.worker
@@ -145,7 +147,7 @@ class LoraBase:
 
     key: str
     model: str
-    template: Any  # the base model (every member attached with this model spec)
+    template: nn.Module  # the base model (every member attached with this model spec)
     tokenizer: Any
     fingerprint: str
     eos_ids: list[int] | None

@@ -10,9 +10,11 @@ Policy, in order:
    active job has held the slot for at least `min_slice_s`, the slot *drains* (admits nothing new
    from the active job, lets what runs finish) and switches when it is empty. Running requests are
    never preempted: their KV cache would be lost.
-2. A slot whose active job has no work left (a GRPO job that finished generating and is training)
-   switches at once to the most deserving starving job: one job's generation fills another's
-   training gap.
+2. A slot whose active job has no work left (a GRPO job that finished generating and is training), or
+   none, is free: it switches at once to a starving job, most deserving first: one job's generation fills
+   another's training gap. Each starving job goes to the free slot where it starts soonest (`SlotView.starts`:
+   it sleeps there, else its weights load from the memory, disk or remote tier; rollwise.pool.startup_cost;
+   ties by slot order), as ServerlessLLM's scheduler places by estimated start-up time.
 3. Still-idle slots go to jobs that have more queued work than their slots can take (a job may
    run on several slots), most deserving first.
 4. Otherwise the slot stays as it is: the active job keeps its warm engine (no needless sleep/wake).
@@ -32,8 +34,8 @@ their summed priority.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 
@@ -58,6 +60,9 @@ class SlotView:
     since: float  # when the active job got the slot (same clock as `now`)
     running: int  # samples of the active tenancy on this slot now
     capacity: int  # max_num_seqs
+    # estimated seconds until each tenancy would serve here (rollwise.pool.startup_cost.estimate_start: it sleeps
+    # here, or loads from the memory/disk/remote tier); a tenancy not named: 0 (placement by slot order)
+    starts: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -152,21 +157,23 @@ def _plan_tenancies(slots: Sequence[SlotView], jobs: Sequence[JobView], now: flo
                 decisions[s.index] = Decision(s.index, "serve", job.name)
                 if job.name in spare:
                     spare[job.name] -= max(s.capacity - s.running, 0)
-        elif starving:
-            rival = starving.pop(0)
-            spare[rival.name] -= s.capacity
-            decisions[s.index] = Decision(s.index, "switch", rival.name,
-                                          reason=f"{job.name} has no work; {rival.name} has")
-        else:
+        else:  # no work: the slot is free for a starving job (placed below, where it starts soonest)
             idle.append(s)
 
-    # 2 (empty slots) + 3: idle slots to starving jobs, then to jobs with more work than their slots hold.
-    for s in sorted(idle, key=lambda s: s.index):
-        if starving:
-            rival = starving.pop(0)
-            decisions[s.index] = Decision(s.index, "switch", rival.name, reason=f"{rival.name} has queued work")
-            spare[rival.name] -= s.capacity
-            continue
+    # 2 (empty slots): each starving job, most deserving first, to the idle slot where it starts soonest
+    # (start-up-aware placement, as ServerlessLLM's scheduler: a slot where it sleeps beats one that loads it
+    # from the memory tier, which beats disk, which beats remote; ties by slot order).
+    free = sorted(idle, key=lambda s: s.index)
+    while free and starving:
+        rival = starving.pop(0)
+        s = min(free, key=lambda v, r=rival.name: (v.starts.get(r, 0.0), v.index))
+        free.remove(s)
+        held = by_name.get(s.job) if s.job is not None else None
+        why = f"{held.name} has no work; {rival.name} has" if held is not None else f"{rival.name} has queued work"
+        decisions[s.index] = Decision(s.index, "switch", rival.name, reason=why)
+        spare[rival.name] -= s.capacity
+    # 3: still-idle slots to jobs with more work than their slots hold.
+    for s in free:
         extra = sorted((by_name[n] for n, left in spare.items() if left > 0 and n != s.job), key=_rank)
         if extra:
             decisions[s.index] = Decision(s.index, "switch", extra[0].name,

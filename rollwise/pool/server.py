@@ -56,7 +56,9 @@ from collections.abc import Callable
 
 from rollwise.pool.app import create_app
 from rollwise.pool.engine_pool import EnginePool
+from rollwise.pool.cache_settings import CacheSettings
 from rollwise.pool.scheduler import Policy
+from rollwise.pool.startup_cost import calibrate
 from rollwise.serve.drain import serve_app
 from rollwise.serve.front import Front
 from rollwise.serve.settings import FrontSettings
@@ -66,7 +68,8 @@ def serve(engines: int = 1, front: Front | None = None, max_num_seqs: int = 16,
           max_model_len: int = 1024, min_slice_s: float = 5.0, max_sleeping: int = 4,
           job_timeout_s: float = 120.0, on_start: Callable[[EnginePool], None] | None = None,
           max_jobs: int = 16, max_jobs_per_key: int | None = None,
-          max_queued_per_job: int = 4096, memory_budget_bytes: int | None = None) -> None:
+          max_queued_per_job: int = 4096, memory_budget_bytes: int | None = None,
+          cache: CacheSettings | None = None) -> None:
     """Serve a pool behind `front` (default: 127.0.0.1:8300, no keys) until SIGTERM drains it."""
     front = front or Front.from_settings(FrontSettings(port=8300))
     who = front.who_may_call()
@@ -76,7 +79,8 @@ def serve(engines: int = 1, front: Front | None = None, max_num_seqs: int = 16,
     pool = EnginePool(engines, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                       policy=Policy(min_slice_s=min_slice_s), max_sleeping=max_sleeping, job_timeout_s=job_timeout_s,
                       max_jobs=max_jobs, max_jobs_per_key=max_jobs_per_key, max_queued_per_job=max_queued_per_job,
-                      memory_budget_bytes=memory_budget_bytes)
+                      memory_budget_bytes=memory_budget_bytes, cache=cache,
+                      startup=calibrate(16 * 2**20))  # this machine's tier bandwidths, for placement
     if on_start is not None:
         on_start(pool)
     print(f"rollwise serve pool: {engines} reference engine(s), max_num_seqs={max_num_seqs}, max_model_len="

@@ -9,8 +9,8 @@ activated, or break an engine step (the slot's engine thread dies: `_recover` gi
 finds the culprit by probing each suspect alone), is *faulted*: its requests are answered with the error and
 new ones refused until it pushes weights that load, while the slot keeps serving the other jobs.
 
-`SlotLoops` is EnginePool's half that runs on the slot threads (rollwise.pool.engine_pool holds the other:
-jobs, weights, requests, reports); it reads the pool's state through the attributes declared below.
+`SlotLoops` is the component of EnginePool that runs on the slot threads (rollwise.pool.engine_pool holds the
+API side: jobs, weights, requests, reports); both work on one PoolState (rollwise.pool.pool_state).
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Any
 
+from rollwise.engine.contract import Engine
 from rollwise.engine.core import EngineWorker
 from rollwise.types.generation import Completion
 from rollwise.pool.jobs import Job, LoraBase, PoolError, QueuedRequest, Slot, empty_abort, fault_error, stamp
-from rollwise.pool.scheduler import JobView, Policy, SlotView, plan
-from rollwise.pool.states import ACTIVE, EVICTED, SLEEPING, StateMachine
+from rollwise.pool.pool_state import PoolState
+from rollwise.pool.scheduler import JobView, SlotView, plan
+from rollwise.pool.states import ACTIVE, EVICTED, SLEEPING
 from rollwise.pool.tenant_engines import TenantEngines, submit_to, sync_adapters
 
 TICK_S = 0.005  # a busy slot's control loop: how long it waits for a finished sample before re-planning
@@ -32,45 +33,27 @@ IDLE_TICK_S = 0.05  # an idle slot re-plans at least this often (time slices exp
 
 
 class SlotLoops:
-    # EnginePool's state these loops work on (EnginePool.__init__ sets it)
-    lock: threading.RLock
-    jobs: dict[str, Job]
-    bases: dict[str, LoraBase]
-    slots: list[Slot]
-    states: StateMachine
-    policy: Policy
-    engines: TenantEngines
-    max_sleeping: int
-    isolation_checks: int
-    violations: list[str]
-    _by_internal: dict[str, QueuedRequest]
-    _stop: threading.Event
-    _kick: threading.Condition
-    _kicks: int
+    """The loops on the slot threads, over the pool's shared state (EnginePool owns both and starts `run` per slot)."""
 
-    def tenancy(self, key: str) -> Job | LoraBase | None: ...  # EnginePool.tenancy
+    def __init__(self, state: PoolState, engines: TenantEngines) -> None:
+        self.state = state
+        self.engines = engines
 
-    def kick(self) -> None:
-        """New work (or a resumed job): idle slot loops re-plan now instead of at their next idle tick."""
-        with self._kick:
-            self._kicks += 1
-            self._kick.notify_all()
-
-    def _slot_loop(self, slot: Slot) -> None:
+    def run(self, slot: Slot) -> None:
         seen = 0
         switched = False
-        while not self._stop.is_set():
+        while not self.state.stop.is_set():
             try:
                 if slot.running > 0:  # samples running here: wait for the next one to finish
                     with slot.route_lock:
-                        self._drain(slot, timeout=TICK_S)
+                        self.drain(slot, timeout=TICK_S)
                 elif not switched:  # idle: sleep until kicked (submit, resume), re-planning at least every IDLE_TICK_S
-                    with self._kick:
-                        if self._kicks == seen:
-                            self._kick.wait(IDLE_TICK_S)
-                        seen = self._kicks
+                    with self.state.wakeup:
+                        if self.state.kicks == seen:
+                            self.state.wakeup.wait(IDLE_TICK_S)
+                        seen = self.state.kicks
                     with slot.route_lock:
-                        self._drain(slot)
+                        self.drain(slot)
                 # Right after a switch the new job's queued work is admitted at once: the kick that announced
                 # it was consumed before the switch, and waiting for the next idle tick cost up to
                 # IDLE_TICK_S per switch (found by the simulator: bench mux's shared jobs waited ~50 ms a step).
@@ -86,30 +69,30 @@ class SlotLoops:
                 del slot.errors[:-20]
                 time.sleep(0.1)
 
-    def _drain(self, slot: Slot, timeout: float = 0.0) -> None:
+    def drain(self, slot: Slot, timeout: float = 0.0) -> None:
         """Route the slot's finished samples to their jobs (caller holds slot.route_lock)."""
         c = slot.worker.next_completion(timeout=timeout)
         while c is not None:
-            with self.lock:
-                req = self._by_internal.get(c.request_id)
-                job = self.jobs.get(req.job) if req is not None else None
+            with self.state.lock:
+                req = self.state.by_internal.get(c.request_id)
+                job = self.state.jobs.get(req.job) if req is not None else None
                 if req is not None and job is None:  # its job detached
-                    self._by_internal.pop(c.request_id, None)
+                    self.state.by_internal.pop(c.request_id, None)
                 if req is not None and job is not None:
                     again = c.index in req.returned  # a rerun (after an engine failure) samples it a second time
-                    self._count_finished(slot, job, req, c)
+                    self.count_finished(slot, job, req, c)
                     bad = [v for v in c.versions if v not in job.versions]
                     if bad:
-                        self.violations.append(f"job {job.name}: sample of {req.public_id} carries versions "
-                                               f"{sorted(set(bad))} this job never pushed")
+                        self.state.violations.append(f"job {job.name}: sample of {req.public_id} carries versions "
+                                                     f"{sorted(set(bad))} this job never pushed")
                     if req.waiter is None and not again:
                         job.post(stamp(c, req, slot.index))
             c = slot.worker.next_completion(timeout=0)
 
-    def _count_finished(self, slot: Slot, job: Job, req: QueuedRequest, c: Completion) -> None:
-        """One sample of `req` came back from `slot` (caller holds self.lock)."""
+    def count_finished(self, slot: Slot, job: Job, req: QueuedRequest, c: Completion) -> None:
+        """One sample of `req` came back from `slot` (caller holds state.lock)."""
         now = time.monotonic()
-        self._account(slot, now)
+        self.account(slot, now)
         req.remaining -= 1
         slot.running -= 1
         slot.running_by[job.name] = slot.running_by.get(job.name, 0) - 1
@@ -122,19 +105,19 @@ class SlotLoops:
             if req.waiter is not None:
                 req.done.append(c)
         if req.remaining <= 0:
-            self._forget(job, req)
+            self.forget(job, req)
 
-    def _forget(self, job: Job, req: QueuedRequest) -> None:
+    def forget(self, job: Job, req: QueuedRequest) -> None:
         job.requests.pop(req.public_id, None)
-        self._by_internal.pop(req.internal_id, None)
+        self.state.by_internal.pop(req.internal_id, None)
         if req.waiter is not None:
             req.waiter.set()
 
-    def _account(self, slot: Slot, now: float) -> None:
-        """Charge the time since the last call to the slot's active job (caller holds self.lock)."""
+    def account(self, slot: Slot, now: float) -> None:
+        """Charge the time since the last call to the slot's active job (caller holds state.lock)."""
         dt = now - slot.accounted_at
         slot.accounted_at = now
-        tenancy = self.tenancy(slot.job) if slot.job is not None else None
+        tenancy = self.state.tenancy(slot.job) if slot.job is not None else None
         if tenancy is None or dt <= 0:
             return
         if isinstance(tenancy, Job):
@@ -152,10 +135,14 @@ class SlotLoops:
                 job.busy_s += dt * running / slot.running
 
     def _views(self) -> tuple[list[SlotView], list[JobView]]:
-        slots = [SlotView(s.index, s.job, s.since, s.running, s.capacity) for s in self.slots]
+        tenancies = {j.key: t for j in self.state.jobs.values() if (t := self.state.tenancy(j.key)) is not None}
+        # start-up-aware placement (issue 42): each tenancy's estimated start on each slot
+        slots = [SlotView(s.index, s.job, s.since, s.running, s.capacity,
+                          self.engines.tiers.starts(set(self.state.states.jobs_in(s.index, SLEEPING)), tenancies))
+                 for s in self.state.slots]
         jobs = [JobView(j.name, j.priority, j.queued_samples() if j.version is not None and j.fault is None else 0,
                         j.busy_s + j.transition_s, j.paused, base=j.model if j.lora else None)
-                for j in self.jobs.values()]
+                for j in self.state.jobs.values()]
         return slots, jobs
 
     def _tick(self, slot: Slot) -> bool:
@@ -169,32 +156,32 @@ class SlotLoops:
         try:
             self._switch(slot, *switch)
         finally:
-            with self.lock:
+            with self.state.lock:
                 slot.switching = False
                 slot.since = time.monotonic()
-                if slot.job is not None and self.states.state(slot.index, slot.job) is not ACTIVE:
+                if slot.job is not None and self.state.states.state(slot.index, slot.job) is not ACTIVE:
                     slot.job = None  # the switch failed (see the slot's errors): the slot is free
         return True
 
     def _decide_and_admit(self, slot: Slot) -> tuple[Job | LoraBase | None, Job | LoraBase] | None:
         admit: list[QueuedRequest] = []
         switch: tuple[Job | LoraBase | None, Job | LoraBase] | None = None
-        with self.lock:
+        with self.state.lock:
             now = time.monotonic()
-            self._account(slot, now)
-            if slot.job is not None and self.tenancy(slot.job) is None:
+            self.account(slot, now)
+            if slot.job is not None and self.state.tenancy(slot.job) is None:
                 return None  # its job is detaching: detach() evicts its engine and frees the slot
             slots, jobs = self._views()
-            decision = plan(slots, jobs, now, self.policy)[slot.index]
+            decision = plan(slots, jobs, now, self.state.policy)[slot.index]
             if decision.action == "serve":
                 room = slot.capacity - slot.running
                 for name in decision.tenants:  # a LoRA base's jobs share the batch, most deserving first
-                    admitted, room = self._take(slot, self.jobs[name], room, now)
+                    admitted, room = self._take(slot, self.state.jobs[name], room, now)
                     admit += admitted
             elif decision.action == "switch":
-                incoming = self.tenancy(decision.job)
+                incoming = self.state.tenancy(decision.job)
                 assert incoming is not None  # plan() names only tenancies of attached jobs
-                switch = (self.tenancy(slot.job) if slot.job is not None else None, incoming)
+                switch = (self.state.tenancy(slot.job) if slot.job is not None else None, incoming)
                 slot.job, slot.since, slot.switching = decision.job, now, True
                 slot.running_by.clear()
         for name in dict.fromkeys(r.job for r in admit):
@@ -202,7 +189,7 @@ class SlotLoops:
         return switch
 
     def _take(self, slot: Slot, job: Job, room: int, now: float) -> tuple[list[QueuedRequest], int]:
-        """Whole queued requests of `job` that fit in `room` samples, assigned to `slot` (caller holds self.lock)."""
+        """Whole queued requests of `job` that fit in `room` samples, assigned to `slot` (caller holds state.lock)."""
         taken = []
         while job.queue and not job.paused and job.queue[0].remaining <= room:
             req = job.queue.popleft()
@@ -218,7 +205,7 @@ class SlotLoops:
         return taken, room
 
     def _admit(self, slot: Slot, reqs: list[QueuedRequest]) -> None:
-        job = self.jobs.get(reqs[0].job)
+        job = self.state.jobs.get(reqs[0].job)
         if job is None:
             return
         with job.lock:
@@ -226,17 +213,17 @@ class SlotLoops:
             # The isolation invariant: this job's request runs only on this job's engine (a LoRA job's: its base's,
             # with the job's own adapter), holding its current weights.
             problem = None
-            held = inst.loaded_adapters().get(job.name) if job.lora and inst is not None else getattr(
-                inst, "policy_version", None)
-            if inst is None or self.states.state(slot.index, job.key) is not ACTIVE:
+            held = None if inst is None else inst.loaded_adapters().get(job.name) if job.lora else inst.policy_version
+            owners = [key for key, engine in slot.instances.items() if engine is inst]  # the slot's record of it
+            if inst is None or self.state.states.state(slot.index, job.key) is not ACTIVE:
                 problem = f"slot {slot.index}: job {job.name!r} is not active there"
-            elif getattr(inst, "pool_owner", None) != job.key:
-                problem = f"slot {slot.index}: engine belongs to {getattr(inst, 'pool_owner', None)!r}, not {job.key!r}"
+            elif owners != [job.key]:
+                problem = f"slot {slot.index}: engine belongs to {owners!r}, not only {job.key!r}"
             elif held != job.version:
                 problem = (f"slot {slot.index}: job {job.name!r} engine holds version {held}, "
                            f"the job's current version is {job.version}")
             if problem is None:
-                self.isolation_checks += 1
+                self.state.isolation_checks += 1
                 try:
                     slot.worker.call(lambda e: submit_to(e, inst, [r.request for r in reqs]))
                     return
@@ -244,12 +231,12 @@ class SlotLoops:
                     if slot.worker.failure is not None:
                         raise  # its engine thread died: the slot's recovery reruns these requests (_recover)
                     problem = f"slot {slot.index}: engine refused job {job.name!r}'s requests: {exc}"
-            self.violations.append(problem)
-        with self.lock:
+            self.state.violations.append(problem)
+        with self.state.lock:
             for req in reqs:
                 for i in range(req.remaining):
                     c = empty_abort(req, i)
-                    self._count_finished(slot, job, req, c)
+                    self.count_finished(slot, job, req, c)
                     if req.waiter is None:
                         job.post(stamp(c, req, slot.index) | {"error": problem})
 
@@ -259,10 +246,10 @@ class SlotLoops:
         if prev_job is not None:
             with prev_job.lock:  # detach() evicts under the same lock: whichever comes first, the other sees it
                 inst = slot.instances.get(prev_job.name)
-                if inst is not None and self.states.state(slot.index, prev_job.name) is ACTIVE:
+                if inst is not None and self.state.states.state(slot.index, prev_job.name) is ACTIVE:
                     t = time.perf_counter()
 
-                    def sleep(_e: Any, inst: Any = inst) -> None:
+                    def sleep(_e: Engine, inst: Engine = inst) -> None:
                         if inst.has_unfinished():
                             raise RuntimeError("switching away from an engine with requests in flight")
                         inst.sleep()
@@ -270,13 +257,13 @@ class SlotLoops:
 
                     worker.call(sleep)  # between two steps; with nothing unfinished, it is not stepped again
                     worker.swap_engine(None)
-                    self.states.transition(slot.index, prev_job.name, SLEEPING, time.perf_counter() - t,
-                                           f"slot switches to {target}")
+                    self.state.states.transition(slot.index, prev_job.name, SLEEPING, time.perf_counter() - t,
+                                                 f"slot switches to {target}")
                     slot.last_active[prev_job.name] = time.monotonic()
         self._evict_beyond_budget(slot, keep=target)
         with new_job.lock:
             if new_job.detached:
-                with self.lock:
+                with self.state.lock:
                     slot.job = None
                 return
             t = time.perf_counter()
@@ -287,15 +274,15 @@ class SlotLoops:
                     raise  # the engine thread died (the slot recovers), or the base itself: no one tenant's doing
                 # The job's own weights fail on its engine: contain it to the job (the slot stays free).
                 self._drop_instance(slot, new_job.name, f"its weights failed to load: {exc!r}")
-                with self.lock:
+                with self.state.lock:
                     self._fault(new_job, f"its weights (version {new_job.version}) failed to load on the engine "
                                          f"({exc!r})")
                     slot.job = None
                 return
             seconds = time.perf_counter() - t
-            self.states.transition(slot.index, new_job.name, ACTIVE, seconds,
-                                   f"{why} for {target}" + (f" (after {prev_job.name})" if prev_job else ""))
-            with self.lock:
+            self.state.states.transition(slot.index, new_job.name, ACTIVE, seconds,
+                                         f"{why} for {target}" + (f" (after {prev_job.name})" if prev_job else ""))
+            with self.state.lock:
                 for name, reason in failed.items():  # a LoRA job whose adapter does not load: the others are served
                     self._fault(new_job.members[name], reason)
                 charged = list(new_job.members.values()) if isinstance(new_job, LoraBase) else [new_job]
@@ -310,10 +297,10 @@ class SlotLoops:
         lora = isinstance(tenancy, LoraBase)
         weights, version = (None, None) if lora else (tenancy.weights, tenancy.version)
         paused = False if lora else tenancy.paused  # a LoRA job's pause holds its admissions only
-        if inst is not None and self.states.state(slot.index, tenancy.name) is SLEEPING:
+        if inst is not None and self.state.states.state(slot.index, tenancy.name) is SLEEPING:
             why = "wake" + ("" if lora or inst.policy_version == version else " + weights")
 
-            def wake(_e: Any, inst: Any = inst) -> dict[str, str]:
+            def wake(_e: Engine, inst: Engine = inst) -> dict[str, str]:
                 inst.wake()
                 failed = sync_adapters(inst, tenancy) if lora else {}
                 if not lora and inst.policy_version != version:
@@ -324,66 +311,67 @@ class SlotLoops:
             failed = worker.call(wake)  # on the engine thread (the slot steps nothing meanwhile)
             worker.swap_engine(inst)
             return why, failed
-        inst, failed = self.engines.build(tenancy)
+        inst, failed, tier = self.engines.build(tenancy)
         if paused:
             inst.pause()
         worker.swap_engine(inst)
         slot.instances[tenancy.name] = inst
-        return "load", failed
+        return f"load ({tier})", failed
 
     def _drop_instance(self, slot: Slot, key: str, why: str) -> None:
         """Evict the tenancy's engine on the slot, whatever state it is in (caller holds the tenancy's lock)."""
         slot.instances.pop(key, None)
-        if self.states.state(slot.index, key) is not EVICTED:
-            self.states.transition(slot.index, key, EVICTED, 0.0, why)
+        if self.state.states.state(slot.index, key) is not EVICTED:
+            self.state.states.transition(slot.index, key, EVICTED, 0.0, why)
 
     # ------------------------------------------------------------ containment: a tenant's failure stays its own
 
     def _recover(self, slot: Slot) -> None:
         """The slot's engine thread died: an engine step raised (an adapter or weights that passed every check
         but break the forward, or an engine bug). The other tenants keep the slot: it gets a fresh engine thread,
-        the failed engine is evicted, the jobs whose requests were on it are probed (TenantEngines.probe) and those that break
-        an engine are faulted (_fault: their requests answered with the error, new ones refused until they push
-        weights that load); the others' requests are queued again and rerun. A request on a failed engine twice
+        the failed engine is evicted, the jobs whose requests were on it are probed (TenantEngines.probe) and those
+        that break an engine are faulted (_fault: their requests answered with the error, new ones refused until they
+        push weights that load); the others' requests are queued again and rerun. A request on a failed engine twice
         is answered with an error instead (it may be what breaks it)."""
         dead = slot.worker
         failure = dead.failure
         with slot.route_lock:  # no admission or abort on this slot meanwhile
             key = next((k for k, inst in slot.instances.items() if inst is dead.engine), slot.job)
-            with self.lock:
-                tenancy = self.tenancy(key) if key is not None else None
+            with self.state.lock:
+                tenancy = self.state.tenancy(key) if key is not None else None
             with tenancy.lock if tenancy is not None else contextlib.nullcontext():
                 slot.worker = EngineWorker(None, name=f"pool-engine-{slot.index}")
                 dead.close()
                 if key is not None:
                     self._drop_instance(slot, key, f"its engine failed: {failure!r}")
-                with self.lock:
-                    self._account(slot, time.monotonic())
-                    crashed = [r for r in self._by_internal.values() if r.slot == slot.index]
+                with self.state.lock:
+                    self.account(slot, time.monotonic())
+                    crashed = [r for r in self.state.by_internal.values() if r.slot == slot.index]
                     for req in crashed:
                         req.slot = None
-                        job = self.jobs.get(req.job)
+                        job = self.state.jobs.get(req.job)
                         if job is not None:
                             job.running -= req.remaining
                     slot.job, slot.running = None, 0
                     slot.running_by.clear()
-                    suspects = [self.jobs[n] for n in dict.fromkeys(r.job for r in crashed) if n in self.jobs]
+                    jobs = self.state.jobs
+                    suspects = [jobs[n] for n in dict.fromkeys(r.job for r in crashed) if n in jobs]
                 faults = self.engines.probe(tenancy, suspects) if tenancy is not None else {}
-                with self.lock:
+                with self.state.lock:
                     for name, reason in faults.items():
-                        if name in self.jobs:
-                            self._fault(self.jobs[name], reason)
+                        if name in self.state.jobs:
+                            self._fault(self.state.jobs[name], reason)
                     for req in reversed(crashed):  # appendleft: they keep their order at the head of the queue
                         self._rerun(req, failure)
         who = f"; faulted {sorted(faults)}" if faults else ""
         slot.errors.append(f"{time.strftime('%H:%M:%S')} engine of {key} failed ({failure!r}): evicted, "
                            f"{len(crashed)} request(s) rerun or answered{who}")
         del slot.errors[:-20]
-        self.kick()
+        self.state.kick()
 
     def _fault(self, job: Job, reason: str) -> None:
         """Stop running `job`: its queued requests are answered with the error, new ones refused (409) until it
-        pushes weights that load (caller holds self.lock). Requests of it running on other slots finish there."""
+        pushes weights that load (caller holds state.lock). Requests of it running on other slots finish there."""
         job.fault = reason
         error = fault_error(job)
         queued = list(job.queue)
@@ -393,10 +381,10 @@ class SlotLoops:
 
     def _rerun(self, req: QueuedRequest, failure: BaseException | None) -> None:
         """A request that was on a failed engine: queued again at its job's head, or answered with an error if
-        its job faulted or it was on a failed engine before (caller holds self.lock)."""
-        job = self.jobs.get(req.job)
+        its job faulted or it was on a failed engine before (caller holds state.lock)."""
+        job = self.state.jobs.get(req.job)
         if job is None:  # its job detached meanwhile
-            self._by_internal.pop(req.internal_id, None)
+            self.state.by_internal.pop(req.internal_id, None)
             if req.waiter is not None:
                 req.waiter.set()
             return
@@ -415,27 +403,27 @@ class SlotLoops:
 
     def _answer_failed(self, job: Job, req: QueuedRequest, error: PoolError) -> None:
         """End a request that is on no engine with `error`: its unanswered samples come back aborted, carrying the
-        error (a /generate call answers with it); caller holds self.lock."""
+        error (a /generate call answers with it); caller holds state.lock."""
         req.error = error
         if req.waiter is None:
             for i in range(req.request.params.n):
                 if i not in req.returned:
                     job.post(stamp(empty_abort(req, i), req, -1) | {"error": error.message})
-        self._forget(job, req)
+        self.forget(job, req)
 
     def _evict_beyond_budget(self, slot: Slot, keep: str) -> None:
         """At most max_sleeping sleeping engines per slot (host memory): evict the least recently used."""
-        sleeping = [j for j in self.states.jobs_in(slot.index, SLEEPING) if j != keep]
+        sleeping = [j for j in self.state.states.jobs_in(slot.index, SLEEPING) if j != keep]
         sleeping.sort(key=lambda j: slot.last_active.get(j, 0.0))
-        for name in sleeping[: max(0, len(sleeping) - self.max_sleeping)]:
-            with self.lock:
-                job = self.tenancy(name)
+        for name in sleeping[: max(0, len(sleeping) - self.state.max_sleeping)]:
+            with self.state.lock:
+                job = self.state.tenancy(name)
             lock = job.lock if job is not None else threading.Lock()
             with lock:
-                if self.states.state(slot.index, name) is not SLEEPING:
+                if self.state.states.state(slot.index, name) is not SLEEPING:
                     continue
                 t = time.perf_counter()
                 slot.instances.pop(name, None)
-                self.states.transition(slot.index, name, EVICTED, time.perf_counter() - t,
-                                       f"more than {self.max_sleeping} sleeping engines on the slot")
+                self.state.states.transition(slot.index, name, EVICTED, time.perf_counter() - t,
+                                             f"more than {self.state.max_sleeping} sleeping engines on the slot")
 

@@ -8,11 +8,15 @@ prefix cache), nothing of the pool's jobs, queues or slots.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
-from rollwise.engine.contract import add_all, run_to_completion
+from torch import Tensor
+
+from rollwise.engine.contract import Engine, add_all, run_to_completion
 from rollwise.engine.factory import create_engine
 from rollwise.pool.jobs import Job, LoraBase
+from rollwise.pool.startup_cost import Tier
+from rollwise.pool.weight_tiers import WeightTiers, describe
 from rollwise.types.engine_config import EngineConfig
 from rollwise.types.generation import GenerationRequest, SamplingParams
 
@@ -20,12 +24,14 @@ from rollwise.types.generation import GenerationRequest, SamplingParams
 class TenantEngines:
     """Builds a tenancy's engines, and finds which suspect jobs break one."""
 
-    def __init__(self, config: EngineConfig, *, seed: int | None, prefix_cache_tokens: int) -> None:
+    def __init__(self, config: EngineConfig, *, seed: int | None, prefix_cache_tokens: int,
+                 tiers: WeightTiers | None = None) -> None:
         self.config = config
+        self.tiers = tiers or WeightTiers()  # jobs' weights through the tiered model cache (issue 42)
         self.seed = seed
         self.prefix_cache_tokens = prefix_cache_tokens
 
-    def new(self, tenancy: Job | LoraBase) -> Any:
+    def new(self, tenancy: Job | LoraBase) -> Engine:
         """An engine for the tenancy's model, holding the weights it attached with (no adapter, no push yet)."""
         lora = isinstance(tenancy, LoraBase)
         return create_engine(self.config, tenancy.template, tenancy.tokenizer,
@@ -34,17 +40,19 @@ class TenantEngines:
                              model_name=tenancy.model, tokenizer_fingerprint=tenancy.fingerprint,
                              prefix_cache_tokens=self.prefix_cache_tokens)
 
-    def build(self, tenancy: Job | LoraBase) -> tuple[Any, dict[str, str]]:
+    def build(self, tenancy: Job | LoraBase) -> tuple[Engine, dict[str, str], str]:
         """The tenancy's engine with its latest weights (a LoRA base: the base as loaded, which LoRA jobs never
-        change, and every member's latest adapter); and the LoRA jobs whose adapter failed to load (-> why)."""
+        change, and every member's latest adapter); and the LoRA jobs whose adapter failed to load (-> why).
+        Its owner is recorded by the slot (Slot.instances: tenancy -> engine), not on the engine. The weights
+        come from the fastest cache tier holding them; the third value says which ("memory tier", ...)."""
         engine = self.new(tenancy)
         failed: dict[str, str] = {}
+        tiers: list[Tier] = []
         if isinstance(tenancy, LoraBase):
-            failed = sync_adapters(engine, tenancy)
-        else:
-            engine.apply_weights(tenancy.weights, tenancy.version)  # the job's latest pushed weights, validated whole
-        engine.pool_owner = tenancy.name
-        return engine, failed
+            failed = sync_adapters(engine, tenancy, lambda job: self.tiers.load(job, tiers))
+        else:  # the job's latest pushed weights, validated whole
+            engine.apply_weights(self.tiers.load(tenancy, tiers), tenancy.version)
+        return engine, failed, describe(tiers)
 
     def probe(self, tenancy: Job | LoraBase, suspects: list[Job]) -> dict[str, str]:
         """Which of `suspects` break an engine: each runs a short sampled generation alone, on an engine built
@@ -71,17 +79,19 @@ class TenantEngines:
         return faults
 
 
-def submit_to(current: Any, inst: Any, requests: list[GenerationRequest]) -> None:
+def submit_to(current: Engine | None, inst: Engine, requests: list[GenerationRequest]) -> None:
     """On the slot's engine thread: the engine being stepped must be the job's own."""
     if current is not inst:
         raise RuntimeError("the slot is stepping another engine than the job's")
     add_all(inst, requests)
 
 
-def sync_adapters(inst: Any, base: LoraBase) -> dict[str, str]:
+def sync_adapters(inst: Engine, base: LoraBase,
+                  load: Callable[[Job], dict[str, Tensor]] | None = None) -> dict[str, str]:
     """A LoRA base's engine serves exactly its jobs' latest adapters (caller holds base.lock; the engine is
     not being stepped): detached and faulted jobs' adapters off, pushed versions on. A job whose adapter fails
-    to load is left out (it serves nothing, not even its older version): returns its name -> why."""
+    to load is left out (it serves nothing, not even its older version): returns its name -> why. `load`: where a
+    job's adapter comes from (TenantEngines.build: the tiered cache); default, the job's store."""
     serving = {name: job for name, job in base.members.items() if job.fault is None}
     loaded = inst.loaded_adapters()
     for name in set(loaded) - set(serving):
@@ -90,7 +100,7 @@ def sync_adapters(inst: Any, base: LoraBase) -> dict[str, str]:
     for job in serving.values():
         if job.version is not None and job.adapter is not None and loaded.get(job.name) != job.version:
             try:
-                inst.load_adapter(job.adapter, job.weights, job.version)
+                inst.load_adapter(job.adapter, job.weights if load is None else load(job), job.version)
             except Exception as exc:  # noqa: BLE001 - this job's adapter; the other jobs are served
                 failed[job.name] = f"its adapter (version {job.version}) failed to load on the engine ({exc})"
                 if job.name in inst.loaded_adapters():

@@ -81,10 +81,11 @@ class JobWeights(JobTarget):
     """WeightReceiver's target for one job: store the version, apply it to the job's active engines."""
 
     def apply_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        # caller holds job.lock: no activation or admission of this job interleaves
+        # caller holds job.lock: no activation or admission of this job interleaves. The version is the job's
+        # before an engine holds it: a sample of it may finish (and be checked against versions) at once.
+        self.job.versions.add(version)
         self.on_active_engines(self.job.name, lambda inst: inst.apply_weights(state, version))
         self.job.weights, self.job.version = state, version
-        self.job.versions.add(version)
 
 
 def own_adapter(staged: StagedUpdate, job: Job) -> None:
@@ -116,6 +117,6 @@ class JobAdapter(JobTarget):
     def load_adapter(self, spec: AdapterSpec, state: dict[str, torch.Tensor], version: int) -> None:
         # caller holds job.lock (its base's lock): no switch of the shared engine interleaves
         assert spec.name == self.job.name, "own_adapter renames every adapter to its job"
+        self.job.versions.add(version)  # before an engine holds it (JobWeights.apply_weights)
         self.on_active_engines(self.job.key, lambda inst: inst.load_adapter(spec, state, version))
         self.job.weights, self.job.version, self.job.adapter = dict(state), version, spec
-        self.job.versions.add(version)

@@ -37,6 +37,7 @@ from rollwise.types.generation import Completion, EngineLoad, FinishReason, Gene
 from rollwise.sim.routing import BlockLRU
 from rollwise.sim.cost import CostModel
 from rollwise.types.compact import LogprobRuns, TokenRuns, VersionRuns
+from rollwise.types.weights import ExpectedWeights
 
 # (request, sample index) -> the length the sample would have if nothing capped it (EOS after it).
 LengthSampler = Callable[[GenerationRequest, int], int]
@@ -86,6 +87,11 @@ class _Op:
 
 class SimEngine(EngineState):
     name = "sim"
+    device = "cpu"
+    expected_weights = ExpectedWeights({})  # it holds no tensors: apply_weights versions its tokens only
+
+    def describe(self) -> str:
+        return f"sim (cost model {self.cost.name}, virtual clock)"
 
     def __init__(self, cost: CostModel, *, clock: VirtualClock | None = None, policy_version: int = 0,
                  vocab_size: int = 32000, eos_token_id: int = 2, length_sampler: LengthSampler | None = None,

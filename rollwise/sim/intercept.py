@@ -176,7 +176,7 @@ class _Sim:
             # Back: a promise is kept until its turn runs (a TTL bounds tools that do not return, not a queue).
             session.deadline = math.inf
             if session.held == "preserve":  # it goes first, as the engine admits a pinned session into its own
-                self.waiting.appendleft(session)  # memory ahead of the queue (ReferenceEngine._admit_pinned)
+                self.waiting.appendleft(session)  # memory ahead of the queue (reference SessionRetention.admit_pinned)
             else:
                 self.waiting.append(session)
 
@@ -291,7 +291,7 @@ class _Sim:
             self._count(self.reclaimed, "turns_dropped_before_retain")
 
     def _to_take(self, resuming: _Session) -> tuple[ReclaimAction, _Session | _Parked] | None:
-        """The held KV whose taking wastes least, with what reclaim() does with it (the engine's _reclaim);
+        """The held KV whose taking wastes least, with what reclaim() does with it (the reference engine's SessionRetention.reclaim);
         None: keeping it all is cheaper."""
         wait_s = self._slot_wait_s()
         stalled = sum(r.memory for r in self.running)

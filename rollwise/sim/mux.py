@@ -31,6 +31,7 @@ from typing import Any
 
 from rollwise.types.generation import GenerationRequest, SamplingParams
 from rollwise.pool.scheduler import JobView, Policy, SlotView, engine_key, plan
+from rollwise.pool.startup_cost import StartupCost, Tier, estimate_start
 from rollwise.sim.cores import SharedCores
 from rollwise.sim.cost import CostModel
 from rollwise.sim.engine import SimEngine, VirtualClock
@@ -67,6 +68,17 @@ class Transitions:
     load_s: float = 0.0  # build an engine + load weights (first time on this slot, or after eviction)
     wake_s: float = 0.0  # a sleeping engine back to active (+ the job's newer weights)
     sleep_s: float = 0.0  # the outgoing job's engine to sleep
+    # Start-up-aware placement (issue 42): per-tier bandwidths (rollwise.pool.startup_cost, the pool's model);
+    # None: a load costs load_s and a wake wake_s. `model_bytes`: a job's weights; `load_tier`: where a job not
+    # sleeping on the slot loads from (the pool's model cache tier).
+    startup: StartupCost | None = None
+    model_bytes: int = 0
+    load_tier: Tier = "remote"
+
+    def start_s(self, sleeping: bool) -> float:
+        """Seconds until a job serves on a slot: estimate_start, the function the pool's placement uses."""
+        cost = self.startup or StartupCost(wake_s=self.wake_s, build_s=self.load_s)
+        return estimate_start(cost, "sleeping" if sleeping else self.load_tier, self.model_bytes)
 
 
 @dataclass(frozen=True)
@@ -203,20 +215,23 @@ def simulate_mux(jobs: list[MuxJob], engines: int, cost: CostModel, transitions:
                 state[s.job].busy_s += now - s.accounted_at
         s.accounted_at = now
 
+    start_s = {sleeping: transitions.start_s(sleeping) for sleeping in (False, True)}  # per slot: wake or load
+
     def schedule() -> None:
         now = clock.now
         for s in slots:
             account(s)
-        views = [SlotView(i, s.job, s.since, s.engine.unfinished_samples, cost.max_num_seqs)
-                 for i, s in enumerate(slots)]
         job_views = [view(js) for js in state.values() if js.finished_at is None and js.started_at <= now]
+        keys = {engine_key(j) for j in job_views}
+        views = [SlotView(i, s.job, s.since, s.engine.unfinished_samples, cost.max_num_seqs,
+                          {k: start_s[k in s.built] for k in keys})
+                 for i, s in enumerate(slots)]
         for decision in plan(views, job_views, now, policy):
             s = slots[decision.slot]
             if s.switching_until is not None:
                 continue  # mid-switch: the pool's slot loop is busy switching too
             if decision.action == "switch":
-                cost_s = (transitions.sleep_s if s.job is not None else 0.0) + (
-                    transitions.wake_s if decision.job in s.built else transitions.load_s)
+                cost_s = (transitions.sleep_s if s.job is not None else 0.0) + start_s[decision.job in s.built]
                 s.job, s.since = decision.job, now
                 s.built.add(decision.job)
                 s.switching_until = now + cost_s

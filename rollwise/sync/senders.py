@@ -19,7 +19,7 @@ LoRA adapter-only updates (rollwise.sync.adapters) go in process; the collective
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from torch import Tensor
 
@@ -28,6 +28,10 @@ from rollwise.types.train_config import LoraConfig
 from rollwise.sync.adapters import AdapterSender
 from rollwise.types.weight_update import WeightUpdate
 from rollwise.types.bucket_layout import build_manifest
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
 
 class WeightSender(Protocol):
     def update(self, trainer: Trainer) -> WeightUpdate:
@@ -62,7 +66,7 @@ class ObjectStoreSender:
 
         manifest = build_manifest(self.layout, trainer.version, self.tokenizer_fingerprint, bucket_mb=None,
                                   checksum=False)
-        payload: Any = trainer.weights()
+        payload: Mapping[str, Tensor] | ObjectRef = trainer.weights()
         if isinstance(payload, Mapping):  # a trainer in this process: put it in the store once for all engines
             payload = ray.put(dict(payload))
         return WeightUpdate(manifest, payload)

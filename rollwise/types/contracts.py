@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from ray import ObjectRef
     from torch import Tensor
 
     from rollwise.types.weights import AdapterSpec, ExpectedWeights
@@ -78,7 +79,7 @@ class Trainer(Protocol):
         """The policy version: the number of updates applied (a resumed run's included)."""
 
     def train_step(self, samples: list[Sample]) -> dict[str, float]: ...
-    def weights(self) -> Any:
+    def weights(self) -> Mapping[str, Tensor] | ObjectRef:
         """The current weights for a transport (rollwise.sync.senders): a mapping of tensors in this
         process (zero-copy views), or a handle the transport resolves (the Ray trainer: an ObjectRef)."""
     def save_checkpoint(self, run_dir: Path, step: int, extra: dict[str, Any], keep_last: int) -> Path: ...

@@ -174,12 +174,7 @@ class EngineActor:
 
 def _weight_device(engine: Engine) -> str:
     """cuda when the engine's weights live on a GPU (its rank then joins over NCCL), else cpu (gloo)."""
-    device = getattr(engine, "device", None)  # the vLLM backend says
-    if device is None:
-        model = getattr(engine, "model", None)  # the reference engine holds its model
-        param = next(model.parameters(), None) if model is not None else None
-        device = param.device if param is not None else "cpu"
-    return "cuda" if str(device).startswith("cuda") else "cpu"
+    return "cuda" if engine.device.startswith("cuda") else "cpu"
 
 
 def _ready(worker: EngineWorker, wait: float = 0.0) -> list[Completion]:
