@@ -144,6 +144,12 @@ def test_refused_migration_changes_nothing(model):
     with pytest.raises(ValueError, match="no free KV slot.*max_num_seqs=1"):
         migrate(source, full)
     assert full.load().running == 1 and full.step() == [] and full.migratable_requests() == ["busy"]
+    asleep = _engine(model, slots=1)
+    asleep.sleep()  # its KV cache is freed: nothing can be staged into it
+    with pytest.raises(ValueError, match="engine is sleeping; wake"):
+        migrate(source, asleep)
+    asleep.wake()
+    assert asleep.load().running == 0 and asleep.migratable_requests() == [] and source.migratable_requests() == ["r"]
     [done] = _drain(source)  # the source still runs it, as if nothing had been tried
     assert done.token_ids == alone.token_ids
     pair = _engine(model)

@@ -1,3 +1,3 @@
 """The reference engine: a small, exact, pure-PyTorch continuous-batching engine (the CPU default
 and the oracle for engine-mismatch checks). `ReferenceEngine` is rollwise.engine.reference.engine's;
-its scheduler is in scheduler, the mixins' state in session_retention, speculative and lora."""
+its scheduler is in scheduler; the components it holds are in lora, session_retention, migration and speculative."""

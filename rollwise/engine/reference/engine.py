@@ -3,8 +3,9 @@
 Structured like vLLM v1: a Scheduler (rollwise.engine.reference.scheduler) decides which sequences
 occupy the fixed KV-cache slots, the model executes prefill/decode for them, and the engine loop
 (`step`) stitches the two together and turns finished sequences into Completions. Sequences join and leave the running batch every step.
-Speculative decoding (drafts verified exactly in one forward) is the SpeculativeDecoding mixin in
-rollwise.engine.reference.speculative.
+Components it holds: the LoRA AdapterSet (rollwise.engine.reference.lora), SessionRetention (.session_retention:
+KV kept across tool calls), Migration (.migration: live migration's staging and handover) and, with a drafter,
+Speculation (.speculative: drafts verified exactly in one forward).
 """
 
 from __future__ import annotations
@@ -15,24 +16,25 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
-from rollwise.engine.reference.lora import LoraServing
-from rollwise.engine.reference.migration import ReferenceMigration
+from rollwise.engine.reference.lora import AdapterSet
+from rollwise.engine.reference.migration import Migration
 from rollwise.engine.reference.model import LlamaFamilyModel
-from rollwise.engine.reference.kv_tiers import KVTiers
 from rollwise.engine.reference.session_retention import SessionRetention
 from rollwise.engine.reference.prefix_cache import PrefixCache, prefill_suffix, prefill_with_prefix
 from rollwise.engine.reference.sampling import (
     needs_processing, process_logits, sample, scaled_logprobs, top_logprobs,
 )
 from rollwise.engine.reference.scheduler import Scheduler, Sequence
-from rollwise.engine.reference.speculative import SpeculativeDecoding
+from rollwise.engine.reference.speculative import Speculation, speculation_metrics
+from rollwise.engine.speculation.counters import new_counters
 from rollwise.engine.speculation.drafter import Drafter
-from rollwise.engine.contract import check_request, check_update, run_to_completion
-from rollwise.engine.retention import RetentionLimits
-from rollwise.engine.retention_policy import CostMeter, PolicyName
+from rollwise.engine.contract import check_request, check_update, check_version, run_to_completion
+from rollwise.engine.migration import MigrationState
+from rollwise.engine.retention import RetentionDecision, RetentionLimits, RetentionRequest
+from rollwise.engine.retention_policy import PolicyName
 from rollwise.engine.state import EngineState
 from rollwise.types.generation import Completion, EngineLoad, FinishReason, GenerationRequest, ModelInfo
-from rollwise.types.weights import ExpectedWeights, dtype_name
+from rollwise.types.weights import AdapterSpec, ExpectedWeights, dtype_name
 
 
 # Prefills of at least this many new tokens measure the recompute cost the retention policy weighs
@@ -40,7 +42,7 @@ from rollwise.types.weights import ExpectedWeights, dtype_name
 RECOMPUTE_SAMPLE_MIN = 64
 
 
-class ReferenceEngine(ReferenceMigration, SessionRetention, SpeculativeDecoding, LoraServing, EngineState):
+class ReferenceEngine(EngineState):
     """Continuous-batching generation with exact fp32 logprobs and per-token policy versions."""
 
     name = "reference"
@@ -92,31 +94,22 @@ class ReferenceEngine(ReferenceMigration, SessionRetention, SpeculativeDecoding,
         # on_tokens(request_id, index, token, logprob, version); the HTTP server streams through it.
         self.on_tokens: Callable[[str, int, int, float, int], None] | None = None
         # Speculative decoding from rollout history (engine.speculation: history): drafts are verified
-        # exactly against the current weights (see _verify). None: plain decoding, one token per step.
+        # exactly against the current weights (see .speculative). None: plain decoding, one token per step.
         if drafter is not None and self.model.is_moe:
             raise ValueError("engine.speculation with a mixture-of-experts model is not supported by the reference "
                              "engine (verified drafts would need their routing kept); set engine.speculation: none")
         self.drafter = drafter
-        self.spec_stats = {"drafted": 0, "accepted": 0, "rejected": 0, "verifications": 0}
-        self._init_adapters()  # LoRA adapters, unmerged, per sequence (rollwise.engine.reference.lora)
-        self._init_retention(retention, retention_policy)
-        self.capture_routing = capture_routing
-        self._init_migration()  # live migration's staged slots (rollwise.engine.reference.migration)
-
-    def _init_retention(self, retention: RetentionLimits | None, policy: PolicyName) -> None:
-        """Session KV retention across tool calls (rollwise.engine.reference.kv_tiers); None: off."""
-        if retention is not None and self.model.is_moe:
-            raise ValueError("session KV retention with a mixture-of-experts model is not supported by the reference "
-                             "engine (a resumed prefix would need its routing kept); turn engine retention off")
-        shape = self.model.config.shape
-        bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * self.model.dtype.itemsize
-        self.kv_tiers = None if retention is None else KVTiers(retention, self.max_model_len, bytes_per_token,
-                                                               max_parked=max(1, self.max_num_seqs // 2))
-        self.decode_step_cost = CostMeter(1e-2)  # seconds per decode step: when a running sequence frees its slot
-        self.retention_policy = policy
-        self.recompute_cost = CostMeter(1e-4)  # seconds per prefilled token, measured by every prefill
-        self._resuming: dict = {}  # request id -> the pinned session it resumes (admitted into its slot)
+        self.spec_stats = new_counters()  # read by speculation.counters_of, even with no drafter
+        self.speculation = None if drafter is None else Speculation(
+            self.model, drafter, max_model_len, self.spec_stats, self._processed_logits, self._record)
+        self.adapters = AdapterSet.for_model(self.model)  # LoRA adapters, unmerged, per sequence (.lora)
+        self.retention = SessionRetention.for_model(self.model, retention, retention_policy, self.scheduler,
+                                                    max_model_len, max_num_seqs, self.prefix_cache is not None)
+        self.kv_tiers = self.retention.kv_tiers  # None: retention off
         self.stats["recomputed_prompt_tokens"] = 0  # prompt tokens whose KV the engine had and let go
+        self.capture_routing = capture_routing
+        self.migration = Migration(self.model, self.scheduler, self.adapters, self.prefix_cache, self.kv_tiers,
+                                   max_model_len, self._unfinished, self.retention.resuming, self.add_request)
 
     # ---------------------------------------------------------------- public state
 
@@ -146,9 +139,13 @@ class ReferenceEngine(ReferenceMigration, SessionRetention, SpeculativeDecoding,
     def num_waiting(self) -> int:
         return sum(r.params.n for r in self.scheduler.waiting)
 
+    def speculation_metrics(self) -> dict[str, float]:
+        """Speculative decoding's counters and rates so far (rollwise.engine.reference.speculative)."""
+        return speculation_metrics(self.spec_stats, self.drafter)
+
     def _free_memory(self) -> bool:
         """sleep(): free the KV cache (weights stay: they are the only copy); wake() allocates it again."""
-        self._release_retained("sleep")
+        self.retention.release("sleep")
         self.cache = None
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
@@ -206,7 +203,7 @@ class ReferenceEngine(ReferenceMigration, SessionRetention, SpeculativeDecoding,
     def abort(self, request_id: str) -> list[Completion]:
         """Stop a request now; its samples come back with finish_reason 'abort' and the tokens so far.
         A finished turn's request: whatever KV is held for it is released."""
-        self._release_retained("abort", request_id)
+        self.retention.release("abort", request_id)
         if self._unfinished.pop(request_id, None) is None:
             return []
         aborted: list[Completion] = []
@@ -231,10 +228,10 @@ class ReferenceEngine(ReferenceMigration, SessionRetention, SpeculativeDecoding,
         # Requests admitted together with the same prompt (e.g. GRPO samples submitted one request
         # each) share a single prefill, exactly like the n samples of one request.
         groups: dict[tuple, list[tuple[GenerationRequest, list[int]]]] = {}
-        for request, slots in self._admit_pinned():  # resumed pinned sessions: each in its own slot
+        for request, slots in self.retention.admit_pinned():  # resumed pinned sessions: each in its own slot
             groups[("pinned", request.request_id)] = [(request, slots)]
-        self._expire_retained()  # after: a session already back is not made to recompute by its TTL
-        for request, slots in self.scheduler.admit(self._reclaim):
+        self.retention.expire()  # after: a session already back is not made to recompute by its TTL
+        for request, slots in self.scheduler.admit(lambda needed: self.retention.reclaim(needed, self.cache)):
             groups.setdefault((request.adapter, *request.prompt_ids), []).append((request, slots))
         if groups:
             # The admitted sequences are busy from here, through their prefill: counted from its start, as
@@ -247,7 +244,7 @@ class ReferenceEngine(ReferenceMigration, SessionRetention, SpeculativeDecoding,
         if self.scheduler.running:
             started = time.perf_counter()
             finished += self._decode()
-            self.decode_step_cost.observe(1, time.perf_counter() - started)
+            self.retention.decode_step_cost.observe(1, time.perf_counter() - started)
         self.stats["steps"] += 1
         self.mark_timeline()
         return finished
@@ -274,7 +271,65 @@ class ReferenceEngine(ReferenceMigration, SessionRetention, SpeculativeDecoding,
             self.drafter.on_policy_version(version)
         if self.prefix_cache is not None:  # cached KV was computed by the old weights
             self.prefix_cache.clear()
-        self._release_retained("weight_update")  # so was held session KV: the promise is released, explicitly
+        self.retention.release("weight_update")  # so was held session KV: the promise is released, explicitly
+
+    # ---------------------------------------------------------------- session KV retention (self.retention)
+
+    def retain(self, req: RetentionRequest) -> RetentionDecision:
+        """A turn ended in a tool call: preserve, swap or discard its KV (rollwise.engine.reference.session_retention)."""
+        return self.retention.retain(req, self.cache)
+
+    def release_session(self, session_id: str) -> bool:
+        return self.retention.release_session(session_id)
+
+    def retention_stats(self) -> dict[str, int]:
+        return self.retention.retention_stats()
+
+    # ---------------------------------------------------------------- live migration (self.migration)
+
+    def migratable_requests(self) -> list[str]:
+        return list(self._unfinished)
+
+    def export_running(self, request_id: str) -> MigrationState | None:
+        return self.migration.export(request_id)
+
+    def release_migrated(self, request_id: str) -> int:
+        return self.migration.release(request_id)
+
+    def stage_migration(self, state: MigrationState) -> int:
+        return self.migration.stage(state, self.cache)
+
+    def commit_migration(self, state: MigrationState) -> None:
+        self.migration.commit(state, self.cache)
+
+    def cancel_migration(self, request_id: str) -> None:
+        self.migration.cancel(request_id)
+
+    # ---------------------------------------------------------------- LoRA adapters (self.adapters)
+
+    def load_adapter(self, spec: AdapterSpec, state: Mapping[str, Tensor], version: int) -> None:
+        """Load (or replace) adapter `spec.name` at `version`; ValueError and nothing changed if it does
+        not fit the base. A default adapter is the run's policy: its version is the engine's (never backwards)."""
+        if spec.default:
+            check_version(version, self._version)
+        self.adapters.load(spec, state, version, self.model.dtype)
+        if spec.default:
+            self._version = version
+            if self.prefix_cache is not None:  # cached KV was computed by the old adapter
+                self.prefix_cache.clear()
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter `name` (requests naming it are refused from now on). Refused while
+        requests of it are queued or running: they would lose their adapter mid-sequence."""
+        pending = [*(r.request_id for r in self.scheduler.waiting if r.adapter == name),
+                   *(s.request.request_id for s in self.scheduler.running.values() if s.request.adapter == name)]
+        if pending:
+            raise ValueError(f"adapter {name!r} still serves requests {pending[:4]}: abort them or let them finish")
+        self.adapters.remove(name)
+
+    def loaded_adapters(self) -> dict[str, int]:
+        """Served adapter name -> its version."""
+        return self.adapters.versions()
 
     # ---------------------------------------------------------------- internals
 
@@ -289,7 +344,7 @@ class ReferenceEngine(ReferenceMigration, SessionRetention, SpeculativeDecoding,
         requests with this prompt), and sample each sample's first token from the shared logits."""
         prompt = group[0][0].prompt_ids
         all_slots = [slot for _, slots in group for slot in slots]
-        resumed = self._resume_start(group)  # a retained session's context, already in its slot
+        resumed = self.retention.resume_start(group, self.cache)  # a retained session's context, already in its slot
         started = time.perf_counter()
         # The prefix cache holds the default policy's KV: a named LoRA adapter's prompt neither reads nor feeds it.
         shared_cache = self.prefix_cache if group[0][0].adapter is None else None
@@ -303,8 +358,8 @@ class ReferenceEngine(ReferenceMigration, SessionRetention, SpeculativeDecoding,
                 logits = prefill_with_prefix(self.model, self.cache, prompt, all_slots, hit)
         reused = resumed or (hit.num_tokens if hit is not None else 0)
         if len(prompt) - reused >= RECOMPUTE_SAMPLE_MIN:  # a short suffix's time per token is mostly overhead
-            self.recompute_cost.observe(len(prompt) - reused, time.perf_counter() - started)
-        self.stats["recomputed_prompt_tokens"] += self._recomputed(group[0][0].request_id, prompt, reused)
+            self.retention.recompute_cost.observe(len(prompt) - reused, time.perf_counter() - started)
+        self.stats["recomputed_prompt_tokens"] += self.retention.recomputed(group[0][0].request_id, prompt, reused)
         routing = self._prompt_routing(hit)
         seqs = [
             Sequence(request, i, slot, self._generator_for(request, i), cached_prompt_tokens=len(prompt),
@@ -324,12 +379,12 @@ class ReferenceEngine(ReferenceMigration, SessionRetention, SpeculativeDecoding,
 
     def _decode(self) -> list[Completion]:
         seqs = [self.scheduler.running[slot] for slot in sorted(self.scheduler.running)]
-        if self.drafter is not None and not self.adapters.adapters:  # no drafting while serving LoRA adapters
-            drafts = [self._draft(seq, len(seqs)) for seq in seqs]
-            if any(drafts):
-                return self._verify(seqs, drafts)
+        if self.speculation is not None and not self.adapters.adapters:  # no drafting while serving LoRA adapters
+            verified = self.speculation.decode(self.cache, seqs)
+            if verified is not None:  # some sequence had a draft: this step was the verification
+                return verified
         last_tokens = torch.tensor([seq.token_ids[-1] for seq in seqs])
-        with self._adapter_rows(seqs):  # each row with its own sequence's adapter
+        with self.adapters.rows([self.adapters.resolve(s.request.adapter) for s in seqs]):  # each row its own
             logits = self.model.decode(self.cache, last_tokens, [seq.slot for seq in seqs])
         if self.model.capture_routing:
             for seq, row in zip(seqs, self.model.last_routing):
@@ -364,7 +419,7 @@ class ReferenceEngine(ReferenceMigration, SessionRetention, SpeculativeDecoding,
         seq.logprobs.append(logprob)
         if seq.request.params.top_logprobs:
             seq.top_logprobs.append(top)
-        version = self._version_of(seq)  # a named LoRA adapter's own version, else the engine's
+        version = self.adapters.version_of(seq.request.adapter, self._version)  # a named adapter's own version
         seq.versions.append(version)
         if self.on_tokens is not None:
             self.on_tokens(seq.request.request_id, seq.index, token, logprob, version)
@@ -373,8 +428,8 @@ class ReferenceEngine(ReferenceMigration, SessionRetention, SpeculativeDecoding,
             return None
         self._cache_history(seq)
         fresh = all(v == self._version for v in seq.versions)
-        if not self._park(seq.request.request_id, list(seq.request.prompt_ids) + seq.token_ids, seq.slot,
-                          fresh and seq.request.params.n == 1):  # parked: a retain() may keep its KV
+        if not self.retention.park(seq.request.request_id, list(seq.request.prompt_ids) + seq.token_ids, seq.slot,
+                                   fresh and seq.request.params.n == 1, self.cache):  # parked: a retain() may keep its KV
             self.scheduler.release(seq.slot)
         self._sample_returned(seq.request.request_id)
         if self.drafter is not None:  # siblings still running draft from this sample at once

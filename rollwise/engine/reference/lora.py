@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rollwise.engine.contract import check_version
 from rollwise.types.weights import AdapterSpec
 
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
@@ -92,6 +91,13 @@ def split_adapter_state(state: Mapping[str, Tensor]) -> tuple[dict[str, tuple[Te
 
 class AdapterSet:
     """The adapters an engine has loaded, and the row -> adapter assignment of the current forward."""
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> AdapterSet:
+        """An empty set hooked into `model`'s projections (the engine's adapter component)."""
+        adapters = cls(projection_targets(model))
+        adapters.install(model)
+        return adapters
 
     def __init__(self, targets: Mapping[str, tuple[int, int]]) -> None:
         self.targets = dict(targets)  # module name -> (out, in) of the base projection
@@ -162,6 +168,14 @@ class AdapterSet:
         self._stacks.clear()
         if self.default == name:
             self.default = None
+
+    def versions(self) -> dict[str, int]:
+        """Served adapter name -> its version."""
+        return {name: a.version for name, a in self.adapters.items()}
+
+    def version_of(self, name: str | None, base_version: int) -> int:
+        """The policy version sampling a request that names `name`: its named adapter's, else `base_version`."""
+        return base_version if name is None else self.resolve(name).version
 
     def resolve(self, name: str | None) -> LoadedAdapter | None:
         """The adapter a request naming `name` runs with (None: the default adapter, if any)."""
@@ -276,55 +290,3 @@ def projection_targets(model: nn.Module) -> dict[str, tuple[int, int]]:
             out_dim, in_dim = module.weight.shape
             targets[name] = (int(out_dim), int(in_dim))
     return targets
-
-
-class LoraServing:
-    """The reference engine's adapter side (mixed into ReferenceEngine): load adapters without touching
-    the base weights, and run each sequence with its request's adapter."""
-
-    model: nn.Module
-    _version: int
-    prefix_cache: object | None
-
-    def _init_adapters(self) -> None:
-        self.adapters = AdapterSet(projection_targets(self.model))
-        self.adapters.install(self.model)
-
-    def load_adapter(self, spec: AdapterSpec, state: Mapping[str, Tensor], version: int) -> None:
-        """Load (or replace) adapter `spec.name` at `version`; ValueError and nothing changed if it does
-        not fit the base. A default adapter is the run's policy: its version is the engine's (never backwards)."""
-        if spec.default:
-            check_version(version, self._version)
-        self.adapters.load(spec, state, version, self.model.dtype)
-        if spec.default:
-            self._version = version
-            if self.prefix_cache is not None:  # cached KV was computed by the old adapter
-                self.prefix_cache.clear()
-
-    def unload_adapter(self, name: str) -> None:
-        """Stop serving adapter `name` (requests naming it are refused from now on). Refused while
-        requests of it are queued or running: they would lose their adapter mid-sequence."""
-        scheduler = getattr(self, "scheduler", None)
-        pending = [] if scheduler is None else [
-            *(r.request_id for r in scheduler.waiting if r.adapter == name),
-            *(s.request.request_id for s in scheduler.running.values() if s.request.adapter == name)]
-        if pending:
-            raise ValueError(f"adapter {name!r} still serves requests {pending[:4]}: abort them or let them finish")
-        self.adapters.remove(name)
-
-    def loaded_adapters(self) -> dict[str, int]:
-        """Served adapter name -> its version."""
-        return {name: a.version for name, a in self.adapters.adapters.items()}
-
-    def _adapter_of(self, seq) -> LoadedAdapter | None:
-        return self.adapters.resolve(seq.request.adapter)
-
-    def _version_of(self, seq) -> int:
-        """The policy version sampling `seq`'s tokens: its named adapter's, else the engine's."""
-        if seq.request.adapter is None:
-            return self._version
-        return self.adapters.resolve(seq.request.adapter).version
-
-    def _adapter_rows(self, seqs: Sequence, sizes: Sequence[int] | None = None):
-        """Context for one forward over `seqs` (sizes[i] rows each; default 1)."""
-        return self.adapters.rows([self._adapter_of(s) for s in seqs], sizes)

@@ -1,7 +1,9 @@
 """ReferenceEngine's side of live migration (rollwise.engine.migration, the protocol and its coordinator):
 export a running request's tokens and RNG state, stage its KV on this engine by prefilling them (the
 prefix cache serves what it holds), and take it over at the handover, so it decodes on from where it
-stopped on the source. A mixin, like SessionRetention: the state it reads is ReferenceEngine's."""
+stopped on the source. `Migration` is a component ReferenceEngine holds, built with the engine's scheduler,
+model, adapters, prefix cache and request book-keeping; the engine's contract methods delegate to it. The KV
+cache is an argument (None while the engine sleeps): the engine frees and re-allocates it on sleep/wake."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from rollwise.engine.reference.scheduler import Sequence
 from rollwise.types.generation import GenerationRequest
 
 if TYPE_CHECKING:
-    from rollwise.engine.reference.kv_tiers import KVTiers
+    from rollwise.engine.reference.kv_tiers import Held, KVTiers
     from rollwise.engine.reference.lora import AdapterSet
     from rollwise.engine.reference.model import KVCache, LlamaFamilyModel
     from rollwise.engine.reference.prefix_cache import PrefixCache
@@ -30,35 +32,25 @@ class _Staged:
     context: list[int]  # the tokens whose KV the slot holds: prompt + the sample's tokens but its last
 
 
-class ReferenceMigration:
-    """export_running / stage_migration / commit_migration / cancel_migration / release_migrated."""
+class Migration:
+    """export / stage / commit / cancel / release: the engine's export_running, stage_migration,
+    commit_migration, cancel_migration and release_migrated."""
 
-    # The engine's state these methods use (set by ReferenceEngine.__init__).
-    model: LlamaFamilyModel
-    cache: KVCache
-    scheduler: Scheduler
-    prefix_cache: PrefixCache | None
-    kv_tiers: KVTiers | None
-    adapters: AdapterSet
-    max_model_len: int
-    _unfinished: dict[str, int]
-    _resuming: dict
-    add_request: Callable[[GenerationRequest], None]
-    sleeping: bool
-
-    def _init_migration(self) -> None:
-        self._migrations_staged: dict[str, dict[int, _Staged]] = {}  # request id -> sample index -> its slot
-
-    def _staging(self) -> dict[str, dict[int, _Staged]]:
-        return self._migrations_staged
+    def __init__(self, model: LlamaFamilyModel, scheduler: Scheduler, adapters: AdapterSet,
+                 prefix_cache: PrefixCache | None, kv_tiers: KVTiers | None, max_model_len: int,
+                 unfinished: dict[str, int], resuming: dict[str, Held],
+                 add_request: Callable[[GenerationRequest], None]) -> None:
+        self.model, self.scheduler, self.adapters = model, scheduler, adapters
+        self.prefix_cache, self.kv_tiers, self.max_model_len = prefix_cache, kv_tiers, max_model_len
+        self.unfinished = unfinished  # the engine's request id -> samples still to return (shared, not copied)
+        self.resuming = resuming  # the engine's resumed pinned sessions (shared, not copied)
+        self.add_request = add_request  # the engine's: a request still waiting on the source is queued anew
+        self.staged: dict[str, dict[int, _Staged]] = {}  # request id -> sample index -> its slot
 
     # ------------------------------------------------------------ on the source
 
-    def migratable_requests(self) -> list[str]:
-        return list(self._unfinished)
-
-    def export_running(self, request_id: str) -> MigrationState | None:
-        if request_id not in self._unfinished:
+    def export(self, request_id: str) -> MigrationState | None:
+        if request_id not in self.unfinished:
             return None
         if self.model.capture_routing:
             raise ValueError(f"cannot migrate request {request_id!r}: a mixture-of-experts request's routing would "
@@ -74,9 +66,9 @@ class ReferenceMigration:
         session = self.kv_tiers.owners.get(request_id) if self.kv_tiers is not None else None
         return MigrationState(seqs[0].request, samples, session)
 
-    def release_migrated(self, request_id: str) -> int:
+    def release(self, request_id: str) -> int:
         """Forget the request (it continues on another engine): its slots are freed, no sample is emitted."""
-        if self._unfinished.pop(request_id, None) is None:
+        if self.unfinished.pop(request_id, None) is None:
             return 0
         dropped = 0
         for req in [r for r in self.scheduler.waiting if r.request_id == request_id]:
@@ -87,20 +79,20 @@ class ReferenceMigration:
             dropped += 1
         if self.kv_tiers is not None:  # the session's next KV is the destination's to keep
             self.kv_tiers.owners.pop(request_id, None)
-        self._resuming.pop(request_id, None)
+        self.resuming.pop(request_id, None)
         return dropped
 
     # ------------------------------------------------------------ on the destination
 
-    def stage_migration(self, state: MigrationState) -> int:
+    def stage(self, state: MigrationState, cache: KVCache | None) -> int:
         request = state.request
-        if request.request_id in self._unfinished:
+        if request.request_id in self.unfinished:
             raise ValueError(f"cannot migrate request {request.request_id!r} here: that id is already in flight")
-        if self.sleeping:
+        if cache is None:  # the engine sleeps: its KV cache is freed
             raise ValueError(f"cannot migrate request {request.request_id!r} here: the engine is sleeping; wake() it")
         self.adapters.resolve(request.adapter)  # an adapter this engine does not serve is refused, named
-        first = request.request_id not in self._staging()
-        staged = self._staging().setdefault(request.request_id, {})
+        first = request.request_id not in self.staged
+        staged = self.staged.setdefault(request.request_id, {})
         prefilled = 0
         try:
             for sample in state.samples:
@@ -108,21 +100,22 @@ class ReferenceMigration:
                 if len(context) + 1 >= self.max_model_len:
                     raise ValueError(f"cannot migrate request {request.request_id!r}: its {len(context) + 1} tokens "
                                      f"exceed this engine's max_model_len={self.max_model_len}")
-                prefilled += self._stage_sample(request.request_id, request.adapter, staged, sample.index, context)
+                prefilled += self._stage_sample(cache, request.request_id, request.adapter, staged, sample.index,
+                                                context)
         except ValueError:
             if first:  # refused on its first staging: no slot stays taken for it
-                self.cancel_migration(request.request_id)
+                self.cancel(request.request_id)
             raise
         return prefilled
 
-    def commit_migration(self, state: MigrationState) -> None:
+    def commit(self, state: MigrationState, cache: KVCache | None) -> None:
         request = state.request
         if not state.samples:  # still waiting on the source: queued here like any new request
-            self.cancel_migration(request.request_id)
+            self.cancel(request.request_id)
             self.add_request(request)
             return
-        self.stage_migration(state)
-        staged = self._staging().pop(request.request_id)
+        self.stage(state, cache)
+        staged = self.staged.pop(request.request_id)
         for index in set(staged) - {s.index for s in state.samples}:  # finished on the source meanwhile
             self.scheduler.free(staged.pop(index).slot)
         for sample in state.samples:
@@ -132,15 +125,15 @@ class ReferenceMigration:
                            token_ids=list(sample.token_ids), logprobs=list(sample.logprobs),
                            versions=list(sample.versions), top_logprobs=[list(t) for t in sample.top_logprobs])
             self.scheduler.start(seq)
-        self._unfinished[request.request_id] = len(state.samples)
+        self.unfinished[request.request_id] = len(state.samples)
         if self.kv_tiers is not None:  # its finished turn may be retained here for the session
             self.kv_tiers.own(request.request_id, state.session_id)
 
-    def cancel_migration(self, request_id: str) -> None:
-        for staged in self._staging().pop(request_id, {}).values():
+    def cancel(self, request_id: str) -> None:
+        for staged in self.staged.pop(request_id, {}).values():
             self.scheduler.free(staged.slot)
 
-    def _stage_sample(self, request_id: str, adapter: str | None, staged: dict[int, _Staged], index: int,
+    def _stage_sample(self, cache: KVCache, request_id: str, adapter: str | None, staged: dict[int, _Staged], index: int,
                       context: list[int]) -> int:
         """Prefill what of `context` the sample's staged slot lacks; returns the tokens computed."""
         entry = staged.get(index)
@@ -148,7 +141,7 @@ class ReferenceMigration:
             slot = self.scheduler.reserve()
             if slot is None:
                 raise ValueError(f"cannot migrate request {request_id!r} here: no free KV slot "
-                                 f"(max_num_seqs={len(self.cache.lengths)}); migrate when one frees or to another engine")
+                                 f"(max_num_seqs={len(cache.lengths)}); migrate when one frees or to another engine")
             entry = staged[index] = _Staged(slot, [])
         if context[: len(entry.context)] != entry.context:
             raise ValueError(f"cannot migrate request {request_id!r}: sample {index}'s tokens changed under the "
@@ -161,11 +154,11 @@ class ReferenceMigration:
             else None
         with torch.inference_mode(), self.adapters.rows([self.adapters.resolve(adapter)]):
             if start > 0:
-                prefill_suffix(self.model, self.cache, context, [entry.slot], start)
+                prefill_suffix(self.model, cache, context, [entry.slot], start)
             elif hit is not None:
-                prefill_with_prefix(self.model, self.cache, context, [entry.slot], hit)
+                prefill_with_prefix(self.model, cache, context, [entry.slot], hit)
                 start = hit.num_tokens
             else:
-                self.model.prefill(self.cache, context, [entry.slot])
+                self.model.prefill(cache, context, [entry.slot])
         entry.context = context
         return len(context) - start

@@ -1,6 +1,6 @@
 """The reference engine's scheduling state: a running `Sequence` (one of a request's n samples) and the
 `Scheduler` that admits whole requests into free KV-cache slots. ReferenceEngine (rollwise.engine.reference.engine)
-owns one; its mixins (session_retention, speculative) read the same objects.
+owns one; its components (session_retention, migration) act on the same one.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """ReferenceEngine's side of session KV retention (issue 21): `retain` and `release_session` from the
 contract, and the hooks the engine loop calls (park a finished turn, expire promises, admit a pinned
 session into its slot, take held slots for waiting requests by reclaim(), swap in and out). The state
-they act on, and the mechanism in words, are in rollwise.engine.reference.kv_tiers."""
+they act on, and the mechanism in words, are in rollwise.engine.reference.kv_tiers. `SessionRetention` is a
+component ReferenceEngine holds (also with retention off: kv_tiers None); the engine's KV cache is an argument of
+the methods that copy or measure KV, as the engine frees and re-allocates it on sleep/wake."""
 
 from __future__ import annotations
 
@@ -17,37 +19,53 @@ from rollwise.types.generation import GenerationRequest
 
 if TYPE_CHECKING:
     from rollwise.engine.reference.scheduler import Scheduler
-    from rollwise.engine.reference.model import KVCache
-    from rollwise.engine.reference.prefix_cache import PrefixCache
+    from rollwise.engine.reference.model import KVCache, LlamaFamilyModel
+    from rollwise.engine.retention import RetentionLimits
 
 
 class SessionRetention:
-    """ReferenceEngine's side of retention (a mixin, like SpeculativeDecoding): `retain` and
-    `release_session` from the contract, and the hooks the engine loop calls. Off (kv_tiers None):
-    every turn's slot is freed at once and `retain` reports discard."""
+    """ReferenceEngine's retention component: `retain` and `release_session` from the contract, and the hooks
+    the engine loop calls. Off (kv_tiers None): every turn's slot is freed at once and `retain` reports discard."""
 
-    # The engine's state these methods use (set by ReferenceEngine.__init__).
-    kv_tiers: KVTiers | None
-    prefix_cache: PrefixCache | None
-    retention_policy: PolicyName
-    recompute_cost: CostMeter
-    decode_step_cost: CostMeter
-    scheduler: Scheduler
-    cache: KVCache
-    max_model_len: int
-    max_num_seqs: int
-    _version: int
-    num_running: int
-    num_waiting: int
+    @classmethod
+    def for_model(cls, model: LlamaFamilyModel, limits: RetentionLimits | None, policy: PolicyName,
+                  scheduler: Scheduler, max_model_len: int, max_num_seqs: int, prefix_cached: bool) -> SessionRetention:
+        """The component for an engine over `model` (ValueError: retention on with a mixture-of-experts model)."""
+        if limits is not None and model.is_moe:
+            raise ValueError("session KV retention with a mixture-of-experts model is not supported by the reference "
+                             "engine (a resumed prefix would need its routing kept); turn engine retention off")
+        shape = model.config.shape
+        bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * model.dtype.itemsize
+        return cls(limits, policy, scheduler, max_model_len, max_num_seqs, bytes_per_token, prefix_cached)
+
+    def __init__(self, limits: RetentionLimits | None, policy: PolicyName, scheduler: Scheduler, max_model_len: int,
+                 max_num_seqs: int, bytes_per_token: int, prefix_cached: bool) -> None:
+        self.kv_tiers = None if limits is None else KVTiers(limits, max_model_len, bytes_per_token,
+                                                            max_parked=max(1, max_num_seqs // 2))
+        self.retention_policy = policy
+        self.decode_step_cost = CostMeter(1e-2)  # seconds per decode step: when a running sequence frees its slot
+        self.recompute_cost = CostMeter(1e-4)  # seconds per prefilled token, measured by every prefill
+        self.scheduler = scheduler  # the engine's
+        self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
+        self.prefix_cached = prefix_cached  # the engine keeps a prefix cache (the policy weighs it)
+        self.resuming: dict[str, Held] = {}  # request id -> the pinned session it resumes (admitted into its slot)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(r.params.n for r in self.scheduler.waiting)
 
     # ------------------------------------------------------------ the contract
 
-    def retain(self, req: RetentionRequest) -> RetentionDecision:
+    def retain(self, req: RetentionRequest, cache: KVCache) -> RetentionDecision:
         """A turn ended in a tool call: preserve, swap or discard its KV (see the module docstring)."""
         tiers = self.kv_tiers
         if tiers is None:
             return RetentionDecision(req.session_id, "discard", 0, 0.0, "retention is off on this engine")
-        self._expire_retained()
+        self.expire()
         held = tiers.unpark(req.request_id)
         if held is None:
             return RetentionDecision(req.session_id, "discard", 0, 0.0,
@@ -67,7 +85,7 @@ class SessionRetention:
             ttl = 0.0
         else:
             if action == "swap" and held.slot is not None:
-                self._swap_out(held)
+                self._swap_out(held, cache)
             tiers.hold(held, req.session_id, req.tool_name, action, ttl, latency)
         return RetentionDecision(req.session_id, action, len(held.tokens), ttl, reason)
 
@@ -91,19 +109,19 @@ class SessionRetention:
 
     # ------------------------------------------------------------ hooks of the engine loop
 
-    def _park(self, request_id: str, tokens: list[int], slot: int, fresh: bool) -> bool:
+    def park(self, request_id: str, tokens: list[int], slot: int, fresh: bool, cache: KVCache) -> bool:
         """A finished turn: keep its slot parked (instead of freeing it) when a retain may follow.
         fresh: all of it was sampled by the current weights (older KV is never kept)."""
         if self.kv_tiers is None:
             return False
-        held = Held(request_id, tokens[: self.cache.lengths[slot]], session_id=self.kv_tiers.owners.pop(request_id, None))
+        held = Held(request_id, tokens[: cache.lengths[slot]], session_id=self.kv_tiers.owners.pop(request_id, None))
         if not fresh or not self.kv_tiers.park(held, slot):
             self.kv_tiers.remember_context(held)  # let go at once: a next turn recomputes it, and is counted
             return False
         self.scheduler.hold(slot)
         return True
 
-    def _expire_retained(self) -> None:
+    def expire(self) -> None:
         """Release promises past their TTL, except those whose session is back: its next turn already waits
         for a slot (a swapped session is swapped in only when admitted). A TTL bounds a tool that does not
         return, not a queue."""
@@ -119,7 +137,7 @@ class SessionRetention:
                 continue
             self._free(self.kv_tiers.release(held, "ttl"))
 
-    def _admit_pinned(self) -> list[tuple[GenerationRequest, list[int]]]:
+    def admit_pinned(self) -> list[tuple[GenerationRequest, list[int]]]:
         """Waiting single-sample requests that resume a pinned session go straight into its slot
         (they need no free slot: the session holds one)."""
         if self.kv_tiers is None or not self.kv_tiers.sessions:
@@ -129,12 +147,12 @@ class SessionRetention:
             held = self.kv_tiers.take_resume(request.prompt_ids, "preserve")
             if held is not None:
                 self.scheduler.waiting.remove(request)
-                self._resuming[request.request_id] = held
+                self.resuming[request.request_id] = held
                 self.kv_tiers.own(request.request_id, held.session_id)
                 admitted.append((request, [held.slot]))
         return admitted
 
-    def _reclaim(self, slots_needed: int) -> None:
+    def reclaim(self, slots_needed: int, cache: KVCache) -> None:
         """Admission needs slots that held sessions occupy: take those whose keeping wastes more than moving
         them to the swap tier or dropping them (reclaim(), least waste first). When no slot will free itself
         every held slot may be taken: a promise never idles the engine."""
@@ -154,36 +172,36 @@ class SessionRetention:
                 taken.append((waste, action, held))
         for _, action, held in sorted(taken, key=lambda t: t[0])[:slots_needed]:
             if action == "swap" and len(held.tokens) <= tiers.swap_free_tokens():
-                self._swap_out(held)  # demoted, the KV kept (a parked turn's retain() still decides)
+                self._swap_out(held, cache)  # demoted, the KV kept (a parked turn's retain() still decides)
                 if held.state == "preserve":
                     held.state = "swap"
                 tiers.count("demoted")
             else:
                 self._free(tiers.release(held, "evicted"))
 
-    def _resume_start(self, group: list[tuple[GenerationRequest, list[int]]]) -> int:
+    def resume_start(self, group: list[tuple[GenerationRequest, list[int]]], cache: KVCache) -> int:
         """Positions of the group's prompt already in its slot: a resumed pinned or swapped session's
         context (swapped KV is copied back in here), else 0."""
         if self.kv_tiers is None or len(group) != 1 or group[0][0].params.n != 1:
             return 0
         request, [slot] = group[0]
-        held = self._resuming.pop(request.request_id, None) or self.kv_tiers.take_resume(request.prompt_ids, "swap")
+        held = self.resuming.pop(request.request_id, None) or self.kv_tiers.take_resume(request.prompt_ids, "swap")
         if held is None:
             return 0
         self.kv_tiers.own(request.request_id, held.session_id)
         n = len(held.tokens)
         if held.state == "swap":
             started = time.perf_counter()
-            self.cache.k[:, slot, :, :n] = held.k
-            self.cache.v[:, slot, :, :n] = held.v
+            cache.k[:, slot, :, :n] = held.k
+            cache.v[:, slot, :, :n] = held.v
             self.kv_tiers.charge_transfer(n, started)
             held.k = held.v = None
         return n
 
-    def _recomputed(self, request_id: str, prompt: list[int], reused: int) -> int:
+    def recomputed(self, request_id: str, prompt: list[int], reused: int) -> int:
         return self.kv_tiers.recomputed(request_id, prompt, reused) if self.kv_tiers is not None else 0
 
-    def _release_retained(self, reason: ReleaseReason, request_id: str | None = None) -> None:
+    def release(self, reason: ReleaseReason, request_id: str | None = None) -> None:
         """Release what is held (only what came from `request_id`, if given): abort, weight update, sleep."""
         if self.kv_tiers is not None:
             for held in self.kv_tiers.everything():
@@ -192,11 +210,11 @@ class SessionRetention:
 
     # ------------------------------------------------------------ internals
 
-    def _swap_out(self, held: Held) -> None:
+    def _swap_out(self, held: Held, cache: KVCache) -> None:
         n, slot = len(held.tokens), held.slot
         started = time.perf_counter()
-        held.k = self.cache.k[:, slot, :, :n].clone()
-        held.v = self.cache.v[:, slot, :, :n].clone()
+        held.k = cache.k[:, slot, :, :n].clone()
+        held.v = cache.v[:, slot, :, :n].clone()
         self.kv_tiers.charge_transfer(n, started)
         self._free(slot)
         held.slot = None
@@ -226,5 +244,5 @@ class SessionRetention:
             context_tokens=context_tokens, pin_cost_tokens=L, running_tokens=self.num_running * L,
             used_tokens=(self.num_running + held_slots) * L, capacity_tokens=self.max_num_seqs * L,
             waiting=self.num_waiting, pin_free_tokens=tiers.pin_free_tokens(), swap_free_tokens=tiers.swap_free_tokens(),
-            prefix_cached=self.prefix_cache is not None,
+            prefix_cached=self.prefix_cached,
         )
