@@ -50,14 +50,6 @@ class SessionRetention:
         self.prefix_cached = prefix_cached  # the engine keeps a prefix cache (the policy weighs it)
         self.resuming: dict[str, Held] = {}  # request id -> the pinned session it resumes (admitted into its slot)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return sum(r.params.n for r in self.scheduler.waiting)
-
     # ------------------------------------------------------------ the contract
 
     def retain(self, req: RetentionRequest, cache: KVCache) -> RetentionDecision:
@@ -161,7 +153,7 @@ class SessionRetention:
             return
         now, costs = tiers.clock(), self._costs()
         wait_s = self._slot_wait_s(now)
-        running = self.num_running * self.max_model_len
+        running = len(self.scheduler.running) * self.max_model_len
         taken: list[tuple[float, str, Held]] = []
         for held in tiers.reclaimable():
             case = HeldSlot(len(held.tokens), self.max_model_len, tiers.remaining_s(held, now), wait_s, running,
@@ -241,8 +233,9 @@ class SessionRetention:
         parked = sum(h.slot is not None for h in tiers.parked.values())  # not those already moved to the swap tier
         held_slots = tiers.pinned_slots() + parked + 1  # + 1: this turn's own slot
         return EngineSnapshot(
-            context_tokens=context_tokens, pin_cost_tokens=L, running_tokens=self.num_running * L,
-            used_tokens=(self.num_running + held_slots) * L, capacity_tokens=self.max_num_seqs * L,
-            waiting=self.num_waiting, pin_free_tokens=tiers.pin_free_tokens(), swap_free_tokens=tiers.swap_free_tokens(),
+            context_tokens=context_tokens, pin_cost_tokens=L, running_tokens=len(self.scheduler.running) * L,
+            used_tokens=(len(self.scheduler.running) + held_slots) * L, capacity_tokens=self.max_num_seqs * L,
+            waiting=sum(r.params.n for r in self.scheduler.waiting), pin_free_tokens=tiers.pin_free_tokens(),
+            swap_free_tokens=tiers.swap_free_tokens(),
             prefix_cached=self.prefix_cached,
         )
