@@ -115,8 +115,10 @@ def test_two_lora_jobs_run_in_one_engine_batch_and_get_what_each_gets_alone():
             assert c.token_ids == ref.token_ids, (name, rid)
             assert c.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
             assert set(c.versions) == {version}  # stamped with its own adapter's version
-    # In one batch: the two jobs' sequences were decoded in the same engine steps, not one after the other.
-    assert steps_shared < alone_steps * 0.75, (steps_shared, alone_steps)
+    # In one batch: the two jobs' sequences were decoded in the same engine steps, not one after the other
+    # (one after the other takes exactly alone_steps). How many steps they share depends on when the slot's
+    # admissions fall against the engine's steps (7-11 of 14 seen on a loaded 2-core machine): fewer is the claim.
+    assert steps_shared < alone_steps, (steps_shared, alone_steps)
     # The adapters really differ (else equality above would prove nothing).
     assert [got["a"][f"a-{i}"].token_ids for i in range(3)] != [got["b"][f"b-{i}"].token_ids for i in range(3)]
     reports = state["jobs"]

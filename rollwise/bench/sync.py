@@ -102,7 +102,7 @@ def _engine_process(index: int, init_method: str, model_spec: str, keep_buffers_
     model, tokenizer = load_bench_model(model_spec)
     engine = ReferenceEngine(model, **ENGINE_KW)
     del model
-    receiver = WeightReceiver(engine, tokenizer_fingerprint(tokenizer))
+    receiver = WeightReceiver(engine, tokenizer_fingerprint(tokenizer), adapters=engine)  # it serves LoRA too
     group = init_weight_group(index + 1, 2, init_method, timeout_s=600)
     try:
         DistributedReceiver(group, receiver, keep_buffers_mb=keep_buffers_mb).serve()
