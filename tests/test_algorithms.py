@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 import typing
 from pathlib import Path
@@ -32,6 +30,7 @@ from rollwise.train.policy_loss import (BUILTIN, ClipSettings, PolicyLoss, Polic
 from rollwise.train.trainer import GRPOTrainer
 from rollwise.types.algorithms import ADVANTAGE_ESTIMATORS, MIS_LEVELS, OFF_POLICY_CORRECTIONS, POLICY_LOSSES
 from rollwise.types.sample import Sample
+from cli_run import run_rollwise
 from run_configs import tiny_run_config
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -473,14 +472,6 @@ def test_repository_example_loss_passes_the_check():
 # ---------------------------------------------------------------- a real run
 
 
-def _rollwise(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    script = Path(sys.executable).parent / "rollwise"
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "rollwise.cli"]
-    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "ROLLWISE_CACHE": str(cwd / "rollwise-cache")}
-    return subprocess.run(cmd + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-
-
 TAGS = {"answer_open": "<a>", "answer_close": "</a>"}  # short tags: a tiny model's answers fit in 12 tokens
 
 
@@ -533,7 +524,7 @@ def test_rollwise_train_rloo_cispo_icepop_logs_the_masked_fraction(tmp_path, war
                              train={"steps": 2, "lr": 1e-3, "advantage": "rloo", "policy_loss": "cispo",
                                     "off_policy_correction": "icepop", "is_cap": 5.0},
                              eval={"size": 2}, checkpoint={"every": 0}, tensorboard=False)
-    proc = _rollwise(["train", "--config", str(config)], tmp_path)
+    proc = run_rollwise(["train", "--config", str(config)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
@@ -545,7 +536,7 @@ def test_rollwise_train_rloo_cispo_icepop_logs_the_masked_fraction(tmp_path, war
 
 def test_rollwise_train_refuses_a_bad_custom_loss_before_writing(tmp_path):
     config = tiny_run_config(tmp_path, train={"steps": 1, "policy_loss": "no_such_module_xyz:loss"})
-    proc = _rollwise(["train", "--config", str(config)], tmp_path)
+    proc = run_rollwise(["train", "--config", str(config)], tmp_path)
     out = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode == 2, out
     assert "train.policy_loss='no_such_module_xyz:loss'" in out and "Traceback" not in out

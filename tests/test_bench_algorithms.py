@@ -5,23 +5,13 @@ run, naming it. The recipe table is the config's: every recipe's overrides load.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from rollwise.config import load_config
 from rollwise.types.recipes import RECIPES
-
-
-def _rollwise(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    script = Path(sys.executable).parent / "rollwise"
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "rollwise.cli"]
-    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "ROLLWISE_CACHE": str(cwd / "rollwise-cache")}
-    return subprocess.run(cmd + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+from cli_run import run_rollwise
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -31,7 +21,7 @@ def test_every_recipe_is_a_valid_config(recipe):
 
 
 def test_quick_runs_end_to_end(tmp_path):
-    proc = _rollwise(["bench", "algorithms", "--quick", "--json", str(tmp_path / "out.json")], tmp_path)
+    proc = run_rollwise(["bench", "algorithms", "--quick", "--json", str(tmp_path / "out.json")], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "out.json").read_text())
     assert list(result["recipes"]) == ["grpo", "ppo_gae"] and result["quick"] and result["steps"] == 2
@@ -47,7 +37,7 @@ def test_quick_runs_end_to_end(tmp_path):
 
 
 def test_unknown_recipe_refused_before_any_run(tmp_path):
-    proc = _rollwise(["bench", "algorithms", "--quick", "--arms", "grpo,ppo", "--json", str(tmp_path / "out.json")],
+    proc = run_rollwise(["bench", "algorithms", "--quick", "--arms", "grpo,ppo", "--json", str(tmp_path / "out.json")],
                      tmp_path)
     out = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode == 2 and "unknown recipe 'ppo'" in out and "Traceback" not in out

@@ -7,7 +7,6 @@ checked weight path (rollwise.sync), checkpoints on disk.
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
@@ -21,8 +20,8 @@ from rollwise.types.bucket_layout import flatten_bucket
 from rollwise.engine.weight_receiver import StagedUpdate, WeightReceiver
 from rollwise.types.weights import WeightUpdateError
 from rollwise.train.trainer import GRPOTrainer
-from rollwise.types.sample import Sample
 from rollwise.types.weights import AdapterSpec
+from grpo_samples import engine_group
 
 FP = "tiny-fingerprint"
 LORA = LoraConfig(rank=4, alpha=8.0)
@@ -32,18 +31,6 @@ def _trainer(model, seed: int = 0, **train) -> GRPOTrainer:
     torch.manual_seed(seed)
     cfg = TrainConfig(lr=5e-3, micro_batch_size=4, lora=LORA, **train)
     return GRPOTrainer(model, cfg, pad_token_id=0)
-
-
-def _samples(engine: ReferenceEngine, seed: int, n: int = 4) -> list[Sample]:
-    """One GRPO group sampled by the engine, with made-up rewards (advantages +-1)."""
-    rng = random.Random(seed)
-    prompt = [rng.randrange(3, 100) for _ in range(6)]
-    reqs = [GenerationRequest(f"r{seed}-{i}", prompt, SamplingParams(max_tokens=6, seed=seed * 10 + i, ignore_eos=True))
-            for i in range(n)]
-    return [Sample(sample_id=c.sample_id, group_id="g", problem_id="p", prompt_ids=c.prompt_ids,
-                   response_ids=c.token_ids, behaviour_logprobs=c.logprobs, versions=c.versions,
-                   finish_reason=c.finish_reason, advantage=1.0 if i % 2 else -1.0)
-            for i, c in enumerate(engine.generate(reqs))]
 
 
 def _push(trainer: GRPOTrainer, engine: ReferenceEngine) -> None:
@@ -58,7 +45,7 @@ def test_only_adapter_parameters_train_and_the_base_is_untouched():
     names = [n for n, p in trainer.model.named_parameters() if id(p) in trained]
     assert names and all("lora_" in n for n in names)
     engine = ReferenceEngine(base, max_num_seqs=8, max_model_len=64, seed=0, tokenizer_fingerprint=FP)
-    trainer.train_step(_samples(engine, 1))
+    trainer.train_step(engine_group(engine, 1))
     assert trainer.version == 1
     # The caller's model (the engines' base) is not rewritten by PEFT, nor trained.
     assert all(torch.equal(before[k], v) for k, v in base.state_dict().items())
@@ -73,18 +60,18 @@ def test_engine_logprobs_after_an_adapter_push_equal_the_trainers():
     trainer = _trainer(base)
     engine = ReferenceEngine(base, max_num_seqs=8, max_model_len=64, seed=0, tokenizer_fingerprint=FP)
     for step in range(2):
-        trainer.train_step(_samples(engine, step))
+        trainer.train_step(engine_group(engine, step))
         _push(trainer, engine)
     assert engine.policy_version == trainer.version == 2
     assert engine.loaded_adapters() == {"policy": 2}
-    samples = _samples(engine, 7)
+    samples = engine_group(engine, 7)
     assert all(v == 2 for s in samples for v in s.versions)
     metrics = trainer._measure(trainer._micro_batches(samples))
     # The same level as full-weight sync (fp32, tiny model): the adapter really is applied.
     assert metrics["mismatch_abs_logp"] < 1e-5
     # ...and it matters: the same engine without the adapter (base only) is far off.
     engine.unload_adapter("policy")
-    base_only = trainer._measure(trainer._micro_batches(_samples(engine, 7)))
+    base_only = trainer._measure(trainer._micro_batches(engine_group(engine, 7)))
     assert base_only["mismatch_abs_logp"] > 1e-3
 
 
@@ -103,7 +90,7 @@ def test_corrupt_or_misshaped_adapter_is_refused_and_the_engine_keeps_serving():
     base = tiny_llama()
     trainer = _trainer(base)
     engine = ReferenceEngine(base, max_num_seqs=8, max_model_len=64, seed=0, tokenizer_fingerprint=FP)
-    trainer.train_step(_samples(engine, 0))
+    trainer.train_step(engine_group(engine, 0))
     _push(trainer, engine)
     req = GenerationRequest("q", [5, 6, 7], SamplingParams(max_tokens=5, temperature=0.0))
     served = engine.generate([req])[0]
@@ -179,7 +166,7 @@ def test_resume_from_an_adapter_checkpoint_continues_exactly(tmp_path):
 
     base = tiny_llama()
     engine = ReferenceEngine(base, max_num_seqs=8, max_model_len=64, seed=0, tokenizer_fingerprint=FP)
-    batches = [_samples(engine, s) for s in range(3)]
+    batches = [engine_group(engine, s) for s in range(3)]
     tok = tiny_tokenizer()
 
     first = _trainer(base)

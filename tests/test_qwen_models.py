@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +37,7 @@ from rollwise.sync.files import FileReceiver, FileTransport
 from rollwise.train.logprobs import sequence_logprobs
 from rollwise.train.trainer import GRPOTrainer
 from rollwise.types.generation import GenerationRequest, SamplingParams
-from rollwise.types.sample import Sample
+from grpo_samples import engine_group
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -146,22 +145,10 @@ def test_unknown_architectures_and_dynamic_rope_are_refused_by_name(tmp_path):
 # ----------------------------------------------------------------------------- trainer -> engine
 
 
-def _samples(engine: ReferenceEngine, seed: int, n: int = 4) -> list[Sample]:
-    """One GRPO group sampled by the engine, with made-up rewards (advantages +-1)."""
-    rng = random.Random(seed)
-    prompt = [rng.randrange(3, 100) for _ in range(6)]
-    reqs = [GenerationRequest(f"r{seed}-{i}", prompt, SamplingParams(max_tokens=6, seed=seed * 10 + i, ignore_eos=True))
-            for i in range(n)]
-    return [Sample(sample_id=c.sample_id, group_id="g", problem_id="p", prompt_ids=c.prompt_ids,
-                   response_ids=c.token_ids, behaviour_logprobs=c.logprobs, versions=c.versions,
-                   finish_reason=c.finish_reason, advantage=1.0 if i % 2 else -1.0)
-            for i, c in enumerate(engine.generate(reqs))]
-
-
 def _mismatch(trainer: GRPOTrainer, engine: ReferenceEngine) -> float:
     """Largest |engine logprob - trainer logprob| over a fresh group sampled by the engine."""
     return max((torch.tensor(s.behaviour_logprobs) - _trainer_logprobs(trainer.model, s.prompt_ids, s.response_ids))
-               .abs().max().item() for s in _samples(engine, 7))
+               .abs().max().item() for s in engine_group(engine, 7))
 
 
 @pytest.mark.parametrize("name", ["qwen2_untied_linear", "qwen3_tied"])
@@ -169,7 +156,7 @@ def test_a_trained_full_weight_push_in_process_and_through_files(name, tmp_path)
     torch.manual_seed(0)
     trainer = GRPOTrainer(MODELS[name](), TrainConfig(lr=5e-3, micro_batch_size=4), pad_token_id=0)
     engines = [_engine(MODELS[name]()), _engine(MODELS[name]())]
-    trainer.train_step(_samples(engines[0], 1))
+    trainer.train_step(engine_group(engines[0], 1))
     assert _mismatch(trainer, engines[0]) > 1e-3  # the step changed the weights
     InProcessTransport([WeightReceiver(engines[0], FP)], FP).push(trainer.weights(), trainer.version)
     FileReceiver(WeightReceiver(engines[1], FP)).load(FileTransport(tmp_path, FP).push(trainer.weights(), 1))
@@ -187,7 +174,7 @@ def test_lora_adapter_round_trip_on_qwen3():
                                                              "up_proj", "down_proj"}
     engine = _engine(base)
     for step in range(2):
-        trainer.train_step(_samples(engine, step))
+        trainer.train_step(engine_group(engine, step))
         WeightReceiver(engine, FP, adapters=engine).receive(AdapterSender(FP, trainer.lora).update(trainer))
     assert engine.loaded_adapters() == {"policy": 2}
     # The adapter sits before Qwen3's q_norm/k_norm in both: engine and trainer agree to fp32 round-off...

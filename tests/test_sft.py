@@ -4,9 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +16,7 @@ from rollwise.model.tiny import tiny_llama, tiny_tokenizer
 from rollwise.tasks.chat_jsonl import ChatExample, load_chats, tokenize_chat
 from rollwise.train.sft import run_sft
 from rollwise.train.sft_packing import collate_rows, pack_rows, packed_logprobs
+from cli_run import run_rollwise
 from run_configs import tiny_run_config
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -88,20 +86,12 @@ def test_packed_rows_give_each_conversation_its_own_logprobs(tmp_path):
     assert batch.n_tokens == sum(sum(c.loss_mask[1:]) for c in chats)
 
 
-def _rollwise(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    script = Path(sys.executable).parent / "rollwise"
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "rollwise.cli"]
-    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "ROLLWISE_CACHE": str(cwd / "rollwise-cache")}
-    return subprocess.run(cmd + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
-
-
 def test_sft_lowers_held_out_loss_and_its_checkpoint_starts_train(tmp_path):
     data = _write_chats(tmp_path / "chats.jsonl")
     out = tmp_path / "sft"
-    proc = _rollwise(["sft", f"sft.data={data}", "model=tiny:0", f"output_dir={out}", "threads=1", "sft.lr=3e-3",
+    proc = run_rollwise(["sft", f"sft.data={data}", "model=tiny:0", f"output_dir={out}", "threads=1", "sft.lr=3e-3",
                       "sft.epochs=4", "sft.pack_tokens=256", "sft.rows_per_step=2", "sft.held_out_fraction=0.2",
-                      "tensorboard=false"], tmp_path)
+                      "tensorboard=false"], tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["held_out_conversations"] == 8
