@@ -202,8 +202,10 @@ def main(argv: list[str], extra: Sequence[SimCommand] = ()) -> int:
     """`rollwise sim ARGV`; `extra`: the bench side's subcommands (calibrate, validate*), from rollwise/cli.py."""
     from rollwise.sim.intercept_cli import command as intercept_command  # issue 21
     from rollwise.sim.lora import command as lora_command
+    from rollwise.sim.service import command as service_command
 
-    extra = (*extra, intercept_command(), lora_command())  # lora: issue 22 (rollwise.sim.lora)
+    # lora: issue 22 (rollwise.sim.lora); service: issue 39 (rollwise.sim.service)
+    extra = (*extra, intercept_command(), lora_command(), service_command())
     parser = build_parser(extra)
     handlers = {"run": cmd_run, "sweep": cmd_sweep, "plan": cmd_plan, **{c.name: c.run for c in extra}}
     if argv and argv[0] not in (*handlers, "-h", "--help"):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -66,10 +67,23 @@ class _Job:
     finished_at: float | None = None
 
 
+@dataclass(frozen=True)
+class SharedTrainers:
+    """Training as a service (`rollwise serve tinker`, rollwise.sim.service): the jobs' train steps queue on `gpus`
+    shared trainer GPUs instead of one trainer each; a free GPU takes the queued steps in arrival order, up to
+    `max_batch_tokens`, and runs them as one batch (one forward over the base with per-adapter deltas), which
+    costs `step_s(total tokens)`: the per-update overhead is paid once per batch, not once per tenant."""
+
+    gpus: int
+    step_s: Callable[[int], float]
+    max_batch_tokens: int = 1 << 20
+
+
 def simulate_lora(jobs: list[MuxJob], engines: int, cost: CostModel, serving: AdapterCost = AdapterCost(),
-                  *, merged: bool = False, seed: int = 0) -> dict[str, Any]:
+                  *, merged: bool = False, seed: int = 0, trainers: SharedTrainers | None = None) -> dict[str, Any]:
     """All `jobs` on `engines` engines holding their shared base; per-job wall time, engine-hours.
-    merged=True: the adapter merged into the weights (a dedicated engine): no decode overhead."""
+    merged=True: the adapter merged into the weights (a dedicated engine): no decode overhead.
+    trainers: the jobs train on these shared GPUs (batched) instead of each on its own (`spec.train_s`)."""
     clock = VirtualClock()
     rng = random.Random(seed)
     by_name = {j.name: j for j in jobs}
@@ -129,8 +143,35 @@ def simulate_lora(jobs: list[MuxJob], engines: int, cost: CostModel, serving: Ad
             job.outstanding -= 1
             job.tokens += len(c.prompt_ids) + len(c.token_ids)
             if job.outstanding == 0:
-                at(clock.now + job.spec.train_s(job.tokens) + serving.adapter_push_s, lambda job=job: trained(job))
+                if trainers is None:
+                    at(clock.now + job.spec.train_s(job.tokens) + serving.adapter_push_s, lambda job=job: trained(job))
+                else:
+                    train_queue.append(job)
+                    dispatch_training()
         start(i)
+
+    train_queue: deque[_Job] = deque()
+    free_trainers = [trainers.gpus if trainers is not None else 0]
+    trainer_busy = [0.0]
+
+    def dispatch_training() -> None:
+        assert trainers is not None
+        while free_trainers[0] > 0 and train_queue:
+            batch = [train_queue.popleft()]
+            tokens = batch[0].tokens
+            while train_queue and tokens + train_queue[0].tokens <= trainers.max_batch_tokens:
+                tokens += train_queue[0].tokens
+                batch.append(train_queue.popleft())
+            free_trainers[0] -= 1
+            seconds = trainers.step_s(tokens)
+            trainer_busy[0] += seconds
+            at(clock.now + seconds + serving.adapter_push_s, lambda batch=batch: batch_trained(batch))
+
+    def batch_trained(batch: list[_Job]) -> None:
+        free_trainers[0] += 1
+        for job in batch:
+            trained(job)
+        dispatch_training()
 
     def trained(job: _Job) -> None:
         job.step += 1
@@ -144,8 +185,12 @@ def simulate_lora(jobs: list[MuxJob], engines: int, cost: CostModel, serving: Ad
     events.run(schedule)
     start_s = min(j.started_at for j in state.values())
     makespan = max(j.finished_at or 0.0 for j in state.values()) - start_s
-    return {"engines": engines, "makespan_s": makespan, "engine_hours": engines * makespan / 3600,
-            "jobs": {n: {"wall_s": (j.finished_at or 0.0) - j.started_at} for n, j in state.items()}}
+    out = {"engines": engines, "makespan_s": makespan, "engine_hours": engines * makespan / 3600,
+           "jobs": {n: {"wall_s": (j.finished_at or 0.0) - j.started_at} for n, j in state.items()}}
+    if trainers is not None:
+        out["trainer_gpus"] = trainers.gpus
+        out["trainer_utilisation"] = trainer_busy[0] / (trainers.gpus * makespan) if makespan > 0 else 0.0
+    return out
 
 
 def compare_lora(jobs: list[MuxJob], engines: int, cost: CostModel, serving: AdapterCost = AdapterCost(),
