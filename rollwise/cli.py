@@ -30,6 +30,9 @@
     rollwise serve pool [--engines N] [--port 8300] [--host 127.0.0.1] [--max-num-seqs N] [--max-model-len N]
                                                      engines shared by several `rollwise train pool.url=...` jobs:
                                                      time-sliced, per-job weights/tokens/engine-hours, /state
+    rollwise serve tinker [--port 8400] --api-keys FILE [--base-model NAME ...] [--data-dir DIR] [--database URL]
+                                                     the Tinker SDK's API: many tenants' LoRA/full training and
+                                                     sampling, durable requests, per-key isolation and quotas
     rollwise bench mux [--quick] [--lora] [--json PATH] jobs sharing one pool vs. each on dedicated engines:
                                                      engine-hours, wall time per job, slowdown
     rollwise bench router [--quick] [--rounds N] [--json PATH] [--plot PNG]
@@ -124,8 +127,9 @@ def _build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve",
         help="serve an engine over HTTP (OpenAI-compatible completions + token-level endpoints), a router "
-        "in front of several (`rollwise serve router --help`), or an engine pool shared by several training "
-        "jobs (`rollwise serve pool --help`)",
+        "in front of several (`rollwise serve router --help`), an engine pool shared by several training "
+        "jobs (`rollwise serve pool --help`), or a Tinker-compatible training service "
+        "(`rollwise serve tinker --help`)",
         description=(
             "Serve the reference engine over HTTP until interrupted. Endpoints: POST /v1/completions and "
             "/v1/chat/completions (OpenAI-compatible, stream=true for server-sent events; every choice also "
@@ -140,10 +144,11 @@ def _build_parser() -> argparse.ArgumentParser:
             "-d '{\"prompt\": \"hi\", \"max_tokens\": 8}'"
         ),
     )
-    serve.add_argument("name", choices=["engine", "router", "pool"],
+    serve.add_argument("name", choices=["engine", "router", "pool", "tinker"],
                        help="engine: the reference engine (the options below); router: a gateway over engine "
                        "replicas with its own options, see `rollwise serve router --help`; pool: engines shared "
-                       "by several training jobs, see `rollwise serve pool --help`")
+                       "by several training jobs, see `rollwise serve pool --help`; tinker: the Tinker SDK's training "
+                       "and sampling API, see `rollwise serve tinker --help`")
     serve.add_argument("--model", default="bundled:smollm2-135m-instruct", metavar="SPEC",
                        help="model spec: bundled:NAME, a local Hugging Face directory, or tiny:SEED "
                        "(a random test model) (default: %(default)s)")
@@ -334,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         from rollwise.pool.cli import main as serve_pool
 
         return serve_pool(argv[2:])
+    if argv[:2] == ["serve", "tinker"]:  # the Tinker-compatible service has its own options: rollwise/service/cli.py
+        from rollwise.service.cli import main as serve_tinker
+
+        return serve_tinker(argv[2:])
     if argv[:1] == ["model"]:  # model files: rollwise/model/flatten_cli.py
         from rollwise.model.flatten_cli import main as model_main
 

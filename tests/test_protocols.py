@@ -150,7 +150,8 @@ def test_controllers_have_the_whole_interface():
         controller = RolloutController(cfg, worker, PromptEncoder(tok, cfg.prompt, cfg.reward),
                                        ProblemStream(make_task(cfg.task).problems("train"), 0), Unscored())
         assert isinstance(controller, RolloutControl)
-        assert controller.step_metrics() == {}
+        # Its one step metric: completions taken while a group was being scored (none yet; rollout.group_scoring).
+        assert controller.step_metrics() == {"reward_overlapped_completions": 0.0}
     finally:
         worker.close()
     members = [m for m in dir(RolloutControl) if not m.startswith("_")]

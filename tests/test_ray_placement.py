@@ -57,6 +57,8 @@ def test_train_on_ray_cluster_end_to_end(ray_cluster, tmp_path):
     assert [r["policy_version"] for r in records] == [1, 2]
     assert summary["policy_version"] == 2 and summary["engine_restarts"] == 0
     assert all(r["staleness_max"] <= 1 for r in records)  # eta = 1 holds across engine actors
+    # Each reward actor scores in its own reward pool's worker processes (reward.executor: pool, the default).
+    assert all(r["reward_worker_pids"] and r["reward_errors"] == 0 for r in records)
     _check_ledger(summary, steps=2)
     # Checkpoints are written by the trainer actor.
     state = json.loads((run_dir / "checkpoints" / "step_000002" / "state.json").read_text())

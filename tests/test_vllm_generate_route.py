@@ -18,39 +18,24 @@ import contextlib
 import shutil
 import subprocess
 import time
-from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from rollwise.engine.server import build_engine, create_app
-from rollwise.local_server import free_port, serve_in_thread
-from rollwise.router.config import RouterConfig
-from rollwise.router.app import bind_socket
-from rollwise.router.app import create_app as create_router_app
+from rollwise.local_server import free_port
 
-MODEL = "tiny:0"
+from engine_cluster import MODEL, engine_cluster
+
 ROUTE = "/inference/v1/generate"
 PROMPT = list(range(5, 45))  # 40 tokens: more than one cache block
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
-def _engine_app():
-    engine, tokenizer = build_engine(MODEL, max_num_seqs=4, max_model_len=256, seed=0, prefix_cache_tokens=4096)
-    return create_app(engine, tokenizer, MODEL)
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    with contextlib.ExitStack() as stack:
-        replicas = [stack.enter_context(serve_in_thread(_engine_app()))[0] for _ in range(2)]
-        config = RouterConfig(replicas=replicas, policy="prefix", health_interval_s=0.2, queue_timeout_s=30,
-                              model=MODEL)
-        router, _ = stack.enter_context(serve_in_thread(create_router_app(config),
-                                                        bind_socket("127.0.0.1", 0, reuse_port=False)))
-        http = stack.enter_context(httpx.Client(timeout=60))
-        yield SimpleNamespace(replicas=replicas, router=router, http=http)
+    with engine_cluster("prefix") as c:
+        yield c
 
 
 def test_route_answers_vllms_shape_with_generates_samples(cluster):
@@ -87,7 +72,7 @@ def test_route_answers_vllms_shape_with_generates_samples(cluster):
 @pytest.mark.parametrize(("body", "param"), [
     ({"token_ids": [5], "stream": True, "sampling_params": {}}, "stream"),
     ({"token_ids": [5], "output_mode": "text", "sampling_params": {}}, "output_mode"),
-    ({"token_ids": [5], "priority": 3, "sampling_params": {}}, "priority"),
+    ({"token_ids": [5], "features": {"mm": 1}, "sampling_params": {}}, "features"),
     ({"token_ids": [5, 100000], "sampling_params": {}}, "token_ids"),
     ({"token_ids": [5], "sampling_params": {"max_tokens": 0}}, "sampling_params.max_tokens"),
     ({"token_ids": [5]}, "sampling_params"),

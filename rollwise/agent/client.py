@@ -40,6 +40,9 @@ def chat_completion_dict(session: AgentSession, turn: TurnResult, model: str) ->
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(c.token_ids),
                   "total_tokens": prompt_tokens + len(c.token_ids)},
         "session_id": session.id,
+        # Where vLLM (and so classic verifiers' client, which reads only this spot) puts the prompt's ids with
+        # `return_token_ids`: top level, not in the choice. The exact ids the engine continued from.
+        "prompt_token_ids": list(c.prompt_ids),
     }
 
 

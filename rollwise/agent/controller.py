@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from rollwise.agent.episode_book import EpisodeBook, episode_slot
 from rollwise.agent.generator import LocalGenerator
 from rollwise.agent.rollout import EpisodeOutcome, run_agent_groups, score_episodes
 from rollwise.agent.samples import assign_episode_advantages
@@ -21,7 +22,6 @@ from rollwise.config import AgentConfig
 from rollwise.types.generation import Completion, GenerationRequest, SamplingParams
 from rollwise.rollout.data import ProblemStream
 from rollwise.types.contracts import Scorer
-from rollwise.types.ledger import RolloutLedger
 from rollwise.rollout.sync_rollout import sampling_seed
 from rollwise.types.sample import Sample
 from rollwise.engine.core import EngineWorker
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from rollwise.sandbox.pool import SandboxPool
 
 
-class AgentController:
+class AgentController(EpisodeBook):
     def __init__(self, cfg: RunConfig, worker: EngineWorker, tokenizer: Any, stream: ProblemStream,
                  scorer: Scorer, *, policy_version: int = 0, start_group: int = 0,
                  pending_groups: list[int] | None = None) -> None:
@@ -44,11 +44,8 @@ class AgentController:
         self.tokenizer = tokenizer
         self.stream = stream
         self.scorer = scorer
-        self.version = policy_version
+        super().__init__(policy_version=policy_version, start_group=start_group, pending_groups=pending_groups)
         self.generator = LocalGenerator(worker=worker)
-        self.ledger = RolloutLedger()  # one slot per episode; episodes are never regenerated
-        self.next_group = start_group
-        self._redo = sorted(pending_groups or [])
         self.score_seconds = 0.0
         self._metrics: dict[str, float] = {}
         self._sandboxes = self._new_sandboxes()
@@ -89,13 +86,7 @@ class AgentController:
 
     def next_batch(self, progress: Callable[[int], None] | None = None) -> list[Sample]:
         batch = self.cfg.rollout.prompts_per_step
-        indices = []
-        for _ in range(batch):
-            if self._redo:
-                indices.append(self._redo.pop(0))
-            else:
-                indices.append(self.next_group)
-                self.next_group += 1
+        indices = [self.next_group_index() for _ in range(batch)]
         problems = []
         for index in indices:
             step, slot = divmod(index, batch)
@@ -108,7 +99,7 @@ class AgentController:
         for index in indices:  # one ledger slot per episode: (group index, episode index)
             self.ledger.add_group(index, self.cfg.rollout.group_size)
         for o in outcomes:
-            slot = _episode_slot(o.episode_id)
+            slot = episode_slot(o.episode_id)
             self.ledger.move(slot, "running")
             if o.samples:
                 self.ledger.move(slot, "finished")
@@ -177,30 +168,9 @@ class AgentController:
                 progress(len(done))
         return done
 
-    def before_update(self) -> None:
-        pass
-
-    def mark_trained(self, samples: list[Sample]) -> None:
-        for episode_id in dict.fromkeys(s.extra.get("episode_id", s.sample_id) for s in samples):
-            self.ledger.move(_episode_slot(episode_id), "trained")
-
-    def after_update(self, version: int) -> None:
-        self.version = version
-
-    def pending_groups(self) -> list[int]:
-        return list(self._redo)
-
-    def in_flight(self) -> int:
-        return 0
-
     def close(self, reason: str = "the run ended") -> None:
         # The generator stays: the loop evaluates after close(); its router ends with the worker.
         if self._sandboxes is not None:
             self._sandboxes.close()
             self._sandboxes_closed = True
 
-
-def _episode_slot(episode_id: str) -> tuple[int, int]:
-    """Ledger slot of a training episode: `g12-3` (group 12, episode 3) -> (12, 3)."""
-    group, episode = episode_id.removeprefix("g").rsplit("-", 1)
-    return int(group), int(episode)

@@ -106,6 +106,7 @@ class SessionStore:
                  temperature: float, max_sessions: int) -> None:
         self.generator, self.tokenizer, self.limits, self.parser = generator, tokenizer, limits, parser
         self.temperature, self.max_sessions = temperature, max_sessions
+        self.describe_tools = True
         self.info = generator.info()
         self.sessions: dict[str, AgentSession] = {}
         self.finished: dict[str, float | None] = {}  # session id -> reward given at finish
@@ -145,7 +146,9 @@ def _turn(store: SessionStore, session: AgentSession, body: ChatRequest, model: 
     with session.lock:
         if session.id in store.finished:
             raise ProxyError(409, f"session {session.id!r} is finished", "session_id", kind="conflict")
-        tools = body.tools if body.tool_choice != "none" else None
+        # describe_tools=False: the tools' specs stay out of the prompt (the caller's own prompt shows the call
+        # format, as agent.describe_tools does); the model's calls are parsed and returned all the same.
+        tools = body.tools if body.tool_choice != "none" and store.describe_tools else None
         if session.id in store.tool_out:  # the agent is back from its tool
             tool, since = store.tool_out.pop(session.id)
             store.latencies.observe(tool, time.monotonic() - since)
@@ -189,7 +192,7 @@ def create_proxy_app(generator: Generator, tokenizer: Any, *, model_name: str = 
                      limits: SessionLimits | None = None, parser: str = "hermes", temperature: float = 1.0,
                      max_sessions: int = 10_000, max_concurrent_turns: int = 256,
                      fingerprint: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                     front: Front | None = None) -> FastAPI:
+                     front: Front | None = None, describe_tools: bool = True) -> FastAPI:
     """The proxy over `generator` (an HTTPGenerator to an engine/router, or a LocalGenerator).
     `fingerprint`: this tokenizer's; refused when the engine reports a different one (invariant 1).
     `front`: the serving front (rollwise.serve.front; default: loopback, no keys, bodies over `max_request_bytes`
@@ -197,6 +200,7 @@ def create_proxy_app(generator: Generator, tokenizer: Any, *, model_name: str = 
     check_max_request_bytes(max_request_bytes)
     front = front or Front(FrontSettings(max_request_bytes=max_request_bytes))
     store = SessionStore(generator, tokenizer, limits or SessionLimits(), parser, temperature, max_sessions)
+    store.describe_tools = describe_tools
     engine_fp = store.info.tokenizer_fingerprint
     if fingerprint and engine_fp and fingerprint != engine_fp:
         raise ValueError(f"the engine's tokenizer (fingerprint {engine_fp[:12]}…) differs from the proxy's "

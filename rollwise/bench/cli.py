@@ -23,7 +23,8 @@ def add_bench_parser(sub: Any) -> None:
     )
     bench.add_argument(
         "name", choices=["engine", "rollout", "sync", "router", "sandbox", "mux", "speculation", "trainer", "loop",
-                 "intercept", "r3", "trainer-step", "allocator", "index", "load", "algorithms"],
+                 "intercept", "r3", "trainer-step", "allocator", "index", "load", "algorithms", "service",
+                 "environments"],
         help="index: regenerate docs/benchmarks.md (every goal's latest figure) from the JSON files (--check: only "
         "say whether it is current); router: routing policies (round robin ... prefix-aware) side by side on real tiny-model replicas and "
         "64 simulated ones, every router in its own process, vllm-router's cache_aware too when installed "
@@ -55,7 +56,12 @@ def add_bench_parser(sub: Any) -> None:
         "load: weights from files to resident memory, flat checkpoints (`rollwise model flatten`) against "
         "from_pretrained, safetensors load_file and vLLM's weight iterator, and against a raw parallel read and a "
         "memcpy of the same bytes (--quick: SmolLM2 from the page cache; full: also a 1B-shaped model, and cold "
-        "reads where the page cache can be dropped; --model is not used)",
+        "reads where the page cache can be dropped; --model is not used); "
+        "service: `rollwise serve tinker` under 1, 2, 4, 8 LoRA tenants each running the arithmetic RL loop through "
+        "the unmodified tinker SDK vs one alone and vs `rollwise train` on the same work (--quick: 1 and 2 tenants, "
+        "2 steps; use --model tiny:llama for a fast check); "
+        "environments: the default run with scoring in-process vs in the reward pool, for a regex reward and a 100 ms "
+        "one: step time, rollouts/s, trainer idle time on rewards (--quick: tiny model, 2 steps of 2 groups)",
     )
     bench.add_argument("--quick", action="store_true", help="small workload (< 1 minute on 2 CPU cores)")
     bench.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
@@ -111,6 +117,19 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
         from rollwise.bench.load import cli_bench_load
 
         return cli_bench_load(args, console)
+    if args.name == "service":  # a server and client processes per arm: rollwise/bench/service.py
+        from rollwise.bench.service import format_service_bench, run_service_bench
+
+        with console.status("running tenants against `rollwise serve tinker`, then `rollwise train`"):
+            result = run_service_bench(quick=args.quick, model=args.model)
+        return _finish(args, console, format_service_bench(result), result)
+    if args.name == "environments":  # train() per arm: rollwise/bench/environments.py
+        from rollwise.bench.environments import format_environments_bench, run_environments_bench
+
+        with console.status("training with scoring in-process and in the reward pool, regex and 100 ms rewards"):
+            explicit_model = any(a == "--model" or a.startswith("--model=") for a in sys.argv)
+            result = run_environments_bench(quick=args.quick, model=args.model if explicit_model else None)
+        return _finish(args, console, format_environments_bench(result), result)
     if args.name == "sandbox":  # no model
         from rollwise.bench.sandbox import format_sandbox_bench, run_sandbox_bench
 

@@ -138,7 +138,8 @@ class PoolClient:
 def completion_of(entry: dict[str, Any]) -> Completion:
     return Completion(entry["request_id"], entry["index"], entry["prompt_ids"], entry["token_ids"], entry["logprobs"],
                       entry["versions"], entry["finish_reason"], entry.get("cached_prompt_tokens", 0),
-                      routed_experts=RoutedExperts.from_choice(entry, entry["request_id"]))
+                      routed_experts=RoutedExperts.from_choice(entry, entry["request_id"]),
+                      migrations=[(f"slot-{s}", f"slot-{t}") for s, t in entry.get("migrations", [])])
 
 
 class PoolWorker:

@@ -46,12 +46,13 @@ from rollwise.observe.run_logs import (
 )
 from rollwise.observe.summary import render_summary, total_time_split
 from rollwise.types.contracts import RolloutBackend, RolloutControl, Trainer
-from rollwise.reward.batch import score_samples
+from rollwise.reward.error_metrics import reward_error_metrics
 from rollwise.rollout.data import ProblemStream
 from rollwise.rollout.controller import RolloutController
 from rollwise.rollout.sync_rollout import PromptEncoder
 from rollwise.types.sample import Sample
 from rollwise.types.task import Problem, Task
+from rollwise.tasks import ENVIRONMENT_KINDS
 from rollwise.control.run_dir import how_to_continue, resolve_run_dir
 from rollwise.train.distill import Teacher
 from rollwise.train.policy_loss import resolve_policy_loss
@@ -95,7 +96,7 @@ def evaluate(run: Run, step: int, label: str) -> dict[str, Any]:
     t = time.monotonic()
     samples = run.controller.evaluate_problems(problems, params, f"{step}",  # agent: episodes with the tools
                                                progress=lambda n: run.progress.advance(bar, n))
-    score_samples(samples, run.problems, run.task, cfg.reward)
+    run.placement.scorer.score(samples)  # as training's: the reward pool, or reward.executor inprocess
     run.progress.remove_task(bar)
     n = len(samples)
     result = {
@@ -118,7 +119,7 @@ def evaluate(run: Run, step: int, label: str) -> dict[str, Any]:
     return result
 
 
-def _rollout_metrics(samples: list[Sample]) -> dict[str, float]:
+def _rollout_metrics(samples: list[Sample]) -> dict[str, Any]:
     n = len(samples)
     lengths = [len(s.response_ids) for s in samples]
     rewards = torch.tensor([s.reward for s in samples])
@@ -135,6 +136,7 @@ def _rollout_metrics(samples: list[Sample]) -> dict[str, float]:
         "response_len_mean": sum(lengths) / n,
         "response_len_max": max(lengths),
         "reward_errors": sum("reward_error" in s.extra for s in samples),
+        **reward_error_metrics(samples),  # reward_errors/<kind>, a reason per kind, the reward worker pids
     }
 
 
@@ -364,7 +366,15 @@ def _train(cfg: RunConfig, console: Console, t0: float, run_dir: Path, resume_di
     encoder = PromptEncoder(tokenizer, cfg.prompt, cfg.reward)
     stream = ProblemStream(train_problems, cfg.seed)
     controller: RolloutControl
-    if cfg.agent is not None:  # multi-turn, tool-using episodes (rollwise.agent)
+    env_controller = None  # an environment task's (rollwise.environments): its workers end with the run
+    if cfg.task.kind in ENVIRONMENT_KINDS:  # rollouts in environment worker processes (rollwise.environments)
+        from rollwise.environments.controller import EnvController
+
+        controller = env_controller = EnvController(
+            cfg, worker, tokenizer, stream, scorer,
+            policy_version=trainer.version, start_group=start_group, pending_groups=pending_groups,
+        )
+    elif cfg.agent is not None:  # multi-turn, tool-using episodes (rollwise.agent)
         from rollwise.agent.controller import AgentController
 
         controller = AgentController(
@@ -440,6 +450,8 @@ def _train(cfg: RunConfig, console: Console, t0: float, run_dir: Path, resume_di
             controller.close("the run ended")  # samples still in flight are recorded as dropped
             final_eval = record_eval(cfg.train.steps, "after")
     finally:
+        if env_controller is not None:
+            env_controller.shutdown()
         try:
             placement.close()  # also on errors: a live engine thread at exit aborts the interpreter
         finally:

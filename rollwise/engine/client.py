@@ -69,6 +69,7 @@ class EngineClient:
                 token_ids=c["token_ids"], logprobs=c["logprobs"], versions=c["versions"],
                 finish_reason=c["finish_reason"], cached_prompt_tokens=c["cached_prompt_tokens"],
                 routed_experts=RoutedExperts.from_choice(c, f"choice {c['index']}"),
+                migrations=[(str(s), str(t)) for s, t in c.get("migrations", [])],
             )
             for c in out["choices"]
         ]

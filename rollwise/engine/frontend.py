@@ -163,10 +163,11 @@ class EngineFrontend:
 
     async def submit(
         self, public_id: str, units: list[tuple[list[int], SamplingParams]], stream_tokens: bool,
-        adapter: str | None = None,
+        adapter: str | None = None, cache_salt: str | None = None,
     ) -> Generation:
         """Add one engine request per (prompt ids, params) unit, under fresh uuid request ids; `adapter`:
-        the loaded LoRA adapter they run with (None: the engine's default policy)."""
+        the loaded LoRA adapter they run with (None: the engine's default policy); `cache_salt`: the prefix-cache
+        salt they share entries under (GenerationRequest.cache_salt)."""
         if public_id in self._public:
             raise APIError(409, f"request_id {public_id!r} is already in flight; use another one", "request_id")
         gen = Generation(public_id, [uuid.uuid4().hex for _ in units], [params.n for _, params in units])
@@ -176,7 +177,7 @@ class EngineFrontend:
             self._routes[rid] = gen.queue
             if stream_tokens:
                 self._token_routes[rid] = gen.queue
-        requests = [GenerationRequest(rid, ids, params, adapter=adapter)
+        requests = [GenerationRequest(rid, ids, params, adapter=adapter, cache_salt=cache_salt)
                     for rid, (ids, params) in zip(gen.engine_ids, units)]
         try:
             await self.call(lambda engine: add_all(engine, requests))
@@ -215,6 +216,41 @@ class EngineFrontend:
     def engine_ids_of(self, public_id: str) -> list[str]:
         """The engine request ids of a finished request (public id as /generate returned it); [] if unknown."""
         return list(self._recent.get(public_id, []))
+
+    # ------------------------------------------------------------ live migration (rollwise.engine.migration_http)
+
+    def engine_ids_in_flight(self, public_id: str) -> list[str]:
+        """The engine request ids of a request in flight (public id); [] if none is."""
+        gen = self._public.get(public_id)
+        return list(gen.engine_ids) if gen is not None else []
+
+    def routed(self, engine_id: str) -> bool:
+        """Whether some client here waits for the engine request's samples."""
+        return engine_id in self._routes
+
+    def streams(self, engine_id: str) -> bool:
+        """Whether the engine request's tokens are streamed to its client as sampled (such a request stays here)."""
+        return engine_id in self._token_routes
+
+    def adopt(self, engine_id: str) -> asyncio.Queue:
+        """Route the engine request's events to a new queue: a request migrated in, whose client waits elsewhere."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._routes[engine_id] = queue
+        return queue
+
+    def disown(self, engine_id: str) -> None:
+        self._routes.pop(engine_id, None)
+
+    def deliver(self, completions: list[Completion]) -> None:
+        """Samples of requests that migrated away and finished elsewhere: to their clients here, as if local."""
+        for completion in completions:
+            self._deliver(completion)
+
+    def fail_engine_request(self, engine_id: str, message: str) -> None:
+        """The request migrated away and its samples will not come back: its client gets the error."""
+        queue = self._routes.get(engine_id)
+        if queue is not None:
+            queue.put_nowait([("error", message)])
 
     async def abort(self, public_id: str) -> int:
         gen = self._public.get(public_id)

@@ -168,8 +168,9 @@ def _migrate(ends: _Ends, request_ids: list[str] | None, max_delta: int, max_rou
     try:
         for rid in ids:
             state = ends.source(lambda e, rid=rid: e.export_running(rid))
-            if state is None:
-                raise ValueError(f"cannot migrate request {rid!r}: it is not in flight on the source engine")
+            if state is None:  # it finished on the source since it was named (the source keeps stepping): its
+                result.finished_on_source.append(rid)  # samples come out there; nothing to move
+                continue
             if not state.samples:  # still waiting for admission: it moves at once, with nothing to catch up
                 _hand_over(ends, rid, state, result)
                 continue

@@ -50,6 +50,7 @@ class Sample:
         self.top_logprobs: list[list[tuple[int, float]]] = []  # per engine token, when asked (top_logprobs)
         self.routed_experts: RoutedExperts | None = None  # MoE: prompt + token_ids[:-1], from the Completion
         self.engine_done = False  # the engine returned this sample's Completion
+        self.migrations: list[tuple[str, str]] = []  # (from engine, to engine): it moved while it ran (live migration)
         self.sent_text, self.sent_tokens, self.announced, self.closed = "", 0, False, False
 
     @property
@@ -74,6 +75,7 @@ class Sample:
         self.engine_done = True
         self.cached_prompt_tokens = completion.cached_prompt_tokens
         self.top_logprobs = completion.top_logprobs  # token_ids is a prefix of completion.token_ids
+        self.migrations = list(completion.migrations)
         self._finish_tokens(completion)
         if completion.routed_experts is not None:  # cut to the tokens kept (a stop string may end them early)
             self.routed_experts = completion.routed_experts.head(len(self.prompt_ids) + len(self.token_ids) - 1)

@@ -21,6 +21,8 @@ Endpoints (JSON unless noted):
     POST /retain                 {session_id, request_id, tool_name, expected_latency_s}: that turn ended in a
                                  tool call; preserve/swap/discard its KV, reported (rollwise.engine.retention)
     POST /release_session        {session_id}: the session ended; release what the engine holds for it
+    POST /sleep                  {migrate_to?}: release memory; with migrate_to, requests in flight move there first
+    POST /migrate, /migration/*  live migration of requests in flight to another engine server (migration_http.py)
 
 Request ids: the engine only ever sees fresh uuid ids, so clients cannot collide. The public id
 (a response's `id` / `request_id`, or a client's own `request_id` while no other request in flight
@@ -43,6 +45,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from rollwise.engine.contract import Engine
 from rollwise.engine.core import Command
 from rollwise.engine.factory import describe_engine
+from rollwise.engine.migration_http import SleepBody, add_migration_routes
 from rollwise.engine.retention import ReleaseSessionBody, RetainBody, RetentionRequest
 from rollwise.engine.service import EngineService
 from rollwise.engine.vllm_generate import add_vllm_generate_route
@@ -118,6 +121,7 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str,
         return FiniteJSONResponse(await server.generate(request, body))
 
     add_vllm_generate_route(app, server)  # POST /inference/v1/generate: vLLM's token-in shape (vllm-router's)
+    migration = add_migration_routes(app, server)  # POST /migrate, /migration/*: live migration (issue 42)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -155,14 +159,20 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str,
         app.add_api_route(f"/{name}", _switch_route(server, switch, state), methods=["POST"], name=name,
                           responses=_ENGINE_CALL)
 
-    @app.post("/sleep", responses=error_responses(409, 503))
-    async def sleep() -> dict[str, Any]:
-        """Release the memory the backend can (vLLM on GPU: weights to host, KV freed; reference: KV)."""
+    @app.post("/sleep", responses=error_responses(400, 409, 503))
+    async def sleep(request: Request, body: SleepBody | None = None) -> dict[str, Any]:
+        """Release the memory the backend can (vLLM on GPU: weights to host, KV freed; reference: KV). With
+        migrate_to, the requests in flight move to that engine server first (live migration)."""
+        moved = None
+        if body is not None and body.migrate_to is not None:
+            moved = await migration.migrate_out(str(body.migrate_to), request.headers.get("authorization"),
+                                                str(request.base_url))
         try:
             freed = await server.frontend.call(lambda e: e.sleep())
         except RuntimeError as exc:  # requests in flight
-            raise APIError(409, str(exc), None, kind="conflict") from exc
-        return {"sleeping": True, "memory_released": freed}
+            raise APIError(409, f"{exc}; pass migrate_to (an engine server's URL) to move them there first",
+                           "migrate_to", kind="conflict") from exc
+        return {"sleeping": True, "memory_released": freed, **({"migration": moved} if moved is not None else {})}
 
     @app.get("/load", responses=_ENGINE_CALL)
     async def load() -> dict[str, Any]:
@@ -170,8 +180,12 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str,
         return (await server.frontend.call(lambda e: e.load())).as_dict()
 
     @app.post("/abort", responses=error_responses(400, 404, 413, 503))
-    async def abort(body: AbortRequest) -> dict[str, Any]:
-        return {"request_id": body.request_id, "aborted_samples": await server.frontend.abort(body.request_id)}
+    async def abort(request: Request, body: AbortRequest) -> dict[str, Any]:
+        engine_ids = server.frontend.engine_ids_in_flight(body.request_id)
+        here = await server.frontend.abort(body.request_id)
+        # its engine requests that migrated away are aborted where they run (their samples come back here)
+        away = await migration.abort_away(engine_ids, request.headers.get("authorization"))
+        return {"request_id": body.request_id, "aborted_samples": here + away}
 
     @app.post("/update_weights_from_disk", responses=error_responses(400, 413, 503))
     async def update_weights_from_disk(body: UpdateWeightsRequest) -> dict[str, Any]:

@@ -175,7 +175,8 @@ class EngineService:
             units = [(ids, params) for ids in prompts]
         public_id = body.request_id or f"{prefix}-{uuid.uuid4().hex}"
         gen = await self.frontend.submit(public_id, units, stream_tokens=stream or bool(stops),
-                                         adapter=self.adapter_of(getattr(body, "model", None)))
+                                         adapter=self.adapter_of(getattr(body, "model", None)),
+                                         cache_salt=body.cache_salt)
         detok = self.detok if decode else None
         ordered = [Sample(p * n + i, ids, detok, stops) for p, ids in enumerate(prompts) for i in range(n)]
         if split:
@@ -291,6 +292,7 @@ class EngineService:
                 {"index": s.index, "token_ids": s.token_ids, "logprobs": s.logprobs, "versions": s.versions,
                  **({"top_logprobs": s.top_logprobs} if s.top_logprobs else {}),
                  **({"routed_experts": s.routed_experts.to_wire()} if s.routed_experts is not None else {}),
+                 **({"migrations": s.migrations} if s.migrations else {}),  # live migrations (migration_http.py)
                  "finish_reason": s.finish_reason, "cached_prompt_tokens": s.cached_prompt_tokens}
                 for s in samples
             ],

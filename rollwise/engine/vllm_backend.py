@@ -295,7 +295,10 @@ class VLLMEngine(EngineState):
         vids = []
         for index in range(req.params.n):
             vid = f"{req.request_id}#{index}"
-            self._llm.add_request(vid, TokensPrompt(prompt_token_ids=list(req.prompt_ids)),
+            prompt = TokensPrompt(prompt_token_ids=list(req.prompt_ids))
+            if req.cache_salt is not None:  # vLLM mixes it into the first block's hash: no sharing across salts
+                prompt["cache_salt"] = req.cache_salt
+            self._llm.add_request(vid, prompt,
                                   vllm_sampling_params(req.params, base_seed + index, self.eos_token_ids), lora_request=lora)
             self._samples[vid] = VllmSample(req, index, adapter_version=lora_version)
             vids.append(vid)

@@ -8,18 +8,25 @@ Request (vLLM's GenerateRequest):
 
     {"token_ids": [...], "sampling_params": {max_tokens, temperature, top_p, top_k, n, seed,
      stop_token_ids, ignore_eos, min_tokens, repetition_penalty, frequency_penalty, presence_penalty,
-     logprobs}, "request_id"?, "model"?, "stream"?: false, "return_token_ids"?, "output_mode"?: "tokens"}
+     logprobs}, "request_id"?, "model"?, "stream"?: false, "return_token_ids"?, "output_mode"?: "tokens",
+     "cache_salt"?}
+
+verifiers 0.4.0 / prime-rl's train client (the `renderers` package) posts exactly this, with `logprobs: 1`,
+`skip_special_tokens: false`, a `cache_salt` and the header X-Session-ID (the router's session key), and reads
+each logprob entry's `token` ("token_id:<id>", as vLLM writes it with return_tokens_as_token_ids) and `logprob`.
+`cache_salt` is honoured: prefix-cache entries are shared only among requests with the same salt.
 
 Response (vLLM's GenerateTokensResponse): {request_id, model, created, output_mode: "tokens", usage
 {prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details {cached_tokens}}, prompt_token_ids
 (with return_token_ids), choices [{index, finish_reason, stop_reason, token_ids, logprobs {content
-[{token_id, logprob, rank, top_logprobs}]} (when sampling_params.logprobs is set), weight_versions
-[{version, start, end}] (the policy version of every output token, as spans)}]}. `rank` is the sampled
+[{token: "token_id:<id>", token_id, logprob, rank, top_logprobs}]} (when sampling_params.logprobs is set),
+weight_versions [{version, start, end}] (the policy version of every output token, as spans)}]}. `rank` is the sampled
 token's place among the returned alternatives (None when it is not among them), not its vocabulary rank.
 
 Unknown fields (top level and in sampling_params) are accepted and ignored as vLLM ignores them, and
-named in the x-rollwise-ignored-fields header. What rollwise cannot do as asked is refused with a 400
-naming the field: stream=true, output_mode="text", multimodal inputs, a cache salt, a priority.
+named in the x-rollwise-ignored-fields header; so is `priority` (the engine schedules first come, first
+served). What rollwise cannot do as asked is refused with a 400 naming the field: stream=true,
+output_mode="text", multimodal inputs.
 Like vLLM without a max_tokens, a request generates until max_model_len.
 """
 
@@ -54,11 +61,8 @@ SERVED_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
                                         "(use /v1/completions with stream: true)"),
     "output_mode": (lambda value: value == "tokens",
                     "only 'tokens' is served; detokenize the token_ids, or use /v1/completions for text"),
-    **dict.fromkeys(("cache_salt", "features", "content_parts"), (
-        lambda value: value is None,
-        "is not supported: the engine has no salted prefix cache and no multimodal inputs; leave it out")),
-    "priority": (lambda value: value == 0, "must be 0: the engine schedules first come, first served (as vLLM "
-                                           "without priority scheduling)"),
+    **dict.fromkeys(("features", "content_parts"), (
+        lambda value: value is None, "is not supported: the engine has no multimodal inputs; leave it out")),
 }
 
 
@@ -83,8 +87,7 @@ class VLLMGenerateRequest(CheckedJSON, LenientBody):  # checked whole first, as 
     stream: bool | None = False
     return_token_ids: bool | None = None
     output_mode: Literal["tokens", "text"] = "tokens"
-    cache_salt: str | None = None
-    priority: int = 0
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     kv_transfer_params: dict[str, Any] | None = None  # disaggregated serving: nothing to transfer here
     features: Any = None
     content_parts: Any = None
@@ -102,6 +105,8 @@ def as_rollwise(body: VLLMGenerateRequest) -> GenerateRequest:
     """The same request in /generate's terms (its checks and sampling run unchanged)."""
     sampling = body.sampling_params
     fields = {name: getattr(sampling, name) for name in SamplingFields.model_fields if name != "request_id"}
+    if body.cache_salt is not None:  # vLLM's place for it is the top level (sampling_params' is honoured too)
+        fields["cache_salt"] = body.cache_salt
     return GenerateRequest(prompt_ids=body.token_ids, top_logprobs=sampling.logprobs or 0,
                            request_id=body.request_id, **fields)
 
@@ -111,10 +116,11 @@ def _logprobs(choice: dict[str, Any]) -> dict[str, Any]:
     tops = choice.get("top_logprobs") or [[] for _ in choice["token_ids"]]
     content = []
     for token, logprob, top in zip(choice["token_ids"], choice["logprobs"], tops):
-        alternatives = [{"token_id": int(t), "logprob": float(lp), "rank": rank}
+        alternatives = [{"token": f"token_id:{int(t)}", "token_id": int(t), "logprob": float(lp), "rank": rank}
                         for rank, (t, lp) in enumerate(top, start=1)]
         rank = next((a["rank"] for a in alternatives if a["token_id"] == token), None)
-        content.append({"token_id": token, "logprob": logprob, "rank": rank, "top_logprobs": alternatives})
+        content.append({"token": f"token_id:{token}", "token_id": token, "logprob": logprob, "rank": rank,
+                        "top_logprobs": alternatives})
     return {"content": content}
 
 

@@ -385,6 +385,10 @@ class EnginePool:
         for index, reqs in by_slot.items():
             slot = self.slots[index]
             with slot.route_lock:
+                # A request migrated to another slot meanwhile (rollwise.pool.slot_migration) is aborted there, next pass.
+                with self.lock:
+                    later += [r.public_id for r in reqs if r.slot is not None and r.slot != index]
+                    reqs = [r for r in reqs if r.slot == index or r.slot is None]
                 # On the job's own engine there (the slot may have switched away since: then the requests
                 # finished, and their samples are routed by _drain below).
                 inst = slot.instances.get(job.key)
@@ -465,6 +469,8 @@ class EnginePool:
                 "transition_costs": self.states.costs(),
                 "model_cache": self.engines.tiers.cache.report(),
                 "transitions": [t.as_dict() for t in self.states.log],
+                "migrations": {"migrated_samples": self.shared.migrated_samples,
+                               "log": list(self.shared.migrations)},
                 "isolation": {"checked_admissions": self.shared.isolation_checks,
                               "violations": list(self.shared.violations)},
                 "limits": {"max_jobs": self.quota.total, "max_jobs_per_key": self.quota.per_key,

@@ -43,6 +43,7 @@ class QueuedRequest:
     returned: set[int] = field(default_factory=set)  # sample indices already answered (a rerun skips them)
     crashes: int = 0  # times an engine failed while running it (rerun once, then answered with an error)
     error: PoolError | None = None  # why it ends without samples (its job faulted, or its engine kept failing)
+    migrations: list[tuple[int, int]] = field(default_factory=list)  # (from slot, to slot) of each live migration
 
 
 @dataclass(eq=False)
@@ -176,6 +177,7 @@ def stamp(c: Completion, req: QueuedRequest, slot: int) -> dict[str, Any]:
             "logprobs": c.logprobs, "versions": c.versions, "finish_reason": c.finish_reason,
             "cached_prompt_tokens": c.cached_prompt_tokens, "job": req.job, "slot": slot,
             "adapter": req.request.adapter,
+            **({"migrations": [list(m) for m in req.migrations]} if req.migrations else {}),
             **({"routed_experts": c.routed_experts.to_wire()} if c.routed_experts is not None else {})}
 
 

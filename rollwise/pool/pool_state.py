@@ -31,6 +31,9 @@ class PoolState:
     violations: list[str] = field(default_factory=list)  # must stay empty
     wakeup: threading.Condition = field(default_factory=threading.Condition)  # idle slot loops wait on it
     kicks: int = 0
+    # live migrations of running requests between slots (rollwise.pool.slot_migration): the newest, and samples moved
+    migrations: list[dict[str, float | int | str]] = field(default_factory=list)
+    migrated_samples: int = 0
 
     def tenancy(self, key: str) -> Job | LoraBase | None:
         """What a slot's active key names: a full-parameter job, or a LoRA base shared by its jobs."""

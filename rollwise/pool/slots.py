@@ -25,6 +25,7 @@ from rollwise.types.generation import Completion
 from rollwise.pool.jobs import Job, LoraBase, PoolError, QueuedRequest, Slot, empty_abort, fault_error, stamp
 from rollwise.pool.pool_state import PoolState
 from rollwise.pool.scheduler import JobView, SlotView, plan
+from rollwise.pool.slot_migration import SlotMigration
 from rollwise.pool.states import ACTIVE, EVICTED, SLEEPING
 from rollwise.pool.tenant_engines import TenantEngines, submit_to, sync_adapters
 
@@ -38,6 +39,7 @@ class SlotLoops:
     def __init__(self, state: PoolState, engines: TenantEngines) -> None:
         self.state = state
         self.engines = engines
+        self.migration = SlotMigration(state, self.drain)  # a draining slot's requests move to a peer (issue 42)
 
     def run(self, slot: Slot) -> None:
         seen = 0
@@ -166,26 +168,45 @@ class SlotLoops:
     def _decide_and_admit(self, slot: Slot) -> tuple[Job | LoraBase | None, Job | LoraBase] | None:
         admit: list[QueuedRequest] = []
         switch: tuple[Job | LoraBase | None, Job | LoraBase] | None = None
+        peer: Slot | None = None
         with self.state.lock:
             now = time.monotonic()
             self.account(slot, now)
             if slot.job is not None and self.state.tenancy(slot.job) is None:
                 return None  # its job is detaching: detach() evicts its engine and frees the slot
             slots, jobs = self._views()
-            decision = plan(slots, jobs, now, self.state.policy)[slot.index]
+            decisions = plan(slots, jobs, now, self.state.policy)
+            decision = decisions[slot.index]
             if decision.action == "serve":
                 room = slot.capacity - slot.running
                 for name in decision.tenants:  # a LoRA base's jobs share the batch, most deserving first
                     admitted, room = self._take(slot, self.state.jobs[name], room, now)
                     admit += admitted
             elif decision.action == "switch":
-                incoming = self.state.tenancy(decision.job)
-                assert incoming is not None  # plan() names only tenancies of attached jobs
-                switch = (self.state.tenancy(slot.job) if slot.job is not None else None, incoming)
-                slot.job, slot.since, slot.switching = decision.job, now, True
-                slot.running_by.clear()
+                switch = self._claim(slot, decision.job, now)
+            elif decision.action == "drain":  # issue 42: its requests move to a peer serving the tenancy, if one has room
+                peer = self.migration.peer(slot, decisions)
         for name in dict.fromkeys(r.job for r in admit):
             self._admit(slot, [r for r in admit if r.job == name])
+        if peer is not None and decision.target is not None:
+            claimed: list[tuple[Job | LoraBase | None, Job | LoraBase]] = []
+            target = decision.target
+
+            def claim() -> None:  # (under state.lock) unless the job it drains for detached meanwhile
+                if self.state.tenancy(target) is not None:
+                    claimed.append(self._claim(slot, target, time.monotonic()))
+
+            self.migration.drain_to_peer(slot, peer, claim)
+            switch = claimed[0] if claimed else None
+        return switch
+
+    def _claim(self, slot: Slot, key: str, now: float) -> tuple[Job | LoraBase | None, Job | LoraBase]:
+        """The slot switches to tenancy `key` (caller holds state.lock): (outgoing, incoming) for _switch."""
+        incoming = self.state.tenancy(key)
+        assert incoming is not None  # plan() names only tenancies of attached jobs
+        switch = (self.state.tenancy(slot.job) if slot.job is not None else None, incoming)
+        slot.job, slot.since, slot.switching = key, now, True
+        slot.running_by.clear()
         return switch
 
     def _take(self, slot: Slot, job: Job, room: int, now: float) -> tuple[list[QueuedRequest], int]:

@@ -53,9 +53,12 @@ from typing import Any, Literal
 
 from typing_extensions import Self
 
-from rollwise.reward.scoring import CORRECT_THRESHOLD, RewardResult
+from rollwise.reward.batch import REWARD_ERROR, REWARD_ERROR_KIND, ScoredSample
+from rollwise.reward.scoring import CORRECT_THRESHOLD, OUTCOMES, RewardResult
 from rollwise.types.task import Problem
 
+REWARD_WORKER_PID = "reward_worker_pid"  # on a sample scored in the pool: the worker process that scored it
+WORKER_START_TIMEOUT_S = 120.0  # a spawned worker's interpreter start-up, before any call's timeout runs
 ErrorKind = Literal["import", "exception", "bad_return", "timeout", "crash", "pool_closed"]
 log = logging.getLogger("rollwise.reward")
 RewardFn = Callable[[Problem, str, "str | None"], "float | RewardResult"]
@@ -76,6 +79,7 @@ class PoolReward:
     error: str | None = None
     error_kind: ErrorKind | None = None
     elapsed_s: float = 0.0
+    worker_pid: int | None = None  # the worker process that ran it (None: it never reached one)
 
     @property
     def ok(self) -> bool:
@@ -127,6 +131,9 @@ def _validate(path: str, value: Any) -> tuple[float, RewardResult | None]:
         if not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise _BadReturn(f"reward function {path!r} returned a RewardResult with reward={reward!r}; "
                              "it must be a finite number")
+        if value.outcome not in OUTCOMES:
+            raise _BadReturn(f"reward function {path!r} returned a RewardResult with outcome={value.outcome!r}; "
+                             f"it must be one of {list(OUTCOMES)}")
         return float(reward), value
     if isinstance(value, (bool, int, float)) and not isinstance(value, complex):
         reward = float(value)
@@ -143,7 +150,21 @@ class _BadReturn(Exception):
     pass
 
 
-def _worker_main(conn, memory_bytes: int | None) -> None:
+def run_reward_fn(path: str, fn: RewardFn, args: tuple, kwargs: dict[str, Any],
+                  memory_bytes: int | None = None) -> tuple:
+    """Call a loaded reward function: ("ok", reward, RewardResult | None) or ("error", kind, message). In a pool
+    worker, and in the trainer's process for `reward.executor: inprocess` (debugging)."""
+    try:
+        reward, result = _validate(path, fn(*args, **kwargs))
+        return ("ok", reward, result)
+    except _BadReturn as exc:
+        return ("error", "bad_return", str(exc))
+    except BaseException as exc:  # noqa: BLE001 -- untrusted code, SystemExit included
+        hint = f" (worker memory limit {memory_bytes} bytes)" if isinstance(exc, MemoryError) else ""
+        return ("error", "exception", f"reward function {path!r} raised {type(exc).__name__}: {exc}{hint}")
+
+
+def _worker_main(conn, memory_bytes: int | None, preload: tuple[str, ...] = ()) -> None:
     """Worker loop: receive (op, fn path, args), reply ("ok", reward, result) or ("error", kind, message).
     op "load" only imports the function (RewardPool.check)."""
     os.setsid()  # own process group: the parent's kill reaches whatever the reward code started
@@ -152,6 +173,12 @@ def _worker_main(conn, memory_bytes: int | None) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crashing verifier must not write core files
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer, which closes us
     cache: dict[str, RewardFn] = {}
+    for module in preload:  # heavy imports before "ready", so no call's timeout pays for them
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001 -- the call that needs it reports the import error, naming the function
+            pass
+    conn.send("ready")
     while True:
         try:
             msg = conn.recv()
@@ -159,7 +186,7 @@ def _worker_main(conn, memory_bytes: int | None) -> None:
             return
         if msg is None:
             return
-        op, path, args = msg
+        op, path, args, kwargs = msg
         try:
             fn = cache.get(path)
             if fn is None:
@@ -170,14 +197,7 @@ def _worker_main(conn, memory_bytes: int | None) -> None:
         if op == "load":
             conn.send(("ok", 0.0, None))
             continue
-        try:
-            reward, result = _validate(path, fn(*args))
-            reply = ("ok", reward, result)
-        except _BadReturn as exc:
-            reply = ("error", "bad_return", str(exc))
-        except BaseException as exc:  # noqa: BLE001 -- untrusted code, SystemExit included
-            hint = f" (worker memory limit {memory_bytes} bytes)" if isinstance(exc, MemoryError) else ""
-            reply = ("error", "exception", f"reward function {path!r} raised {type(exc).__name__}: {exc}{hint}")
+        reply = run_reward_fn(path, fn, args, kwargs, memory_bytes)
         try:
             conn.send(reply)
         except Exception as exc:  # noqa: BLE001 -- e.g. an unpicklable RewardResult field
@@ -201,19 +221,30 @@ class _Call:
     fn: str
     args: tuple
     future: Future
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    worker_pid: int | None = None
     op: Literal["call", "load"] = "call"
 
 
 class _Worker:
     """One worker process and its pipe; replaced whole when it hangs or dies."""
 
-    def __init__(self, ctx, memory_bytes: int | None) -> None:
+    def __init__(self, ctx, memory_bytes: int | None, preload: tuple[str, ...] = ()) -> None:
         parent, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, args=(child, memory_bytes), daemon=True,
+        self.proc = ctx.Process(target=_worker_main, args=(child, memory_bytes, preload), daemon=True,
                                 name="rollwise-reward-worker")
         self.proc.start()
         child.close()
         self.conn = parent
+        # Wait for the worker's "ready": its interpreter start-up (seconds on a busy machine) must not count
+        # against the first call's timeout, which starts when the worker picks the call up.
+        try:
+            ready = parent.poll(WORKER_START_TIMEOUT_S) and parent.recv() == "ready"
+        except (EOFError, OSError):
+            ready = False
+        if not ready:
+            self.kill()
+            raise OSError(f"reward worker did not start within {WORKER_START_TIMEOUT_S:g} s")
 
     def kill(self) -> None:
         if self.proc.pid is not None:
@@ -257,10 +288,12 @@ class RewardPool:
         timeout_s: float = 30.0,
         memory_bytes: int | None = 2 * 1024**3,
         error_reward: float = 0.0,
+        preload: Sequence[str] = (),
     ) -> None:
         """`workers` processes (started now, so start-up cost is paid once), each call bounded by
         `timeout_s` from the moment a worker picks it up, each worker by `memory_bytes` (RLIMIT_AS;
-        None for no limit: reward code that imports torch needs several GiB of address space)."""
+        None for no limit: reward code that imports torch needs several GiB of address space). `preload`: modules
+        each worker imports as it starts (and again when replaced), before it takes calls."""
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         if not timeout_s > 0:
@@ -268,6 +301,7 @@ class RewardPool:
         if not math.isfinite(error_reward):
             raise ValueError(f"error_reward must be a finite number, got {error_reward}")
         self.timeout_s, self.memory_bytes, self.error_reward = timeout_s, memory_bytes, error_reward
+        self.preload = tuple(preload)
         self.stats = PoolStats()
         self._ctx = multiprocessing.get_context("spawn")  # no inherited threads, locks or CUDA state
         self._queue: queue.Queue[_Call | None] = queue.Queue()
@@ -281,10 +315,12 @@ class RewardPool:
 
     # -- submitting -------------------------------------------------------------------------------
     def submit(self, fn: str, problem: Problem, response: str, finish_reason: str | None = None,
-               key: str = "") -> Future[PoolReward]:
+               key: str = "", kwargs: dict[str, Any] | None = None) -> Future[PoolReward]:
         """Queue one call; the future always resolves to a PoolReward. A malformed `fn` raises
-        RewardFnError right away (a config error, not a reward error)."""
-        return self._submit(_Call(key=key, fn=fn, args=(problem, response, finish_reason), future=Future()))
+        RewardFnError right away (a config error, not a reward error). `kwargs` (picklable) are passed to the
+        function after the three arguments: the built-in task verifier takes its task and reward config so."""
+        return self._submit(_Call(key=key, fn=fn, args=(problem, response, finish_reason), future=Future(),
+                                  kwargs=kwargs or {}))
 
     def _submit(self, call: _Call) -> Future[PoolReward]:
         parse_fn_path(call.fn)
@@ -323,7 +359,7 @@ class RewardPool:
         if w is None or not w.proc.is_alive():
             if w is not None:
                 w.kill()
-            w = self._workers[slot] = _Worker(self._ctx, self.memory_bytes)
+            w = self._workers[slot] = _Worker(self._ctx, self.memory_bytes, self.preload)
             with self._lock:
                 self.stats.workers_started += 1
         return w
@@ -362,7 +398,8 @@ class RewardPool:
         """Hand `call` to this slot's worker and wait; (kind, message, None) when no reply came."""
         try:
             w = self._worker(slot)
-            w.conn.send((call.op, call.fn, call.args))
+            call.worker_pid = w.proc.pid
+            w.conn.send((call.op, call.fn, call.args, call.kwargs))
         except Exception as exc:  # noqa: BLE001 -- unpicklable arguments, worker start failure
             return "exception", f"could not hand the call to a worker: {type(exc).__name__}: {exc}", None
         try:
@@ -379,12 +416,12 @@ class RewardPool:
     def _finish(self, call: _Call, *, reward: float | None = None, result: RewardResult | None = None,
                 error: tuple[ErrorKind, str] | None = None, elapsed: float) -> None:
         if error is None:
-            out = PoolReward(call.key, call.fn, float(reward), result, elapsed_s=elapsed)
+            out = PoolReward(call.key, call.fn, float(reward), result, elapsed_s=elapsed, worker_pid=call.worker_pid)
             with self._lock:
                 self.stats.ok += 1
         else:
             kind, message = error
-            out = PoolReward(call.key, call.fn, self.error_reward, None, message, kind, elapsed)
+            out = PoolReward(call.key, call.fn, self.error_reward, None, message, kind, elapsed, call.worker_pid)
             with self._lock:
                 self.stats.errors[kind] = self.stats.errors.get(kind, 0) + 1
         if not call.future.done():
@@ -423,22 +460,34 @@ class RewardPool:
         self.close()
 
 
+def apply_pool_reward(s: ScoredSample, r: PoolReward) -> None:
+    """Write one call's outcome on its sample, as rollwise.reward.batch.score_samples does: reward, outcome and
+    correctness from a RewardResult (a bare number: full reward counts as correct, like a verifier score of 1);
+    a failed call gets the error reward, outcome `unparseable`, and its reason and kind in
+    extra[REWARD_ERROR] / extra[REWARD_ERROR_KIND] (a verifier that failed inside `score`: kind `verifier`)."""
+    s.reward = r.reward
+    if r.worker_pid is not None:
+        s.extra[REWARD_WORKER_PID] = r.worker_pid
+    if r.result is not None:
+        s.outcome = r.result.outcome
+        s.strict_correct = r.result.strict_correct
+        s.lenient_correct = r.result.lenient_correct
+        if r.result.error:
+            s.extra[REWARD_ERROR], s.extra[REWARD_ERROR_KIND] = r.result.error, "verifier"
+    elif r.ok:
+        s.strict_correct = s.lenient_correct = r.reward >= CORRECT_THRESHOLD
+        s.outcome = "correct" if s.strict_correct else "formatted_wrong"
+    else:
+        s.outcome = "unparseable"
+        s.strict_correct = s.lenient_correct = False
+        s.extra[REWARD_ERROR], s.extra[REWARD_ERROR_KIND] = r.error, r.error_kind
+
+
 def score_samples_in_pool(pool: RewardPool, fn: str, samples: list, problems: dict[str, Problem]) -> list[PoolReward]:
     """Like rollwise.reward.batch.score_samples, through the pool: fills reward (and, from a
     RewardResult, outcome and correctness) on each Sample in place; errors go to extra["reward_error"]."""
     results = pool.score(fn, [(problems[s.problem_id], s.response_text, s.finish_reason) for s in samples],
                          keys=[s.sample_id for s in samples])
     for s, r in zip(samples, results, strict=True):
-        s.reward = r.reward
-        if r.result is not None:
-            s.outcome = r.result.outcome
-            s.strict_correct = r.result.strict_correct
-            s.lenient_correct = r.result.lenient_correct
-        elif r.ok:  # a bare number: full reward counts as correct, like a verifier score of 1
-            s.strict_correct = r.reward >= CORRECT_THRESHOLD
-            s.outcome = "correct" if s.strict_correct else "formatted_wrong"
-        else:
-            s.outcome = "unparseable"
-            s.strict_correct = False
-            s.extra["reward_error"] = r.error
+        apply_pool_reward(s, r)
     return results

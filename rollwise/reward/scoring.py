@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from rollwise.tasks.answer_format import AnswerFormat, answers_match, last_number, parse_number, parse_response
 
@@ -34,6 +34,17 @@ class RewardConfig(ConfigSection):  # no unknown keys, finite rewards (rollwise.
     unparseable: float = 0.0
     answer_open: str = "<answer>"
     answer_close: str = "</answer>"
+    # Where scoring runs (issue 40): `pool`, worker processes (rollwise.reward.pool; Ray reward actors under
+    # `placement: ray`), each group scored while others generate; `inprocess`, in the trainer's process, for a debugger.
+    executor: Literal["pool", "inprocess"] = Field(
+        "pool", description="pool: isolated reward worker processes, overlapped with generation; inprocess: debugging")
+    workers: int = Field(2, ge=1, le=256, description="reward worker processes (executor pool)")
+    timeout_s: float = Field(30.0, gt=0, description="a reward call with no result by then: worker killed, the "
+                             "sample gets the `unparseable` reward with the reason in metrics")
+    memory_mb: int | None = Field(2048, ge=64, description="each reward worker's address-space limit (null: none)")
+    function: str | None = Field(
+        None, description="a reward function 'package.module:function' or 'path/to/file.py:function', "
+        "fn(problem, response, finish_reason) -> float | RewardResult, instead of the task's verifier")
 
     @model_validator(mode="after")
     def _check(self) -> RewardConfig:

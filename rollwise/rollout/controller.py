@@ -15,7 +15,8 @@ Three modes (rollout.mode), one code path:
 
 Which groups start and how many complete groups one update trains (rollout.update_batch: fixed, or
 SortedRL's flexible update batch) are pure rules in rollwise.rollout.admission, which the cluster
-simulator runs unchanged through this controller.
+simulator runs unchanged through this controller. A complete group goes to the Scorer at once; the reward
+pool scores it in the background while generation goes on (rollwise.rollout.group_scoring).
 
 In every mode the staleness bound eta = rollout.max_staleness holds for every trained token:
 after each weight update to version V, an in-flight sample that could only be trained with
@@ -42,6 +43,7 @@ from rollwise.types.contracts import RolloutBackend, Scorer
 from rollwise.rollout import admission
 from rollwise.rollout.admission import AdmissionPolicy, RolloutCounts
 from rollwise.rollout.data import ProblemStream
+from rollwise.rollout.group_scoring import GroupScoring
 from rollwise.types.ledger import RolloutLedger
 from rollwise.rollout.sync_rollout import PromptEncoder, RolloutPlan, build_requests, sampling_seed, to_samples
 from rollwise.types.compact import lowest_version, token_array
@@ -82,8 +84,8 @@ class RolloutController:
     def assign_advantages(self, samples: list[Sample], mode: str) -> float:
         return assign_advantages(samples, mode)
 
-    def step_metrics(self) -> dict[str, float]:
-        return {}
+    def step_metrics(self) -> dict[str, float]:  # generation during scoring (rollwise.rollout.group_scoring)
+        return {"reward_overlapped_completions": float(self.scoring.overlapped_completions())}
 
     def __init__(
         self,
@@ -120,6 +122,7 @@ class RolloutController:
         self.encoder = encoder
         self.stream = stream
         self.scorer = scorer  # the reward layer (rollwise.reward), built by the placement
+        self.scoring = GroupScoring(scorer)  # complete groups being scored (in the background for the reward pool)
         self.length_fn = length_fn
         self.version = policy_version
         # Train steps taken (skipped ones included): async admission runs ahead of these, not of the
@@ -133,7 +136,8 @@ class RolloutController:
         # Groups a checkpoint had in flight: generated again first, so none is lost on resume.
         self._redo = sorted(pending_groups or [])
         self.paused_for_update = False
-        self.score_seconds = 0.0  # time spent scoring groups inside next_batch (reported as reward time)
+        # Time next_batch spent scoring (inline) or waiting for generated groups' scores: the step's reward time.
+        self.score_seconds = 0.0
         # Requests are handed to the engine in one call per round: each call waits for the gap between
         # two engine steps, and requests admitted in the same step share their prompt's prefill.
         self._outbox: list[GenerationRequest] = []
@@ -154,11 +158,21 @@ class RolloutController:
             for _ in range(self.batch_groups):
                 self._start_group()
         while not self._batch_ready():
+            self._collect_scored()
+            if self._batch_ready():
+                break
             self._top_up()
             self._flush()
-            completion = self.worker.next_completion(timeout=0.05)
-            if completion is not None:
+            # Generated enough, not yet scored: the trainer waits on the reward alone.
+            waiting_on_reward = admission.batch_ready(self.policy, len(self.ready) + len(self.scoring))
+            t = time.monotonic()
+            if waiting_on_reward and not self._running_samples:
+                self.scoring.wait(timeout=0.05)
+            # Scoring in flight: look back soon, a group may become ready without a completion.
+            elif (completion := self.worker.next_completion(timeout=0.005 if len(self.scoring) else 0.05)) is not None:
                 self._on_completion(completion, progress)
+            if waiting_on_reward:
+                self.score_seconds += time.monotonic() - t
         if self.mode == "sync":
             self.ready.sort()  # group order, exactly as the spine's synchronous rollout
         # Groups that would exceed eta if they waited one more update go first (oldest first),
@@ -272,6 +286,7 @@ class RolloutController:
         while (completion := self.worker.next_completion(timeout=0)) is not None:
             self._on_completion(completion, None)
             n += 1
+        self._collect_scored()
         self._top_up()
         self._flush()
         return n
@@ -282,6 +297,7 @@ class RolloutController:
                 completion = self.worker.next_completion(timeout=0.05)
                 if completion is not None:
                     self._on_completion(completion, None)
+                self._collect_scored()
                 self._top_up()
                 self._flush()
         except BaseException as exc:  # re-raised on the caller's thread by _stop_pump
@@ -337,6 +353,7 @@ class RolloutController:
             pass
         self.groups.clear()
         self.ready.clear()
+        self.scoring.clear()  # results still coming are for groups recorded as dropped here
         for (g, i), record in self.ledger.slots.items():
             if record.state not in ("trained", "dropped", "batched"):
                 self.ledger.move((g, i), "dropped", reason)
@@ -432,7 +449,10 @@ class RolloutController:
                                                         else list(c.token_ids), skip_special_tokens=True),
             group_index=info.group, sample_index=index, request_id=c.request_id,
         )
+        for source, target in c.migrations:  # it moved between engines while it ran (same attempt, not regenerated)
+            self.ledger.migrate((info.group, index), source, target)
         self.ledger.move((info.group, index), "finished")
+        self.scoring.arrived()
         group.finished[index] = sample
         if progress is not None:
             progress(1)
@@ -442,9 +462,13 @@ class RolloutController:
             return
         if len(group.finished) == self.group_size:
             group.completed_at = time.monotonic()
-            self.scorer.score([group.finished[i] for i in range(self.group_size)])
-            self.score_seconds += time.monotonic() - group.completed_at
-            self.ready.append(group.index)
+            # The pool scores in the background: the group is ready once _collect_scored sees it done.
+            samples = [group.finished[i] for i in range(self.group_size)]
+            self.score_seconds += self.scoring.submit(group.index, samples, group.completed_at)
+            self._collect_scored()
+
+    def _collect_scored(self) -> None:  # scored groups become trainable, in the order they were submitted
+        self.ready += [g for g in self.scoring.collect() if g in self.groups]
 
     def _abort_and_requeue(self, request_ids: list[str], reason: str) -> None:
         if not request_ids:
@@ -464,6 +488,7 @@ class RolloutController:
 
     def _regenerate(self, group: _Group, i: int, reason: str) -> None:
         discarded = len(group.finished.pop(i).response_ids)
+        self.scoring.discard(group.index)  # being scored: it is scored again once complete
         if group.index in self.ready:  # a complete group loses a sample: no longer trainable
             self.ready.remove(group.index)
             group.completed_at = None

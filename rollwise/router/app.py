@@ -5,7 +5,8 @@ It serves the engine's API: POST /v1/completions, /v1/chat/completions (stream=t
 /inference/v1/generate (vLLM's token-in route, routed by its token_ids like /generate);
 GET /v1/models, /model_info; plus /health, /metrics, and the control endpoints fanned out to every
 replica: /pause, /resume, /abort, /flush_cache, and /update_weights_from_disk as a rolling update
-(one replica drained, paused, updated and resumed at a time while the others serve).
+(one replica drained, paused, updated and resumed at a time while the others serve); POST /replicas/remove, a
+planned removal whose requests in flight migrate to another replica (rollwise.router.removal).
 
 Request bodies are forwarded as the client sent them and responses come back byte for byte: JSON
 fields the router does not know (engine extras such as token_ids or routed experts) pass through both
@@ -50,6 +51,7 @@ from rollwise.router.profiling import PROFILE_ENV, Profiling
 from rollwise.router.relay import Relay
 from rollwise.router.requests import RouterError
 from rollwise.router.schema import CONTROL_DOCS, GENERATION_DOCS, JSON_OBJECT_BODY, errors
+from rollwise.router.removal import PlannedRemoval
 from rollwise.router.update import RollingUpdate
 from rollwise.router.upstream import CONTROL_ENDPOINTS, GENERATION_ENDPOINTS
 from rollwise.serve.drain import server_for
@@ -116,7 +118,7 @@ def create_app(config: RouterConfig, tokenizer: Any | None = None, front: Front 
     max_request_bytes)."""
     front = front or Front(FrontSettings(max_request_bytes=config.max_request_bytes))
     router = Router(config, tokenizer)
-    relay, update = Relay(router), RollingUpdate(router)
+    relay, update, removal = Relay(router), RollingUpdate(router), PlannedRemoval(router)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -180,6 +182,11 @@ def create_app(config: RouterConfig, tokenizer: Any | None = None, front: Front 
               openapi_extra=JSON_OBJECT_BODY)
     async def update_weights_from_disk(request: Request) -> dict[str, Any]:
         return await update.run(await request.body())
+
+    @app.post("/replicas/remove", responses=errors(400, 401, 404, 409, 413), openapi_extra=JSON_OBJECT_BODY)
+    async def remove_replica(request: Request) -> dict[str, Any]:
+        """A planned removal: its requests in flight migrate to another replica (rollwise.router.removal)."""
+        return await removal.run(await request.body())
 
     app.add_middleware(FastPathAndMetrics, router=router, relay=relay)
     # Outside it: the front (drain, API key, in-flight bound, 413 before a body is read).

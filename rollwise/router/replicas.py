@@ -77,6 +77,7 @@ class Replica:
     max_in_flight: int = 32
     healthy: bool = False  # until the first probe answers
     draining: bool = False  # a rolling weight update is waiting for it to empty
+    removed: bool = False  # a planned removal took it out of the pool (rollwise.router.removal): never routed again
     paused: bool = False
     policy_version: int = 0
     last_error: str | None = None
@@ -93,7 +94,7 @@ class Replica:
 
     def routable(self) -> bool:
         """Could take requests if it had room (in-flight caps aside)."""
-        return self.healthy and not self.draining and self.breaker.allows()
+        return self.healthy and not self.draining and not self.removed and self.breaker.allows()
 
     def has_room(self) -> bool:
         return self.in_flight < self.max_in_flight
@@ -119,6 +120,7 @@ class Replica:
 
     def describe(self) -> dict:
         return {"url": self.url, "healthy": self.healthy, "breaker": self.breaker.state, "draining": self.draining,
+                "removed": self.removed,
                 "paused": self.paused, "policy_version": self.policy_version, "in_flight": self.in_flight,
                 "max_in_flight": self.max_in_flight, "pending_prefill_tokens": self.prefill_tokens,
                 "pending_decode_tokens": self.decode_tokens, "last_error": self.last_error}
@@ -177,6 +179,8 @@ class ReplicaPool:
             if not isinstance(info, dict):
                 info = None
             error = None if info is not None else f"/health answered HTTP {status}"
+        if replica.removed:  # removed while the probe was out (rollwise.router.removal): it stays out
+            return
         was_healthy = replica.healthy
         if info is None:
             replica.probe_failures += 1
@@ -213,7 +217,7 @@ class ReplicaPool:
     def start(self, http: aiohttp.ClientSession) -> None:
         """One probe loop per replica: a replica slow to answer never delays the probes of the others."""
         async def loop(replica: Replica) -> None:
-            while True:
+            while not replica.removed:
                 await asyncio.sleep(self.health_interval_s)
                 await self.probe(http, replica)
 

@@ -14,7 +14,8 @@ GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate", 
 CONTROL_ENDPOINTS = ("/pause", "/resume", "/flush_cache")
 UPSTREAM_PATHS = frozenset(GENERATION_ENDPOINTS + CONTROL_ENDPOINTS
                            + ("/abort", "/update_weights_from_disk", "/v1/models", "/model_info",
-                              "/retain", "/release_session"))  # session KV retention (issue 21)
+                              "/retain", "/release_session",  # session KV retention (issue 21)
+                              "/migrate"))  # a planned removal's live migration (issue 42, rollwise.router.removal)
 
 
 def upstream_url(replica: Replica, path: str) -> str:

@@ -98,8 +98,8 @@ class ApiKeys:
                 found = key
         if found is None:
             what = "this API key is not one of the server's keys" if token else "this server needs an API key"
-            raise APIError(401, f"{what}: send `Authorization: Bearer KEY` with a key from the server's "
-                                f"{self.source} (rollwise's clients read it from {CLIENT_KEY_ENV})",
+            raise APIError(401, f"{what}: send `Authorization: Bearer KEY` (or `X-API-Key: KEY`) with a key from "
+                                f"the server's {self.source} (rollwise's clients read it from {CLIENT_KEY_ENV})",
                            "authorization", "authentication_error", "invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
         return self.label(found)

@@ -71,11 +71,15 @@ class GateState:
 
 
 def bearer_token(scope: Scope) -> str | None:
+    """The sent key: `Authorization: Bearer KEY`, else `X-API-Key: KEY` (the header the `tinker` SDK sends)."""
+    api_key = None
     for name, value in scope.get("headers") or ():
         if name == b"authorization":
             scheme, _, token = value.decode("latin-1").partition(" ")
             return token.strip() if scheme.lower() == "bearer" else None
-    return None
+        if name == b"x-api-key":
+            api_key = value.decode("latin-1").strip()
+    return api_key
 
 
 class FrontGate:

@@ -32,6 +32,8 @@ BULK_FIELDS = (
     ("/inference/v1/generate", "token_ids"),
     ("/generate", "prompt_ids"),
     ("/requests", "requests"),  # the pool's batch of requests for a job
+    ("/forward_backward", "data"),  # the Tinker service's protobuf batch of datums
+    ("/asample", "prompt"),
 )
 
 

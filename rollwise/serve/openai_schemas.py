@@ -109,6 +109,8 @@ class SamplingFields(SamplingChecks):
     stop_token_ids: list[int] = []  # finish with "stop" on these ids (kept in token_ids, like EOS)
     ignore_eos: bool = False
     request_id: str | None = Field(None, min_length=1, max_length=256)  # public id for /abort
+    # vLLM's cache_salt: prefix-cache entries are shared only among requests with the same salt (None: unsalted)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     min_tokens: int = Field(0, ge=0, le=MAX_TOKEN_COUNT)  # no EOS / stop token before this many tokens
     repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)  # None: 1.0 (off)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)  # None: 0; vLLM's range

@@ -203,9 +203,10 @@ def main(argv: list[str], extra: Sequence[SimCommand] = ()) -> int:
     from rollwise.sim.intercept_cli import command as intercept_command  # issue 21
     from rollwise.sim.lora import command as lora_command
     from rollwise.sim.service import command as service_command
+    from rollwise.sim.switch_costs import command as switch_costs_command  # issue 42
 
     # lora: issue 22 (rollwise.sim.lora); service: issue 39 (rollwise.sim.service)
-    extra = (*extra, intercept_command(), lora_command(), service_command())
+    extra = (*extra, intercept_command(), lora_command(), service_command(), switch_costs_command())
     parser = build_parser(extra)
     handlers = {"run": cmd_run, "sweep": cmd_sweep, "plan": cmd_plan, **{c.name: c.run for c in extra}}
     if argv and argv[0] not in (*handlers, "-h", "--help"):

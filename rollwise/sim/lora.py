@@ -266,11 +266,16 @@ def project(cost_name: str = "h100-7b", jobs: int = 64, engine_counts: tuple[int
 # ---------------------------------------------------------------------------- `rollwise sim lora`
 
 
-def _add_arguments(p: argparse.ArgumentParser) -> None:
+def add_projection_arguments(p: argparse.ArgumentParser) -> None:
+    """--cost and --steps, which every projection of LoRA jobs takes (this command's, `rollwise sim service`)."""
     p.add_argument("--cost", default="h100-7b", help="bundled cost model (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=10, help="steps per job (default: %(default)s)")
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    add_projection_arguments(p)
     p.add_argument("--jobs", type=int, default=64)
     p.add_argument("--engines", default="8,16,32,64", help="shared engine (GPU) counts (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--decode-overhead", type=float, default=AdapterCost.decode_overhead,
                    help="unmerged multi-adapter batch slowdown (default: %(default)s)")
     p.add_argument("--pool", action="store_true",

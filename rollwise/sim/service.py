@@ -19,7 +19,7 @@ from rich.table import Table
 
 from rollwise.sim.commands import SimCommand, write_json
 from rollwise.sim.cost import CONFIG_DIR, load_cost_file
-from rollwise.sim.lora import AdapterCost, SharedTrainers, projection_jobs, simulate_lora
+from rollwise.sim.lora import AdapterCost, SharedTrainers, add_projection_arguments, projection_jobs, simulate_lora
 
 
 def project_service(cost_name: str = "h100-7b", tenants: int = 64, gpu_counts: tuple[int, ...] = (8, 16, 32, 64),
@@ -55,10 +55,9 @@ def project_service(cost_name: str = "h100-7b", tenants: int = 64, gpu_counts: t
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cost", default="h100-7b", help="bundled cost model (default: %(default)s)")
+    add_projection_arguments(p)
     p.add_argument("--tenants", type=int, default=64)
     p.add_argument("--gpus", default="8,16,32,64", help="GPU counts shared by all tenants (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=10)
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:

@@ -12,8 +12,10 @@
 
 The smaller contracts the layers below speak through:
 
-- `Scorer`: the reward layer as the rollout controller sees it (rollwise.reward.batch.InProcessScorer in this
-  process, reward actors on Ray: rollwise.control.ray.reward.RayScorer); the placement builds it.
+- `Scorer`: the reward layer as the rollout controller sees it (rollwise.reward.pool_scorer.PoolScorer: worker
+  processes, the default; rollwise.reward.batch.InProcessScorer in this process, `reward.executor: inprocess`;
+  reward actors on Ray: rollwise.control.ray.reward.RayScorer); the placement builds it. A `ConcurrentScorer`
+  scores in the background, overlapped with generation.
 - `WeightEngine` / `AdapterEngine`: what the engine side's WeightReceiver (rollwise.engine.weight_receiver)
   applies a checked update to: an engine, an EngineWorker (between two steps), a pool job's engines; an
   `AdapterEngine` also serves LoRA adapters beside its base (the receiver is given one for adapter updates).
@@ -31,6 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from ray import ObjectRef
     from torch import Tensor
 
@@ -140,3 +144,12 @@ class Scorer(Protocol):
     when the reward code failed: reward code is untrusted, so scoring never raises for it)."""
 
     def score(self, samples: list[Sample]) -> None: ...
+
+
+@runtime_checkable
+class ConcurrentScorer(Scorer, Protocol):
+    """A Scorer that also scores in the background (the reward pool, Ray reward actors): `submit` returns at once
+    and its future resolves, never with an exception, once every sample is filled in. The rollout controller
+    submits each group as it completes and goes on generating; the trainer waits only for the groups it takes."""
+
+    def submit(self, samples: list[Sample]) -> Future[None]: ...

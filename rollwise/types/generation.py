@@ -72,6 +72,9 @@ class GenerationRequest:
     # A loaded LoRA adapter's name (multi-LoRA: jobs sharing a base differ by adapter); None: the
     # engine's default policy (its base weights, or the default adapter of a LoRA run).
     adapter: str | None = None
+    # vLLM's cache_salt: requests share prefix-cache entries (and a batched prefill) only with requests of the
+    # same salt, so one tenant cannot learn from cache timing what another sent. None: the unsalted cache.
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -90,6 +93,9 @@ class Completion:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # MoE engines: the experts every token was routed to (prompt + token_ids[:-1]); None for dense models.
     routed_experts: RoutedExperts | None = None
+    # Live migrations of the sample between engines while it ran, in order: (from engine, to engine)
+    # (rollwise.engine.migration); the rollout controller records them in its ledger.
+    migrations: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def sample_id(self) -> str:

@@ -19,7 +19,8 @@ from torch import nn
 from rollwise.config import ConfigError, RunConfig
 from rollwise.types.train_config import TrainerConfig
 from rollwise.types.contracts import RolloutBackend, Scorer, Trainer
-from rollwise.reward.batch import InProcessScorer
+from rollwise.reward.pool import RewardFnError
+from rollwise.reward.pool_scorer import ScorerWithClose, make_scorer
 from rollwise.sync.senders import WeightSender
 from rollwise.types.task import Problem, Task
 from rollwise.train.distributed import resolve_device
@@ -106,9 +107,24 @@ def needs_ranks(trainer: TrainerConfig) -> bool:
             or trainer.mixed_precision != "none" or trainer.cpu_offload)
 
 
-def local_scorer(req: PlaceRequest) -> InProcessScorer:
-    """Scoring in this process."""
-    return InProcessScorer(req.problems, req.task, req.cfg.reward)
+def local_scorer(req: PlaceRequest) -> ScorerWithClose:
+    """Scoring on this machine: the reward pool's worker processes (`reward.executor: pool`), or this process
+    (`inprocess`). Built first, so a `reward.function` that cannot be loaded stops the run before anything starts."""
+    try:
+        return make_scorer(req.problems, req.task, req.cfg.task.model_dump(mode="json", exclude_unset=True),
+                           req.cfg.reward)
+    except RewardFnError as exc:
+        raise ConfigError(f"reward.function: {exc}") from None
+
+
+def placed_with_scorer(req: PlaceRequest, place: Callable[[PlaceRequest, ScorerWithClose], Placement]) -> Placement:
+    """`place(req, scorer)` with the local scorer built first; the scorer's workers are closed if placing fails."""
+    scorer = local_scorer(req)
+    try:
+        return place(req, scorer)
+    except BaseException:
+        scorer.close()
+        raise
 
 
 def resume(trainer: Trainer, req: PlaceRequest) -> dict[str, Any] | None:

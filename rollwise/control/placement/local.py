@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from rollwise.control.placement.base import Placement, PlaceRequest, local_scorer, local_trainer, resume
+from rollwise.control.placement.base import Placement, PlaceRequest, local_trainer, placed_with_scorer, resume
 from rollwise.engine.core import EngineWorker
+from rollwise.reward.pool_scorer import ScorerWithClose
 from rollwise.engine.factory import create_engine, describe_engine
 from rollwise.sync.senders import in_process_sender
 
 
 def place_local(req: PlaceRequest) -> Placement:
+    return placed_with_scorer(req, _place)
+
+
+def _place(req: PlaceRequest, scorer: ScorerWithClose) -> Placement:
     cfg = req.cfg
     trainer = local_trainer(req)
     resumed = resume(trainer, req)
@@ -19,6 +24,6 @@ def place_local(req: PlaceRequest) -> Placement:
     # feeding the same HistoryDrafter from the loop's thread would race the engine's reads.
     engine = create_engine(cfg.engine, req.model, req.tokenizer, model_name=cfg.model, eos_token_ids=req.eos_ids,
                            policy_version=trainer.version, seed=cfg.seed, tokenizer_fingerprint=req.fingerprint)
-    return Placement(trainer, EngineWorker(engine), in_process_sender(req.fingerprint, cfg.train.lora), local_scorer(req), engine,
+    return Placement(trainer, EngineWorker(engine), in_process_sender(req.fingerprint, cfg.train.lora), scorer, engine,
                      describe_engine(engine), resumed,
-                     on_close=[getattr(engine, "close", lambda: None)])  # vLLM: its weight directory
+                     on_close=[getattr(engine, "close", lambda: None), scorer.close])  # vLLM: its weight directory

@@ -232,7 +232,7 @@ class ReferenceEngine(EngineState):
             groups[("pinned", request.request_id)] = [(request, slots)]
         self.retention.expire()  # after: a session already back is not made to recompute by its TTL
         for request, slots in self.scheduler.admit(lambda needed: self.retention.reclaim(needed, self.cache)):
-            groups.setdefault((request.adapter, *request.prompt_ids), []).append((request, slots))
+            groups.setdefault((request.adapter, request.cache_salt, *request.prompt_ids), []).append((request, slots))
         if groups:
             # The admitted sequences are busy from here, through their prefill: counted from its start, as
             # the simulated engine counts them from the op's start (they were counted idle through their
@@ -348,7 +348,8 @@ class ReferenceEngine(EngineState):
         started = time.perf_counter()
         # The prefix cache holds the default policy's KV: a named LoRA adapter's prompt neither reads nor feeds it.
         shared_cache = self.prefix_cache if group[0][0].adapter is None else None
-        hit = shared_cache.match(prompt) if shared_cache is not None and not resumed else None
+        salt = group[0][0].cache_salt  # one salt per group (the group key holds it)
+        hit = shared_cache.match(prompt, salt) if shared_cache is not None and not resumed else None
         with self.adapters.rows([self.adapters.resolve(group[0][0].adapter)]):  # one adapter per group
             if resumed:
                 logits = prefill_suffix(self.model, self.cache, prompt, all_slots, resumed)
@@ -372,7 +373,7 @@ class ReferenceEngine(EngineState):
         self.stats["cached_prompt_tokens"] += len(prompt) * (len(seqs) - 1) + reused
         self.stats["prefix_cache_hit_tokens"] += reused - resumed
         if shared_cache is not None:
-            shared_cache.insert(prompt, self.cache.k[:, all_slots[0]], self.cache.v[:, all_slots[0]], routing)
+            shared_cache.insert(prompt, self.cache.k[:, all_slots[0]], self.cache.v[:, all_slots[0]], routing, salt)
         for seq in seqs:
             self.scheduler.start(seq)
         return self._append_tokens(seqs, logits.expand(len(seqs), -1))
@@ -477,7 +478,8 @@ class ReferenceEngine(EngineState):
                 and all(v == self._version for v in seq.versions)):
             tokens = list(seq.request.prompt_ids) + seq.token_ids[:-1]
             routing = torch.cat([seq.prompt_routing, *seq.routing]) if seq.prompt_routing is not None else None
-            self.prefix_cache.insert(tokens, self.cache.k[:, seq.slot], self.cache.v[:, seq.slot], routing)
+            self.prefix_cache.insert(tokens, self.cache.k[:, seq.slot], self.cache.v[:, seq.slot], routing,
+                                     seq.request.cache_salt)
 
 
 

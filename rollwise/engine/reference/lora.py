@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from rollwise.types.weights import AdapterSpec
 
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
+UNEMBED = "lm_head"  # the one non-decoder-layer target: the LM head's output projection
 
 
 @dataclass
@@ -95,7 +96,7 @@ class AdapterSet:
     @classmethod
     def for_model(cls, model: nn.Module) -> AdapterSet:
         """An empty set hooked into `model`'s projections (the engine's adapter component)."""
-        adapters = cls(projection_targets(model))
+        adapters = cls({**projection_targets(model), **unembed_target(model)})
         adapters.install(model)
         return adapters
 
@@ -119,7 +120,8 @@ class AdapterSet:
         rank = spec.rank
         for module, (a, b) in pairs.items():
             if module not in self.targets:
-                problems.append(f"{module}: not a projection of the base model (targets: q/k/v/o, gate/up/down)")
+                problems.append(f"{module}: not a projection of the base model "
+                                "(targets: q/k/v/o, gate/up/down, lm_head)")
                 continue
             out_dim, in_dim = self.targets[module]
             if tuple(a.shape) != (rank, in_dim):
@@ -222,9 +224,11 @@ class AdapterSet:
 
     def add_delta(self, modules: Sequence[str], splits: Sequence[int], x: Tensor, y: Tensor) -> None:
         """y[:, part_i] += lora delta of modules[i] for each row's adapter (in place)."""
+        if self._single is None and self._mixed is None:
+            return
         offset = 0
         for module, width in zip(modules, splits):
-            part = y[:, offset : offset + width]
+            part = y[..., offset : offset + width]  # `...`: the prefill's LM head sees one row, [hidden]
             offset += width
             if self._single is not None:
                 pair = self._single.weights.get(module)
@@ -247,7 +251,7 @@ class AdapterSet:
             if fused is not None:
                 names, widths = fused
                 module.lora_hook = partial(self.add_delta, [f"{name}.{n}" for n in names], widths)
-            elif name.endswith(("o_proj", "down_proj")):
+            elif name.endswith(("o_proj", "down_proj")) or (name == UNEMBED and name in self.targets):
                 module.lora_hook = partial(self.add_delta, [name], [self.targets[name][0]])
 
 
@@ -290,3 +294,13 @@ def projection_targets(model: nn.Module) -> dict[str, tuple[int, int]]:
             out_dim, in_dim = module.weight.shape
             targets[name] = (int(out_dim), int(in_dim))
     return targets
+
+
+def unembed_target(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """The LM head as an adapter target (Tinker's train_unembed): its output projection only, also when it
+    is tied to the embedding (the embedding lookup stays the base's). {} for a model without one."""
+    head = getattr(model, UNEMBED, None)
+    if head is None:
+        return {}
+    out_dim, in_dim = head.weight.shape
+    return {UNEMBED: (int(out_dim), int(in_dim))}

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -227,6 +227,15 @@ class KVCache:
             self.lengths[slot] = length
 
 
+class PromptScores(NamedTuple):
+    """What `LlamaFamilyModel.prompt_logprobs` computes at prompt positions 1..P-1 (fp32 log-softmax, temperature 1)."""
+
+    chosen: Tensor  # [P - 1]: log p(token_ids[i] | token_ids[:i])
+    top_ids: Tensor  # [P - 1, top_k]: the most likely tokens at each position, best first
+    top_logprobs: Tensor  # [P - 1, top_k]
+    targets: Tensor  # [P - 1, K]: the asked-for targets' logprobs (0.0 where the id was -1)
+
+
 class LlamaFamilyModel(nn.Module):
     """Llama/Mistral/Qwen2/Qwen3/Mixtral decoder with prefill and batched-decode entry points over a KVCache."""
 
@@ -330,6 +339,35 @@ class LlamaFamilyModel(nn.Module):
         hidden = self._hidden(torch.tensor(token_ids), torch.arange(P), attend)
         cache.share_prefix(slots, P)
         return self._logits(hidden[-1])
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, token_ids: list[int], top_k: int = 0, targets: Tensor | None = None,
+                        chunk: int = 512) -> PromptScores:
+        """Prompt scores (see PromptScores) at positions 1..P-1, no KV cache: the prefill's ops (causal attention
+        over the whole sequence), the LM head a chunk of rows at a time. `targets`: int64 [P - 1, K] token ids to
+        score at each position (-1: none, scored 0.0)."""
+        P = len(token_ids)
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                 is_causal=True, enable_gqa=True)
+            return out.transpose(0, 1).reshape(P, -1)
+
+        hidden = self._hidden(torch.tensor(token_ids), torch.arange(P), attend)[:-1]
+        prompt = torch.tensor(token_ids[1:])
+        k = min(top_k, self.config.shape.vocab_size)
+        asked = targets if targets is not None else torch.zeros(P - 1, 0, dtype=torch.long)
+        chosen, top_ids, top_lps = [torch.zeros(0)], [asked.new_zeros(0, k)], [torch.zeros(0, k)]
+        picked = [torch.zeros(0, asked.shape[1])]  # the empty pieces keep a one-token prompt's shapes
+        for i in range(0, P - 1, chunk):
+            logprobs = torch.log_softmax(self._logits(hidden[i : i + chunk]), dim=-1)
+            chosen.append(logprobs.gather(-1, prompt[i : i + chunk, None])[:, 0])
+            best = logprobs.topk(k)
+            top_ids.append(best.indices)
+            top_lps.append(best.values)
+            rows = asked[i : i + chunk]
+            picked.append(torch.where(rows >= 0, logprobs.gather(-1, rows.clamp(min=0)), 0.0))
+        return PromptScores(torch.cat(chosen), torch.cat(top_ids), torch.cat(top_lps), torch.cat(picked))
 
     @torch.inference_mode()
     def decode(self, cache: KVCache, token_ids: Tensor, slots: list[int]) -> Tensor:

@@ -12,6 +12,8 @@ same preceding tokens. Lookups walk the prompt block by block and stop at the fi
   sequences sampled entirely by the current policy version.
 - At least one prompt token is always recomputed, because the logits of the last prompt token are
   needed to sample the first new token.
+- A request's cache salt (vLLM's `cache_salt`) is the root of its chains: requests with different salts
+  never share a block (the salt is the first block's parent, as vLLM mixes it into the first block's hash).
 
 Exactness: a cached prefix makes the engine attend over the same keys and values a full prefill
 would compute; only floating-point summation order differs (the suffix is a shorter matmul), which
@@ -33,7 +35,7 @@ DEFAULT_BLOCK_SIZE = 16
 
 @dataclass(eq=False)
 class _Block:
-    key: tuple[int, tuple[int, ...]]  # (parent block id, this block's tokens)
+    key: tuple[int | str, tuple[int, ...]]  # (parent block id, or the salt for a first block; this block's tokens)
     id: int
     parent: _Block | None
     k: Tensor  # [num_layers, num_kv_heads, block_size, head_dim]
@@ -69,7 +71,7 @@ class PrefixCache:
             raise ValueError(f"max_tokens ({max_tokens}) must hold at least one block of {block_size} tokens")
         self.max_tokens = max_tokens
         self.block_size = block_size
-        self._blocks: OrderedDict[tuple[int, tuple[int, ...]], _Block] = OrderedDict()  # LRU order: oldest first
+        self._blocks: OrderedDict[tuple[int | str, tuple[int, ...]], _Block] = OrderedDict()  # LRU order: oldest first
         self._next_id = 1  # 0 is the root
 
     @property
@@ -79,11 +81,11 @@ class PrefixCache:
     def clear(self) -> None:
         self._blocks.clear()
 
-    def match(self, prompt: Sequence[int]) -> PrefixHit | None:
-        """The longest cached block chain that is a prefix of prompt[:-1] (None when nothing matches)."""
+    def match(self, prompt: Sequence[int], salt: str | None = None) -> PrefixHit | None:
+        """The longest cached block chain under `salt` that is a prefix of prompt[:-1] (None when nothing matches)."""
         bs = self.block_size
         blocks: list[_Block] = []
-        parent_id = 0
+        parent_id: int | str = _root(salt)
         for start in range(0, len(prompt) - 1 - bs + 1, bs):
             block = self._blocks.get((parent_id, tuple(prompt[start : start + bs])))
             if block is None:
@@ -94,7 +96,8 @@ class PrefixCache:
             self._blocks.move_to_end(block.key)
         return PrefixHit(len(blocks) * bs, blocks) if blocks else None
 
-    def insert(self, tokens: Sequence[int], k_slot: Tensor, v_slot: Tensor, routing: Tensor | None = None) -> int:
+    def insert(self, tokens: Sequence[int], k_slot: Tensor, v_slot: Tensor, routing: Tensor | None = None,
+               salt: str | None = None) -> int:
         """Cache the full blocks of `tokens`, whose KV sits at positions [0, len(tokens)) of one KV-cache
         slot (k_slot, v_slot: [num_layers, num_kv_heads, max_len, head_dim]). Returns blocks added.
         MoE: `routing` [len(tokens), num_layers, top_k] is kept with the blocks."""
@@ -102,7 +105,7 @@ class PrefixCache:
         parent: _Block | None = None
         added = 0
         for start in range(0, len(tokens) - bs + 1, bs):
-            key = (parent.id if parent else 0, tuple(tokens[start : start + bs]))
+            key = (parent.id if parent else _root(salt), tuple(tokens[start : start + bs]))
             block = self._blocks.get(key)
             if block is None:
                 block = _Block(key, self._next_id, parent, k_slot[:, :, start : start + bs].clone(),
@@ -127,6 +130,11 @@ class PrefixCache:
             del self._blocks[victim.key]
             if victim.parent is not None:
                 victim.parent.children -= 1
+
+
+def _root(salt: str | None) -> int | str:
+    """The parent key of a chain's first block: 0 unsalted, else the salt (block ids are ints: never equal)."""
+    return 0 if salt is None else salt
 
 
 @torch.inference_mode()

@@ -1,0 +1,380 @@
+"""Live migration between engine servers (issue 42 item 3): the routes that move a server's in-flight requests to
+another engine server, over rollwise.engine.migration's coordinator.
+
+    POST /migrate            {target}: move every request in flight here to the engine server at `target` (same
+                             model and tokenizer); answers what moved. Requests whose tokens stream to their client
+                             (stream=true, stop strings) stay and finish here.
+    POST /migration/stage    (on the target) a request's exported state: prefill what of it is not in the KV yet
+    POST /migration/commit   (on the target) take the request over from its final state; it decodes on here
+    POST /migration/cancel   {request_id}: free what was staged (it finished on the source)
+    POST /migration/abort    {request_id}: abort a committed request (its client aborted it on the source)
+    POST /migration/result   {request_id, timeout_s?}: a committed request's samples once all are back (a long poll:
+                             {done: false} after timeout_s; the source polls again and relays them to its client)
+    GET  /migration/info     the engine's ModelInfo, which migration checks both ends against
+
+The source runs the coordinator (`migrate_between`: its engine keeps decoding on its own thread while the target
+prefills), with the target as a `RemoteTarget` (stage/commit/cancel over HTTP). A migrated request's client still
+waits on the source: the source asks the target for its samples (/migration/result) and answers the client with
+them, so a client (or a router relaying it) sees one answer: its tokens, logprobs and versions as one engine would
+have produced them. The source's engine is empty once /migrate answers: it can sleep or be removed; its process
+stays up until the migrated requests are answered.
+
+Every call to the target carries the caller's own Authorization header (one key for the engine servers of a
+deployment, as the router's --upstream-api-key). An engine that cannot migrate (the vLLM backend) answers 409 with
+what to do instead: abort and resubmit its requests (the fallback: tokens regenerated).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from pydantic import AnyHttpUrl, Base64Bytes, BaseModel, ConfigDict, Field
+
+from rollwise.engine.core import EngineWorker
+from rollwise.engine.migration import MigratingSample, Migratable, MigrationResult, MigrationState, migrate_between
+from rollwise.engine.service import EngineService
+from rollwise.serve.errors import APIError, error_responses
+from rollwise.engine.contract import Engine
+from rollwise.types.generation import Completion, GenerationRequest, ModelInfo, SamplingParams
+
+class MigrationUnsupported(Exception):
+    """The engine behind this server cannot migrate requests (answered 409, code migration_unsupported)."""
+
+
+NOT_MIGRATABLE = ("this engine does not support live migration (the reference engine does; the vLLM backend not "
+                  "yet): abort its requests and resubmit them elsewhere instead (their tokens are regenerated)")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SampleBody(_Strict):
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    top_logprobs: list[list[tuple[int, float]]] = []
+    rng_state: Base64Bytes
+    cached_prompt_tokens: int = 0
+
+
+class StateBody(_Strict):
+    """A request in flight, as exported between two steps of its source engine (MigrationState)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: str | None = None
+    cache_salt: str | None = None
+    samples: list[SampleBody]
+    session_id: str | None = None
+
+    @classmethod
+    def of(cls, state: MigrationState) -> StateBody:
+        r = state.request
+        return cls(request_id=r.request_id, prompt_ids=r.prompt_ids, params=r.params, adapter=r.adapter,
+                   cache_salt=r.cache_salt, session_id=state.session_id,
+                   samples=[SampleBody(**{**asdict(s), "rng_state": base64.b64encode(s.rng_state)})
+                            for s in state.samples])
+
+    def state(self) -> MigrationState:
+        request = GenerationRequest(self.request_id, list(self.prompt_ids), self.params, self.adapter, self.cache_salt)
+        samples = [MigratingSample(s.index, s.token_ids, s.logprobs, s.versions, [list(t) for t in s.top_logprobs],
+                                   s.rng_state, s.cached_prompt_tokens) for s in self.samples]
+        return MigrationState(request, samples, self.session_id)
+
+
+class RequestIdBody(_Strict):
+    request_id: str
+
+
+class ResultBody(RequestIdBody):
+    timeout_s: float = Field(30.0, ge=0, le=60)  # a long poll: {done: false} when the samples are not all back by then
+
+
+class MigrateBody(_Strict):
+    target: AnyHttpUrl  # the engine server the requests move to
+
+
+class SleepBody(_Strict):
+    migrate_to: AnyHttpUrl | None = None  # POST /sleep: move the requests in flight to this engine server first
+
+
+# ==================================================================== the source's view of the target
+
+
+class RemoteTarget:
+    """The target end of a migration, over HTTP (the coordinator's target CommandRunner: `call(fn)` runs fn on
+    this proxy). Only the target's half of Migratable answers; a refusal (409) is a ValueError, as in process."""
+
+    def __init__(self, url: str, authorization: str | None, timeout_s: float = 120.0) -> None:
+        self.url = url.rstrip("/")
+        headers = {"Authorization": authorization} if authorization else {}
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+
+    def call(self, fn: Any) -> Any:
+        return fn(self)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            response = self.http.post(path, json=body)
+        except httpx.HTTPError as exc:
+            raise ValueError(f"cannot migrate to {self.url}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code >= 400:
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = response.text[:300]
+            raise ValueError(f"the target {self.url} refused {path}: {message}")
+        return response.json()
+
+    def model_info(self) -> ModelInfo:
+        try:
+            response = self.http.get("/migration/info")
+        except httpx.HTTPError as exc:
+            raise ValueError(f"cannot migrate to {self.url}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code >= 400:
+            raise ValueError(f"cannot migrate to {self.url}: GET /migration/info answered {response.status_code} "
+                             f"({response.text[:200]}); it must be a rollwise engine server that supports migration")
+        return ModelInfo(**response.json())
+
+    def stage_migration(self, state: MigrationState) -> int:
+        return int(self._post("/migration/stage", StateBody.of(state).model_dump(mode="json"))["prefilled"])
+
+    def commit_migration(self, state: MigrationState) -> None:
+        self._post("/migration/commit", StateBody.of(state).model_dump(mode="json"))
+
+    def cancel_migration(self, request_id: str) -> None:
+        self._post("/migration/cancel", {"request_id": request_id})
+
+    # The source's half: never asked of a target.
+    def step(self) -> list[Completion]:
+        raise NotImplementedError("a remote engine is only ever a migration target")
+
+    def migratable_requests(self) -> list[str]:
+        raise NotImplementedError("a remote engine is only ever a migration target")
+
+    def export_running(self, request_id: str) -> MigrationState | None:
+        raise NotImplementedError("a remote engine is only ever a migration target")
+
+    def release_migrated(self, request_id: str) -> int:
+        raise NotImplementedError("a remote engine is only ever a migration target")
+
+
+# ==================================================================== routes
+
+
+class MigrationRoutes:
+    """The routes' logic for one engine server: its side as a source (`migrate_out`) and as a target."""
+
+    def __init__(self, server: EngineService) -> None:
+        self.server = server
+        # engine id -> (its events, samples to wait for, those back so far)
+        self.adopted: dict[str, tuple[asyncio.Queue, int, list[Completion]]] = {}
+        self.here: set[str] = set()  # engine ids migrated here and not answered yet
+        self.relays: set[asyncio.Task] = set()  # each /migrate's relay of its requests' samples
+        self.migrated_requests = 0  # moved away from here, in all
+        self.away: dict[str, str] = {}  # engine id -> the target it runs on, until its samples are relayed back
+        self.migrating = asyncio.Lock()  # one /migrate (or /sleep migrate_to) at a time: each sees what it moves
+
+    async def _engine(self, fn: Callable[[Migratable], Any]) -> Any:
+        """fn(engine) on the engine thread, refused with 409 when the engine cannot migrate."""
+        def run(engine: Engine) -> Any:
+            if not isinstance(engine, Migratable):
+                raise MigrationUnsupported(NOT_MIGRATABLE)
+            return fn(engine)
+        try:
+            return await self.server.frontend.call(run)
+        except MigrationUnsupported as exc:
+            raise APIError(409, str(exc), None, kind="conflict", code="migration_unsupported") from exc
+        except ValueError as exc:  # the engine's refusal names what does not fit
+            raise APIError(409, str(exc), "request_id", kind="conflict") from exc
+
+    async def migrate_out(self, target: str, authorization: str | None, source: str) -> dict[str, Any]:
+        """Move every request in flight here (but those streaming tokens) to `target`; `source`: this server's
+        URL as its caller named it, recorded on each moved sample as (source, target)."""
+        async with self.migrating:
+            return await self._migrate_out(target.rstrip("/"), authorization, source)  # (a validated URL ends in /)
+
+    async def _migrate_out(self, target: str, authorization: str | None, source: str) -> dict[str, Any]:
+        frontend = self.server.frontend
+        ids = await self._engine(lambda e: e.migratable_requests())
+        ids = [rid for rid in ids if not frontend.streams(rid)]
+        remote = RemoteTarget(target, authorization)
+        worker: EngineWorker | None = frontend.worker
+        assert worker is not None  # the server is started
+        try:
+            # (with nothing to move, still checks that the target could take them: a wrong target is refused)
+            result: MigrationResult = await asyncio.to_thread(migrate_between, worker, remote, ids)
+        except ValueError as exc:  # refused whole: nothing moved, every request still runs here
+            remote.close()
+            raise APIError(409, f"nothing was migrated: {exc}", "target", kind="conflict") from exc
+        except BaseException:
+            remote.close()
+            raise
+        remote.close()
+        self.migrated_requests += len(result.migrated)
+        self.away.update({rid: target for rid in result.migrated})
+        if result.migrated:
+            task = asyncio.get_running_loop().create_task(
+                self._relay_all((source.rstrip("/"), target), authorization, list(result.migrated)))
+            self.relays.add(task)
+            task.add_done_callback(self.relays.discard)
+        stayed = await self._engine(lambda e: e.migratable_requests())
+        return {"target": target, "migrated": result.migrated, "finished_on_source": result.finished_on_source,
+                "rounds": result.rounds, "tokens_prefilled": result.tokens_prefilled, "still_here": len(stayed)}
+
+    async def _relay_all(self, move: tuple[str, str], authorization: str | None, rids: list[str]) -> None:
+        headers = {"Authorization": authorization} if authorization else {}
+        async with httpx.AsyncClient(base_url=move[1], headers=headers, timeout=None) as http:
+            await asyncio.gather(*(self._relay(http, rid, move) for rid in rids))
+
+    async def _relay(self, http: httpx.AsyncClient, rid: str, move: tuple[str, str]) -> None:
+        """The migrated request's samples, from the target to its client here (or the error, never silence)."""
+        frontend = self.server.frontend
+        try:
+            while True:  # a long poll, until every sample is back
+                response = await http.post("/migration/result", json={"request_id": rid})
+                if response.status_code >= 400:
+                    raise ValueError(f"{response.status_code} {response.text[:300]}")
+                if response.json()["done"]:
+                    break
+            done = [Completion(**c) for c in response.json()["completions"]]
+            for c in done:  # this move first, then any the target made of it in turn
+                c.migrations = [move] + [(str(s), str(t)) for s, t in c.migrations]
+            frontend.deliver(done)
+        except Exception as exc:  # noqa: BLE001 - the client is answered with it
+            frontend.fail_engine_request(rid, f"request migrated to {http.base_url}, whose answer failed: {exc!r}")
+        finally:
+            self.away.pop(rid, None)
+
+    async def abort_away(self, engine_ids: list[str], authorization: str | None) -> int:
+        """Abort the engine requests that migrated away from here, where they run; returns their samples aborted.
+        A target that cannot be reached: its answer (/migration/result) fails, and so does the client's."""
+        headers = {"Authorization": authorization} if authorization else {}
+        aborted = 0
+        for rid in [r for r in engine_ids if r in self.away]:
+            async with httpx.AsyncClient(base_url=self.away[rid], headers=headers, timeout=30) as http:
+                try:
+                    response = await http.post("/migration/abort", json={"request_id": rid})
+                except httpx.HTTPError:
+                    continue
+                if response.status_code == 200:
+                    aborted += int(response.json()["aborted_samples"])
+        return aborted
+
+    # ------------------------------------------------------------ the target's side
+
+    def _checked(self, body: StateBody) -> MigrationState:
+        """The state, its token ids checked as a prompt's are (in the vocabulary, room left): 400 naming them."""
+        if self.server.frontend.routed(body.request_id) and body.request_id not in self.here:
+            # its client waits here (it migrated away from this server): a second route would strand that client
+            raise APIError(409, f"request {body.request_id!r} started on this server and migrated away: it cannot "
+                                "migrate back here; migrate it to another engine server", "request_id",
+                           kind="conflict")
+        self.server.check_prompt(body.prompt_ids, "prompt_ids")
+        seen: set[int] = set()
+        for i, sample in enumerate(body.samples):
+            if len({len(sample.token_ids), len(sample.logprobs), len(sample.versions)}) != 1:
+                raise APIError(400, f"samples[{i}]: token_ids, logprobs and versions must be as long as each other",
+                               f"samples[{i}]")
+            if not 1 <= len(sample.token_ids) <= body.params.max_tokens:
+                raise APIError(400, f"samples[{i}].token_ids must hold 1 to params.max_tokens={body.params.max_tokens} "
+                                    "tokens (a running sample's)", f"samples[{i}].token_ids")
+            if not 0 <= sample.index < body.params.n or sample.index in seen:
+                raise APIError(400, f"samples[{i}].index must be a distinct sample index in [0, params.n="
+                                    f"{body.params.n})", f"samples[{i}].index")
+            seen.add(sample.index)
+            self.server.check_prompt(body.prompt_ids + sample.token_ids, f"samples[{i}].token_ids")
+        return body.state()
+
+    async def stage(self, body: StateBody) -> dict[str, Any]:
+        state = self._checked(body)
+        return {"request_id": body.request_id, "prefilled": await self._engine(lambda e: e.stage_migration(state))}
+
+    async def commit(self, body: StateBody) -> dict[str, Any]:
+        state = self._checked(body)
+        queue = self.server.frontend.adopt(body.request_id)  # before the commit: its first sample may end at once
+        try:
+            await self._engine(lambda e: e.commit_migration(state))
+        except BaseException:
+            self.server.frontend.disown(body.request_id)
+            raise
+        self.adopted[body.request_id] = (queue, len(state.samples) or state.request.params.n, [])
+        self.here.add(body.request_id)
+        return {"request_id": body.request_id, "samples": len(state.samples)}
+
+    async def abort(self, body: RequestIdBody) -> dict[str, Any]:
+        if body.request_id not in self.here:
+            raise APIError(404, f"no request {body.request_id!r} was migrated here and is running", "request_id",
+                           kind="not_found_error")
+        return {"request_id": body.request_id, "aborted_samples": await self.server.frontend.abort_engine([body.request_id])}
+
+    async def cancel(self, body: RequestIdBody) -> dict[str, Any]:
+        await self._engine(lambda e: e.cancel_migration(body.request_id))
+        return {"request_id": body.request_id, "cancelled": True}
+
+    async def result(self, body: ResultBody) -> dict[str, Any]:
+        entry = self.adopted.get(body.request_id)
+        if entry is None:
+            raise APIError(404, f"no request {body.request_id!r} was migrated here (or its result was taken)",
+                           "request_id", kind="not_found_error")
+        queue, count, done = entry
+        deadline = asyncio.get_running_loop().time() + body.timeout_s
+        try:
+            while len(done) < count:
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    return {"request_id": body.request_id, "done": False, "completions": []}
+                try:
+                    events = await asyncio.wait_for(queue.get(), left)
+                except asyncio.TimeoutError:
+                    continue
+                for event in events:
+                    if event[0] == "error":
+                        raise APIError(503, f"the engine failed: {event[1]}", kind="server_error")
+                    if event[0] == "done":
+                        done.append(event[1])
+        except APIError:
+            self._forget(body.request_id)
+            raise
+        self._forget(body.request_id)
+        return {"request_id": body.request_id, "done": True, "completions": [asdict(c) for c in done]}
+
+    def _forget(self, rid: str) -> None:
+        self.adopted.pop(rid, None)
+        self.server.frontend.disown(rid)
+        self.here.discard(rid)
+
+    async def info(self) -> dict[str, Any]:
+        return asdict(await self._engine(lambda e: e.model_info()))
+
+
+def add_migration_routes(app: FastAPI, server: EngineService) -> MigrationRoutes:
+    routes = MigrationRoutes(server)
+    refusals = error_responses(400, 404, 409, 413, 503)
+
+    @app.post("/migrate", responses=refusals)
+    async def migrate(request: Request, body: MigrateBody) -> dict[str, Any]:
+        return await routes.migrate_out(str(body.target), request.headers.get("authorization"), str(request.base_url))
+
+    app.add_api_route("/migration/stage", routes.stage, methods=["POST"], responses=refusals)
+    app.add_api_route("/migration/commit", routes.commit, methods=["POST"], responses=refusals)
+    app.add_api_route("/migration/cancel", routes.cancel, methods=["POST"], responses=refusals)
+    app.add_api_route("/migration/abort", routes.abort, methods=["POST"], responses=refusals)
+    app.add_api_route("/migration/result", routes.result, methods=["POST"], responses=refusals)
+    app.add_api_route("/migration/info", routes.info, methods=["GET"], responses=refusals)
+    return routes
+
+
+__all__ = ["add_migration_routes", "MigrationRoutes", "MigrationUnsupported", "RemoteTarget", "SleepBody", "StateBody"]
