@@ -42,22 +42,24 @@ def server(tmp_path_factory):
                              "--port", str(port), "--api-keys", str(keys), "--base-model", str(model_dir),
                              "--data-dir", str(root / "data")], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, (root / "server.log").read_text()[-3000:]
-        try:
-            if httpx.get(f"{url}/api/v1/healthz", headers={"X-API-Key": KEY}, timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "rollwise serve tinker did not become healthy"
-        time.sleep(0.3)
-    yield url, model_dir, root
-    proc.terminate()
     try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, (root / "server.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/api/v1/healthz", headers={"X-API-Key": KEY}, timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "rollwise serve tinker did not become healthy"
+            time.sleep(0.3)
+        yield url, model_dir, root
+    finally:  # the server's API child goes with it (the supervisor stops it on SIGTERM)
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def test_math_rl_recipe_runs_unchanged(server, tmp_path):

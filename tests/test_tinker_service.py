@@ -394,3 +394,39 @@ def test_sample_importance_sampling_step_sample_shows_the_new_policy(server: Ser
     # the old sampler still serves the old weights (a snapshot, not the live model)
     again = sum(sampler.compute_logprobs(types.ModelInput.from_ints(prompt + rewarded.tokens)).result()[len(prompt):])
     assert again == pytest.approx(before, abs=1e-5)
+
+
+def test_forward_backward_custom_equals_the_same_loss_computed_locally(server: Server) -> None:
+    """The SDK's forward_backward_custom: a forward, the loss and its gradient on the client, then cross_entropy with
+    weights = -dC/dlogp (negative here: this loss pushes the targets' probabilities down). A second model with the
+    same seed trained on those weights computed here must end with the same weights (its logprobs equal)."""
+    data = sft_data(2)
+
+    def loss_of(logprobs: list) -> object:  # C = sum(logp + 0.05 logp^2): dC/dlogp = 1 + 0.1 logp > 0 here
+        return sum((lp + 0.05 * lp * lp).sum() for lp in logprobs)
+
+    def custom(batch: list[types.Datum], logprobs: list) -> tuple[object, dict[str, float]]:
+        loss = loss_of(logprobs)
+        return loss, {"custom:sum": float(loss)}
+
+    custom_tc = server.client().create_lora_training_client(base_model=BASE, rank=4, seed=7).result()
+    local_tc = server.client().create_lora_training_client(base_model=BASE, rank=4, seed=7).result()
+    before = logprobs_of(local_tc.forward(data, "cross_entropy").result())
+    out = custom_tc.forward_backward_custom(data, custom).result()
+    custom_tc.optim_step(ADAM).result()
+
+    import torch  # (the SDK's custom path needs torch too)
+
+    expected = float(loss_of([torch.tensor(lp) for lp in before]))
+    assert abs(out.metrics["custom:sum"] - expected) < 1e-3 * abs(expected)
+    weighted = [types.Datum(model_input=d.model_input,
+                            loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"],
+                                            "weights": [-(1.0 + 0.1 * v) for v in lp]})
+                for d, lp in zip(data, before, strict=True)]
+    assert all(w < 0 for d in weighted for w in d.loss_fn_inputs["weights"].tolist())
+    local_tc.forward_backward(weighted, "cross_entropy").result()
+    local_tc.optim_step(ADAM).result()
+    after_custom = logprobs_of(custom_tc.forward(data, "cross_entropy").result())
+    after_local = logprobs_of(local_tc.forward(data, "cross_entropy").result())
+    assert_close(after_custom, after_local, atol=1e-4)
+    assert max(abs(a - b) for x, y in zip(after_custom, before) for a, b in zip(x, y)) > 1e-3  # it did train

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 from rollwise.agent.episode_book import EpisodeBook, episode_slot
 from rollwise.agent.generator import LocalGenerator
 from rollwise.agent.rollout import EpisodeOutcome, run_agent_groups, score_episodes
-from rollwise.agent.samples import assign_episode_advantages
 from rollwise.config import AgentConfig
 from rollwise.types.generation import Completion, GenerationRequest, SamplingParams
 from rollwise.rollout.data import ProblemStream
@@ -47,7 +46,6 @@ class AgentController(EpisodeBook):
         super().__init__(policy_version=policy_version, start_group=start_group, pending_groups=pending_groups)
         self.generator = LocalGenerator(worker=worker)
         self.score_seconds = 0.0
-        self._metrics: dict[str, float] = {}
         self._sandboxes = self._new_sandboxes()
         self._sandboxes_closed = False
 
@@ -115,7 +113,7 @@ class AgentController(EpisodeBook):
         self.score_seconds += time.monotonic() - t
         n = max(len(outcomes), 1)
         calls = sum(o.tool_calls for o in outcomes)
-        self._metrics = {
+        self.last_metrics = {
             "agent_turns_mean": sum(o.turns for o in outcomes) / n,
             "agent_tool_calls_per_episode": calls / n,
             "agent_tool_error_rate": sum(o.tool_errors for o in outcomes) / max(calls, 1),
@@ -125,12 +123,6 @@ class AgentController(EpisodeBook):
             "agent_episodes_without_turns": sum(not o.samples for o in outcomes),
         }
         return samples
-
-    def assign_advantages(self, samples: list[Sample], mode: str) -> float:
-        return assign_episode_advantages(samples, mode)
-
-    def step_metrics(self) -> dict[str, float]:
-        return dict(self._metrics)
 
     def evaluate_problems(self, problems: list[Problem], params: SamplingParams, label: str,
                           progress: Callable[[int], None] | None = None) -> list[Sample]:

@@ -4,6 +4,7 @@ regenerated, DESIGN invariant 3), the policy version, and the groups a resumed r
 
 from __future__ import annotations
 
+from rollwise.agent.samples import assign_episode_advantages
 from rollwise.types.ledger import RolloutLedger
 from rollwise.types.sample import Sample
 
@@ -20,6 +21,7 @@ class EpisodeBook:
         self.ledger = RolloutLedger()
         self.next_group = start_group
         self.redo_groups = sorted(pending_groups or [])
+        self.last_metrics: dict[str, float] = {}  # the last batch's, as step_metrics() reports them
 
     def next_group_index(self) -> int:
         """A group a resumed run still owes first, else the next new one."""
@@ -28,6 +30,12 @@ class EpisodeBook:
         index = self.next_group
         self.next_group += 1
         return index
+
+    def assign_advantages(self, samples: list[Sample], mode: str) -> float:
+        return assign_episode_advantages(samples, mode)
+
+    def step_metrics(self) -> dict[str, float]:
+        return dict(self.last_metrics)
 
     def before_update(self) -> None:
         pass

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -29,9 +30,16 @@ import yaml
 from rich.table import Table
 
 from rollwise.bench.router_processes import stop
+from rollwise.bench.service_tenant import problem
 from rollwise.local_server import free_port
 
 GOALS = {"service_overhead_1_tenant": 0.15, "aggregate_throughput_8_vs_1": 3.0}
+# Why skyrl-tx (SkyRL's Tinker server, the only open one) has no arm here: tried on this machine, 2026-11-29.
+SKYRL_TX = (
+    "not run side by side: skyrl-tx 0.3.0 installs on this CPU only in its own venv (transformers<5, JAX CPU), "
+    "its API has no client/config and no protobuf, so SDK 0.38 cannot talk to it; with SDK 0.16.1 its JAX engine "
+    "compiled each new sampling shape for ~2 min and was killed (SIGKILL, memory) compiling the train step: "
+    "docs/benchmarks/service.md")
 
 
 def _workload(quick: bool) -> dict[str, int]:
@@ -118,12 +126,14 @@ def summarize(tenants: int, wall_s: float, results: list[dict[str, Any]]) -> dic
 
 
 def run_train_arm(root: Path, model: str, workload: dict[str, int]) -> dict[str, Any]:
-    """The same work through `rollwise train`: an arithmetic JSONL task, LoRA of the same rank, one engine."""
+    """The same work through `rollwise train`: the tenants' arithmetic problems as a JSONL task (no system prompt,
+the chat template around them), a LoRA of the same rank on the same projections, one engine."""
     arm = root / "rollwise-train"
     arm.mkdir(parents=True, exist_ok=True)
     task = arm / "task.jsonl"
-    task.write_text("".join(json.dumps({"prompt": f"Q: {a} + {b} =\nA:", "answer": a + b}) + "\n"
-                            for a in range(8) for b in range(8)))
+    rng = random.Random(0)
+    rows = [problem(rng) for _ in range(64)]  # the tenants' prompts (few-shot prefix included) and answers
+    task.write_text("".join(json.dumps({"prompt": text, "answer": answer}) + "\n" for text, answer in rows))
     cfg = {
         "model": model, "seed": 0, "output_dir": str(arm / "run"),
         "task": {"kind": "jsonl", "path": str(task)},
@@ -161,7 +171,7 @@ def run_service_bench(quick: bool, model: str, root: Path | None = None) -> dict
              / one["aggregate_samples_per_s"]}
     return {"benchmark": "service", "quick": quick, "model": model, "workload": workload, "arms": arms,
             "rollwise_train": train, "goals": goals, "goal_targets": GOALS,
-            "skyrl_tx": "not run: skyrl-tx's server needs JAX or Megatron backends and CUDA; see docs/benchmarks"}
+            "skyrl_tx": SKYRL_TX}
 
 
 def format_service_bench(result: dict[str, Any]) -> Table:

@@ -63,7 +63,8 @@ def datum(prompt: list[int], completion: list[int], logprobs: list[float], advan
 def run_tenant(url: str, api_key: str, model: str, *, steps: int, groups: int, group_size: int, max_tokens: int,
                seed: int, learning_rate: float, lora_rank: int) -> TenantResult:
     service = tinker.ServiceClient(base_url=url, api_key=api_key)
-    trainer = service.create_lora_training_client(base_model=model, rank=lora_rank, seed=seed)
+    # attention + MLP projections, as `rollwise train`'s train.lora (the SDK's default also adapts the LM head)
+    trainer = service.create_lora_training_client(base_model=model, rank=lora_rank, seed=seed, train_unembed=False)
     tokenizer = trainer.get_tokenizer()
     rng = random.Random(seed)
     params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0, stop=["\n"], seed=seed)

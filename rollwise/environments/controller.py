@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rollwise.agent.generator import LocalGenerator
-from rollwise.agent.samples import assign_episode_advantages
 from rollwise.agent.session import SessionLimits
 from rollwise.environments.kinds import worker_spec
 from rollwise.environments.protocol import Sampling
@@ -60,13 +59,12 @@ class EnvController(EpisodeBook):
         self.cfg, self.tokenizer, self.stream, self.scorer = cfg, tokenizer, stream, scorer
         super().__init__(policy_version=policy_version, start_group=start_group, pending_groups=pending_groups)
         self.score_seconds = 0.0
-        self._metrics: dict[str, float] = {}
         self._evals = 0
         self.service = EnvService(spec, workers=cfg.task.workers, rollout_timeout_s=cfg.task.rollout_timeout_s)
         try:
             self.hello = self.service.start()
         except WorkerError as exc:
-            raise RunError(f"task.env={cfg.task.env}: {exc}") from None
+            raise RunError(f"task.kind={cfg.task.kind}: {exc}") from None
         max_tokens = cfg.rollout.max_tokens
         limits = SessionLimits(max_turns=64, max_tokens=max(max_tokens * 16, 4096), max_tokens_per_turn=max_tokens)
         self.runner = EnvRunner(LocalGenerator(worker=worker), tokenizer, self.service, limits=limits,
@@ -124,14 +122,8 @@ class EnvController(EpisodeBook):
         for k in sorted(names):
             values = [r.reply.metrics[k] for r in results if r.reply.ok and k in r.reply.metrics]
             metrics[f"env_{k}"] = sum(values) / len(values)
-        self._metrics = metrics
+        self.last_metrics = metrics
         return samples
-
-    def assign_advantages(self, samples: list[Sample], mode: str) -> float:
-        return assign_episode_advantages(samples, mode)
-
-    def step_metrics(self) -> dict[str, float]:
-        return dict(self._metrics)
 
     def evaluate_problems(self, problems: list[Problem], params: SamplingParams, label: str,
                           progress: Callable[[int], None] | None = None) -> list[Sample]:

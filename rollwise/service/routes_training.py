@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from fastapi import APIRouter, Request
+from pydantic import BaseModel
 from google.protobuf.message import DecodeError
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
@@ -45,6 +46,23 @@ def model_id_of(session_id: str, model_seq_id: int) -> str:
 
 def seq_key(model_id: str, seq_id: int) -> str:
     return f"{model_id}#{seq_id}"
+
+
+def submit_in_order(request: Request, kind: str, body: BaseModel, model_id: str,
+                    seq_id: int | None) -> dict[str, object]:
+    """A request the worker runs in `model_id`'s seq_id order: one durable row, answered as a future."""
+    seq = seq_of(seq_id)
+    rid = submit(request, kind, dump(body), model_id=model_id, seq_id=seq, dedup_key=seq_key(model_id, seq))
+    return future(rid, model_id)
+
+
+def check_save_name(path: str | None) -> None:
+    """A checkpoint name, when given, is one path segment (it becomes tinker://MODEL_ID/weights/NAME)."""
+    if path is not None:
+        try:
+            checked_name(path)
+        except ServiceUserError as exc:
+            raise user_error(exc, "path") from None
 
 
 @router.post("/create_model")
@@ -100,41 +118,24 @@ def optim_step(request: Request, body: types.OptimStepRequest) -> dict[str, obje
     if not isinstance(body.optim_params, types.AdamParams):
         raise APIError(400, f"optimizer_params.type {body.optim_params.type!r} is not supported; send adam_params",
                        "optimizer_params", "invalid_request_error", "unsupported")
-    seq = seq_of(body.seq_id)
-    rid = submit(request, "optim_step", dump(body), model_id=body.model_id, seq_id=seq,
-                 dedup_key=seq_key(body.model_id, seq))
-    return future(rid, body.model_id)
+    return submit_in_order(request, "optim_step", body, body.model_id, body.seq_id)
 
 
 @router.post("/save_weights")
 def save_weights(request: Request, body: types.SaveWeightsRequest) -> dict[str, object]:
     owned_model(request, body.model_id)
-    seq = seq_of(body.seq_id)
-    if body.path is not None:
-        try:
-            checked_name(body.path)
-        except ServiceUserError as exc:
-            raise user_error(exc, "path") from None
-    rid = submit(request, "save_weights", dump(body), model_id=body.model_id, seq_id=seq,
-                 dedup_key=seq_key(body.model_id, seq))
-    return future(rid, body.model_id)
+    check_save_name(body.path)
+    return submit_in_order(request, "save_weights", body, body.model_id, body.seq_id)
 
 
 @router.post("/save_weights_for_sampler")
 def save_weights_for_sampler(request: Request, body: types.SaveWeightsForSamplerRequest) -> dict[str, object]:
     owned_model(request, body.model_id)
-    seq = seq_of(body.seq_id)
     if body.path is None and body.sampling_session_seq_id is None:
         raise APIError(400, "give path (a name: saved to disk) or sampling_session_seq_id (an ephemeral sampler)",
                        "path")
-    if body.path is not None:
-        try:
-            checked_name(body.path)
-        except ServiceUserError as exc:
-            raise user_error(exc, "path") from None
-    rid = submit(request, "save_weights_for_sampler", dump(body), model_id=body.model_id, seq_id=seq,
-                 dedup_key=seq_key(body.model_id, seq))
-    return future(rid, body.model_id)
+    check_save_name(body.path)
+    return submit_in_order(request, "save_weights_for_sampler", body, body.model_id, body.seq_id)
 
 
 @router.post("/load_weights")
@@ -149,10 +150,7 @@ def load_weights(request: Request, body: types.LoadWeightsRequest) -> dict[str, 
     source = owned_checkpoint(request, ref.uri)
     if body.model_id is not None:  # into an existing model, in its seq order
         owned_model(request, body.model_id)
-        seq = seq_of(body.seq_id)
-        rid = submit(request, "load_weights", dump(body), model_id=body.model_id, seq_id=seq,
-                     dedup_key=seq_key(body.model_id, seq))
-        return future(rid, body.model_id)
+        return submit_in_order(request, "load_weights", body, body.model_id, body.seq_id)
     if body.session_id is None or body.model_seq_id is None:
         raise APIError(400, "give model_id + seq_id (load into a model) or session_id + model_seq_id (create a "
                             "model from the checkpoint)", "model_id")
