@@ -27,6 +27,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from rollwise.config import ConfigError, RunConfig, dump_config
+from rollwise.control.controllers import build_controller
 from rollwise.control.placement import place
 from rollwise.control.placement.base import EngineView, Placement, PlaceRequest
 from rollwise.control.preflight import (
@@ -48,11 +49,9 @@ from rollwise.observe.summary import render_summary, total_time_split
 from rollwise.types.contracts import RolloutBackend, RolloutControl, Trainer
 from rollwise.reward.error_metrics import reward_error_metrics
 from rollwise.rollout.data import ProblemStream
-from rollwise.rollout.controller import RolloutController
 from rollwise.rollout.sync_rollout import PromptEncoder
 from rollwise.types.sample import Sample
 from rollwise.types.task import Problem, Task
-from rollwise.tasks import ENVIRONMENT_KINDS
 from rollwise.control.run_dir import how_to_continue, resolve_run_dir
 from rollwise.train.distill import Teacher
 from rollwise.train.policy_loss import resolve_policy_loss
@@ -365,27 +364,9 @@ def _train(cfg: RunConfig, console: Console, t0: float, run_dir: Path, resume_di
     engine, worker = placement.engine, placement.backend
     encoder = PromptEncoder(tokenizer, cfg.prompt, cfg.reward)
     stream = ProblemStream(train_problems, cfg.seed)
-    controller: RolloutControl
-    env_controller = None  # an environment task's (rollwise.environments): its workers end with the run
-    if cfg.task.kind in ENVIRONMENT_KINDS:  # rollouts in environment worker processes (rollwise.environments)
-        from rollwise.environments.controller import EnvController
-
-        controller = env_controller = EnvController(
-            cfg, worker, tokenizer, stream, scorer,
-            policy_version=trainer.version, start_group=start_group, pending_groups=pending_groups,
-        )
-    elif cfg.agent is not None:  # multi-turn, tool-using episodes (rollwise.agent)
-        from rollwise.agent.controller import AgentController
-
-        controller = AgentController(
-            cfg, worker, tokenizer, stream, scorer,
-            policy_version=trainer.version, start_group=start_group, pending_groups=pending_groups,
-        )
-    else:
-        controller = RolloutController(
-            cfg, worker, encoder, stream, scorer, policy_version=trainer.version, updates=start_step,
-            start_group=start_group, pending_groups=pending_groups,
-        )
+    controller, end_controller = build_controller(
+        cfg, worker, tokenizer, encoder, stream, scorer, policy_version=trainer.version, updates=start_step,
+        start_group=start_group, pending_groups=pending_groups)
 
     n_params = sum(p.numel() for p in model.parameters())
     console.print(
@@ -450,8 +431,7 @@ def _train(cfg: RunConfig, console: Console, t0: float, run_dir: Path, resume_di
             controller.close("the run ended")  # samples still in flight are recorded as dropped
             final_eval = record_eval(cfg.train.steps, "after")
     finally:
-        if env_controller is not None:
-            env_controller.shutdown()
+        end_controller()
         try:
             placement.close()  # also on errors: a live engine thread at exit aborts the interpreter
         finally:

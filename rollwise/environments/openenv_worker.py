@@ -83,7 +83,9 @@ async def wait_healthy(session: aiohttp.ClientSession, url: str, timeout_s: floa
     last = "no answer"
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise EpisodeError(f"the environment server exited with code {proc.returncode} before it was healthy")
+            raise EpisodeError(f"the environment server exited with code {proc.returncode} before it was healthy "
+                               "(run its start command by hand to see why; for `start.app`: is the environment's "
+                               "package installed for `start.python`, e.g. pip install -e <its directory>?)")
         try:
             async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
                 if r.status == 200:
