@@ -116,9 +116,11 @@ def test_prompts_that_cannot_fit_are_refused_without_tokenizing(engine_url: str)
         time.sleep(0.2)
     # Tokenizing 8 MB with this tokenizer takes ~20 s on this machine; the length check answers at once.
     assert text_s < 5, f"a prompt that cannot fit took {text_s:.1f}s to refuse"
-    # Tokenizing on the event loop would stall /health for seconds; a free loop answers in milliseconds
-    # (0.14 s at worst seen on a machine loaded by other jobs).
-    assert _p99(latencies) < 0.5, f"/health p99 {_p99(latencies) * 1000:.0f} ms while long prompts were refused"
+    # Tokenizing on the event loop would stall /health for the whole tokenization (~10-20 s for these prompts); a
+    # free loop answers in milliseconds (0.14 s at worst seen on a machine loaded by other jobs; once 2.3 s in the
+    # full suite, this server sharing the pytest process's interpreter with what earlier tests left): the bound
+    # sits between the two.
+    assert _p99(latencies) < 3.0, f"/health p99 {_p99(latencies) * 1000:.0f} ms while long prompts were refused"
     # A prompt that fits is still served (the check is not too eager).
     r = _completion(engine_url, {"prompt": "hello " * 10, "max_tokens": 2})
     assert r.status_code == 200, r.text
