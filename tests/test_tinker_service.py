@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
+from rollwise.local_server import free_port
 from rollwise.service.store import Store
 
 BASE = "tiny:0"
@@ -30,12 +30,6 @@ KEY_C = "tml-" + "c" * 28
 MAX_BYTES = 1_000_000
 MAX_QUEUED = 12
 ADAM = types.AdamParams(learning_rate=1e-2)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
