@@ -17,11 +17,13 @@ from rollwise.local_server import free_port
 MODEL = "tiny:0"
 
 
-def engine_subprocess(port: int) -> subprocess.Popen:
+def engine_subprocess(port: int, *, max_num_seqs: int = 8, max_model_len: int = 1024,
+                      extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
         [sys.executable, "-m", "rollwise.cli", "serve", "engine", "--model", MODEL, "--port", str(port),
-         "--max-num-seqs", "8", "--max-model-len", "1024", "--log-level", "warning"],
+         "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len), "--log-level", "warning",
+         *extra_args],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
