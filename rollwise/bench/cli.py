@@ -77,6 +77,9 @@ def add_bench_parser(sub: Any) -> None:
     bench.add_argument("--adapter-only", action="store_true",
                        help="sync: only the full push and a rank-16 adapter push, on the training path and over gloo "
                        "(for big models: no memcpy buffers or files copy), e.g. with --model shape:llama-3.2-1b")
+    bench.add_argument("--migration", action="store_true",
+                       help="mux: the migration arm instead: a pool slot drained for another job by live migration "
+                       "vs by waiting vs by abort and regenerate (issue 42; drain episode, tokens regenerated)")
     bench.add_argument("--lora", action="store_true",
                        help="mux: train.lora jobs on one base sharing one engine batch (2 jobs; full: also 4) "
                        "vs. dedicated engines (issue 22)")
@@ -136,6 +139,12 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
         with console.status("timing sandboxes (create / exec / fork / destroy, then concurrency)"):
             result = run_sandbox_bench(quick=args.quick)
         return _finish(args, console, format_sandbox_bench(result), result)
+    if args.name == "mux" and args.migration:
+        from rollwise.bench.mux_migration import format_migration_bench, run_migration_bench
+
+        with console.status("draining a pool slot by migration, by waiting, by abort and regenerate"):
+            result = run_migration_bench(quick=args.quick, model=args.model, rounds=args.rounds)
+        return _finish(args, console, format_migration_bench(result), result)
     if args.name == "mux":  # each job loads its own model in its own process
         from rollwise.bench.mux import format_mux_bench, run_mux_bench
 

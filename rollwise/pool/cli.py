@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-slice", type=float, default=5.0, metavar="S",
                    help="seconds a job with work keeps a slot before a more deserving job may take it "
                    "(default: %(default)s)")
+    p.add_argument("--drain-by", default="migration", choices=["migration", "wait"],
+                   help="how a slot drained for another job empties: migration moves its running requests to a "
+                   "slot serving the same job when one has room (else waits); wait lets them finish there "
+                   "(default: %(default)s)")
     p.add_argument("--max-sleeping", type=int, default=4, metavar="N",
                    help="sleeping engines kept per slot (host memory); more are evicted, least recently used "
                    "first (default: %(default)s)")
@@ -101,7 +105,7 @@ def main(argv: list[str]) -> int:
         budget = None if args.memory_budget is None else int(args.memory_budget * 2**30)
         cache = cache_settings(args)
         serve(args.engines, front=Front.from_args(args), max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, min_slice_s=args.min_slice, max_sleeping=args.max_sleeping,
+              max_model_len=args.max_model_len, min_slice_s=args.min_slice, drain_by=args.drain_by, max_sleeping=args.max_sleeping,
               job_timeout_s=args.job_timeout, max_jobs=args.max_jobs, max_jobs_per_key=args.max_jobs_per_key,
               max_queued_per_job=args.max_queued_per_job, memory_budget_bytes=budget, cache=cache)
     except ValueError as exc:

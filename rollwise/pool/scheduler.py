@@ -107,6 +107,9 @@ def _tenancies(jobs: Sequence[JobView]) -> tuple[list[JobView], dict[str, list[J
 @dataclass(frozen=True)
 class Policy:
     min_slice_s: float = 5.0  # an active job with work keeps its slot at least this long
+    # How a draining slot empties (issue 42): "migration" moves its running requests to a peer slot serving the same
+    # tenancy when one has room (rollwise.pool.slot_migration), else waits; "wait" always lets them finish there.
+    drain_by: Literal["migration", "wait"] = "migration"
 
 
 def _rank(job: JobView) -> tuple[float, float, str]:

@@ -53,6 +53,7 @@ only (rollwise.pool.slots: its requests are answered with the error, the slot ke
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 from rollwise.pool.app import create_app
 from rollwise.pool.engine_pool import EnginePool
@@ -66,6 +67,7 @@ from rollwise.serve.settings import FrontSettings
 
 def serve(engines: int = 1, front: Front | None = None, max_num_seqs: int = 16,
           max_model_len: int = 1024, min_slice_s: float = 5.0, max_sleeping: int = 4,
+          drain_by: Literal["migration", "wait"] = "migration",
           job_timeout_s: float = 120.0, on_start: Callable[[EnginePool], None] | None = None,
           max_jobs: int = 16, max_jobs_per_key: int | None = None,
           max_queued_per_job: int = 4096, memory_budget_bytes: int | None = None,
@@ -77,7 +79,8 @@ def serve(engines: int = 1, front: Front | None = None, max_num_seqs: int = 16,
     if min_slice_s < 0:
         raise ValueError(f"--min-slice must be >= 0 seconds, got {min_slice_s}")
     pool = EnginePool(engines, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                      policy=Policy(min_slice_s=min_slice_s), max_sleeping=max_sleeping, job_timeout_s=job_timeout_s,
+                      policy=Policy(min_slice_s=min_slice_s, drain_by=drain_by), max_sleeping=max_sleeping,
+                      job_timeout_s=job_timeout_s,
                       max_jobs=max_jobs, max_jobs_per_key=max_jobs_per_key, max_queued_per_job=max_queued_per_job,
                       memory_budget_bytes=memory_budget_bytes, cache=cache,
                       startup=calibrate(16 * 2**20))  # this machine's tier bandwidths, for placement

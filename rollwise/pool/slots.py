@@ -184,8 +184,8 @@ class SlotLoops:
                     admit += admitted
             elif decision.action == "switch":
                 switch = self._claim(slot, decision.job, now)
-            elif decision.action == "drain":  # issue 42: its requests move to a peer serving the tenancy, if one has room
-                peer = self.migration.peer(slot, decisions)
+            elif decision.action == "drain" and self.state.policy.drain_by == "migration":
+                peer = self.migration.peer(slot, decisions)  # issue 42: its requests move to a peer with room
         for name in dict.fromkeys(r.job for r in admit):
             self._admit(slot, [r for r in admit if r.job == name])
         if peer is not None and decision.target is not None:
