@@ -180,8 +180,8 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _token_advantages_placement(self) -> RunConfig:
         check_token_advantage_placement(token_advantage_reason(self.train.advantage, self.train.kl_penalty,
-                                                               self.train.kl_coef),
-                                        self.trainer.world_size, self.ray.trainer_ranks, self.agent is not None)
+                                                               self.train.kl_coef, self.train.teacher is not None),
+                                        self.agent is not None)
         return self
 
     @model_validator(mode="after")

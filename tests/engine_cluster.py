@@ -4,8 +4,9 @@ front of them, for the modules that test routes through both. Not a test module 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
 
@@ -24,12 +25,15 @@ def engine_app():
 
 
 @contextlib.contextmanager
-def engine_cluster(policy: str, replicas: int = 2) -> Iterator[SimpleNamespace]:
-    """`replicas` engine servers and a router with `policy`: .replicas (urls), .router (url), .http (a client)."""
+def engine_cluster(policy: str, replicas: int = 2, wrap_router: Callable[[Any], Any] | None = None
+                   ) -> Iterator[SimpleNamespace]:
+    """`replicas` engine servers and a router with `policy`: .replicas (urls), .router (url), .http (a client).
+    `wrap_router` wraps the router's ASGI app (e.g. to record what clients send it)."""
     with contextlib.ExitStack() as stack:
         urls = [stack.enter_context(serve_in_thread(engine_app()))[0] for _ in range(replicas)]
         config = RouterConfig(replicas=urls, policy=policy, health_interval_s=0.2, queue_timeout_s=30, model=MODEL)
-        router, _ = stack.enter_context(serve_in_thread(create_router_app(config),
+        router_app = create_router_app(config)
+        router, _ = stack.enter_context(serve_in_thread(wrap_router(router_app) if wrap_router else router_app,
                                                         bind_socket("127.0.0.1", 0, reuse_port=False)))
         http = stack.enter_context(httpx.Client(timeout=60))
         yield SimpleNamespace(replicas=urls, router=router, http=http)

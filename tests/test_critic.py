@@ -2,7 +2,8 @@
 item 1: GAE and the KL-shaped returns against independent float64 loops written here, on hand-built tensors
 (a group of one, a fully masked sequence); the trainer's micro-batches carry the per-token advantages in every
 layout; a gae trainer trains its critic (the value loss falls on a fixed batch), and checkpoints and resumes it;
-the settings that do not run yet (sharded, agent) and a resume without a critic are refused, naming the field.
+the setting that does not run yet (agent) and a resume without a critic are refused, naming the field (the
+sharded trainer's critic: tests/test_critic_sharded.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from rollwise.types.train_config import TrainConfig
 from rollwise.model.tiny import tiny_llama
 from rollwise.train.advantages import assign_advantages
 from rollwise.train.critic import EXPLAINED_VARIANCE, VALUE_LOSS
-from rollwise.train.sharded import refuse_token_advantages
 from rollwise.train.token_advantages import compute_token_advantages, kl_estimate
 from rollwise.train.trainer import GRPOTrainer
 from rollwise.types.sample import Sample
@@ -202,7 +202,7 @@ def test_gae_trains_the_critic_and_resumes_it(tmp_path, gae_cfg):
 
 @pytest.mark.parametrize("overrides,field", [
     (["train.advantage=mean", "train.kl_penalty=reward"], "train.kl_penalty=reward"),
-    (["train.advantage=gae", "trainer.world_size=2", "trainer.device=cpu"], "trainer.world_size"),
+    (["train.advantage=gae", "agent.max_turns=2"], "agent:"),
     (["train.advantage=reinforce_pp", "train.kl_coef=0.1", "agent.max_turns=2"], "agent:"),
     (["train.gae.value_clip=0"], "train.gae.value_clip"),
     (["train.kl_estimator=k5"], "train.kl_estimator"),
@@ -210,9 +210,3 @@ def test_gae_trains_the_critic_and_resumes_it(tmp_path, gae_cfg):
 def test_refused_with_the_field_named(overrides, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         load_config(None, overrides)
-
-
-def test_sharded_trainer_refuses_token_advantages():
-    with pytest.raises(ConfigError, match="train.advantage=gae"):
-        refuse_token_advantages(TrainConfig(advantage="gae"))
-    refuse_token_advantages(TrainConfig(advantage="reinforce_pp"))  # no KL: nothing per token, runs sharded

@@ -1,119 +1,144 @@
-"""On-policy distillation (`train.teacher`, issue 41 item 4): the teacher scores the student's sampled tokens,
-the reverse KL on them is the reward. Tiny random models."""
+"""On-policy distillation (`train.teacher`, issue 41 item 4): the student samples, a teacher ENGINE scores the same
+token ids (Engine.score_tokens, in process or over HTTP: POST /score), and each token's log-ratio is its reward,
+trained through the per-token advantage path. Tiny random models."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from rich.console import Console
 
 from rollwise.config import ConfigError, load_config
-from rollwise.types.train_config import TrainConfig
+from rollwise.control.teacher import Teacher
 from rollwise.control.train_loop import train
+from rollwise.engine.client import EngineClient
+from rollwise.engine.server import build_engine, create_app
+from rollwise.local_server import serve_in_thread
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer
-from rollwise.train.advantages import assign_advantages
-from rollwise.train.distill import REVERSE_KL, Teacher
-from rollwise.train.trainer import GRPOTrainer
+from rollwise.train.distill import REVERSE_KL, REWARD_MEAN, TASK_REWARD_MEAN, set_distill_rewards
+from rollwise.train.token_advantages import compute_token_advantages
 from rollwise.types.sample import Sample
 from rollwise.types.sft_config import TeacherConfig
+from rollwise.types.train_config import TrainConfig
 from run_configs import tiny_run_config
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
+IDS = [3, 17, 29, 4, 88, 100, 7, 7, 61, 15, 2, 99]  # 5 prompt tokens, 7 response tokens
+START = 5
+
+
+@pytest.fixture(scope="module")
+def teacher_server():
+    """The teacher tiny:1 served by a real engine server on loopback (what train.teacher.url points at)."""
+    engine, tokenizer = build_engine("tiny:1", max_num_seqs=2, max_model_len=256, seed=0)
+    with serve_in_thread(create_app(engine, tokenizer, "tiny:1")) as (url, _server):
+        yield url
+
+
+def _forward_logprobs(model, ids: list[int], start: int, temperature: float) -> torch.Tensor:
+    """Independent: the teacher model's own forward, fp32 log-softmax at the temperature, picked at each token."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, start - 1:-1].float()
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(ids[start:])[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_teacher_engine_scores_equal_the_models_forward(teacher_server, temperature):
+    expected = _forward_logprobs(tiny_llama(seed=1), IDS, START, temperature)
+    local = Teacher.start(TeacherConfig(model="tiny:1", max_num_seqs=1), tiny_tokenizer(), temperature=temperature,
+                          max_model_len=64)
+    torch.testing.assert_close(torch.tensor(local.scorer.score_tokens(IDS, START, temperature)), expected,
+                               atol=1e-5, rtol=1e-5)
+    with EngineClient(teacher_server) as client:  # the same request over HTTP: POST /score
+        torch.testing.assert_close(torch.tensor(client.score_tokens(IDS, START, temperature)), expected,
+                                   atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("body, field", [({"token_ids": IDS, "start": len(IDS)}, "start"),
+                                         ({"token_ids": [*IDS, 10**6], "start": 1}, "token_ids"),
+                                         ({"token_ids": IDS, "start": 1, "temperature": 0}, "temperature")])
+def test_bad_score_requests_name_the_field(teacher_server, body, field):
+    response = httpx.post(f"{teacher_server}/score", json=body, timeout=30)
+    assert response.status_code in (400, 422) and field in response.json()["error"]["message"]
+
+
+def _hand_batch() -> tuple[list[Sample], list[torch.Tensor]]:
+    behaviour = [[-1.0, -2.0, -0.5], [-0.3, -0.1], [-2.0, -1.0, -1.0, -0.2]]
+    teacher = [torch.tensor([-0.5, -2.5, -0.5]), torch.tensor([-1.3, -0.1]), torch.tensor([-1.0, -1.5, -0.2, -0.2])]
+    samples = [Sample(sample_id=f"g{i // 2}/{i}", group_id=f"g{i // 2}", problem_id="p", prompt_ids=[1, 2],
+                      response_ids=list(range(3, 3 + len(b))), behaviour_logprobs=b, versions=[0] * len(b),
+                      finish_reason="stop", reward=float(i)) for i, b in enumerate(behaviour)]
+    return samples, teacher
+
+
+@pytest.mark.parametrize("estimator, mode", [("reinforce_pp", "replace"), ("reinforce_pp", "add"),
+                                             ("reinforce_pp_baseline", "add")])
+def test_per_token_rewards_and_advantages_equal_an_independent_computation(estimator, mode):
+    samples, teacher = _hand_batch()
+    metrics = set_distill_rewards(samples, teacher, coefficient=0.5)
+    cfg = TrainConfig(advantage=estimator, teacher=TeacherConfig(model="tiny:1", mode=mode, coefficient=0.5))
+    advantages = compute_token_advantages(samples, cfg).advantages
+    # independent: r_t = 0.5 (log p_T - log p_S), the task reward on the last token with mode=add; undiscounted
+    # returns-to-go; whitened over every token of the batch (unbiased variance). reinforce_pp_baseline: the task
+    # reward minus its group's mean (g0: rewards 0 and 1; g1: one sample)
+    group_mean = {"g0": 0.5, "g1": 2.0}
+    returns = []
+    for s, t in zip(samples, teacher):
+        r = [0.5 * (tl - bl) for tl, bl in zip(t.tolist(), s.behaviour_logprobs)]
+        assert s.token_rewards == pytest.approx(r, abs=1e-6)
+        if mode == "add":
+            r[-1] += s.reward - (group_mean[s.group_id] if estimator == "reinforce_pp_baseline" else 0.0)
+        returns.append([sum(r[k:]) for k in range(len(r))])
+    flat = torch.tensor([g for rs in returns for g in rs], dtype=torch.float64)
+    whitened = (flat - flat.mean()) / flat.std()
+    torch.testing.assert_close(torch.cat(advantages).double(), whitened, atol=1e-4, rtol=1e-4)
+    kl = [float(bl - tl) for s, t in zip(samples, teacher) for tl, bl in zip(t.tolist(), s.behaviour_logprobs)]
+    assert metrics[REVERSE_KL] == pytest.approx(sum(kl) / len(kl))
+    assert metrics[REWARD_MEAN] == pytest.approx(-0.5 * sum(kl) / 3)
+    assert metrics[TASK_REWARD_MEAN] == pytest.approx(1.0)
 
 
 def _run(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
     cfg = tiny_run_config(tmp_path, f"{name}.yaml", output_dir=str(tmp_path / name))
-    train(load_config(cfg, ["train.steps=1", "eval.size=0", "checkpoint.every=0", "tensorboard=false",
-                            "rollout.max_tokens=12", *overrides]), Console(quiet=True))
+    train(load_config(cfg, ["eval.size=0", "checkpoint.every=0", "tensorboard=false", "rollout.max_tokens=8",
+                            "train.advantage=reinforce_pp", *overrides]), Console(quiet=True))
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_reverse_kl_in_the_loop(tmp_path):
-    """Teacher == student: the reverse KL is 0 to float round-off (engine vs in-process forward); another teacher:
-    > 0, and mode=add adds the distillation reward to the task's."""
-    same = _run(tmp_path, "same", "train.teacher.model=tiny:0")[0]
-    assert abs(same[REVERSE_KL]) < 1e-5 and abs(same["distill/reward_mean"]) < 1e-3
-    other = _run(tmp_path, "other", "train.teacher.model=tiny:1", "train.teacher.mode=add",
-                 "train.teacher.coefficient=0.5")[0]
-    assert other[REVERSE_KL] > 1e-3
-    assert other["reward_mean"] == pytest.approx(other["distill/reward_mean"] + other["distill/task_reward_mean"],
-                                                 abs=1e-5)
-    assert other["trained_tokens"] > 0 and other["policy_version"] == 1
+def test_two_steps_with_a_teacher_engine(tmp_path, teacher_server):
+    """Teacher == student (an in-process engine): ~0 reverse KL, ~0 distillation reward. Another teacher served over
+    HTTP, mode=add: 2 steps train, and the metrics carry the distillation reward beside the task's."""
+    same = _run(tmp_path, "same", "train.steps=1", "train.teacher.model=tiny:0")[0]
+    assert abs(same[REVERSE_KL]) < 1e-5 and abs(same[REWARD_MEAN]) < 1e-3
+    other = _run(tmp_path, "other", "train.steps=2", f"train.teacher.url={teacher_server}", "train.teacher.mode=add",
+                 "train.teacher.coefficient=0.5")
+    assert [r["step"] for r in other] == [1, 2]
+    # another teacher: the per-token log-ratios are not 0 (one-sample estimates: either sign on near-uniform models)
+    assert all(abs(r[REVERSE_KL]) > 1e-3 and abs(r[REWARD_MEAN]) > 1e-3 for r in other)
+    assert all(r["reward_mean"] == pytest.approx(r[TASK_REWARD_MEAN]) for r in other)
+    assert other[-1]["trained_tokens"] > 0 and other[-1]["policy_version"] == 2
 
 
-def test_refused_teacher_names_the_field_and_writes_nothing(tmp_path):
+def test_refused_teachers_name_the_field_and_write_nothing(tmp_path, teacher_server):
     other_vocab = tiny_tokenizer()
     other_vocab.add_tokens(["<extra>"])
     teacher_dir = tmp_path / "teacher"
     tiny_llama(seed=1, vocab_size=len(other_vocab)).save_pretrained(teacher_dir)
     other_vocab.save_pretrained(teacher_dir)
-    for spec in (str(teacher_dir), str(tmp_path / "missing")):
-        with pytest.raises(ConfigError, match=r"train\.teacher\.model"):
-            _run(tmp_path, "refused", f"train.teacher.model={spec}")
+    refused = [(f"train.teacher.model={teacher_dir}", r"train\.teacher\.model=.*vocabulary"),
+               (f"train.teacher.model={tmp_path / 'missing'}", r"train\.teacher\.model"),
+               ("train.teacher.url=http://127.0.0.1:9", r"train\.teacher\.url"),
+               (f"train.teacher.url={teacher_server} engine.max_model_len=512", r"train\.teacher\.url.*max_model_len"),
+               ("train.teacher.coefficient=2", r"train\.teacher.*train\.teacher\.url")]  # no model, no url
+    for override, message in refused:
+        with pytest.raises(ConfigError, match=message):
+            _run(tmp_path, "refused", "train.steps=1", *override.split())
         assert not (tmp_path / "refused").exists()
-
-
-def _sample(student, prompt: list[int], n: int, length: int, seed: int) -> list[Sample]:
-    """n responses sampled from the student by plain torch (temperature 1), with their log-probs."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.tensor([prompt] * n)
-    logps = []
-    with torch.no_grad():
-        for _ in range(length):
-            logp = torch.log_softmax(student(input_ids=ids).logits[:, -1].float(), -1)
-            token = torch.multinomial(logp.exp(), 1, generator=gen)
-            logps.append(logp.gather(-1, token))
-            ids = torch.cat([ids, token], 1)
-    logps_t = torch.cat(logps, 1)
-    return [Sample(sample_id=f"g/{i}", group_id="g", problem_id="p", prompt_ids=prompt,
-                   response_ids=ids[i, len(prompt):].tolist(), behaviour_logprobs=logps_t[i].tolist(),
-                   versions=[0] * length, finish_reason="length") for i in range(n)]
-
-
-def _token_reverse_kl(student, teacher, samples: list[Sample]) -> float:
-    """Exact KL(S || T) over the whole vocabulary, averaged over every sampled position's context."""
-    ids = torch.tensor([[*s.prompt_ids, *s.response_ids] for s in samples])
-    p = len(samples[0].prompt_ids)
-    with torch.no_grad():
-        s_logp = torch.log_softmax(student(input_ids=ids).logits[:, p - 1:-1].float(), -1)
-        t_logp = torch.log_softmax(teacher(input_ids=ids).logits[:, p - 1:-1].float(), -1)
-    return float((s_logp.exp() * (s_logp - t_logp)).sum(-1).mean())
-
-
-def test_teacher_reward_and_its_gradient_move_the_student_toward_the_teacher():
-    torch.manual_seed(0)
-    student = tiny_llama(seed=0)
-    teacher_model = tiny_llama(seed=1, tie_word_embeddings=False)
-    with torch.no_grad():
-        teacher_model.lm_head.weight.mul_(6.0)  # a sharp teacher, far from the near-uniform random student
-    tokenizer = tiny_tokenizer()
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                           tokenize=True)
-    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
-    samples = _sample(student, prompt, n=48, length=10, seed=0)
-    teacher = Teacher(teacher_model, TeacherConfig(model="tiny:1", coefficient=2.0), temperature=1.0,
-                      pad_token_id=tokenizer.pad_token_id)
-
-    # the teacher's log-probs and the reward against an independent forward of the teacher
-    ids = torch.tensor([[*s.prompt_ids, *s.response_ids] for s in samples])
-    with torch.no_grad():
-        t_all = torch.log_softmax(teacher_model(input_ids=ids).logits[:, len(prompt) - 1:-1].float(), -1)
-    t_logp = t_all.gather(-1, ids[:, len(prompt):, None])[..., 0]
-    metrics = teacher.reward(samples)
-    b_logp = torch.tensor([list(s.behaviour_logprobs) for s in samples])
-    expected = 2.0 * (t_logp - b_logp).sum(1)
-    torch.testing.assert_close(torch.tensor([s.reward for s in samples]), expected, atol=1e-4, rtol=1e-5)
-    assert metrics[REVERSE_KL] == pytest.approx(float((b_logp - t_logp).mean()), abs=1e-5)
-    assert all(s.extra["task_reward"] == 0.0 for s in samples)
-
-    # one policy-gradient step on that reward lowers the exact reverse KL to the teacher
-    assign_advantages(samples, "mean_std")
-    before = _token_reverse_kl(student, teacher_model, samples)
-    trainer = GRPOTrainer(student, TrainConfig(lr=3e-3, steps=1), pad_token_id=tokenizer.pad_token_id)
-    trainer.train_step(samples)
-    student.eval()
-    after = _token_reverse_kl(student, teacher_model, samples)
-    assert after < before - 0.01, (before, after)
+    # a group-relative estimator cannot take per-token rewards (as train.kl_penalty=reward)
+    with pytest.raises(ConfigError, match=r"train\.teacher.*train\.advantage='mean_std'"):
+        _run(tmp_path, "refused", "train.teacher.model=tiny:1", "train.advantage=mean_std")
+    assert not (tmp_path / "refused").exists()

@@ -207,6 +207,7 @@ def test_tools_reach_the_chat_template():
     ({"prompt": "hi", "logprobs": 21}, "logprobs must be <= 20"),
     ({"prompt": "hi", "logprobs": 2, "stream": True}, "only returned with stream: false"),
     ({"prompt": "hi", "echo": True, "stream": True}, "echo is only supported with stream: false"),
+    ({"prompt": "hi", "min_p": 0.1}, "min_p is not supported"),  # refused, not ignored: it would change sampling
 ])
 def test_bad_values_are_a_400_naming_the_field(srv, body, field):
     r = _post(srv, "/v1/completions", body)

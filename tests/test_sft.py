@@ -106,7 +106,7 @@ def test_sft_lowers_held_out_loss_and_its_checkpoint_starts_train(tmp_path):
     # addition right (every reward 0: no update), so the step distils from a teacher (tiny:0), whose reward varies.
     rl = tiny_run_config(tmp_path, "rl.yaml")
     result = train(load_config(rl, [f"model={ckpt}", "train.steps=1", "eval.size=0", "tensorboard=false",
-                                    "train.teacher.model=tiny:0"]), Console(quiet=True))
+                                    "train.teacher.model=tiny:0", "train.advantage=reinforce_pp"]), Console(quiet=True))
     assert result["policy_version"] == 1
     from safetensors.torch import load_file  # the run started from the SFT weights, not tiny:0's
     sft_weights = load_file(next((ckpt / "model").glob("*.safetensors")))

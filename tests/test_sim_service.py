@@ -3,12 +3,19 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
+import pytest
+
+from rollwise.sim.cli import main as sim_main
 from rollwise.sim.cost import CONFIG_DIR, load_cost_file
 from rollwise.sim.lora import SharedTrainers, simulate_lora
 from rollwise.sim.mux import MuxJob
 from rollwise.sim.service import project_service
+from rollwise.sim.service_costs import QWEN_7B, h100_costs, h100_engine
+from rollwise.sim.service_loop import ServiceWorkload, simulate_service
 
 COST, TRAINER = load_cost_file(CONFIG_DIR / "h100-7b.yaml")
 
@@ -43,3 +50,72 @@ def test_projection_saves_gpu_hours_and_more_gpus_cut_the_slowdown():
     assert all(r["engine_gpus"] + r["trainer_gpus"] == r["gpus"] for r in rows)
     assert all(r["gpu_hours_saved"] > 0 for r in rows)  # 8 tenants alone hold 16 GPUs
     assert rows[1]["median_slowdown"] < rows[0]["median_slowdown"]
+
+
+# --- `rollwise sim service --tenants-sweep`: the bench's own workload on one worker (rollwise.sim.service_sweep)
+
+MEASURED = Path(__file__).resolve().parents[1] / "docs" / "bench" / "service.json"
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("sweep") / "sweep.json"
+    assert sim_main(["service", "--tenants-sweep", "--measured", str(MEASURED), "--steps", "6", "--json",
+                     str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_cpu_costs_reproduce_the_measured_arms(sweep: dict) -> None:
+    """Levelled on the 1-tenant arm only, the model predicts the 2-, 4- and 8-tenant arms of `rollwise bench
+    service` on this CPU (steady aggregate samples/s) within 12%, and their flat 8-vs-1 ratio within 15%."""
+    validation = sweep["validation"]
+    measured = {a["tenants"]: a for a in json.loads(MEASURED.read_text())["arms"]}
+    for row in validation["arms"]:
+        real = row["tenants"] * 16 / measured[row["tenants"]]["mean_step_s"]  # independent of the sweep's code
+        assert row["measured_samples_per_s"] == pytest.approx(real)
+        assert abs(row["simulated_samples_per_s"] / real - 1) <= 0.12, row
+    assert abs(validation["ratio_error"]) <= 0.15
+    assert validation["ratio_simulated"] < 1.5  # compute-bound: batching saves per-call overheads, not FLOPs
+    assert sweep["goals"]["validation_error_8_vs_1"] == validation["ratio_error"]
+
+
+def test_h100_projection_grows_with_tenants_within_the_device_bound(sweep: dict) -> None:
+    for model in sweep["projection"].values():
+        for curve in (model["serial"], model["overlap"]):
+            rates = [r["aggregate_samples_per_s"] for r in curve]
+            assert rates == sorted(rates) and rates[-1] > rates[0], rates
+            for r in curve:
+                assert r["aggregate_samples_per_s"] <= r["device_bound_samples_per_s"] * 1.0001
+                assert r["aggregate_samples_per_s"] <= r["tenants"] * rates[0] * 1.0001  # no superlinear gain
+    goal = sweep["goals"]["aggregate_throughput_8_vs_1_projected"]
+    assert goal == sweep["projection"]["smollm2-135m"]["ratio_serial"] > 1.5
+    # a 7B step keeps one H100 busy already at one tenant: less to gain from batching than for 135M
+    assert sweep["projection"]["7b"]["ratio_serial"] < goal
+
+
+def test_h100_roofline_reproduces_the_bundled_7b_engine() -> None:
+    derived = h100_engine(QWEN_7B)
+    for key in ("step_overhead_s", "prefill_s_per_token", "decode_s_per_seq", "decode_s_per_ctx_token"):
+        assert getattr(derived, key) == pytest.approx(getattr(COST, key), rel=0.05), key
+
+
+def test_one_tenant_step_is_its_calls_in_sequence() -> None:
+    """Alone, a tenant's step is its five calls one after another, plus five round trips and its own work, plus at
+    most one idle poll of the worker (<= 50 ms) before each call."""
+    workload = ServiceWorkload()
+    costs = h100_costs(QWEN_7B, workload)
+    calls = (costs.push_s + costs.session_s + costs.sample_s(workload.groups, workload)
+             + costs.forward_backward_s(1, workload.train_tokens_per_step) + costs.optim_s)
+    floor = calls + 5 * costs.rpc_s + costs.client_s + (1 + 1 + workload.groups + 2) * costs.store_s_per_row
+    step = simulate_service(1, workload, costs, steps=3)["step_s"]
+    assert floor <= step <= floor + 5 * 0.05
+
+
+def test_tenants_sweep_refusals_name_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out.json"
+    assert sim_main(["service", "--tenants-sweep", "--tenant-counts", "2,4", "--json", str(out)]) == 2
+    assert "--tenant-counts" in capsys.readouterr().out
+    assert sim_main(["service", "--tenants-sweep", "--measured", str(tmp_path / "none.json"), "--json",
+                     str(out)]) == 2
+    assert "--measured" in capsys.readouterr().out
+    assert not out.exists()

@@ -16,13 +16,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 
 from rollwise.local_server import free_port
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer
+from tests.tinker_server import tinker_server
 
 
 KEY = "tml-cookbook-test-key"
@@ -34,32 +33,8 @@ def server(tmp_path_factory):
     model_dir = root / "tiny-model"
     tiny_llama(seed=0).save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)
-    keys = root / "keys.txt"
-    keys.write_text(KEY + "\n")
-    port = free_port()
-    log = (root / "server.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "rollwise.cli", "serve", "tinker", "--host", "127.0.0.1",
-                             "--port", str(port), "--api-keys", str(keys), "--base-model", str(model_dir),
-                             "--data-dir", str(root / "data")], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (root / "server.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/api/v1/healthz", headers={"X-API-Key": KEY}, timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "rollwise serve tinker did not become healthy"
-            time.sleep(0.3)
-        yield url, model_dir, root
-    finally:  # the server's API child goes with it (the supervisor stops it on SIGTERM)
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with tinker_server(root, [KEY], str(model_dir)) as srv:
+        yield srv.url, model_dir, root
 
 
 def test_math_rl_recipe_runs_unchanged(server, tmp_path):

@@ -15,6 +15,7 @@ import torch
 from tinker import types
 from tinker.proto.response_conv import deserialize_sample_response
 
+from rollwise.pool.cache_settings import CacheSettings
 from rollwise.service.base_models import BaseModels
 from rollwise.service.datums import Datum, ForwardBackwardBatch
 from rollwise.service.errors import ServiceUserError
@@ -224,23 +225,70 @@ def test_topk_prompt_logprobs_are_the_most_likely_tokens_at_each_position(sample
                                    atol=1e-5, rtol=1e-5)
 
 
-def test_full_parameter_sampler_serves_its_own_weights(bases, base):
-    s = Samplers(bases, max_num_seqs=4, max_model_len=64, max_full_engines=1)
+def full_tenant(base, seed: int) -> TenantModel:
     full = TenantModel(base, None)
     with torch.no_grad():
         for p in full.model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    s.publish("full", full.sampler_weights(), BASE)
-    (resp,) = run(s, job("full", max_tokens=8, prompt_logprobs=True))
-    seq = resp.sequences[0]
-    want = token_logprobs(full.model, PROMPT + seq.tokens)
-    torch.testing.assert_close(torch.tensor(seq.logprobs), want[len(PROMPT) - 1:], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(torch.tensor(resp.prompt_logprobs_np[1:]), want[: len(PROMPT) - 1], atol=1e-5,
-                               rtol=1e-5)
-    s.publish("full2", TenantModel(base, None).sampler_weights(), BASE)  # the pool of one engine is reused
-    dropped, fresh = run(s, job("full", max_tokens=2), job("full2", max_tokens=2))
-    assert isinstance(dropped, ServiceUserError) and "sampling_session_id" in str(dropped)
-    assert len(fresh.sequences[0].tokens) == 2
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed * 7919 + p.numel())))
+    return full
+
+
+def test_full_parameter_sampler_serves_its_own_weights(bases, base):
+    s = Samplers(bases, max_num_seqs=4, max_model_len=64, max_full_samplers=1)
+    try:
+        full = full_tenant(base, 1)
+        s.publish("full", full.sampler_weights(), BASE)
+        (resp,) = run(s, job("full", max_tokens=8, prompt_logprobs=True))
+        seq = resp.sequences[0]
+        want = token_logprobs(full.model, PROMPT + seq.tokens)
+        torch.testing.assert_close(torch.tensor(seq.logprobs), want[len(PROMPT) - 1:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.tensor(resp.prompt_logprobs_np[1:]), want[: len(PROMPT) - 1], atol=1e-5,
+                                   rtol=1e-5)
+        s.publish("full2", TenantModel(base, None).sampler_weights(), BASE)  # past max_full_samplers: full goes
+        dropped, fresh = run(s, job("full", max_tokens=2), job("full2", max_tokens=2))
+        assert isinstance(dropped, ServiceUserError) and "sampling_session_id" in str(dropped)
+        assert len(fresh.sequences[0].tokens) == 2
+        assert list(s.full.state()["jobs"]) == [s.served("full2").job.name]  # its pool job was detached
+    finally:
+        s.close()
+
+
+def test_full_parameter_tenants_alternating_on_one_pool_slot_equal_each_alone(bases, base):
+    """Two full-parameter tenants sampled alternately through the pool's one slot (each switch a load from the
+    tiered cache: no engine kept asleep) get exactly what each gets alone; the pool reports the switches."""
+    tenants = {"f1": full_tenant(base, 1), "f2": full_tenant(base, 2)}
+    greedy = dict(max_tokens=6, temperature=0.0, topk_sample_logprobs=2)
+
+    def alone(name: str):
+        s = Samplers(bases, max_num_seqs=4, max_model_len=64)
+        try:
+            s.publish(name, tenants[name].sampler_weights(), BASE)
+            return run(s, job(name, **greedy))[0]
+        finally:
+            s.close()
+
+    want = {name: alone(name) for name in tenants}
+    s = Samplers(bases, max_num_seqs=4, max_model_len=64, full_slots=1, full_sleeping=0,
+                 full_cache=CacheSettings(memory_bytes=1 << 30))
+    try:
+        for name, t in tenants.items():
+            s.publish(name, t.sampler_weights(), BASE)
+        got = [(name, run(s, job(name, **greedy))[0]) for name in ("f1", "f2", "f1", "f2")]
+        got.append(("f1", run(s, job("f1", prompt_logprobs=True, **greedy))[0]))
+        for name, resp in got:
+            assert resp.sequences[0].tokens == want[name].sequences[0].tokens
+            assert resp.sequences[0].logprobs == want[name].sequences[0].logprobs
+            top, top_want = resp.sequences[0].topk_logprobs_np, want[name].sequences[0].topk_logprobs_np
+            assert top.token_ids.tolist() == top_want.token_ids.tolist() and top.logprobs.tolist() == top_want.logprobs.tolist()
+        assert want["f1"].sequences[0].tokens != want["f2"].sequences[0].tokens or (
+            want["f1"].sequences[0].logprobs != want["f2"].sequences[0].logprobs)
+        state = s.full.state()
+        loads = [t["reason"] for t in state["transitions"] if t["target"] == "active"]
+        assert len(loads) >= 4 and all(r.startswith("load (") for r in loads), loads
+        assert any("memory tier" in r for r in loads), loads  # switched back in from the cache's memory tier
+        assert state["model_cache"]["memory"]["hits"] >= 2
+    finally:
+        s.close()
 
 
 @pytest.mark.parametrize("field, kw", [

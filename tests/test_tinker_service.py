@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -20,30 +17,20 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from rollwise.local_server import free_port
 from rollwise.service.store import Store
+from tests.tinker_server import TinkerServer, tinker_server
 
 BASE = "tiny:0"
 KEY_A = "tml-" + "a" * 28
 KEY_B = "tml-" + "b" * 28
 KEY_C = "tml-" + "c" * 28
+KEY_PLAIN = "p" * 32  # no `tml-`: the SDK sends it only through TINKER_CREDENTIAL_CMD
 MAX_BYTES = 1_000_000
 MAX_QUEUED = 12
 ADAM = types.AdamParams(learning_rate=1e-2)
 
 
-class Server:
-    def __init__(self, url: str, data_dir: Path, proc: subprocess.Popen) -> None:
-        self.url, self.data_dir, self.proc = url, data_dir, proc
-
-    def post(self, path: str, key: str = KEY_A, headers: dict[str, str] | None = None, **kw: object
-             ) -> httpx.Response:
-        return httpx.post(f"{self.url}/api/v1/{path}", headers={"X-API-Key": key, **(headers or {})}, timeout=60,
-                          **kw)
-
-    def get(self, path: str, key: str = KEY_A) -> httpx.Response:
-        return httpx.get(f"{self.url}/api/v1/{path}", headers={"X-API-Key": key}, timeout=60)
-
+class Server(TinkerServer):
     def result(self, request_id: str, key: str = KEY_A) -> httpx.Response:
         while True:
             r = self.post("retrieve_future", key, json={"request_id": request_id})
@@ -55,40 +42,14 @@ class Server:
     def api_pid(self) -> int:
         return int(self.get("healthz").json()["pid"])
 
-    def client(self, key: str = KEY_A) -> tinker.ServiceClient:
-        return tinker.ServiceClient(base_url=self.url, api_key=key)
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    data = tmp_path_factory.mktemp("tinker")
-    keys = data / "keys.txt"
-    keys.write_text(f"{KEY_A}\n{KEY_B}\n{KEY_C}\n")
-    port = free_port()
-    env = {**os.environ, "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rollwise.cli", "serve", "tinker", "--port", str(port), "--api-keys", str(keys),
-         "--base-model", BASE, "--data-dir", str(data), "--threads", "1", "--log-level", "warning",
-         "--max-request-bytes", str(MAX_BYTES), "--max-queued-per-key", str(MAX_QUEUED), "--long-poll", "5"],
-        env=env)
-    srv = Server(f"http://127.0.0.1:{port}", data, proc)
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            if srv.get("healthz").status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, "rollwise serve tinker exited during start-up"
-        assert time.monotonic() < deadline, "rollwise serve tinker did not answer /api/v1/healthz in 90 s"
-        time.sleep(0.2)
-    os.environ.setdefault("TINKER_TELEMETRY", "0")
-    yield srv
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with tinker_server(tmp_path_factory.mktemp("tinker"), [KEY_A, KEY_B, KEY_C, KEY_PLAIN], BASE, "--threads", "1",
+                       "--log-level", "warning", "--max-request-bytes", str(MAX_BYTES),
+                       "--max-queued-per-key", str(MAX_QUEUED), "--long-poll", "5", timeout_s=90,
+                       server_cls=Server) as srv:
+        yield srv
 
 
 def sft_data(n: int = 3) -> list[types.Datum]:
@@ -424,3 +385,14 @@ def test_forward_backward_custom_equals_the_same_loss_computed_locally(server: S
     after_local = logprobs_of(local_tc.forward(data, "cross_entropy").result())
     assert_close(after_custom, after_local, atol=1e-4)
     assert max(abs(a - b) for x, y in zip(after_custom, before) for a, b in zip(x, y)) > 1e-3  # it did train
+
+
+def test_a_key_the_sdk_refuses_as_api_key_is_named_at_start_up_and_still_served(server: Server) -> None:
+    """The SDK refuses a key without `tml-` client-side as api_key / TINKER_API_KEY, but sends one printed by
+    TINKER_CREDENTIAL_CMD unchecked: so the server keeps it, and its start-up names the key file's line."""
+    log = (server.data_dir.parent / "server.log").read_text()
+    assert "keys.txt, line 4: this key does not start with 'tml-'" in log
+    assert "line 1: this key" not in log and "line 3: this key" not in log
+    with pytest.raises(tinker.TinkerError, match="tml-"):
+        tinker.ServiceClient(base_url=server.url, api_key=KEY_PLAIN).get_server_capabilities()
+    assert server.get("get_server_capabilities", KEY_PLAIN).status_code == 200

@@ -86,11 +86,19 @@ def test_cache_salt_separates_prefix_cache_entries(cluster):
 @pytest.mark.parametrize(("body", "param"), [
     ({"token_ids": [5], "cache_salt": "", "sampling_params": {}}, "cache_salt"),
     ({"token_ids": [5], "sampling_params": {"logprobs": -1}}, "sampling_params.logprobs"),
+    # what verifiers' SamplingConfig passes through and the engine cannot honour: refused, never silently ignored
+    ({"token_ids": [5], "sampling_params": {"min_p": 0.1}}, "sampling_params.min_p"),
+    ({"token_ids": [5], "sampling_params": {"stop": ["</answer>"]}}, "sampling_params.stop"),
+    ({"token_ids": [5], "sampling_params": {"logit_bias": {"5": 1.0}}}, "sampling_params.logit_bias"),
 ])
 def test_bad_fields_are_a_400_naming_them(cluster, body, param):
     r = cluster.http.post(f"{cluster.replicas[0]}{ROUTE}", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+    off = {"min_p": 0.0, "stop": [], "logit_bias": None}  # the same fields switched off are served
+    if param.split(".")[-1] in off:
+        body = {**body, "sampling_params": {param.split(".")[-1]: off[param.split(".")[-1]], "max_tokens": 1}}
+        assert cluster.http.post(f"{cluster.replicas[0]}{ROUTE}", json=body).status_code == 200
 
 
 def test_router_keeps_a_session_on_one_replica(cluster):

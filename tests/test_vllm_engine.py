@@ -98,6 +98,20 @@ def test_implements_the_engine_contract(engine):
     assert info.engine == "vllm" and info.vocab_size == len(tiny_tokenizer()) and info.max_model_len == MAX_MODEL_LEN
 
 
+def test_score_tokens_equal_the_models_forward(engine, model):
+    """Engine.score_tokens on vLLM (a teacher engine, train.teacher): prompt_logprobs over the ids, per token equal
+    to the model's own fp32 log-softmax; another temperature is refused by name (vLLM's are at temperature 1)."""
+    ids = [*PROMPT, 5, 9, 33, 2, 71]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, len(PROMPT) - 1:-1].float()
+    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[len(PROMPT):])[:, None])[:, 0]
+    scores = engine.score_tokens(ids, len(PROMPT))
+    torch.testing.assert_close(torch.tensor(scores), expected, atol=2e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="temperature=0.7"):
+        engine.score_tokens(ids, len(PROMPT), 0.7)
+    assert not engine.has_unfinished()
+
+
 def test_token_ids_round_trip_and_match_the_reference_engine(engine, model):
     reference = ReferenceEngine(model, max_num_seqs=8, max_model_len=MAX_MODEL_LEN, seed=0)
     requests = [
@@ -405,3 +419,4 @@ def test_a_long_seeded_prompt_is_not_split(sole_vllm):
     finally:
         engine.close()
     assert [len(c.token_ids) for c in done] == [4, 4]
+

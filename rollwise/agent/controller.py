@@ -3,8 +3,10 @@
 AgentController offers the training loop the RolloutController's interface (next_batch, run_requests,
 before/after_update, checkpoint state) for rollout.mode=sync. Each step takes the same problems the
 single-turn loop would (ProblemStream), runs group_size episodes per problem concurrently on the
-loop's engine worker, scores each episode's final answer with the task's verifier, and returns one
-Sample per trajectory segment (loss mask on the sampled tokens only). Advantages are per episode.
+loop's engine worker, and returns one Sample per trajectory segment (loss mask on the sampled tokens only).
+Each episode's final answer is scored by the run's Scorer as the single-turn controller scores its groups
+(rollwise.rollout.group_scoring): a group goes to the scorer as soon as its episodes are done, and with the
+reward pool it is scored while the other episodes run. Advantages are per episode.
 Held-out evaluation runs greedy episodes with the same tools.
 """
 
@@ -12,14 +14,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, as_completed
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from rollwise.agent.episode_book import EpisodeBook, episode_slot
 from rollwise.agent.generator import LocalGenerator
-from rollwise.agent.rollout import EpisodeOutcome, run_agent_groups, score_episodes
+from rollwise.agent.rollout import EpisodeOutcome, agent_episodes, episode_heads, share_head_scores
 from rollwise.config import AgentConfig
 from rollwise.types.generation import Completion, GenerationRequest, SamplingParams
 from rollwise.rollout.data import ProblemStream
+from rollwise.rollout.group_scoring import GroupScoring
 from rollwise.types.contracts import Scorer
 from rollwise.rollout.sync_rollout import sampling_seed
 from rollwise.types.sample import Sample
@@ -45,6 +50,7 @@ class AgentController(EpisodeBook):
         self.scorer = scorer
         super().__init__(policy_version=policy_version, start_group=start_group, pending_groups=pending_groups)
         self.generator = LocalGenerator(worker=worker)
+        self.scoring = GroupScoring(scorer)  # episode groups being scored (in the background for the reward pool)
         self.score_seconds = 0.0
         self._sandboxes = self._new_sandboxes()
         self._sandboxes_closed = False
@@ -71,14 +77,51 @@ class AgentController(EpisodeBook):
             messages = messages[:at] + demo + messages[at:]
         return messages
 
-    def _run(self, problems: list[Problem], group_ids: list[str], group_size: int, temperature: float,
-             seed: int, max_tokens_per_turn: int | None = None) -> list[EpisodeOutcome]:
+    def _episodes(self, problems: list[Problem], group_ids: list[str], group_size: int, temperature: float,
+                  seed: int, max_tokens_per_turn: int | None = None
+                  ) -> AbstractContextManager[list[Future[EpisodeOutcome]]]:
         agent_cfg = self.agent_cfg
         if max_tokens_per_turn is not None:
             agent_cfg = agent_cfg.model_copy(update={"max_tokens_per_turn": max_tokens_per_turn})
-        return run_agent_groups(self.generator, self.tokenizer, problems, group_size, self._messages, agent_cfg,
-                                temperature=temperature, top_p=self.cfg.rollout.top_p, seed=seed,
-                                group_ids=group_ids, sandbox_pool=self._sandboxes)
+        return agent_episodes(self.generator, self.tokenizer, problems, group_size, self._messages, agent_cfg,
+                              temperature=temperature, top_p=self.cfg.rollout.top_p, seed=seed,
+                              group_ids=group_ids, sandbox_pool=self._sandboxes)
+
+    def _run_and_score(self, problems: list[Problem], indices: list[int], progress: Callable[[int], None] | None
+                       ) -> list[EpisodeOutcome]:
+        """Run the groups' episodes; each group goes to the scorer once its last episode is done (the pool scores it
+        while the others run). Returns when every episode is done and scored; `score_seconds` gets the time spent
+        scoring inline or waiting for scores after the last episode."""
+        group_size = self.cfg.rollout.group_size
+        step = indices[0] // self.cfg.rollout.prompts_per_step
+        left = dict.fromkeys(indices, group_size)
+        try:
+            with self._episodes(problems, [f"g{i}" for i in indices], group_size, self.cfg.rollout.temperature,
+                                sampling_seed(self.cfg.seed, step, 0, 1)) as futures:
+                slot_of = {f: k for k, f in enumerate(futures)}  # episode k is of group indices[k // group_size]
+                for future in as_completed(futures):
+                    future.result()  # an episode that raised fails the step, as before
+                    self.scoring.arrived()
+                    if progress is not None:
+                        progress(1)
+                    k = slot_of[future]
+                    group = indices[k // group_size]
+                    left[group] -= 1
+                    if left[group] == 0:
+                        first = k // group_size * group_size
+                        heads = episode_heads([f.result() for f in futures[first:first + group_size]])
+                        self.score_seconds += self.scoring.submit(group, heads, time.monotonic())
+                    self.scoring.collect()
+                outcomes = [f.result() for f in futures]
+            t = time.monotonic()
+            while len(self.scoring):  # the trainer waits on the reward alone now
+                self.scoring.wait(timeout=0.05)
+                self.scoring.collect()
+            self.score_seconds += time.monotonic() - t
+        except BaseException:
+            self.scoring.clear()
+            raise
+        return outcomes
 
     # ------------------------------------------------------------ the RolloutController interface
 
@@ -89,11 +132,7 @@ class AgentController(EpisodeBook):
         for index in indices:
             step, slot = divmod(index, batch)
             problems.append(self.stream.batch(step, batch)[slot])
-        step = indices[0] // batch
-        outcomes = self._run(problems, [f"g{i}" for i in indices], self.cfg.rollout.group_size,
-                             self.cfg.rollout.temperature, sampling_seed(self.cfg.seed, step, 0, 1))
-        if progress is not None:
-            progress(len(outcomes))
+        outcomes = self._run_and_score(problems, indices, progress)
         for index in indices:  # one ledger slot per episode: (group index, episode index)
             self.ledger.add_group(index, self.cfg.rollout.group_size)
         for o in outcomes:
@@ -108,9 +147,7 @@ class AgentController(EpisodeBook):
             reasons = sorted({o.finish_reason for o in outcomes})
             raise RuntimeError(f"no episode of this step sampled a single turn (ended by {reasons}); with "
                                "'context' the opening prompt does not fit: raise engine.max_model_len")
-        t = time.monotonic()
-        samples = score_episodes(outcomes, lambda s: self.scorer.score([s]))
-        self.score_seconds += time.monotonic() - t
+        samples = share_head_scores(outcomes)
         n = max(len(outcomes), 1)
         calls = sum(o.tool_calls for o in outcomes)
         self.last_metrics = {
@@ -121,6 +158,7 @@ class AgentController(EpisodeBook):
             "agent_split_segments": sum(max(len(o.samples) - 1, 0) for o in outcomes),
             # e.g. the opening prompt did not fit max_model_len: recorded here, nothing to train on
             "agent_episodes_without_turns": sum(not o.samples for o in outcomes),
+            **self.scoring.step_metrics(),  # overlap of scoring with the episodes (rollwise.rollout.group_scoring)
         }
         return samples
 
@@ -135,8 +173,9 @@ class AgentController(EpisodeBook):
                 return self.evaluate_problems(problems, params, label, progress)
             finally:
                 self.close()
-        outcomes = self._run(problems, [f"eval-{label}-{i}" for i in range(len(problems))], 1, params.temperature,
-                             0, max_tokens_per_turn=params.max_tokens)
+        with self._episodes(problems, [f"eval-{label}-{i}" for i in range(len(problems))], 1, params.temperature,
+                            0, max_tokens_per_turn=params.max_tokens) as futures:
+            outcomes = [f.result() for f in futures]
         if progress is not None:
             progress(len(outcomes))
         out = []

@@ -9,9 +9,9 @@ task's verifier; its trajectory becomes one Sample per segment (rollwise.agent.s
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +54,8 @@ def _tools(names: list[str], sandbox: Sandbox | None) -> list[Tool]:
     return made
 
 
-def run_agent_groups(
+@contextmanager
+def agent_episodes(
     generator: Generator,
     tokenizer: Any,
     problems: list[Problem],
@@ -68,8 +69,10 @@ def run_agent_groups(
     group_prefix: str = "agent",
     group_ids: list[str] | None = None,
     sandbox_pool: SandboxPool | None = None,
-) -> list[EpisodeOutcome]:
-    """All episodes of the groups, in (problem, try) order. python/bash tools need `sandbox_pool`."""
+) -> Iterator[list[Future[EpisodeOutcome]]]:
+    """Start all episodes of the groups on threads; yields their futures in (problem, try) order (episode k of
+    problem i is `futures[i * group_size + k]`), so a caller can take each episode as it finishes (and score a
+    group while others run). Leaving the block waits for every episode. python/bash tools need `sandbox_pool`."""
     needs_sandbox = any(t in ("python", "bash") for t in cfg.tools)
     if needs_sandbox and sandbox_pool is None:
         raise ValueError("agent tools python/bash need a sandbox pool (rollwise.sandbox.SandboxPool)")
@@ -103,18 +106,38 @@ def run_agent_groups(
 
     with ThreadPoolExecutor(max_workers=min(cfg.concurrency, len(jobs)) or 1,
                             thread_name_prefix="agent-episode") as pool:
-        return list(pool.map(one, jobs))
+        yield [pool.submit(one, job) for job in jobs]
+
+
+def run_agent_groups(generator: Generator, tokenizer: Any, problems: list[Problem], group_size: int,
+                     messages_for: Callable[[Problem], list[dict[str, Any]]], cfg: AgentConfig,
+                     **kwargs: Any) -> list[EpisodeOutcome]:
+    """All episodes of the groups (agent_episodes' arguments), in (problem, try) order, once all have finished."""
+    with agent_episodes(generator, tokenizer, problems, group_size, messages_for, cfg, **kwargs) as futures:
+        return [f.result() for f in futures]
 
 
 def score_episodes(outcomes: list[EpisodeOutcome], score: Callable[[Sample], None]) -> list[Sample]:
     """Score each episode once (on its first sample, whose response_text is the final answer) and
     copy the result to its other segments; returns all samples."""
+    for head in episode_heads(outcomes):
+        score(head)
+    return share_head_scores(outcomes)
+
+
+def episode_heads(outcomes: list[EpisodeOutcome]) -> list[Sample]:
+    """The sample each episode is scored on (its first: its response_text is the final answer); none for an
+    episode that sampled no turn."""
+    return [ep.samples[0] for ep in outcomes if ep.samples]
+
+
+def share_head_scores(outcomes: list[EpisodeOutcome]) -> list[Sample]:
+    """Copy each scored head's result to its episode's other segments; returns all samples."""
     out: list[Sample] = []
     for ep in outcomes:
         if not ep.samples:
             continue
         head = ep.samples[0]
-        score(head)
         for s in ep.samples[1:]:
             s.reward, s.outcome = head.reward, head.outcome
             s.strict_correct, s.lenient_correct = head.strict_correct, head.lenient_correct

@@ -60,8 +60,9 @@ def add_bench_parser(sub: Any) -> None:
         "service: `rollwise serve tinker` under 1, 2, 4, 8 LoRA tenants each running the arithmetic RL loop through "
         "the unmodified tinker SDK vs one alone and vs `rollwise train` on the same work (--quick: 1 and 2 tenants, "
         "2 steps; use --model tiny:llama for a fast check); "
-        "environments: the default run with scoring in-process vs in the reward pool, for a regex reward and a 100 ms "
-        "one: step time, rollouts/s, trainer idle time on rewards (--quick: tiny model, 2 steps of 2 groups)",
+        "environments: the default run and a calculator tool environment with scoring in-process vs in the reward "
+        "pool vs an environment service (classic verifiers), for a regex reward and a 100 ms one: step time, "
+        "rollouts/s, trainer idle time on rewards (--quick: tiny model, 2 steps of 2 groups; --arms: some arms)",
     )
     bench.add_argument("--quick", action="store_true", help="small workload (< 1 minute on 2 CPU cores)")
     bench.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
@@ -103,7 +104,8 @@ def add_bench_parser(sub: Any) -> None:
     bench.add_argument("--arms", default=None, metavar="A,B,...",
                        help="trainer-step: the trainer variants to run, comma-separated, baseline among them "
                        "(default: all; e.g. --arms baseline,default,default_bfloat16); algorithms: the recipes "
-                       "(default: all; e.g. --arms grpo,ppo_gae)")
+                       "(default: all; e.g. --arms grpo,ppo_gae); environments: the arms, TASK-EXECUTOR-REWARD "
+                       "(default: all; e.g. --arms single-pool-slow,tool-env-slow)")
     bench.add_argument("--seeds", type=int, default=None, metavar="N",
                        help="algorithms: seeds per recipe (default: 3; 1 with --quick)")
     bench.add_argument("--plot", type=Path, metavar="PNG", default=Path("rollout_timeline.png"),
@@ -129,9 +131,11 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
     if args.name == "environments":  # train() per arm: rollwise/bench/environments.py
         from rollwise.bench.environments import format_environments_bench, run_environments_bench
 
-        with console.status("training with scoring in-process and in the reward pool, regex and 100 ms rewards"):
+        with console.status("training with scoring in-process, in the reward pool and in an environment service, "
+                            "regex and 100 ms rewards"):
             explicit_model = any(a == "--model" or a.startswith("--model=") for a in sys.argv)
-            result = run_environments_bench(quick=args.quick, model=args.model if explicit_model else None)
+            arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
+            result = run_environments_bench(quick=args.quick, model=args.model if explicit_model else None, arms=arms)
         return _finish(args, console, format_environments_bench(result), result)
     if args.name == "sandbox":  # no model
         from rollwise.bench.sandbox import format_sandbox_bench, run_sandbox_bench

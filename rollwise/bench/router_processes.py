@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO
 
@@ -73,16 +73,19 @@ def _tail(log: IO[bytes]) -> str:
     return log.read().decode(errors="replace")[-2000:]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, log: IO[bytes], what: str, timeout_s: float = 180) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, log: IO[bytes], what: str, timeout_s: float = 180,
+                 path: str = "/health", headers: Mapping[str, str] | None = None) -> None:
+    """Wait until GET url+path (with `headers`, e.g. an API key) answers 200; RuntimeError with the child's log
+    (`log`: a readable file its output goes to) if it exits first, or after timeout_s."""
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited ({proc.returncode}): {_tail(log)}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+            if httpx.get(f"{url}{path}", headers=dict(headers or {}), timeout=1).status_code == 200:
                 return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} at {url} did not answer /health in {timeout_s:g} s")
+            raise RuntimeError(f"{what} at {url} did not answer {path} in {timeout_s:g} s")
         time.sleep(0.2)
 
 

@@ -25,11 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 from rich.table import Table
 
-from rollwise.bench.router_processes import stop
+from rollwise.bench.router_processes import stop, wait_healthy
 from rollwise.bench.service_tenant import problem
 from rollwise.local_server import free_port
 
@@ -60,24 +59,19 @@ def _start_server(root: Path, model: str, keys: list[str]) -> tuple[subprocess.P
     keys_file = root / "keys.txt"
     keys_file.write_text("\n".join(keys) + "\n")
     log = root / f"server-{port}.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rollwise.cli", "serve", "tinker", "--host", "127.0.0.1", "--port", str(port),
-         "--api-keys", str(keys_file), "--base-model", model, "--data-dir", str(root / f"data-{port}")],
-        stdout=subprocess.DEVNULL, stderr=log.open("wb"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"rollwise serve tinker exited ({proc.returncode}): {log.read_text()[-2000:]}")
+    with log.open("w+b") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rollwise.cli", "serve", "tinker", "--host", "127.0.0.1", "--port", str(port),
+             "--api-keys", str(keys_file), "--base-model", model, "--data-dir", str(root / f"data-{port}")],
+            stdout=subprocess.DEVNULL, stderr=out)
+        url = f"http://127.0.0.1:{port}"
         try:
-            if httpx.get(f"{url}/api/v1/healthz", headers={"X-API-Key": keys[0]}, timeout=1).status_code == 200:
-                return proc, url, log
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
+            wait_healthy(url, proc, out, "rollwise serve tinker", timeout_s=300, path="/api/v1/healthz",
+                         headers={"X-API-Key": keys[0]})
+        except RuntimeError:
             stop([proc])
-            raise RuntimeError(f"rollwise serve tinker did not answer /api/v1/healthz in 300 s: {log}")
-        time.sleep(0.5)
+            raise
+    return proc, url, log
 
 
 def run_tenants(root: Path, model: str, tenants: int, workload: dict[str, int]) -> dict[str, Any]:

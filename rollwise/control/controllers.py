@@ -24,7 +24,14 @@ def build_controller(cfg: RunConfig, worker: EngineWorker, tokenizer: object, en
     if cfg.task.kind in ENVIRONMENT_KINDS:
         from rollwise.environments.controller import EnvController
 
-        env = EnvController(cfg, worker, tokenizer, stream, scorer, **resumed)
+        if cfg.placement != "ray":
+            env = EnvController(cfg, worker, tokenizer, stream, scorer, **resumed)
+            return env, env.shutdown
+        # placement: ray: each environment worker is an actor owning the environment's process.
+        from rollwise.control.ray.env_workers import log_env_workers, ray_env_hosting
+
+        env = EnvController(cfg, worker, tokenizer, stream, scorer, **resumed, hosting=ray_env_hosting(cfg))
+        log_env_workers(env.service.places())
         return env, env.shutdown
     if cfg.agent is not None:
         from rollwise.agent.controller import AgentController

@@ -33,6 +33,7 @@ from rollwise.control.placement.base import EngineView, Placement, PlaceRequest
 from rollwise.control.preflight import (
     RunInputs, check_machine, check_run_dir, check_space, create_run_dir, discard_unstarted_run, load_inputs,
 )
+from rollwise.engine.factory import resolve_engine_kind
 from rollwise.engine.speculation.counters import counters_of, run_summary, step_metrics
 from rollwise.types.generation import SamplingParams
 from rollwise.model.allocator import keep_freed_memory
@@ -53,7 +54,7 @@ from rollwise.rollout.sync_rollout import PromptEncoder
 from rollwise.types.sample import Sample
 from rollwise.types.task import Problem, Task
 from rollwise.control.run_dir import how_to_continue, resolve_run_dir
-from rollwise.train.distill import Teacher
+from rollwise.control.teacher import Teacher
 from rollwise.train.policy_loss import resolve_policy_loss
 
 
@@ -75,7 +76,7 @@ class Run:
     t0: float
     update_times: list[float] = field(default_factory=list)  # when each weight update landed (timeline plot)
     meter: LoopMeter | None = None  # model FLOPs, MFU and idle cores (None: an architecture it cannot count)
-    teacher: Teacher | None = None  # train.teacher: on-policy distillation's scorer (rollwise.train.distill)
+    teacher: Teacher | None = None  # train.teacher: on-policy distillation's teacher engine (rollwise.control.teacher)
 
 
 def _seed_everything(seed: int) -> None:
@@ -162,7 +163,7 @@ def train_step(run: Run, step: int, logger: MetricsLogger) -> dict[str, Any]:
     run.progress.remove_task(bar)
     t_gen_end = time.monotonic()
     reward_s = run.controller.score_seconds - score_s0
-    # train.teacher: the teacher scores the sampled tokens; the reverse KL becomes (or joins) the reward
+    # train.teacher: the teacher engine scores the sampled tokens; each token's log-ratio is its reward
     distill = run.teacher.reward(samples) if run.teacher is not None else {}
     # agent: one advantage per episode (a split episode's segments share it)
     zero_var = run.controller.assign_advantages(samples, cfg.train.advantage)
@@ -321,8 +322,9 @@ def _train(cfg: RunConfig, console: Console, t0: float, run_dir: Path, resume_di
         meter = loop_meter(model, cfg.train, overlapped=cfg.rollout.mode != "sync", compute_dtypes=dtypes)
     problems = {p.id: p for p in train_problems + eval_problems}
     fingerprint = tokenizer_fingerprint(tokenizer)
-    teacher = None if cfg.train.teacher is None else Teacher.load(  # before any engine starts: refused early
-        cfg.train.teacher, tokenizer, temperature=cfg.rollout.temperature, chunk_tokens=cfg.train.logprob_chunk_tokens)
+    teacher = None if cfg.train.teacher is None else Teacher.start(  # before any engine starts: refused early
+        cfg.train.teacher, tokenizer, temperature=cfg.rollout.temperature, max_model_len=cfg.engine.max_model_len,
+        student_engine=resolve_engine_kind(cfg.engine.kind, cfg.model) if cfg.placement == "local" else "remote")
 
     def check_resume(state: dict[str, Any]) -> None:
         """Before any engine starts: the checkpoint must fit this configuration."""
@@ -377,7 +379,7 @@ def _train(cfg: RunConfig, console: Console, t0: float, run_dir: Path, resume_di
         + f"  task={task.name}  train={len(train_problems)} "
         f"eval={len(eval_problems)}  steps={cfg.train.steps}  batch={cfg.rollout.prompts_per_step}x"
         f"{cfg.rollout.group_size}  lr={cfg.train.lr}\n  run dir: {run_dir}\n"
-        f"  tokenizer fingerprint: {fingerprint[:16]}…"
+        f"  tokenizer fingerprint: {fingerprint[:16]}…" + (f"\n  teacher: {teacher.describe()}" if teacher else "")
     )
 
     logger = MetricsLogger(run_dir, tensorboard=cfg.tensorboard, purge_after_step=start_step if logs_cut else None,
@@ -435,6 +437,8 @@ def _train(cfg: RunConfig, console: Console, t0: float, run_dir: Path, resume_di
         try:
             placement.close()  # also on errors: a live engine thread at exit aborts the interpreter
         finally:
+            if teacher is not None:
+                teacher.close()
             logger.close()  # also on errors: trackers end their runs (MLflow's would stay RUNNING)
 
     records = read_metrics(run_dir / METRICS_LOG)

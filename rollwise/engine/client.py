@@ -74,6 +74,11 @@ class EngineClient:
             for c in out["choices"]
         ]
 
+    def score_tokens(self, token_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+        """Engine.score_tokens over HTTP (POST /score): the log-prob of each of token_ids[start:]."""
+        body = {"token_ids": list(token_ids), "start": start, "temperature": temperature}
+        return self._request("POST", "/score", body)["logprobs"]
+
     def model_info(self) -> dict[str, Any]:
         return self._request("GET", "/model_info")
 

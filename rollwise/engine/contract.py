@@ -93,6 +93,9 @@ class Engine(Protocol):
         """Tokens of KV its own cross-request prefix cache holds (0: it keeps none of its own)."""
     def flush_prefix_cache(self) -> int:
         """Empty that prefix cache; returns how many tokens it held."""
+    def score_tokens(self, token_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+        """log p(token_ids[i] | token_ids[:i]) at `temperature` for i in start..len-1, under the weights it serves:
+        one prefill, nothing sampled (a teacher engine scoring a student's response: rollwise.engine.scoring)."""
     def close(self) -> None:
         """Release what the engine holds beyond its memory (vLLM: its engine core and weight directory)."""
 

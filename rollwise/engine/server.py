@@ -47,6 +47,7 @@ from rollwise.engine.core import Command
 from rollwise.engine.factory import describe_engine
 from rollwise.engine.migration_http import SleepBody, add_migration_routes
 from rollwise.engine.retention import ReleaseSessionBody, RetainBody, RetentionRequest
+from rollwise.engine.scoring_http import add_score_route
 from rollwise.engine.service import EngineService
 from rollwise.engine.vllm_generate import add_vllm_generate_route
 from rollwise.model.loading import tokenizer_fingerprint
@@ -121,6 +122,7 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str,
         return FiniteJSONResponse(await server.generate(request, body))
 
     add_vllm_generate_route(app, server)  # POST /inference/v1/generate: vLLM's token-in shape (vllm-router's)
+    add_score_route(app, server)  # POST /score: Engine.score_tokens (a teacher engine, rollwise.control.teacher)
     migration = add_migration_routes(app, server)  # POST /migrate, /migration/*: live migration (issue 42)
 
     @app.get("/v1/models")

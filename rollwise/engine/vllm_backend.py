@@ -41,7 +41,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rollwise.types.generation import EngineLoad, ModelInfo
 from rollwise.engine.contract import check_request, check_version, check_weights, run_to_completion, seed_source
 from rollwise.engine.retention import RetentionDecision, RetentionLimits, RetentionRequest
 from rollwise.engine.retention_policy import PolicyName
@@ -49,10 +48,11 @@ from rollwise.engine.speculation.history import HistoryDrafter
 from rollwise.engine.speculation.counters import add_accept_histogram, new_counters, step_metrics
 from rollwise.engine.speculation.vllm_proposer import ProposerSource, patch_cpu_expand, register, unregister
 from rollwise.engine.state import EngineState
-from rollwise.types.generation import Completion, GenerationRequest
+from rollwise.types.generation import Completion, EngineLoad, GenerationRequest, ModelInfo
 from rollwise.engine.vllm_adapters import VllmAdapters
 from rollwise.engine.vllm_requests import VllmSample, config_eos, top_logprobs, vllm_sampling_params
 from rollwise.engine.vllm_retention import VllmSessionPins
+from rollwise.engine.vllm_scoring import VllmScoring
 from rollwise.engine.vllm_startup import (configure_vllm_environment, kv_cache_blocks_for_run, kv_cache_cap_gib,
                                            write_model_copy)
 from rollwise.model.upcycle import checkpoint_items
@@ -84,7 +84,7 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-class VLLMEngine(EngineState):
+class VLLMEngine(VllmScoring, EngineState):
     """The engine contract over an in-process vLLM `LLMEngine`.
 
     One per process at a time: vLLM's in-process engine core keeps its parallel groups in module

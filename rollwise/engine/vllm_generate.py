@@ -66,12 +66,41 @@ SERVED_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+# vLLM SamplingParams fields that change what is sampled and that the engine cannot honour: accepted when off
+# (unset, empty), refused otherwise with a 400 naming the field, never ignored (the tokens and logprobs would come
+# from another distribution than the client asked for). min_p is refused by SamplingFields, on every route.
+UNSERVED_SAMPLING = {
+    "stop": "stop strings are not served on the token route: pass their ids in stop_token_ids",
+    "logit_bias": "the engine samples without logit biases",
+    "allowed_token_ids": "the engine samples from the whole vocabulary",
+    "bad_words": "the engine samples without banned words",
+    "structured_outputs": "the engine has no structured (guided) decoding",
+    "guided_decoding": "the engine has no structured (guided) decoding",
+    "logits_processors": "the engine runs no custom logits processors",
+}
+
+
 class VLLMSamplingParams(SamplingFields):
-    """The vLLM SamplingParams fields the engine serves; vLLM's other fields are accepted and ignored."""
+    """The vLLM SamplingParams fields the engine serves; vLLM's other fields are accepted and ignored, but those
+    that would change the sampled distribution (UNSERVED_SAMPLING) are refused unless off."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # None: no logprobs; k: sampled + k best
+    stop: Any = None
+    logit_bias: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    structured_outputs: Any = None
+    guided_decoding: Any = None
+    logits_processors: Any = None
+
+    @field_validator(*UNSERVED_SAMPLING)
+    @classmethod
+    def _off(cls, value: Any, info: ValidationInfo) -> Any:
+        if value:
+            raise ValueError(f"is not supported ({UNSERVED_SAMPLING[info.field_name]}): leave it out")
+        return value
 
     def num_top_logprobs(self) -> int:
         return self.logprobs or 0

@@ -21,7 +21,7 @@ from rollwise.agent.session import SessionLimits
 from rollwise.environments.kinds import worker_spec
 from rollwise.environments.protocol import Sampling
 from rollwise.environments.runner import EnvRunner, RolloutJob, RolloutResult
-from rollwise.environments.workers import EnvService, WorkerError
+from rollwise.environments.workers import LOCAL, EnvService, WorkerError, WorkerHosting
 from rollwise.config import RunError
 from rollwise.reward.batch import apply_env_reward
 from rollwise.rollout.data import ProblemStream
@@ -48,7 +48,8 @@ def failure_kind(error: str) -> str:
 class EnvController(EpisodeBook):
     def __init__(self, cfg: RunConfig, worker: EngineWorker, tokenizer: Any, stream: ProblemStream,
                  scorer: Scorer, *, policy_version: int = 0, start_group: int = 0,
-                 pending_groups: list[int] | None = None) -> None:
+                 pending_groups: list[int] | None = None, hosting: WorkerHosting = LOCAL) -> None:
+        # hosting: where the workers run (processes of this one, or Ray actors under placement: ray).
         if cfg.rollout.mode != "sync":
             raise RunError(f"task.kind={cfg.task.kind}: environment rollouts need rollout.mode=sync (set rollout.mode=sync)")
         if cfg.agent is not None:
@@ -60,7 +61,8 @@ class EnvController(EpisodeBook):
         super().__init__(policy_version=policy_version, start_group=start_group, pending_groups=pending_groups)
         self.score_seconds = 0.0
         self._evals = 0
-        self.service = EnvService(spec, workers=cfg.task.workers, rollout_timeout_s=cfg.task.rollout_timeout_s)
+        self.service = EnvService(spec, workers=cfg.task.workers, rollout_timeout_s=cfg.task.rollout_timeout_s,
+                                  host=hosting.make)
         try:
             self.hello = self.service.start()
         except WorkerError as exc:
@@ -69,7 +71,7 @@ class EnvController(EpisodeBook):
         limits = SessionLimits(max_turns=64, max_tokens=max(max_tokens * 16, 4096), max_tokens_per_turn=max_tokens)
         self.runner = EnvRunner(LocalGenerator(worker=worker), tokenizer, self.service, limits=limits,
                                 concurrency=max(cfg.rollout.prompts_per_step * cfg.rollout.group_size, 1),
-                                describe_tools=cfg.task.describe_tools)
+                                describe_tools=cfg.task.describe_tools, proxy_host=hosting.proxy_host)
 
     def _score(self, results: list[RolloutResult]) -> None:
         for r in results:
@@ -111,13 +113,18 @@ class EnvController(EpisodeBook):
             raise RuntimeError(f"no rollout of this step called the model (failures: {dict(failures)}; first: "
                                f"{next((r.reply.error for r in results if r.reply.error), None)})")
         n = len(results)
-        metrics: dict[str, float] = {
+        metrics: dict[str, Any] = {
             "env_failed_rollouts": sum(not r.reply.ok for r in results) / n,
             "env_turns_mean": sum(r.reply.turns for r in results) / n,
             "env_rollouts_without_turns": sum(not r.samples for r in results),
             "env_worker_restarts": self.service.restarts,
             **{f"env_fail_{k}": v for k, v in failures.items()},
         }
+        places = self.service.places()
+        # Where the workers run (lists, as reward_worker_pids): the host is this process, or an actor per worker.
+        metrics["env_worker_pids"] = sorted(p.worker_pid for p in places if p.worker_pid is not None)
+        metrics["env_worker_host_pids"] = sorted(p.host_pid for p in places)
+        metrics["env_worker_nodes"] = sorted({p.node for p in places})
         names = {k for r in results if r.reply.ok for k in r.reply.metrics}
         for k in sorted(names):
             values = [r.reply.metrics[k] for r in results if r.reply.ok and k in r.reply.metrics]

@@ -53,14 +53,15 @@ class RolloutResult:
 
 
 class _ProxyThread:
-    """The proxy app served by uvicorn on a loopback port, on a thread of this process."""
+    """The proxy app served by uvicorn on a free port of `host` (loopback unless workers run on other nodes), on a
+    thread of this process."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, host: str = "127.0.0.1") -> None:
         import uvicorn
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.sock.bind((host, 0))
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="env-proxy")
@@ -81,12 +82,12 @@ class _ProxyThread:
 class EnvRunner:
     def __init__(self, generator: Generator, tokenizer: Any, service: EnvService, *,
                  limits: SessionLimits | None = None, parser: str = "hermes", concurrency: int = 64,
-                 describe_tools: bool = True) -> None:
+                 describe_tools: bool = True, proxy_host: str = "127.0.0.1") -> None:
         self.service, self.concurrency = service, concurrency
         app = create_proxy_app(generator, tokenizer, model_name=MODEL_NAME, limits=limits or SessionLimits(),
                                parser=parser, max_concurrent_turns=max(concurrency, 8), describe_tools=describe_tools)
         self.store: SessionStore = app.state.store
-        self._proxy = _ProxyThread(app)
+        self._proxy = _ProxyThread(app, proxy_host)
         self.url = self._proxy.url
 
     def __enter__(self) -> EnvRunner:

@@ -5,6 +5,11 @@
     reply = service.run(RolloutRequest(...))   # never raises: a failure is RolloutReply(ok=False, error=why)
     service.close()
 
+Where a worker runs is its `WorkerHost`: `local_worker` (a process of this one, the default) or another host
+offering the same `EnvWorker` interface over a WorkerProcess it owns elsewhere (rollwise.control.ray.env_workers:
+one Ray actor per worker, for `placement: ray`). The service's health checks, restarts and failure handling
+are the same for every host.
+
 A worker runs under any interpreter (an environment's own virtual environment), speaks the JSON-lines
 protocol of rollwise.environments.protocol, and is killed with its whole process group. What one
 environment does wrong costs the rollouts it was running, never the caller: a crash (the process exits),
@@ -25,8 +30,11 @@ import threading
 import time
 import uuid
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -48,6 +56,40 @@ class WorkerSpec(BaseModel):
 
 class WorkerError(RuntimeError):
     """A worker did not start (its environment failed to load, or it never said hello)."""
+
+
+class EnvWorker(Protocol):
+    """One environment worker as EnvService drives it (WorkerProcess, or a host that owns one elsewhere)."""
+
+    name: str
+
+    def start(self, timeout_s: float) -> Hello: ...
+    def alive(self) -> bool: ...
+    def in_flight(self) -> int: ...
+    def kill(self, reason: str = "the worker was stopped") -> None: ...
+    def submit(self, request: RolloutRequest) -> Future[RolloutReply | str]: ...
+    def ping(self, timeout_s: float) -> bool: ...
+    def cancel(self, rollout_id: str) -> None: ...
+    def where(self) -> WorkerPlace: ...
+
+
+class WorkerPlace(BaseModel):
+    """Where a worker runs: its process, the process that owns it (this one, or an actor) and that one's node."""
+
+    worker_pid: int | None
+    host_pid: int
+    node: str = "local"
+
+
+WorkerHost = Callable[[WorkerSpec, int], EnvWorker]  # (spec, worker index) -> a worker, not started yet
+
+
+@dataclass(frozen=True)
+class WorkerHosting:
+    """Where an environment's workers run (`make`) and the address they reach this process's proxy on."""
+
+    make: WorkerHost
+    proxy_host: str = "127.0.0.1"
 
 
 class WorkerProcess:
@@ -95,6 +137,9 @@ class WorkerProcess:
         with self._lock:
             return len(self._pending)
 
+    def where(self) -> WorkerPlace:
+        return WorkerPlace(worker_pid=self.proc.pid if self.proc is not None else None, host_pid=os.getpid())
+
     def kill(self, reason: str = "the worker was stopped") -> None:
         if self.proc is not None and self.proc.poll() is None:
             try:
@@ -120,8 +165,8 @@ class WorkerProcess:
             return False
 
     def cancel(self, rollout_id: str) -> None:
-        with self._lock:
-            self._pending.pop(rollout_id, None)
+        # Resolved, not dropped: whoever still waits on it (a host relaying for this worker) is answered.
+        self._resolve(rollout_id, RolloutReply.failure(rollout_id, "cancelled: rollwise stopped waiting for it"))
         self._write(json.dumps({"type": "cancel", "id": rollout_id}))
 
     def _send(self, request_id: str, line: str) -> Future[RolloutReply | str]:
@@ -221,18 +266,27 @@ class WorkerProcess:
         return (f" (exit code {code})" if code is not None else "") + self._tail_text()
 
 
+def local_worker(spec: WorkerSpec, index: int) -> WorkerProcess:
+    """The default WorkerHost: a process of this one."""
+    return WorkerProcess(spec, f"{spec.label}-{index}")
+
+
+LOCAL = WorkerHosting(make=local_worker)
+
+
 class EnvService:
-    """`workers` processes of one environment. `run` sends a rollout to the least busy live worker and
+    """`workers` processes of one environment (each made by `host`: local processes by default). `run` sends a rollout to the least busy live worker and
     waits at most `rollout_timeout_s`; a dead worker is started again before it gets more work, and a
     worker that misses a health ping after a timeout is replaced."""
 
     def __init__(self, spec: WorkerSpec, *, workers: int = 1, rollout_timeout_s: float = 300.0,
-                 start_timeout_s: float = 600.0, ping_timeout_s: float = 10.0) -> None:
+                 start_timeout_s: float = 600.0, ping_timeout_s: float = 10.0,
+                 host: WorkerHost = local_worker) -> None:
         # start_timeout_s: a fresh virtual environment's first start compiles its bytecode (measured: 2+ minutes for
         # verifiers' ~700 MB on a busy 2-core machine); a load that fails says so at once (hello ok=false).
-        self.spec = spec
+        self.spec, self.host = spec, host
         self.rollout_timeout_s, self.start_timeout_s, self.ping_timeout_s = rollout_timeout_s, start_timeout_s, ping_timeout_s
-        self.workers = [WorkerProcess(spec, f"{spec.label}-{i}") for i in range(workers)]
+        self.workers: list[EnvWorker] = [host(spec, i) for i in range(workers)]
         self.hello: Hello | None = None
         self.restarts = 0
         self._closed = False
@@ -243,7 +297,7 @@ class EnvService:
         """Start every worker; raises WorkerError (naming the environment and why) if one does not load."""
         errors: list[BaseException] = []
 
-        def one(w: WorkerProcess) -> None:
+        def one(w: EnvWorker) -> None:
             try:
                 self.hello = w.start(self.start_timeout_s)
             except WorkerError as exc:
@@ -268,7 +322,7 @@ class EnvService:
             old.kill(f"the worker was replaced: {reason}")
             with self._lock:
                 self.restarts += 1
-            fresh = WorkerProcess(self.spec, old.name)
+            fresh = self.host(self.spec, index)
             try:
                 fresh.start(self.start_timeout_s)
             except WorkerError:
@@ -302,7 +356,16 @@ class EnvService:
             return RolloutReply.failure(request.id, "the environment returned garbage: not a result")
         return value
 
+    def places(self) -> list[WorkerPlace]:
+        """Where each worker runs now (the step's metrics report it)."""
+        with self._lock:
+            workers = list(self.workers)
+        return [w.where() for w in workers]
+
     def close(self) -> None:
         self._closed = True
-        for w in self.workers:
-            w.kill()
+        threads = [threading.Thread(target=w.kill) for w in self.workers]  # a remote host's kill is a round trip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()

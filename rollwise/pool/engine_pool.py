@@ -14,6 +14,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from rollwise.types.engine_config import EngineConfig
@@ -34,7 +35,8 @@ from rollwise.pool.weight_tiers import WeightTiers
 from rollwise.pool.weights import JobAdapter, JobTarget, JobWeights, own_adapter, parse_weight_upload
 from rollwise.serve.auth import ANONYMOUS, KeyQuota
 from rollwise.engine.weight_receiver import WeightReceiver
-from rollwise.types.weights import ExpectedWeights, WeightUpdateError
+from rollwise.types.bucket_layout import build_manifest
+from rollwise.types.weights import ExpectedWeights, WeightManifest, WeightUpdateError
 
 
 class EnginePool:
@@ -111,9 +113,10 @@ class EnginePool:
     # ------------------------------------------------------------ jobs
 
     def attach(self, name: str, model: str, priority: float, fingerprint: str | None, lora: bool = False,
-               owner: str = ANONYMOUS) -> Job:
+               owner: str = ANONYMOUS, loaded: tuple[Any, Any] | None = None) -> Job:
         """Attach job `name` for the API key labelled `owner`: counted against the key's and the pool's job limits
-        before its model is loaded (429), and against the pool's memory once it is (503); refused whole."""
+        before its model is loaded (429), and against the pool's memory once it is (503); refused whole.
+        `loaded`: (HF model, tokenizer) of `model` a caller in this process holds already (not loaded again)."""
         with self.lock:
             if name in self.jobs:
                 raise PoolError(409, f"job {name!r} is already attached to this pool: detach it first "
@@ -121,18 +124,18 @@ class EnginePool:
         self.quota.acquire(owner)
         try:
             with self._attaching:  # the memory check sees every job attached before this one
-                job = self._load_job(name, model, priority, fingerprint, lora, owner)
+                job = self._load_job(name, model, priority, fingerprint, lora, owner, loaded)
         except BaseException:
             self.quota.release(owner)
             raise
         return job
 
     def _load_job(self, name: str, model: str, priority: float, fingerprint: str | None, lora: bool,
-                  owner: str) -> Job:
+                  owner: str, loaded: tuple[Any, Any] | None = None) -> Job:
         from rollwise.model.loading import load_model, tokenizer_fingerprint
 
         try:
-            template, tokenizer = load_model(model)
+            template, tokenizer = load_model(model) if loaded is None else loaded
         except Exception as exc:  # noqa: BLE001 - unknown spec, missing directory
             raise PoolError(400, f"model {model!r} cannot be loaded by the pool: {exc}", "model") from exc
         own = tokenizer_fingerprint(tokenizer)
@@ -264,6 +267,17 @@ class EnginePool:
         """A whole update (manifest + flat buckets), checked like any transport's (rollwise.sync.buckets)."""
         staged = parse_weight_upload(body)
         own_adapter(staged, job)  # an adapter loads as this job's own, a full upload only for a full job
+        return self._commit(job, staged.manifest, lambda receiver: receiver.commit(staged))
+
+    def push_weights(self, job: Job, state: dict[str, Any], version: int) -> dict[str, Any]:
+        """load_weights for a full-parameter job's caller in this process: `state` as is (no bytes), checked by
+        the same receiver (rollwise.service.full_samplers pushes a Tinker sampler's weights this way)."""
+        if job.lora:
+            raise PoolError(400, f"job {job.name!r} attached as a LoRA job: push_weights takes full weights", "weights")
+        manifest = build_manifest(state, version, job.fingerprint, bucket_mb=None, checksum=False)
+        return self._commit(job, manifest, lambda receiver: receiver.apply_state(manifest, state))
+
+    def _commit(self, job: Job, manifest: WeightManifest, commit: Callable[[WeightReceiver], None]) -> dict[str, Any]:
         t = time.perf_counter()
         with job.lock:
             if job.detached:
@@ -277,12 +291,12 @@ class EnginePool:
                 target = JobWeights(self.slots, self.states, job)
                 receiver = WeightReceiver(target, job.fingerprint)
             try:
-                receiver.commit(staged)
+                commit(receiver)
             except WeightUpdateError as exc:  # param: the manifest field or tensor at fault
                 raise PoolError(400, str(exc), exc.field or "body") from exc
             job.fault = None  # a new version: the pool runs the job again (a fault recurs if it fails again)
-        return {"job": job.name, "policy_version": staged.manifest.version, "previous_version": previous,
-                "applied_to_slots": target.applied, "bytes": staged.manifest.total_bytes,
+        return {"job": job.name, "policy_version": manifest.version, "previous_version": previous,
+                "applied_to_slots": target.applied, "bytes": manifest.total_bytes,
                 "seconds": time.perf_counter() - t}
 
     # ------------------------------------------------------------ requests

@@ -84,6 +84,20 @@ class GroupScoring:
         self._pending.clear()
         self._inline_done.clear()
 
+    def step_metrics(self) -> dict[str, float]:
+        """The overlap of scoring with generation since the last call, from the recorded times:
+        `reward_overlapped_completions` (as overlapped_completions()), `reward_scoring_s` (the groups' scoring
+        times, each from its last sample's arrival to its scoring done, summed) and `reward_after_generation_s`
+        (from the last completion that arrived to the last group's scoring done: the wall time scoring added
+        after generation ended). Scoring overlapped with generation when the sum exceeds that tail."""
+        scoring_s, tail_s = sum(t.scored_at - t.generated_at for t in self.times), 0.0
+        if self.times:
+            last_scored = max(t.scored_at for t in self.times)
+            arrived = bisect_right(self.arrivals, last_scored)  # completions that arrived before it
+            tail_s = last_scored - self.arrivals[arrived - 1] if arrived else 0.0
+        return {"reward_overlapped_completions": float(self.overlapped_completions()),
+                "reward_scoring_s": scoring_s, "reward_after_generation_s": tail_s}
+
     def overlapped_completions(self) -> int:
         """Completions of other groups that arrived while a group was being scored (since the last call)."""
         # Arrivals are appended in time order; a group's own arrivals are at or before its generated_at.

@@ -50,12 +50,22 @@ def _checked(key: str, where: str) -> str:
 class ApiKeys:
     """The keys a server accepts. `source` (a file or variable name) is what its messages point to."""
 
-    def __init__(self, keys: Iterable[str], source: str) -> None:
+    def __init__(self, keys: Iterable[str], source: str, origins: Iterable[str] | None = None) -> None:
+        keys = list(keys)
         unique = list(dict.fromkeys(keys))
         if not unique:
             raise ValueError(f"{source}: no API keys in it; put one key per line (make one with {MAKE_KEY})")
         self._keys = tuple(k.encode() for k in unique)
         self.source = source
+        # where each key was given ("--api-keys FILE, line 3"): what a server's own key rules point to
+        where = list(origins) if origins is not None else [source] * len(keys)
+        self._origins: dict[str, str] = {}
+        for key, at in zip(keys, where):
+            self._origins.setdefault(key, at)  # a repeated key: where it was first given
+
+    def origins_where(self, bad: Callable[[str], bool]) -> list[str]:
+        """Where each key for which `bad(key)` holds was given (file line or variable position), in order."""
+        return [at for key, at in self._origins.items() if bad(key)]
 
     @classmethod
     def from_file(cls, path: str | Path) -> ApiKeys:
@@ -69,17 +79,19 @@ class ApiKeys:
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"{where}: cannot read it as a UTF-8 text file of keys ({exc.__class__.__name__}: "
                              f"{exc})") from None
-        keys = []
+        keys, origins = [], []
         for number, line in enumerate(text.splitlines(), 1):
             content = line.split("#", 1)[0].strip()
             if content:
                 keys.append(_checked(content, f"{where}, line {number}"))
-        return cls(keys, where)
+                origins.append(f"{where}, line {number}")
+        return cls(keys, where, origins)
 
     @classmethod
     def from_env(cls, value: str, var: str = KEYS_ENV) -> ApiKeys:
         keys = [k.strip() for k in value.split(",") if k.strip()]
-        return cls([_checked(k, f"{var} (key {i + 1})") for i, k in enumerate(keys)], var)
+        return cls([_checked(k, f"{var} (key {i + 1})") for i, k in enumerate(keys)], var,
+                   [f"{var} (key {i + 1})" for i in range(len(keys))])
 
     def __len__(self) -> int:
         return len(self._keys)

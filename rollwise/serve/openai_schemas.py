@@ -115,6 +115,14 @@ class SamplingFields(SamplingChecks):
     repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)  # None: 1.0 (off)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)  # None: 0; vLLM's range
     presence_penalty: float | None = Field(None, ge=-2, le=2)
+    # vLLM's min_p changes what is sampled and the engine cannot honour it: 0 (off) is accepted, anything else is
+    # refused rather than ignored (ignored, the tokens and logprobs would come from another distribution than asked).
+    min_p: float | None = None
+
+    @field_validator("min_p")
+    @classmethod
+    def _min_p_off(cls, value: float | None) -> float | None:
+        return _not_supported(value, "the engine samples without min_p: leave it out or 0")
 
     @field_validator("top_k", mode="before")
     @classmethod

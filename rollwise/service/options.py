@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rollwise.serve.settings import add_front_arguments
 from rollwise.service.api_common import ApiSettings
+
+if TYPE_CHECKING:  # (annotation only: the CLI parses options without loading the HTTP stack)
+    from rollwise.serve.auth import ApiKeys
 
 DEFAULT_BASE_MODEL = "bundled:smollm2-135m-instruct"
 DEFAULT_DATA_DIR = Path("rollwise-tinker-data")
@@ -36,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoints ({DIR}/{model_id}/weights/{name}/), tokenizers of code-built models, and the "
                    "SQLite database (default: ./%(default)s)")
     p.add_argument("--database", default=None, metavar="URL",
-                   help="SQLAlchemy URL of the request store, e.g. postgresql://user@host/db (default: SQLite file "
-                   "{DIR}/requests.sqlite)")
+                   help="SQLAlchemy URL of the request store, e.g. postgresql://user@host/db (needs pip install "
+                   "'rollwise[postgres]') (default: SQLite file {DIR}/requests.sqlite)")
     p.add_argument("--max-queued-per-key", type=int, default=1024, metavar="N",
                    help="requests one API key may have queued or running; more get 429 and the SDK backs off "
                    "(default: %(default)s)")
@@ -48,6 +52,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch CPU threads for the worker (0: torch's default) (default: %(default)s)")
     add_front_arguments(p, port=8400)  # --host, --port, --api-keys, --insecure-no-auth, limits, drain, log level
     return p
+
+
+# The SDK's ApiKeyAuthProvider refuses, client-side, an api_key / TINKER_API_KEY that starts with neither (a JWT:
+# `eyJ`); only a key printed by TINKER_CREDENTIAL_CMD reaches the server unchecked. So such a key is not refused
+# here (the SDK can send it that way), but the operator is told where it is.
+SDK_KEY_PREFIXES = ("tml-", "eyJ")
+
+
+def sdk_key_warnings(keys: ApiKeys | None) -> list[str]:
+    """One line per server key the tinker SDK refuses as api_key / TINKER_API_KEY, naming where it was given."""
+    if keys is None:
+        return []
+    return [f"warning: {where}: this key does not start with 'tml-'; the tinker SDK refuses it as api_key or "
+            "TINKER_API_KEY ('The api_key must start with the 'tml-' prefix') and sends it only when "
+            "TINKER_CREDENTIAL_CMD prints it; prefix it with tml- for SDK clients"
+            for where in keys.origins_where(lambda key: not key.startswith(SDK_KEY_PREFIXES))]
 
 
 def base_models(args: argparse.Namespace) -> list[str]:

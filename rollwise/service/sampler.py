@@ -1,11 +1,13 @@
 """The Tinker service's samplers: what a `sampling_session_id` serves, and `asample` on rollwise's reference engine.
 
 One ReferenceEngine per base model serves the base and every LoRA sampler on it (each a named adapter,
-`GenerationRequest.adapter`), so one engine batch decodes many tenants' samples together. A full-parameter
-sampler gets an engine of its own (a small pool, reused by pushing the next sampler's weights into the least
-recently used one). Publishing is a weight push into an engine (`load_adapter` / `apply_weights`), never a
-disk write. `sample_many` submits every job's samples before stepping the engines, so jobs of many tenants
-share batches; a job that is wrong fails alone, as a ServiceUserError naming the field.
+`GenerationRequest.adapter`), so one engine batch decodes many tenants' samples together. Full-parameter
+samplers are jobs of one in-process EnginePool (rollwise.service.full_samplers): their weights are pushed into
+the pool, and the pool switches its slots between them (sleep / wake / load from its tiered model cache) — one
+switching mechanism for the whole project, with its accounting, instead of a second engine set kept here.
+Publishing is a weight push (`load_adapter` / the pool's `push_weights`), never a disk write. `sample_many`
+submits every job's samples before stepping the engines, so jobs of many tenants share batches; a job that is
+wrong fails alone, as a ServiceUserError naming the field.
 """
 
 from __future__ import annotations
@@ -24,8 +26,12 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.types.topk_logprobs import MASK_LOGPROB
 
+from rollwise.engine.contract import Engine
 from rollwise.engine.reference.engine import ReferenceEngine
+from rollwise.pool.cache_settings import CacheSettings
+from rollwise.pool.jobs import Job, PoolError, QueuedRequest
 from rollwise.service.base_models import BaseModel, BaseModels, SamplerWeights
+from rollwise.service.full_samplers import FullSamplers
 from rollwise.service.errors import ServiceUserError
 from rollwise.service.sample_stops import Stops, parse_stop, stop_cut, tail_matches
 from rollwise.service.wire_proto import SampledSequenceOut, encode_sample_response
@@ -69,12 +75,25 @@ class SampleJob:
 
 @dataclass
 class Served:
-    """What one sampler serves: an engine, and the adapter it names there (None: the engine's own weights)."""
+    """What one sampler serves: an engine and the adapter it names there (None: the engine's own weights), or
+    (full-parameter weights) its job in the samplers' engine pool."""
 
     base: BaseModel
-    engine: ReferenceEngine
+    engine: ReferenceEngine | None  # None: a full-parameter sampler (`job`)
     adapter: str | None
-    full: bool  # an engine of its own (full-parameter weights)
+    job: Job | None = None
+
+    @property
+    def full(self) -> bool:
+        return self.job is not None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model.config.shape.vocab_size if self.engine is not None else self.base.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len if self.engine is not None else self.job.max_model_len
 
 
 @dataclass
@@ -89,8 +108,12 @@ class _Run:
     topk_prompt: list[list[tuple[int, float]] | None] | None  # per prompt position (None: not scored)
     targets: torch.Tensor | None  # float32 [len(prompt) - 1, K]: target_prompt_logprobs
     done: dict[str, Completion] = field(default_factory=dict)
+    queued: list[QueuedRequest] = field(default_factory=list)  # a full-parameter sampler's requests in the pool
+    error: ServiceUserError | None = None  # the pool ended its requests with an error (its weights broke an engine)
 
-    def result(self) -> bytes:
+    def result(self) -> bytes | ServiceUserError:
+        if self.error is not None:
+            return self.error
         decode = self.served.base.tokenizer.decode
         sequences, tops = [], []
         for rid in self.request_ids:
@@ -122,19 +145,24 @@ class Samplers:
 
     max_num_seqs x max_model_len: each engine's KV-cache slots (allocated up front; a prompt plus its sample must fit
     in max_model_len, longer samples stop with "length"). max_adapters: LoRA samplers kept per base engine;
-    max_full_engines: full-parameter engines kept. Past them the least recently used sampler is dropped (sampling it
-    again is a user error that says to publish again)."""
+    max_full_samplers: full-parameter samplers kept (jobs of the pool). Past them the least recently used sampler is
+    dropped (sampling it again is a user error that says to publish again). full_slots / full_sleeping /
+    full_cache: the full-parameter pool's engines, sleeping engines kept per slot, tiered cache (FullSamplers)."""
 
     def __init__(self, bases: BaseModels, *, max_num_seqs: int = 32, max_model_len: int = 1024,
-                 max_adapters: int = 32, max_full_engines: int = 2, seed: int | None = None) -> None:
+                 max_adapters: int = 32, max_full_samplers: int = 16, full_slots: int = 1, full_sleeping: int = 1,
+                 full_cache: CacheSettings | None = None, seed: int | None = None) -> None:
         self.bases = bases
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
-        self.max_adapters, self.max_full_engines = max_adapters, max_full_engines
+        self.max_adapters = max_adapters
         self.seed = seed
+        self.full = FullSamplers(slots=full_slots, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                 max_sleeping=full_sleeping, max_samplers=max_full_samplers, seed=seed,
+                                 cache=full_cache)
         self._served: OrderedDict[str, Served] = OrderedDict()  # least recently used first
         self._engines: dict[str, ReferenceEngine] = {}  # base model name -> its shared engine
-        self._full_version = 0  # full engines are reused across samplers: their pushes count here
         self._watched: dict[str, list[int]] = {}  # request id -> tokens so far, for requests with stop strings
+        self._pool_done = threading.Event()  # set by the pool's threads as a full-parameter request ends
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- publishing
@@ -144,28 +172,23 @@ class Samplers:
         with self._lock:
             base = self.bases.get(weights.base_model if weights is not None else base_model)
             old = self._served.pop(sampler_id, None)
-            if weights is None or (weights.adapter is None and weights.full_state is None):
-                self._release(old)
-                self._served[sampler_id] = Served(base, self._shared(base), None, full=False)
-            elif weights.adapter is not None:
-                self._release(old)
+            if weights is not None and weights.adapter is None and weights.full_state is not None:
+                self._release(old)  # (a full sampler's job stays attached: the push is its next version)
+                job = self.full.publish(sampler_id, base, weights.full_state)
+                self._served[sampler_id] = Served(base, None, None, job=job)
+                self._evict_full()
+                return
+            self._release(old)
+            self.full.drop(sampler_id)
+            if weights is None or weights.adapter is None:
+                self._served[sampler_id] = Served(base, self._shared(base), None)
+            else:
                 engine = self._shared(base)
                 spec, state = weights.adapter
                 name = adapter_name(sampler_id)
                 engine.load_adapter(spec.model_copy(update={"name": name, "default": False}), state, weights.version)
-                self._served[sampler_id] = Served(base, engine, name, full=False)
+                self._served[sampler_id] = Served(base, engine, name)
                 self._evict_adapters(engine)
-            else:
-                assert weights.full_state is not None
-                reuse = old is not None and old.full and old.base.name == base.name
-                engine = old.engine if reuse else self._free_full_engine(base, old)
-                required = {n for n, _ in engine.model.named_parameters()}
-                missing = sorted(required - set(weights.full_state))
-                if missing:  # a reused engine would keep another sampler's tensors
-                    raise ValueError(f"full-parameter sampler weights miss {len(missing)} tensors, e.g. {missing[:3]}")
-                self._full_version += 1
-                engine.apply_weights(weights.full_state, self._full_version)
-                self._served[sampler_id] = Served(base, engine, None, full=True)
 
     def served(self, sampler_id: str) -> Served:
         served = self._served.get(sampler_id)
@@ -188,24 +211,18 @@ class Samplers:
         engine.on_tokens = self._on_token
         return engine
 
-    def _free_full_engine(self, base: BaseModel, old: Served | None) -> ReferenceEngine:
-        """An engine for a new full-parameter sampler: a new one while the pool has room, else the least recently
-        used full sampler's (of the same base), which is dropped."""
-        self._release(old)
-        fulls = [(sid, s) for sid, s in self._served.items() if s.full]
-        if len(fulls) < self.max_full_engines:
-            return self._new_engine(base)
-        same_base = [(sid, s) for sid, s in fulls if s.base.name == base.name]
-        if not same_base:
-            del self._served[fulls[0][0]]  # frees the other base's engine with its last sampler
-            return self._new_engine(base)
-        sid, served = same_base[0]
-        del self._served[sid]
-        return served.engine
+    def _evict_full(self) -> None:
+        """The full samplers the pool detached for newer ones (past max_full_samplers) are no longer served."""
+        for sid in [sid for sid, s in self._served.items() if s.job is not None and s.job.detached]:
+            del self._served[sid]
 
     def _release(self, old: Served | None) -> None:
-        if old is not None and old.adapter is not None:
+        if old is not None and old.adapter is not None and old.engine is not None:
             old.engine.unload_adapter(old.adapter)
+
+    def close(self) -> None:
+        """Stop the full-parameter pool's threads (the LoRA engines are stepped by sample_many only)."""
+        self.full.close()
 
     def _evict_adapters(self, engine: ReferenceEngine) -> None:
         on_engine = [sid for sid, s in self._served.items() if s.engine is engine and s.adapter is not None]
@@ -236,10 +253,9 @@ class Samplers:
         served = self.served(job.sampler_id)
         self._served.move_to_end(job.sampler_id)
         check_supported(job)
-        engine = served.engine
-        vocab = engine.model.config.shape.vocab_size
+        vocab = served.vocab_size
         stops = parse_stop(job.params.stop, vocab)
-        max_len = engine.max_model_len
+        max_len = served.max_model_len
         if not job.prompt:
             raise ServiceUserError("prompt: empty; give at least one token")
         if len(job.prompt) >= max_len:
@@ -261,6 +277,15 @@ class Samplers:
             raise ServiceUserError(f"target_prompt_logprobs: int64 [len(prompt) - 1 = {len(job.prompt) - 1}, K] "
                                    f"token ids in [0, {vocab}) or -1 expected, got shape {list(targets.shape)}")
         prompt_lps, topk_prompt, target_lps = self._prompt_logprobs(served, job)
+        run = _Run(job, served, stops, [r.request_id for r in requests], prompt_lps, topk_prompt, target_lps)
+        if served.job is not None:  # the pool runs it (stop strings are cut when it is back: run.result)
+            try:
+                run.queued = self.full.submit(served.job, requests, self._pool_done)
+            except PoolError as exc:
+                raise ServiceUserError(f"sampling_session_id {job.sampler_id!r}: {exc.message}") from None
+            return run
+        engine = served.engine
+        assert engine is not None
         added: list[str] = []
         try:
             for req in requests:
@@ -273,7 +298,7 @@ class Samplers:
         if stops.strings:
             for req in requests:
                 self._watched[req.request_id] = []
-        return _Run(job, served, stops, [r.request_id for r in requests], prompt_lps, topk_prompt, target_lps)
+        return run
 
     def _prompt_logprobs(
         self, served: Served, job: SampleJob
@@ -283,10 +308,21 @@ class Samplers:
         and before the last `prompt_logprobs_last_n` positions."""
         if not job.prompt_logprobs and not job.topk_prompt_logprobs and job.target_prompt_logprobs is None:
             return None, None, None
-        engine = served.engine
-        with engine.adapters.rows([engine.adapters.resolve(served.adapter)]):
-            chosen, top_ids, top_lps, targets = engine.model.prompt_logprobs(job.prompt, job.topk_prompt_logprobs,
-                                                                             job.target_prompt_logprobs)
+
+        def score(engine: Engine) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            assert isinstance(engine, ReferenceEngine), "the samplers' engines are reference engines"
+            with engine.adapters.rows([engine.adapters.resolve(served.adapter)]):
+                return tuple(engine.model.prompt_logprobs(job.prompt, job.topk_prompt_logprobs,
+                                                          job.target_prompt_logprobs))
+
+        if served.job is not None:
+            try:
+                chosen, top_ids, top_lps, targets = self.full.on_engine(served.job, score)
+            except PoolError as exc:
+                raise ServiceUserError(f"sampling_session_id {job.sampler_id!r}: {exc.message}") from None
+        else:
+            assert served.engine is not None
+            chosen, top_ids, top_lps, targets = score(served.engine)
         skip = 1 if job.prompt_logprobs_last_n is None else len(job.prompt) - job.prompt_logprobs_last_n
         values = [None] * skip + chosen.tolist()[skip - 1:]
         tops = [None] * skip + [list(zip(ids, lps))
@@ -295,13 +331,24 @@ class Samplers:
                 (targets if job.target_prompt_logprobs is not None else None))
 
     def _drive(self, runs: list[_Run]) -> None:
-        """Step the engines until every run's samples are back; stop-string matches are aborted as they happen."""
+        """Step the engines until every run's samples are back (the pool's come back on its own threads);
+        stop-string matches on the LoRA engines are aborted as they happen."""
         owner = {rid: run for run in runs for rid in run.request_ids}
-        engines = list({id(run.served.engine): run.served.engine for run in runs}.values())
+        engines = list({id(run.served.engine): run.served.engine for run in runs
+                        if run.served.engine is not None}.values())
+        pooled = [run for run in runs if run.queued]
         while owner:
+            self._pool_done.clear()  # (before collecting: a request ending meanwhile sets it again)
+            for run in pooled:
+                self._collect(owner, run)
             busy = [engine for engine in engines if engine.has_unfinished()]
             if not busy:
-                raise RuntimeError(f"{len(owner)} samples never came back from their engines")
+                local = [rid for rid, run in owner.items() if run.served.engine is not None]
+                if local:
+                    raise RuntimeError(f"{len(local)} samples never came back from their engines")
+                if owner:
+                    self._pool_done.wait(1.0)
+                continue
             for engine in busy:
                 for c in engine.step():
                     self._deliver(owner, c)
@@ -310,6 +357,20 @@ class Samplers:
                 if tail_matches(self._watched[rid], run.stops, run.served.base.tokenizer.decode):
                     for c in run.served.engine.abort(rid):
                         self._deliver(owner, c)
+
+    def _collect(self, owner: dict[str, _Run], run: _Run) -> None:
+        """A full-parameter run's requests the pool has ended: their sample, or the error that ended them."""
+        for req in run.queued:
+            if req.public_id not in owner or req.remaining > 0:
+                continue
+            owner.pop(req.public_id)
+            if req.error is not None:
+                run.error = ServiceUserError(f"sampling_session_id {run.job.sampler_id!r}: {req.error.message}")
+            elif req.done:
+                run.done[req.public_id] = req.done[0]
+            else:  # its job was detached meanwhile (dropped for newer samplers)
+                run.error = ServiceUserError(f"sampling_session_id {run.job.sampler_id!r}: dropped for newer "
+                                             "samplers while sampling; save_weights_for_sampler again")
 
     def _deliver(self, owner: dict[str, _Run], c: Completion) -> None:
         run = owner.pop(c.request_id, None)
@@ -325,6 +386,10 @@ class Samplers:
     def _abort_all(self, runs: list[_Run]) -> None:
         """After a server error mid-batch: leave every engine idle for the next batch."""
         for run in runs:
+            if run.served.job is not None:
+                self.full.abort(run.served.job, [rid for rid in run.request_ids if rid not in run.done])
+                continue
+            assert run.served.engine is not None
             for rid in run.request_ids:
                 self._watched.pop(rid, None)
                 if rid not in run.done:

@@ -19,20 +19,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from sqlalchemy import (Boolean, Column, Float, Integer, LargeBinary, MetaData, String, Table, Text, create_engine,
+from sqlalchemy import (BigInteger, Boolean, Column, Float, Integer, LargeBinary, MetaData, Table, Text, create_engine,
                         event, func, insert, select, update)
-from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, ProgrammingError
 
 Status = Literal["queued", "running", "done", "failed"]
 ResultKind = Literal["json", "proto"]
 
 meta = MetaData()
+# Strings are Text (unbounded): ids, names and paths come from clients, and Postgres enforces a VARCHAR(n) length
+# that SQLite ignores, so a bound would be a Postgres-only 500.
 
 sessions = Table(
     "sessions", meta,
-    Column("session_id", String(80), primary_key=True),
-    Column("owner", String(40), nullable=False, index=True),
+    Column("session_id", Text, primary_key=True),
+    Column("owner", Text, nullable=False, index=True),
     Column("created_at", Float, nullable=False),
     Column("heartbeat_at", Float, nullable=False),
     Column("finished", Boolean, nullable=False, default=False),
@@ -40,10 +42,10 @@ sessions = Table(
 
 models = Table(
     "models", meta,
-    Column("model_id", String(200), primary_key=True),
-    Column("owner", String(40), nullable=False, index=True),
-    Column("session_id", String(80), nullable=False),
-    Column("base_model", String(400), nullable=False),
+    Column("model_id", Text, primary_key=True),
+    Column("owner", Text, nullable=False, index=True),
+    Column("session_id", Text, nullable=False),
+    Column("base_model", Text, nullable=False),
     Column("is_lora", Boolean, nullable=False),
     Column("lora_rank", Integer, nullable=True),
     Column("lora_config", Text, nullable=True),  # JSON of the SDK's LoraConfig (None: full-parameter)
@@ -55,49 +57,49 @@ models = Table(
 requests = Table(
     "requests", meta,
     Column("id", Integer, primary_key=True, autoincrement=True),  # the worker's claim order
-    Column("request_id", String(40), nullable=False, unique=True),
-    Column("owner", String(40), nullable=False, index=True),
-    Column("kind", String(40), nullable=False),
-    Column("model_id", String(200), nullable=True, index=True),
+    Column("request_id", Text, nullable=False, unique=True),
+    Column("owner", Text, nullable=False, index=True),
+    Column("kind", Text, nullable=False),
+    Column("model_id", Text, nullable=True, index=True),
     Column("seq_id", Integer, nullable=True),
-    Column("sampler_id", String(200), nullable=True),
-    Column("dedup_key", String(300), nullable=True, unique=True),
-    Column("body_hash", String(64), nullable=False),
+    Column("sampler_id", Text, nullable=True),
+    Column("dedup_key", Text, nullable=True, unique=True),
+    Column("body_hash", Text, nullable=False),
     Column("body", LargeBinary, nullable=False),
-    Column("status", String(10), nullable=False, index=True),
+    Column("status", Text, nullable=False, index=True),
     Column("result", LargeBinary, nullable=True),
-    Column("result_kind", String(8), nullable=True),
+    Column("result_kind", Text, nullable=True),
     Column("error", Text, nullable=True),
-    Column("category", String(10), nullable=True),
+    Column("category", Text, nullable=True),
     Column("created_at", Float, nullable=False),
     Column("finished_at", Float, nullable=True),
 )
 
 samplers = Table(
     "samplers", meta,
-    Column("sampler_id", String(200), primary_key=True),
-    Column("owner", String(40), nullable=False, index=True),
-    Column("base_model", String(400), nullable=False),
-    Column("model_path", String(600), nullable=True),
+    Column("sampler_id", Text, primary_key=True),
+    Column("owner", Text, nullable=False, index=True),
+    Column("base_model", Text, nullable=False),
+    Column("model_path", Text, nullable=True),
     Column("created_at", Float, nullable=False),
 )
 
 checkpoints = Table(
     "checkpoints", meta,
-    Column("tinker_path", String(600), primary_key=True),
-    Column("owner", String(40), nullable=False, index=True),
-    Column("model_id", String(200), nullable=False, index=True),
-    Column("checkpoint_id", String(400), nullable=False),  # `weights/{name}` or `sampler_weights/{name}`
-    Column("kind", String(16), nullable=False),  # "training" | "sampler"
-    Column("directory", String(1000), nullable=False),
-    Column("size_bytes", Integer, nullable=True),
+    Column("tinker_path", Text, primary_key=True),
+    Column("owner", Text, nullable=False, index=True),
+    Column("model_id", Text, nullable=False, index=True),
+    Column("checkpoint_id", Text, nullable=False),  # `weights/{name}` or `sampler_weights/{name}`
+    Column("kind", Text, nullable=False),  # "training" | "sampler"
+    Column("directory", Text, nullable=False),
+    Column("size_bytes", BigInteger, nullable=True),  # checkpoints pass 2 GiB
     Column("created_at", Float, nullable=False),
 )
 
 bases = Table(  # written by the worker once its base models are loaded; the API answers capabilities from it
     "bases", meta,
-    Column("name", String(400), primary_key=True),
-    Column("tokenizer_id", String(1000), nullable=False),
+    Column("name", Text, primary_key=True),
+    Column("tokenizer_id", Text, nullable=False),
     Column("max_context_length", Integer, nullable=False),
 )
 
@@ -127,6 +129,21 @@ def sqlite_url(path: str) -> str:
     return f"sqlite:///{path}"
 
 
+def engine_url(url: str) -> str:
+    """The SQLAlchemy URL to connect with. A bare `postgresql://` (or `postgres://`) gets the psycopg 3 driver, the one
+    the `postgres` extra installs (SQLAlchemy's default for a bare URL is psycopg2)."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise ValueError(f"--database: {url!r} is not a database URL; give e.g. postgresql://user:pass@host/db or "
+                         "sqlite:///path/requests.sqlite") from None
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    if not parsed.drivername.startswith(("sqlite", "postgresql")):
+        raise ValueError(f"--database: {parsed.drivername!r} is not supported; use a postgresql:// or sqlite:/// URL")
+    return parsed.render_as_string(hide_password=False)
+
+
 def _on_connect_sqlite(dbapi_connection: object, _record: object) -> None:
     cursor = dbapi_connection.cursor()  # type: ignore[attr-defined]
     cursor.execute("PRAGMA journal_mode=WAL")  # readers (the API) never wait for the writer (the worker)
@@ -139,11 +156,30 @@ class Store:
     """Rows of sessions, models, requests, samplers, checkpoints. Safe to use from several threads and processes."""
 
     def __init__(self, url: str) -> None:
-        self.url = url
-        self.engine: Engine = create_engine(url, future=True)
-        if url.startswith("sqlite"):
+        connect = engine_url(url)
+        self.url = make_url(connect).render_as_string(hide_password=True)  # printed at start: no password in logs
+        sqlite = connect.startswith("sqlite")
+        try:  # pre-ping: a Postgres restarted under a running service costs a reconnect, not a failed request
+            self.engine: Engine = create_engine(connect, future=True, pool_pre_ping=not sqlite)
+        except ModuleNotFoundError as exc:
+            raise ValueError(f"--database: the driver for {self.url} is not installed ({exc.name}); "
+                             "pip install 'rollwise[postgres]'") from None
+        if sqlite:
             event.listen(self.engine, "connect", _on_connect_sqlite)
-        meta.create_all(self.engine)
+        self._create_tables()
+
+    def _create_tables(self) -> None:
+        """Create what is missing. The API child and the worker may both do it at once: the loser of that race sees
+        "already exists" (SQLite: OperationalError; Postgres: a unique violation in its catalog) and looks again."""
+        for attempt in range(3):
+            try:
+                meta.create_all(self.engine)
+                return
+            except (IntegrityError, ProgrammingError, OperationalError) as exc:
+                if attempt == 2:  # not a race: the database cannot be reached or used
+                    reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else str(exc)
+                    raise ValueError(f"--database: cannot open {self.url}: {reason}") from None
+                time.sleep(0.05 * (attempt + 1))
 
     # --- sessions and models (the API's synchronous writes) ---
     def create_session(self, owner: str) -> str:

@@ -17,7 +17,7 @@ import threading
 import time
 
 from rollwise.service.base_models import BaseModels
-from rollwise.service.options import api_settings, base_models, database_url
+from rollwise.service.options import api_settings, base_models, database_url, sdk_key_warnings
 from rollwise.service.errors import ServiceUserError
 from rollwise.service.sampler import Samplers
 from rollwise.service.store import Store
@@ -96,6 +96,8 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
 
     front = Front.from_args(args)  # refuses bad keys / an open non-loopback bind before anything loads
     api_settings(args)
+    for line in sdk_key_warnings(front.keys):
+        print(f"rollwise serve tinker: {line}", file=sys.stderr, flush=True)
     check_port_free(args.host, args.port)
     if args.threads:
         import torch
@@ -115,11 +117,15 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
             loaded = [bases.get(name) for name in names]
         except ServiceUserError as exc:
             raise ValueError(f"--base-model: {exc}") from None
-        worker = Worker(WorkerState(store=store, data_dir=data_dir, bases=bases, samplers=Samplers(bases)))
+        samplers = Samplers(bases)
+        worker = Worker(WorkerState(store=store, data_dir=data_dir, bases=bases, samplers=samplers))
         store.set_bases((b.name, b.tokenizer_id, b.max_context_length) for b in loaded)
         print(f"rollwise serve tinker: base models {names}; API on http://{args.host}:{args.port}/api/v1 "
               f"({front.who_may_call()}); store {store.url}", flush=True)
-        worker.run(child.gave_up)
+        try:
+            worker.run(child.gave_up)
+        finally:
+            samplers.close()  # the full-parameter samplers' engine pool threads
     finally:
         child.stop()
     if child.gave_up.is_set():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import safetensors.torch
@@ -25,6 +25,7 @@ from rollwise.service.base_models import BaseModel, BaseModels, SamplerWeights
 from rollwise.service.datums import ForwardBackwardBatch
 from rollwise.service.errors import ServiceUserError
 from rollwise.service.losses import check_loss, compute_loss
+from rollwise.service.prefix_share import head_inputs, plan_prefixes, prefix_shared_hidden
 from rollwise.service.multi_lora import LORA_ALPHA, MultiLora, RowGroup, TenantAdapter, lora_modules, target_logprobs
 from rollwise.service.tenant_checkpoint import (
     FULL_FILE, TenantCheckpoint, check_meta, lora_config_of, read_adapter, read_meta, save_adapter, write_meta)
@@ -50,7 +51,10 @@ class TenantModel:
         self.model: nn.Module | None = None
         self.version = 0  # sampler snapshots taken
         if lora is None:
-            self.model = copy.deepcopy(base.model)
+            # Under the base's lock: no training forward over it meanwhile (the worker's sampling thread creates
+            # tenants for checkpoints while LoRA tenants train), whose per-row LoRA state the copy would take along.
+            with base.lock:
+                self.model = copy.deepcopy(base.model)
             self.model.requires_grad_(True)
             params = list(self.model.parameters())  # tied weights once
         else:
@@ -197,28 +201,33 @@ def forward_backward_many(items: Sequence[tuple[TenantModel, ForwardBackwardBatc
 
 def _run_pass(items: list[tuple[TenantModel, ForwardBackwardBatch]], *, grad: bool, loss: LossFn) -> list[Result]:
     """One forward (and backward when `grad`) over one model: the shared base for LoRA tenants, else the
-    tenant's own copy. Rows are the items' datums in order, right-padded."""
+    tenant's own copy. Rows are the items' datums in order, right-padded; where datums of one model start with
+    the same tokens, those run once for them (rollwise.service.prefix_share, the trainer's shared-prompt forward)."""
     first = items[0][0]
     model = first.base.model if first.is_lora else first.model
     hooks: MultiLora | None = first.base.lora if first.is_lora else None
     lock = first.base.lock if first.is_lora else first.lock
     rows = [d.tokens for _, batch in items for d in batch.data]
-    length = max(int(t.numel()) for t in rows)
-    input_ids = torch.zeros(len(rows), length, dtype=torch.long)
-    attention_mask = torch.zeros(len(rows), length, dtype=torch.long)
-    for r, tokens in enumerate(rows):
-        input_ids[r, : tokens.numel()] = tokens
-        attention_mask[r, : tokens.numel()] = 1
+    adapters = [tenant.adapter for tenant, batch in items for _ in batch.data]
     groups = [RowGroup(tenant.adapter, len(batch.data)) for tenant, batch in items]
+    # datums of one model (the same adapter, or the full tenant's own copy) that start alike share that prefix
+    layout = plan_prefixes(rows, [id(a) for a in adapters])
     head = model.get_output_embeddings()
     results: list[Result] = []
     with lock, torch.set_grad_enabled(grad):
-        with hooks.rows(groups) if hooks is not None else nullcontext():
-            hidden = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        if layout is None:
+            hidden = _padded_hidden(model, rows, hooks.rows(groups) if hooks is not None else None)
+        else:
+            prompt_groups = _row_groups([adapters[members[0]] for members in layout.groups])
+            hidden = prefix_shared_hidden(backbone_of(model), rows, layout,
+                                          hooks.rows(prompt_groups) if hooks is not None else None,
+                                          hooks.rows(groups) if hooks is not None else None)
         total: Tensor | None = None
+        prefixes = None if layout is None else layout.prefix_of_rows(len(rows))
         row = 0
         for tenant, batch in items:
-            logprobs = _item_logprobs(head, hidden[row : row + len(batch.data)], batch, tenant.adapter)
+            logprobs = _item_logprobs(head, hidden[row : row + len(batch.data)], batch, tenant.adapter,
+                                      None if prefixes is None else prefixes[row : row + len(batch.data)])
             row += len(batch.data)
             value, metrics = loss(batch.loss_fn, batch.loss_config, logprobs, batch.data)
             if grad and value.requires_grad:
@@ -229,17 +238,36 @@ def _run_pass(items: list[tuple[TenantModel, ForwardBackwardBatch]], *, grad: bo
     return results
 
 
-def _item_logprobs(head: nn.Module, hidden: Tensor, batch: ForwardBackwardBatch,
-                   adapter: TenantAdapter | None) -> list[Tensor]:
-    """Per datum: log p(target_tokens[t] (, k) | tokens[:t+1]), shaped as target_tokens ([N] or [N, K]); one
-    chunked LM-head call for the whole item."""
-    selected, targets, shapes = [], [], []
-    for r, datum in enumerate(batch.data):
-        target = datum.inputs["target_tokens"]
-        n = int(datum.tokens.numel())
-        per_position = target.shape[1] if target.dim() == 2 else 1
-        selected.append(hidden[r, :n].repeat_interleave(per_position, dim=0) if per_position > 1 else hidden[r, :n])
-        targets.append(target.reshape(-1))
-        shapes.append(target.shape)
-    flat = target_logprobs(head, torch.cat(selected), torch.cat(targets), adapter)
-    return [piece.view(shape) for piece, shape in zip(flat.split([s.numel() for s in shapes]), shapes)]
+def _padded_hidden(model: nn.Module, rows: list[Tensor], scope: AbstractContextManager | None) -> list[Tensor]:
+    """Each row's last hidden states, the rows right-padded into one forward."""
+    length = max(int(t.numel()) for t in rows)
+    input_ids = torch.zeros(len(rows), length, dtype=torch.long)
+    attention_mask = torch.zeros(len(rows), length, dtype=torch.long)
+    for r, tokens in enumerate(rows):
+        input_ids[r, : tokens.numel()] = tokens
+        attention_mask[r, : tokens.numel()] = 1
+    with scope if scope is not None else nullcontext():
+        hidden = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return [hidden[r, : int(tokens.numel())] for r, tokens in enumerate(rows)]
+
+
+def _row_groups(adapters: list[TenantAdapter | None]) -> list[RowGroup]:
+    """Runs of consecutive rows with the same adapter."""
+    groups: list[RowGroup] = []
+    for adapter in adapters:
+        if groups and groups[-1].adapter is adapter:
+            groups[-1] = RowGroup(adapter, groups[-1].rows + 1)
+        else:
+            groups.append(RowGroup(adapter, 1))
+    return groups
+
+
+def _item_logprobs(head: nn.Module, hidden: Sequence[Tensor], batch: ForwardBackwardBatch,
+                   adapter: TenantAdapter | None, prefixes: Sequence[tuple[int, int]] | None) -> list[Tensor]:
+    """Per datum: log p(target_tokens[t] (, k) | tokens[:t+1]), shaped as target_tokens ([N] or [N, K]), from
+    `hidden` (the item's datums' last hidden states, [N, H] each); one chunked LM-head call for the whole item,
+    a shared prefix's positions once for its group (prefix_share.head_inputs)."""
+    targets = [d.inputs["target_tokens"] for d in batch.data]
+    rows, row_targets, index = head_inputs(hidden, targets, prefixes)
+    flat = target_logprobs(head, rows, row_targets, adapter)
+    return [flat[where].view(t.shape) for where, t in zip(index, targets)]

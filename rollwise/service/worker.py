@@ -9,6 +9,12 @@ Each pass over the queued rows:
    base share one forward over it. Other ops (optim_step, save, load) run one at a time, in order;
 3. all queued samples, of every tenant, go to the samplers in one `sample_many` call (one engine batch).
 
+`run` does 1 and 3 on a sampling thread of their own and 2 on the calling thread, so one tenant's sample never
+waits for another's forward_backward. Each row is claimed by exactly one of them (by kind), and each keeps the
+order above within its kinds: a sampler's creation runs before its samples (the same thread, in arrival order),
+and an ephemeral save_weights_for_sampler publishes before the API can accept a sample of it (the sampler row
+is added after the publish). `run_once` does one pass of all three on the calling thread.
+
 Results and errors go back into the rows: ServiceUserError -> category "user" (the request was wrong and nothing
 was applied), anything else -> "server". A row whose seq_id is behind its model's (a resent number) fails as a
 user error. Models are in this process's memory: a worker restart fails the rows of models it does not hold.
@@ -37,6 +43,7 @@ SESSION_TIMEOUT_S = 600.0  # a session without heartbeat this long is over (the 
 SWEEP_EVERY_S = 1.0
 TRAINING_KINDS = frozenset({"create_model", "forward_backward", "optim_step", "save_weights",
                             "save_weights_for_sampler", "load_weights"})
+SAMPLING_KINDS = frozenset({"create_sampling_session", "sample"})
 
 
 class Worker:
@@ -49,12 +56,25 @@ class Worker:
 
     # ------------------------------------------------------------------ the loop
     def run(self, stop: threading.Event | None = None) -> None:
+        """Serve until `stop`: training rows on this thread, sampler rows on a thread of their own."""
         stop = stop or self.stop
         self.state.store.fail_interrupted()
+        halt = threading.Event()  # this thread's loop ended (stop, or an exception such as KeyboardInterrupt)
+        sampling = threading.Thread(target=self._serve, args=(stop, self.run_sampling_once, halt),
+                                    name="rollwise-tinker-sampling", daemon=True)
+        sampling.start()
+        try:
+            self._serve(stop, self.run_training_once)
+        finally:
+            halt.set()
+            sampling.join(timeout=30)  # a sample batch still running must not keep the server from exiting (daemon)
+
+    @staticmethod
+    def _serve(stop: threading.Event, one_pass: Callable[[], int], halt: threading.Event | None = None) -> None:
         idle = 0.005
-        while not stop.is_set():
+        while not stop.is_set() and not (halt is not None and halt.is_set()):
             try:
-                ran = self.run_once()
+                ran = one_pass()
             except Exception:  # noqa: BLE001 - e.g. the database briefly unreachable: log it, keep serving
                 log.error("worker pass failed:\n%s", traceback.format_exc())
                 stop.wait(1.0)
@@ -77,23 +97,32 @@ class Worker:
             log.info("model %s unloaded: its session ended", model_id)
 
     def run_once(self) -> int:
-        """One pass over the queued rows; how many rows finished."""
+        """One pass over the queued rows of every kind; how many rows finished."""
+        return self.run_training_once() + self.run_sampling_once()
+
+    def run_training_once(self) -> int:
+        """One pass over the queued training rows (and rows of unknown kinds); how many finished."""
         self.sweep()
-        rows = self.state.store.claimable()
+        rows = [r for r in self.state.store.claimable() if r.kind not in SAMPLING_KINDS]
         if not rows:
             return 0
+        done = self._run_training([r for r in rows if r.kind in TRAINING_KINDS])
+        for row in rows:  # kinds nobody handles: a server bug, never a hang
+            if row.kind not in TRAINING_KINDS:
+                self._fail(row, f"unknown request kind {row.kind!r}", "server")
+                done += 1
+        return done
+
+    def run_sampling_once(self) -> int:
+        """One pass over the queued sampler creations, then the samples; how many rows finished."""
+        rows = [r for r in self.state.store.claimable() if r.kind in SAMPLING_KINDS]
         done = 0
         for row in rows:
             if row.kind == "create_sampling_session":
                 done += self._run_single(row)
-        done += self._run_training([r for r in rows if r.kind in TRAINING_KINDS])
         samples = [r for r in rows if r.kind == "sample"]
         if samples:
             done += self._run_samples(samples)
-        for row in rows:  # kinds nobody handles: a server bug, never a hang
-            if row.kind not in TRAINING_KINDS and row.kind not in ("sample", "create_sampling_session"):
-                self._fail(row, f"unknown request kind {row.kind!r}", "server")
-                done += 1
         return done
 
     # ------------------------------------------------------------------ training, in seq order

@@ -93,6 +93,9 @@ class SimEngine(EngineState):
     def describe(self) -> str:
         return f"sim (cost model {self.cost.name}, virtual clock)"
 
+    def score_tokens(self, token_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+        raise ValueError("score: the simulator's engine holds no model, so it has no log-probs to score tokens with")
+
     def __init__(self, cost: CostModel, *, clock: VirtualClock | None = None, policy_version: int = 0,
                  vocab_size: int = 32000, eos_token_id: int = 2, length_sampler: LengthSampler | None = None,
                  seed: int = 0, engine_id: str = "sim-0", cache_history: bool = True) -> None:

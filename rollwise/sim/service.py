@@ -6,12 +6,17 @@ The tenants are rollwise.sim.lora's projection jobs (GRPO LoRA loops on a 7B bas
 the GPUs split between engines and trainers, every split tried, the fastest kept. What is modelled and what is
 not is rollwise.sim.lora's (`simulate_lora` with `SharedTrainers`): the API hops and the request store are not
 (bench service measures them on this machine).
+
+`--tenants-sweep` instead runs `rollwise bench service`'s own workload at 1-8 tenants on one worker, validated
+against the benchmark's CPU arms and projected onto one H100 engine + one H100 trainer (rollwise.sim.service_sweep).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -58,9 +63,18 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     add_projection_arguments(p)
     p.add_argument("--tenants", type=int, default=64)
     p.add_argument("--gpus", default="8,16,32,64", help="GPU counts shared by all tenants (default: %(default)s)")
+    p.add_argument("--tenants-sweep", action="store_true",
+                   help="instead: `rollwise bench service`'s own workload at --tenant-counts tenants on one worker, "
+                   "validated against --measured on this CPU, projected onto 1 H100 engine + 1 H100 trainer "
+                   "(rollwise.sim.service_sweep)")
+    p.add_argument("--tenant-counts", default="1,2,4,8", help="with --tenants-sweep (default: %(default)s)")
+    p.add_argument("--measured", type=Path, default=Path("docs/bench/service.json"), metavar="JSON",
+                   help="with --tenants-sweep: `rollwise bench service --json` output (default: %(default)s)")
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
+    if args.tenants_sweep:
+        return _run_tenants_sweep(args, console)
     rows = project_service(args.cost, args.tenants, tuple(int(x) for x in args.gpus.split(",")), args.steps)
     table = Table(title=f"{args.tenants} LoRA tenants on one service ({args.cost}) vs each alone on 1 engine + "
                         "1 trainer GPU")
@@ -74,6 +88,22 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                       f"{r['median_slowdown']:+.0%} / {r['max_slowdown']:+.0%}")
     console.print(table)
     write_json(args.json, rows, console)
+    return 0
+
+
+def _run_tenants_sweep(args: argparse.Namespace, console: Console) -> int:
+    from rollwise.sim.service_sweep import run_sweep, sweep_tables
+
+    try:
+        counts = tuple(int(x) for x in args.tenant_counts.split(","))
+    except ValueError:
+        raise ValueError(f"--tenant-counts: give tenant counts like 1,2,4,8, got {args.tenant_counts!r}") from None
+    result = run_sweep(args.measured, counts, args.steps)
+    for table in sweep_tables(result):
+        console.print(table)
+    for key, value in result["goals"].items():
+        console.print(f"{key}: {value:+.3f}" if "error" in key else f"{key}: {value:.2f}x")
+    write_json(args.json, {"command": " ".join(["rollwise", *sys.argv[1:]]), **result}, console)
     return 0
 
 

@@ -203,14 +203,20 @@ def _load_model_weights(ckpt: Path, model: nn.Module) -> None:
         raise ValueError(f"checkpoint {ckpt} does not match the model: missing {missing}, unexpected {unexpected}")
 
 
-def _load_sharded_optimizer(ckpt: Path, trainer: CheckpointedTrainer) -> None:
+def load_dcp_optimizer(ckpt: Path, dcp_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer state of a sharded trainer's `ckpt/dcp_dir` (every rank's shard), gathered by DCP into this
+    process's `optimizer` (the policy's `dcp/`, the critic's `critic/dcp/`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    optim_sd = get_optimizer_state_dict(trainer.model, trainer.optimizer)
-    with reading(ckpt, DCP_DIR):
-        dcp.load({"optim": optim_sd}, checkpoint_id=ckpt / DCP_DIR)
-    set_optimizer_state_dict(trainer.model, trainer.optimizer, optim_sd)
+    optim_sd = get_optimizer_state_dict(model, optimizer)
+    with reading(ckpt, dcp_dir):
+        dcp.load({"optim": optim_sd}, checkpoint_id=ckpt / dcp_dir)
+    set_optimizer_state_dict(model, optimizer, optim_sd)
+
+
+def _load_sharded_optimizer(ckpt: Path, trainer: CheckpointedTrainer) -> None:
+    load_dcp_optimizer(ckpt, DCP_DIR, trainer.model, trainer.optimizer)
     with reading(ckpt, SCHEDULER_FILE):
         scheduler = torch.load(ckpt / SCHEDULER_FILE, weights_only=False)["scheduler"]
     trainer.scheduler.load_state_dict(scheduler)

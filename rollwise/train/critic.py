@@ -11,6 +11,10 @@ loss, 0.5 * max((V - G)^2, (V_old + clip(V - V_old, -c, c) - G)^2), averaged ove
 (micro-batches accumulate into one batch gradient), train.updates_per_step times, by its own AdamW
 (train.gae.critic_lr; betas, weight decay and grad clip are train:'s; a constant learning rate). Its weights
 and optimizer state are saved in the policy's checkpoint (`critic/`) and restored with it.
+
+On the sharded trainer (rollwise.train.rank) each rank's critic is sharded like its policy (FSDP2 on the same
+mesh), runs these same `values` and `update` on the rank's micro-batches, and checkpoints as the policy does
+(rollwise.train.critic_shards): the full value model from rank 0, the weights and optimizer shards in `critic/dcp/`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from torch import Tensor, nn
 
 from rollwise.config import RunError
 from rollwise.types.train_config import TrainConfig
+from rollwise.train.checkpoint import DCP_DIR, load_dcp_optimizer
 from rollwise.train.logprobs import backbone_of
 
 CRITIC_DIR = "critic"  # in a checkpoint folder
@@ -36,6 +41,8 @@ CRITIC_OPTIMIZER_FILE = "optimizer.pt"
 
 VALUE_LOSS = "critic/value_loss"
 EXPLAINED_VARIANCE = "critic/explained_variance"
+VALUE_CLIP_FRACTION = "critic/value_clip_fraction"
+SUMMED_OVER_RANKS = (VALUE_LOSS, VALUE_CLIP_FRACTION)  # each rank's is its share of the batch's
 
 
 class PaddedBatch(Protocol):
@@ -44,6 +51,7 @@ class PaddedBatch(Protocol):
     input_ids: Tensor  # [B, T]
     attention_mask: Tensor  # [B, T]
     target_mask: Tensor  # [B, T] True on trained tokens
+    padding: bool  # a sharded rank's filler (rollwise.train.trainer.MicroBatch.padding): run, at weight 0
 
 
 class ValueModel(nn.Module):
@@ -58,7 +66,8 @@ class ValueModel(nn.Module):
         """[N] the value at each trained token, flattened row-major (as the policy's log-probs)."""
         hidden = self.backbone(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state
         predictors = hidden[:, :-1][mb.target_mask[:, 1:]]
-        return self.head(predictors.to(self.head.weight.dtype)).squeeze(-1).float()
+        # sum over the size-1 dim, not squeeze: a new tensor, not a view (FSDP2 warns of a root returning a view)
+        return self.head(predictors.to(self.head.weight.dtype)).sum(-1).float()
 
 
 def explained_variance(values: Tensor, returns: Tensor) -> float:
@@ -78,13 +87,27 @@ def value_loss(new: Tensor, old: Tensor, returns: Tensor, clip: float | None) ->
     return 0.5 * torch.maximum(unclipped, clipped), clipped > unclipped
 
 
+def target_metrics(old: list[Tensor], returns: list[Tensor]) -> dict[str, float]:
+    """The step's values (before its update) against its GAE returns, over all the batch's trained tokens."""
+    all_old, all_returns = torch.cat(old).cpu(), torch.cat(returns).cpu()
+    n_tokens = all_returns.numel()
+    return {EXPLAINED_VARIANCE: explained_variance(all_old, all_returns),
+            "critic/value_mean": float(all_old.mean()) if n_tokens else 0.0,
+            "critic/return_mean": float(all_returns.mean()) if n_tokens else 0.0}
+
+
 class Critic:
-    def __init__(self, policy: nn.Module, cfg: TrainConfig) -> None:
+    def __init__(self, policy: nn.Module, cfg: TrainConfig,
+                 prepare: Callable[[ValueModel], None] | None = None) -> None:
+        """`prepare(value_model)` runs before the optimizer sees its parameters: a sharded rank shards the value
+        model there, on the policy's mesh (rollwise.train.rank)."""
         backbone = copy.deepcopy(backbone_of(policy))
         self.model = ValueModel(backbone, policy.config.hidden_size).to(next(policy.parameters()).device)
         self.model.train().requires_grad_(True)
         if cfg.gradient_checkpointing and hasattr(backbone, "gradient_checkpointing_enable"):
             backbone.gradient_checkpointing_enable()
+        if prepare is not None:
+            prepare(self.model)
         self.cfg = cfg
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.gae.critic_lr, betas=cfg.adam_betas,
                                            weight_decay=cfg.weight_decay, fused=cfg.fused_optimizer or None)
@@ -99,15 +122,15 @@ class Critic:
         return out
 
     def update(self, batches: list[PaddedBatch], old: list[Tensor], returns: list[Tensor],
-               compute: Callable[[], AbstractContextManager]) -> dict[str, float]:
+               compute: Callable[[], AbstractContextManager], n_tokens: int | None = None) -> dict[str, float]:
         """train.updates_per_step AdamW updates of the value loss over `batches` (old values and GAE returns per
-        batch, flattened as the batches' trained tokens). Metrics of the first update (the loss before any of
-        this step's updates: on a fixed batch it falls from step to step as the critic learns)."""
-        n_tokens = sum(r.numel() for r in returns)
-        all_old, all_returns = torch.cat(old), torch.cat(returns)
-        metrics = {VALUE_LOSS: 0.0, EXPLAINED_VARIANCE: explained_variance(all_old.cpu(), all_returns.cpu()),
-                   "critic/value_mean": float(all_old.mean()) if n_tokens else 0.0,
-                   "critic/return_mean": float(all_returns.mean()) if n_tokens else 0.0}
+        batch, flattened as the batches' trained tokens). The loss is summed over tokens and divided by `n_tokens`,
+        the whole batch's trained tokens (None: these batches'; a sharded rank passes the count over all ranks,
+        whose gradients FSDP sums). A padding batch runs at weight 0 and is not counted. Metrics of the first
+        update (the loss before any of this step's updates: on a fixed batch it falls from step to step as the
+        critic learns); on a rank, the loss and the clip fraction are its share of the batch's (they add up)."""
+        n_tokens = sum(r.numel() for r, mb in zip(returns, batches) if not mb.padding) if n_tokens is None else n_tokens
+        metrics = {VALUE_LOSS: 0.0}
         if n_tokens == 0:
             return metrics
         for update in range(self.cfg.updates_per_step):
@@ -118,16 +141,21 @@ class Critic:
                     new = self.model(mb)
                 per_token, was_clipped = value_loss(new, v_old.to(new.device), g.to(new.device), self.cfg.gae.value_clip)
                 loss = per_token.sum() / n_tokens
+                if mb.padding:  # every rank runs as many forwards and backwards as the others (FSDP's collectives)
+                    (loss * 0.0).backward()
+                    continue
                 loss.backward()
                 loss_sum += float(loss.detach())
                 clipped += int(was_clipped.sum())
-            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
-            if math.isfinite(norm):
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            # Sharded parameters (DTensor) give a DTensor norm: full_tensor() sums it over the ranks.
+            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            if math.isfinite(grad_norm):
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             if update == 0:
-                metrics.update({VALUE_LOSS: loss_sum, "critic/grad_norm": norm,
-                                "critic/value_clip_fraction": clipped / n_tokens})
+                metrics.update({VALUE_LOSS: loss_sum, "critic/grad_norm": grad_norm,
+                                VALUE_CLIP_FRACTION: clipped / n_tokens})
         return metrics
 
     def save(self, ckpt: Path) -> None:
@@ -138,15 +166,26 @@ class Critic:
         torch.save({"optimizer": self.optimizer.state_dict()}, folder / CRITIC_OPTIMIZER_FILE)
 
     def load(self, ckpt: Path) -> None:
-        folder = ckpt / CRITIC_DIR
-        if not (folder / VALUE_MODEL_FILE).exists():
-            raise RunError(f"checkpoint {ckpt} has no {CRITIC_DIR}/ (it was written without train.advantage=gae), "
-                           "so this run's critic cannot resume from it: resume with the advantage it was trained "
-                           "with, or start the gae run from its model (model=" f"{ckpt / 'model'})")
+        """Weights and optimizer state from `ckpt/critic/`: the one-process trainer's (optimizer.pt) or the
+        sharded trainer's (value_model.safetensors gathered by its rank 0, the optimizer's shards in dcp/)."""
+        folder = critic_folder(ckpt)
         missing, unexpected = load_model(self.model, str(folder / VALUE_MODEL_FILE), strict=False)
         if missing or unexpected:
             raise RunError(f"checkpoint {ckpt}: {CRITIC_DIR}/{VALUE_MODEL_FILE} does not match this run's critic "
                            f"(missing {sorted(missing)}, unexpected {sorted(unexpected)}): resume with the model it "
                            "was trained from")
-        state = torch.load(folder / CRITIC_OPTIMIZER_FILE, weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if (folder / CRITIC_OPTIMIZER_FILE).exists():
+            state = torch.load(folder / CRITIC_OPTIMIZER_FILE, weights_only=False)
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            load_dcp_optimizer(ckpt, f"{CRITIC_DIR}/{DCP_DIR}", self.model, self.optimizer)
+
+
+def critic_folder(ckpt: Path) -> Path:
+    """`ckpt/critic/`, refused (naming what to do) when the checkpoint was written without a critic."""
+    folder = ckpt / CRITIC_DIR
+    if not (folder / VALUE_MODEL_FILE).exists():
+        raise RunError(f"checkpoint {ckpt} has no {CRITIC_DIR}/ (it was written without train.advantage=gae), "
+                       "so this run's critic cannot resume from it: resume with the advantage it was trained "
+                       "with, or start the gae run from its model (model=" f"{ckpt / 'model'})")
+    return folder

@@ -12,6 +12,7 @@ the one-group packed forward (its prompt and its own response's earlier tokens),
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ from rollwise.types.microbatch import pack_responses, prompt_groups
 from rollwise.types.sample import Sample
 
 __all__ = ["GroupMicroBatch", "PackedGroupsMicroBatch", "collate_group", "collate_packed_groups",
-           "packed_groups_logprobs"]
+           "packed_groups_logprobs", "shared_prefix_hidden"]
 
 
 @dataclass
@@ -191,6 +192,40 @@ def _row_mask(prompt_keys: Tensor, segment_start: Tensor) -> Tensor:
     return torch.cat([prompt, own], dim=2)[:, None]
 
 
+def shared_prefix_hidden(
+    backbone: nn.Module,
+    prompts: Tensor,
+    prompt_lens: Tensor,
+    tokens: Tensor,
+    row_group: Tensor,
+    segment_start: Tensor,
+    prompt_scope: AbstractContextManager | None = None,
+    rows_scope: AbstractContextManager | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The shared-prefix forward: the prompts (prefixes) once, batched and right-padded, then the rows of
+    continuations, each over its group's prompt KV (selected with grad, so gradients into a prompt sum over its
+    rows, as in the padded forward). Continuation tokens sit at their own sequence's positions: prompt length +
+    offset in their segment (segment_start: the column where each token's segment starts, -1 on padding).
+
+    `prompt_scope` / `rows_scope` are entered around the prompt and the rows forward (the Tinker service's
+    per-row LoRA adapters: the two forwards have different rows). Returns (prompt hidden [groups, P, H], row
+    hidden [rows, W, H], each token's offset in its segment [rows, W]). Used by `packed_groups_logprobs` and by
+    rollwise.service's forward_backward (datums that start with the same tokens)."""
+    prompt_keys = torch.arange(prompts.shape[1], device=prompts.device)[None, :] < prompt_lens[:, None]
+    with prompt_scope if prompt_scope is not None else nullcontext():
+        prompt_out = backbone(input_ids=prompts, attention_mask=prompt_keys.long(), use_cache=True)
+    cache = prompt_out.past_key_values
+    cache.batch_select_indices(row_group)
+    cols = torch.arange(tokens.shape[1], device=tokens.device)
+    offsets = torch.where(segment_start >= 0, cols[None, :] - segment_start, 0)
+    with rows_scope if rows_scope is not None else nullcontext():
+        response_hidden = backbone(
+            input_ids=tokens, attention_mask=_row_mask(prompt_keys[row_group], segment_start),
+            position_ids=prompt_lens[row_group][:, None] + offsets, past_key_values=cache, use_cache=True,
+        ).last_hidden_state
+    return prompt_out.last_hidden_state, response_hidden, offsets
+
+
 def packed_groups_logprobs(
     model: nn.Module,
     prompts: Tensor,
@@ -201,26 +236,13 @@ def packed_groups_logprobs(
     order: Tensor,
     options: LogprobOptions = DEFAULT_OPTIONS,
 ) -> tuple[Tensor, Tensor]:
-    """Log-probs (and entropy) of the response tokens of several groups, flattened by `order`.
-
-    The prompts run once, batched and right-padded; each row's cache is its group's prompt KV
-    (selected with grad, so gradients into a prompt sum over its rows, as in the padded forward).
-    Response tokens sit at their own sequence's positions: prompt length + offset in the response.
-    """
-    backbone = backbone_of(model)
-    prompt_keys = torch.arange(prompts.shape[1], device=prompts.device)[None, :] < prompt_lens[:, None]
-    prompt_out = backbone(input_ids=prompts, attention_mask=prompt_keys.long(), use_cache=True)
-    cache = prompt_out.past_key_values
-    cache.batch_select_indices(row_group)
-    cols = torch.arange(tokens.shape[1], device=tokens.device)
-    offsets = torch.where(segment_start >= 0, cols[None, :] - segment_start, 0)
-    response_hidden = backbone(
-        input_ids=tokens, attention_mask=_row_mask(prompt_keys[row_group], segment_start),
-        position_ids=prompt_lens[row_group][:, None] + offsets, past_key_values=cache, use_cache=True,
-    ).last_hidden_state
+    """Log-probs (and entropy) of the response tokens of several groups, flattened by `order`: the prompts
+    once, each response over its group's prompt KV (shared_prefix_hidden)."""
+    prompt_hidden, response_hidden, offsets = shared_prefix_hidden(
+        backbone_of(model), prompts, prompt_lens, tokens, row_group, segment_start)
     # A response's first token is predicted by its prompt's last position, the others by the column before.
     hidden_size = response_hidden.shape[-1]
-    last_prompt = prompt_out.last_hidden_state[torch.arange(prompts.shape[0], device=prompts.device), prompt_lens - 1]
+    last_prompt = prompt_hidden[torch.arange(prompts.shape[0], device=prompts.device), prompt_lens - 1]
     shifted = torch.cat([response_hidden[:, :1], response_hidden[:, :-1]], dim=1)
     first = (offsets == 0)[..., None]
     predictors = torch.where(first, last_prompt[row_group][:, None, :], shifted).reshape(-1, hidden_size)

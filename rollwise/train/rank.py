@@ -3,9 +3,11 @@
 `RankTrainer.handle(cmd, arg)` is the one dispatcher every way of driving a rank uses: the local
 rank processes (`rank_main`, over a pipe; rollwise.train.rank_group), Ray actors
 (rollwise.control.ray.trainer_ranks) and torchrun-launched ranks (rollwise.train.torchrun). The
-commands: train, measure, write_shards, save, load, memory. Over the pipe each reply is ("ok", value)
-or ("error", traceback); a rank that raises leaves the group, and the controller stops the others
-(they would wait in a collective forever).
+commands: train, measure, write_shards, save, load, memory, and token_inputs (train.advantage=gae and
+train.kl_penalty=reward: the critic's values and the reference's KL before the step, from which the controller
+computes the per-token advantages: rollwise.train.sharded_token_advantages). Over the pipe each reply is
+("ok", value) or ("error", traceback); a rank that raises leaves the group, and the controller stops the
+others (they would wait in a collective forever).
 
 Weights leave a rank one of two ways. Ranks on the controller's host write their own shard of every
 tensor into a full-size shared-memory landing the controller allocated (`write_shards`): no
@@ -44,10 +46,12 @@ from torch.distributed.checkpoint.state_dict import (
 
 from rollwise.types.train_config import TrainConfig
 from rollwise.train.checkpoint import DCP_DIR, SCHEDULER_FILE, optimizer_state_by_name
+from rollwise.train.critic_shards import load_critic_shards, save_critic_shards
 from rollwise.train.distributed import RankSpec, gathered_buckets, init_rank, shard_model
 from rollwise.train.trainer import GRPOTrainer, MicroBatch, to_device
 from rollwise.train.logprobs import LogprobOptions
 from rollwise.train.packing import GroupMicroBatch
+from rollwise.train.token_advantages import split_per_sample
 from rollwise.types.sample import Sample
 
 
@@ -60,6 +64,18 @@ class RankWork:
     weights: Tensor  # flattened over the chunks' trained tokens, in order
     padding: int  # zero-weight repeats to run after them (see MicroBatch.padding)
     idle: bool = False  # the chunks are not this rank's either: every micro-batch is padding
+    critic: CriticTargets | None = None  # train.advantage=gae: the critic's update after the policy's
+
+
+@dataclass
+class CriticTargets:
+    """The critic's targets on a rank's share of a gae step (rollwise.train.sharded_token_advantages): the values
+    the advantages were computed with and the GAE returns, flattened over the rank's chunks' trained tokens in
+    order, and the whole batch's trained tokens (the value loss's denominator on every rank)."""
+
+    old: Tensor
+    returns: Tensor
+    n_tokens: int
 
 
 class PolicyLogprobs(nn.Module):
@@ -87,6 +103,11 @@ class RankTrainer(GRPOTrainer):
         self.policy = PolicyLogprobs(self.model, LogprobOptions.of(self.cfg, self.temperature))
         shard_model(self.policy, self.model.get_decoder().layers, self.spec)
 
+    def _prepare_critic(self, value_model: nn.Module) -> None:
+        # The critic sharded like the policy: each decoder layer its own unit, the root (embeddings, norm, value
+        # head) the rest, on the same data-parallel mesh, gradients summed over the ranks.
+        shard_model(value_model, value_model.backbone.layers, self.spec)
+
     def _logprobs(self, mb: MicroBatch | GroupMicroBatch) -> tuple[Tensor, Tensor]:
         with self._compute():  # train.compute_dtype, as in one process
             logp, entropy = self.policy(mb)
@@ -107,7 +128,34 @@ class RankTrainer(GRPOTrainer):
         metrics: dict[str, float] = {}
         for update in range(self.cfg.updates_per_step):
             metrics = self._update(batches, record_mismatch=update == 0, proximal=proximal)
+        if work.critic is not None and self.critic is not None:
+            metrics.update(self._update_critic(work, work.critic))
         return {"metrics": metrics, "version": self.version}
+
+    def token_inputs_of(self, work: RankWork) -> tuple[list[Tensor] | None, list[Tensor] | None]:
+        """Command token_inputs (per-token advantages, before the step's update): per sample of this rank's
+        chunks, the KL estimates and the critic's values, from GRPOTrainer.token_inputs on the rank's padded
+        micro-batches, filler included (every rank runs as many critic forwards as the others). An idle rank's
+        chunks are another rank's: (None, None)."""
+        kl, values = self.token_inputs(self.padded_batches(work.chunks, work.padding))
+        if work.idle:
+            return None, None
+        real = len(work.chunks)
+        counts = [s.trained_tokens for chunk in work.chunks for s in chunk]
+        return (split_per_sample(None if kl is None else kl[:real], counts),
+                split_per_sample(None if values is None else values[:real], counts))
+
+    def _update_critic(self, work: RankWork, targets: CriticTargets) -> dict[str, float]:
+        """Critic.update on the same padded micro-batches its values came from (token_inputs_of); the filler
+        repeats the first at weight 0."""
+        batches = self.padded_batches(work.chunks, work.padding)
+        if work.idle:
+            batches = [replace(mb, padding=True) for mb in batches]
+        sizes = [mb.n_tokens for mb in batches[: len(work.chunks)]]
+        old, returns = list(torch.split(targets.old, sizes)), list(torch.split(targets.returns, sizes))
+        old += old[:1] * work.padding
+        returns += returns[:1] * work.padding
+        return self.critic.update(batches, old, returns, self._compute, targets.n_tokens)
 
     def memory(self, _: Any = None) -> dict[str, float]:
         """This rank's bytes of parameters, gradients (at the last optimizer step) and optimizer
@@ -153,7 +201,7 @@ class RankTrainer(GRPOTrainer):
     def handle(self, cmd: str, arg: Any) -> Any:
         """Run one controller command on this rank (every rank of the group runs the same one)."""
         commands = {"train": self.train, "measure": self.measure, "write_shards": self.write_shards,
-                    "save": self.save, "load": self.load, "memory": self.memory}
+                    "save": self.save, "load": self.load, "memory": self.memory, "token_inputs": self.token_inputs_of}
         if cmd not in commands:
             raise ValueError(f"unknown trainer-rank command {cmd!r}; known: {', '.join(commands)}")
         return commands[cmd](arg)
@@ -166,10 +214,14 @@ class RankTrainer(GRPOTrainer):
         if self.spec.rank == 0:
             self.model.save_pretrained(tmp / "model", state_dict=full, safe_serialization=True)
             torch.save({"scheduler": self.scheduler.state_dict()}, tmp / SCHEDULER_FILE)
+        if self.critic is not None:  # train.advantage=gae: critic/ in the same form (rollwise.train.critic_shards)
+            save_critic_shards(self.critic, tmp, self.spec.rank)
         dist.barrier()
 
     def load(self, arg: tuple[Path, int]) -> None:
         ckpt, self.version = arg
+        if self.critic is not None:
+            load_critic_shards(self.critic, ckpt)
         if (ckpt / DCP_DIR).exists():  # any world size's sharded checkpoint: DCP reshards on load
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
             dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt / DCP_DIR)

@@ -6,6 +6,9 @@ rank, each holding 1/N of the parameters, gradients and optimizer state (rollwis
 The same trainer drives ranks started elsewhere through `ShardedTrainer.over(group)`: Ray actors
 (rollwise.control.ray.trainer_ranks) or torchrun-launched processes (rollwise.train.torchrun).
 
+train.advantage=gae (the critic, sharded like the policy on each rank) and train.kl_penalty=reward add a round
+before the update: rollwise.train.sharded_token_advantages.
+
 A train step is exact: the controller weighs every trained token against the global batch (the
 token or sequence count over all ranks), then deals the micro-batches to the ranks balanced by
 token count; each rank runs GRPOTrainer's update on its share, and FSDP2 sums the gradients.
@@ -25,13 +28,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rollwise.config import ConfigError
 from rollwise.types.train_config import TrainConfig, TrainerConfig
 from rollwise.train.checkpoint import load_rng_and_state, write_checkpoint
+from rollwise.train.critic import SUMMED_OVER_RANKS
 from rollwise.train.grpo import token_weights
 from rollwise.train.policy_loss import resolve_policy_loss
 from rollwise.train.rank import RankWork
 from rollwise.train.rank_group import ProcessRankGroup, RankGroup, TrainerRankError
+from rollwise.train.sharded_token_advantages import plan_on_ranks
 from rollwise.types.critic_config import token_advantage_reason
 from rollwise.types.microbatch import chunk_samples, computed_tokens
 from rollwise.types.sample import Sample
@@ -91,6 +95,9 @@ def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     out["trained_tokens"] = total
     if "weights_landing_s" in out:  # the slowest rank's copy into the shared landing
         out["weights_landing_s"] = max(m["weights_landing_s"] for m in per_rank)
+    for key in SUMMED_OVER_RANKS:  # the critic's value loss and clip fraction: each rank's share of the batch's
+        if key in out:
+            out[key] = sum(m[key] for m in per_rank)
     for key in ("clip_fraction", "entropy", "kl", "is_weight_mean", "is_masked_fraction", "mismatch_abs_logp",
                 "mismatch_k3"):
         if key in out:
@@ -106,7 +113,6 @@ class ShardedTrainer:
                  temperature: float = 1.0, tokenizer: Any = None, threads: int = 0,
                  bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
         refuse_torchrun(os.environ)
-        refuse_token_advantages(cfg)  # before any rank starts
         resolve_policy_loss(cfg)  # a custom train.policy_loss is checked here, once, before any rank starts
         group = ProcessRankGroup(model, cfg, trainer_cfg, pad_token_id=pad_token_id, temperature=temperature,
                                  threads=threads or len(os.sched_getaffinity(0)))
@@ -122,8 +128,10 @@ class ShardedTrainer:
         return trainer
 
     def _attach(self, group: RankGroup, cfg: TrainConfig, tokenizer: Any, bucket_mb: float) -> None:
-        refuse_token_advantages(cfg)
         self.group, self.cfg, self.tokenizer, self.bucket_mb = group, cfg, tokenizer, bucket_mb
+        # gae, or the KL in the reward: per-token advantages from the ranks' forwards (rollwise.train.sharded_token_advantages)
+        self.token_advantages = token_advantage_reason(cfg.advantage, cfg.kl_penalty, cfg.kl_coef,
+                                                       cfg.teacher is not None) is not None
         self.world_size = group.world_size
         self._version = 0
 
@@ -140,8 +148,8 @@ class ShardedTrainer:
         return self._version
 
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
-        informative = [s for s in samples if s.advantage != 0.0] if self.cfg.skips_zero_advantage() else samples
-        informative = [s for s in informative if s.trained_tokens]
+        planned = [s for s in samples if s.advantage != 0.0] if self.cfg.skips_zero_advantage() else samples
+        informative = [s for s in planned if s.trained_tokens]
         if not informative:
             # Nothing to learn from: entropy and mismatch of the first micro-batch, measured on all
             # ranks alike (every forward is collective); rank 0's answer.
@@ -152,12 +160,15 @@ class ShardedTrainer:
                     "update_skipped_nonfinite_grad": 0.0, "trained_tokens": 0.0, "trained_samples": 0.0,
                     "clip_fraction": 0.0, "kl": 0.0, **measured}
         work = split_work(informative, self.cfg, self.world_size)
+        # The per-token advantages over the batch the one-process trainer would plan over (`planned`)
+        token_metrics = plan_on_ranks(self.group, work, planned, self.cfg) if self.token_advantages else {}
         replies = self.group.call("train", work)
         self._version = replies[0]["version"]
         metrics = combine_metrics([r["metrics"] for r in replies])
         metrics["trained_samples"] = float(len(informative))
         metrics["update_skipped_no_signal"] = 0.0
         metrics["trainer_rank_token_imbalance"] = _imbalance([r["metrics"]["trained_tokens"] for r in replies])
+        metrics.update(token_metrics)
         return metrics
 
     def weights(self) -> dict[str, Tensor]:
@@ -196,15 +207,6 @@ def refuse_torchrun(env: Mapping[str, str]) -> None:
             "ShardedTrainer(model, ...) would start its own ranks in every one of them: run `torchrun "
             "--nproc-per-node=N -m rollwise.cli train trainer.world_size=N` (rank 0 drives, the others follow: "
             "rollwise.train.torchrun), or `rollwise train trainer.world_size=N` without torchrun")
-
-
-def refuse_token_advantages(cfg: TrainConfig) -> None:
-    """GAE's critic and the KL in the reward run on the one-process trainer for now (the config refuses them with
-    trainer.world_size > 1 too: rollwise.types.critic_config); refused here for callers that build the trainer."""
-    reason = token_advantage_reason(cfg.advantage, cfg.kl_penalty, cfg.kl_coef)
-    if reason is not None:
-        raise ConfigError(f"{reason} runs on the one-process trainer for now (the critic and the per-token rewards are "
-                          "not sharded): use trainer.world_size=1, or train.kl_penalty=loss / another train.advantage")
 
 
 def _imbalance(tokens: list[float]) -> float:

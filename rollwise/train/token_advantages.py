@@ -5,7 +5,10 @@ layout reads them from there (rollwise.train.trainer.token_owners).
 
 Per sample, over its trained tokens t = 0..T-1 (the response; multi-turn template tokens are not actions):
 
-    reward     r_t = -kl_coef * KL_t, plus the sample's reward R on the last token (t = T-1)
+    reward     r_t = -kl_coef * KL_t + d_t, plus the sample's reward R on the last token (t = T-1)
+    d_t        train.teacher's distillation reward (Sample.token_rewards): coefficient * (log p_teacher(y_t) -
+               log pi(y_t)), minus the per-token reverse-KL estimate; with train.teacher.mode=replace R is 0
+               (the distillation reward alone), with mode=add R is the task's
     KL_t       the estimate of KL(pi || ref) at the sampled token, pi the sampling policy's log-prob
                (the engine's, the behaviour log-prob every sample carries), ref the frozen initial policy's:
                k1 = log(pi/ref), k2 = log(pi/ref)^2 / 2, k3 = ref/pi - 1 - log(ref/pi) (Schulman's estimators)
@@ -20,6 +23,7 @@ A sample with no trained tokens gets none (and teaches nothing); a group of one 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +31,7 @@ from torch import Tensor
 
 from rollwise.types.train_config import TrainConfig
 from rollwise.train.advantages import whiten_over_tokens
+from rollwise.train.critic import target_metrics
 from rollwise.types.sample import Sample, group_samples
 
 KL_REWARD = "kl_reward"  # metric: mean per-token KL estimate folded into the reward
@@ -44,9 +49,14 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
     raise ValueError(f"train.kl_estimator={estimator!r}: choose k1, k2 or k3")
 
 
-def token_rewards(reward: float, n_tokens: int, kl: Tensor | None = None, kl_coef: float = 0.0) -> Tensor:
-    """r_t: -kl_coef * kl_t on every token, the sample's reward added on the last."""
+def token_rewards(reward: float, n_tokens: int, kl: Tensor | None = None, kl_coef: float = 0.0,
+                  per_token: Sequence[float] | None = None) -> Tensor:
+    """r_t: -kl_coef * kl_t (+ per_token[t], train.teacher's) on every token, the sample's reward added on the last."""
     rewards = -kl_coef * kl.float() if kl is not None else torch.zeros(n_tokens)
+    if per_token is not None:
+        if len(per_token) != n_tokens:
+            raise ValueError(f"token_rewards: {len(per_token)} per-token rewards for {n_tokens} trained tokens")
+        rewards = rewards + torch.tensor(list(per_token), dtype=torch.float32)
     if n_tokens:
         rewards = rewards.clone()
         rewards[-1] += reward
@@ -97,8 +107,9 @@ def compute_token_advantages(samples: list[Sample], cfg: TrainConfig, *, kl: lis
                              values: list[Tensor] | None = None) -> TokenAdvantages:
     """Per-token advantages of `samples` by train.advantage (gae needs `values`, the critic's per trained token;
     `kl`: the per-token KL estimates to fold into the reward, or None)."""
-    base = sequence_rewards(samples, cfg.advantage)
-    rewards = [token_rewards(r, s.trained_tokens, None if kl is None else kl[i], cfg.kl_coef)
+    replace_task = cfg.teacher is not None and cfg.teacher.mode == "replace"  # the distillation reward alone
+    base = [0.0] * len(samples) if replace_task else sequence_rewards(samples, cfg.advantage)
+    rewards = [token_rewards(r, s.trained_tokens, None if kl is None else kl[i], cfg.kl_coef, s.token_rewards)
                for i, (s, r) in enumerate(zip(samples, base))]
     ones = [torch.ones_like(r) for r in rewards]
     if cfg.advantage == "gae":
@@ -116,3 +127,25 @@ def set_token_advantages(samples: list[Sample], advantages: list[Tensor]) -> Non
     """Each sample's per-token advantages, where every micro-batch layout reads them."""
     for s, a in zip(samples, advantages):
         s.token_advantages = a.tolist()
+
+
+def split_per_sample(per_batch: list[Tensor] | None, counts: list[int]) -> list[Tensor] | None:
+    """Per-micro-batch tensors over trained tokens (samples in order) as one tensor per sample (`counts` tokens)."""
+    return None if per_batch is None else list(torch.split(torch.cat(per_batch), counts))
+
+
+def plan_token_advantages(samples: list[Sample], cfg: TrainConfig, kl: list[Tensor] | None,
+                          values: list[Tensor] | None) -> tuple[TokenAdvantages, dict[str, float]]:
+    """The step's per-token advantages over the whole batch, set on each sample, and their metrics (the KL folded
+    into the reward; the critic's values against its returns). `kl` and `values`: per sample, from the trainer's
+    forwards (None: not used). The one-process trainer and the sharded trainer's controller (from its ranks'
+    forwards: rollwise.train.sharded_token_advantages) both call this, so both whiten over the same tokens."""
+    plan = compute_token_advantages(samples, cfg, kl=kl, values=values)
+    set_token_advantages(samples, plan.advantages)
+    metrics: dict[str, float] = {}
+    if kl is not None:
+        flat = torch.cat(kl) if kl else torch.zeros(0)
+        metrics[KL_REWARD] = float(flat.mean()) if flat.numel() else 0.0
+    if plan.values is not None and plan.returns is not None:
+        metrics.update(target_metrics(plan.values, plan.returns))
+    return plan, metrics

@@ -33,8 +33,8 @@ from rollwise.train.logprobs import LogprobOptions, sequence_logprobs
 from rollwise.train.activation_checkpointing import enable_activation_checkpointing
 from rollwise.train.routing_replay import ReplayBatch, RoutingReplay, find_routers, rows_batch
 from rollwise.train.critic import Critic
-from rollwise.train.token_advantages import (KL_REWARD, TokenAdvantages, compute_token_advantages, kl_estimate,
-                                              set_token_advantages)
+from rollwise.train.token_advantages import (TokenAdvantages, kl_estimate, plan_token_advantages,
+                                              split_per_sample)
 from rollwise.types.critic_config import token_advantage_reason
 
 
@@ -144,9 +144,10 @@ class GRPOTrainer:
         # weights() hands out only them, and a checkpoint holds only them.
         self.lora = cfg.lora
         # train.advantage=gae: the critic, a copy of the (base) policy's decoder with a value head (rollwise.train.critic)
-        self.critic = Critic(model, cfg) if cfg.advantage == "gae" else None
+        self.critic = Critic(model, cfg, prepare=self._prepare_critic) if cfg.advantage == "gae" else None
         # gae, or the KL in the reward: the advantages are computed per token in the step (_token_advantages)
-        self.token_advantages = token_advantage_reason(cfg.advantage, cfg.kl_penalty, cfg.kl_coef) is not None
+        self.token_advantages = token_advantage_reason(cfg.advantage, cfg.kl_penalty, cfg.kl_coef,
+                                                       cfg.teacher is not None) is not None
         self.loss_kl_coef = cfg.kl_coef if cfg.kl_penalty != "reward" else 0.0  # the KL is in the loss, or not
         if cfg.lora is not None:
             model = wrap_lora(model, cfg.lora)
@@ -215,6 +216,9 @@ class GRPOTrainer:
 
     def _prepare_model(self) -> None:
         """Hook before the optimizer is built (rollwise.train.sharded shards the model here)."""
+
+    def _prepare_critic(self, value_model: nn.Module) -> None:
+        """Hook before the critic's optimizer is built (a sharded rank shards the value model here)."""
 
     def _compute(self) -> torch.autocast:
         """train.compute_dtype: the forward's matmuls in that dtype (the backward follows the forward's
@@ -306,26 +310,34 @@ class GRPOTrainer:
             metrics.update(self._after_token_advantages(*planned))
         return metrics
 
+    def padded_batches(self, chunks: list[list[Sample]], padding: int = 0) -> list[MicroBatch]:
+        """The micro-batches of the critic's and the reference's forwards (per-token advantages): each chunk as
+        right-padded rows on the model's device, plus `padding` repeats of the first (a sharded rank's filler)."""
+        device = next(self.model.parameters()).device
+        batches = [to_device(collate(chunk, torch.zeros(0), self.pad_token_id), device) for chunk in chunks]
+        return batches + [replace(batches[0], padding=True) for _ in range(padding)]
+
+    def token_inputs(self, padded: list[MicroBatch]) -> tuple[list[Tensor] | None, list[Tensor] | None]:
+        """Per micro-batch, on the CPU, before this step's update: the per-token KL estimates to fold into the
+        reward (train.kl_penalty=reward: the sampling policy's log-probs against the reference's; else None) and
+        the critic's values (gae; else None). A sharded rank runs this on its own micro-batches."""
+        kl = values = None
+        if self.ref_model is not None and self.cfg.kl_penalty == "reward":
+            with torch.no_grad():
+                kl = [kl_estimate(mb.behaviour_logp, self._forward_logprobs(self.ref_model, mb)[0],
+                                  self.cfg.kl_estimator).cpu() for mb in padded]
+        if self.critic is not None:
+            values = [v.cpu() for v in self.critic.values(padded, self._compute)]
+        return kl, values
+
     def _token_advantages(self, samples: list[Sample]) -> tuple[list[MicroBatch], TokenAdvantages, dict[str, float]]:
         """train.advantage=gae / train.kl_penalty=reward: each sample's per-token advantages, set on it
         (rollwise.train.token_advantages), from padded forwards of the critic and the reference (no grad)."""
-        device = next(self.model.parameters()).device
         size = self.cfg.micro_batch_size
-        padded = [to_device(collate(samples[i:i + size], torch.zeros(0), self.pad_token_id), device)
-                  for i in range(0, len(samples), size)]
+        padded = self.padded_batches([samples[i:i + size] for i in range(0, len(samples), size)])
         counts = [s.trained_tokens for s in samples]
-        kl, metrics = None, {}
-        if self.ref_model is not None and self.cfg.kl_penalty == "reward":
-            with torch.no_grad():
-                flat = torch.cat([kl_estimate(mb.behaviour_logp, self._forward_logprobs(self.ref_model, mb)[0],
-                                              self.cfg.kl_estimator) for mb in padded]).cpu()
-            kl = list(torch.split(flat, counts))
-            metrics[KL_REWARD] = float(flat.mean()) if flat.numel() else 0.0
-        values = None
-        if self.critic is not None:
-            values = list(torch.split(torch.cat(self.critic.values(padded, self._compute)).cpu(), counts))
-        plan = compute_token_advantages(samples, self.cfg, kl=kl, values=values)
-        set_token_advantages(samples, plan.advantages)
+        kl, values = (split_per_sample(x, counts) for x in self.token_inputs(padded))
+        plan, metrics = plan_token_advantages(samples, self.cfg, kl, values)
         return padded, plan, metrics
 
     def _after_token_advantages(self, padded: list[MicroBatch], plan: TokenAdvantages,

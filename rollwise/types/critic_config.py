@@ -30,14 +30,26 @@ class GaeConfig(ConfigSection):
                          "variance 1), as PPO implementations do")
 
 
-def token_advantage_reason(advantage: str, kl_penalty: str, kl_coef: float) -> str | None:
+def token_advantage_reason(advantage: str, kl_penalty: str, kl_coef: float, teacher: bool = False) -> str | None:
     """Why the trainer computes this run's advantages per token (None: it does not): GAE needs the critic's
-    values, a KL in the reward needs the reference's log-probs, both only the trainer has."""
+    values, a KL in the reward needs the reference's log-probs, both only the trainer has; train.teacher's
+    distillation reward is per token (Sample.token_rewards)."""
     if advantage == "gae":
         return "train.advantage=gae"
     if kl_penalty == "reward" and kl_coef > 0:
         return "train.kl_penalty=reward"
+    if teacher:
+        return "train.teacher"
     return None
+
+
+def check_teacher(advantage: str) -> None:
+    """train.teacher's per-token reward needs an estimator that takes per-token rewards: a ValueError naming the
+    fields otherwise (as train.kl_penalty=reward)."""
+    if advantage not in TOKEN_REWARD_ESTIMATORS:
+        raise ValueError(f"train.teacher gives a reward on every token (the per-token reverse KL), which "
+                         f"train.advantage={advantage!r} (one reward per sample, group-relative) cannot take: set "
+                         f"train.advantage to one of {', '.join(TOKEN_REWARD_ESTIMATORS)}")
 
 
 def check_kl_penalty(advantage: str, kl_penalty: str) -> str:
@@ -52,17 +64,11 @@ def check_kl_penalty(advantage: str, kl_penalty: str) -> str:
     return kl_penalty
 
 
-def check_token_advantage_placement(reason: str | None, world_size: int, ray_ranks: int, agent: bool) -> None:
-    """The settings whose advantages the trainer computes per token run on the one-process trainer, single-turn,
-    for now: a ValueError naming the fields otherwise."""
-    if reason is None:
-        return
-    if world_size > 1 or ray_ranks > 1:
-        field = f"trainer.world_size={world_size}" if world_size > 1 else f"ray.trainer_ranks={ray_ranks}"
-        raise ValueError(f"{reason} runs on the one-process trainer for now (the critic and the per-token rewards "
-                         f"are not sharded): set {field.split('=')[0]}=1, or choose another train.advantage "
-                         "(train.kl_penalty=loss keeps the KL as a loss term)")
-    if agent:
+def check_token_advantage_placement(reason: str | None, agent: bool) -> None:
+    """The settings whose advantages the trainer computes per token run on every trainer (one process, sharded,
+    torchrun, Ray ranks: rollwise.train.sharded_token_advantages), single-turn for now: a ValueError naming the
+    field otherwise."""
+    if reason is not None and agent:
         raise ValueError(f"{reason} is single-turn for now (an agent episode split into segments would get its "
                          "reward at each segment's end): unset agent:, or choose another train.advantage "
                          "(train.kl_penalty=loss keeps the KL as a loss term)")

@@ -29,6 +29,8 @@ class RayConfig(ConfigSection):
     reward_workers: int = Field(1, ge=1, description="reward actors scoring finished groups")
     max_restarts: int = Field(3, ge=0, description="times Ray restarts a dead actor (engines re-sync to the current policy)")
     reward_cpus: float = Field(0.25, ge=0, description="CPUs reserved per reward actor")
+    env_cpus: float = Field(0.25, ge=0, description="CPUs reserved per environment worker actor (an environment "
+                            "task's task.workers, each one actor owning the environment's process)")
     placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray placement-group strategy for the run's bundles (engines, trainer, reward workers)")
     start_timeout_s: float = Field(300.0, gt=0, description="wait this long for the placement group and the actors")

@@ -45,6 +45,9 @@ class Sample:
     # One advantage per trained token, when the trainer computes them per token (train.advantage=gae,
     # train.kl_penalty=reward: rollwise.train.token_advantages); None: `advantage` on every trained token.
     token_advantages: Sequence[float] | None = None
+    # train.teacher: a reward on every trained token (the teacher's log-prob minus the sampler's, times the
+    # coefficient: rollwise.control.teacher), added to the per-token rewards; None: the sample's reward alone.
+    token_rewards: Sequence[float] | None = None
 
     def __post_init__(self) -> None:
         where = f"sample {self.sample_id}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rollwise.types.config_section import ConfigSection
 
@@ -38,13 +38,29 @@ class SftConfig(ConfigSection):
 
 
 class TeacherConfig(ConfigSection):
-    """`train.teacher:` on-policy distillation (rollwise.train.distill): the student samples, the teacher
-    scores the same token ids, and log p_teacher - log p_student on each sampled token (minus the
-    reverse KL, per token) summed over the response is the sample's reward."""
+    """`train.teacher:` on-policy distillation (rollwise.control.teacher): the student samples, a teacher ENGINE
+    scores the same token ids (Engine.score_tokens: one prefill, nothing sampled), and log p_teacher - log
+    p_student on each sampled token (minus the per-token reverse KL) is that token's reward, trained through the
+    per-token advantage path (rollwise.train.token_advantages)."""
 
-    model: str = Field(..., description="the teacher: a model spec as model: takes (a local Hugging Face directory, "
-                       "bundled:NAME, tiny:SEED); its tokenizer must be the student's")
+    model: str | None = Field(None, description="the teacher: a model spec as model: takes (a local Hugging Face "
+                              "directory, bundled:NAME, tiny:SEED), served by an engine in this process; its "
+                              "tokenizer's vocabulary must be the student's. Give this or url")
+    url: str | None = Field(None, description="an engine server already serving the teacher (`rollwise serve engine "
+                            "--model TEACHER`), scored over POST /score; its tokenizer must be the student's")
     coefficient: float = Field(1.0, gt=0, description="the distillation reward's weight")
-    mode: Literal["replace", "add"] = Field("replace", description="replace: the distillation reward alone; add: "
-                                            "added to the task reward")
-    micro_batch_size: int = Field(16, ge=1, description="samples per teacher forward")
+    mode: Literal["replace", "add"] = Field("replace", description="replace: the per-token distillation reward "
+                                            "alone; add: the task reward added on each response's last token")
+    engine: Literal["auto", "reference", "vllm"] = Field("auto", description="the in-process teacher engine's "
+                                                         "backend (as engine.kind; vLLM scores at temperature 1 only)")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("float32", description="the teacher engine's weights")
+    max_num_seqs: int = Field(16, ge=1, description="the teacher engine's max_num_seqs")
+    max_model_len: int | None = Field(None, ge=16, description="the teacher engine's max_model_len (default: "
+                                      "engine.max_model_len, the longest sequence the student samples)")
+
+    @model_validator(mode="after")
+    def _one_teacher(self) -> TeacherConfig:
+        if (self.model is None) == (self.url is None):
+            raise ValueError("train.teacher: give exactly one of train.teacher.model (a teacher engine in this "
+                             "process) and train.teacher.url (an engine server serving the teacher)")
+        return self

@@ -16,7 +16,7 @@ from rollwise.types.algorithms import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, KL_P
                                        OFF_POLICY_CORRECTIONS, check_choice, check_policy_loss_name,
                                        is_custom_loss)
 from rollwise.types.config_section import ConfigSection
-from rollwise.types.critic_config import GaeConfig, check_kl_penalty
+from rollwise.types.critic_config import GaeConfig, check_kl_penalty, check_teacher
 from rollwise.types.sft_config import TeacherConfig
 
 # Each of AdamW's betas: a decay rate, in [0, 1) (torch refuses others only once the optimizer is built).
@@ -140,11 +140,14 @@ class TrainConfig(ConfigSection):
         forward/backward (and the FLOP count leaves it out): with no KL term (kl_coef=0) every built-in loss is 0
         there, value and gradient. A custom loss may not be (an entropy bonus, say): it sees every sample; with
         per-token advantages (gae) a sample's tokens carry their own advantages: none skipped."""
-        return self.kl_coef == 0 and not is_custom_loss(self.policy_loss) and self.advantage != "gae"
+        return (self.kl_coef == 0 and not is_custom_loss(self.policy_loss) and self.advantage != "gae"
+                and self.teacher is None)  # train.teacher: per-token rewards, every sample teaches
 
     @model_validator(mode="after")
     def _resolve_kl_penalty(self) -> TrainConfig:
         self.kl_penalty = check_kl_penalty(self.advantage, self.kl_penalty)  # type: ignore[assignment]
+        if self.teacher is not None:
+            check_teacher(self.advantage)
         return self
     lora: LoraConfig | None = Field(None, description="LoRA adapters instead of full-parameter training")
     teacher: TeacherConfig | None = Field(None, description="on-policy distillation: a teacher scores the student's "

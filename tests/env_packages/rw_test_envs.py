@@ -1,6 +1,7 @@
 """Classic-verifiers environments for tests/test_env_verifiers.py, written as a third party would (no rollwise
-import): a single-turn one, and a multi-turn one (the environment answers every reply, so every rollout has
-`max_turns` model turns) whose rows each behave in one way an environment can: row i's `answer` is its mode."""
+import): a single-turn one, a well-behaved multi-turn one (`clean`, reporting the `openai` version it imports),
+and a multi-turn one (the environment answers every reply, so every rollout has `max_turns` model turns) whose
+rows each behave in one way an environment can: row i's `answer` is its mode."""
 
 from __future__ import annotations
 
@@ -60,7 +61,18 @@ class Echo(vf.MultiTurnEnv):
         return [{"role": "user", "content": "Go on."}]
 
 
+def openai_major(**kwargs) -> float:
+    """A zero-weight metric: the major version of the `openai` this environment's interpreter imports."""
+    import openai
+
+    return float(openai.__version__.split(".")[0])
+
+
 def load_environment(kind: str = "multi", max_turns: int = 3) -> vf.Environment:
+    if kind == "clean":  # multi-turn, every row well-behaved: what a training run's tests train on
+        rows = Dataset.from_list([{"question": f"{i}+{i}?", "answer": "ok"} for i in range(8)])
+        return Echo(dataset=rows, system_prompt="Use the calculator.", max_turns=max_turns,
+                    rubric=vf.Rubric(funcs=[length_reward, openai_major], weights=[1.0, 0.0]))
     data = Dataset.from_list([{"question": f"{i}+{i}?", "answer": mode} for i, mode in enumerate(MODES)])
     if kind == "single":
         return vf.SingleTurnEnv(dataset=data, system_prompt="Use the calculator.",

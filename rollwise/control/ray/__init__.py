@@ -9,6 +9,7 @@
     engine_actor      EngineActor: one engine on its worker thread inside an actor
     trainer_ranks     TrainerRankActor / RayRankGroup: FSDP2 trainer ranks as actors
     reward            RewardActor / RayScorer: finished groups scored on reward actors
+    env_workers       EnvWorkerActor / RayEnvWorker: an environment task's workers, one actor each
     calls             ray.get over many refs with a deadline, and the one log line format
 
 Every module here imports Ray at the top; nothing outside this package does (placement's ray.py imports it

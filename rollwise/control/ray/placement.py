@@ -12,6 +12,8 @@ The training loop (rollwise.control.train_loop) runs unchanged; what it holds ar
 - the reward: `RayScorer` (rollwise.control.ray.reward), which scores each finished group on one of
   `ray.reward_workers` actors (round robin; Ray retries a call on a restarted actor: scoring is idempotent).
   Held-out evaluation is still scored in the driver.
+- an environment task's workers (task.kind verifiers / openenv): one actor each, owning the environment's
+  process (rollwise.control.ray.env_workers); the driver's EnvService health-checks and replaces them.
 
 `ray.address`: 'auto' joins the cluster `ray start` runs on this machine, or starts a local one for
 the run (shut down at the end); HOST:PORT joins that cluster. If this process is already connected
@@ -43,6 +45,7 @@ from rollwise.control.ray.engine_actor import engine_actor_class
 from rollwise.control.ray.fleet import RayEngineFleet
 from rollwise.control.ray.fleet_collective import FleetWeightGroup
 from rollwise.control.ray.trainer_ranks import RayRankGroup, TrainerRankActor, kill_actors
+from rollwise.tasks import ENVIRONMENT_KINDS
 from rollwise.types.sample import Sample
 from rollwise.types.weight_update import WeightUpdate
 from rollwise.train.sharded import ShardedTrainer
@@ -91,13 +94,18 @@ class RaySession:
         self.cfg = cfg
         rc = cfg.ray
         self.owns_ray = False
-        # Bundles: engines first (index i = engine i), then the trainer ranks, then the reward workers.
+        # Bundles: engines first (index i = engine i), then the trainer ranks, then the reward workers, then an
+        # environment task's workers (rollwise.control.ray.env_workers).
         self.engine_bundles = list(range(rc.num_engines))
         self.trainer_bundles = [rc.num_engines + i for i in range(rc.trainer_ranks)]
         self.reward_bundles = [rc.num_engines + rc.trainer_ranks + i for i in range(rc.reward_workers)]
+        env_workers = cfg.task.workers if cfg.task.kind in ENVIRONMENT_KINDS else 0
+        first_env = rc.num_engines + rc.trainer_ranks + rc.reward_workers
+        self.env_bundles = [first_env + i for i in range(env_workers)]
         bundles = ([_bundle(rc.engine_cpus, rc.engine_gpus)] * rc.num_engines
                    + [_bundle(rc.trainer_cpus, rc.trainer_gpus)] * rc.trainer_ranks
-                   + [_bundle(rc.reward_cpus, 0)] * rc.reward_workers)
+                   + [_bundle(rc.reward_cpus, 0)] * rc.reward_workers
+                   + [_bundle(rc.env_cpus, 0)] * env_workers)
         demand = {k: sum(b.get(k, 0.0) for b in bundles) for k in ("CPU", "GPU")}
         if not ray.is_initialized():
             env = {k: v for k, v in os.environ.items() if k.startswith("ROLLWISE_")}
@@ -125,7 +133,9 @@ class RaySession:
                     f"{need:g} {k} (the cluster has {have:g})" for k, (need, have) in short.items())
                 + f" for {rc.num_engines} engines x ({rc.engine_cpus:g} CPU, {rc.engine_gpus:g} GPU), {rc.trainer_ranks} "
                 f"trainer rank(s) x ({rc.trainer_cpus:g} CPU, {rc.trainer_gpus:g} GPU) and {rc.reward_workers} reward workers x "
-                f"{rc.reward_cpus:g} CPU: lower ray.engine_cpus / ray.trainer_cpus / ray.reward_cpus / ray.num_engines "
+                f"{rc.reward_cpus:g} CPU"
+                + (f" and {env_workers} environment workers x {rc.env_cpus:g} CPU" if env_workers else "")
+                + ": lower ray.engine_cpus / ray.trainer_cpus / ray.reward_cpus / ray.env_cpus / ray.num_engines "
                 "/ ray.trainer_ranks (fractions are fine), or add nodes"
             )
         self.pg = placement_group(bundles, strategy=rc.placement_strategy, name="")

@@ -21,6 +21,7 @@ from rollwise.engine.reference.migration import Migration
 from rollwise.engine.reference.model import LlamaFamilyModel
 from rollwise.engine.reference.session_retention import SessionRetention
 from rollwise.engine.reference.prefix_cache import PrefixCache, prefill_suffix, prefill_with_prefix
+from rollwise.engine.reference.scoring import ReferenceScoring
 from rollwise.engine.reference.sampling import (
     needs_processing, process_logits, sample, scaled_logprobs, top_logprobs,
 )
@@ -42,7 +43,7 @@ from rollwise.types.weights import AdapterSpec, ExpectedWeights, dtype_name
 RECOMPUTE_SAMPLE_MIN = 64
 
 
-class ReferenceEngine(EngineState):
+class ReferenceEngine(ReferenceScoring, EngineState):
     """Continuous-batching generation with exact fp32 logprobs and per-token policy versions."""
 
     name = "reference"

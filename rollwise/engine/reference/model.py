@@ -228,7 +228,8 @@ class KVCache:
 
 
 class PromptScores(NamedTuple):
-    """What `LlamaFamilyModel.prompt_logprobs` computes at prompt positions 1..P-1 (fp32 log-softmax, temperature 1)."""
+    """What `LlamaFamilyModel.prompt_logprobs` computes at prompt positions 1..P-1 (fp32 log-softmax, temperature 1
+    unless asked)."""
 
     chosen: Tensor  # [P - 1]: log p(token_ids[i] | token_ids[:i])
     top_ids: Tensor  # [P - 1, top_k]: the most likely tokens at each position, best first
@@ -342,7 +343,7 @@ class LlamaFamilyModel(nn.Module):
 
     @torch.inference_mode()
     def prompt_logprobs(self, token_ids: list[int], top_k: int = 0, targets: Tensor | None = None,
-                        chunk: int = 512) -> PromptScores:
+                        chunk: int = 512, temperature: float = 1.0) -> PromptScores:
         """Prompt scores (see PromptScores) at positions 1..P-1, no KV cache: the prefill's ops (causal attention
         over the whole sequence), the LM head a chunk of rows at a time. `targets`: int64 [P - 1, K] token ids to
         score at each position (-1: none, scored 0.0)."""
@@ -360,7 +361,8 @@ class LlamaFamilyModel(nn.Module):
         chosen, top_ids, top_lps = [torch.zeros(0)], [asked.new_zeros(0, k)], [torch.zeros(0, k)]
         picked = [torch.zeros(0, asked.shape[1])]  # the empty pieces keep a one-token prompt's shapes
         for i in range(0, P - 1, chunk):
-            logprobs = torch.log_softmax(self._logits(hidden[i : i + chunk]), dim=-1)
+            # temperature: log_softmax(logits / T), the distribution the engine samples from (Engine.score_tokens)
+            logprobs = torch.log_softmax(self._logits(hidden[i : i + chunk]) / temperature, dim=-1)
             chosen.append(logprobs.gather(-1, prompt[i : i + chunk, None])[:, 0])
             best = logprobs.topk(k)
             top_ids.append(best.indices)

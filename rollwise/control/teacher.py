@@ -1,0 +1,123 @@
+"""The teacher of on-policy distillation (`train.teacher`): an engine that scores the student's sampled tokens.
+
+The teacher is served by an engine like the student's (the engine contract's `score_tokens`: one prefill over
+prompt + response, the log-prob of each response token, nothing sampled): in this process (train.teacher.model:
+a reference or vLLM engine built from the teacher's weights, sized by train.teacher's engine fields), or an engine
+server already serving it (train.teacher.url: `rollwise serve engine --model TEACHER`, POST /score). Either way
+the driver scores each step's samples after the rollout and sets their per-token distillation rewards
+(rollwise.train.distill). Both are checked before any engine of the run starts: the teacher must share the
+student's tokenizer, since it scores the student's token ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import httpx
+import torch
+
+from rollwise.config import ConfigError
+from rollwise.engine.client import EngineClient, EngineServerError
+from rollwise.engine.factory import EngineSettings, create_engine, resolve_engine_kind
+from rollwise.model.loading import load_model, tokenizer_fingerprint
+from rollwise.train.distill import set_distill_rewards
+from rollwise.types.sample import Sample
+from rollwise.types.sft_config import TeacherConfig
+
+
+class TokenScorer(Protocol):
+    """What the teacher needs of an engine: Engine.score_tokens (an in-process engine, or EngineClient over HTTP)."""
+
+    def score_tokens(self, token_ids: list[int], start: int, temperature: float = 1.0) -> list[float]: ...
+
+
+class Teacher:
+    def __init__(self, scorer: TokenScorer, cfg: TeacherConfig, *, temperature: float,
+                 close: Callable[[], None] | None = None, where: str = "") -> None:
+        self.scorer = scorer
+        self.where = where  # for the console: which engine serves the teacher
+        self.cfg = cfg
+        # the behaviour log-probs are at the rollout temperature (greedy rows: 1), and so must the teacher's be
+        self.temperature = temperature if temperature > 0 else 1.0
+        self._close = close
+
+    @classmethod
+    def start(cls, cfg: TeacherConfig, student_tokenizer: Any, *, temperature: float, max_model_len: int,
+              student_engine: str = "reference") -> Teacher:
+        """The teacher engine of `cfg` (ConfigError naming the train.teacher field when it cannot serve this run)."""
+        if cfg.url is not None:
+            return cls._remote(cfg, student_tokenizer, temperature=temperature, max_model_len=max_model_len)
+        try:
+            model, tokenizer = load_model(cfg.model)
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"train.teacher.model={cfg.model!r}: {exc}") from None
+        if tokenizer.get_vocab() != student_tokenizer.get_vocab():
+            raise ConfigError(f"train.teacher.model={cfg.model!r}: its tokenizer's vocabulary differs from the "
+                              "student's (model:); the teacher scores the student's token ids, so it must share the "
+                              "student's tokenizer: choose a teacher of the same model family")
+        try:
+            kind = resolve_engine_kind(cfg.engine, cfg.model or "")
+        except ValueError as exc:  # vLLM asked for and not installed
+            raise ConfigError(f"train.teacher.engine={cfg.engine}: {exc}") from None
+        if kind == "vllm" and temperature not in (0.0, 1.0):
+            raise ConfigError(f"train.teacher.engine=vllm scores at temperature 1 only (vLLM's prompt logprobs are "
+                              f"the raw model's), but rollout.temperature={temperature}: set "
+                              "train.teacher.engine=reference, or rollout.temperature=1")
+        if kind == "vllm" and student_engine == "vllm":
+            raise ConfigError("train.teacher.engine=vllm beside the run's in-process vLLM engine: vLLM runs one "
+                              "engine per process; serve the teacher apart (`rollwise serve engine --model TEACHER`, "
+                              "then train.teacher.url) or set train.teacher.engine=reference")
+        settings = EngineSettings(kind=kind, max_num_seqs=cfg.max_num_seqs, dtype=cfg.dtype,
+                                  max_model_len=cfg.max_model_len or max_model_len)
+        engine = create_engine(settings, model, tokenizer, model_name=cfg.model or "teacher")
+        del model  # the engine holds its own copy of the weights
+        return cls(engine, cfg, temperature=temperature, close=engine.close,
+                   where=f"{cfg.model} on an engine in this process: {engine.describe()}")
+
+    @classmethod
+    def _remote(cls, cfg: TeacherConfig, student_tokenizer: Any, *, temperature: float, max_model_len: int) -> Teacher:
+        client = EngineClient(str(cfg.url))
+        try:
+            info = client.model_info()
+        except (EngineServerError, httpx.HTTPError) as exc:
+            client.close()
+            raise ConfigError(f"train.teacher.url={cfg.url!r}: no engine server answers there ({exc}); start one "
+                              "with `rollwise serve engine --model TEACHER`") from None
+        theirs, ours = info.get("tokenizer_fingerprint"), tokenizer_fingerprint(student_tokenizer)
+        problem = None
+        if theirs is not None and theirs != ours:
+            problem = ("the server's tokenizer differs from the student's (model:); the teacher scores the student's "
+                       "token ids, so it must share the student's tokenizer")
+        elif info.get("engine") == "vllm" and temperature not in (0.0, 1.0):
+            problem = (f"a vLLM engine scores at temperature 1 only, but rollout.temperature={temperature}: serve the "
+                       "teacher with --engine reference, or set rollout.temperature=1")
+        elif int(info.get("max_model_len", 0)) < max_model_len:
+            problem = (f"the server's max_model_len={info.get('max_model_len')} is below the student's sequences' "
+                       f"{max_model_len} (engine.max_model_len): restart it with --max-model-len {max_model_len}")
+        if problem is not None:
+            client.close()
+            raise ConfigError(f"train.teacher.url={cfg.url!r}: {problem}")
+        return cls(client, cfg, temperature=temperature, close=client.close,
+                   where=f"{info.get('model', '?')} on the engine server {cfg.url}")
+
+    @torch.no_grad()
+    def token_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """The teacher's log-prob of each sample's trained (sampled) tokens, one fp32 tensor per sample."""
+        out = []
+        for s in samples:
+            scores = self.scorer.score_tokens([*s.prompt_ids, *s.response_ids], len(s.prompt_ids), self.temperature)
+            out.append(torch.tensor([lp for lp, m in zip(scores, s.trained_mask) if m], dtype=torch.float32))
+        return out
+
+    def reward(self, samples: list[Sample]) -> dict[str, float]:
+        """Score `samples` and set their per-token distillation rewards; the step's distillation metrics."""
+        return set_distill_rewards(samples, self.token_logprobs(samples), self.cfg.coefficient)
+
+    def describe(self) -> str:
+        return (f"{self.where}; per-token reward {self.cfg.coefficient:g} x (log p_teacher - log p_student), "
+                f"mode={self.cfg.mode}, temperature {self.temperature:g}")
+
+    def close(self) -> None:
+        if self._close is not None:
+            self._close()
