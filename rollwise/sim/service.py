@@ -70,6 +70,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenant-counts", default="1,2,4,8", help="with --tenants-sweep (default: %(default)s)")
     p.add_argument("--measured", type=Path, default=Path("docs/bench/service.json"), metavar="JSON",
                    help="with --tenants-sweep: `rollwise bench service --json` output (default: %(default)s)")
+    p.add_argument("--host", type=Path, default=Path("docs/bench/mux_lora.json"), metavar="JSON",
+                   help="with --tenants-sweep: this CPU's measured core sharing (rollwise.sim.host.measure_cpu_host, "
+                   "as `rollwise bench mux --json` records it), which the worker's two lanes share in the "
+                   "validation (default: %(default)s)")
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
@@ -98,7 +102,7 @@ def _run_tenants_sweep(args: argparse.Namespace, console: Console) -> int:
         counts = tuple(int(x) for x in args.tenant_counts.split(","))
     except ValueError:
         raise ValueError(f"--tenant-counts: give tenant counts like 1,2,4,8, got {args.tenant_counts!r}") from None
-    result = run_sweep(args.measured, counts, args.steps)
+    result = run_sweep(args.measured, counts, args.steps, args.host)
     for table in sweep_tables(result):
         console.print(table)
     for key, value in result["goals"].items():

@@ -7,11 +7,14 @@ save_weights_for_sampler (an adapter push), create_sampling_session, `groups` as
 `group_size` samples), the client's own work (rewards, datums), then forward_backward and optim_step sent
 together; the step ends when optim_step's result is back.
 
-The worker, as built: one thread polling the store (5 ms, backing off x1.5 to 50 ms while idle). Each pass takes
-the rows that have arrived: sampling-session creations, then training rows per model in seq order, in rounds
-(each round: the models' next rows; single ops one at a time, every forward_backward of the round in one batched
-call), then every queued sample of every tenant in one engine batch. `overlap=True` projects a worker whose
-sampling and training run at once on their own devices (two lanes, each polling for its own rows).
+The worker, as built (`worker="two_lane"`): two threads, each polling the store (5 ms, backing off x1.5 to 50 ms
+while idle) for its own rows. The sampling lane's pass takes the sampling-session creations, then every queued
+sample of every tenant in one engine batch; the training lane's pass takes the training rows per model in seq
+order, in rounds (each round: the models' next rows; single ops one at a time, every forward_backward of the
+round in one batched call). A tenant's own calls stay in sequence (its client waits on each result), so the
+lanes overlap across tenants: one tenant samples while another trains. `worker="serial"`: the one-thread worker
+before it (one pass: creations, training rounds, then samples), kept for comparison. On a GPU host the lanes
+have their own devices; on the CPU they share its cores (`LaneSharing`).
 
 Costs (`ServiceCosts`) say what each call takes on the device; `rpc_s` and `client_s` are what a request and a
 step cost off the device (HTTP, the store, the SDK, the client's Python), which tenants overlap with each other.
@@ -22,10 +25,13 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollwise.sim.cores import crowded_cores
 from rollwise.sim.cost import CostModel
+from rollwise.sim.mux import Host
 
 WORKER_POLL_S = 0.005  # rollwise/service/worker.py: Worker.run's idle wait, x1.5 per empty pass up to the cap
 WORKER_POLL_MAX_S = 0.05
@@ -86,6 +92,30 @@ class ServiceCosts(BaseModel):
 
 TRAINING = ("push", "optim", "fb")
 SAMPLING = ("session", "sample")
+Worker = Literal["two_lane", "serial"]
+WORKERS: tuple[Worker, ...] = ("two_lane", "serial")
+
+
+@dataclass(frozen=True)
+class LaneSharing:
+    """The two lanes on one CPU's cores (the CPU service: both threads run torch on all the cores), as the pool
+    simulator shares them (rollwise.sim.mux.Host, measured by rollwise.sim.host.measure_cpu_host): the OS shares
+    the cores per thread, so with k lanes computing at once each of their k x `threads` threads runs at
+    min(1, cores / threads running), `cores` the measured effective cores at that crowding. A lane's rate is
+    that over its rate alone, since the costs are levelled on calls that ran alone. Absent (None): the lanes
+    are on devices of their own (an engine GPU, a trainer GPU) and never slow each other."""
+
+    host: Host
+    threads: int  # torch intra-op threads per lane (torch's default: the machine's cores)
+
+    def rate(self, busy: int) -> float:
+        if busy <= 1 or not self.host.shared:
+            return 1.0
+
+        def per_thread(n: int) -> float:
+            return min(1.0, crowded_cores(self.host.cores, self.host.crowding, n) / n)
+
+        return per_thread(busy * self.threads) / per_thread(self.threads)
 
 
 @dataclass
@@ -106,20 +136,30 @@ class _Tenant:
 
 
 @dataclass
+class _Call:
+    rows: list[_Row]
+    device_s: float  # on the device (or, on the CPU, the cores), alone
+    left_s: float  # work left, in seconds alone: the call plus its rows' store writes
+
+
+@dataclass
 class _Lane:
     kinds: tuple[str, ...]
     next_poll: float = 0.0
     idle: float = WORKER_POLL_S
     busy_s: float = 0.0
+    calls: list[_Call] = field(default_factory=list)  # the pass in progress, in order
 
 
 def simulate_service(tenants: int, workload: ServiceWorkload, costs: ServiceCosts, *, steps: int = 8,
-                     overlap: bool = False) -> dict[str, float]:
+                     worker: Worker = "two_lane", sharing: LaneSharing | None = None) -> dict[str, float]:
     """`tenants` clients at once, `steps` steps each. Aggregate samples/s in steady state: tenants x samples a step
-    / the mean step time, first step left out (as `rollwise bench service` reports mean_step_s)."""
+    / the mean step time, first step left out (as `rollwise bench service` reports mean_step_s). `worker`:
+    "two_lane" as built (a sampling lane beside the training lane), "serial" the one-thread worker before it.
+    `sharing`: the lanes share CPU cores (None: each lane on its own device)."""
     rows: list[_Row] = []
     state = [_Tenant() for _ in range(tenants)]
-    lanes = [_Lane(TRAINING), _Lane(SAMPLING)] if overlap else [_Lane(TRAINING + SAMPLING)]
+    lanes = [_Lane(TRAINING), _Lane(SAMPLING)] if worker == "two_lane" else [_Lane(TRAINING + SAMPLING)]
     half = costs.rpc_s / 2
 
     def submit(t: int, kind: str, at: float) -> None:
@@ -151,22 +191,19 @@ def simulate_service(tenants: int, workload: ServiceWorkload, costs: ServiceCost
             if tenant.step < steps:
                 begin_step(t, back)
 
-    def run_pass(lane: _Lane, now: float) -> float:
-        """One Worker.run_once over the rows that have arrived; returns when it ends."""
+    def plan_pass(lane: _Lane, now: float) -> list[_Call]:
+        """One pass (Worker.run_once, run_training_once or run_sampling_once) over the rows that have arrived
+        for this lane: its calls in the order the worker makes them."""
         claimed = [r for r in rows if r.arrive <= now and r.kind in lane.kinds]
         for r in claimed:
             rows.remove(r)
-        clock = now
+        calls: list[_Call] = []
 
-        def ran(rs: list[_Row], seconds: float) -> None:
-            nonlocal clock
-            clock += seconds + costs.store_s_per_row * len(rs)
-            lane.busy_s += seconds
-            for r in rs:
-                done(r, clock)
+        def call(rs: list[_Row], seconds: float) -> None:
+            calls.append(_Call(rs, seconds, seconds + costs.store_s_per_row * len(rs)))
 
         for r in [r for r in claimed if r.kind == "session"]:
-            ran([r], costs.session_s)
+            call([r], costs.session_s)
         training = sorted((r for r in claimed if r.kind in TRAINING), key=lambda r: (r.tenant, r.seq))
         while training:
             heads = list({r.tenant: r for r in reversed(training)}.values())  # each model's next row
@@ -174,24 +211,44 @@ def simulate_service(tenants: int, workload: ServiceWorkload, costs: ServiceCost
                 training.remove(r)
             for r in heads:
                 if r.kind != "fb":
-                    ran([r], costs.push_s if r.kind == "push" else costs.optim_s)
+                    call([r], costs.push_s if r.kind == "push" else costs.optim_s)
             batch = [r for r in heads if r.kind == "fb"]
             if batch:
-                ran(batch, costs.forward_backward_s(len(batch), len(batch) * workload.train_tokens_per_step))
+                call(batch, costs.forward_backward_s(len(batch), len(batch) * workload.train_tokens_per_step))
         samples = [r for r in claimed if r.kind == "sample"]
         if samples:
-            ran(samples, costs.sample_s(len(samples), workload))
-        return clock
+            call(samples, costs.sample_s(len(samples), workload))
+        return calls
 
     for t in range(tenants):
         begin_step(t, 0.0)
+    now = 0.0
     while any(s.step < steps for s in state):
-        lane = min(lanes, key=lambda ln: ln.next_poll)
-        now = lane.next_poll
-        if any(r.arrive <= now and r.kind in lane.kinds for r in rows):
-            lane.next_poll, lane.idle = run_pass(lane, now), WORKER_POLL_S
-        else:
-            lane.next_poll, lane.idle = now + lane.idle, min(lane.idle * 1.5, WORKER_POLL_MAX_S)
+        # lanes whose poll is due: a pass over their arrived rows, or an idle wait (x1.5 up to the cap)
+        for lane in lanes:
+            if not lane.calls and lane.next_poll <= now:
+                lane.calls = plan_pass(lane, now)
+                if lane.calls:
+                    lane.idle = WORKER_POLL_S
+                else:
+                    lane.next_poll, lane.idle = now + lane.idle, min(lane.idle * 1.5, WORKER_POLL_MAX_S)
+        busy = [lane for lane in lanes if lane.calls]
+        rate = sharing.rate(len(busy)) if sharing else 1.0
+        ends = [now + lane.calls[0].left_s / rate for lane in busy]
+        polls = [lane.next_poll for lane in lanes if not lane.calls]
+        later = min(ends + polls)
+        for lane in busy:
+            lane.calls[0].left_s -= (later - now) * rate
+        now = later
+        for lane in busy:
+            head = lane.calls[0]
+            if head.left_s <= 1e-12:
+                lane.calls.pop(0)
+                lane.busy_s += head.device_s
+                for r in head.rows:
+                    done(r, now)
+                if not lane.calls:
+                    lane.next_poll = now  # a pass that ran rows polls again at once
     steady = [s for tenant in state for s in (tenant.step_s[1:] or tenant.step_s)]
     step_s = statistics.fmean(steady)
     makespan = max(sum(tenant.step_s) for tenant in state)
@@ -202,12 +259,12 @@ def simulate_service(tenants: int, workload: ServiceWorkload, costs: ServiceCost
 
 
 def device_bound_samples_per_s(tenants: int, workload: ServiceWorkload, costs: ServiceCosts, *,
-                               overlap: bool = False) -> float:
+                               worker: Worker = "two_lane") -> float:
     """The most samples/s the devices allow whatever the latencies: one step of every tenant with every call batched
-    as far as the worker batches (all samples in one call, all forward_backwards in one), back to back; with
-    `overlap`, the busier of the two devices."""
+    as far as the worker batches (all samples in one call, all forward_backwards in one), back to back; two
+    lanes on their own devices: the busier of the two."""
     sampling_s = costs.sample_s(tenants * workload.groups, workload) + tenants * costs.session_s
     training_s = (costs.forward_backward_s(tenants, tenants * workload.train_tokens_per_step)
                   + tenants * (costs.push_s + costs.optim_s))
-    device_s = max(sampling_s, training_s) if overlap else sampling_s + training_s
+    device_s = max(sampling_s, training_s) if worker == "two_lane" else sampling_s + training_s
     return tenants * workload.samples_per_step / device_s

@@ -26,9 +26,12 @@ from torch.utils.checkpoint import checkpoint
 if TYPE_CHECKING:
     from rollwise.types.train_config import TrainConfig
 
-__all__ = ["DEFAULT_OPTIONS", "KEEP_PROBS_MIB", "FusedLogprobs", "LogprobOptions", "lm_head_logprobs",
+__all__ = ["DEFAULT_OPTIONS", "KEEP_PROBS_MIB", "RECOMPUTE_SHARE", "FusedLogprobs", "LogprobOptions", "lm_head_logprobs",
            "sequence_logprobs", "shared_prompt_logprobs"]
 
+# A group's prompt is recomputed for each of its unpadded rows (no attention mask, see shared_prompt_logprobs and
+# rollwise.train.packing.unmasked_rows) while that adds at most 1/RECOMPUTE_SHARE of the rows' tokens
+RECOMPUTE_SHARE = 8
 KEEP_PROBS_MIB = 512  # fused path: softmax kept for the backward up to this size (else recomputed)
 
 
@@ -250,6 +253,15 @@ def shared_prompt_logprobs(
     backbone = backbone_of(model)
     group, length = responses.shape
     prompt_len = prompt_ids.shape[0]
+    if response_mask.all() and (group - 1) * prompt_len * RECOMPUTE_SHARE <= group * length:
+        # No padding: each response after the prompt as one causal sequence, no attention mask (SDPA's
+        # is_causal kernel). Over the prompt's KV cache the queries are offset from the keys and need a
+        # [G, 1, R, P + R] mask, which SDPA copies to float per layer: memory growing with length squared.
+        # The same values; the prompt's gradient sums over the rows as through the shared KV.
+        hidden = backbone(input_ids=torch.cat([prompt_ids.expand(group, prompt_len), responses], dim=1),
+                          use_cache=False).last_hidden_state
+        return lm_head_logprobs(hidden[:, prompt_len - 1 : -1][response_mask], model.get_output_embeddings(),
+                                responses[response_mask], options)
     prompt_out = backbone(input_ids=prompt_ids[None], use_cache=True)
     cache = prompt_out.past_key_values
     cache.batch_repeat_interleave(group)

@@ -18,14 +18,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from rollwise.train.logprobs import (DEFAULT_OPTIONS, LogprobOptions, backbone_of, lm_head_logprobs,
-                                     shared_prompt_logprobs)
+from rollwise.train.logprobs import (DEFAULT_OPTIONS, RECOMPUTE_SHARE, LogprobOptions, backbone_of,
+                                     lm_head_logprobs, shared_prompt_logprobs)
 from rollwise.train.routing_replay import ReplayBatch, group_batch
 from rollwise.types.microbatch import pack_responses, prompt_groups
 from rollwise.types.sample import Sample
 
 __all__ = ["GroupMicroBatch", "PackedGroupsMicroBatch", "collate_group", "collate_packed_groups",
-           "packed_groups_logprobs", "shared_prefix_hidden"]
+           "packed_groups_logprobs", "shared_prefix_hidden", "unmasked_rows"]
 
 
 @dataclass
@@ -192,6 +192,32 @@ def _row_mask(prompt_keys: Tensor, segment_start: Tensor) -> Tensor:
     return torch.cat([prompt, own], dim=2)[:, None]
 
 
+def unmasked_rows(prompts: Tensor, prompt_lens: Tensor, row_group: Tensor, segment_start: Tensor) -> bool:
+    """Whether every prompt fills the padded prompt width, every row is one continuation filling the row
+    (no packing, no padding) and every group has a row: then prompt + row is a plain causal sequence. A group
+    with several rows computes its prompt once a row there: taken while that adds at most 1/RECOMPUTE_SHARE
+    of the rows' tokens (long continuations, where the masked forward's memory grows with length squared)."""
+    groups, prompt_width = prompts.shape
+    rows, width = segment_start.shape
+    return bool((prompt_lens == prompt_width).all() and (segment_start == 0).all()
+                and torch.bincount(row_group, minlength=groups).all()
+                and (rows - groups) * prompt_width * RECOMPUTE_SHARE <= rows * width)
+
+
+def _causal_rows_hidden(backbone: nn.Module, prompts: Tensor, tokens: Tensor,
+                        row_group: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """shared_prefix_hidden when unmasked_rows: each row after its prompt as one causal sequence, with no
+    attention mask, so SDPA takes its is_causal kernel. The continuation over the prompt's KV cache needs a
+    [rows, 1, W, P + W] mask (queries offset from keys), which SDPA turns into a float copy per layer: memory
+    that grows with the response length squared (issue 41 item 7). Same positions, same keys per token: the
+    same values; the prompt's gradient sums over its rows, as through the shared KV."""
+    prompt_width = prompts.shape[1]
+    hidden = backbone(input_ids=torch.cat([prompts[row_group], tokens], dim=1), use_cache=False).last_hidden_state
+    first_row = torch.stack([torch.nonzero(row_group == g)[0, 0] for g in range(prompts.shape[0])])
+    offsets = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    return hidden[first_row, :prompt_width], hidden[:, prompt_width:], offsets
+
+
 def shared_prefix_hidden(
     backbone: nn.Module,
     prompts: Tensor,
@@ -211,6 +237,8 @@ def shared_prefix_hidden(
     per-row LoRA adapters: the two forwards have different rows). Returns (prompt hidden [groups, P, H], row
     hidden [rows, W, H], each token's offset in its segment [rows, W]). Used by `packed_groups_logprobs` and by
     rollwise.service's forward_backward (datums that start with the same tokens)."""
+    if prompt_scope is None and rows_scope is None and unmasked_rows(prompts, prompt_lens, row_group, segment_start):
+        return _causal_rows_hidden(backbone, prompts, tokens, row_group)
     prompt_keys = torch.arange(prompts.shape[1], device=prompts.device)[None, :] < prompt_lens[:, None]
     with prompt_scope if prompt_scope is not None else nullcontext():
         prompt_out = backbone(input_ids=prompts, attention_mask=prompt_keys.long(), use_cache=True)
