@@ -70,7 +70,7 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_cpu_costs_reproduce_the_measured_arms(sweep: dict) -> None:
     """Levelled on the 1-tenant arm only, both worker models predict the 2-, 4- and 8-tenant arms of `rollwise bench
-    service` on this CPU (steady aggregate samples/s) within 30%, and their flat 8-vs-1 ratio within 20%: on two
+    service` on this CPU (steady aggregate samples/s) within 15% (the 2-tenant arm 35%), and their flat 8-vs-1 ratio within 20%: on two
     shared cores the compute-bound calls gain little from the second lane. (The two-lane worker's measured 2-tenant
     arm is 23% below its 1-tenant arm: both lanes run torch on all cores at once, which costs more than the
     model's proportional core sharing; 4 and 8 tenants are within 13%. docs/benchmarks/service.md.)"""
@@ -80,7 +80,7 @@ def test_cpu_costs_reproduce_the_measured_arms(sweep: dict) -> None:
         for row in validation[worker]["arms"]:
             real = row["tenants"] * 16 / measured[row["tenants"]]["mean_step_s"]  # independent of the sweep's code
             assert row["measured_samples_per_s"] == pytest.approx(real)
-            assert abs(row["simulated_samples_per_s"] / real - 1) <= 0.30, (worker, row)
+            assert abs(row["simulated_samples_per_s"] / real - 1) <= (0.35 if row["tenants"] == 2 else 0.15), (worker, row)
         assert abs(validation[worker]["ratio_error"]) <= 0.20, worker
         assert validation[worker]["ratio_simulated"] < 1.5  # compute-bound: batching saves overheads, not FLOPs
     assert sweep["goals"]["validation_error_8_vs_1"] == validation["two_lane"]["ratio_error"]
