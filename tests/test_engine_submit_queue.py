@@ -56,7 +56,9 @@ def test_serving_starts_no_thread_besides_the_engine(url):
 
 
 def test_a_stream_matches_its_twin_and_an_abort_leaves_the_others_whole(url):
-    body = {"prompt": [5, 9, 11], "max_tokens": 12, "ignore_eos": True, "seed": 3}
+    # 100 tokens: long enough that the event loop gets the GIL while the engine thread still generates (12
+    # once came as one chunk in CI: the engine had finished before the loop pumped the queue, which coalesces).
+    body = {"prompt": [5, 9, 11], "max_tokens": 100, "ignore_eos": True, "seed": 3}
     plain = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
     with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]

@@ -186,8 +186,8 @@ class SlotLoops:
                 switch = self._claim(slot, decision.job, now)
             elif decision.action == "drain" and self.state.policy.drain_by == "migration":
                 peer = self.migration.peer(slot, decisions)  # issue 42: its requests move to a peer with room
-        for name in dict.fromkeys(r.job for r in admit):
-            self._admit(slot, [r for r in admit if r.job == name])
+        if admit:
+            self._admit(slot, admit)
         if peer is not None and decision.target is not None:
             claimed: list[tuple[Job | LoraBase | None, Job | LoraBase]] = []
             target = decision.target
@@ -225,34 +225,60 @@ class SlotLoops:
             job.timeline.append((now, job.running))
         return taken, room
 
-    def _admit(self, slot: Slot, reqs: list[QueuedRequest]) -> None:
-        job = self.state.jobs.get(reqs[0].job)
-        if job is None:
-            return
-        with job.lock:
-            inst = slot.instances.get(job.key)
-            # The isolation invariant: this job's request runs only on this job's engine (a LoRA job's: its base's,
-            # with the job's own adapter), holding its current weights.
-            problem = None
-            held = None if inst is None else inst.loaded_adapters().get(job.name) if job.lora else inst.policy_version
-            owners = [key for key, engine in slot.instances.items() if engine is inst]  # the slot's record of it
-            if inst is None or self.state.states.state(slot.index, job.key) is not ACTIVE:
-                problem = f"slot {slot.index}: job {job.name!r} is not active there"
-            elif owners != [job.key]:
-                problem = f"slot {slot.index}: engine belongs to {owners!r}, not only {job.key!r}"
-            elif held != job.version:
-                problem = (f"slot {slot.index}: job {job.name!r} engine holds version {held}, "
-                           f"the job's current version is {job.version}")
-            if problem is None:
-                self.state.isolation_checks += 1
-                try:
-                    slot.worker.call(lambda e: submit_to(e, inst, [r.request for r in reqs]))
-                    return
-                except Exception as exc:  # noqa: BLE001 - refused: the samples come back as aborted
-                    if slot.worker.failure is not None:
-                        raise  # its engine thread died: the slot's recovery reruns these requests (_recover)
-                    problem = f"slot {slot.index}: engine refused job {job.name!r}'s requests: {exc}"
-            self.state.violations.append(problem)
+    def _admit(self, slot: Slot, admit: list[QueuedRequest]) -> None:
+        """Put the admitted requests of every job on the slot's engine in ONE call on its engine thread, so jobs
+        sharing a LoRA base's engine start in the same engine step (separate calls let the engine step between
+        them: under load one job's requests could finish before the next job's arrived). Each job's isolation
+        check and refusal stay its own."""
+        by_job = {name: [r for r in admit if r.job == name] for name in sorted({r.job for r in admit})}
+        jobs = {name: job for name in by_job if (job := self.state.jobs.get(name)) is not None}
+        problems: dict[str, str] = {}
+        with contextlib.ExitStack() as held:
+            for job in jobs.values():  # in name order: the one order two admissions take several job locks in
+                held.enter_context(job.lock)
+            ready: dict[str, Engine] = {}
+            for name, job in jobs.items():
+                inst, problem = self._isolation(slot, job)
+                if problem is None and inst is not None:
+                    ready[name] = inst
+                else:
+                    problems[name] = problem or f"slot {slot.index}: job {name!r} has no engine"
+            if ready:
+                self.state.isolation_checks += len(ready)
+
+                def submit_each(current: Engine | None) -> dict[str, Exception]:
+                    refused: dict[str, Exception] = {}
+                    for name, inst in ready.items():
+                        try:
+                            submit_to(current, inst, [r.request for r in by_job[name]])
+                        except Exception as exc:  # noqa: BLE001 - this job's requests are refused, not the others'
+                            refused[name] = exc
+                    return refused
+
+                # If the engine thread died, call() raises: the slot's recovery reruns these requests (_recover).
+                for name, exc in slot.worker.call(submit_each).items():
+                    problems[name] = f"slot {slot.index}: engine refused job {name!r}'s requests: {exc}"
+            self.state.violations.extend(problems.values())
+        for name, problem in problems.items():
+            self._refuse(slot, jobs[name], by_job[name], problem)
+
+    def _isolation(self, slot: Slot, job: Job) -> tuple[Engine | None, str | None]:
+        """The isolation invariant (caller holds job.lock): this job's request runs only on this job's engine (a
+        LoRA job's: its base's, with the job's own adapter), holding its current weights. (engine, problem)."""
+        inst = slot.instances.get(job.key)
+        held = None if inst is None else inst.loaded_adapters().get(job.name) if job.lora else inst.policy_version
+        owners = [key for key, engine in slot.instances.items() if engine is inst]  # the slot's record of it
+        if inst is None or self.state.states.state(slot.index, job.key) is not ACTIVE:
+            return inst, f"slot {slot.index}: job {job.name!r} is not active there"
+        if owners != [job.key]:
+            return inst, f"slot {slot.index}: engine belongs to {owners!r}, not only {job.key!r}"
+        if held != job.version:
+            return inst, (f"slot {slot.index}: job {job.name!r} engine holds version {held}, "
+                          f"the job's current version is {job.version}")
+        return inst, None
+
+    def _refuse(self, slot: Slot, job: Job, reqs: list[QueuedRequest], problem: str) -> None:
+        """The requests come back as aborted samples carrying the problem."""
         with self.state.lock:
             for req in reqs:
                 for i in range(req.remaining):
