@@ -31,7 +31,11 @@ def test_quick_runs_end_to_end(tmp_path):
     assert result["recipes"]["grpo"]["step_ratio_vs_grpo"] == 1.0
     run = result["runs"]["ppo_gae"][0]
     assert run["critic_value_loss"] is not None  # the critic trained in the run
-    assert "ppo_gae: seconds per step <= 1.6x GRPO" in result["goals"]
+    assert "ppo_gae: seconds per step <= 1.6x GRPO" in result["checks"]
+    goals = result["goals"]  # the index's stable keys: the worst recipe's gain, PPO+GAE's ratio
+    assert goals["gain_end_worst"] == min(r["gain_end"] for r in result["recipes"].values())
+    assert goals["ppo_gae_step_ratio_vs_grpo"] == result["recipes"]["ppo_gae"]["step_ratio_vs_grpo"]
+    assert goals["step_ratio_vs_grpo_worst"] is None  # no recipe without a critic besides GRPO in --quick
     assert result["markdown"].startswith("| recipe |") and "| ppo_gae |" in result["markdown"]
     assert (Path(run["run_dir"]) / "checkpoints").is_dir()
 
