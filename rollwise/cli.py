@@ -16,7 +16,7 @@
     rollwise bench algorithms [--quick] [--arms R,..] [--seeds N] [--steps N] [--json PATH]
                                                      the default run per RL recipe (GRPO ... PPO+GAE): accuracy, s/step
     rollwise bench r3 [--quick] [--json PATH]         an MoE trained with / without rollout routing replay (mismatch)
-    rollwise bench allocator [--quick] [--rounds N]   glibc malloc as it is vs freed memory kept (fresh processes)
+    rollwise bench allocator [--quick] [--rounds N]   glibc malloc as it is vs unbounded vs bounded keeping (fresh processes)
     rollwise bench index [--check]                    docs/benchmarks.md: every goal's latest figure, from the JSON files
     rollwise bench load [--quick] [--json PATH]       flat checkpoints vs from_pretrained / safetensors / vLLM vs read limit
     rollwise model flatten SRC DST [--chunk-mb MB]    a loading-optimised (flat) copy of a model directory or checkpoint

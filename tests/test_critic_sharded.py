@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import random
 
 import pytest
 import torch
@@ -24,22 +23,15 @@ from rollwise.train.token_advantages import KL_REWARD
 from rollwise.train.trainer import GRPOTrainer
 from rollwise.types.sample import Sample
 from rollwise.types.train_config import TrainConfig, TrainerConfig
+from random_groups import random_groups
 
 pytestmark = [pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="2 ranks need 2 CPU cores"),
               pytest.mark.usefixtures("single_torch_thread")]
 
 
-def _samples(seed: int, advantage: str, groups: int = 3, group_size: int = 3) -> list[Sample]:
-    """Groups with prompts and responses of unequal lengths (the ranks get unequal shares), rewards in [0, 1]."""
-    rng = random.Random(seed)
-    out = []
-    for g in range(groups):
-        prompt = [rng.randrange(3, 90) for _ in range(rng.randint(2, 9))]
-        for i in range(group_size):
-            response = [rng.randrange(3, 90) for _ in range(rng.randint(1, 12))]
-            out.append(Sample(sample_id=f"{g}/{i}", group_id=str(g), problem_id=str(g), prompt_ids=prompt,
-                              response_ids=response, behaviour_logprobs=[-4.5] * len(response),
-                              versions=[0] * len(response), finish_reason="stop", reward=rng.random()))
+def _samples(seed: int, advantage: str) -> list[Sample]:
+    """Groups with unequal lengths (the ranks get unequal shares), rewards in [0, 1], advantages by `advantage`."""
+    out = random_groups(seed, "reward")
     assign_advantages(out, advantage)
     return out
 

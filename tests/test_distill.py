@@ -16,12 +16,14 @@ from rollwise.config import ConfigError, load_config
 from rollwise.control.teacher import Teacher
 from rollwise.control.train_loop import train
 from rollwise.engine.client import EngineClient
+from rollwise.engine.scoring import MAX_SCORE_SEQUENCES
 from rollwise.engine.server import build_engine, create_app
 from rollwise.local_server import serve_in_thread
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer
 from rollwise.train.distill import REVERSE_KL, REWARD_MEAN, TASK_REWARD_MEAN, set_distill_rewards
 from rollwise.train.token_advantages import compute_token_advantages
 from rollwise.types.sample import Sample
+from rollwise.types.score import ScoreSequence
 from rollwise.types.sft_config import TeacherConfig
 from rollwise.types.train_config import TrainConfig
 from run_configs import tiny_run_config
@@ -46,24 +48,79 @@ def _forward_logprobs(model, ids: list[int], start: int, temperature: float) -> 
     return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(ids[start:])[:, None])[:, 0]
 
 
+@pytest.fixture(scope="module")
+def local_teacher():
+    """The teacher tiny:1 on a reference engine in this process, as train.teacher.model builds it."""
+    teacher = Teacher.start(TeacherConfig(model="tiny:1"), tiny_tokenizer(), temperature=0.7, max_model_len=64)
+    yield teacher
+    teacher.close()
+
+
+# Sequences of several lengths and starts (rows of the packed forward hold more than one), one of them IDS
+BATCH = [ScoreSequence(token_ids=IDS, start=START), ScoreSequence(token_ids=[5, 6, 7], start=1),
+         ScoreSequence(token_ids=[9, 2, 30, 41, 52, 63], start=4), ScoreSequence(token_ids=IDS[:7] + [101, 3], start=2),
+         ScoreSequence(token_ids=IDS[::-1] + IDS, start=20)]
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_teacher_engine_scores_equal_the_models_forward(teacher_server, temperature):
-    expected = _forward_logprobs(tiny_llama(seed=1), IDS, START, temperature)
-    local = Teacher.start(TeacherConfig(model="tiny:1", max_num_seqs=1), tiny_tokenizer(), temperature=temperature,
-                          max_model_len=64)
-    torch.testing.assert_close(torch.tensor(local.scorer.score_tokens(IDS, START, temperature)), expected,
-                               atol=1e-5, rtol=1e-5)
-    with EngineClient(teacher_server) as client:  # the same request over HTTP: POST /score
-        torch.testing.assert_close(torch.tensor(client.score_tokens(IDS, START, temperature)), expected,
-                                   atol=1e-5, rtol=1e-5)
+def test_teacher_engine_scores_equal_the_models_forward(teacher_server, local_teacher, temperature):
+    """A batch scored in one call (in process: one packed forward; over HTTP: one POST /score) equals each sequence
+    scored alone, and the teacher model's own forward, to 1e-5."""
+    model = tiny_llama(seed=1)
+    expected = [_forward_logprobs(model, s.token_ids, s.start, temperature) for s in BATCH]
+    alone = [local_teacher.scorer.score_tokens([s], temperature)[0] for s in BATCH]
+    with EngineClient(teacher_server) as client:
+        scored = {"in process": local_teacher.scorer.score_tokens(BATCH, temperature),
+                  "over HTTP": client.score_tokens(BATCH, temperature)}
+    for where, batch in [("alone", alone), *scored.items()]:
+        assert len(batch) == len(BATCH), where
+        for got, want in zip(batch, expected):
+            torch.testing.assert_close(torch.tensor(got), want, atol=1e-5, rtol=1e-5, msg=where)
 
 
-@pytest.mark.parametrize("body, field", [({"token_ids": IDS, "start": len(IDS)}, "start"),
-                                         ({"token_ids": [*IDS, 10**6], "start": 1}, "token_ids"),
-                                         ({"token_ids": IDS, "start": 1, "temperature": 0}, "temperature")])
+def test_scoring_teacher_reserves_no_kv_cache(local_teacher):
+    """The in-process reference teacher only scores (no KV cache): it holds none, and generates nothing."""
+    engine = local_teacher.scorer
+    assert engine.cache is None and engine.sleeping and engine.max_num_seqs == 1
+
+
+def test_batched_teacher_rewards_equal_per_sample_rewards(local_teacher):
+    """Teacher.reward scores the step's samples a batch a call: the rewards equal those of each sample scored alone."""
+    def samples() -> list[Sample]:
+        return [Sample(sample_id=f"s{i}", group_id=f"g{i // 2}", problem_id="p", prompt_ids=s.token_ids[:s.start],
+                       response_ids=s.token_ids[s.start:], behaviour_logprobs=[-1.0] * (len(s.token_ids) - s.start),
+                       versions=[0] * (len(s.token_ids) - s.start), finish_reason="stop", reward=0.0)
+                for i, s in enumerate(BATCH)]
+
+    alone = [torch.tensor(local_teacher.scorer.score_tokens([s], 0.7)[0]) for s in BATCH]
+    batched, expected = samples(), samples()
+    metrics = local_teacher.reward(batched)
+    assert metrics == pytest.approx(set_distill_rewards(expected, alone, local_teacher.cfg.coefficient), abs=1e-6)
+    for got, want in zip(batched, expected):
+        assert got.token_rewards == pytest.approx(want.token_rewards, abs=1e-5)
+
+
+def test_score_batch_over_the_bound_is_refused_by_name(teacher_server):
+    """POST /score takes at most MAX_SCORE_SEQUENCES sequences: more is a 400 naming the field and the fix."""
+    body = {"sequences": [{"token_ids": [1, 2], "start": 1}] * (MAX_SCORE_SEQUENCES + 1)}
+    response = httpx.post(f"{teacher_server}/score", json=body, timeout=30)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "sequences"
+    assert f"{MAX_SCORE_SEQUENCES + 1} sequences" in error["message"] and "several requests" in error["message"]
+    ok = httpx.post(f"{teacher_server}/score", json={"sequences": body["sequences"][:MAX_SCORE_SEQUENCES]}, timeout=30)
+    assert ok.status_code == 200 and len(ok.json()["logprobs"]) == MAX_SCORE_SEQUENCES
+
+
+@pytest.mark.parametrize("body, field", [({"sequences": [{"token_ids": IDS, "start": len(IDS)}]}, "sequences[0].start"),
+                                         ({"sequences": [{"token_ids": IDS, "start": 1},
+                                                         {"token_ids": [*IDS, 10**6], "start": 1}]},
+                                          "sequences[1].token_ids"),
+                                         ({"sequences": []}, "sequences"),
+                                         ({"sequences": [{"token_ids": IDS, "start": 1}], "temperature": 0},
+                                          "temperature")])
 def test_bad_score_requests_name_the_field(teacher_server, body, field):
     response = httpx.post(f"{teacher_server}/score", json=body, timeout=30)
-    assert response.status_code in (400, 422) and field in response.json()["error"]["message"]
+    assert response.status_code == 400 and field in response.json()["error"]["message"]
 
 
 def _hand_batch() -> tuple[list[Sample], list[torch.Tensor]]:

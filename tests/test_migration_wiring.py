@@ -1,8 +1,9 @@
 """Live migration where it is used (issue 42 item 3): a pool slot drained for another job moves its running
 requests to a peer slot serving the same job; an engine server put to sleep moves them to another engine server;
 the router's planned removal of a replica moves them to another replica. Each time the samples equal what one
-engine would have produced (greedy), and the move is recorded. An engine that cannot migrate (vLLM) is refused
-with a named error and nothing changes: the caller falls back to abort and regenerate, explicitly."""
+engine would have produced (greedy), and the move is recorded. A migration the target refuses (another model) is
+refused with a named error and nothing changes: the caller falls back to letting the requests finish, explicitly.
+(The vLLM backend migrates too: tests/test_vllm_migration.py.)"""
 
 from __future__ import annotations
 
@@ -240,15 +241,13 @@ def test_router_planned_removal_migrates_the_replicas_requests(tiny, servers):
 
 
 def test_unsupported_migration_falls_back_to_finishing_in_place(tiny, servers):
-    """The vLLM backend cannot migrate (it is not Migratable: its requests are aborted and regenerated, the explicit
-    fallback). Over HTTP a refusal changes nothing: removing a replica whose only peer cannot take its requests (a
-    different model) drains it by letting them finish there, and says why."""
-    from rollwise.engine.migration import Migratable
+    """An engine that cannot migrate answers what to do instead (abort and resubmit: tokens regenerated). Over HTTP
+    a refusal changes nothing: removing a replica whose only peer cannot take its requests (a different model)
+    drains it by letting them finish there, and says why."""
     from rollwise.engine.migration_http import NOT_MIGRATABLE
     from rollwise.engine.server import create_app as engine_app
-    from rollwise.engine.vllm_backend import VLLMEngine
 
-    assert not issubclass(VLLMEngine, Migratable) and "abort its requests and resubmit" in NOT_MIGRATABLE
+    assert "abort its requests and resubmit" in NOT_MIGRATABLE
     a, _ = servers
     other_model, other_tok = load_model("tiny:1")
     other = create_engine("reference", other_model, other_tok, max_num_seqs=8, max_model_len=MAX_LEN,

@@ -4,7 +4,6 @@ push one process's weights through the checked path, and resume across world siz
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
@@ -20,23 +19,14 @@ from rollwise.train.rank import RankTrainer
 from rollwise.train.sharded import ShardedTrainer, split_work
 from rollwise.train.trainer import GRPOTrainer
 from rollwise.types.sample import Sample
+from random_groups import random_groups
 from test_resume import _write_config, setup  # noqa: F401  (setup: test_resume's warmed-up tiny model fixture)
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="2 ranks need 2 CPU cores")
 
 
 def _samples(seed: int, groups: int = 3, group_size: int = 3) -> list[Sample]:
-    """GRPO groups with prompts and responses of unequal lengths (ranks get unequal token counts)."""
-    rng = random.Random(seed)
-    out = []
-    for g in range(groups):
-        prompt = [rng.randrange(3, 90) for _ in range(rng.randint(2, 9))]
-        for i in range(group_size):
-            response = [rng.randrange(3, 90) for _ in range(rng.randint(1, 12))]
-            out.append(Sample(sample_id=f"{g}/{i}", group_id=str(g), problem_id=str(g), prompt_ids=prompt,
-                              response_ids=response, behaviour_logprobs=[-4.5] * len(response),
-                              versions=[0] * len(response), finish_reason="stop", advantage=rng.uniform(-1, 1)))
-    return out
+    return random_groups(seed, "advantage", groups, group_size)
 
 
 def _cfg(**kw) -> TrainConfig:

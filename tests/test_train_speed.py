@@ -8,7 +8,6 @@ model with unequal prompt/response lengths and zero-advantage groups. Exactness,
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from rollwise.train.sharded import split_work
 from rollwise.train.trainer import GRPOTrainer
 from rollwise.train.packing import collate_group
 from rollwise.types.sample import Sample
+from random_groups import random_groups
 
 MAX_REL = 1e-5
 
@@ -33,19 +33,8 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _samples(seed: int, groups: int = 4, group_size: int = 3, zero_groups: int = 1) -> list[Sample]:
-    """GRPO groups with unequal prompt and response lengths; the first `zero_groups` groups have
-    advantage 0 (skipped without a KL term, trained with one)."""
-    rng = random.Random(seed)
-    out = []
-    for g in range(groups):
-        prompt = [rng.randrange(3, 90) for _ in range(rng.randint(2, 9))]
-        for i in range(group_size):
-            response = [rng.randrange(3, 90) for _ in range(rng.randint(1, 12))]
-            advantage = 0.0 if g < zero_groups else rng.uniform(-1, 1)
-            out.append(Sample(sample_id=f"{g}/{i}", group_id=str(g), problem_id=str(g), prompt_ids=prompt,
-                              response_ids=response, behaviour_logprobs=[rng.uniform(-6, -2) for _ in response],
-                              versions=[0] * len(response), finish_reason="stop", advantage=advantage))
-    return out
+    """The first `zero_groups` groups have advantage 0 (skipped without a KL term, trained with one)."""
+    return random_groups(seed, "advantage", groups, group_size, zero_groups=zero_groups, random_behaviour=True)
 
 
 @pytest.mark.parametrize("temperature,bias", [(1.0, False), (0.7, True)])

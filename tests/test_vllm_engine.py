@@ -23,6 +23,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e \".[cp
 from rollwise.engine.contract import Engine  # noqa: E402
 from rollwise.engine.reference.engine import ReferenceEngine  # noqa: E402
 from rollwise.types.generation import GenerationRequest, SamplingParams  # noqa: E402
+from rollwise.types.score import ScoreSequence  # noqa: E402
 from rollwise.engine.vllm_backend import VLLMEngine  # noqa: E402
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer  # noqa: E402
 from rollwise.engine.core import EngineWorker  # noqa: E402
@@ -101,14 +102,17 @@ def test_implements_the_engine_contract(engine):
 def test_score_tokens_equal_the_models_forward(engine, model):
     """Engine.score_tokens on vLLM (a teacher engine, train.teacher): prompt_logprobs over the ids, per token equal
     to the model's own fp32 log-softmax; another temperature is refused by name (vLLM's are at temperature 1)."""
-    ids = [*PROMPT, 5, 9, 33, 2, 71]
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids])).logits[0, len(PROMPT) - 1:-1].float()
-    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[len(PROMPT):])[:, None])[:, 0]
-    scores = engine.score_tokens(ids, len(PROMPT))
-    torch.testing.assert_close(torch.tensor(scores), expected, atol=2e-4, rtol=1e-4)
+    batch = [ScoreSequence(token_ids=[*PROMPT, 5, 9, 33, 2, 71], start=len(PROMPT)),
+             ScoreSequence(token_ids=[*PROMPT[:6], 8, 40], start=4)]  # a batch: each its own request, queued together
+    scores = engine.score_tokens(batch)
+    for seq, got in zip(batch, scores):
+        ids = seq.token_ids
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0, seq.start - 1:-1].float()
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[seq.start:])[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(got), expected, atol=2e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="temperature=0.7"):
-        engine.score_tokens(ids, len(PROMPT), 0.7)
+        engine.score_tokens(batch, 0.7)
     assert not engine.has_unfinished()
 
 

@@ -1,16 +1,22 @@
-"""`rollwise bench allocator`: glibc's default malloc vs memory kept for reuse (rollwise.model.allocator).
+"""`rollwise bench allocator`: glibc's default malloc vs rollwise's allocator policies (rollwise.model.allocator).
 
-The two arms differ only in the environment a fresh child process starts with (glibc reads MALLOC_*_ when a
-process starts): `system` has none of the variables, `kept` has rollwise.model.allocator.ENVIRONMENT. Each
-child runs one workload on the bundled model (`--quick`: a tiny model) and reports its time per unit, the minor
-page faults (memory faulted in) and the kernel CPU seconds it took:
+Three arms, each a fresh child process that differs only in the environment it starts with (glibc reads
+MALLOC_*_ when a process starts):
+
+- `system`: none of the variables (glibc's defaults, ROLLWISE_MALLOC=system);
+- `unbounded`: sessions 20-25's policy, every freed block kept for good (UNBOUNDED_ENVIRONMENT);
+- `bounded`: today's default, rollwise.model.allocator.ENVIRONMENT (blocks up to 32 MiB reused from the heap,
+  larger ones given back; the heap's free top kept up to 256 MiB).
+
+Each child runs one workload on the bundled model (`--quick`: a tiny model) and reports its time per unit, the
+minor page faults (memory faulted in), the kernel CPU seconds it took and its peak resident size:
 
 - engine: reference-engine decode steps of 64 sequences (the sampler's logits, probabilities and CDF are
   ~75 MB of fresh buffers a step);
 - train: default-shaped GRPO train steps (rollwise.bench.trainer.default_like_batch, 8 groups x 16).
 
-Arms alternate, the first arm switching from pair to pair, so the machine's drift falls on both; ratios are
-per pair (kept / system), then the median.
+Arms rotate, the first arm changing from round to round, so the machine's drift falls on all; ratios are per
+round (arm / system), then the median.
 """
 
 from __future__ import annotations
@@ -28,16 +34,17 @@ from typing import Any
 from rollwise.model.allocator import ENVIRONMENT, OPT_OUT, is_glibc_malloc_variable
 
 WORKLOADS = ("engine", "train")
-ARMS = ("system", "kept")
+ARMS = ("system", "unbounded", "bounded")
+# The policy before session 26, kept here as the comparison arm: nothing mmapped, nothing ever trimmed.
+UNBOUNDED_ENVIRONMENT = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
+                         "MALLOC_TOP_PAD_": str(64 << 20)}
 
 
 def arm_environment(arm: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not is_glibc_malloc_variable(k)}
-    env.pop(OPT_OUT, None)
-    if arm == "kept":
-        env.update(ENVIRONMENT)
-    else:
-        env[OPT_OUT] = "system"
+    env[OPT_OUT] = "system"  # rollwise code in the child leaves glibc as the environment sets it
+    if arm != "system":
+        env.update(UNBOUNDED_ENVIRONMENT if arm == "unbounded" else ENVIRONMENT)
     return env
 
 
@@ -96,14 +103,15 @@ def worker_main(argv: list[str]) -> None:
     p.add_argument("--units", type=int, required=True)
     args = p.parse_args(argv)
     units = (_engine_units if args.worker == "engine" else _train_units)(args.quick, args.units)
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)  # KiB on Linux
     print(json.dumps({"wall_s": [u[0] for u in units], "kernel_s": [u[1] for u in units],
-                      "minor_faults": [u[2] for u in units]}), flush=True)
+                      "minor_faults": [u[2] for u in units], "peak_rss_gib": [peak_gb]}), flush=True)
 
 
 def _run_child(workload: str, arm: str, quick: bool, units: int) -> dict[str, float]:
     proc = subprocess.run([sys.executable, "-m", "rollwise.bench.allocator", "--worker", workload, "--units", str(units),
-                           *(["--quick"] if quick else [])], env=arm_environment(arm), capture_output=True, text=True,
-                          timeout=1800)
+                           *(["--quick"] if quick else [])],
+                          env=arm_environment(arm), capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"the {arm} {workload} child failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     measured = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -114,33 +122,38 @@ def run_allocator_bench(quick: bool = False, pairs: int | None = None, workloads
                         progress: Any = None) -> dict[str, Any]:
     pairs = pairs or (1 if quick else 3)
     units = {"engine": 6 if quick else 12, "train": 1 if quick else 2}
-    result: dict[str, Any] = {"benchmark": "allocator", "quick": quick, "pairs": pairs, "environment": ENVIRONMENT,
+    result: dict[str, Any] = {"benchmark": "allocator", "quick": quick, "pairs": pairs, "arms": list(ARMS),
+                              "environment": ENVIRONMENT, "unbounded_environment": UNBOUNDED_ENVIRONMENT,
                               "workloads": {}}
     for workload in workloads:
         runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
         for pair in range(pairs):
-            for arm in (ARMS if pair % 2 == 0 else ARMS[::-1]):
+            for arm in ARMS[pair % len(ARMS):] + ARMS[:pair % len(ARMS)]:
                 if progress:
-                    progress(f"{workload}: pair {pair + 1}/{pairs}, {arm}")
+                    progress(f"{workload}: round {pair + 1}/{pairs}, {arm}")
                 runs[arm].append(_run_child(workload, arm, quick, units[workload]))
-        ratios = [k["wall_s"] / s["wall_s"] for s, k in zip(runs["system"], runs["kept"])]
-        result["workloads"][workload] = {
-            "runs": runs, "wall_ratio_kept_to_system": statistics.median(ratios), "wall_ratios": ratios,
-            **{f"{arm}_{key}": statistics.median(r[key] for r in runs[arm])
-               for arm in ARMS for key in ("wall_s", "kernel_s", "minor_faults")},
-        }
+        summary: dict[str, Any] = {"runs": runs}
+        for arm in ARMS[1:]:
+            ratios = [a["wall_s"] / s["wall_s"] for s, a in zip(runs["system"], runs[arm])]
+            summary[f"wall_ratio_{arm}_to_system"] = statistics.median(ratios)
+            summary[f"wall_ratios_{arm}"] = ratios
+        summary.update({f"{arm}_{key}": statistics.median(r[key] for r in runs[arm])
+                        for arm in ARMS for key in ("wall_s", "kernel_s", "minor_faults", "peak_rss_gib")})
+        result["workloads"][workload] = summary
     return result
 
 
 def format_allocator_bench(result: dict[str, Any]) -> str:
-    lines = [f"glibc malloc as it is (system) vs freed memory kept for reuse (kept), {result['pairs']} pair(s) of fresh "
-             "processes per workload; medians per unit (an engine step or a train step):"]
+    lines = [f"glibc malloc as it is (system) vs every freed block kept (unbounded) vs kept up to a "
+             f"bound (bounded, the default); {result['pairs']} round(s) of fresh processes per workload; "
+             "medians per unit (an engine step or a train step):"]
     for name, w in result["workloads"].items():
-        lines.append(
-            f"  {name:>6}: system {w['system_wall_s'] * 1e3:8.1f} ms, {w['system_minor_faults']:9,.0f} page faults, "
-            f"{w['system_kernel_s'] * 1e3:7.1f} ms in the kernel | kept {w['kept_wall_s'] * 1e3:8.1f} ms, "
-            f"{w['kept_minor_faults']:9,.0f} page faults, {w['kept_kernel_s'] * 1e3:7.1f} ms in the kernel | "
-            f"kept / system {w['wall_ratio_kept_to_system']:.3f}x")
+        lines.append(f"  {name}:")
+        for arm in ARMS:
+            ratio = "" if arm == "system" else f" | {arm} / system {w[f'wall_ratio_{arm}_to_system']:.3f}x"
+            lines.append(f"    {arm:>9} {w[f'{arm}_wall_s'] * 1e3:8.1f} ms, {w[f'{arm}_minor_faults']:9,.0f} "
+                         f"page faults, {w[f'{arm}_kernel_s'] * 1e3:7.1f} ms in the kernel, "
+                         f"peak {w[f'{arm}_peak_rss_gib']:.2f} GiB{ratio}")
     return "\n".join(lines)
 
 

@@ -48,8 +48,9 @@ def add_bench_parser(sub: Any) -> None:
         "disagreement, logprob mismatch, k3 KL, ratio>2 per step, held-out accuracy, replay cost, MoE-CAP counts; "
         "trainer-step: one default-shaped train step under trainer variants (train.fused_*), interleaved in one "
         "process, step-time ratios to the baseline (--quick: a tiny model, 1 round); "
-        "allocator: glibc's default malloc vs freed memory kept for reuse (rollwise's default) in fresh processes "
-        "side by side: reference-engine decode steps and train steps, time, page faults, kernel time; "
+        "allocator: glibc's default malloc vs every freed block kept (unbounded) vs kept up to a bound (bounded, "
+        "rollwise's default) in fresh processes side by side: reference-engine decode steps and "
+        "train steps, time, page faults, kernel time, peak memory; "
         "algorithms: the default run under each RL recipe (grpo, dr_grpo, dapo, rloo, reinforce_pp, gspo, cispo, "
         "ppo_gae: rollwise/types/recipes.py) x seeds, held-out strict accuracy after 3 steps and at the end, seconds "
         "per step vs GRPO, peak memory (--quick: tiny model, 2 steps, grpo and ppo_gae, 1 seed); "
@@ -99,7 +100,7 @@ def add_bench_parser(sub: Any) -> None:
                        "`git worktree add /tmp/before HEAD`), rounds interleaved: the before figure in the same run")
     bench.add_argument("--memory", action="store_true",
                        help="trainer: the memory arm instead: one train step per response length (512 to 16k "
-                       "tokens; --quick: 128 to 1k, a few minutes), each in a fresh process, with and without "
+                       "tokens; --quick: 512 to 2k, a few minutes), each in a fresh process, with and without "
                        "train.gradient_checkpointing: the step's peak memory, per token and per further token")
     bench.add_argument("--arms", default=None, metavar="A,B,...",
                        help="trainer-step: the trainer variants to run, comma-separated, baseline among them "
@@ -180,7 +181,7 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
     if args.name == "allocator":  # fresh child processes per arm; each loads the model itself
         from rollwise.bench.allocator import format_allocator_bench, run_allocator_bench
 
-        with console.status("glibc's malloc as it is vs freed memory kept, in fresh processes") as status:
+        with console.status("glibc's malloc as it is vs unbounded vs bounded, in fresh processes") as status:
             result = run_allocator_bench(quick=args.quick, pairs=args.rounds, progress=status.update)
         return _finish(args, console, format_allocator_bench(result), result)
     if args.name == "trainer-step":  # --quick: a tiny model built in code instead of --model

@@ -1,7 +1,7 @@
 """The teacher of on-policy distillation (`train.teacher`): an engine that scores the student's sampled tokens.
 
-The teacher is served by an engine like the student's (the engine contract's `score_tokens`: one prefill over
-prompt + response, the log-prob of each response token, nothing sampled): in this process (train.teacher.model:
+The teacher is served by an engine like the student's (the engine contract's `score_tokens`: a prefill over
+prompt + response, the log-prob of each response token, nothing sampled, a batch of samples a call): in this process (train.teacher.model:
 a reference or vLLM engine built from the teacher's weights, sized by train.teacher's engine fields), or an engine
 server already serving it (train.teacher.url: `rollwise serve engine --model TEACHER`, POST /score). Either way
 the driver scores each step's samples after the rollout and sets their per-token distillation rewards
@@ -11,7 +11,7 @@ student's tokenizer, since it scores the student's token ids.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import httpx
@@ -20,16 +20,18 @@ import torch
 from rollwise.config import ConfigError
 from rollwise.engine.client import EngineClient, EngineServerError
 from rollwise.engine.factory import EngineSettings, create_engine, resolve_engine_kind
+from rollwise.engine.scoring import score_batches
 from rollwise.model.loading import load_model, tokenizer_fingerprint
 from rollwise.train.distill import set_distill_rewards
 from rollwise.types.sample import Sample
+from rollwise.types.score import ScoreSequence
 from rollwise.types.sft_config import TeacherConfig
 
 
 class TokenScorer(Protocol):
     """What the teacher needs of an engine: Engine.score_tokens (an in-process engine, or EngineClient over HTTP)."""
 
-    def score_tokens(self, token_ids: list[int], start: int, temperature: float = 1.0) -> list[float]: ...
+    def score_tokens(self, sequences: Sequence[ScoreSequence], temperature: float = 1.0) -> list[list[float]]: ...
 
 
 class Teacher:
@@ -68,10 +70,14 @@ class Teacher:
             raise ConfigError("train.teacher.engine=vllm beside the run's in-process vLLM engine: vLLM runs one "
                               "engine per process; serve the teacher apart (`rollwise serve engine --model TEACHER`, "
                               "then train.teacher.url) or set train.teacher.engine=reference")
-        settings = EngineSettings(kind=kind, max_num_seqs=cfg.max_num_seqs, dtype=cfg.dtype,
-                                  max_model_len=cfg.max_model_len or max_model_len)
+        # The reference engine scores with no KV cache (one packed forward a batch): its generation cache is built
+        # at the least it takes (one slot) and let go at once (sleep(): weights kept, KV freed; it never generates).
+        settings = EngineSettings(kind=kind, max_num_seqs=1 if kind == "reference" else cfg.max_num_seqs,
+                                  dtype=cfg.dtype, max_model_len=cfg.max_model_len or max_model_len)
         engine = create_engine(settings, model, tokenizer, model_name=cfg.model or "teacher")
         del model  # the engine holds its own copy of the weights
+        if kind == "reference":
+            engine.sleep()
         return cls(engine, cfg, temperature=temperature, close=engine.close,
                    where=f"{cfg.model} on an engine in this process: {engine.describe()}")
 
@@ -103,12 +109,16 @@ class Teacher:
 
     @torch.no_grad()
     def token_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
-        """The teacher's log-prob of each sample's trained (sampled) tokens, one fp32 tensor per sample."""
-        out = []
-        for s in samples:
-            scores = self.scorer.score_tokens([*s.prompt_ids, *s.response_ids], len(s.prompt_ids), self.temperature)
-            out.append(torch.tensor([lp for lp, m in zip(scores, s.trained_mask) if m], dtype=torch.float32))
-        return out
+        """The teacher's log-prob of each sample's trained (sampled) tokens, one fp32 tensor per sample: the samples
+        scored a batch a call (score_batches: at most SCORE_BATCH_TOKENS tokens, what one POST /score takes)."""
+        sequences = [ScoreSequence(token_ids=[*s.prompt_ids, *s.response_ids], start=len(s.prompt_ids))
+                     for s in samples]
+        scores: list[list[float]] = [[] for _ in samples]
+        for batch in score_batches([len(q.token_ids) for q in sequences]):
+            for i, logprobs in zip(batch, self.scorer.score_tokens([sequences[i] for i in batch], self.temperature)):
+                scores[i] = logprobs
+        return [torch.tensor([lp for lp, m in zip(lps, s.trained_mask) if m], dtype=torch.float32)
+                for lps, s in zip(scores, samples)]
 
     def reward(self, samples: list[Sample]) -> dict[str, float]:
         """Score `samples` and set their per-token distillation rewards; the step's distillation metrics."""

@@ -7,6 +7,7 @@ OpenAI-style text endpoints are for the official `openai` client.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -15,6 +16,7 @@ import httpx
 from rollwise.types.generation import Completion, SamplingParams
 from rollwise.serve.settings import client_auth_headers
 from rollwise.types.routing import RoutedExperts
+from rollwise.types.score import ScoreSequence
 
 
 class EngineServerError(RuntimeError):
@@ -74,9 +76,10 @@ class EngineClient:
             for c in out["choices"]
         ]
 
-    def score_tokens(self, token_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
-        """Engine.score_tokens over HTTP (POST /score): the log-prob of each of token_ids[start:]."""
-        body = {"token_ids": list(token_ids), "start": start, "temperature": temperature}
+    def score_tokens(self, sequences: Sequence[ScoreSequence], temperature: float = 1.0) -> list[list[float]]:
+        """Engine.score_tokens over HTTP (POST /score, at most rollwise.engine.scoring.MAX_SCORE_SEQUENCES sequences):
+        per sequence, the log-prob of each of token_ids[start:]."""
+        body = {"sequences": [s.model_dump() for s in sequences], "temperature": temperature}
         return self._request("POST", "/score", body)["logprobs"]
 
     def model_info(self) -> dict[str, Any]:

@@ -9,7 +9,7 @@ The HTTP server (`rollwise serve engine`) exposes the same operations over HTTP.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -17,6 +17,7 @@ from torch import Tensor
 
 from rollwise.engine.retention import RetentionDecision, RetentionRequest
 from rollwise.types.generation import Completion, EngineLoad, GenerationRequest, ModelInfo
+from rollwise.types.score import ScoreSequence
 from rollwise.types.weight_checks import nonfinite, state_problems, version_problem
 from rollwise.types.weights import AdapterSpec, ExpectedWeights
 
@@ -93,9 +94,10 @@ class Engine(Protocol):
         """Tokens of KV its own cross-request prefix cache holds (0: it keeps none of its own)."""
     def flush_prefix_cache(self) -> int:
         """Empty that prefix cache; returns how many tokens it held."""
-    def score_tokens(self, token_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
-        """log p(token_ids[i] | token_ids[:i]) at `temperature` for i in start..len-1, under the weights it serves:
-        one prefill, nothing sampled (a teacher engine scoring a student's response: rollwise.engine.scoring)."""
+    def score_tokens(self, sequences: Sequence[ScoreSequence], temperature: float = 1.0) -> list[list[float]]:
+        """Per sequence (in order), log p(token_ids[i] | token_ids[:i]) at `temperature` for i in start..len-1, under
+        the weights it serves: a prefill, nothing sampled, the batch's sequences together (a teacher engine scoring
+        a student's responses: rollwise.engine.scoring)."""
     def close(self) -> None:
         """Release what the engine holds beyond its memory (vLLM: its engine core and weight directory)."""
 

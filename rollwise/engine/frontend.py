@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -62,6 +62,10 @@ class EngineFrontend:
         self._recent: OrderedDict[str, list[str]] = OrderedDict()
         self._batch: list[tuple] = []  # this pass's events; only the engine thread touches it
         self._waiting: set[asyncio.Future] = set()  # calls not answered yet (failed if the engine dies)
+        # Engine requests that migrated away (rollwise.engine.migration_http): how to abort each where it now runs
+        # (it answers with its aborted samples' count); their events come back through `relay`.
+        self._away: dict[str, Callable[[], Awaitable[int]]] = {}
+        self._away_aborts: set[asyncio.Task] = set()  # aborts sent for clients gone (release: not awaited)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -200,6 +204,11 @@ class EngineFrontend:
             self._routes.pop(rid, None)
             self._token_routes.pop(rid, None)
         unfinished = sorted({rid for rid, _ in gen.pending})
+        for rid in [r for r in unfinished if r in self._away] if abort else []:  # runs elsewhere: abort it there
+            task = self._loop.create_task(self._away[rid]())
+            self._away_aborts.add(task)
+            task.add_done_callback(self._away_aborts.discard)
+        unfinished = [rid for rid in unfinished if rid not in self._away]
         if abort and unfinished and self.worker is not None and self.error is None:
             try:  # queued, not awaited: the client is gone either way (its routes are, too)
                 self.worker.post(lambda engine: [c for rid in unfinished for c in engine.abort(rid)])
@@ -207,11 +216,14 @@ class EngineFrontend:
                 pass
 
     async def abort_engine(self, engine_ids: list[str]) -> int:
-        """Abort engine requests; their samples come back (finish_reason 'abort') through the routes."""
-        completions = await self.call(lambda engine: [c for rid in engine_ids for c in engine.abort(rid)])
+        """Abort engine requests, where they run (here, or the engine they migrated to); their samples come back
+        (finish_reason 'abort') through the routes. Returns the samples aborted."""
+        away = [self._away[rid] for rid in engine_ids if rid in self._away]
+        here = [rid for rid in engine_ids if rid not in self._away]
+        completions = await self.call(lambda engine: [c for rid in here for c in engine.abort(rid)]) if here else []
         for completion in completions:
             self._deliver(completion)
-        return len(completions)
+        return len(completions) + sum([await abort() for abort in away])
 
     def engine_ids_of(self, public_id: str) -> list[str]:
         """The engine request ids of a finished request (public id as /generate returned it); [] if unknown."""
@@ -219,32 +231,46 @@ class EngineFrontend:
 
     # ------------------------------------------------------------ live migration (rollwise.engine.migration_http)
 
-    def engine_ids_in_flight(self, public_id: str) -> list[str]:
-        """The engine request ids of a request in flight (public id); [] if none is."""
-        gen = self._public.get(public_id)
-        return list(gen.engine_ids) if gen is not None else []
-
     def routed(self, engine_id: str) -> bool:
         """Whether some client here waits for the engine request's samples."""
         return engine_id in self._routes
 
     def streams(self, engine_id: str) -> bool:
-        """Whether the engine request's tokens are streamed to its client as sampled (such a request stays here)."""
+        """Whether the engine request's tokens are streamed to its client as sampled (a migration relays them)."""
         return engine_id in self._token_routes
 
-    def adopt(self, engine_id: str) -> asyncio.Queue:
-        """Route the engine request's events to a new queue: a request migrated in, whose client waits elsewhere."""
+    def adopt(self, engine_id: str, stream_tokens: bool = False) -> asyncio.Queue:
+        """Route the engine request's events to a new queue: a request migrated in, whose client waits elsewhere
+        (`stream_tokens`: each token too, as sampled, for a client that streams them)."""
         queue: asyncio.Queue = asyncio.Queue()
         self._routes[engine_id] = queue
+        if stream_tokens:
+            self._token_routes[engine_id] = queue
         return queue
 
     def disown(self, engine_id: str) -> None:
         self._routes.pop(engine_id, None)
+        self._token_routes.pop(engine_id, None)
 
-    def deliver(self, completions: list[Completion]) -> None:
-        """Samples of requests that migrated away and finished elsewhere: to their clients here, as if local."""
-        for completion in completions:
-            self._deliver(completion)
+    def moved_away(self, engine_id: str, abort: Callable[[], Awaitable[int]]) -> None:
+        """The engine request migrated to another engine: aborting it (abort_engine, or its client gone) runs
+        `abort` there, until `came_back`."""
+        self._away[engine_id] = abort
+
+    def came_back(self, engine_id: str) -> None:
+        """The migrated request's last events are relayed (or failed): nothing of it runs elsewhere any more."""
+        self._away.pop(engine_id, None)
+
+    def relay(self, engine_id: str, events: list[tuple]) -> None:
+        """Events of a request that migrated away, as the engine it runs on produced them (its tokens, for a
+        client that streams them, then its finished samples): to its client here, in order, as if local."""
+        queue = self._routes.get(engine_id)
+        if queue is None:
+            return
+        if engine_id not in self._token_routes:
+            events = [e for e in events if e[0] != "token"]
+        if events:
+            queue.put_nowait(events)
 
     def fail_engine_request(self, engine_id: str, message: str) -> None:
         """The request migrated away and its samples will not come back: its client gets the error."""

@@ -8,7 +8,8 @@ tokens A sampled meanwhile (the delta) are prefilled on B in further rounds (at 
 delta is small, B takes the request over at a step boundary of A (prefilling the last delta) and A forgets
 its copy without emitting a sample. The request then continues on B exactly where it stopped on A: greedy decoding gives
 the tokens one engine would have produced, and a seeded sample keeps its stream (its RNG state moves with
-it). Tokens keep the versions that sampled them; B's tokens carry B's version (partial-rollout semantics).
+it; the vLLM backend's cannot move: rollwise.engine.vllm_migration). Tokens keep the versions that sampled them;
+B's tokens carry B's version (partial-rollout semantics).
 
     round 0: s = A.export(r); B.stage(s)                     B prefills prompt + tokens[:-1]
              (a request still waiting for admission on A moves at once: nothing to catch up)
@@ -62,7 +63,8 @@ class MigrationState:
 
 @runtime_checkable
 class Migratable(Protocol):
-    """What an engine offers to migration (the reference engine: rollwise.engine.reference.migration)."""
+    """What an engine offers to migration (the reference engine: rollwise.engine.reference.migration; the vLLM
+    backend: rollwise.engine.vllm_migration)."""
 
     def model_info(self) -> ModelInfo: ...
     def step(self) -> list[Completion]: ...
@@ -160,7 +162,7 @@ def _migrate(ends: _Ends, request_ids: list[str] | None, max_delta: int, max_rou
     for side, run in (("source", ends.source), ("target", ends.target)):
         if not run(lambda e: isinstance(e, Migratable)):
             raise ValueError(f"cannot migrate: the {side} engine does not support live migration (the reference "
-                             "engine does; the vLLM backend not yet): abort and resubmit its requests instead")
+                             "engine and the vLLM backend do): abort and resubmit its requests instead")
     check_compatible(ends.source(lambda e: e.model_info()), ends.target(lambda e: e.model_info()))
     ids = list(ends.source(lambda e: e.migratable_requests()) if request_ids is None else request_ids)
     result = MigrationResult()
@@ -239,3 +241,13 @@ def _current(ends: _Ends, staged: dict[str, MigrationState], result: MigrationRe
             continue
         current[rid] = state
     return current
+
+
+def fresh_stream_seed(request: GenerationRequest, sample: MigratingSample) -> int | None:
+    """The seed a sample continues with when its RNG state could not move (`rng_state` empty: the vLLM backend's
+    generators stay inside its worker): a fresh stream, so every token is still drawn from the policy's
+    distribution, but a seeded sample's tokens after the handover differ from an unmigrated run's. Derived from
+    (seed, sample index, tokens so far) when the request is seeded; None (the engine's own seed source) if not."""
+    if request.params.seed is None:
+        return None
+    return (request.params.seed * 1_000_003 + sample.index * 100_003 + len(sample.token_ids)) % 2**31

@@ -2,26 +2,33 @@
 another engine server, over rollwise.engine.migration's coordinator.
 
     POST /migrate            {target}: move every request in flight here to the engine server at `target` (same
-                             model and tokenizer); answers what moved. Requests whose tokens stream to their client
-                             (stream=true, stop strings) stay and finish here.
+                             model and tokenizer); answers what moved, streamed requests (stream=true, stop strings)
+                             included: their tokens are relayed to their client's stream as the target samples them.
     POST /migration/stage    (on the target) a request's exported state: prefill what of it is not in the KV yet
     POST /migration/commit   (on the target) take the request over from its final state; it decodes on here
+                             (stream_tokens: its tokens are kept for /migration/result as they are sampled)
     POST /migration/cancel   {request_id}: free what was staged (it finished on the source)
     POST /migration/abort    {request_id}: abort a committed request (its client aborted it on the source)
     POST /migration/result   {request_id, timeout_s?}: a committed request's samples once all are back (a long poll:
-                             {done: false} after timeout_s; the source polls again and relays them to its client)
+                             {done: false} after timeout_s; the source polls again and relays them to its client);
+                             a streamed one's tokens sampled since the last poll as soon as there are any
     GET  /migration/info     the engine's ModelInfo, which migration checks both ends against
 
 The source runs the coordinator (`migrate_between`: its engine keeps decoding on its own thread while the target
 prefills), with the target as a `RemoteTarget` (stage/commit/cancel over HTTP). A migrated request's client still
 waits on the source: the source asks the target for its samples (/migration/result) and answers the client with
 them, so a client (or a router relaying it) sees one answer: its tokens, logprobs and versions as one engine would
-have produced them. The source's engine is empty once /migrate answers: it can sleep or be removed; its process
-stays up until the migrated requests are answered.
+have produced them. A streamed request's tokens go the same way, one poll per batch of tokens, into the queue its
+client's stream reads (EngineFrontend.relay): the stream goes on uninterrupted, the stop-string check on this
+server sees each token once, and a stop string (or the client gone) aborts the request where it runs
+(EngineFrontend.moved_away). The source's engine is empty once /migrate answers: it can sleep or be removed; its
+process stays up until the migrated requests are answered.
 
 Every call to the target carries the caller's own Authorization header (one key for the engine servers of a
-deployment, as the router's --upstream-api-key). An engine that cannot migrate (the vLLM backend) answers 409 with
-what to do instead: abort and resubmit its requests (the fallback: tokens regenerated).
+deployment, as the router's --upstream-api-key). An engine that cannot migrate (neither the reference engine nor the
+vLLM backend) answers 409 with what to do instead: abort and resubmit its requests (the fallback: tokens
+regenerated). Requests an engine will not move (the vLLM backend's with frequency/presence penalties:
+rollwise.engine.vllm_migration) stay and finish where they run, counted in the answer's still_here.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import base64
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
@@ -47,8 +54,8 @@ class MigrationUnsupported(Exception):
     """The engine behind this server cannot migrate requests (answered 409, code migration_unsupported)."""
 
 
-NOT_MIGRATABLE = ("this engine does not support live migration (the reference engine does; the vLLM backend not "
-                  "yet): abort its requests and resubmit them elsewhere instead (their tokens are regenerated)")
+NOT_MIGRATABLE = ("this engine does not support live migration (the reference engine and the vLLM backend do): "
+                  "abort its requests and resubmit them elsewhere instead (their tokens are regenerated)")
 
 
 class _Strict(BaseModel):
@@ -91,6 +98,10 @@ class StateBody(_Strict):
         return MigrationState(request, samples, self.session_id)
 
 
+class CommitBody(StateBody):
+    stream_tokens: bool = False  # its client streams tokens: /migration/result returns them as they are sampled
+
+
 class RequestIdBody(_Strict):
     request_id: str
 
@@ -114,8 +125,10 @@ class RemoteTarget:
     """The target end of a migration, over HTTP (the coordinator's target CommandRunner: `call(fn)` runs fn on
     this proxy). Only the target's half of Migratable answers; a refusal (409) is a ValueError, as in process."""
 
-    def __init__(self, url: str, authorization: str | None, timeout_s: float = 120.0) -> None:
+    def __init__(self, url: str, authorization: str | None, timeout_s: float = 120.0,
+                 streamed: frozenset[str] = frozenset()) -> None:
         self.url = url.rstrip("/")
+        self.streamed = streamed  # the requests whose client streams their tokens
         headers = {"Authorization": authorization} if authorization else {}
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
 
@@ -152,7 +165,8 @@ class RemoteTarget:
         return int(self._post("/migration/stage", StateBody.of(state).model_dump(mode="json"))["prefilled"])
 
     def commit_migration(self, state: MigrationState) -> None:
-        self._post("/migration/commit", StateBody.of(state).model_dump(mode="json"))
+        self._post("/migration/commit", {**StateBody.of(state).model_dump(mode="json"),
+                                         "stream_tokens": state.request.request_id in self.streamed})
 
     def cancel_migration(self, request_id: str) -> None:
         self._post("/migration/cancel", {"request_id": request_id})
@@ -174,17 +188,34 @@ class RemoteTarget:
 # ==================================================================== routes
 
 
+@dataclass(eq=False)
+class Adopted:
+    """A request migrated here whose client waits on another server: its events, and what is not collected yet."""
+
+    queue: asyncio.Queue
+    count: int  # samples to wait for
+    done: list[Completion] = field(default_factory=list)  # those back so far
+    tokens: list[tuple[int, int, float, int]] = field(default_factory=list)  # (index, token, logprob, version)
+
+    def take(self, events: list[tuple]) -> None:
+        for event in events:
+            if event[0] == "error":
+                raise APIError(503, f"the engine failed: {event[1]}", kind="server_error")
+            if event[0] == "token":
+                self.tokens.append(event[2:])
+            elif event[0] == "done":
+                self.done.append(event[1])
+
+
 class MigrationRoutes:
     """The routes' logic for one engine server: its side as a source (`migrate_out`) and as a target."""
 
     def __init__(self, server: EngineService) -> None:
         self.server = server
-        # engine id -> (its events, samples to wait for, those back so far)
-        self.adopted: dict[str, tuple[asyncio.Queue, int, list[Completion]]] = {}
+        self.adopted: dict[str, Adopted] = {}  # engine id -> a request migrated here, until its result is taken
         self.here: set[str] = set()  # engine ids migrated here and not answered yet
-        self.relays: set[asyncio.Task] = set()  # each /migrate's relay of its requests' samples
+        self.relays: set[asyncio.Task] = set()  # each /migrate's relay of its requests' tokens and samples
         self.migrated_requests = 0  # moved away from here, in all
-        self.away: dict[str, str] = {}  # engine id -> the target it runs on, until its samples are relayed back
         self.migrating = asyncio.Lock()  # one /migrate (or /sleep migrate_to) at a time: each sees what it moves
 
     async def _engine(self, fn: Callable[[Migratable], Any]) -> Any:
@@ -201,16 +232,15 @@ class MigrationRoutes:
             raise APIError(409, str(exc), "request_id", kind="conflict") from exc
 
     async def migrate_out(self, target: str, authorization: str | None, source: str) -> dict[str, Any]:
-        """Move every request in flight here (but those streaming tokens) to `target`; `source`: this server's
-        URL as its caller named it, recorded on each moved sample as (source, target)."""
+        """Move every request in flight here to `target`; `source`: this server's URL as its caller named it,
+        recorded on each moved sample as (source, target)."""
         async with self.migrating:
             return await self._migrate_out(target.rstrip("/"), authorization, source)  # (a validated URL ends in /)
 
     async def _migrate_out(self, target: str, authorization: str | None, source: str) -> dict[str, Any]:
         frontend = self.server.frontend
         ids = await self._engine(lambda e: e.migratable_requests())
-        ids = [rid for rid in ids if not frontend.streams(rid)]
-        remote = RemoteTarget(target, authorization)
+        remote = RemoteTarget(target, authorization, streamed=frozenset(r for r in ids if frontend.streams(r)))
         worker: EngineWorker | None = frontend.worker
         assert worker is not None  # the server is started
         try:
@@ -224,54 +254,58 @@ class MigrationRoutes:
             raise
         remote.close()
         self.migrated_requests += len(result.migrated)
-        self.away.update({rid: target for rid in result.migrated})
         if result.migrated:
+            headers = {"Authorization": authorization} if authorization else {}
+            http = httpx.AsyncClient(base_url=target, headers=headers, timeout=None)
+            for rid in result.migrated:  # from now on, aborting it (a stop string, its client gone) aborts it there
+                frontend.moved_away(rid, lambda rid=rid: self._abort_there(http, rid))
             task = asyncio.get_running_loop().create_task(
-                self._relay_all((source.rstrip("/"), target), authorization, list(result.migrated)))
+                self._relay_all(http, (source.rstrip("/"), target), list(result.migrated)))
             self.relays.add(task)
             task.add_done_callback(self.relays.discard)
+            # a client that went away while it moved (its abort reached this engine too late): abort it there
+            for rid in [r for r in result.migrated if not frontend.routed(r)]:
+                await self._abort_there(http, rid)
         stayed = await self._engine(lambda e: e.migratable_requests())
         return {"target": target, "migrated": result.migrated, "finished_on_source": result.finished_on_source,
                 "rounds": result.rounds, "tokens_prefilled": result.tokens_prefilled, "still_here": len(stayed)}
 
-    async def _relay_all(self, move: tuple[str, str], authorization: str | None, rids: list[str]) -> None:
-        headers = {"Authorization": authorization} if authorization else {}
-        async with httpx.AsyncClient(base_url=move[1], headers=headers, timeout=None) as http:
+    async def _relay_all(self, http: httpx.AsyncClient, move: tuple[str, str], rids: list[str]) -> None:
+        async with http:
             await asyncio.gather(*(self._relay(http, rid, move) for rid in rids))
 
     async def _relay(self, http: httpx.AsyncClient, rid: str, move: tuple[str, str]) -> None:
-        """The migrated request's samples, from the target to its client here (or the error, never silence)."""
+        """The migrated request's events, from the target to its client here (or the error, never silence): a
+        streamed request's tokens as the target samples them, then (every request) its finished samples."""
         frontend = self.server.frontend
         try:
             while True:  # a long poll, until every sample is back
                 response = await http.post("/migration/result", json={"request_id": rid})
                 if response.status_code >= 400:
                     raise ValueError(f"{response.status_code} {response.text[:300]}")
-                if response.json()["done"]:
+                body = response.json()
+                events: list[tuple] = [("token", rid, *token) for token in body["tokens"]]
+                if body["done"]:
+                    done = [Completion(**c) for c in body["completions"]]
+                    for c in done:  # this move first, then any the target made of it in turn
+                        c.migrations = [move] + [(str(s), str(t)) for s, t in c.migrations]
+                    events += [("done", c) for c in done]
+                frontend.relay(rid, events)
+                if body["done"]:
                     break
-            done = [Completion(**c) for c in response.json()["completions"]]
-            for c in done:  # this move first, then any the target made of it in turn
-                c.migrations = [move] + [(str(s), str(t)) for s, t in c.migrations]
-            frontend.deliver(done)
         except Exception as exc:  # noqa: BLE001 - the client is answered with it
             frontend.fail_engine_request(rid, f"request migrated to {http.base_url}, whose answer failed: {exc!r}")
         finally:
-            self.away.pop(rid, None)
+            frontend.came_back(rid)
 
-    async def abort_away(self, engine_ids: list[str], authorization: str | None) -> int:
-        """Abort the engine requests that migrated away from here, where they run; returns their samples aborted.
-        A target that cannot be reached: its answer (/migration/result) fails, and so does the client's."""
-        headers = {"Authorization": authorization} if authorization else {}
-        aborted = 0
-        for rid in [r for r in engine_ids if r in self.away]:
-            async with httpx.AsyncClient(base_url=self.away[rid], headers=headers, timeout=30) as http:
-                try:
-                    response = await http.post("/migration/abort", json={"request_id": rid})
-                except httpx.HTTPError:
-                    continue
-                if response.status_code == 200:
-                    aborted += int(response.json()["aborted_samples"])
-        return aborted
+    async def _abort_there(self, http: httpx.AsyncClient, rid: str) -> int:
+        """Abort a request that migrated away from here, where it runs; returns its samples aborted (they come back
+        through its relay). A target that cannot be reached: its relay fails, and so does the client's answer."""
+        try:
+            response = await http.post("/migration/abort", json={"request_id": rid}, timeout=30)
+        except httpx.HTTPError:
+            return 0
+        return int(response.json()["aborted_samples"]) if response.status_code == 200 else 0
 
     # ------------------------------------------------------------ the target's side
 
@@ -302,15 +336,16 @@ class MigrationRoutes:
         state = self._checked(body)
         return {"request_id": body.request_id, "prefilled": await self._engine(lambda e: e.stage_migration(state))}
 
-    async def commit(self, body: StateBody) -> dict[str, Any]:
+    async def commit(self, body: CommitBody) -> dict[str, Any]:
         state = self._checked(body)
-        queue = self.server.frontend.adopt(body.request_id)  # before the commit: its first sample may end at once
+        # before the commit: its first sample may end at once
+        queue = self.server.frontend.adopt(body.request_id, body.stream_tokens)
         try:
             await self._engine(lambda e: e.commit_migration(state))
         except BaseException:
             self.server.frontend.disown(body.request_id)
             raise
-        self.adopted[body.request_id] = (queue, len(state.samples) or state.request.params.n, [])
+        self.adopted[body.request_id] = Adopted(queue, len(state.samples) or state.request.params.n)
         self.here.add(body.request_id)
         return {"request_id": body.request_id, "samples": len(state.samples)}
 
@@ -329,27 +364,27 @@ class MigrationRoutes:
         if entry is None:
             raise APIError(404, f"no request {body.request_id!r} was migrated here (or its result was taken)",
                            "request_id", kind="not_found_error")
-        queue, count, done = entry
         deadline = asyncio.get_running_loop().time() + body.timeout_s
-        try:
-            while len(done) < count:
+        try:  # until every sample is back, or (a streamed request) some tokens are
+            while len(entry.done) < entry.count and not entry.tokens:
                 left = deadline - asyncio.get_running_loop().time()
                 if left <= 0:
-                    return {"request_id": body.request_id, "done": False, "completions": []}
+                    break
                 try:
-                    events = await asyncio.wait_for(queue.get(), left)
+                    entry.take(await asyncio.wait_for(entry.queue.get(), left))
                 except asyncio.TimeoutError:
                     continue
-                for event in events:
-                    if event[0] == "error":
-                        raise APIError(503, f"the engine failed: {event[1]}", kind="server_error")
-                    if event[0] == "done":
-                        done.append(event[1])
+            while not entry.queue.empty():  # and whatever else came meanwhile
+                entry.take(entry.queue.get_nowait())
         except APIError:
             self._forget(body.request_id)
             raise
+        tokens, entry.tokens = entry.tokens, []
+        if len(entry.done) < entry.count:
+            return {"request_id": body.request_id, "done": False, "tokens": tokens, "completions": []}
         self._forget(body.request_id)
-        return {"request_id": body.request_id, "done": True, "completions": [asdict(c) for c in done]}
+        return {"request_id": body.request_id, "done": True, "tokens": tokens,
+                "completions": [asdict(c) for c in entry.done]}
 
     def _forget(self, rid: str) -> None:
         self.adopted.pop(rid, None)

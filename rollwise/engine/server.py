@@ -182,12 +182,9 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str,
         return (await server.frontend.call(lambda e: e.load())).as_dict()
 
     @app.post("/abort", responses=error_responses(400, 404, 413, 503))
-    async def abort(request: Request, body: AbortRequest) -> dict[str, Any]:
-        engine_ids = server.frontend.engine_ids_in_flight(body.request_id)
-        here = await server.frontend.abort(body.request_id)
-        # its engine requests that migrated away are aborted where they run (their samples come back here)
-        away = await migration.abort_away(engine_ids, request.headers.get("authorization"))
-        return {"request_id": body.request_id, "aborted_samples": here + away}
+    async def abort(body: AbortRequest) -> dict[str, Any]:
+        # (its engine requests that migrated away are aborted where they run; their samples come back here)
+        return {"request_id": body.request_id, "aborted_samples": await server.frontend.abort(body.request_id)}
 
     @app.post("/update_weights_from_disk", responses=error_responses(400, 413, 503))
     async def update_weights_from_disk(body: UpdateWeightsRequest) -> dict[str, Any]:

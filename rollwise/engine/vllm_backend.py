@@ -50,6 +50,7 @@ from rollwise.engine.speculation.vllm_proposer import ProposerSource, patch_cpu_
 from rollwise.engine.state import EngineState
 from rollwise.types.generation import Completion, EngineLoad, GenerationRequest, ModelInfo
 from rollwise.engine.vllm_adapters import VllmAdapters
+from rollwise.engine.vllm_migration import VllmMigration
 from rollwise.engine.vllm_requests import VllmSample, config_eos, top_logprobs, vllm_sampling_params
 from rollwise.engine.vllm_retention import VllmSessionPins
 from rollwise.engine.vllm_scoring import VllmScoring
@@ -84,7 +85,7 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-class VLLMEngine(VllmScoring, EngineState):
+class VLLMEngine(VllmMigration, VllmScoring, EngineState):
     """The engine contract over an in-process vLLM `LLMEngine`.
 
     One per process at a time: vLLM's in-process engine core keeps its parallel groups in module
@@ -130,8 +131,7 @@ class VLLMEngine(VllmScoring, EngineState):
             from vllm.platforms import current_platform
             from vllm.v1.engine.llm_engine import LLMEngine
 
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         eos = eos_token_ids if eos_token_ids is not None else config_eos(hf_model)
         self.eos_token_ids = set(eos)
         self.model_name = model_name
@@ -223,6 +223,7 @@ class VLLMEngine(VllmScoring, EngineState):
         self._seed_source = seed_source(seed)
 
         self._children: dict[str, list[str]] = {}  # our request id -> its unfinished vLLM request ids
+        self._staged_migrations = {}  # live migration's staging, as a target (rollwise.engine.vllm_migration)
         self.stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
         self.on_tokens: Callable[[str, int, int, float, int], None] | None = None
         # engine.retention (issue 21): pins in vLLM's prefix cache, bounded by the pin budget and at most half
@@ -255,7 +256,7 @@ class VLLMEngine(VllmScoring, EngineState):
 
     def has_unfinished(self) -> bool:
         # The base's per-request counts are not kept here: a sample is a vLLM request of its own (_samples).
-        return bool(self._samples)
+        return bool(self._samples) or self.has_staging()  # (a migration's staging: rollwise.engine.vllm_migration)
 
     def load(self) -> EngineLoad:
         usage = self._scheduler().kv_cache_manager.usage
@@ -339,7 +340,7 @@ class VLLMEngine(VllmScoring, EngineState):
         return {tuple(s.request.prompt_ids) for s in self._samples.values()}
 
     def step(self) -> list[Completion]:
-        if self.paused or self.sleeping or not self._samples:
+        if self.paused or self.sleeping or not self.has_unfinished():
             if self.session_pins is not None and self.session_pins.held_tokens():
                 self.session_pins.expire()  # an idle engine's pins still end on their TTL
             return []  # paused: in-flight requests keep their KV and tokens inside vLLM until resume()
@@ -390,7 +391,7 @@ class VLLMEngine(VllmScoring, EngineState):
         if not siblings:
             del self._children[sample.request.request_id]
         reason = out.outputs[0].finish_reason if out.outputs else "abort"
-        cached = int(out.num_cached_tokens or 0)
+        cached = sample.cached_tokens(out.num_cached_tokens)
         self.stats["prompt_tokens"] += len(sample.request.prompt_ids)
         self.stats["cached_prompt_tokens"] += cached
         if self.drafter is not None and reason != "abort":  # siblings still running draft from it at once

@@ -30,6 +30,13 @@ class VllmSample:
     # A LoRA request's adapter version: vLLM keeps a request's adapter to its end. None: the engine's version.
     adapter_version: int | None = None
     sampled: SampledTokens = field(default_factory=SampledTokens)
+    # A migrated sample's prompt tokens its source served from cache (rollwise.engine.vllm_migration): its vLLM
+    # request here counts its earlier tokens as prompt. None: vLLM's own count, read when it finishes.
+    cached_prompt_tokens: int | None = None
+
+    def cached_tokens(self, reported: int | None) -> int:
+        """The prompt tokens served from cache: vLLM's count (`reported`), or a migrated sample's source's."""
+        return self.cached_prompt_tokens if self.cached_prompt_tokens is not None else int(reported or 0)
 
     def completion(self, reason: FinishReason, cached_prompt_tokens: int = 0) -> Completion:
         return self.sampled.completion(self.request, self.index, reason, cached_prompt_tokens)

@@ -11,9 +11,9 @@ The index's layout is the weight-update manifest every transport already speaks 
 name -> bucket, offset, shape, dtype; aliased tensors such as tied embeddings stored once, as `aliases`; an
 xxh3-64 checksum per bucket), so a flat directory is also a full weight push on disk, whose buckets a receiver
 checks as it checks any (rollwise.sync.files). For reading, the file is also cut into fixed chunks (4 MiB by
-default) with an xxh3-64 checksum each, over the file's raw bytes: a chunk is one read and is hashed right
-after it, while its bytes are still in the reading core's cache, in parallel with every other chunk, however
-large the tensor it cuts through. The reader (rollwise.model.flat_reader) turns the file into tensors by views
+default) with an xxh3-64 checksum each, over the file's raw bytes: a chunk is one read and is hashed as soon
+as it is read (by a hasher thread beside the readers), in parallel with every other chunk, however large the
+tensor it cuts through. The reader (rollwise.model.flat_reader) turns the file into tensors by views
 into one buffer: no parsing, no per-tensor allocation, no copy.
 """
 

@@ -1,18 +1,20 @@
 """Read a flat checkpoint (rollwise.model.flat_format) into one pre-allocated buffer, in parallel, and hand out
 tensors that are views into it: no deserialisation, no per-tensor allocation, no copy.
 
-A thread pool reads the file's chunks (4 MiB by default) with os.preadv straight into their slices of the
-buffer, and each thread hashes its chunk right after reading it, while the bytes are still in its core's cache
-(both the read and xxh3 release the GIL, so the threads overlap). Only when every chunk has been read whole and
-matched its checksum are tensors made; a truncated or damaged chunk raises `FlatCheckpointError` naming the
-tensors with bytes in it, and nothing is handed out.
+Reading and checking are a pipeline: reader threads issue os.preadv of the file's chunks (4 MiB by default)
+straight into their slices of the buffer, back to back, and hand each finished chunk to hasher threads (xxh3).
+A reader never hashes, so the disk always has as many reads in flight as there are readers (the same I/O as a
+plain parallel read), where a reader that hashed its own chunk left a read slot empty while it hashed or waited
+for a core to hash on. Both preadv and xxh3 release the GIL, so all of them overlap. Only when
+every chunk has been read whole and matched its checksum are tensors made; a truncated or damaged chunk raises
+`FlatCheckpointError` naming the tensors with bytes in it, and nothing is handed out.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,22 +127,36 @@ def _check_length(index: FlatIndex, path: Path, size: int) -> None:
 
 
 def _read_chunks(index: FlatIndex, fd: int, path: Path, buffer: Tensor, threads: int, verify: bool) -> list[int]:
-    """Read every chunk into its place in buffer; the chunks whose checksum does not match."""
+    """Read every chunk into its place in buffer (`threads` readers) and, when verifying, check each on one of
+    `threads` hashers as soon as it is read; the chunks whose checksum does not match (after all are checked)."""
     view = memoryview(buffer.numpy())
+    chunks = range(len(index.checksums))
 
-    def read(chunk: int) -> bool:
-        """Read one chunk and hash it while it is in cache; False if its checksum does not match."""
+    def read(chunk: int) -> None:
         a, b = index.chunk_range(chunk)
-        at = a
-        while at < b:
-            n = os.preadv(fd, [view[at:b]], at)
+        while a < b:
+            n = os.preadv(fd, [view[a:b]], a)
             if n == 0:  # the file shrank after its length was checked
                 names = index.names_in([chunk])
                 raise FlatCheckpointError(f"{path}: truncated while reading chunk {chunk}, spoiling {_named(names)}; "
                                           "nothing was loaded", names, [chunk])
-            at += n
-        return not verify or xxhash.xxh3_64_intdigest(view[a:b]) == index.checksums[chunk]
+            a += n
 
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="flat-read") as pool:
-        ok = list(pool.map(read, range(len(index.checksums))))
-    return [chunk for chunk, good in enumerate(ok) if not good]
+    def matches(chunk: int) -> bool:
+        a, b = index.chunk_range(chunk)
+        return xxhash.xxh3_64_intdigest(view[a:b]) == index.checksums[chunk]
+
+    if not verify:
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="flat-read") as readers:
+            list(readers.map(read, chunks))
+        return []
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="flat-hash") as hashers:
+
+        def read_then_check(chunk: int) -> Future[bool]:
+            read(chunk)
+            return hashers.submit(matches, chunk)
+
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="flat-read") as readers:
+            checks = list(readers.map(read_then_check, chunks))  # a read's error is raised here
+        ok = [check.result() for check in checks]
+    return [chunk for chunk, good in zip(chunks, ok, strict=True) if not good]

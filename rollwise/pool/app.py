@@ -29,7 +29,8 @@ from rollwise.serve.openai_schemas import MAX_REPETITION_PENALTY, MAX_TOKEN_COUN
 class AttachRequest(RequestBody):
     job: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
     model: str = Field(min_length=1)
-    priority: float = Field(1.0, gt=0)
+    # > 0, checked by EnginePool.attach (one check for HTTP and in-process attaches); the schema still says so
+    priority: float = Field(1.0, json_schema_extra={"exclusiveMinimum": 0})
     tokenizer_fingerprint: str | None = None
     # a LoRA job (train.lora): it pushes adapters on `model` as base and shares that base's engines with the
     # other LoRA jobs on it, in one batch

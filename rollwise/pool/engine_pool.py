@@ -20,8 +20,8 @@ from typing import Any
 from rollwise.types.engine_config import EngineConfig
 from rollwise.engine.core import EngineWorker
 from rollwise.types.generation import GenerationRequest, SamplingParams
-from rollwise.pool.jobs import (Job, LoraBase, PoolError, QueuedRequest, Slot, Waiter, empty_abort, fault_error,
-                                stamp)
+from rollwise.pool.jobs import (Job, LoraBase, PoolError, QueuedRequest, Slot, Waiter, check_priority, empty_abort,
+                                fault_error, stamp)
 from rollwise.pool.scheduler import Policy
 from rollwise.pool.pool_state import PoolState
 from rollwise.pool.slots import SlotLoops
@@ -117,6 +117,7 @@ class EnginePool:
         """Attach job `name` for the API key labelled `owner`: counted against the key's and the pool's job limits
         before its model is loaded (429), and against the pool's memory once it is (503); refused whole.
         `loaded`: (HF model, tokenizer) of `model` a caller in this process holds already (not loaded again)."""
+        check_priority(priority)
         with self.lock:
             if name in self.jobs:
                 raise PoolError(409, f"job {name!r} is already attached to this pool: detach it first "

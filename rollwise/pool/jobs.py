@@ -6,6 +6,7 @@ for queues, slot assignments and accounting; `Job.lock` for a job's weights, act
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -138,6 +139,14 @@ class PoolError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.retry_after = status, message, param, retry_after
+
+
+def check_priority(priority: float) -> None:
+    """The one check of a job's priority, for HTTP attaches and in-process ones alike: the scheduler divides
+    engine time by it (rollwise.pool.scheduler), so 0 would never schedule the job and inf/NaN break the shares."""
+    if not (math.isfinite(priority) and priority > 0):
+        raise PoolError(400, f"priority must be a finite number > 0 (the job's share of engine time relative to "
+                             f"other jobs; 1 is the default), got {priority!r}", "priority")
 
 
 @dataclass(eq=False)

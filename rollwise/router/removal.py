@@ -5,11 +5,12 @@ requests in flight moved to another replica by live migration (issue 42 item 3) 
 2. If it is healthy, the router asks it to migrate its requests in flight (POST /migrate {target}) to the routable
    replica with the fewest requests in flight: its engine hands each request over to the target's, which continues
    it from its tokens (nothing lost or generated twice). The replica keeps its clients' connections and answers
-   them with the target's samples, so a relayed request never notices; its engine is empty once /migrate answers.
+   them with the target's samples (a streamed request's tokens as the target samples them), so a relayed request
+   never notices; its engine is empty once /migrate answers.
 3. The router waits (up to drain_timeout_s) for the replica's relayed requests to be answered, then removes it:
    it is never routed to or probed again (GET /health lists it as removed).
 
-Fallback, explicit in the answer: a replica that cannot migrate (the vLLM backend answers 409
+Fallback, explicit in the answer: a replica that cannot migrate (an engine without live migration answers 409
 migration_unsupported; or no other replica fits) is drained by waiting for its requests to finish, as a rolling
 update drains ("migration_refused" says why, "drained" whether they all finished in time). Requests still running
 at the deadline are left to finish on the replica (a removed replica's process may still answer them); a caller

@@ -31,6 +31,7 @@ BULK_FIELDS = (
     ("/completions", "prompt"),
     ("/inference/v1/generate", "token_ids"),
     ("/generate", "prompt_ids"),
+    ("/score", "sequences"),  # the engine server's batch of sequences to score (a teacher engine)
     ("/requests", "requests"),  # the pool's batch of requests for a job
     ("/forward_backward", "data"),  # the Tinker service's protobuf batch of datums
     ("/asample", "prompt"),

@@ -41,6 +41,10 @@ log = logging.getLogger("rollwise.service.worker")
 
 SESSION_TIMEOUT_S = 600.0  # a session without heartbeat this long is over (the SDK sends one every 10 s)
 SWEEP_EVERY_S = 1.0
+IDLE_MIN_S, IDLE_MAX_S = 0.005, 0.05  # a lane's store polling: while the service is active, and when idle
+# Active: a row finished on either lane this recently. A tenant's next request follows its last result within a
+# client round trip (tens of ms), so a lane keeps polling fast this long before it backs off.
+ACTIVE_S = 0.25
 TRAINING_KINDS = frozenset({"create_model", "forward_backward", "optim_step", "save_weights",
                             "save_weights_for_sampler", "load_weights"})
 SAMPLING_KINDS = frozenset({"create_sampling_session", "sample"})
@@ -60,19 +64,30 @@ class Worker:
         stop = stop or self.stop
         self.state.store.fail_interrupted()
         halt = threading.Event()  # this thread's loop ended (stop, or an exception such as KeyboardInterrupt)
-        sampling = threading.Thread(target=self._serve, args=(stop, self.run_sampling_once, halt),
+        # Each lane wakes the other when it finishes rows: a tenant's next request is usually for the other lane
+        # (sample -> forward_backward -> optim_step -> save_weights_for_sampler -> sample), so the other lane
+        # polls at once and then fast, instead of after its idle backoff (up to IDLE_MAX_S a step, each way).
+        training_wake, sampling_wake = threading.Event(), threading.Event()
+        sampling = threading.Thread(target=self._serve,
+                                    args=(stop, self.run_sampling_once, sampling_wake, training_wake, halt),
                                     name="rollwise-tinker-sampling", daemon=True)
         sampling.start()
         try:
-            self._serve(stop, self.run_training_once)
+            self._serve(stop, self.run_training_once, training_wake, sampling_wake)
         finally:
             halt.set()
+            sampling_wake.set()  # stop waiting now, not after the backoff
             sampling.join(timeout=30)  # a sample batch still running must not keep the server from exiting (daemon)
 
     @staticmethod
-    def _serve(stop: threading.Event, one_pass: Callable[[], int], halt: threading.Event | None = None) -> None:
-        idle = 0.005
+    def _serve(stop: threading.Event, one_pass: Callable[[], int], wake: threading.Event, wake_other: threading.Event,
+               halt: threading.Event | None = None) -> None:
+        """Poll with `one_pass` until `stop` (or `halt`): at once after rows ran or when the other lane sets `wake`,
+        every IDLE_MIN_S for ACTIVE_S after either, then after a backoff growing to IDLE_MAX_S (true idleness:
+        the store is not polled in a busy loop)."""
+        idle, active_at = IDLE_MIN_S, time.monotonic()
         while not stop.is_set() and not (halt is not None and halt.is_set()):
+            wake.clear()  # a wake from here on is seen by the wait below: none is lost
             try:
                 ran = one_pass()
             except Exception:  # noqa: BLE001 - e.g. the database briefly unreachable: log it, keep serving
@@ -80,10 +95,12 @@ class Worker:
                 stop.wait(1.0)
                 continue
             if ran:
-                idle = 0.005
-            else:
-                stop.wait(idle)
-                idle = min(idle * 1.5, 0.05)
+                idle, active_at = IDLE_MIN_S, time.monotonic()
+                wake_other.set()
+            elif wake.wait(idle):  # the other lane finished rows: this lane's row likely follows within a round trip
+                idle, active_at = IDLE_MIN_S, time.monotonic()
+            elif time.monotonic() - active_at > ACTIVE_S:
+                idle = min(idle * 1.5, IDLE_MAX_S)
 
     def sweep(self) -> None:
         """Drop the models of sessions that finished or went silent: a long-running server's memory is bounded by

@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ from rollwise.types.generation import Completion, EngineLoad, FinishReason, Gene
 from rollwise.sim.routing import BlockLRU
 from rollwise.sim.cost import CostModel
 from rollwise.types.compact import LogprobRuns, TokenRuns, VersionRuns
+from rollwise.types.score import ScoreSequence
 from rollwise.types.weights import ExpectedWeights
 
 # (request, sample index) -> the length the sample would have if nothing capped it (EOS after it).
@@ -93,7 +94,7 @@ class SimEngine(EngineState):
     def describe(self) -> str:
         return f"sim (cost model {self.cost.name}, virtual clock)"
 
-    def score_tokens(self, token_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+    def score_tokens(self, sequences: Sequence[ScoreSequence], temperature: float = 1.0) -> list[list[float]]:
         raise ValueError("score: the simulator's engine holds no model, so it has no log-probs to score tokens with")
 
     def __init__(self, cost: CostModel, *, clock: VirtualClock | None = None, policy_version: int = 0,

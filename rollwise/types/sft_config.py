@@ -54,7 +54,8 @@ class TeacherConfig(ConfigSection):
     engine: Literal["auto", "reference", "vllm"] = Field("auto", description="the in-process teacher engine's "
                                                          "backend (as engine.kind; vLLM scores at temperature 1 only)")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("float32", description="the teacher engine's weights")
-    max_num_seqs: int = Field(16, ge=1, description="the teacher engine's max_num_seqs")
+    max_num_seqs: int = Field(16, ge=1, description="the teacher engine's max_num_seqs (a vLLM teacher: sequences "
+                              "it scores at once; the reference teacher scores without a KV cache and reserves none)")
     max_model_len: int | None = Field(None, ge=16, description="the teacher engine's max_model_len (default: "
                                       "engine.max_model_len, the longest sequence the student samples)")
 

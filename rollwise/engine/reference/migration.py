@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rollwise.engine.migration import MigratingSample, MigrationState
+from rollwise.engine.migration import MigratingSample, MigrationState, fresh_stream_seed
 from rollwise.engine.reference.prefix_cache import prefill_suffix, prefill_with_prefix
 from rollwise.engine.reference.scheduler import Sequence
 from rollwise.types.generation import GenerationRequest
@@ -120,7 +120,14 @@ class Migration:
             self.scheduler.free(staged.pop(index).slot)
         for sample in state.samples:
             generator = torch.Generator()
-            generator.set_state(torch.frombuffer(bytearray(sample.rng_state), dtype=torch.uint8))
+            if sample.rng_state:  # its own stream goes on
+                generator.set_state(torch.frombuffer(bytearray(sample.rng_state), dtype=torch.uint8))
+            else:  # from an engine whose RNG state cannot move (vLLM): a fresh stream (migration.fresh_stream_seed)
+                seed = fresh_stream_seed(request, sample)
+                if seed is None:
+                    generator.seed()
+                else:
+                    generator.manual_seed(seed)
             seq = Sequence(request, sample.index, staged[sample.index].slot, generator, sample.cached_prompt_tokens,
                            token_ids=list(sample.token_ids), logprobs=list(sample.logprobs),
                            versions=list(sample.versions), top_logprobs=[list(t) for t in sample.top_logprobs])

@@ -372,6 +372,28 @@ class LlamaFamilyModel(nn.Module):
         return PromptScores(torch.cat(chosen), torch.cat(top_ids), torch.cat(top_lps), torch.cat(picked))
 
     @torch.inference_mode()
+    def packed_logprobs(self, token_ids: Tensor, positions: Tensor, place: Tensor, mask: Tensor, predictors: Tensor,
+                        targets: Tensor, temperature: float = 1.0, chunk: int = 512) -> Tensor:
+        """Several sequences in one forward, no KV cache (rollwise.engine.reference.scoring lays them out): token t
+        (token_ids, positions: [T]) sits at flat index place[t] of a [rows, W] layout whose mask [rows, 1, W, W]
+        says what each attends to; the matmuls run on the T real tokens, attention on the rows. Returns fp32
+        log_softmax(logits / temperature) of targets[j] after token predictors[j] ([N]), the LM head a chunk at a time."""
+        rows, width = mask.shape[0], mask.shape[-1]
+
+        def lay_out(x: Tensor) -> Tensor:  # [T, heads, D] -> [rows, heads, W, D], zeros in the padding
+            out = x.new_zeros(rows * width, *x.shape[1:])
+            out[place] = x
+            return out.view(rows, width, *x.shape[1:]).transpose(1, 2)
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            out = F.scaled_dot_product_attention(lay_out(q), lay_out(k), lay_out(v), attn_mask=mask, enable_gqa=True)
+            return out.transpose(1, 2).reshape(rows * width, -1)[place]
+
+        hidden = self._hidden(token_ids, positions, attend)[predictors]
+        return torch.cat([torch.log_softmax(self._logits(hidden[i : i + chunk]) / temperature, dim=-1)
+                          .gather(-1, targets[i : i + chunk, None])[:, 0] for i in range(0, len(targets), chunk)])
+
+    @torch.inference_mode()
     def decode(self, cache: KVCache, token_ids: Tensor, slots: list[int]) -> Tensor:
         """One token for each slot (each at its own position = its current length); returns fp32
         logits [batch, vocab]. `slots` should be ascending: a contiguous run is attended without a copy."""
