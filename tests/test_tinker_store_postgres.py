@@ -226,8 +226,8 @@ def test_serve_tinker_runs_on_postgres(postgres: str, tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "no healthz in 90 s"
             time.sleep(0.2)
         os.environ.setdefault("TINKER_TELEMETRY", "0")
-        tc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=key).create_lora_training_client(
-            base_model="tiny:0", rank=4, seed=1).result()
+        client = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=key)
+        tc = client.create_lora_training_client(base_model="tiny:0", rank=4, seed=1).result()
         toks = [(3 * t) % 50 + 5 for t in range(12)]
         data = [types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
                             loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * 11})]
@@ -246,6 +246,7 @@ def test_serve_tinker_runs_on_postgres(postgres: str, tmp_path: Path) -> None:
                              .where(requests.c.model_id == tc.model_id)).all()
         assert sorted(seq for seq, _ in rows) == list(range(len(rows))) and len(rows) >= 7  # create + 6 + push
         assert {status for _, status in rows} == {"done"}
+        client.close("success").result(timeout=30)  # its heartbeat thread would outlive the server otherwise
     finally:
         proc.send_signal(signal.SIGINT)
         try:

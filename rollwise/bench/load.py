@@ -22,6 +22,7 @@ median of the repeats.
 from __future__ import annotations
 
 import gc
+import os
 import shutil
 import statistics
 import tempfile
@@ -148,6 +149,7 @@ def run_load_bench(*, quick: bool, repeats: int | None = None, progress: Callabl
         for name in names:
             progress(f"writing {name} as a flat checkpoint")
             m = _prepare(name, work)
+            os.sync()  # the files just written are flushed now, not written back during the page-cache rounds
             entry = {k: m[k] for k in ("bytes", "tensors", "aliases", "chunks")} | {"dtype": str(m["dtype"])}
             progress(f"{name}: page cache, {repeats} rounds")
             entry["page_cache"] = _measure(m, repeats, None, vllm_skip)
