@@ -46,3 +46,27 @@ def test_unknown_recipe_refused_before_any_run(tmp_path):
     out = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode == 2 and "unknown recipe 'ppo'" in out and "Traceback" not in out
     assert not (tmp_path / "out.json").exists() and not (tmp_path / "runs").exists()
+
+
+def test_resume_keeps_earlier_runs_and_runs_only_the_missing(tmp_path):
+    first = tmp_path / "first.json"
+    proc = run_rollwise(["bench", "algorithms", "--quick", "--arms", "grpo", "--json", str(first)], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    kept = json.loads(first.read_text())["runs"]["grpo"][0]
+    second = tmp_path / "second.json"
+    proc = run_rollwise(["bench", "algorithms", "--quick", "--arms", "grpo,ppo_gae", "--resume", str(first),
+                         "--json", str(second)], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(second.read_text())
+    assert result["runs"]["grpo"] == [kept]  # not run again: the same run directory and figures
+    assert len(result["runs"]["ppo_gae"]) == 1 and result["complete"]
+    assert result["recipes"]["ppo_gae"]["step_ratio_vs_grpo"] > 0
+
+
+def test_resume_from_a_file_that_is_not_a_bench_json_is_refused(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"goals": {}}')
+    proc = run_rollwise(["bench", "algorithms", "--quick", "--resume", str(bad)], tmp_path)
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 2 and "--resume" in out and "runs" in out and "Traceback" not in out
+    assert not (tmp_path / "runs").exists()

@@ -26,7 +26,7 @@ import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 from rich.table import Table
@@ -138,8 +138,13 @@ def _goals(recipes: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def run_algorithms_bench(quick: bool = False, steps: int | None = None, seeds: int | None = None,
                          recipes: list[str] | None = None, model: str | None = None, extra: list[str] | None = None,
-                         output_dir: str = "runs/bench-algorithms", log: Any = print) -> dict[str, Any]:
-    """Every (recipe, seed) run, each in a fresh process (--quick: in this one), then the summary."""
+                         output_dir: str = "runs/bench-algorithms", log: Any = print,
+                         done: dict[str, list[dict[str, Any]]] | None = None,
+                         save: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every (recipe, seed) run, each in a fresh process (--quick: in this one), then the summary.
+
+    `done` holds runs of an earlier, interrupted or shorter invocation (--resume): a (recipe, seed) found there is
+    not run again. `save` gets the summary so far after every run, so hours of runs are never lost to a stop."""
     steps = steps or (2 if quick else 15)
     seeds = seeds or (1 if quick else 3)
     names = list(recipes or (QUICK_RECIPES if quick else RECIPES))
@@ -148,11 +153,25 @@ def run_algorithms_bench(quick: bool = False, steps: int | None = None, seeds: i
     for name in names:  # an unknown recipe or a bad override is refused before any run starts
         load_config(None, arm_overrides(name, 0, steps, output_dir, quick, model, list(extra or [])))
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    arms: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    arms: dict[str, list[dict[str, Any]]] = {name: list((done or {}).get(name, [])) for name in names}
+    commit = _commit()
+
+    def summary() -> dict[str, Any]:
+        out = summarise({n: sorted(runs, key=lambda r: r["seed"]) for n, runs in arms.items() if runs}, quick)
+        commits = sorted({str(r.get("commit")) for runs in arms.values() for r in runs})
+        out.update({"steps": steps, "seeds": seeds, "early_step": min(EARLY_STEP, steps),
+                    "model": model or ("tiny:0" if quick else "the default config's"), "runs": arms,
+                    "complete": all(len(runs) >= seeds for runs in arms.values()), "commits": commits})
+        out["markdown"] = markdown_table(out)
+        return out
+
     # Seed by seed, every recipe in turn: a drift in the machine's speed during the hours this takes falls on
     # every recipe alike, so each seed's ratios to GRPO are measured side by side.
     for seed in range(seeds):
         for name in names:
+            if any(r["seed"] == seed for r in arms[name]):
+                log(f"{name} seed {seed}: kept from --resume")
+                continue
             overrides = arm_overrides(name, seed, steps, f"{output_dir}/{stamp}/{name}-seed{seed}", quick, model,
                                       list(extra or []))
             log(f"{name} seed {seed}: rollwise train {' '.join(overrides)}")
@@ -161,12 +180,35 @@ def run_algorithms_bench(quick: bool = False, steps: int | None = None, seeds: i
             else:  # a fresh process per run: its own peak memory, nothing cached from the run before
                 with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
                     result = pool.submit(run_arm, overrides).result()
-            arms[name].append({"seed": seed, **result})
-    out = summarise(arms, quick)
-    out.update({"steps": steps, "seeds": seeds, "early_step": min(EARLY_STEP, steps), "model": model or ("tiny:0" if quick else "the default config's"),
-                "runs": arms})
-    out["markdown"] = markdown_table(out)
-    return out
+            arms[name].append({"seed": seed, "commit": commit, **result})
+            if save is not None:
+                save(summary())
+    return summary()
+
+
+def _commit() -> str | None:
+    """The checked-out commit (recorded per run: runs resumed across sessions may come from different code)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def load_resume(path: Path) -> dict[str, list[dict[str, Any]]]:
+    """The runs of an earlier `rollwise bench algorithms --json PATH` (ValueError saying what is wrong)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--resume {path}: cannot read it as a bench algorithms JSON ({exc})") from None
+    runs = data.get("runs") if isinstance(data, dict) else None
+    if not isinstance(runs, dict) or not all(isinstance(v, list) for v in runs.values()):
+        raise ValueError(f"--resume {path}: no 'runs' table of recipe -> runs; give the JSON an earlier "
+                         "`rollwise bench algorithms --json` wrote")
+    return runs
 
 
 def _pct(x: float | None) -> str:
@@ -220,13 +262,20 @@ def cli_bench_algorithms(args: Any, console: Console) -> int:
 
     explicit_model = args.model if any(a == "--model" or a.startswith("--model=") for a in _argv()) else None
     recipes = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
+    command = " ".join(["rollwise", *_argv()[1:]])
+
+    def save(partial: dict[str, Any]) -> None:  # after every run: an interrupted bench resumes from its JSON
+        if args.json is not None:
+            write_json(args.json, {**partial, "command": command}, Console(quiet=True))
+
     try:
+        done = load_resume(args.resume) if args.resume is not None else None
         result = run_algorithms_bench(quick=args.quick, steps=args.steps, seeds=args.seeds, recipes=recipes,
-                                      model=explicit_model, extra=args.set, log=console.log)
+                                      model=explicit_model, extra=args.set, log=console.log, done=done, save=save)
     except ValueError as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
         return 2
-    result["command"] = " ".join(["rollwise", *_argv()[1:]])
+    result["command"] = command
     console.print(format_algorithms_bench(result))
     write_json(args.json, result, console)
     return 0

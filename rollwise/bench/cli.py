@@ -109,6 +109,9 @@ def add_bench_parser(sub: Any) -> None:
                        "(default: all; e.g. --arms single-pool-slow,tool-env-slow)")
     bench.add_argument("--seeds", type=int, default=None, metavar="N",
                        help="algorithms: seeds per recipe (default: 3; 1 with --quick)")
+    bench.add_argument("--resume", type=Path, default=None, metavar="JSON",
+                       help="algorithms: keep the runs of an earlier --json output (written after every run) and "
+                       "run only the (recipe, seed) pairs it lacks, e.g. --seeds 3 on a 1-seed JSON")
     bench.add_argument("--plot", type=Path, metavar="PNG", default=Path("rollout_timeline.png"),
                        help="rollout: where to write the timeline plot (default: rollout_timeline.png)")
 
