@@ -30,10 +30,12 @@ def _flip(directory: Path, at: int) -> None:
         f.write(bytes([byte ^ 0x01]))
 
 
-@pytest.mark.parametrize("threads", [1, 2, 5])
-def test_every_chunk_is_checked_before_anything_is_handed_out(tmp_path: Path, state, threads: int):
+@pytest.mark.parametrize(("threads", "hashers"), [(1, None), (2, None), (5, None), (5, 1), (2, 2), (1, 3)])
+def test_every_chunk_is_checked_before_anything_is_handed_out(tmp_path: Path, state, threads: int,
+                                                              hashers: int | None):
+    """Whatever the split of readers and hashers (the default: as many hashers as readers)."""
     write_flat(state, tmp_path, chunk_mb=PAGE_CHUNKS, fsync=False)
-    intact = read_flat(tmp_path, threads=threads)
+    intact = read_flat(tmp_path, threads=threads, hashers=hashers)
     assert all(torch.equal(intact.state[name], t) for name, t in state.items())
 
     index = read_index(tmp_path)
@@ -42,9 +44,17 @@ def test_every_chunk_is_checked_before_anything_is_handed_out(tmp_path: Path, st
     _flip(tmp_path, specs["w00"] + 5)  # in the first chunk read
     _flip(tmp_path, specs[f"w{TENSORS - 1:02d}"] + 4000)  # in the last chunk: read and hashed last
     with pytest.raises(FlatCheckpointError, match="checksum") as damaged:
-        read_flat(tmp_path, threads=threads)
+        read_flat(tmp_path, threads=threads, hashers=hashers)
     assert damaged.value.chunks == [0, last]
     assert sorted(damaged.value.tensors) == ["w00", f"w{TENSORS - 1:02d}"]
     unchecked = read_flat(tmp_path, threads=threads, verify=False)  # the bytes really differ: only the checksums refuse
     assert not torch.equal(unchecked.state["w00"], state["w00"])
     assert torch.equal(unchecked.state["w12"], state["w12"])
+
+
+def test_a_thread_count_below_one_is_refused(tmp_path: Path, state):
+    write_flat(state, tmp_path, chunk_mb=PAGE_CHUNKS, fsync=False)
+    with pytest.raises(ValueError, match="hashers"):
+        read_flat(tmp_path, hashers=-1)
+    with pytest.raises(ValueError, match="threads"):
+        read_flat(tmp_path, threads=-2)

@@ -145,3 +145,52 @@ def test_client_gone_during_the_relay_aborts_the_request_on_the_target(servers):
         httpx.post(b + "/resume")
     assert len(moved["migrated"]) == 1 and running_there == 1, moved
     assert httpx.get(a + "/health").json()["running"] == 0
+
+
+def _polls(url: str) -> float:
+    lines = httpx.get(url + "/metrics").text.splitlines()
+    return float(next(line.split()[1] for line in lines
+                      if line.startswith("rollwise_engine_migration_result_polls_total ")))
+
+
+LONGEST = 480  # tokens: what the servers' max_model_len allows, so the three are surely still running when moved
+
+
+def test_several_streamed_requests_share_one_relay_poll(servers):
+    """Three streams moved by one /migrate: their tokens come back through one long poll at a time (all three's
+    news in each), not one poll per request, and each stream equals its unmigrated twin."""
+    import threading
+
+    a, b = servers
+    seeds = (710, 711, 712)
+    streams: dict[int, list] = {}
+
+    def stream(seed: int) -> None:
+        with httpx.stream("POST", a + "/v1/completions", json=_body(seed, True, LONGEST), timeout=120) as response:
+            streams[seed] = _events(response.iter_lines())
+
+    threads = [threading.Thread(target=stream, args=(seed,)) for seed in seeds]
+    httpx.post(a + "/pause")  # all three queued first, so they run together
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while httpx.get(a + "/health").json()["waiting"] < len(seeds):
+            assert time.monotonic() < deadline, "the streams never reached the engine"
+            time.sleep(0.005)
+        httpx.post(a + "/resume")
+        _wait_running(a, len(seeds))
+        httpx.post(a + "/pause")  # (so they are surely still running)
+        polls = _polls(b)
+        moved = httpx.post(a + "/migrate", json={"target": b}, timeout=60)
+    finally:
+        httpx.post(a + "/resume")
+    for t in threads:
+        t.join(timeout=120)
+    assert moved.status_code == 200 and len(moved.json()["migrated"]) == len(seeds), moved.text
+    past = 0
+    for seed in seeds:
+        _assert_same(_joined(streams[seed]), _twin(b, _body(seed, False, LONGEST)))
+        past += _chunks_past(streams[seed], min(moved.json()["migrated"].values()))
+    # one poll carries the three's tokens: fewer polls than the chunks they filled (one per request's poll before)
+    assert 1 <= _polls(b) - polls < past

@@ -20,6 +20,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e \".[cp
 
 from rollwise.engine.migration import Migratable, migrate  # noqa: E402
 from rollwise.engine.reference.engine import ReferenceEngine  # noqa: E402
+from rollwise.engine.retention import RetentionLimits, RetentionRequest  # noqa: E402
 from rollwise.engine.vllm_backend import VLLMEngine  # noqa: E402
 from rollwise.engine.vllm_requests import config_eos  # noqa: E402
 from rollwise.local_server import serve_in_thread  # noqa: E402
@@ -37,6 +38,9 @@ PROMPTS = [[1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 2, 3], [1, 60, 7,
             32, 33, 34, 35, 36]]  # past one 32-token KV block: the staged prefix is served from vLLM's prefix cache
 
 
+RETENTION = RetentionLimits(pin_budget_tokens=4 * MAX_LEN, ttl_max_s=60.0)
+
+
 def _requests(tag: str, tokens: int = TOKENS) -> list[GenerationRequest]:
     return [GenerationRequest(f"{tag}{i}", p, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
             for i, p in enumerate(PROMPTS)]
@@ -50,14 +54,16 @@ def model():
 @pytest.fixture(scope="module")
 def vllm_engine(model):
     engine = VLLMEngine(model, tiny_tokenizer(), max_num_seqs=8, max_model_len=MAX_LEN, seed=0, kv_cache_gib=1,
-                        model_name=NAME, tokenizer_fingerprint=FINGERPRINT)
+                        model_name=NAME, tokenizer_fingerprint=FINGERPRINT, retention=RETENTION,
+                        retention_policy="always_preserve")  # (sessions: the InferCept test)
     yield engine
     engine.close()
 
 
-def _reference(model, version: int) -> ReferenceEngine:
+def _reference(model, version: int, retention: RetentionLimits | None = None) -> ReferenceEngine:
     return ReferenceEngine(model, max_num_seqs=8, max_model_len=MAX_LEN, policy_version=version, seed=0,
-                           model_name=NAME, tokenizer_fingerprint=FINGERPRINT,
+                           model_name=NAME, tokenizer_fingerprint=FINGERPRINT, retention=retention,
+                           retention_policy="always_preserve",
                            eos_token_ids=config_eos(model))  # the vLLM engine's
 
 
@@ -160,18 +166,49 @@ def test_a_request_a_continuation_would_change_is_refused_and_keeps_running(vllm
                                                                    frequency_penalty=0.5))
     vllm_engine.add_request(penalised)
     _run(vllm_engine, 2)
-    assert vllm_engine.migratable_requests() == []
+    assert vllm_engine.migratable_requests() == ["pen"]  # in flight, named: a migration accounts for it
     with pytest.raises(ValueError, match="'pen'.*frequency/presence penalties"):
         vllm_engine.export_running("pen")
+    reference = _reference(model, 0)
+    with pytest.raises(ValueError, match="'pen'.*frequency/presence penalties") as refused:
+        migrate(vllm_engine, reference)  # it stays, with the reason; nothing moved
+    assert list(refused.value.stayed) == ["pen"] and not reference.has_unfinished()
     [done] = _run(vllm_engine)
     assert done.request_id == "pen" and len(done.token_ids) == 8  # it finished where it ran
-    reference = _reference(model, 0)
     reference.add_request(penalised)
     _run(reference, 2)
     with pytest.raises(ValueError, match="frequency/presence penalties"):
         migrate(reference, vllm_engine)
     assert reference.migratable_requests() == ["pen"] and not vllm_engine.has_unfinished()
     assert not vllm_engine.has_staging()
+
+
+def test_a_session_with_retained_kv_moves_to_vllm_and_is_retained_there(vllm_engine, model):
+    """InferCept: a turn resumed from its session's retained KV on a reference engine moves to the vLLM engine, which
+    binds no session at commit (vLLM binds one at retain(), from the finished turn): the turn ends as one engine's,
+    the agent's retain() there preserves it, and the session's next turn reuses its KV from vLLM's prefix cache."""
+    source = _reference(model, 0, RETENTION)
+    [turn1] = source.generate([GenerationRequest("it1", PROMPTS[2], SamplingParams(max_tokens=10, temperature=0.0,
+                                                                                    ignore_eos=True))])
+    assert source.retain(RetentionRequest("sess", "it1", "python", 0.5)).action == "preserve"
+    context = turn1.prompt_ids + turn1.token_ids + [70, 71, 72]
+    turn2 = GenerationRequest("it2", context, SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True))
+    [expected] = _reference(model, 0).generate([turn2])
+    source.add_request(turn2)
+    _run(source, 2)
+    moved = migrate(source, vllm_engine)
+    assert list(moved.migrated) == ["it2"] and not source.has_unfinished()
+    [got] = _run(vllm_engine)
+    assert got.token_ids == expected.token_ids and got.logprobs == pytest.approx(expected.logprobs, abs=2e-3)
+    kept = vllm_engine.retain(RetentionRequest("sess", "it2", "python", 0.5))
+    try:
+        assert kept.action == "preserve" and kept.tokens > 0
+        whole = got.prompt_ids + got.token_ids
+        [turn3] = vllm_engine.generate([GenerationRequest("it3", whole + [80, 81], SamplingParams(
+            max_tokens=2, temperature=0.0, ignore_eos=True))])
+        assert turn3.cached_prompt_tokens >= len(whole) // 32 * 32  # every whole block of the session's context
+    finally:
+        vllm_engine.release_session("sess")
 
 
 def _move_over_http(source: str, target: str, tag: str) -> tuple[httpx.Response, dict[str, dict]]:

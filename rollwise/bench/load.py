@@ -12,11 +12,12 @@ the file and read pages lazily on first touch, so every arm's result is touched 
 Arms returning a model: `transformers.from_pretrained` and the flat model (load_flat_model: parallel read,
 checksums, views, meta-device construction). Arms returning tensors: safetensors `load_file`, vLLM's own
 safetensors weight iterator copying into preallocated tensors (what its DefaultModelLoader does), and the flat
-read (parallel read + checksums), also without checksums. Limits: a raw parallel read of the flat data file
-into a fresh buffer (the best of 1 and N threads) and a memory copy of the same bytes into a preallocated
-buffer. Page cache: every file read once before; disk (full run only): each run after evicting the arm's files
-(drop_caches where writable, else posix_fadvise DONTNEED: the JSON says which). Arms interleave round-robin,
-median of the repeats.
+read (parallel read + checksums), also without checksums and with half as many checksum threads as readers (a
+diagnostic arm: do hashers competing with readers for the cores cost the cold read?); every arm's process CPU
+seconds (user + system) beside its wall time. Limits: a raw parallel read of the flat data file into a fresh
+buffer (the best of 1 and N threads) and a memory copy of the same bytes into a preallocated buffer. Page cache:
+every file read once before; disk (full run only): each run after evicting the arm's files (drop_caches where
+writable, else posix_fadvise DONTNEED: the JSON says which). Arms interleave round-robin, median of the repeats.
 """
 
 from __future__ import annotations
@@ -54,13 +55,18 @@ def _touch(result: Any) -> None:
 
 
 def _timed(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
+    return _timed_cpu(fn)[0]
+
+
+def _timed_cpu(fn: Callable[[], Any]) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds, user + system: the kernel's page copies and faults count)."""
+    cpu, start = os.times(), time.perf_counter()
     result = fn()
     _touch(result)
-    seconds = time.perf_counter() - start
+    seconds, cpu_end = time.perf_counter() - start, os.times()
     del result
     gc.collect()
-    return seconds
+    return seconds, (cpu_end.user - cpu.user) + (cpu_end.system - cpu.system)
 
 
 def _prepare(name: str, work: Path) -> dict[str, Any]:
@@ -95,6 +101,8 @@ def _arm_functions(m: dict[str, Any], vllm_skip: str | None) -> dict[str, tuple[
         "safetensors load_file": (lambda: arms.safetensors_load_file(hf), st_files),
         "flat read": (lambda: arms.flat_read(flat), flat_files),
         "flat read, no checksum": (lambda: arms.flat_read(flat, verify=False), flat_files),
+        f"flat read, {arms.half_hashers()} hasher(s)": (lambda: arms.flat_read(flat, hashers=arms.half_hashers()),
+                                                        flat_files),
         "read limit, 1 thread": (lambda: arms.raw_read(flat_files[0], 1), flat_files),
         f"read limit, {arms.flat_threads()} threads": (lambda: arms.raw_read(flat_files[0], arms.flat_threads()),
                                                       flat_files),
@@ -108,13 +116,16 @@ def _arm_functions(m: dict[str, Any], vllm_skip: str | None) -> dict[str, tuple[
 def _measure(m: dict[str, Any], repeats: int, cold_method: str | None, vllm_skip: str | None) -> dict[str, Any]:
     fns = _arm_functions(m, vllm_skip)
     times: dict[str, list[float]] = {name: [] for name in fns}
+    cpus: dict[str, list[float]] = {name: [] for name in fns}
     for name, (fn, _) in fns.items():  # warm-up: imports, the page cache, allocator growth
         _timed(fn)
     for _ in range(repeats):
         for name, (fn, files) in fns.items():
             if cold_method is not None:
                 arms.evict(files, cold_method)
-            times[name].append(_timed(fn))
+            wall, cpu = _timed_cpu(fn)
+            times[name].append(wall)
+            cpus[name].append(cpu)
     seconds = {name: statistics.median(ts) for name, ts in times.items()}
     limit_name = min((n for n in seconds if n.startswith("read limit")), key=seconds.__getitem__)
     if cold_method is None:  # memory: the copy every loader's bytes go through at least once
@@ -125,7 +136,9 @@ def _measure(m: dict[str, Any], repeats: int, cold_method: str | None, vllm_skip
         del src, dst
     gb = m["bytes"] / 1e9
     return {
-        "arms": {name: {"seconds": round(s, 5), "gb_per_s": round(gb / s, 3)} for name, s in seconds.items()},
+        "arms": {name: {"seconds": round(s, 5), "gb_per_s": round(gb / s, 3)}
+                 | ({"cpu_s": round(statistics.median(cpus[name]), 4)} if cpus.get(name) else {})
+                 for name, s in seconds.items()},
         "limit": limit_name,
         "vs_from_pretrained": round(seconds["from_pretrained"] / seconds["flat model"], 3),
         "vs_limit": round(seconds[limit_name] / seconds["flat read"], 3),

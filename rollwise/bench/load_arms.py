@@ -59,8 +59,10 @@ def vllm_unavailable() -> str | None:
     return None
 
 
-def flat_read(flat_dir: Path, verify: bool = True) -> dict[str, torch.Tensor]:
-    return read_flat(flat_dir, verify=verify).state
+def flat_read(flat_dir: Path, verify: bool = True, hashers: int | None = None) -> dict[str, torch.Tensor]:
+    """hashers: checksum threads (None: the reader's default, as many as readers; the diagnostic arm passes half
+    as many, so a run shows whether hashers competing with readers for the cores is what the checksums cost)."""
+    return read_flat(flat_dir, verify=verify, hashers=hashers).state
 
 
 def raw_read(path: Path, threads: int) -> torch.Tensor:
@@ -92,6 +94,11 @@ def memcpy(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
 
 def flat_threads() -> int:
     return default_threads()
+
+
+def half_hashers() -> int:
+    """The diagnostic arm's checksum threads: one per two readers, at least one."""
+    return max(1, flat_threads() // 2)
 
 
 def flat_data_file(flat_dir: Path) -> Path:

@@ -1,9 +1,11 @@
 """The teacher of on-policy distillation (`train.teacher`): an engine that scores the student's sampled tokens.
 
 The teacher is served by an engine like the student's (the engine contract's `score_tokens`: a prefill over
-prompt + response, the log-prob of each response token, nothing sampled, a batch of samples a call): in this process (train.teacher.model:
-a reference or vLLM engine built from the teacher's weights, sized by train.teacher's engine fields), or an engine
-server already serving it (train.teacher.url: `rollwise serve engine --model TEACHER`, POST /score). Either way
+prompt + response, the log-prob of each response token, nothing sampled, a batch of samples a call): built from
+train.teacher.model (a reference or vLLM engine from the teacher's weights, sized by train.teacher's engine fields) in
+this process, or under placement: ray on a teacher actor in the run's placement group (its own bundle,
+ray.teacher_cpus / ray.teacher_gpus: rollwise.control.ray.teacher_actor); or an engine server already serving it
+(train.teacher.url: `rollwise serve engine --model TEACHER`, POST /score). Either way
 the driver scores each step's samples after the rollout and sets their per-token distillation rewards
 (rollwise.train.distill). Both are checked before any engine of the run starts: the teacher must share the
 student's tokenizer, since it scores the student's token ids.
@@ -17,11 +19,12 @@ from typing import Any, Protocol
 import httpx
 import torch
 
-from rollwise.config import ConfigError
+from rollwise.config import ConfigError, RunConfig
 from rollwise.engine.client import EngineClient, EngineServerError
-from rollwise.engine.factory import EngineSettings, create_engine, resolve_engine_kind
-from rollwise.engine.scoring import score_batches
-from rollwise.model.loading import load_model, tokenizer_fingerprint
+from rollwise.control.teacher_engine import build_teacher_engine
+from rollwise.engine.factory import resolve_engine_kind
+from rollwise.engine.scoring import prefix_batches
+from rollwise.model.loading import tokenizer_fingerprint
 from rollwise.train.distill import set_distill_rewards
 from rollwise.types.sample import Sample
 from rollwise.types.score import ScoreSequence
@@ -45,39 +48,29 @@ class Teacher:
         self._close = close
 
     @classmethod
+    def for_run(cls, cfg: RunConfig, student_tokenizer: Any) -> Teacher:
+        """The run's teacher (cfg.train.teacher): at its url, or an engine built from train.teacher.model, on a Ray
+        actor of the run's placement group under placement: ray (rollwise.control.ray.teacher_actor), else in this
+        process. ConfigError naming the train.teacher field when it cannot serve this run."""
+        assert cfg.train.teacher is not None
+        teacher, temperature, max_model_len = cfg.train.teacher, cfg.rollout.temperature, cfg.engine.max_model_len
+        if teacher.url is None and cfg.engines_at == "ray":
+            from rollwise.control.ray.teacher_actor import start_teacher_actor  # Ray is imported only for ray
+
+            scorer, where = start_teacher_actor(cfg, student_tokenizer)
+            return cls(scorer, teacher, temperature=temperature, close=scorer.close, where=where)
+        student_engine = resolve_engine_kind(cfg.engine.kind, cfg.model) if cfg.placement == "local" else "remote"
+        return cls.start(teacher, student_tokenizer, temperature=temperature, max_model_len=max_model_len,
+                         student_engine=student_engine)
+
+    @classmethod
     def start(cls, cfg: TeacherConfig, student_tokenizer: Any, *, temperature: float, max_model_len: int,
               student_engine: str = "reference") -> Teacher:
         """The teacher engine of `cfg` (ConfigError naming the train.teacher field when it cannot serve this run)."""
         if cfg.url is not None:
             return cls._remote(cfg, student_tokenizer, temperature=temperature, max_model_len=max_model_len)
-        try:
-            model, tokenizer = load_model(cfg.model)
-        except (ValueError, OSError) as exc:
-            raise ConfigError(f"train.teacher.model={cfg.model!r}: {exc}") from None
-        if tokenizer.get_vocab() != student_tokenizer.get_vocab():
-            raise ConfigError(f"train.teacher.model={cfg.model!r}: its tokenizer's vocabulary differs from the "
-                              "student's (model:); the teacher scores the student's token ids, so it must share the "
-                              "student's tokenizer: choose a teacher of the same model family")
-        try:
-            kind = resolve_engine_kind(cfg.engine, cfg.model or "")
-        except ValueError as exc:  # vLLM asked for and not installed
-            raise ConfigError(f"train.teacher.engine={cfg.engine}: {exc}") from None
-        if kind == "vllm" and temperature not in (0.0, 1.0):
-            raise ConfigError(f"train.teacher.engine=vllm scores at temperature 1 only (vLLM's prompt logprobs are "
-                              f"the raw model's), but rollout.temperature={temperature}: set "
-                              "train.teacher.engine=reference, or rollout.temperature=1")
-        if kind == "vllm" and student_engine == "vllm":
-            raise ConfigError("train.teacher.engine=vllm beside the run's in-process vLLM engine: vLLM runs one "
-                              "engine per process; serve the teacher apart (`rollwise serve engine --model TEACHER`, "
-                              "then train.teacher.url) or set train.teacher.engine=reference")
-        # The reference engine scores with no KV cache (one packed forward a batch): its generation cache is built
-        # at the least it takes (one slot) and let go at once (sleep(): weights kept, KV freed; it never generates).
-        settings = EngineSettings(kind=kind, max_num_seqs=1 if kind == "reference" else cfg.max_num_seqs,
-                                  dtype=cfg.dtype, max_model_len=cfg.max_model_len or max_model_len)
-        engine = create_engine(settings, model, tokenizer, model_name=cfg.model or "teacher")
-        del model  # the engine holds its own copy of the weights
-        if kind == "reference":
-            engine.sleep()
+        engine = build_teacher_engine(cfg, student_tokenizer.get_vocab(), temperature=temperature,
+                                      max_model_len=max_model_len, student_engine=student_engine)
         return cls(engine, cfg, temperature=temperature, close=engine.close,
                    where=f"{cfg.model} on an engine in this process: {engine.describe()}")
 
@@ -110,11 +103,12 @@ class Teacher:
     @torch.no_grad()
     def token_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
         """The teacher's log-prob of each sample's trained (sampled) tokens, one fp32 tensor per sample: the samples
-        scored a batch a call (score_batches: at most SCORE_BATCH_TOKENS tokens, what one POST /score takes)."""
+        scored a batch a call (prefix_batches: at most SCORE_BATCH_TOKENS tokens, what one POST /score takes; a
+        group's samples together)."""
         sequences = [ScoreSequence(token_ids=[*s.prompt_ids, *s.response_ids], start=len(s.prompt_ids))
                      for s in samples]
         scores: list[list[float]] = [[] for _ in samples]
-        for batch in score_batches([len(q.token_ids) for q in sequences]):
+        for batch in prefix_batches(sequences):  # a group's samples together: its prompt computed once
             for i, logprobs in zip(batch, self.scorer.score_tokens([sequences[i] for i in batch], self.temperature)):
                 scores[i] = logprobs
         return [torch.tensor([lp for lp, m in zip(lps, s.trained_mask) if m], dtype=torch.float32)
@@ -131,3 +125,4 @@ class Teacher:
     def close(self) -> None:
         if self._close is not None:
             self._close()
+

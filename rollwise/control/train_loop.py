@@ -33,7 +33,6 @@ from rollwise.control.placement.base import EngineView, Placement, PlaceRequest
 from rollwise.control.preflight import (
     RunInputs, check_machine, check_run_dir, check_space, create_run_dir, discard_unstarted_run, load_inputs,
 )
-from rollwise.engine.factory import resolve_engine_kind
 from rollwise.engine.speculation.counters import counters_of, run_summary, step_metrics
 from rollwise.types.generation import SamplingParams
 from rollwise.model.allocator import keep_freed_memory
@@ -322,9 +321,8 @@ def _train(cfg: RunConfig, console: Console, t0: float, run_dir: Path, resume_di
         meter = loop_meter(model, cfg.train, overlapped=cfg.rollout.mode != "sync", compute_dtypes=dtypes)
     problems = {p.id: p for p in train_problems + eval_problems}
     fingerprint = tokenizer_fingerprint(tokenizer)
-    teacher = None if cfg.train.teacher is None else Teacher.start(  # before any engine starts: refused early
-        cfg.train.teacher, tokenizer, temperature=cfg.rollout.temperature, max_model_len=cfg.engine.max_model_len,
-        student_engine=resolve_engine_kind(cfg.engine.kind, cfg.model) if cfg.placement == "local" else "remote")
+    # before any engine starts: refused early (placement: ray: on a teacher actor of the run's placement group)
+    teacher = None if cfg.train.teacher is None else Teacher.for_run(cfg, tokenizer)
 
     def check_resume(state: dict[str, Any]) -> None:
         """Before any engine starts: the checkpoint must fit this configuration."""

@@ -16,7 +16,13 @@ B's tokens carry B's version (partial-rollout semantics).
     round k: A steps; s = A.export(r); |delta| <= max_delta?  no: B.stage(s) (the delta only), again
     handover: B.commit(s); A.release_migrated(r)              between two steps of A: no token in between
 
-Should B refuse the handover, A takes the request back from the same state. `migrate` drives two engines
+Every request named is accounted for exactly once in the result: moved (`migrated`), finished on A during the
+catch-up (`finished_on_source`), kept on A (`stayed`, with the reason: B refused to stage or take it, or A could not
+export it; A runs it on, as if nothing had been tried), or, only when A could not take back a request B refused at
+the handover, on neither engine (`failed`, with both reasons: its caller must answer its client with the error).
+One request's refusal never undoes the others' moves: a migration that moved some requests returns them; one that
+moved none and kept some raises ValueError (nothing changed). Should B refuse the handover, A takes the request
+back from the same state. `migrate` drives two engines
 from this thread (A decodes `source_steps` steps during B's first prefill; the samples A finishes meanwhile
 come back in `MigrationResult.source_finished` for the caller to deliver as usual); `migrate_between` drives
 two EngineWorkers, each stepping on its own thread, so A really decodes while B prefills and A's finished
@@ -25,8 +31,9 @@ samples come out of A's worker as always. Either way a request that finished on 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from collections.abc import Callable
 from typing import Protocol, TypeVar, runtime_checkable
 
 from rollwise.types.generation import Completion, GenerationRequest, ModelInfo
@@ -85,11 +92,15 @@ class Migratable(Protocol):
 
 @dataclass
 class MigrationResult:
-    """What a migration did. migrated: request id -> tokens it had when B took it over; finished_on_source:
-    requests that finished on A during the catch-up (their samples are in source_finished)."""
+    """What a migration did; each request named is in exactly one of migrated, finished_on_source, stayed, failed.
+    migrated: request id -> tokens it had when B took it over; finished_on_source: requests that finished on A during
+    the catch-up (their samples are in source_finished); stayed: request id -> why it still runs on A; failed:
+    request id -> why it runs on neither engine (its client must be answered with that error)."""
 
     migrated: dict[str, int] = field(default_factory=dict)
     finished_on_source: list[str] = field(default_factory=list)
+    stayed: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
     source_finished: list[Completion] = field(default_factory=list)
     rounds: int = 0
     tokens_prefilled: int = 0  # on B, over all rounds: what the handover cost instead of regenerating
@@ -158,6 +169,14 @@ def migrate_between(
     return _migrate(_Ends(source.call, target.call, list), request_ids, max_delta, max_rounds)
 
 
+class MigrationRefused(ValueError):
+    """No request moved and some were refused (each kept running on the source): the reasons, by request."""
+
+    def __init__(self, stayed: dict[str, str]) -> None:
+        self.stayed = dict(stayed)
+        super().__init__("; ".join(stayed.values()))
+
+
 def _migrate(ends: _Ends, request_ids: list[str] | None, max_delta: int, max_rounds: int) -> MigrationResult:
     for side, run in (("source", ends.source), ("target", ends.target)):
         if not run(lambda e: isinstance(e, Migratable)):
@@ -169,38 +188,70 @@ def _migrate(ends: _Ends, request_ids: list[str] | None, max_delta: int, max_rou
     staged: dict[str, MigrationState] = {}
     try:
         for rid in ids:
-            state = ends.source(lambda e, rid=rid: e.export_running(rid))
-            if state is None:  # it finished on the source since it was named (the source keeps stepping): its
-                result.finished_on_source.append(rid)  # samples come out there; nothing to move
-                continue
-            if not state.samples:  # still waiting for admission: it moves at once, with nothing to catch up
-                _hand_over(ends, rid, state, result)
-                continue
-            result.tokens_prefilled += ends.target(lambda e, state=state: e.stage_migration(state))
-            staged[rid] = state
+            with _per_request(ends, rid, result, staged):
+                state = ends.source(lambda e, rid=rid: e.export_running(rid))
+                if state is None:  # it finished on the source since it was named (the source keeps stepping): its
+                    result.finished_on_source.append(rid)  # samples come out there; nothing to move
+                elif not state.samples:  # still waiting for admission: it moves at once, nothing to catch up
+                    _hand_over(ends, rid, state, result)
+                else:
+                    result.tokens_prefilled += ends.target(lambda e, state=state: e.stage_migration(state))
+                    staged[rid] = state
         while staged:
             result.rounds += 1
             result.source_finished += ends.advance()
             current = _current(ends, staged, result)
             delta = max((_delta(staged[rid], state) for rid, state in current.items()), default=0)
-            if delta <= max_delta or result.rounds >= max_rounds:
-                for rid in list(current):
-                    _hand_over(ends, rid, staged.pop(rid), result)
-                break
+            last = delta <= max_delta or result.rounds >= max_rounds
             for rid, state in current.items():
-                result.tokens_prefilled += ends.target(lambda e, state=state: e.stage_migration(state))
-                staged[rid] = state
+                with _per_request(ends, rid, result, staged):
+                    if last:
+                        _hand_over(ends, rid, staged.pop(rid), result)
+                    else:
+                        result.tokens_prefilled += ends.target(lambda e, state=state: e.stage_migration(state))
+                        staged[rid] = state
+            if last:
+                break
     except BaseException:
         for rid in staged:  # nothing half-moved: the source still runs every request not yet handed over
             ends.target(lambda e, rid=rid: e.cancel_migration(rid))
         raise
+    if result.stayed and not result.migrated and not result.failed:
+        raise MigrationRefused(result.stayed)  # refused whole: nothing changed
     return result
+
+
+@contextmanager
+def _per_request(ends: _Ends, rid: str, result: MigrationResult, staged: dict[str, MigrationState]) -> Iterator[None]:
+    """One request's step of the migration: should it fail (the target refused it, or could not be reached), that
+    request stays on the source, its staging on the target freed, and the others go on."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - recorded against the request, which runs on where it was
+        staged.pop(rid, None)
+        _cancel_quietly(ends, rid)
+        if rid not in result.failed:
+            result.stayed[rid] = _reason(exc)
+
+
+def _cancel_quietly(ends: _Ends, rid: str) -> None:
+    """Free what the target staged (or took over, should its answer have been lost) for the request; a target
+    that cannot be reached holds nothing it will act on, so its error is not the request's."""
+    try:
+        ends.target(lambda e: e.cancel_migration(rid))
+    except Exception:  # noqa: BLE001 - best effort, see above
+        pass
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
 
 
 def _hand_over(ends: _Ends, rid: str, staged: MigrationState, result: MigrationResult) -> None:
     """The switch: the source gives the request up between two of its steps (its final state read in the same
     command, so no token falls in between), and the target takes it on from that state. Should the target
-    refuse it, the source takes it back from the same state: a request is never lost between the two."""
+    refuse it, the source takes it back from the same state (and it raises, for `_per_request` to record it as
+    stayed); should the source fail to, it is recorded as failed: a request is never silently lost."""
 
     def take(e: Migratable) -> MigrationState | None:
         final = e.export_running(rid)
@@ -210,14 +261,18 @@ def _hand_over(ends: _Ends, rid: str, staged: MigrationState, result: MigrationR
 
     final = ends.source(take)
     if final is None:  # it finished on the source just before (its samples come out there)
-        ends.target(lambda e: e.cancel_migration(rid))
+        _cancel_quietly(ends, rid)
         result.finished_on_source.append(rid)
         return
     try:
         ends.target(lambda e: e.commit_migration(final))
-    except BaseException:
-        ends.target(lambda e: e.cancel_migration(rid))
-        ends.source(lambda e: e.commit_migration(final))
+    except Exception as refused:
+        _cancel_quietly(ends, rid)
+        try:
+            ends.source(lambda e: e.commit_migration(final))
+        except Exception as back:  # noqa: BLE001 - the request's client is answered with it
+            result.failed[rid] = (f"{_reason(refused)}; and the source could not take request {rid!r} back "
+                                  f"({_reason(back)})")
         raise
     result.migrated[rid] = final.tokens
     result.tokens_prefilled += final.tokens - staged.tokens
@@ -233,9 +288,12 @@ def _current(ends: _Ends, staged: dict[str, MigrationState], result: MigrationRe
     """The staged requests' states now; those that finished on the source are cancelled on the target."""
     current = {}
     for rid in list(staged):
-        state = ends.source(lambda e, rid=rid: e.export_running(rid))
+        with _per_request(ends, rid, result, staged):
+            state = ends.source(lambda e, rid=rid: e.export_running(rid))
+        if rid not in staged:  # the source could not export it: it stays there
+            continue
         if state is None:
-            ends.target(lambda e, rid=rid: e.cancel_migration(rid))
+            _cancel_quietly(ends, rid)
             result.finished_on_source.append(rid)
             del staged[rid]
             continue

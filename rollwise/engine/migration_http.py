@@ -7,18 +7,22 @@ another engine server, over rollwise.engine.migration's coordinator.
     POST /migration/stage    (on the target) a request's exported state: prefill what of it is not in the KV yet
     POST /migration/commit   (on the target) take the request over from its final state; it decodes on here
                              (stream_tokens: its tokens are kept for /migration/result as they are sampled)
-    POST /migration/cancel   {request_id}: free what was staged (it finished on the source)
+    POST /migration/cancel   {request_id}: free what was staged (it finished on the source, or stays there), or drop
+                             a request committed here whose source took it back (the commit's answer was lost)
     POST /migration/abort    {request_id}: abort a committed request (its client aborted it on the source)
     POST /migration/result   {request_id, timeout_s?}: a committed request's samples once all are back (a long poll:
                              {done: false} after timeout_s; the source polls again and relays them to its client);
                              a streamed one's tokens sampled since the last poll as soon as there are any
+    POST /migration/results  {request_ids, timeout_s?}: the same for several requests in one long poll, answered as
+                             soon as any has something (rollwise.engine.migration_relay: the source's one relay loop)
     GET  /migration/info     the engine's ModelInfo, which migration checks both ends against
 
 The source runs the coordinator (`migrate_between`: its engine keeps decoding on its own thread while the target
 prefills), with the target as a `RemoteTarget` (stage/commit/cancel over HTTP). A migrated request's client still
 waits on the source: the source asks the target for its samples (/migration/result) and answers the client with
 them, so a client (or a router relaying it) sees one answer: its tokens, logprobs and versions as one engine would
-have produced them. A streamed request's tokens go the same way, one poll per batch of tokens, into the queue its
+have produced them. A streamed request's tokens go the same way, one poll per batch of tokens (one poll shared by
+all the requests of a /migrate: /migration/results), into the queue its
 client's stream reads (EngineFrontend.relay): the stream goes on uninterrupted, the stop-string check on this
 server sees each token once, and a stop string (or the client gone) aborts the request where it runs
 (EngineFrontend.moved_away). The source's engine is empty once /migrate answers: it can sleep or be removed; its
@@ -28,7 +32,14 @@ Every call to the target carries the caller's own Authorization header (one key 
 deployment, as the router's --upstream-api-key). An engine that cannot migrate (neither the reference engine nor the
 vLLM backend) answers 409 with what to do instead: abort and resubmit its requests (the fallback: tokens
 regenerated). Requests an engine will not move (the vLLM backend's with frequency/presence penalties:
-rollwise.engine.vllm_migration) stay and finish where they run, counted in the answer's still_here.
+rollwise.engine.vllm_migration) stay and finish where they run, named in the answer's `stayed` and counted in
+its still_here.
+
+Every request in flight is accounted for once in /migrate's answer: `migrated` (its client here gets the target's
+answer), `finished_on_source`, `stayed` (request id -> why: the target refused it, even after others had moved; it
+runs on here), `failed` (request id -> why: neither engine runs it; its client was answered with that error). A
+/migrate that moved nothing and kept some answers 409 (nothing changed). /metrics counts them
+(rollwise_engine_migration_*).
 """
 
 from __future__ import annotations
@@ -36,7 +47,7 @@ from __future__ import annotations
 import asyncio
 import base64
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import httpx
@@ -45,6 +56,7 @@ from pydantic import AnyHttpUrl, Base64Bytes, BaseModel, ConfigDict, Field
 
 from rollwise.engine.core import EngineWorker
 from rollwise.engine.migration import MigratingSample, Migratable, MigrationResult, MigrationState, migrate_between
+from rollwise.engine.migration_relay import Adopted, MigrationCollector, MigrationCounts, relay_all, wait_any
 from rollwise.engine.service import EngineService
 from rollwise.serve.errors import APIError, error_responses
 from rollwise.engine.contract import Engine
@@ -108,6 +120,11 @@ class RequestIdBody(_Strict):
 
 class ResultBody(RequestIdBody):
     timeout_s: float = Field(30.0, ge=0, le=60)  # a long poll: {done: false} when the samples are not all back by then
+
+
+class ResultsBody(_Strict):
+    request_ids: list[str] = Field(min_length=1, max_length=4096)
+    timeout_s: float = Field(30.0, ge=0, le=60)  # a long poll: answered once any request has something, or by then
 
 
 class MigrateBody(_Strict):
@@ -188,25 +205,6 @@ class RemoteTarget:
 # ==================================================================== routes
 
 
-@dataclass(eq=False)
-class Adopted:
-    """A request migrated here whose client waits on another server: its events, and what is not collected yet."""
-
-    queue: asyncio.Queue
-    count: int  # samples to wait for
-    done: list[Completion] = field(default_factory=list)  # those back so far
-    tokens: list[tuple[int, int, float, int]] = field(default_factory=list)  # (index, token, logprob, version)
-
-    def take(self, events: list[tuple]) -> None:
-        for event in events:
-            if event[0] == "error":
-                raise APIError(503, f"the engine failed: {event[1]}", kind="server_error")
-            if event[0] == "token":
-                self.tokens.append(event[2:])
-            elif event[0] == "done":
-                self.done.append(event[1])
-
-
 class MigrationRoutes:
     """The routes' logic for one engine server: its side as a source (`migrate_out`) and as a target."""
 
@@ -215,7 +213,7 @@ class MigrationRoutes:
         self.adopted: dict[str, Adopted] = {}  # engine id -> a request migrated here, until its result is taken
         self.here: set[str] = set()  # engine ids migrated here and not answered yet
         self.relays: set[asyncio.Task] = set()  # each /migrate's relay of its requests' tokens and samples
-        self.migrated_requests = 0  # moved away from here, in all
+        self.counts = MigrationCounts()  # /metrics
         self.migrating = asyncio.Lock()  # one /migrate (or /sleep migrate_to) at a time: each sees what it moves
 
     async def _engine(self, fn: Callable[[Migratable], Any]) -> Any:
@@ -253,14 +251,18 @@ class MigrationRoutes:
             remote.close()
             raise
         remote.close()
-        self.migrated_requests += len(result.migrated)
+        self.counts.migrated_requests += len(result.migrated)
+        self.counts.stayed_requests += len(result.stayed)
+        self.counts.failed_requests += len(result.failed)
+        for rid, why in result.failed.items():  # on neither engine: its client is answered, never left waiting
+            frontend.fail_engine_request(rid, f"request {rid!r} was lost migrating to {target}: {why}")
         if result.migrated:
             headers = {"Authorization": authorization} if authorization else {}
             http = httpx.AsyncClient(base_url=target, headers=headers, timeout=None)
             for rid in result.migrated:  # from now on, aborting it (a stop string, its client gone) aborts it there
                 frontend.moved_away(rid, lambda rid=rid: self._abort_there(http, rid))
             task = asyncio.get_running_loop().create_task(
-                self._relay_all(http, (source.rstrip("/"), target), list(result.migrated)))
+                relay_all(frontend, http, (source.rstrip("/"), target), list(result.migrated), self._answered))
             self.relays.add(task)
             task.add_done_callback(self.relays.discard)
             # a client that went away while it moved (its abort reached this engine too late): abort it there
@@ -268,35 +270,14 @@ class MigrationRoutes:
                 await self._abort_there(http, rid)
         stayed = await self._engine(lambda e: e.migratable_requests())
         return {"target": target, "migrated": result.migrated, "finished_on_source": result.finished_on_source,
-                "rounds": result.rounds, "tokens_prefilled": result.tokens_prefilled, "still_here": len(stayed)}
+                "stayed": result.stayed, "failed": result.failed, "rounds": result.rounds,
+                "tokens_prefilled": result.tokens_prefilled, "still_here": len(stayed)}
 
-    async def _relay_all(self, http: httpx.AsyncClient, move: tuple[str, str], rids: list[str]) -> None:
-        async with http:
-            await asyncio.gather(*(self._relay(http, rid, move) for rid in rids))
-
-    async def _relay(self, http: httpx.AsyncClient, rid: str, move: tuple[str, str]) -> None:
-        """The migrated request's events, from the target to its client here (or the error, never silence): a
-        streamed request's tokens as the target samples them, then (every request) its finished samples."""
-        frontend = self.server.frontend
-        try:
-            while True:  # a long poll, until every sample is back
-                response = await http.post("/migration/result", json={"request_id": rid})
-                if response.status_code >= 400:
-                    raise ValueError(f"{response.status_code} {response.text[:300]}")
-                body = response.json()
-                events: list[tuple] = [("token", rid, *token) for token in body["tokens"]]
-                if body["done"]:
-                    done = [Completion(**c) for c in body["completions"]]
-                    for c in done:  # this move first, then any the target made of it in turn
-                        c.migrations = [move] + [(str(s), str(t)) for s, t in c.migrations]
-                    events += [("done", c) for c in done]
-                frontend.relay(rid, events)
-                if body["done"]:
-                    break
-        except Exception as exc:  # noqa: BLE001 - the client is answered with it
-            frontend.fail_engine_request(rid, f"request migrated to {http.base_url}, whose answer failed: {exc!r}")
-        finally:
-            frontend.came_back(rid)
+    def _answered(self, rid: str, ok: bool) -> None:
+        """A migrated request's last events were relayed (or its client got the error): nothing of it runs elsewhere."""
+        self.server.frontend.came_back(rid)
+        if not ok:
+            self.counts.relay_failures += 1
 
     async def _abort_there(self, http: httpx.AsyncClient, rid: str) -> int:
         """Abort a request that migrated away from here, where it runs; returns its samples aborted (they come back
@@ -347,6 +328,7 @@ class MigrationRoutes:
             raise
         self.adopted[body.request_id] = Adopted(queue, len(state.samples) or state.request.params.n)
         self.here.add(body.request_id)
+        self.counts.adopted_requests += 1
         return {"request_id": body.request_id, "samples": len(state.samples)}
 
     async def abort(self, body: RequestIdBody) -> dict[str, Any]:
@@ -356,35 +338,44 @@ class MigrationRoutes:
         return {"request_id": body.request_id, "aborted_samples": await self.server.frontend.abort_engine([body.request_id])}
 
     async def cancel(self, body: RequestIdBody) -> dict[str, Any]:
-        await self._engine(lambda e: e.cancel_migration(body.request_id))
-        return {"request_id": body.request_id, "cancelled": True}
+        rid = body.request_id
+        if rid in self.here and rid in self.adopted:
+            # committed here, but its source took it back (the commit's answer never reached it): it runs there,
+            # so it must not run here too; its samples aborted here go nowhere (no client waits on them here)
+            self._forget(rid)
+            await self.server.frontend.abort_engine([rid])
+        await self._engine(lambda e: e.cancel_migration(rid))
+        return {"request_id": rid, "cancelled": True}
 
     async def result(self, body: ResultBody) -> dict[str, Any]:
         entry = self.adopted.get(body.request_id)
         if entry is None:
             raise APIError(404, f"no request {body.request_id!r} was migrated here (or its result was taken)",
                            "request_id", kind="not_found_error")
-        deadline = asyncio.get_running_loop().time() + body.timeout_s
-        try:  # until every sample is back, or (a streamed request) some tokens are
-            while len(entry.done) < entry.count and not entry.tokens:
-                left = deadline - asyncio.get_running_loop().time()
-                if left <= 0:
-                    break
-                try:
-                    entry.take(await asyncio.wait_for(entry.queue.get(), left))
-                except asyncio.TimeoutError:
-                    continue
-            while not entry.queue.empty():  # and whatever else came meanwhile
-                entry.take(entry.queue.get_nowait())
-        except APIError:
-            self._forget(body.request_id)
-            raise
-        tokens, entry.tokens = entry.tokens, []
-        if len(entry.done) < entry.count:
-            return {"request_id": body.request_id, "done": False, "tokens": tokens, "completions": []}
-        self._forget(body.request_id)
-        return {"request_id": body.request_id, "done": True, "tokens": tokens,
-                "completions": [asdict(c) for c in entry.done]}
+        await wait_any([entry], body.timeout_s)
+        self.counts.result_polls += 1
+        item = self._collected(body.request_id, entry)
+        if "error" in item:
+            raise APIError(503, item["error"], kind="server_error")
+        return item
+
+    async def results(self, body: ResultsBody) -> dict[str, Any]:
+        """/migration/result for several requests in one long poll: each named request's news once any has some (a
+        request not migrated here, or whose result was taken: an error of its own, the others unaffected)."""
+        entries = {rid: self.adopted[rid] for rid in dict.fromkeys(body.request_ids) if rid in self.adopted}
+        unknown = [{"request_id": rid, "done": True, "tokens": [], "completions": [],
+                    "error": f"no request {rid!r} was migrated here (or its result was taken)"}
+                   for rid in dict.fromkeys(body.request_ids) if rid not in entries]
+        if not unknown:
+            await wait_any(list(entries.values()), body.timeout_s)
+        self.counts.result_polls += 1
+        return {"results": unknown + [self._collected(rid, e) for rid, e in entries.items() if e.ready]}
+
+    def _collected(self, rid: str, entry: Adopted) -> dict[str, Any]:
+        item = entry.collect(rid)
+        if item["done"]:
+            self._forget(rid)
+        return item
 
     def _forget(self, rid: str) -> None:
         self.adopted.pop(rid, None)
@@ -397,6 +388,7 @@ class MigrationRoutes:
 
 def add_migration_routes(app: FastAPI, server: EngineService) -> MigrationRoutes:
     routes = MigrationRoutes(server)
+    server.registry.register(MigrationCollector(routes.counts))
     refusals = error_responses(400, 404, 409, 413, 503)
 
     @app.post("/migrate", responses=refusals)
@@ -408,8 +400,10 @@ def add_migration_routes(app: FastAPI, server: EngineService) -> MigrationRoutes
     app.add_api_route("/migration/cancel", routes.cancel, methods=["POST"], responses=refusals)
     app.add_api_route("/migration/abort", routes.abort, methods=["POST"], responses=refusals)
     app.add_api_route("/migration/result", routes.result, methods=["POST"], responses=refusals)
+    app.add_api_route("/migration/results", routes.results, methods=["POST"], responses=refusals)
     app.add_api_route("/migration/info", routes.info, methods=["GET"], responses=refusals)
     return routes
 
 
-__all__ = ["add_migration_routes", "MigrationRoutes", "MigrationUnsupported", "RemoteTarget", "SleepBody", "StateBody"]
+__all__ = ["add_migration_routes", "Adopted", "MigrationRoutes", "MigrationUnsupported", "RemoteTarget", "SleepBody",
+           "StateBody"]

@@ -79,3 +79,27 @@ def score_batches(lengths: Sequence[int], max_tokens: int = SCORE_BATCH_TOKENS,
         batches[-1].append(i)
         tokens += lengths[i]
     return batches
+
+
+def prefix_batches(sequences: Sequence[ScoreSequence], max_tokens: int = SCORE_BATCH_TOKENS,
+                   max_sequences: int = MAX_SCORE_SEQUENCES) -> list[list[int]]:
+    """score_batches, with the sequences that share a prefix (token_ids[:start]: a GRPO group's prompt) kept in one
+    batch where they fit (else split by score_batches), so the reference engine's packed forward computes the prefix
+    once for them all (rollwise.engine.reference.scoring). Whole pieces go next fit, longest first, by the same
+    bounds (tokens counted whole: a shared prefix only lowers a batch's cost)."""
+    lengths = [len(s.token_ids) for s in sequences]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, s in enumerate(sequences):
+        groups.setdefault(tuple(s.token_ids[: s.start]), []).append(i)
+    pieces = [[members[j] for j in batch] for members in groups.values()
+              for batch in score_batches([lengths[i] for i in members], max_tokens, max_sequences)]
+    batches: list[list[int]] = []
+    tokens = 0
+    for piece in sorted(pieces, key=lambda p: -lengths[p[0]]):  # a piece's first is its longest (score_batches)
+        size = sum(lengths[i] for i in piece)
+        if not batches or tokens + size > max_tokens or len(batches[-1]) + len(piece) > max_sequences:
+            batches.append([])
+            tokens = 0
+        batches[-1].extend(piece)
+        tokens += size
+    return batches

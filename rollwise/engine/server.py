@@ -172,6 +172,10 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str,
         try:
             freed = await server.frontend.call(lambda e: e.sleep())
         except RuntimeError as exc:  # requests in flight
+            if moved is not None:  # some moved (their clients get the target's answers); these stayed, named
+                raise APIError(409, f"{exc}: the migration to {moved['target']} moved {len(moved['migrated'])} and "
+                                    f"left {moved['still_here']} here ({'; '.join(moved['stayed'].values())}); "
+                                    "let them finish, then sleep", "migrate_to", kind="conflict") from exc
             raise APIError(409, f"{exc}; pass migrate_to (an engine server's URL) to move them there first",
                            "migrate_to", kind="conflict") from exc
         return {"sleeping": True, "memory_released": freed, **({"migration": moved} if moved is not None else {})}

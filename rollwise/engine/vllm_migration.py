@@ -13,7 +13,13 @@ based as ServerlessLLM does it: a request's state is its tokens, never its KV.
   original prompt and every token, as if one engine had run it. vLLM has no way to admit a request that already
   has output tokens (its own preemption resumes keep the request inside the engine core and its worker), so the
   continuation is a new request over the longer prompt, as ServerlessLLM's.
-- release: the source aborts its vLLM requests without emitting a sample.
+- release: the source aborts its vLLM requests without emitting a sample (a session pin the request resumed from
+  is released with it: VllmSessionPins.request_aborted; the session's KV moves as tokens, never as blocks).
+- a session's retained KV (InferCept, `MigrationState.session_id`): this backend binds no request to a session
+  until retain() (rollwise.engine.vllm_retention pins a finished turn by its request id and tokens), so commit
+  needs no session, by design: the continuation's prompt is the turn's whole context, whose blocks the staging
+  already computed into vLLM's prefix cache, and its finished turn is recorded under the request id like any
+  other, so the agent's retain(session, request id) on this engine pins it and the session's next turn reuses it.
 
 What a continuation changes, and what is therefore refused (ValueError naming the request, nothing changed):
 - frequency/presence penalties count the *output* tokens, which the continuation sees as prompt: a request with
@@ -91,9 +97,10 @@ class VllmMigration:
     # ---------------------------------------------------------------- on the source
 
     def migratable_requests(self) -> list[str]:
-        """The requests in flight (submission order) that can move: not those refused (migration_refusal) nor
-        those partly finished while others of their samples wait (see the module docstring)."""
-        return [rid for rid in self._children if self._why_not(rid) is None]
+        """The requests in flight, in submission order, those this engine will not move included: their
+        export_running raises, naming why (migration_refusal, or partly finished while others of their samples
+        wait: see the module docstring), so a migration accounts for each (`MigrationResult.stayed`)."""
+        return list(self._children)
 
     def export_running(self, request_id: str) -> MigrationState | None:
         vids = self._children.get(request_id)
@@ -172,7 +179,8 @@ class VllmMigration:
         return new
 
     def commit_migration(self, state: MigrationState) -> None:
-        """Take the request over: each sample continues from its tokens (a waiting request is queued anew)."""
+        """Take the request over: each sample continues from its tokens (a waiting request is queued anew).
+        state.session_id is not needed here: a session is bound at retain() (module docstring)."""
         request = self._check_incoming(state)
         self.cancel_migration(request.request_id)  # a staging request not run yet: the continuation prefills it
         if not state.samples:

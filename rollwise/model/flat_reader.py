@@ -5,7 +5,11 @@ Reading and checking are a pipeline: reader threads issue os.preadv of the file'
 straight into their slices of the buffer, back to back, and hand each finished chunk to hasher threads (xxh3).
 A reader never hashes, so the disk always has as many reads in flight as there are readers (the same I/O as a
 plain parallel read), where a reader that hashed its own chunk left a read slot empty while it hashed or waited
-for a core to hash on. Both preadv and xxh3 release the GIL, so all of them overlap. Only when
+for a core to hash on. Both preadv and xxh3 release the GIL (python-xxhash 4.1: a thread hashing 1 GiB leaves
+the interpreter free), so all of them overlap. Hashing is a small part of a read's CPU (xxh3: ~25 GB/s on one
+core; a cold 2.5 GB read spends ~0.09 thread-seconds hashing against 1.2-2 s of its readers' kernel time copying
+pages and faulting the buffer in); as many hashers as readers by default, fewer (`hashers`) is measured by
+`rollwise bench load`'s diagnostic arm. Only when
 every chunk has been read whole and matched its checksum are tensors made; a truncated or damaged chunk raises
 `FlatCheckpointError` naming the tensors with bytes in it, and nothing is handed out.
 """
@@ -82,11 +86,16 @@ def allocate(nbytes: int, pin: bool) -> Tensor:
 
 
 def read_flat(directory: str | Path, *, threads: int | None = None, verify: bool = True, pin: bool = False,
-              buffer: Tensor | None = None) -> FlatWeights:
-    """Read directory's flat checkpoint. `buffer`: a uint8 CPU tensor of at least index.data_bytes to read into
-    (a caller's reused pool); else one is allocated. verify=False skips the checksums (a caller that checks
-    them itself, or a benchmark's arm)."""
+              buffer: Tensor | None = None, hashers: int | None = None) -> FlatWeights:
+    """Read directory's flat checkpoint. `threads`: reader threads (default_threads()); `hashers`: checksum threads
+    (as many as readers). `buffer`: a uint8 CPU tensor of at least index.data_bytes to read into (a caller's
+    reused pool); else one is allocated. verify=False skips the checksums (a caller that checks them itself, or a
+    benchmark's arm)."""
     start = time.perf_counter()
+    readers = threads or default_threads()
+    hashers = hashers or readers
+    if readers < 1 or hashers < 1:
+        raise ValueError(f"threads ({readers}) and hashers ({hashers}) must be at least 1")
     index = read_index(directory)
     path = Path(directory) / index.data_file
     if buffer is not None and (buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < index.data_bytes):
@@ -101,7 +110,7 @@ def read_flat(directory: str | Path, *, threads: int | None = None, verify: bool
         _check_length(index, path, os.fstat(fd).st_size)  # before allocating what the index claims
         if buffer is None:
             buffer = allocate(index.data_bytes, pin)
-        bad = _read_chunks(index, fd, path, buffer, threads or default_threads(), verify)
+        bad = _read_chunks(index, fd, path, buffer, readers, hashers if verify else 0)
     finally:
         os.close(fd)
     if bad:
@@ -126,9 +135,9 @@ def _check_length(index: FlatIndex, path: Path, size: int) -> None:
                                   "copy or write the checkpoint again", names, short)
 
 
-def _read_chunks(index: FlatIndex, fd: int, path: Path, buffer: Tensor, threads: int, verify: bool) -> list[int]:
-    """Read every chunk into its place in buffer (`threads` readers) and, when verifying, check each on one of
-    `threads` hashers as soon as it is read; the chunks whose checksum does not match (after all are checked)."""
+def _read_chunks(index: FlatIndex, fd: int, path: Path, buffer: Tensor, readers: int, hashers: int) -> list[int]:
+    """Read every chunk into its place in buffer (`readers` threads) and, unless hashers is 0, check each on one
+    of `hashers` threads as soon as it is read; the chunks whose checksum does not match (after all are checked)."""
     view = memoryview(buffer.numpy())
     chunks = range(len(index.checksums))
 
@@ -146,17 +155,17 @@ def _read_chunks(index: FlatIndex, fd: int, path: Path, buffer: Tensor, threads:
         a, b = index.chunk_range(chunk)
         return xxhash.xxh3_64_intdigest(view[a:b]) == index.checksums[chunk]
 
-    if not verify:
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="flat-read") as readers:
-            list(readers.map(read, chunks))
+    if not hashers:
+        with ThreadPoolExecutor(max_workers=readers, thread_name_prefix="flat-read") as reading:
+            list(reading.map(read, chunks))
         return []
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="flat-hash") as hashers:
+    with ThreadPoolExecutor(max_workers=hashers, thread_name_prefix="flat-hash") as hashing:
 
         def read_then_check(chunk: int) -> Future[bool]:
             read(chunk)
-            return hashers.submit(matches, chunk)
+            return hashing.submit(matches, chunk)
 
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="flat-read") as readers:
-            checks = list(readers.map(read_then_check, chunks))  # a read's error is raised here
+        with ThreadPoolExecutor(max_workers=readers, thread_name_prefix="flat-read") as reading:
+            checks = list(reading.map(read_then_check, chunks))  # a read's error is raised here
         ok = [check.result() for check in checks]
     return [chunk for chunk, good in zip(chunks, ok, strict=True) if not good]

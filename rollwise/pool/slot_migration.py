@@ -6,7 +6,9 @@ The move is rollwise.engine.migration.migrate_between over the two slots' engine
 decoding while the target prefills the requests' tokens, the delta is caught up, then the target continues each
 sample from where it stopped (its tokens, logprobs and versions as one engine would have produced them). Requests
 that do not fit the target's free room stay and finish on the source (the drain as before). An engine that cannot
-migrate (ValueError from the coordinator) changes nothing: the slot drains by waiting, as without migration.
+migrate (ValueError from the coordinator) changes nothing: the slot drains by waiting, as without migration. A
+request the move left on neither engine (the target refused it and the source could not take it back: the
+coordinator's `failed`) is queued again and rerun, as a request of a failed engine is.
 
 Accounting: the samples moved leave the source slot's running count and join the target's; every migration is
 recorded in the pool's migration log (GET /state's "migrations") and on the request, whose samples carry their
@@ -48,9 +50,11 @@ class MigrationRecord:
 class SlotMigration:
     """Moves a draining slot's requests to a peer slot (SlotLoops calls `drain_to_peer`)."""
 
-    def __init__(self, state: PoolState, route: Callable[[Slot], None]) -> None:
+    def __init__(self, state: PoolState, route: Callable[[Slot], None],
+                 requeue: Callable[[Slot, QueuedRequest, str], None]) -> None:
         self.state = state
         self.route = route  # SlotLoops.drain: route a slot's finished samples (caller holds its route_lock)
+        self.requeue = requeue  # SlotLoops.requeue_lost: a request the move left on neither engine is rerun
 
     def peer(self, slot: Slot, decisions: list[Decision]) -> Slot | None:
         """The slot this draining slot's requests can move to: the same tenancy active there with the same weights,
@@ -103,6 +107,8 @@ class SlotMigration:
             self.route(slot)
             with self.state.lock:
                 samples = self._account(slot, target, [r for r in moving if r.internal_id in result.migrated])
+                for req in (r for r in moving if r.internal_id in result.failed):  # nothing lost: run it again
+                    self.requeue(slot, req, result.failed[req.internal_id])
                 record = MigrationRecord(time.time(), slot.job or "", slot.index, target.index, len(result.migrated),
                                          samples, sum(result.migrated.values()), result.tokens_prefilled,
                                          len(result.finished_on_source), time.perf_counter() - started)

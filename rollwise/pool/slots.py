@@ -39,7 +39,8 @@ class SlotLoops:
     def __init__(self, state: PoolState, engines: TenantEngines) -> None:
         self.state = state
         self.engines = engines
-        self.migration = SlotMigration(state, self.drain)  # a draining slot's requests move to a peer (issue 42)
+        # a draining slot's requests move to a peer (issue 42); one lost in the move is queued again
+        self.migration = SlotMigration(state, self.drain, self.requeue_lost)
 
     def run(self, slot: Slot) -> None:
         seen = 0
@@ -425,6 +426,20 @@ class SlotLoops:
         job.queue.clear()
         for req in queued:
             self._answer_failed(job, req, error)
+
+    def requeue_lost(self, slot: Slot, req: QueuedRequest, reason: str) -> None:
+        """A request a migration left on neither engine (the target refused it and the source could not take it
+        back): it leaves `slot`'s counts and is rerun like a request of a failed engine (caller holds state.lock)."""
+        if req.slot != slot.index:
+            return
+        left = max(req.remaining, 0)
+        slot.running -= left
+        slot.running_by[req.job] = slot.running_by.get(req.job, 0) - left
+        job = self.state.jobs.get(req.job)
+        if job is not None:
+            job.running -= left
+        req.slot = None
+        self._rerun(req, RuntimeError(f"lost in a migration from slot {slot.index}: {reason}"))
 
     def _rerun(self, req: QueuedRequest, failure: BaseException | None) -> None:
         """A request that was on a failed engine: queued again at its job's head, or answered with an error if

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from rollwise.tasks.chat_jsonl import TokenizedChat
 from rollwise.train.logprobs import DEFAULT_OPTIONS, LogprobOptions, backbone_of, lm_head_logprobs
 from rollwise.types.microbatch import pack_responses
+from rollwise.types.packed_layout import lay_out_rows, packed_attention_mask
 
 
 @dataclass
@@ -53,27 +54,22 @@ def pack_rows(chats: list[TokenizedChat], pack_tokens: int) -> list[list[Tokeniz
 
 
 def collate_rows(rows: list[list[TokenizedChat]], pad_id: int) -> PackedRows:
+    chats = [c for row in rows for c in row]
+    lengths = [len(c.input_ids) for c in chats]
+    numbered = iter(range(len(chats)))  # the chats' indices, row after row
+    layout_rows = [[next(numbered) for _ in row] for row in rows]
     width = max(sum(len(c.input_ids) for c in row) for row in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    target_mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    segment = torch.full((len(rows), width), -1, dtype=torch.long)
-    for r, row in enumerate(rows):
-        col = 0
-        for k, chat in enumerate(row):
-            n = len(chat.input_ids)
-            input_ids[r, col:col + n] = torch.tensor(chat.input_ids)
-            position_ids[r, col:col + n] = torch.arange(n)
-            target_mask[r, col + 1:col + n] = torch.tensor(chat.loss_mask[1:], dtype=torch.bool)
-            segment[r, col:col + n] = k
-            col += n
-    cols = torch.arange(width)
-    causal = cols[:, None] >= cols[None, :]
-    same = segment[:, :, None] == segment[:, None, :]
-    real = (segment >= 0)[:, :, None] & (segment >= 0)[:, None, :]
-    # A padding position attends to itself only (a query row of all False would make softmax NaN).
-    mask = (same & causal & real) | torch.eye(width, dtype=torch.bool)[None]
-    return PackedRows(input_ids, position_ids, mask[:, None], target_mask)
+    layout = lay_out_rows(layout_rows, lengths, width)
+    input_ids = torch.full((len(rows) * width,), pad_id, dtype=torch.long)
+    position_ids = torch.zeros(len(rows) * width, dtype=torch.long)
+    target_mask = torch.zeros(len(rows) * width, dtype=torch.bool)
+    for chat, place in zip(chats, layout.place):
+        input_ids[place] = torch.tensor(chat.input_ids)
+        position_ids[place] = torch.arange(len(place))
+        target_mask[place[1:]] = torch.tensor(chat.loss_mask[1:], dtype=torch.bool)
+    shape = (len(rows), width)
+    return PackedRows(input_ids.view(shape), position_ids.view(shape),
+                      packed_attention_mask(layout.segment_start), target_mask.view(shape))
 
 
 def packed_logprobs(model: nn.Module, batch: PackedRows,

@@ -31,6 +31,9 @@ class RayConfig(ConfigSection):
     reward_cpus: float = Field(0.25, ge=0, description="CPUs reserved per reward actor")
     env_cpus: float = Field(0.25, ge=0, description="CPUs reserved per environment worker actor (an environment "
                             "task's task.workers, each one actor owning the environment's process)")
+    teacher_cpus: float = Field(1.0, ge=0, description="CPUs reserved for the teacher actor (train.teacher.model: "
+                                "on-policy distillation's teacher engine, rollwise.control.ray.teacher_actor)")
+    teacher_gpus: float = Field(0.0, ge=0, description="GPUs reserved for the teacher actor")
     placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray placement-group strategy for the run's bundles (engines, trainer, reward workers)")
     start_timeout_s: float = Field(300.0, gt=0, description="wait this long for the placement group and the actors")

@@ -102,10 +102,14 @@ class RaySession:
         env_workers = cfg.task.workers if cfg.task.kind in ENVIRONMENT_KINDS else 0
         first_env = rc.num_engines + rc.trainer_ranks + rc.reward_workers
         self.env_bundles = [first_env + i for i in range(env_workers)]
+        # last, train.teacher.model's actor (rollwise.control.ray.teacher_actor); a train.teacher.url teacher has none
+        teachers = int(cfg.train.teacher is not None and cfg.train.teacher.model is not None)
+        self.teacher_bundles = [first_env + env_workers + i for i in range(teachers)]
         bundles = ([_bundle(rc.engine_cpus, rc.engine_gpus)] * rc.num_engines
                    + [_bundle(rc.trainer_cpus, rc.trainer_gpus)] * rc.trainer_ranks
                    + [_bundle(rc.reward_cpus, 0)] * rc.reward_workers
-                   + [_bundle(rc.env_cpus, 0)] * env_workers)
+                   + [_bundle(rc.env_cpus, 0)] * env_workers
+                   + [_bundle(rc.teacher_cpus, rc.teacher_gpus)] * teachers)
         demand = {k: sum(b.get(k, 0.0) for b in bundles) for k in ("CPU", "GPU")}
         if not ray.is_initialized():
             env = {k: v for k, v in os.environ.items() if k.startswith("ROLLWISE_")}
@@ -135,7 +139,9 @@ class RaySession:
                 f"trainer rank(s) x ({rc.trainer_cpus:g} CPU, {rc.trainer_gpus:g} GPU) and {rc.reward_workers} reward workers x "
                 f"{rc.reward_cpus:g} CPU"
                 + (f" and {env_workers} environment workers x {rc.env_cpus:g} CPU" if env_workers else "")
-                + ": lower ray.engine_cpus / ray.trainer_cpus / ray.reward_cpus / ray.env_cpus / ray.num_engines "
+                + (f" and a teacher actor ({rc.teacher_cpus:g} CPU, {rc.teacher_gpus:g} GPU)" if teachers else "")
+                + ": lower ray.engine_cpus / ray.trainer_cpus / ray.reward_cpus / ray.env_cpus / ray.teacher_cpus / "
+                "ray.num_engines "
                 "/ ray.trainer_ranks (fractions are fine), or add nodes"
             )
         self.pg = placement_group(bundles, strategy=rc.placement_strategy, name="")

@@ -373,20 +373,30 @@ class LlamaFamilyModel(nn.Module):
 
     @torch.inference_mode()
     def packed_logprobs(self, token_ids: Tensor, positions: Tensor, place: Tensor, mask: Tensor, predictors: Tensor,
-                        targets: Tensor, temperature: float = 1.0, chunk: int = 512) -> Tensor:
+                        targets: Tensor, temperature: float = 1.0, chunk: int = 512, keys: Tensor | None = None) -> Tensor:
         """Several sequences in one forward, no KV cache (rollwise.engine.reference.scoring lays them out): token t
-        (token_ids, positions: [T]) sits at flat index place[t] of a [rows, W] layout whose mask [rows, 1, W, W]
-        says what each attends to; the matmuls run on the T real tokens, attention on the rows. Returns fp32
-        log_softmax(logits / temperature) of targets[j] after token predictors[j] ([N]), the LM head a chunk at a time."""
-        rows, width = mask.shape[0], mask.shape[-1]
+        (token_ids, positions: [T]) sits at flat index place[t] of a [rows, W] layout whose mask [rows, 1, W, Wk]
+        says what each attends to; the matmuls run on the T real tokens, attention on the rows. Keys are the same
+        layout (Wk = W), or `keys` [rows, Wk]: the token (index into T, -1: none) at each key slot, so one token's
+        K/V can sit in several rows (a shared prompt computed once, seen by each of its continuations' rows).
+        Returns fp32 log_softmax(logits / temperature) of targets[j] after token predictors[j] ([N]), the LM head a
+        chunk at a time."""
+        rows, width = mask.shape[0], mask.shape[-2]
 
         def lay_out(x: Tensor) -> Tensor:  # [T, heads, D] -> [rows, heads, W, D], zeros in the padding
             out = x.new_zeros(rows * width, *x.shape[1:])
             out[place] = x
             return out.view(rows, width, *x.shape[1:]).transpose(1, 2)
 
+        def key_layout(x: Tensor) -> Tensor:  # [T, heads, D] -> [rows, heads, Wk, D]; index -1 picks the zero row
+            if keys is None:
+                return lay_out(x)
+            padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+            return padded[keys.reshape(-1)].view(rows, keys.shape[1], *x.shape[1:]).transpose(1, 2)
+
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            out = F.scaled_dot_product_attention(lay_out(q), lay_out(k), lay_out(v), attn_mask=mask, enable_gqa=True)
+            out = F.scaled_dot_product_attention(lay_out(q), key_layout(k), key_layout(v), attn_mask=mask,
+                                                 enable_gqa=True)
             return out.transpose(1, 2).reshape(rows * width, -1)[place]
 
         hidden = self._hidden(token_ids, positions, attend)[predictors]
