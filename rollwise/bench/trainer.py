@@ -216,6 +216,8 @@ STEP_ARMS: dict[str, dict[str, Any]] = {
     "default_bfloat16": {"compute_dtype": "bfloat16"},
     # activation checkpointing (issue 41 item 7): decoder layers recomputed in the backward
     "default_checkpointing": {"gradient_checkpointing": True},
+    # a smaller micro-batch token budget (issue 41 item 7): less activation memory, more micro-batches per step
+    "default_micro_batch_1024": {"micro_batch_tokens": 1024},
 }
 
 

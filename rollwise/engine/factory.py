@@ -91,12 +91,15 @@ def create_engine(
     enforce_eager: bool | None = None,
     retention: str | None = None,
     dtype: str | None = None,
+    sequence_tokens: int | None = None,
 ) -> Engine:
     """An engine holding its own copy of hf_model's current weights (the trainer keeps hf_model).
 
     `engine` is the run's engine section (`cfg.engine`): kind, max_num_seqs, max_model_len,
     kv_cache_gib, enforce_eager, dtype; a setting given as a keyword overrides it. The rest says what this one
-    engine is (its model's name, stop tokens, starting version, seed, tokenizer fingerprint)."""
+    engine is (its model's name, stop tokens, starting version, seed, tokenizer fingerprint). `sequence_tokens`:
+    the longest sequence (prompt + generation budget) the run asks for; vLLM sizes its KV cache by it
+    (rollwise.engine.vllm_startup.kv_cache_blocks_for_run), None: by max_model_len."""
     cfg = _settings(engine, dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                  kv_cache_gib=kv_cache_gib, enforce_eager=enforce_eager, dtype=dtype))
     kind = resolve_engine_kind(cfg.kind, model_name, lora=cfg.max_loras > 0)
@@ -114,7 +117,7 @@ def create_engine(
 
         # engine.speculation=history: the same drafter, inside vLLM through its custom-proposer hook.
         return VLLMEngine(hf_model, tokenizer, kv_cache_gib=cfg.kv_cache_gib, enforce_eager=cfg.enforce_eager,
-                          drafter=drafter, max_loras=cfg.max_loras, **held, **common)
+                          drafter=drafter, max_loras=cfg.max_loras, sequence_tokens=sequence_tokens, **held, **common)
     from rollwise.engine.reference.engine import ReferenceEngine
 
     return ReferenceEngine(hf_model, prefix_cache_tokens=prefix_cache_tokens, drafter=drafter, **held, **common)

@@ -118,6 +118,7 @@ class VLLMEngine(VllmMigration, VllmScoring, EngineState):
         retention: RetentionLimits | None = None,
         retention_policy: PolicyName = "min_waste",
         kv_cache_blocks: int | None = None,
+        sequence_tokens: int | None = None,
     ) -> None:
         other = VLLMEngine._live() if VLLMEngine._live is not None else None
         if other is not None and other._llm is not None:
@@ -177,7 +178,7 @@ class VLLMEngine(VllmMigration, VllmScoring, EngineState):
         self.spec_stats: dict[str, int] | None = new_counters(drafter.budget.max_draft) if drafter is not None else None
         if kv_cache_blocks is None and on_cpu and block_size and retention is None:
             kv_cache_blocks = kv_cache_blocks_for_run(hf_model.config, dtype.itemsize, max_num_seqs, max_model_len,
-                                                      block_size, kv_cache_cap_gib(kv_cache_gib))
+                                                      block_size, kv_cache_cap_gib(kv_cache_gib), sequence_tokens)
         args = EngineArgs(
             model=str(self._dir),
             dtype=str(dtype).removeprefix("torch."),
@@ -203,7 +204,8 @@ class VLLMEngine(VllmMigration, VllmScoring, EngineState):
             # One slot more than asked: the base rows' zero adapter (rollwise.engine.vllm_adapters).
             **({"enable_lora": True, "max_loras": max_loras + 1, "max_lora_rank": max_lora_rank} if max_loras else {}),
             # A KV cache of exactly this many blocks (tests and benchmarks that need memory pressure); on CPU
-            # otherwise what max_num_seqs x max_model_len needs, at most kv_cache_gib (vllm_startup), unless
+            # otherwise what max_num_seqs x the run's longest sequence (sequence_tokens, else max_model_len) needs,
+            # at most kv_cache_gib (vllm_startup), unless
             # session retention pins blocks beyond the running sequences'.
             **({"num_gpu_blocks_override": kv_cache_blocks} if kv_cache_blocks else {}),
         )

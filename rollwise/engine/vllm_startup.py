@@ -55,16 +55,21 @@ def write_model_copy(hf_model: nn.Module, tokenizer: Any, directory: Path) -> No
 
 
 def kv_cache_blocks_for_run(model_config: Any, dtype_bytes: int, max_num_seqs: int, max_model_len: int,
-                            block_size: int, cap_gib: float) -> int | None:
-    """KV cache blocks that hold what the engine can run at once: max_num_seqs sequences of max_model_len
-    tokens (+1: the null block vLLM keeps back), when that is less than `cap_gib` (engine.kv_cache_gib or
-    an exported VLLM_CPU_KVCACHE_SPACE); None: the cap is the smaller, vLLM sizes the cache by it. A run
-    of 64 x 512-token sequences on SmolLM2-135M in float32 needs 1.4 GiB, not the 2 GiB default, and a
-    cache larger than the engine can fill is memory the trainer then lacks."""
+                            block_size: int, cap_gib: float, sequence_tokens: int | None = None) -> int | None:
+    """KV cache blocks that hold what the engine can run at once: max_num_seqs sequences of the longest the
+    run asks for (`sequence_tokens`, its longest prompt + generation budget; None or more than max_model_len:
+    max_model_len), each at least one block, +1 (the null block vLLM keeps back), when that is less than
+    `cap_gib` (engine.kv_cache_gib or an exported VLLM_CPU_KVCACHE_SPACE); None: the cap is the smaller, vLLM
+    sizes the cache by it. A cache larger than the engine can fill is memory the trainer then lacks: the
+    default run (64 sequences of at most 63 + 48 tokens, SmolLM2-135M in bfloat16) needs 0.18 GiB, where 64 x
+    its 512-token max_model_len took 0.70 GiB. A sequence longer than that (vLLM still takes up to
+    max_model_len) waits or is preempted and recomputed by vLLM's scheduler: slower, never wrong."""
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
     token_bytes = 2 * model_config.num_hidden_layers * kv_heads * head_dim * dtype_bytes  # keys and values
-    blocks = max_num_seqs * -(-max_model_len // block_size) + 1
+    tokens = min(max_model_len, sequence_tokens) if sequence_tokens else max_model_len
+    # vLLM refuses to start unless one max_model_len sequence fits: at least that many blocks
+    blocks = max(max_num_seqs * -(-tokens // block_size), -(-max_model_len // block_size)) + 1
     return blocks if blocks * block_size * token_bytes < cap_gib * 2**30 else None
 
 
