@@ -83,6 +83,9 @@ def run_arm(overrides: list[str]) -> dict[str, Any]:
         "gain_end": None if after is None or before is None else after - before,
         "step_s": statistics.mean(r["time_step_s"] for r in timed) if timed else None,
         "train_s": statistics.mean(r["time_train_s"] for r in timed) if timed else None,
+        # where a recipe's extra train time goes: the reference's forwards (KL) and the critic's values + update
+        "ref_s": statistics.mean(r.get("time_ref_s", 0.0) for r in timed) if timed else None,
+        "critic_s": statistics.mean(r.get("time_critic_s", 0.0) for r in timed) if timed else None,
         "peak_memory_gb": summary.get("peak_rss_run_gb") or summary.get("peak_rss_gb"),
         "cuda_peak_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
         "critic_value_loss": last.get("critic/value_loss"),
@@ -102,7 +105,7 @@ def summarise(arms: dict[str, list[dict[str, Any]]], quick: bool) -> dict[str, A
     for name, runs in arms.items():
         recipes[name] = {key: _mean([r[key] for r in runs]) for key in
                          ("strict_before", "strict_early", "strict_after", "gain_early", "gain_end", "step_s",
-                          "train_s", "peak_memory_gb", "cuda_peak_gb")}
+                          "train_s", "ref_s", "critic_s", "peak_memory_gb", "cuda_peak_gb")}
         recipes[name]["seeds"] = len(runs)
     base = recipes.get(BASELINE, {}).get("step_s")
     checks: dict[str, bool | None] = {}
@@ -228,13 +231,14 @@ def _rows(result: dict[str, Any]) -> list[list[str]]:
     for name, r in result["recipes"].items():
         rows.append([name, str(r["seeds"]), _pct(r["strict_before"]), _pct(r["strict_early"]), _pct(r["strict_after"]),
                      _points(r["gain_end"]), _num(r["step_s"], ".1f"), _num(r["step_ratio_vs_grpo"], ".2f") + "x",
-                     _num(r["train_s"], ".1f"), _num(r["peak_memory_gb"], ".1f")])
+                     _num(r["train_s"], ".1f"), _num(r.get("ref_s"), ".1f"), _num(r.get("critic_s"), ".1f"),
+                     _num(r["peak_memory_gb"], ".1f")])
     return rows
 
 
 def _header(result: dict[str, Any]) -> list[str]:
     return ["recipe", "seeds", "strict before", f"after {result['early_step']}", "end", "gain (points)", "s/step",
-            "vs GRPO", "train s/step", "peak GB"]
+            "vs GRPO", "train s/step", "ref s", "critic s", "peak GB"]
 
 
 def markdown_table(result: dict[str, Any]) -> str:

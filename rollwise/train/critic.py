@@ -9,8 +9,11 @@ Each step: `values` (no grad) before the policy's update gives the advantages' b
 (rollwise.train.token_advantages), then `update` fits the values to the GAE returns with PPO's clipped value
 loss, 0.5 * max((V - G)^2, (V_old + clip(V - V_old, -c, c) - G)^2), averaged over the batch's trained tokens
 (micro-batches accumulate into one batch gradient), train.updates_per_step times, by its own AdamW
-(train.gae.critic_lr; betas, weight decay and grad clip are train:'s; a constant learning rate). Its weights
-and optimizer state are saved in the policy's checkpoint (`critic/`) and restored with it.
+(train.gae.critic_lr; betas, weight decay and grad clip are train:'s; a constant learning rate). At
+train.updates_per_step=1 (the recipes') the two are one forward per micro-batch (`values_and_update`). The critic
+runs on the policy's own micro-batches (any layout: `PredictorBatch.hidden` is the shared-prefix forward of its
+trunk; rollwise.train.token_forwards). Its weights and optimizer state are saved in the policy's checkpoint
+(`critic/`) and restored with it.
 
 On the sharded trainer (rollwise.train.rank) each rank's critic is sharded like its policy (FSDP2 on the same
 mesh), runs these same `values` and `update` on the rank's micro-batches, and checkpoints as the policy does
@@ -33,6 +36,7 @@ from torch import Tensor, nn
 from rollwise.config import RunError
 from rollwise.types.train_config import TrainConfig
 from rollwise.train.checkpoint import DCP_DIR, load_dcp_optimizer
+from rollwise.train.activation_checkpointing import CheckpointedForward
 from rollwise.train.logprobs import backbone_of
 
 CRITIC_DIR = "critic"  # in a checkpoint folder
@@ -45,13 +49,17 @@ VALUE_CLIP_FRACTION = "critic/value_clip_fraction"
 SUMMED_OVER_RANKS = (VALUE_LOSS, VALUE_CLIP_FRACTION)  # each rank's is its share of the batch's
 
 
-class PaddedBatch(Protocol):
-    """Right-padded prompt + response rows (rollwise.train.trainer.MicroBatch)."""
+class PredictorBatch(Protocol):
+    """Any of the trainer's micro-batches (rollwise.train.trainer.MicroBatch, rollwise.train.packing's
+    GroupMicroBatch and PackedGroupsMicroBatch): the critic runs on the policy's own layout."""
 
-    input_ids: Tensor  # [B, T]
-    attention_mask: Tensor  # [B, T]
-    target_mask: Tensor  # [B, T] True on trained tokens
     padding: bool  # a sharded rank's filler (rollwise.train.trainer.MicroBatch.padding): run, at weight 0
+
+    def hidden(self, backbone: nn.Module) -> tuple[Tensor, Tensor]:
+        """(hidden states [N, H] that predict the trained tokens, in the loss's order; the tokens [N])."""
+        ...
+
+
 
 
 class ValueModel(nn.Module):
@@ -62,10 +70,11 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
-    def forward(self, mb: PaddedBatch) -> Tensor:
-        """[N] the value at each trained token, flattened row-major (as the policy's log-probs)."""
-        hidden = self.backbone(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state
-        predictors = hidden[:, :-1][mb.target_mask[:, 1:]]
+    def forward(self, mb: PredictorBatch) -> Tensor:
+        """[N] the value at each trained token, in the order of the policy's log-probs: the micro-batch's own
+        forward (padded rows, or a shared prompt once: rollwise.train.packing) through the trunk, then the
+        scalar head (never an LM head)."""
+        predictors, _ = mb.hidden(self.backbone)
         # sum over the size-1 dim, not squeeze: a new tensor, not a view (FSDP2 warns of a root returning a view)
         return self.head(predictors.to(self.head.weight.dtype)).sum(-1).float()
 
@@ -104,8 +113,10 @@ class Critic:
         backbone = copy.deepcopy(backbone_of(policy))
         self.model = ValueModel(backbone, policy.config.hidden_size).to(next(policy.parameters()).device)
         self.model.train().requires_grad_(True)
-        if cfg.gradient_checkpointing and hasattr(backbone, "gradient_checkpointing_enable"):
-            backbone.gradient_checkpointing_enable()
+        if cfg.gradient_checkpointing:  # as the policy's: the shared-prompt forwards keep their KV cache
+            for layer in backbone.layers:
+                if not isinstance(layer.forward, CheckpointedForward):
+                    layer.forward = CheckpointedForward(layer.forward)
         if prepare is not None:
             prepare(self.model)
         self.cfg = cfg
@@ -113,7 +124,7 @@ class Critic:
                                            weight_decay=cfg.weight_decay, fused=cfg.fused_optimizer or None)
 
     @torch.no_grad()
-    def values(self, batches: list[PaddedBatch], compute: Callable[[], AbstractContextManager]) -> list[Tensor]:
+    def values(self, batches: list[PredictorBatch], compute: Callable[[], AbstractContextManager]) -> list[Tensor]:
         """Each batch's values at its trained tokens (flattened), before this step's update."""
         out = []
         for mb in batches:
@@ -121,7 +132,7 @@ class Critic:
                 out.append(self.model(mb).float())
         return out
 
-    def update(self, batches: list[PaddedBatch], old: list[Tensor], returns: list[Tensor],
+    def update(self, batches: list[PredictorBatch], old: list[Tensor], returns: list[Tensor],
                compute: Callable[[], AbstractContextManager], n_tokens: int | None = None) -> dict[str, float]:
         """train.updates_per_step AdamW updates of the value loss over `batches` (old values and GAE returns per
         batch, flattened as the batches' trained tokens). The loss is summed over tokens and divided by `n_tokens`,
@@ -139,24 +150,61 @@ class Critic:
             for mb, v_old, g in zip(batches, old, returns):
                 with compute():
                     new = self.model(mb)
-                per_token, was_clipped = value_loss(new, v_old.to(new.device), g.to(new.device), self.cfg.gae.value_clip)
-                loss = per_token.sum() / n_tokens
-                if mb.padding:  # every rank runs as many forwards and backwards as the others (FSDP's collectives)
-                    (loss * 0.0).backward()
-                    continue
-                loss.backward()
-                loss_sum += float(loss.detach())
-                clipped += int(was_clipped.sum())
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-            # Sharded parameters (DTensor) give a DTensor norm: full_tensor() sums it over the ranks.
-            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-            if math.isfinite(grad_norm):
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+                loss, n_clipped = self._backward(mb, new, v_old.to(new.device), g.to(new.device), n_tokens)
+                loss_sum += loss
+                clipped += n_clipped
+            grad_norm = self._step()
             if update == 0:
                 metrics.update({VALUE_LOSS: loss_sum, "critic/grad_norm": grad_norm,
                                 VALUE_CLIP_FRACTION: clipped / n_tokens})
         return metrics
+
+    def values_and_update(self, batches: list[PredictorBatch], returns_of: Callable[[int, Tensor], Tensor],
+                          compute: Callable[[], AbstractContextManager], n_tokens: int) -> tuple[list[Tensor], dict[str, float]]:
+        """`values` and then one `update` (train.updates_per_step=1) with one forward per micro-batch, with grad: its
+        values (detached, on the CPU) give its GAE returns (`returns_of(i, values)`: GAE is per sample, so no other
+        micro-batch is needed), its value loss is backpropagated at once (its graph freed) and the optimizer steps
+        after the last. The same values, loss and gradient as the two passes: the update's forward recomputes these
+        values, and at V = V_old the clipped term equals the unclipped one (torch.maximum gives each half the
+        gradient, and clamp passes it at 0), so the gradient is the unclipped term's. Returns each micro-batch's
+        values and the metrics `update` returns."""
+        self.optimizer.zero_grad(set_to_none=True)
+        values: list[Tensor] = []
+        loss_sum, clipped = 0.0, 0
+        for i, mb in enumerate(batches):
+            with compute():
+                new = self.model(mb)
+            old = new.detach()
+            values.append(old.cpu())
+            loss, n_clipped = self._backward(mb, new, old, returns_of(i, values[-1]).to(new.device), max(n_tokens, 1))
+            loss_sum += loss
+            clipped += n_clipped
+        if n_tokens == 0:  # nothing trained: no update (as `update`)
+            self.optimizer.zero_grad(set_to_none=True)
+            return values, {VALUE_LOSS: 0.0}
+        grad_norm = self._step()
+        return values, {VALUE_LOSS: loss_sum, "critic/grad_norm": grad_norm, VALUE_CLIP_FRACTION: clipped / n_tokens}
+
+    def _backward(self, mb: PredictorBatch, new: Tensor, old: Tensor, returns: Tensor, n_tokens: int) -> tuple[float, int]:
+        """One micro-batch's share of the value loss backpropagated: (its loss, its clipped tokens); a padding batch
+        runs at weight 0 (every rank runs as many forwards and backwards as the others: FSDP's collectives)."""
+        per_token, was_clipped = value_loss(new, old, returns, self.cfg.gae.value_clip)
+        loss = per_token.sum() / n_tokens
+        if mb.padding:
+            (loss * 0.0).backward()
+            return 0.0, 0
+        loss.backward()
+        return float(loss.detach()), int(was_clipped.sum())
+
+    def _step(self) -> float:
+        """Clip the accumulated gradient, step when it is finite; the gradient norm."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        # Sharded parameters (DTensor) give a DTensor norm: full_tensor() sums it over the ranks.
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
 
     def save(self, ckpt: Path) -> None:
         """Weights and optimizer state into `ckpt/critic/` (before the checkpoint's manifest is written)."""

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from rollwise.types.train_config import TrainConfig
 
 __all__ = ["DEFAULT_OPTIONS", "KEEP_PROBS_MIB", "RECOMPUTE_SHARE", "FusedLogprobs", "LogprobOptions", "lm_head_logprobs",
-           "sequence_logprobs", "shared_prompt_logprobs"]
+           "sequence_hidden", "sequence_logprobs", "shared_prompt_hidden", "shared_prompt_logprobs"]
 
 # A group's prompt is recomputed for each of its unpadded rows (no attention mask, see shared_prompt_logprobs and
 # rollwise.train.packing.unmasked_rows) while that adds at most 1/RECOMPUTE_SHARE of the rows' tokens
@@ -43,6 +43,9 @@ class LogprobOptions:
     temperature: float = 1.0
     chunk_tokens: int = 1024
     fused: bool = False
+    # False: the log-probs alone, without a graph (the frozen reference's forward: its entropy is never read);
+    # the entropy returned is then zeros
+    entropy: bool = True
 
     @classmethod
     def of(cls, cfg: TrainConfig, temperature: float) -> LogprobOptions:
@@ -185,6 +188,9 @@ def lm_head_logprobs(
     temperature, chunk_tokens, fused = options.temperature, options.chunk_tokens, options.fused
     if temperature <= 0:
         temperature = 1.0  # greedy sampling reports logprobs of the untempered distribution
+    if not options.entropy:
+        logp = _logprobs_only(hidden, lm_head, targets, float(temperature), chunk_tokens)
+        return logp, torch.zeros_like(logp)
     if fused and torch.is_grad_enabled() and hidden.requires_grad:
         return FusedLogprobs.apply(hidden, lm_head.weight, lm_head.bias, targets, float(temperature),
                                    chunk_tokens, KEEP_PROBS_MIB)
@@ -208,6 +214,20 @@ def lm_head_logprobs(
     return torch.cat(logps), torch.cat(entropies)
 
 
+@torch.no_grad()
+def _logprobs_only(hidden: Tensor, lm_head: nn.Linear, targets: Tensor, temperature: float,
+                   chunk_tokens: int) -> Tensor:
+    """The sampled tokens' log-probs, chunk by chunk, no graph and no entropy (one logsumexp per row)."""
+    out = []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        logits = F.linear(hidden[start : start + chunk_tokens], lm_head.weight, lm_head.bias).float()
+        if temperature != 1.0:
+            logits.div_(temperature)
+        picked = logits.gather(-1, targets[start : start + chunk_tokens].unsqueeze(-1)).squeeze(-1)
+        out.append(picked - torch.logsumexp(logits, dim=-1))
+    return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
+
+
 def backbone_of(model: nn.Module) -> nn.Module:
     """A Hugging Face causal LM's decoder stack (hidden states out, no LM head); a model without
     get_decoder() keeps it at .model."""
@@ -226,12 +246,17 @@ def sequence_logprobs(
     `model` is a Hugging Face causal LM: its backbone gives hidden states, its output embedding
     is the LM head. Position t is predicted by the hidden state at t - 1.
     """
-    backbone = backbone_of(model)
+    hidden, targets = sequence_hidden(backbone_of(model), input_ids, attention_mask, target_mask)
+    return lm_head_logprobs(hidden, model.get_output_embeddings(), targets, options)
+
+
+def sequence_hidden(backbone: nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                    target_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(hidden states [N, H] at the positions that predict the target tokens, those tokens [N]) of right-padded
+    rows, flattened row-major: what an LM head (sequence_logprobs) or a value head (rollwise.train.critic) reads."""
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     predict_mask = target_mask[:, 1:]
-    selected_hidden = hidden[:, :-1][predict_mask]
-    targets = input_ids[:, 1:][predict_mask]
-    return lm_head_logprobs(selected_hidden, model.get_output_embeddings(), targets, options)
+    return hidden[:, :-1][predict_mask], input_ids[:, 1:][predict_mask]
 
 
 def shared_prompt_logprobs(
@@ -250,7 +275,14 @@ def shared_prompt_logprobs(
 
     prompt_ids [P], responses [G, R] right-padded, response_mask [G, R] -> flattened over the mask.
     """
-    backbone = backbone_of(model)
+    hidden, targets = shared_prompt_hidden(backbone_of(model), prompt_ids, responses, response_mask)
+    return lm_head_logprobs(hidden, model.get_output_embeddings(), targets, options)
+
+
+def shared_prompt_hidden(backbone: nn.Module, prompt_ids: Tensor, responses: Tensor,
+                         response_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """shared_prompt_logprobs' forward: (hidden states [N, H] that predict the response tokens, those tokens [N]),
+    flattened over `response_mask` row-major."""
     group, length = responses.shape
     prompt_len = prompt_ids.shape[0]
     if response_mask.all() and (group - 1) * prompt_len * RECOMPUTE_SHARE <= group * length:
@@ -260,8 +292,7 @@ def shared_prompt_logprobs(
         # The same values; the prompt's gradient sums over the rows as through the shared KV.
         hidden = backbone(input_ids=torch.cat([prompt_ids.expand(group, prompt_len), responses], dim=1),
                           use_cache=False).last_hidden_state
-        return lm_head_logprobs(hidden[:, prompt_len - 1 : -1][response_mask], model.get_output_embeddings(),
-                                responses[response_mask], options)
+        return hidden[:, prompt_len - 1 : -1][response_mask], responses[response_mask]
     prompt_out = backbone(input_ids=prompt_ids[None], use_cache=True)
     cache = prompt_out.past_key_values
     cache.batch_repeat_interleave(group)
@@ -275,6 +306,4 @@ def shared_prompt_logprobs(
     # The first response token is predicted by the prompt's last position, token j by response position j-1.
     last_prompt = prompt_out.last_hidden_state[:, -1:].expand(group, 1, -1)
     predictors = torch.cat([last_prompt, response_hidden[:, :-1]], dim=1)
-    return lm_head_logprobs(
-        predictors[response_mask], model.get_output_embeddings(), responses[response_mask], options)
-
+    return predictors[response_mask], responses[response_mask]

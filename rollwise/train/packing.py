@@ -19,13 +19,13 @@ import torch
 from torch import Tensor, nn
 
 from rollwise.train.logprobs import (DEFAULT_OPTIONS, RECOMPUTE_SHARE, LogprobOptions, backbone_of,
-                                     lm_head_logprobs, shared_prompt_logprobs)
+                                     lm_head_logprobs, shared_prompt_hidden)
 from rollwise.train.routing_replay import ReplayBatch, group_batch
 from rollwise.types.microbatch import pack_responses, prompt_groups
 from rollwise.types.sample import Sample
 
 __all__ = ["GroupMicroBatch", "PackedGroupsMicroBatch", "collate_group", "collate_packed_groups",
-           "packed_groups_logprobs", "shared_prefix_hidden", "unmasked_rows"]
+           "packed_groups_hidden", "packed_groups_logprobs", "shared_prefix_hidden", "unmasked_rows"]
 
 
 @dataclass
@@ -49,12 +49,18 @@ class GroupMicroBatch:
     num_seqs: int = 0
 
     def logprobs(self, model: nn.Module, options: LogprobOptions) -> tuple[Tensor, Tensor]:
+        hidden, targets = self.hidden(backbone_of(model))
+        return lm_head_logprobs(hidden, model.get_output_embeddings(), targets, options)
+
+    def hidden(self, backbone: nn.Module) -> tuple[Tensor, Tensor]:
+        """(hidden states [N, H] that predict the trained tokens, those tokens [N]), in the loss's order: what
+        the LM head (logprobs) or the critic's value head (rollwise.train.critic) reads."""
         if self.order is not None:  # packed: the several-groups forward with this one group
             prompt_len = torch.tensor([self.prompt_ids.shape[0]], device=self.prompt_ids.device)
             row_group = torch.zeros(self.responses.shape[0], dtype=torch.long, device=self.responses.device)
-            return packed_groups_logprobs(model, self.prompt_ids[None], prompt_len, self.responses, row_group,
-                                          self.segment_start, self.order, options)
-        return shared_prompt_logprobs(model, self.prompt_ids, self.responses, self.response_mask, options)
+            return packed_groups_hidden(backbone, self.prompt_ids[None], prompt_len, self.responses, row_group,
+                                        self.segment_start, self.order)
+        return shared_prompt_hidden(backbone, self.prompt_ids, self.responses, self.response_mask)
 
     @property
     def n_tokens(self) -> int:
@@ -127,8 +133,13 @@ class PackedGroupsMicroBatch:
     num_seqs: int = 0
 
     def logprobs(self, model: nn.Module, options: LogprobOptions) -> tuple[Tensor, Tensor]:
-        return packed_groups_logprobs(model, self.prompts, self.prompt_lens, self.tokens, self.row_group,
-                                      self.segment_start, self.order, options)
+        hidden, targets = self.hidden(backbone_of(model))
+        return lm_head_logprobs(hidden, model.get_output_embeddings(), targets, options)
+
+    def hidden(self, backbone: nn.Module) -> tuple[Tensor, Tensor]:
+        """As GroupMicroBatch.hidden."""
+        return packed_groups_hidden(backbone, self.prompts, self.prompt_lens, self.tokens, self.row_group,
+                                    self.segment_start, self.order)
 
     @property
     def n_tokens(self) -> int:
@@ -266,12 +277,21 @@ def packed_groups_logprobs(
 ) -> tuple[Tensor, Tensor]:
     """Log-probs (and entropy) of the response tokens of several groups, flattened by `order`: the prompts
     once, each response over its group's prompt KV (shared_prefix_hidden)."""
+    hidden, targets = packed_groups_hidden(backbone_of(model), prompts, prompt_lens, tokens, row_group,
+                                           segment_start, order)
+    return lm_head_logprobs(hidden, model.get_output_embeddings(), targets, options)
+
+
+def packed_groups_hidden(backbone: nn.Module, prompts: Tensor, prompt_lens: Tensor, tokens: Tensor,
+                         row_group: Tensor, segment_start: Tensor, order: Tensor) -> tuple[Tensor, Tensor]:
+    """(hidden states [N, H] that predict the response tokens, those tokens [N]), flattened by `order`, from the
+    shared-prefix forward of any decoder stack (a causal LM's, or the critic's: rollwise.train.critic)."""
     prompt_hidden, response_hidden, offsets = shared_prefix_hidden(
-        backbone_of(model), prompts, prompt_lens, tokens, row_group, segment_start)
+        backbone, prompts, prompt_lens, tokens, row_group, segment_start)
     # A response's first token is predicted by its prompt's last position, the others by the column before.
     hidden_size = response_hidden.shape[-1]
     last_prompt = prompt_hidden[torch.arange(prompts.shape[0], device=prompts.device), prompt_lens - 1]
     shifted = torch.cat([response_hidden[:, :1], response_hidden[:, :-1]], dim=1)
     first = (offsets == 0)[..., None]
     predictors = torch.where(first, last_prompt[row_group][:, None, :], shifted).reshape(-1, hidden_size)
-    return lm_head_logprobs(predictors[order], model.get_output_embeddings(), tokens.reshape(-1)[order], options)
+    return predictors[order], tokens.reshape(-1)[order]

@@ -51,7 +51,7 @@ from rollwise.train.distributed import RankSpec, gathered_buckets, init_rank, sh
 from rollwise.train.trainer import GRPOTrainer, MicroBatch, to_device
 from rollwise.train.logprobs import LogprobOptions
 from rollwise.train.packing import GroupMicroBatch
-from rollwise.train.token_advantages import split_per_sample
+from rollwise.train.token_forwards import in_order
 from rollwise.types.sample import Sample
 
 
@@ -64,7 +64,19 @@ class RankWork:
     weights: Tensor  # flattened over the chunks' trained tokens, in order
     padding: int  # zero-weight repeats to run after them (see MicroBatch.padding)
     idle: bool = False  # the chunks are not this rank's either: every micro-batch is padding
-    critic: CriticTargets | None = None  # train.advantage=gae: the critic's update after the policy's
+    critic: CriticTargets | None = None  # train.advantage=gae, updates_per_step > 1: the critic's update after the policy's
+    batch_tokens: int = 0  # the whole batch's trained tokens (over all ranks): the critic's value loss denominator
+
+
+@dataclass
+class TokenReply:
+    """A rank's answer to token_inputs: per sample of its chunks, the KL estimates and the critic's values (None:
+    not used, or an idle rank), and the critic's update metrics when it stepped there (its share of the batch's)."""
+
+    kl: list[Tensor] | None
+    values: list[Tensor] | None
+    critic_metrics: dict[str, float]
+    critic_updated: bool
 
 
 @dataclass
@@ -130,32 +142,37 @@ class RankTrainer(GRPOTrainer):
             metrics = self._update(batches, record_mismatch=update == 0, proximal=proximal)
         if work.critic is not None and self.critic is not None:
             metrics.update(self._update_critic(work, work.critic))
+        metrics.update(self.forwards.times.take())  # this step's, token_inputs' included
         return {"metrics": metrics, "version": self.version}
 
-    def token_inputs_of(self, work: RankWork) -> tuple[list[Tensor] | None, list[Tensor] | None]:
+    def token_inputs_of(self, work: RankWork) -> TokenReply:
         """Command token_inputs (per-token advantages, before the step's update): per sample of this rank's
-        chunks, the KL estimates and the critic's values, from GRPOTrainer.token_inputs on the rank's padded
-        micro-batches, filler included (every rank runs as many critic forwards as the others). An idle rank's
-        chunks are another rank's: (None, None)."""
-        kl, values = self.token_inputs(self.padded_batches(work.chunks, work.padding))
+        chunks, the KL estimates and the critic's values, from the one-process trainer's TokenForwards on the
+        rank's own micro-batches (those its update runs), filler included (every rank runs as many critic forwards
+        as the others); at train.updates_per_step=1 the critic's update runs here too (its metrics: this rank's
+        share). An idle rank's chunks are another rank's: no KL and no values."""
+        batches = self._work_batches(work)
+        inputs = self.forwards.run(work.chunks, batches, work.batch_tokens)
         if work.idle:
-            return None, None
-        real = len(work.chunks)
-        counts = [s.trained_tokens for chunk in work.chunks for s in chunk]
-        return (split_per_sample(None if kl is None else kl[:real], counts),
-                split_per_sample(None if values is None else values[:real], counts))
+            return TokenReply(None, None, inputs.critic_metrics, inputs.critic_updated)
+        mine = [s for chunk in work.chunks for s in chunk]
+        return TokenReply(in_order(mine, inputs.kl), in_order(mine, inputs.values), inputs.critic_metrics,
+                          inputs.critic_updated)
+
+    def _work_batches(self, work: RankWork) -> list[MicroBatch | GroupMicroBatch]:
+        batches = self.forward_batches(work.share, work.chunks, work.padding)
+        return [replace(mb, padding=True) for mb in batches] if work.idle else batches
 
     def _update_critic(self, work: RankWork, targets: CriticTargets) -> dict[str, float]:
-        """Critic.update on the same padded micro-batches its values came from (token_inputs_of); the filler
-        repeats the first at weight 0."""
-        batches = self.padded_batches(work.chunks, work.padding)
-        if work.idle:
-            batches = [replace(mb, padding=True) for mb in batches]
+        """Critic.update (updates_per_step > 1) on the same micro-batches its values came from (token_inputs_of);
+        the filler repeats the first at weight 0."""
+        batches = self._work_batches(work)
         sizes = [mb.n_tokens for mb in batches[: len(work.chunks)]]
         old, returns = list(torch.split(targets.old, sizes)), list(torch.split(targets.returns, sizes))
         old += old[:1] * work.padding
         returns += returns[:1] * work.padding
-        return self.critic.update(batches, old, returns, self._compute, targets.n_tokens)
+        with self.forwards.times.timing("time_critic_s", self.device):
+            return self.critic.update(batches, old, returns, self._compute, targets.n_tokens)
 
     def memory(self, _: Any = None) -> dict[str, float]:
         """This rank's bytes of parameters, gradients (at the last optimizer step) and optimizer

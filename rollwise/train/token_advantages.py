@@ -103,14 +103,28 @@ class TokenAdvantages:
     values: list[Tensor] | None = None
 
 
+def rewards_of(samples: list[Sample], cfg: TrainConfig, kl: list[Tensor] | None) -> list[Tensor]:
+    """Each sample's per-token rewards r_t (see the module doc; `kl` per sample, or None)."""
+    replace_task = cfg.teacher is not None and cfg.teacher.mode == "replace"  # the distillation reward alone
+    base = [0.0] * len(samples) if replace_task else sequence_rewards(samples, cfg.advantage)
+    return [token_rewards(r, s.trained_tokens, None if kl is None else kl[i], cfg.kl_coef, s.token_rewards)
+            for i, (s, r) in enumerate(zip(samples, base))]
+
+
+def gae_returns(samples: list[Sample], cfg: TrainConfig, kl: list[Tensor] | None, values: Tensor) -> Tensor:
+    """The critic's GAE targets G_t of `samples` (train.advantage=gae), flattened as `values` (their trained
+    tokens, sample after sample): per sample, so one micro-batch's need only its own values (the critic's one
+    forward a step, rollwise.train.critic.Critic.values_and_update); equal to compute_token_advantages' returns."""
+    per_sample = torch.split(values.float(), [s.trained_tokens for s in samples])
+    pairs = [gae(r, v, cfg.gae.gamma, cfg.gae.lam) for r, v in zip(rewards_of(samples, cfg, kl), per_sample)]
+    return torch.cat([g for _, g in pairs]) if pairs else torch.zeros(0)
+
+
 def compute_token_advantages(samples: list[Sample], cfg: TrainConfig, *, kl: list[Tensor] | None = None,
                              values: list[Tensor] | None = None) -> TokenAdvantages:
     """Per-token advantages of `samples` by train.advantage (gae needs `values`, the critic's per trained token;
     `kl`: the per-token KL estimates to fold into the reward, or None)."""
-    replace_task = cfg.teacher is not None and cfg.teacher.mode == "replace"  # the distillation reward alone
-    base = [0.0] * len(samples) if replace_task else sequence_rewards(samples, cfg.advantage)
-    rewards = [token_rewards(r, s.trained_tokens, None if kl is None else kl[i], cfg.kl_coef, s.token_rewards)
-               for i, (s, r) in enumerate(zip(samples, base))]
+    rewards = rewards_of(samples, cfg, kl)
     ones = [torch.ones_like(r) for r in rewards]
     if cfg.advantage == "gae":
         if values is None:

@@ -29,12 +29,12 @@ from rollwise.train.grpo import token_weights
 from rollwise.train.lora import adapter_state, wrap_lora
 from rollwise.train.packing import GroupMicroBatch, collate_group, collate_packed_groups
 from rollwise.train.policy_loss import PolicyLossInputs, resolve_policy_loss
-from rollwise.train.logprobs import LogprobOptions, sequence_logprobs
+from rollwise.train.logprobs import LogprobOptions, sequence_hidden, sequence_logprobs
 from rollwise.train.activation_checkpointing import enable_activation_checkpointing
 from rollwise.train.routing_replay import ReplayBatch, RoutingReplay, find_routers, rows_batch
 from rollwise.train.critic import Critic
-from rollwise.train.token_advantages import (TokenAdvantages, kl_estimate, plan_token_advantages,
-                                              split_per_sample)
+from rollwise.train.token_advantages import TokenAdvantages, plan_token_advantages
+from rollwise.train.token_forwards import TokenForwards, in_order, keep_linears_in, per_batch
 from rollwise.types.critic_config import token_advantage_reason
 
 
@@ -60,6 +60,10 @@ class MicroBatch:
 
     def logprobs(self, model: nn.Module, options: LogprobOptions) -> tuple[Tensor, Tensor]:
         return sequence_logprobs(model, self.input_ids, self.attention_mask, self.target_mask, options)
+
+    def hidden(self, backbone: nn.Module) -> tuple[Tensor, Tensor]:
+        """(hidden states that predict the trained tokens, those tokens), as GroupMicroBatch.hidden."""
+        return sequence_hidden(backbone, self.input_ids, self.attention_mask, self.target_mask)
 
     @property
     def n_tokens(self) -> int:
@@ -137,6 +141,16 @@ def lr_factor(cfg: TrainConfig, update: int) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
 
 
+@dataclass
+class PendingCritic:
+    """The critic's update still to run after the policy's (train.updates_per_step > 1): the micro-batches its
+    values came from, their chunks, and the samples in the order of the step's plan."""
+
+    batches: list[MicroBatch | GroupMicroBatch]
+    chunks: list[list[Sample]]
+    samples: list[Sample]
+
+
 class GRPOTrainer:
     def __init__(self, model: nn.Module, cfg: TrainConfig, *, pad_token_id: int, temperature: float = 1.0,
                  tokenizer: Any = None):
@@ -173,8 +187,14 @@ class GRPOTrainer:
         self.autocast_device = first.device.type
         self.compute_dtype = resolve_dtype(cfg.compute_dtype, self.autocast_device)
         self.autocast = self.compute_dtype != first.dtype
-        # Frozen initial policy for the KL term; only built when it is used (it doubles model memory).
+        # Frozen initial policy for the KL term; only built when it is used (it doubles model memory). Under
+        # autocast its linear weights are kept in the compute dtype (the same values, no cast per forward).
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+        if self.ref_model is not None and self.autocast:
+            keep_linears_in(self.ref_model, self.compute_dtype)
+        # The reference's and the critic's forwards for the per-token advantages, on the policy's micro-batches
+        self.forwards = TokenForwards(cfg, self.ref_model, self.critic, self._compute,
+                                      LogprobOptions.of(cfg, temperature), first.device)
         # MoE: hooks on the routers (after the copy above, which must route on its own) replay the engine's
         # experts (train.routing_replay=r3) or only measure how often the trainer's routing differs.
         replay = cfg.routing_replay == "r3" or bool(find_routers(model))
@@ -292,7 +312,7 @@ class GRPOTrainer:
                     "update_skipped_nonfinite_grad": 0.0, "trained_tokens": 0.0,
                     "trained_samples": 0.0, "clip_fraction": 0.0, "kl": 0.0,
                     "lr": self.scheduler.get_last_lr()[0], **self._measure(self._micro_batches(samples)[:1]),
-                    **(self.routing.take_metrics() if self.routing is not None else {})}
+                    **(self.routing.take_metrics() if self.routing is not None else {}), **self.forwards.times.take()}
         planned = self._token_advantages(informative) if self.token_advantages else None
         batches = self._micro_batches(informative)
         metrics: dict[str, float] = {}
@@ -308,46 +328,39 @@ class GRPOTrainer:
         metrics["update_skipped_no_signal"] = 0.0
         if planned is not None:
             metrics.update(self._after_token_advantages(*planned))
+        metrics.update(self.forwards.times.take())  # time_ref_s, time_critic_s
         return metrics
 
-    def padded_batches(self, chunks: list[list[Sample]], padding: int = 0) -> list[MicroBatch]:
-        """The micro-batches of the critic's and the reference's forwards (per-token advantages): each chunk as
-        right-padded rows on the model's device, plus `padding` repeats of the first (a sharded rank's filler)."""
+    def forward_batches(self, share: bool, chunks: list[list[Sample]], padding: int = 0) -> list[MicroBatch | GroupMicroBatch]:
+        """The micro-batches the policy's update runs (collate_chunks), on the model's device, for the reference's
+        and the critic's forwards before it (their loss weights unused: zeros)."""
         device = next(self.model.parameters()).device
-        batches = [to_device(collate(chunk, torch.zeros(0), self.pad_token_id), device) for chunk in chunks]
-        return batches + [replace(batches[0], padding=True) for _ in range(padding)]
+        weights = torch.zeros(sum(s.trained_tokens for chunk in chunks for s in chunk))
+        return [to_device(mb, device) for mb in self.collate_chunks(share, chunks, weights, padding)]
 
-    def token_inputs(self, padded: list[MicroBatch]) -> tuple[list[Tensor] | None, list[Tensor] | None]:
-        """Per micro-batch, on the CPU, before this step's update: the per-token KL estimates to fold into the
-        reward (train.kl_penalty=reward: the sampling policy's log-probs against the reference's; else None) and
-        the critic's values (gae; else None). A sharded rank runs this on its own micro-batches."""
-        kl = values = None
-        if self.ref_model is not None and self.cfg.kl_penalty == "reward":
-            with torch.no_grad():
-                kl = [kl_estimate(mb.behaviour_logp, self._forward_logprobs(self.ref_model, mb)[0],
-                                  self.cfg.kl_estimator).cpu() for mb in padded]
-        if self.critic is not None:
-            values = [v.cpu() for v in self.critic.values(padded, self._compute)]
-        return kl, values
-
-    def _token_advantages(self, samples: list[Sample]) -> tuple[list[MicroBatch], TokenAdvantages, dict[str, float]]:
+    def _token_advantages(self, samples: list[Sample]) -> tuple[PendingCritic | None, TokenAdvantages, dict[str, float]]:
         """train.advantage=gae / train.kl_penalty=reward: each sample's per-token advantages, set on it
-        (rollwise.train.token_advantages), from padded forwards of the critic and the reference (no grad)."""
-        size = self.cfg.micro_batch_size
-        padded = self.padded_batches([samples[i:i + size] for i in range(0, len(samples), size)])
-        counts = [s.trained_tokens for s in samples]
-        kl, values = (split_per_sample(x, counts) for x in self.token_inputs(padded))
-        plan, metrics = plan_token_advantages(samples, self.cfg, kl, values)
-        return padded, plan, metrics
+        (rollwise.train.token_advantages), from the reference's and the critic's forwards on the policy's own
+        micro-batches (rollwise.train.token_forwards; at updates_per_step=1 the critic's update runs there too)."""
+        share, chunks = chunk_samples(samples, self.cfg)
+        batches = self.forward_batches(share, chunks) if self.forwards.needed else []
+        inputs = self.forwards.run(chunks, batches, sum(s.trained_tokens for s in samples))
+        plan, metrics = plan_token_advantages(samples, self.cfg, in_order(samples, inputs.kl),
+                                              in_order(samples, inputs.values))
+        metrics.update(inputs.critic_metrics)
+        pending = PendingCritic(batches, chunks, samples) if self.critic is not None and not inputs.critic_updated else None
+        return pending, plan, metrics
 
-    def _after_token_advantages(self, padded: list[MicroBatch], plan: TokenAdvantages,
+    def _after_token_advantages(self, pending: PendingCritic | None, plan: TokenAdvantages,
                                 metrics: dict[str, float]) -> dict[str, float]:
-        """The critic's update on the step's returns (gae), and the step's per-token advantage metrics."""
-        if self.critic is not None and plan.values is not None and plan.returns is not None:
-            sizes = [mb.n_tokens for mb in padded]
-            old = list(torch.split(torch.cat(plan.values), sizes))
-            returns = list(torch.split(torch.cat(plan.returns), sizes))
-            metrics.update(self.critic.update(padded, old, returns, self._compute))
+        """The critic's update on the step's returns when it has not run with its values (updates_per_step > 1),
+        and the step's per-token advantage metrics."""
+        if pending is not None and plan.values is not None and plan.returns is not None:
+            ids = [id(s) for s in pending.samples]
+            old = per_batch(pending.chunks, dict(zip(ids, plan.values)))
+            returns = per_batch(pending.chunks, dict(zip(ids, plan.returns)))
+            with self.forwards.times.timing("time_critic_s", self.forwards.device):
+                metrics.update(self.critic.update(pending.batches, old, returns, self._compute))
         return metrics
 
     @torch.no_grad()
@@ -400,8 +413,7 @@ class GRPOTrainer:
                     masked += corr.masked_tokens
             ref_logp = None
             if self.ref_model is not None and self.loss_kl_coef > 0:
-                with torch.no_grad():
-                    ref_logp, _ = self._forward_logprobs(self.ref_model, mb)
+                ref_logp = self.forwards.reference_logprobs(mb)
             batch = PolicyLossInputs(
                 logp=logp, behaviour_logp=mb.behaviour_logp, old_logp=old_logp, advantages=mb.advantages,
                 token_weights=mb.weights, is_weights=weights, kept=kept, seq_index=mb.seq_index,
