@@ -22,6 +22,7 @@ from rollwise.train.logprobs import (DEFAULT_OPTIONS, RECOMPUTE_SHARE, LogprobOp
                                      lm_head_logprobs, shared_prompt_hidden)
 from rollwise.train.routing_replay import ReplayBatch, group_batch
 from rollwise.types.microbatch import pack_responses, prompt_groups
+from rollwise.types.packed_layout import RowLayout, lay_out_rows, prefixed_attention_mask
 from rollwise.types.sample import Sample
 
 __all__ = ["GroupMicroBatch", "PackedGroupsMicroBatch", "collate_group", "collate_packed_groups",
@@ -90,17 +91,9 @@ def collate_group(samples: list[Sample], weights: Tensor, pad_id: int, pack: boo
 def collate_packed_group(samples: list[Sample], weights: Tensor, pad_id: int) -> GroupMicroBatch:
     """One group's responses laid end to end in rows as wide as the longest (pack_responses)."""
     rows, width = pack_responses([len(s.response_ids) for s in samples])
-    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    segment_start = torch.full((len(rows), width), -1, dtype=torch.long)
-    flat_index: list[Tensor] = [torch.empty(0, dtype=torch.long)] * len(samples)
-    for r, members in enumerate(rows):
-        col = 0
-        for i in members:
-            n = len(samples[i].response_ids)
-            tokens[r, col : col + n] = torch.tensor(samples[i].response_ids)
-            segment_start[r, col : col + n] = col
-            flat_index[i] = r * width + col + torch.arange(n)
-            col += n
+    layout = lay_out_rows(rows, [len(s.response_ids) for s in samples], width)
+    tokens = _laid_out(samples, layout, width, pad_id)
+    segment_start = layout.segment_start
     return GroupMicroBatch(
         prompt_ids=torch.tensor(samples[0].prompt_ids),
         responses=tokens,
@@ -109,7 +102,7 @@ def collate_packed_group(samples: list[Sample], weights: Tensor, pad_id: int) ->
         advantages=torch.tensor([s.advantage for s in samples for _ in s.response_ids], dtype=torch.float32),
         weights=weights,
         segment_start=segment_start,
-        order=torch.cat(flat_index),
+        order=torch.cat(layout.place),
     )
 
 
@@ -163,25 +156,18 @@ def collate_packed_groups(samples: list[Sample], weights: Tensor, pad_id: int) -
     for g, members in enumerate(groups):
         layout, _ = pack_responses([len(s.response_ids) for s in members], width)
         rows.extend((g, [members[i] for i in row]) for row in layout)
-    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    segment_start = torch.full((len(rows), width), -1, dtype=torch.long)
-    flat_index: dict[int, Tensor] = {}  # by id(sample)
-    for r, (_, members) in enumerate(rows):
-        col = 0
-        for s in members:
-            n = len(s.response_ids)
-            tokens[r, col : col + n] = _long(s.response_ids)
-            segment_start[r, col : col + n] = col
-            flat_index[id(s)] = r * width + col + torch.arange(n)
-            col += n
+    position = {id(s): k for k, s in enumerate(samples)}
+    layout = lay_out_rows([[position[id(s)] for s in members] for _, members in rows],
+                          [len(s.response_ids) for s in samples], width)
+    tokens = _laid_out(samples, layout, width, pad_id)
     return PackedGroupsMicroBatch(
         prompts=prompts,
         prompt_lens=_long([len(g[0].prompt_ids) for g in groups]),
         tokens=tokens,
         row_group=_long([g for g, _ in rows]),
-        segment_start=segment_start,
+        segment_start=layout.segment_start,
         # the loss weights come flattened in the chunk's sample order: so do the tokens
-        order=torch.cat([flat_index[id(s)] for s in samples]),
+        order=torch.cat(layout.place),
         behaviour_logp=torch.tensor([float(lp) for s in samples for lp in s.behaviour_logprobs], dtype=torch.float32),
         advantages=torch.tensor([s.advantage for s in samples for _ in range(len(s.response_ids))],
                                 dtype=torch.float32),
@@ -189,18 +175,13 @@ def collate_packed_groups(samples: list[Sample], weights: Tensor, pad_id: int) -
     )
 
 
-def _row_mask(prompt_keys: Tensor, segment_start: Tensor) -> Tensor:
-    """[rows, 1, W, P + W] boolean attention mask: a real token sees its group's prompt (prompt_keys
-    [rows, P]) and its own response's earlier tokens; a padding query sees the prompt only (a row of
-    all-False would give NaN in softmax)."""
-    rows, width = segment_start.shape
-    cols = torch.arange(width, device=segment_start.device)
-    real = segment_start >= 0
-    same_segment = segment_start[:, :, None] == segment_start[:, None, :]  # [rows, q, k]
-    causal = cols[None, :, None] >= cols[None, None, :]
-    own = same_segment & causal & real[:, None, :] & real[:, :, None]
-    prompt = prompt_keys[:, None, :].expand(rows, width, prompt_keys.shape[1])
-    return torch.cat([prompt, own], dim=2)[:, None]
+def _laid_out(samples: list[Sample], layout: RowLayout, width: int, pad_id: int) -> Tensor:
+    """[rows, W] the samples' response tokens where `layout` places them, padding elsewhere."""
+    tokens = torch.full((layout.segment_start.shape[0], width), pad_id, dtype=torch.long)
+    flat = tokens.view(-1)
+    for s, place in zip(samples, layout.place):
+        flat[place] = _long(s.response_ids)
+    return tokens
 
 
 def unmasked_rows(prompts: Tensor, prompt_lens: Tensor, row_group: Tensor, segment_start: Tensor) -> bool:
@@ -259,7 +240,7 @@ def shared_prefix_hidden(
     offsets = torch.where(segment_start >= 0, cols[None, :] - segment_start, 0)
     with rows_scope if rows_scope is not None else nullcontext():
         response_hidden = backbone(
-            input_ids=tokens, attention_mask=_row_mask(prompt_keys[row_group], segment_start),
+            input_ids=tokens, attention_mask=prefixed_attention_mask(prompt_keys[row_group], segment_start),
             position_ids=prompt_lens[row_group][:, None] + offsets, past_key_values=cache, use_cache=True,
         ).last_hidden_state
     return prompt_out.last_hidden_state, response_hidden, offsets
