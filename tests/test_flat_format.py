@@ -121,6 +121,45 @@ def test_bf16_loads_without_a_copy_and_casts_when_asked(tmp_path: Path):
     assert ptrs[-1] - ptrs[0] < read_index(tmp_path).data_bytes  # all inside one buffer
 
 
+def test_weights_moved_to_a_device_are_views_of_one_copy_of_the_buffer(tmp_path: Path):
+    """FlatWeights.to (the GPU load path: one transfer of the whole data file, then views) on the CPU as a
+    device: every tensor equal, all of them inside ONE new buffer (not the read buffer), aliases still one tensor;
+    load_flat_model(device=) builds the same model from it, its tie a tie."""
+    from rollwise.model.flat_model import load_flat_model
+
+    model = tiny_llama(seed=4)
+    flatten_model(model, tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    weights = read_flat(tmp_path)
+    moved = weights.to("cpu")
+    assert moved.buffer.data_ptr() != weights.buffer.data_ptr() and set(moved.state) == set(weights.state)
+    start, end = moved.buffer.data_ptr(), moved.buffer.data_ptr() + moved.buffer.numel()
+    for name, t in moved.state.items():
+        assert torch.equal(t, weights.state[name]) and start <= t.data_ptr() < end, name
+    for alias, source in read_index(tmp_path).layout.aliases.items():
+        assert moved.state[alias] is moved.state[source]
+    loaded = load_flat_model(tmp_path, device="cpu")
+    assert torch.equal(_logits(loaded), _logits(model))
+    assert loaded.lm_head.weight is loaded.get_input_embeddings().weight
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the GPU load path)")
+def test_a_flat_model_loads_onto_the_gpu_from_one_buffer(tmp_path: Path):
+    from rollwise.model.flat_model import load_flat_model
+
+    model = tiny_llama(seed=5)
+    flatten_model(model, tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    loaded = load_flat_model(tmp_path, device="cuda")
+    params = list(loaded.parameters())
+    assert all(p.is_cuda for p in params) and all(b.is_cuda for b in loaded.buffers())
+    ptrs = sorted(p.data_ptr() for p in params)
+    assert ptrs[-1] - ptrs[0] < read_index(tmp_path).data_bytes  # views of one device buffer
+    with torch.no_grad():
+        got = loaded(torch.tensor([[5, 6, 7, 8, 9, 10]], device="cuda")).logits.cpu()
+    assert torch.allclose(got, _logits(model), atol=1e-4)
+
+
 def _flip_byte_of(directory: Path, name: str) -> None:
     index = read_index(directory)
     chunk = next(b for b in index.layout.buckets if any(t.name == name for t in b.tensors))

@@ -20,14 +20,14 @@ from rollwise.model.flat_reader import allocate, default_threads, read_flat, rea
 PIECE = int(DEFAULT_CHUNK_MB * 2**20)  # the flat reader's own unit: the limit is the same reads without the rest
 
 
-def from_pretrained(hf_dir: Path, dtype: torch.dtype) -> object:
+def from_pretrained(hf_dir: Path, dtype: torch.dtype, device: str | None = None) -> object:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, **({"device_map": device} if device else {}))
 
 
-def flat_model(flat_dir: Path, dtype: torch.dtype) -> object:
-    return load_flat_model(flat_dir, dtype)
+def flat_model(flat_dir: Path, dtype: torch.dtype, device: str | None = None) -> object:
+    return load_flat_model(flat_dir, dtype, device=device)
 
 
 def safetensors_load_file(hf_dir: Path) -> dict[str, torch.Tensor]:

@@ -23,12 +23,16 @@ from rollwise.types.weight_checks import IGNORED_SUFFIXES
 
 
 def load_flat_model(directory: str | Path, dtype: torch.dtype = torch.float32, *, pin: bool = False,
-                    threads: int | None = None) -> PreTrainedModel:
+                    threads: int | None = None, device: torch.device | str | None = None) -> PreTrainedModel:
     """The model of a flat directory, in `dtype` (tensors stored in another float dtype are cast: a copy; the
-    stored dtype loads with none). FlatCheckpointError naming the tensors when the checkpoint is damaged or
-    does not fit the config's model."""
+    stored dtype loads with none), on `device` (default: the CPU; a GPU gets the whole data file in one transfer
+    from a pinned buffer, then views of it: ServerlessLLM's load path). FlatCheckpointError naming the tensors when
+    the checkpoint is damaged or does not fit the config's model."""
     directory = Path(directory)
-    weights = read_flat(directory, pin=pin, threads=threads)
+    on_gpu = device is not None and torch.device(device).type == "cuda"
+    weights = read_flat(directory, pin=pin or on_gpu, threads=threads)
+    if device is not None and torch.device(device) != weights.buffer.device:
+        weights = weights.to(device)
     config = AutoConfig.from_pretrained(directory)
     # Parameters on meta, buffers on CPU; no random init of weights about to be replaced (from_pretrained's own
     # context for the same: its init is most of building a model, even on meta).
@@ -47,6 +51,8 @@ def load_flat_model(directory: str | Path, dtype: torch.dtype = torch.float32, *
                                   "flatten the model directory again", [*(w.split(':')[0] for w in wrong), *unexpected])
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()  # a tied lm_head that the checkpoint stores once (or as an alias) is the embedding again
+    if device is not None:
+        model.to(device)  # the buffers computed on the CPU (rotary frequencies); the parameters are there already
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise FlatCheckpointError(f"{directory}: the flat checkpoint lacks {', '.join(missing[:8])}"

@@ -75,6 +75,14 @@ class FlatWeights:
     def nbytes(self) -> int:
         return self.index.layout.total_bytes
 
+    def to(self, device: torch.device | str) -> FlatWeights:
+        """The same tensors on `device`, as views of ONE copy of the buffer there (a single host-to-device
+        transfer, from pinned memory when read with pin=True, instead of one per tensor); aliases stay shared."""
+        start = time.perf_counter()
+        buffer = self.buffer[: self.index.data_bytes].to(device, copy=True)  # a copy even on the same device
+        return FlatWeights(tensors_of(self.index, buffer), buffer, self.index,
+                           self.seconds + time.perf_counter() - start)
+
 
 def default_threads() -> int:
     return max(1, min(16, os.cpu_count() or 1))
@@ -118,12 +126,18 @@ def read_flat(directory: str | Path, *, threads: int | None = None, verify: bool
         raise FlatCheckpointError(f"{path}: chunk(s) {bad[:SHOWN_NAMES]} do not match their checksums (damaged on "
                                   f"disk or in a copy), spoiling {_named(names)}; nothing was loaded: write the "
                                   "checkpoint again (`rollwise model flatten`)", names, bad)
+    return FlatWeights(tensors_of(index, buffer), buffer, index, time.perf_counter() - start)
+
+
+def tensors_of(index: FlatIndex, buffer: Tensor) -> dict[str, Tensor]:
+    """Every tensor of `index` as a typed view of `buffer` (the data file's bytes, on any device); aliases are
+    the same tensor as their source."""
     state: dict[str, Tensor] = {}
     for bucket, offset in zip(index.layout.buckets, index.bucket_offsets, strict=True):
         state.update(unflatten_bucket(bucket, buffer[offset: offset + bucket.nbytes]))
     for alias, source in index.layout.aliases.items():
         state[alias] = state[source]
-    return FlatWeights(state, buffer, index, time.perf_counter() - start)
+    return state
 
 
 def _check_length(index: FlatIndex, path: Path, size: int) -> None:
