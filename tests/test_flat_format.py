@@ -121,26 +121,32 @@ def test_bf16_loads_without_a_copy_and_casts_when_asked(tmp_path: Path):
     assert ptrs[-1] - ptrs[0] < read_index(tmp_path).data_bytes  # all inside one buffer
 
 
-def test_weights_moved_to_a_device_are_views_of_one_copy_of_the_buffer(tmp_path: Path):
-    """FlatWeights.to (the GPU load path: one transfer of the whole data file, then views) on the CPU as a
-    device: every tensor equal, all of them inside ONE new buffer (not the read buffer), aliases still one tensor;
-    load_flat_model(device=) builds the same model from it, its tie a tie."""
+def test_weights_read_onto_a_device_are_views_of_one_buffer_there(tmp_path: Path):
+    """read_flat(device=) (the GPU load path: each verified chunk copied into one device buffer while the others
+    are read, then views) on the CPU as a device: every tensor equal to a plain read's, all of them inside ONE
+    buffer of the data file's size, aliases still one tensor; load_flat_model(device=) builds the same model from
+    it, its tie a tie; a damaged chunk hands nothing out."""
     from rollwise.model.flat_model import load_flat_model
 
     model = tiny_llama(seed=4)
-    flatten_model(model, tmp_path)
+    flatten_model(model, tmp_path, chunk_mb=SMALL_CHUNKS)  # many chunks: copies interleave with reads
     tiny_tokenizer().save_pretrained(tmp_path)
     weights = read_flat(tmp_path)
-    moved = weights.to("cpu")
-    assert moved.buffer.data_ptr() != weights.buffer.data_ptr() and set(moved.state) == set(weights.state)
+    moved = read_flat(tmp_path, device="cpu", threads=3)
+    assert moved.buffer.numel() == read_index(tmp_path).data_bytes and set(moved.state) == set(weights.state)
     start, end = moved.buffer.data_ptr(), moved.buffer.data_ptr() + moved.buffer.numel()
     for name, t in moved.state.items():
         assert torch.equal(t, weights.state[name]) and start <= t.data_ptr() < end, name
     for alias, source in read_index(tmp_path).layout.aliases.items():
         assert moved.state[alias] is moved.state[source]
+    unchecked = read_flat(tmp_path, device="cpu", verify=False)
+    assert all(torch.equal(unchecked.state[n], t) for n, t in weights.state.items())
     loaded = load_flat_model(tmp_path, device="cpu")
     assert torch.equal(_logits(loaded), _logits(model))
     assert loaded.lm_head.weight is loaded.get_input_embeddings().weight
+    _flip_byte_of(tmp_path, "model.norm.weight")
+    with pytest.raises(FlatCheckpointError, match="model.norm.weight"):
+        read_flat(tmp_path, device="cpu")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the GPU load path)")

@@ -25,14 +25,12 @@ from rollwise.types.weight_checks import IGNORED_SUFFIXES
 def load_flat_model(directory: str | Path, dtype: torch.dtype = torch.float32, *, pin: bool = False,
                     threads: int | None = None, device: torch.device | str | None = None) -> PreTrainedModel:
     """The model of a flat directory, in `dtype` (tensors stored in another float dtype are cast: a copy; the
-    stored dtype loads with none), on `device` (default: the CPU; a GPU gets the whole data file in one transfer
-    from a pinned buffer, then views of it: ServerlessLLM's load path). FlatCheckpointError naming the tensors when
-    the checkpoint is damaged or does not fit the config's model."""
+    stored dtype loads with none), on `device` (default: the CPU; a GPU gets each chunk from a pinned buffer as
+    soon as it is read and verified, into one device buffer whose views the parameters are: ServerlessLLM's load
+    path). FlatCheckpointError naming the tensors when the checkpoint is damaged or does not fit the config's
+    model."""
     directory = Path(directory)
-    on_gpu = device is not None and torch.device(device).type == "cuda"
-    weights = read_flat(directory, pin=pin or on_gpu, threads=threads)
-    if device is not None and torch.device(device) != weights.buffer.device:
-        weights = weights.to(device)
+    weights = read_flat(directory, pin=pin, threads=threads, device=device)
     config = AutoConfig.from_pretrained(directory)
     # Parameters on meta, buffers on CPU; no random init of weights about to be replaced (from_pretrained's own
     # context for the same: its init is most of building a model, even on meta).

@@ -12,6 +12,11 @@ pages and faulting the buffer in); as many hashers as readers by default, fewer 
 `rollwise bench load`'s diagnostic arm. Only when
 every chunk has been read whole and matched its checksum are tensors made; a truncated or damaged chunk raises
 `FlatCheckpointError` naming the tensors with bytes in it, and nothing is handed out.
+
+Onto a GPU (`device=`), each chunk is copied from the pinned read buffer into one device buffer as soon as it has
+matched its checksum, asynchronously, while later chunks are still being read: the host-to-device transfer overlaps
+the reads instead of following them (ServerlessLLM's pipeline), so a load costs about the slower of the disk and
+the PCIe link, not their sum. Tensors are views of the device buffer, made only after every chunk matched.
 """
 
 from __future__ import annotations
@@ -75,14 +80,6 @@ class FlatWeights:
     def nbytes(self) -> int:
         return self.index.layout.total_bytes
 
-    def to(self, device: torch.device | str) -> FlatWeights:
-        """The same tensors on `device`, as views of ONE copy of the buffer there (a single host-to-device
-        transfer, from pinned memory when read with pin=True, instead of one per tensor); aliases stay shared."""
-        start = time.perf_counter()
-        buffer = self.buffer[: self.index.data_bytes].to(device, copy=True)  # a copy even on the same device
-        return FlatWeights(tensors_of(self.index, buffer), buffer, self.index,
-                           self.seconds + time.perf_counter() - start)
-
 
 def default_threads() -> int:
     return max(1, min(16, os.cpu_count() or 1))
@@ -94,11 +91,13 @@ def allocate(nbytes: int, pin: bool) -> Tensor:
 
 
 def read_flat(directory: str | Path, *, threads: int | None = None, verify: bool = True, pin: bool = False,
-              buffer: Tensor | None = None, hashers: int | None = None) -> FlatWeights:
+              buffer: Tensor | None = None, hashers: int | None = None,
+              device: torch.device | str | None = None) -> FlatWeights:
     """Read directory's flat checkpoint. `threads`: reader threads (default_threads()); `hashers`: checksum threads
     (as many as readers). `buffer`: a uint8 CPU tensor of at least index.data_bytes to read into (a caller's
     reused pool); else one is allocated. verify=False skips the checksums (a caller that checks them itself, or a
-    benchmark's arm)."""
+    benchmark's arm). `device`: the tensors' device; each verified chunk is copied there while the others are read
+    (the returned buffer is the device's; the host buffer is only staging, pinned when CUDA exists)."""
     start = time.perf_counter()
     readers = threads or default_threads()
     hashers = hashers or readers
@@ -117,8 +116,11 @@ def read_flat(directory: str | Path, *, threads: int | None = None, verify: bool
     try:
         _check_length(index, path, os.fstat(fd).st_size)  # before allocating what the index claims
         if buffer is None:
-            buffer = allocate(index.data_bytes, pin)
-        bad = _read_chunks(index, fd, path, buffer, readers, hashers if verify else 0)
+            buffer = allocate(index.data_bytes, pin or device is not None)
+        target = None if device is None else torch.empty(index.data_bytes, dtype=torch.uint8, device=device)
+        bad = _read_chunks(index, fd, path, buffer, readers, hashers if verify else 0, target)
+        if target is not None and target.is_cuda:
+            torch.cuda.synchronize(target.device)  # every chunk's copy landed before the staging buffer goes
     finally:
         os.close(fd)
     if bad:
@@ -126,6 +128,8 @@ def read_flat(directory: str | Path, *, threads: int | None = None, verify: bool
         raise FlatCheckpointError(f"{path}: chunk(s) {bad[:SHOWN_NAMES]} do not match their checksums (damaged on "
                                   f"disk or in a copy), spoiling {_named(names)}; nothing was loaded: write the "
                                   "checkpoint again (`rollwise model flatten`)", names, bad)
+    if target is not None:
+        buffer = target
     return FlatWeights(tensors_of(index, buffer), buffer, index, time.perf_counter() - start)
 
 
@@ -149,11 +153,19 @@ def _check_length(index: FlatIndex, path: Path, size: int) -> None:
                                   "copy or write the checkpoint again", names, short)
 
 
-def _read_chunks(index: FlatIndex, fd: int, path: Path, buffer: Tensor, readers: int, hashers: int) -> list[int]:
+def _read_chunks(index: FlatIndex, fd: int, path: Path, buffer: Tensor, readers: int, hashers: int,
+                 target: Tensor | None = None) -> list[int]:
     """Read every chunk into its place in buffer (`readers` threads) and, unless hashers is 0, check each on one
-    of `hashers` threads as soon as it is read; the chunks whose checksum does not match (after all are checked)."""
+    of `hashers` threads as soon as it is read; the chunks whose checksum does not match (after all are checked).
+    `target`: a device buffer each good chunk is copied into (asynchronously from pinned memory on a GPU) once it
+    is read and, when hashing, matched."""
     view = memoryview(buffer.numpy())
     chunks = range(len(index.checksums))
+
+    def copy_out(chunk: int) -> None:
+        if target is not None:
+            a, b = index.chunk_range(chunk)
+            target[a:b].copy_(buffer[a:b], non_blocking=target.is_cuda)
 
     def read(chunk: int) -> None:
         a, b = index.chunk_range(chunk)
@@ -167,11 +179,18 @@ def _read_chunks(index: FlatIndex, fd: int, path: Path, buffer: Tensor, readers:
 
     def matches(chunk: int) -> bool:
         a, b = index.chunk_range(chunk)
-        return xxhash.xxh3_64_intdigest(view[a:b]) == index.checksums[chunk]
+        good = xxhash.xxh3_64_intdigest(view[a:b]) == index.checksums[chunk]
+        if good:
+            copy_out(chunk)
+        return good
+
+    def read_and_copy(chunk: int) -> None:
+        read(chunk)
+        copy_out(chunk)
 
     if not hashers:
         with ThreadPoolExecutor(max_workers=readers, thread_name_prefix="flat-read") as reading:
-            list(reading.map(read, chunks))
+            list(reading.map(read_and_copy, chunks))
         return []
     with ThreadPoolExecutor(max_workers=hashers, thread_name_prefix="flat-hash") as hashing:
 
