@@ -19,6 +19,7 @@
     rollwise bench allocator [--quick] [--rounds N]   glibc malloc as it is vs unbounded vs bounded keeping (fresh processes)
     rollwise bench index [--check]                    docs/benchmarks.md: every goal's latest figure, from the JSON files
     rollwise bench load [--quick] [--json PATH]       flat checkpoints vs from_pretrained / safetensors / vLLM vs read limit
+    rollwise bench load --switch [--quick]            a pool job switch from the memory / disk / remote tier vs a full load
     rollwise model flatten SRC DST [--chunk-mb MB]    a loading-optimised (flat) copy of a model directory or checkpoint
     rollwise compare RUN_DIR|LABEL=DIR,DIR ... [--out PNG]  runs or seed arms side by side, held-out table
     rollwise serve engine [--model SPEC] [--host 127.0.0.1] [--port 8000] [--max-num-seqs N] [--max-model-len N] [--dtype D]

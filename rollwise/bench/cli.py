@@ -82,6 +82,9 @@ def add_bench_parser(sub: Any) -> None:
     bench.add_argument("--migration", action="store_true",
                        help="mux: the migration arm instead: a pool slot drained for another job by live migration "
                        "vs by waiting vs by abort and regenerate (issue 42; drain episode, tokens regenerated)")
+    bench.add_argument("--switch", action="store_true",
+                       help="load: only its pool job-switch section: a switch from the memory, disk and remote tier "
+                       "of the pool's model cache vs a full load through from_pretrained (issue 42)")
     bench.add_argument("--lora", action="store_true",
                        help="mux: train.lora jobs on one base sharing one engine batch (2 jobs; full: also 4) "
                        "vs. dedicated engines (issue 22)")

@@ -20,6 +20,8 @@ views): `goals.vs_from_pretrained_gpu`, ServerlessLLM's comparison. Limits: a ra
 buffer (the best of 1 and N threads) and a memory copy of the same bytes into a preallocated buffer. Page cache:
 every file read once before; disk (full run only): each run after evicting the arm's files (drop_caches where
 writable, else posix_fadvise DONTNEED: the JSON says which). Arms interleave round-robin, median of the repeats.
+Then the pool job-switch section (rollwise.bench.load_switch; `--switch` runs it alone): its own key `switch`, its
+goal `goals.switch_memory_vs_full_load` beside the others.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 from rich.table import Table
 
 from rollwise.bench import load_arms as arms
+from rollwise.bench.load_switch import SWITCH_GOAL, run_switch_bench, switch_rows
 from rollwise.model.flat_model import flatten_directory, flatten_model
 from rollwise.model.flat_reader import read_index
 from rollwise.model.loading import cache_dir, resolve_model_path
@@ -156,7 +159,9 @@ def _measure(m: dict[str, Any], repeats: int, cold_method: str | None, vllm_skip
     }
 
 
-def run_load_bench(*, quick: bool, repeats: int | None = None, progress: Callable[[str], None] = print) -> dict:
+def run_load_bench(*, quick: bool, repeats: int | None = None, progress: Callable[[str], None] = print,
+                   switch: bool = True) -> dict:
+    """Every load arm, then (`switch`) the pool job-switch section (rollwise.bench.load_switch)."""
     repeats = repeats or (3 if quick else 5)
     names = ["smollm2-135m"] if quick else ["smollm2-135m", "llama-3.2-1b-shape"]
     method, why = ("none", "--quick: page cache only") if quick else arms.drop_method()
@@ -184,7 +189,7 @@ def run_load_bench(*, quick: bool, repeats: int | None = None, progress: Callabl
     gpu = [case["vs_from_pretrained_gpu"] for case in cases if "vs_from_pretrained_gpu" in case]
     # ServerlessLLM's 5x is a load into GPU memory; reported beside the CPU-resident goal (None: no GPU here)
     goals["vs_from_pretrained_gpu"] = min(gpu) if gpu else None
-    return {
+    result = {
         "quick": quick, "repeats": repeats, "threads": arms.flat_threads(), "torch_threads": torch.get_num_threads(),
         "cold": {"method": method, "note": why}, "vllm_arm": {"skipped": vllm_skip} if vllm_skip else {"ran": True},
         "models": models,
@@ -194,6 +199,18 @@ def run_load_bench(*, quick: bool, repeats: int | None = None, progress: Callabl
                           "how": "worst case over models and cache states: from_pretrained seconds / flat model "
                                  "seconds; read limit seconds / flat read (with checksums) seconds"},
     }
+    if switch:
+        add_switch(result, run_switch_bench(quick=quick, repeats=repeats, progress=progress))
+    return result
+
+
+def add_switch(result: dict, section: dict) -> None:
+    """The switch section into a load bench result: its own key, and its goal beside the others."""
+    result["switch"] = section
+    goals = result.setdefault("goals", {"targets": {}, "met": {}})
+    goals["switch_memory_vs_full_load"] = section["goal"]["switch_memory_vs_full_load"]
+    goals["targets"]["switch_memory_vs_full_load"] = SWITCH_GOAL
+    goals["met"]["switch_memory_vs_full_load"] = section["goal"]["met"]
 
 
 def format_load_bench(result: dict) -> Table:
@@ -219,12 +236,32 @@ def format_load_bench(result: dict) -> Table:
     return table
 
 
+def format_switch_bench(section: dict) -> Table:
+    table = Table(title=f"Pool job switch by tier vs a full load (one slot, reference engine, median of "
+                        f"{section['repeats']}; cold: {section['cold']['method']})")
+    for column in ("model", "cache", "arm", "seconds"):
+        table.add_column(column, justify="right" if column == "seconds" else "left")
+    for row in switch_rows(section):
+        table.add_row(*row)
+    g = section["goal"]
+    table.caption = (f"memory-tier switch vs full load: {g['switch_memory_vs_full_load']:.2f}x (goal >= "
+                     f"{g['target']:g}: {'met' if g['met'] else 'NOT met'}); worst case")
+    return table
+
+
 def cli_bench_load(args: Any, console: Any) -> int:
     from rollwise.sim.commands import write_json
 
-    result = run_load_bench(quick=args.quick, repeats=args.rounds, progress=lambda line: console.print(line))
-    result["command"] = "rollwise bench load" + (" --quick" if args.quick else "") + (
-        f" --json {args.json}" if args.json else "")
-    console.print(format_load_bench(result))
+    progress = lambda line: console.print(line)  # noqa: E731
+    if args.switch:  # the pool job-switch section alone (rollwise.bench.load_switch)
+        result: dict = {"quick": args.quick}
+        add_switch(result, run_switch_bench(quick=args.quick, repeats=args.rounds, progress=progress))
+    else:
+        result = run_load_bench(quick=args.quick, repeats=args.rounds, progress=progress)
+    result["command"] = "rollwise bench load" + (" --switch" if args.switch else "") + (
+        " --quick" if args.quick else "") + (f" --json {args.json}" if args.json else "")
+    if "models" in result:
+        console.print(format_load_bench(result))
+    console.print(format_switch_bench(result["switch"]))
     write_json(args.json, result, console)
     return 0
