@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e \".[cpu]\")")
 
-from rollwise.engine.migration import Migratable, migrate  # noqa: E402
+from rollwise.engine.migration import Migratable, MigrationRefused, MigrationState, migrate  # noqa: E402
 from rollwise.engine.reference.engine import ReferenceEngine  # noqa: E402
 from rollwise.engine.retention import RetentionLimits, RetentionRequest  # noqa: E402
 from rollwise.engine.vllm_backend import VLLMEngine  # noqa: E402
@@ -96,6 +96,34 @@ def test_vllm_is_migratable_and_model_info_matches_the_reference(vllm_engine, mo
     info, ref = vllm_engine.model_info(), _reference(model, 0).model_info()
     assert (info.model, info.vocab_size, info.tokenizer_fingerprint) == (ref.model, ref.vocab_size,
                                                                           ref.tokenizer_fingerprint)
+
+
+class _SleepsAtCommit:
+    """A real reference engine as the target, put to sleep just before the handover's commit: it refuses it."""
+
+    def __init__(self, engine: ReferenceEngine) -> None:
+        self.engine = engine
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - every other Migratable method: the engine's
+        return getattr(self.engine, name)
+
+    def commit_migration(self, state: MigrationState) -> None:
+        self.engine.sleep()
+        self.engine.commit_migration(state)
+
+
+def test_a_refused_handover_resumes_on_vllm_as_one_engine(vllm_engine, model, alone):
+    """The target refuses the commit: vLLM kept each request's place (suspended, its tokens kept) and resumes it
+    from where it stopped (greedy: the tokens one engine produces), nothing lost or emitted twice."""
+    for r in _requests("k"):
+        vllm_engine.add_request(r)
+    assert _run(vllm_engine, 3) == []
+    with pytest.raises(MigrationRefused) as refused:
+        migrate(vllm_engine, _SleepsAtCommit(_reference(model, 3)), source_steps=2)
+    assert sorted(refused.value.stayed) == ["k0", "k1", "k2"]
+    assert all("sleeping" in why for why in refused.value.stayed.values())
+    _assert_as_alone(_run(vllm_engine), alone, {f"k{i}": [0] * TOKENS for i in range(3)})
+    assert vllm_engine.migratable_requests() == [] and not vllm_engine.has_unfinished()
 
 
 def test_greedy_requests_move_vllm_to_reference_and_back_as_one_engine(vllm_engine, model, alone):

@@ -2,13 +2,15 @@
 the pool's model cache against today's switch, a full load (issue 42, item 2's benchmark goal).
 
 One real pool (rollwise.pool.engine_pool, in this process, its reference engines, one slot, nothing kept
-sleeping: every switch builds the incoming job's engine) with three full-parameter jobs of the same model. The
+sleeping) with three full-parameter jobs of the same model: every switch after the first recycles the outgoing
+job's engine for the incoming one (its weights replaced from the tier: Engine.replace_weights), as the pool does
+between full jobs of one model; the first builds one. The
 tiered cache's priorities pin each job to one tier: the memory tier holds one model (job `memory`, priority 3),
 the disk tier two (`memory`'s and `disk`'s flat checkpoints; `disk`, priority 2, never displaces `memory` in
 the memory tier), and `remote` (priority 1) fits in neither, so it always comes from the job's store: the
 weights it pushed, referenced in host memory, which is what every switch did before issue 42. The slot goes
 round memory, disk, remote; each switch's seconds are the pool's own (the load transition /state reports: the
-engine built around the job's model, its weights fetched from the tier and applied), and the tier it names is
+engine recycled, or built around the job's model, its weights fetched from the tier and applied), and the tier it names is
 checked against the job's (a mismatch fails the run).
 
 Today's switch, a full load, is timed beside them in the same rounds: the job's model directory through
@@ -86,8 +88,8 @@ class SwitchRig:
         loads = [t for t in self.pool.state()["transitions"] if t["kind"] == "load" and t["job"] == tier]
         if not loads:
             raise RuntimeError(f"bench load --switch: job {tier!r} ran without a load (was its engine kept?)")
-        reason = loads[-1]["reason"]  # "load (memory tier) for memory (after remote)"
-        served = reason.split("(", 1)[1].split(" tier", 1)[0] if reason.startswith("load (") else reason
+        reason = loads[-1]["reason"]  # "recycle (memory tier) for memory (after remote)", or "load (...": built
+        served = reason.split("(", 1)[1].split(" tier", 1)[0] if reason.startswith(("load (", "recycle (")) else reason
         return served, float(loads[-1]["seconds"])
 
     def full_load(self, hf_dir: Path, dtype: torch.dtype) -> float:

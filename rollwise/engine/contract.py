@@ -69,6 +69,12 @@ class Engine(Protocol):
         """Load new weights by HF name, versioned. Everything is validated before anything is applied:
         a bad update raises ValueError and the engine keeps serving its previous version. Tokens
         sampled afterwards carry `version`, so a request that spans an update says so token by token."""
+    def replace_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        """Take another owner's weights of the same model (a pool slot recycling an engine for another job:
+        rollwise.pool.slots): the complete state, checked by check_replacement before anything is copied, on an idle
+        engine. Everything computed with the old weights is dropped (prefix cache, retained session KV, the
+        drafter's history) and the version becomes `version`, which may be lower than the one it served (another
+        owner's numbering). On a problem: ValueError, nothing changed."""
     def sleep(self) -> bool:
         """Release what memory the backend can (engine must be idle); returns whether memory was freed."""
     def wake(self) -> None: ...
@@ -212,3 +218,16 @@ def check_update(state_dict: Mapping[str, Tensor], version: int, current: int, e
     if problems:
         more = f"; ... ({len(problems)} problems in all)" if len(problems) > 5 else ""
         raise ValueError("; ".join(problems[:5]) + more)
+
+
+def check_replacement(state_dict: Mapping[str, Tensor], expected: ExpectedWeights, *, busy: bool) -> None:
+    """What every engine's replace_weights refuses before it touches a weight: an engine with requests in flight
+    (they would continue under another owner's weights), and a state that is not the whole model (a name left out
+    would keep the previous owner's tensor) or whose names, shapes, dtypes or values do not fit it (the rules every
+    path shares: rollwise.types.weight_checks). No version check: the new owner numbers its own versions."""
+    if busy:
+        raise ValueError("replace_weights needs an idle engine: finish or abort its requests first")
+    problems = state_problems(state_dict, expected, complete=True)
+    if problems:
+        more = f"; ... ({len(problems)} problems in all)" if len(problems) > 5 else ""
+        raise ValueError("replace_weights: " + "; ".join(problems[:5]) + more)

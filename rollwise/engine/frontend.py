@@ -235,6 +235,12 @@ class EngineFrontend:
         """Whether some client here waits for the engine request's samples."""
         return engine_id in self._routes
 
+    def client_ids(self, engine_ids: list[str]) -> dict[str, str]:
+        """The request id its client gave /generate (its public id) of each engine request a client waits for here;
+        those migrated in (their client waits on another server) are left out."""
+        wanted = set(engine_ids)
+        return {rid: gen.public_id for gen in self._public.values() for rid in gen.engine_ids if rid in wanted}
+
     def streams(self, engine_id: str) -> bool:
         """Whether the engine request's tokens are streamed to its client as sampled (a migration relays them)."""
         return engine_id in self._token_routes

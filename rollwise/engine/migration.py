@@ -14,7 +14,8 @@ B's tokens carry B's version (partial-rollout semantics).
     round 0: s = A.export(r); B.stage(s)                     B prefills prompt + tokens[:-1]
              (a request still waiting for admission on A moves at once: nothing to catch up)
     round k: A steps; s = A.export(r); |delta| <= max_delta?  no: B.stage(s) (the delta only), again
-    handover: B.commit(s); A.release_migrated(r)              between two steps of A: no token in between
+    handover: s = A.suspend(r); B.commit(s); A.release_migrated(r)   A stops r between two steps, keeping its
+             slot and KV until B confirms; B refused: A.resume(r), it decodes on from the same step
 
 Every request named is accounted for exactly once in the result: moved (`migrated`), finished on A during the
 catch-up (`finished_on_source`), kept on A (`stayed`, with the reason: B refused to stage or take it, or A could not
@@ -22,7 +23,8 @@ export it; A runs it on, as if nothing had been tried), or, only when A could no
 the handover, on neither engine (`failed`, with both reasons: its caller must answer its client with the error).
 One request's refusal never undoes the others' moves: a migration that moved some requests returns them; one that
 moved none and kept some raises ValueError (nothing changed). Should B refuse the handover, A takes the request
-back from the same state. `migrate` drives two engines
+back: A kept the request suspended (its slots and KV held, out of its batch: no other request can take its
+slot meanwhile) until B's commit was confirmed, and resumes it where it stopped. `migrate` drives two engines
 from this thread (A decodes `source_steps` steps during B's first prefill; the samples A finishes meanwhile
 come back in `MigrationResult.source_finished` for the caller to deliver as usual); `migrate_between` drives
 two EngineWorkers, each stepping on its own thread, so A really decodes while B prefills and A's finished
@@ -86,8 +88,16 @@ class Migratable(Protocol):
         """Take the request over: stage the rest of `state`, then it decodes here from where it stopped."""
     def cancel_migration(self, request_id: str) -> None:
         """Free what was staged for the request (it finished on the source)."""
+    def suspend_migrating(self, request_id: str) -> MigrationState | None:
+        """The handover's first half on the source: the request's final state, and it stops here (no token sampled,
+        no sample emitted) while keeping what it needs to go on (its slots and KV, or at least its place: nothing
+        admitted meanwhile can take them) until release_migrated or resume_migrating; None: not in flight."""
+    def resume_migrating(self, request_id: str) -> None:
+        """The target refused the handover: the suspended request goes on here from where it stopped (a request
+        not suspended here, e.g. aborted by its client meanwhile: nothing to do)."""
     def release_migrated(self, request_id: str) -> int:
-        """Forget the request without emitting a sample (it continues elsewhere); returns its samples dropped."""
+        """Forget the request without emitting a sample (it continues elsewhere; a suspended one's slots are freed);
+        returns its samples dropped."""
 
 
 @dataclass
@@ -248,18 +258,12 @@ def _reason(exc: BaseException) -> str:
 
 
 def _hand_over(ends: _Ends, rid: str, staged: MigrationState, result: MigrationResult) -> None:
-    """The switch: the source gives the request up between two of its steps (its final state read in the same
-    command, so no token falls in between), and the target takes it on from that state. Should the target
-    refuse it, the source takes it back from the same state (and it raises, for `_per_request` to record it as
-    stayed); should the source fail to, it is recorded as failed: a request is never silently lost."""
-
-    def take(e: Migratable) -> MigrationState | None:
-        final = e.export_running(rid)
-        if final is not None:
-            e.release_migrated(rid)
-        return final
-
-    final = ends.source(take)
+    """The switch: the source suspends the request between two of its steps (its final state read in the same
+    command, so no token falls in between; its slots and KV stay held, so nothing the source admits meanwhile can
+    take them), the target takes it on from that state, and only then does the source free it. Should the target
+    refuse it, the source resumes it where it stopped (and it raises, for `_per_request` to record it as stayed);
+    only a source that cannot resume it (it failed) records it as failed: a request is never silently lost."""
+    final = ends.source(lambda e: e.suspend_migrating(rid))
     if final is None:  # it finished on the source just before (its samples come out there)
         _cancel_quietly(ends, rid)
         result.finished_on_source.append(rid)
@@ -269,13 +273,19 @@ def _hand_over(ends: _Ends, rid: str, staged: MigrationState, result: MigrationR
     except Exception as refused:
         _cancel_quietly(ends, rid)
         try:
-            ends.source(lambda e: e.commit_migration(final))
+            ends.source(lambda e: e.resume_migrating(rid))
         except Exception as back:  # noqa: BLE001 - the request's client is answered with it
             result.failed[rid] = (f"{_reason(refused)}; and the source could not take request {rid!r} back "
                                   f"({_reason(back)})")
         raise
     result.migrated[rid] = final.tokens
     result.tokens_prefilled += final.tokens - staged.tokens
+    # The target runs it now: what the source held for it goes. (Should that fail, the source's engine failed:
+    # the request still moved, and is recorded so.)
+    try:
+        ends.source(lambda e: e.release_migrated(rid))
+    except Exception:  # noqa: BLE001 - see above
+        pass
 
 
 def _delta(staged: MigrationState, now: MigrationState) -> int:

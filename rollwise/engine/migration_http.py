@@ -35,9 +35,13 @@ regenerated). Requests an engine will not move (the vLLM backend's with frequenc
 rollwise.engine.vllm_migration) stay and finish where they run, named in the answer's `stayed` and counted in
 its still_here.
 
-Every request in flight is accounted for once in /migrate's answer: `migrated` (its client here gets the target's
-answer), `finished_on_source`, `stayed` (request id -> why: the target refused it, even after others had moved; it
-runs on here), `failed` (request id -> why: neither engine runs it; its client was answered with that error). A
+Every request in flight is accounted for once in /migrate's answer, by engine request id: `migrated` (its client here
+gets the target's answer), `finished_on_source`, `stayed` (request id -> why: the target refused it, even after others
+had moved, or at the handover itself: this engine kept its slot and KV until the target confirmed, so it runs on here
+from where it stopped), `failed` (request id -> why: neither engine runs it, i.e. this engine failed taking it back;
+its client was answered with that error); `client_ids` maps each of those engine ids to the request_id its client
+gave /generate (several engine ids share one when a /generate held several prompts; one migrated in from another
+server, whose client waits there, is not in it). A
 /migrate that moved nothing and kept some answers 409 (nothing changed). /metrics counts them
 (rollwise_engine_migration_*).
 """
@@ -198,6 +202,12 @@ class RemoteTarget:
     def export_running(self, request_id: str) -> MigrationState | None:
         raise NotImplementedError("a remote engine is only ever a migration target")
 
+    def suspend_migrating(self, request_id: str) -> MigrationState | None:
+        raise NotImplementedError("a remote engine is only ever a migration target")
+
+    def resume_migrating(self, request_id: str) -> None:
+        raise NotImplementedError("a remote engine is only ever a migration target")
+
     def release_migrated(self, request_id: str) -> int:
         raise NotImplementedError("a remote engine is only ever a migration target")
 
@@ -251,6 +261,7 @@ class MigrationRoutes:
             remote.close()
             raise
         remote.close()
+        clients = frontend.client_ids(ids)  # (before a failed one's client is answered: it is forgotten then)
         self.counts.migrated_requests += len(result.migrated)
         self.counts.stayed_requests += len(result.stayed)
         self.counts.failed_requests += len(result.failed)
@@ -271,7 +282,7 @@ class MigrationRoutes:
         stayed = await self._engine(lambda e: e.migratable_requests())
         return {"target": target, "migrated": result.migrated, "finished_on_source": result.finished_on_source,
                 "stayed": result.stayed, "failed": result.failed, "rounds": result.rounds,
-                "tokens_prefilled": result.tokens_prefilled, "still_here": len(stayed)}
+                "tokens_prefilled": result.tokens_prefilled, "still_here": len(stayed), "client_ids": clients}
 
     def _answered(self, rid: str, ok: bool) -> None:
         """A migrated request's last events were relayed (or its client got the error): nothing of it runs elsewhere."""

@@ -41,7 +41,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rollwise.engine.contract import check_request, check_version, check_weights, run_to_completion, seed_source
+from rollwise.engine.contract import (check_replacement, check_request, check_version, check_weights,
+                                      run_to_completion, seed_source)
 from rollwise.engine.retention import RetentionDecision, RetentionLimits, RetentionRequest
 from rollwise.engine.retention_policy import PolicyName
 from rollwise.engine.speculation.history import HistoryDrafter
@@ -226,6 +227,7 @@ class VLLMEngine(VllmMigration, VllmScoring, EngineState):
 
         self._children: dict[str, list[str]] = {}  # our request id -> its unfinished vLLM request ids
         self._staged_migrations = {}  # live migration's staging, as a target (rollwise.engine.vllm_migration)
+        self._suspended_migrations = {}  # ... and its handovers not yet confirmed, as a source
         self.stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
         self.on_tokens: Callable[[str, int, int, float, int], None] | None = None
         # engine.retention (issue 21): pins in vLLM's prefix cache, bounded by the pin budget and at most half
@@ -455,6 +457,19 @@ class VLLMEngine(VllmMigration, VllmScoring, EngineState):
         self._version = version
         if self.drafter is not None:  # old versions' rollouts age out; the rest stay (they are verified)
             self.drafter.on_policy_version(version)
+
+    def replace_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        """Engine.replace_weights: apply_weights' reload (prefix cache reset, pinned KV released), at the new owner's
+        version (it may be lower: its forward-only check is against that version), and the drafter's history dropped."""
+        check_replacement(state_dict, self.expected_weights, busy=self.has_unfinished())
+        previous, self._version = self._version, version
+        try:
+            self.apply_weights(state_dict, version)
+        except BaseException:
+            self._version = previous
+            raise
+        if self.drafter is not None:
+            self.drafter.clear()
 
     # ---------------------------------------------------------------- LoRA adapters (issue 22)
 

@@ -13,6 +13,11 @@ based as ServerlessLLM does it: a request's state is its tokens, never its KV.
   original prompt and every token, as if one engine had run it. vLLM has no way to admit a request that already
   has output tokens (its own preemption resumes keep the request inside the engine core and its worker), so the
   continuation is a new request over the longer prompt, as ServerlessLLM's.
+- suspend (the handover, until the target confirms it): the source aborts its vLLM requests (vLLM cannot pause one)
+  but keeps the request's place: its id stays in flight here with its samples' tokens (`_samples`), so nothing can
+  take it, and should the target refuse it, resume re-adds each sample as a continuation (as commit does: greedy
+  samples go on exactly, a seeded one with a fresh stream; a waiting one is queued anew, behind what vLLM queued
+  meanwhile: vLLM has no slots to hold, only its queue).
 - release: the source aborts its vLLM requests without emitting a sample (a session pin the request resumed from
   is released with it: VllmSessionPins.request_aborted; the session's KV moves as tokens, never as blocks).
 - a session's retained KV (InferCept, `MigrationState.session_id`): this backend binds no request to a session
@@ -93,6 +98,7 @@ class VllmMigration:
     _scheduler: Callable[[], Any]
 
     _staged_migrations: dict[str, _Staged]
+    _suspended_migrations: dict[str, MigrationState]  # handed over, the target's commit not confirmed yet
 
     # ---------------------------------------------------------------- on the source
 
@@ -118,8 +124,26 @@ class VllmMigration:
                             [list(t) for t in s.sampled.top_logprobs], b"", s.cached_prompt_tokens or 0)
             for s in sorted(samples, key=lambda s: s.index)])
 
+    def suspend_migrating(self, request_id: str) -> MigrationState | None:
+        """Export the request and stop its vLLM requests; its id and samples stay here until release or resume."""
+        state = self.export_running(request_id)
+        if state is not None and request_id not in self._suspended_migrations:
+            self._llm.abort_request(self._children[request_id])
+            self._suspended_migrations[request_id] = state
+        return state
+
+    def resume_migrating(self, request_id: str) -> None:
+        """The target refused it: each sample goes on here as a continuation of its tokens (module docstring)."""
+        state = self._suspended_migrations.pop(request_id, None)
+        if state is None or request_id not in self._children:  # aborted by its client meanwhile
+            return
+        for vid in self._children.pop(request_id):
+            self._samples.pop(vid, None)
+        self._continue(state)
+
     def release_migrated(self, request_id: str) -> int:
         """Forget the request (it continues on another engine): its vLLM requests are aborted, no sample emitted."""
+        self._suspended_migrations.pop(request_id, None)
         vids = self._children.pop(request_id, None)
         if vids is None:
             return 0
@@ -181,8 +205,13 @@ class VllmMigration:
     def commit_migration(self, state: MigrationState) -> None:
         """Take the request over: each sample continues from its tokens (a waiting request is queued anew).
         state.session_id is not needed here: a session is bound at retain() (module docstring)."""
-        request = self._check_incoming(state)
-        self.cancel_migration(request.request_id)  # a staging request not run yet: the continuation prefills it
+        self._check_incoming(state)
+        self.cancel_migration(state.request.request_id)  # a staging request not run yet: the continuation prefills it
+        self._continue(state)
+
+    def _continue(self, state: MigrationState) -> None:
+        """Run the request here from `state`: each sample a continuation of its tokens (a waiting one anew)."""
+        request = state.request
         if not state.samples:
             self.add_request(request)
             return

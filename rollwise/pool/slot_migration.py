@@ -7,8 +7,10 @@ decoding while the target prefills the requests' tokens, the delta is caught up,
 sample from where it stopped (its tokens, logprobs and versions as one engine would have produced them). Requests
 that do not fit the target's free room stay and finish on the source (the drain as before). An engine that cannot
 migrate (ValueError from the coordinator) changes nothing: the slot drains by waiting, as without migration. A
-request the move left on neither engine (the target refused it and the source could not take it back: the
-coordinator's `failed`) is queued again and rerun, as a request of a failed engine is.
+request the target refuses, even at the handover, stays on the source, which kept its slot and KV until the target
+confirmed and runs it on from where it stopped (the coordinator's `stayed`); only one the move left on neither engine
+(the source's engine failed taking it back: the coordinator's `failed`) is queued again and rerun, as a request of a
+failed engine is.
 
 Accounting: the samples moved leave the source slot's running count and join the target's; every migration is
 recorded in the pool's migration log (GET /state's "migrations") and on the request, whose samples carry their

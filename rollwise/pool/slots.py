@@ -27,7 +27,7 @@ from rollwise.pool.pool_state import PoolState
 from rollwise.pool.scheduler import JobView, SlotView, plan
 from rollwise.pool.slot_migration import SlotMigration
 from rollwise.pool.states import ACTIVE, EVICTED, SLEEPING
-from rollwise.pool.tenant_engines import TenantEngines, submit_to, sync_adapters
+from rollwise.pool.tenant_engines import TenantEngines, put_aside, same_engine, submit_to, sync_adapters
 
 TICK_S = 0.005  # a busy slot's control loop: how long it waits for a finished sample before re-planning
 IDLE_TICK_S = 0.05  # an idle slot re-plans at least this often (time slices expire, jobs finish training)
@@ -296,19 +296,15 @@ class SlotLoops:
                 inst = slot.instances.get(prev_job.name)
                 if inst is not None and self.state.states.state(slot.index, prev_job.name) is ACTIVE:
                     t = time.perf_counter()
-
-                    def sleep(_e: Engine, inst: Engine = inst) -> None:
-                        if inst.has_unfinished():
-                            raise RuntimeError("switching away from an engine with requests in flight")
-                        inst.sleep()
-                        inst.reset_timeline()
-
-                    worker.call(sleep)  # between two steps; with nothing unfinished, it is not stepped again
+                    # nothing may sleep here: the incoming job of the same model takes this engine over at once
+                    handover = self.state.max_sleeping == 0 and target not in slot.instances and same_engine(
+                        prev_job, new_job)
+                    worker.call(lambda _e, inst=inst: put_aside(inst, handover))  # between two steps, not stepped again
                     worker.swap_engine(None)
                     self.state.states.transition(slot.index, prev_job.name, SLEEPING, time.perf_counter() - t,
-                                                 f"slot switches to {target}")
+                                                 f"slot switches to {target}" + (" (memory kept)" if handover else ""))
                     slot.last_active[prev_job.name] = time.monotonic()
-        self._evict_beyond_budget(slot, keep=target)
+        recycled = self._evict_beyond_budget(slot, target, None if target in slot.instances else new_job)
         with new_job.lock:
             if new_job.detached:
                 with self.state.lock:
@@ -316,7 +312,7 @@ class SlotLoops:
                 return
             t = time.perf_counter()
             try:
-                why, failed = self._activate(slot, new_job)
+                why, failed = self._activate(slot, new_job, recycled)
             except Exception as exc:
                 if slot.worker.failure is not None or isinstance(new_job, LoraBase):
                     raise  # the engine thread died (the slot recovers), or the base itself: no one tenant's doing
@@ -337,9 +333,9 @@ class SlotLoops:
                 for job in charged:  # a LoRA base's switch is shared by its jobs
                     job.transition_s += seconds / max(len(charged), 1)
 
-    def _activate(self, slot: Slot, tenancy: Job | LoraBase) -> tuple[str, dict[str, str]]:
-        """Make the tenancy's engine the slot's: wake its sleeping one or build one (caller holds tenancy.lock).
-        Returns how, and the LoRA jobs whose adapter failed to load (name -> why; left out, the others served)."""
+    def _activate(self, slot: Slot, tenancy: Job | LoraBase, recycled: Engine | None) -> tuple[str, dict[str, str]]:
+        """Make the tenancy's engine the slot's: wake its sleeping one, recycle an evicted one or build one (caller
+        holds tenancy.lock). Returns how, and the LoRA jobs whose adapter failed to load (name -> why; left out)."""
         worker = slot.worker
         inst = slot.instances.get(tenancy.name)
         lora = isinstance(tenancy, LoraBase)
@@ -359,12 +355,17 @@ class SlotLoops:
             failed = worker.call(wake)  # on the engine thread (the slot steps nothing meanwhile)
             worker.swap_engine(inst)
             return why, failed
-        inst, failed, tier = self.engines.build(tenancy)
+        how, engine = "load", None
+        if recycled is not None and isinstance(tenancy, Job):  # (here, not on the idle worker: EngineWorker.call_here)
+            with contextlib.suppress(ValueError):  # weights that do not replace it whole: built instead
+                tier, engine, failed, how = self.engines.recycle(recycled, tenancy), recycled, {}, "recycle"
+        if engine is None:
+            engine, failed, tier = self.engines.build(tenancy)
         if paused:
-            inst.pause()
-        worker.swap_engine(inst)
-        slot.instances[tenancy.name] = inst
-        return f"load ({tier})", failed
+            engine.pause()
+        worker.swap_engine(engine)
+        slot.instances[tenancy.name] = engine
+        return f"{how} ({tier})", failed
 
     def _drop_instance(self, slot: Slot, key: str, why: str) -> None:
         """Evict the tenancy's engine on the slot, whatever state it is in (caller holds the tenancy's lock)."""
@@ -473,19 +474,22 @@ class SlotLoops:
                     job.post(stamp(empty_abort(req, i), req, -1) | {"error": error.message})
         self.forget(job, req)
 
-    def _evict_beyond_budget(self, slot: Slot, keep: str) -> None:
-        """At most max_sleeping sleeping engines per slot (host memory): evict the least recently used."""
+    def _evict_beyond_budget(self, slot: Slot, keep: str, recycle_for: Job | LoraBase | None) -> Engine | None:
+        """At most max_sleeping sleeping engines per slot (host memory): evict the least recently used; one that
+        `recycle_for` (a job with no engine here) can take over (TenantEngines.recyclable) is returned, not dropped."""
+        recycled: Engine | None = None
         sleeping = [j for j in self.state.states.jobs_in(slot.index, SLEEPING) if j != keep]
         sleeping.sort(key=lambda j: slot.last_active.get(j, 0.0))
         for name in sleeping[: max(0, len(sleeping) - self.state.max_sleeping)]:
             with self.state.lock:
                 job = self.state.tenancy(name)
-            lock = job.lock if job is not None else threading.Lock()
-            with lock:
+            with job.lock if job is not None else threading.Lock():
                 if self.state.states.state(slot.index, name) is not SLEEPING:
                     continue
-                t = time.perf_counter()
-                slot.instances.pop(name, None)
-                self.state.states.transition(slot.index, name, EVICTED, time.perf_counter() - t,
-                                             f"more than {self.state.max_sleeping} sleeping engines on the slot")
+                t, inst = time.perf_counter(), slot.instances.pop(name, None)
+                why = f"more than {self.state.max_sleeping} sleeping engines on the slot"
+                if recycled is None and self.engines.recyclable(inst, job, recycle_for):
+                    recycled, why = inst, f"{why}: engine recycled for {keep}"
+                self.state.states.transition(slot.index, name, EVICTED, time.perf_counter() - t, why)
+        return recycled
 

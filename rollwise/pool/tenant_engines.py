@@ -54,6 +54,23 @@ class TenantEngines:
             engine.apply_weights(self.tiers.load(tenancy, tiers), tenancy.version)
         return engine, failed, describe(tiers)
 
+    def recycle(self, engine: Engine, job: Job) -> str:
+        """Hand another full job's idle engine of the same model (same_engine) to `job`: its weights replaced whole
+        from the fastest cache tier (Engine.replace_weights: every cache of the old weights dropped, the version the
+        job's, even if lower), instead of building one (the switch's cost: a model copy and a KV cache). Returns the
+        tier, as build() does; ValueError, the engine unchanged, if the job's weights do not replace it whole."""
+        tiers: list[Tier] = []
+        engine.wake()
+        engine.replace_weights(self.tiers.load(job, tiers), job.version)
+        engine.resume()  # (its previous owner may have paused it; the slot pauses it again for a paused job)
+        return describe(tiers)
+
+    @staticmethod
+    def recyclable(engine: Engine | None, owner: Job | LoraBase | None, incoming: Job | LoraBase | None) -> bool:
+        """Whether `owner`'s engine, being evicted, can be recycled for `incoming`: it runs nothing (a request
+        would continue under another owner's weights) and it is built the same way (same_engine)."""
+        return engine is not None and not engine.has_unfinished() and same_engine(owner, incoming)
+
     def probe(self, tenancy: Job | LoraBase, suspects: list[Job]) -> dict[str, str]:
         """Which of `suspects` break an engine: each runs a short sampled generation alone, on an engine built
         fresh from the tenancy's model holding only that job's current weights (a LoRA job: only its adapter).
@@ -77,6 +94,26 @@ class TenantEngines:
             except Exception as exc:  # noqa: BLE001 - what the job's weights do to an engine: its fault
                 faults[job.name] = f"{what} breaks the engine ({exc!r})"
         return faults
+
+
+def same_engine(a: Job | LoraBase | None, b: Job | LoraBase | None) -> bool:
+    """Whether one engine can serve both full jobs in turn: what TenantEngines.new builds it from (the model, its
+    tensors' names, shapes and dtypes, the tokenizer, eos ids, context length) is the same. Never a LoRA base."""
+    if not isinstance(a, Job) or not isinstance(b, Job) or a.lora or b.lora:
+        return False
+    return (a.model, a.fingerprint, a.max_model_len, a.vocab_size, sorted(a.eos_ids or ())) == \
+        (b.model, b.fingerprint, b.max_model_len, b.vocab_size, sorted(b.eos_ids or ())) and a.expected == b.expected
+
+
+def put_aside(engine: Engine, keep_memory: bool) -> None:
+    """A switch's outgoing engine, on the slot's engine thread: idle (or the switch is refused), and asleep (its KV
+    cache freed) unless `keep_memory`: it is recycled for the incoming job at once (TenantEngines.recycle), which
+    reuses its KV cache instead of freeing it and allocating a zeroed one again on wake (part of a build's cost)."""
+    if engine.has_unfinished():
+        raise RuntimeError("switching away from an engine with requests in flight")
+    if not keep_memory:
+        engine.sleep()
+    engine.reset_timeline()
 
 
 def submit_to(current: Engine | None, inst: Engine, requests: list[GenerationRequest]) -> None:

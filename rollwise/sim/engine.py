@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rollwise.engine.contract import check_request, run_to_completion
+from rollwise.engine.contract import check_replacement, check_request, run_to_completion
 from rollwise.engine.retention import RetentionDecision, RetentionRequest
 from rollwise.engine.state import EngineState
 from rollwise.types.generation import Completion, EngineLoad, FinishReason, GenerationRequest, ModelInfo
@@ -215,6 +215,12 @@ class SimEngine(EngineState):
             self._start_stall()
         else:
             self._pending_version = version
+
+    def replace_weights(self, state_dict: Mapping[str, Any] | None, version: int) -> None:
+        """Engine.replace_weights: on an idle engine, apply_weights (which drops the prefix cache with the old version
+        and checks no order of versions; this engine keeps no session KV or drafter). No tensors are checked: it holds none."""
+        check_replacement({}, self.expected_weights, busy=self.has_unfinished())
+        self.apply_weights(state_dict, version)
 
     def retain(self, req: RetentionRequest) -> RetentionDecision:
         """This engine holds no session KV; retention is simulated by rollwise.sim.intercept."""

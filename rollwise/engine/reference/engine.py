@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from rollwise.engine.reference.lora import AdapterSet
-from rollwise.engine.reference.migration import Migration
+from rollwise.engine.reference.migration import Migration, MigrationMethods
 from rollwise.engine.reference.model import LlamaFamilyModel
 from rollwise.engine.reference.session_retention import SessionRetention
 from rollwise.engine.reference.prefix_cache import PrefixCache, prefill_suffix, prefill_with_prefix
@@ -29,8 +29,7 @@ from rollwise.engine.reference.scheduler import Scheduler, Sequence
 from rollwise.engine.reference.speculative import Speculation, speculation_metrics
 from rollwise.engine.speculation.counters import new_counters
 from rollwise.engine.speculation.drafter import Drafter
-from rollwise.engine.contract import check_request, check_update, check_version, run_to_completion
-from rollwise.engine.migration import MigrationState
+from rollwise.engine.contract import check_replacement, check_request, check_update, check_version, run_to_completion
 from rollwise.engine.retention import RetentionDecision, RetentionLimits, RetentionRequest
 from rollwise.engine.retention_policy import PolicyName
 from rollwise.engine.state import EngineState
@@ -43,7 +42,7 @@ from rollwise.types.weights import AdapterSpec, ExpectedWeights, dtype_name
 RECOMPUTE_SAMPLE_MIN = 64
 
 
-class ReferenceEngine(ReferenceScoring, EngineState):
+class ReferenceEngine(ReferenceScoring, MigrationMethods, EngineState):
     """Continuous-batching generation with exact fp32 logprobs and per-token policy versions."""
 
     name = "reference"
@@ -205,6 +204,7 @@ class ReferenceEngine(ReferenceScoring, EngineState):
         """Stop a request now; its samples come back with finish_reason 'abort' and the tokens so far.
         A finished turn's request: whatever KV is held for it is released."""
         self.retention.release("abort", request_id)
+        self.migration.resume(request_id)  # handed over, not yet confirmed: aborted here from where it stopped
         if self._unfinished.pop(request_id, None) is None:
             return []
         aborted: list[Completion] = []
@@ -274,6 +274,18 @@ class ReferenceEngine(ReferenceScoring, EngineState):
             self.prefix_cache.clear()
         self.retention.release("weight_update")  # so was held session KV: the promise is released, explicitly
 
+    def replace_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        """Engine.replace_weights: another owner's complete weights (check_replacement first), its version as given
+        (it may be lower); the prefix cache, held session KV and the drafter's history were the old weights'."""
+        check_replacement(state_dict, self.expected_weights, busy=self.has_unfinished())
+        self.model.load_weights(state_dict)
+        self._version = version
+        if self.drafter is not None:
+            self.drafter.clear()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        self.retention.release("weight_update")
+
     # ---------------------------------------------------------------- session KV retention (self.retention)
 
     def retain(self, req: RetentionRequest) -> RetentionDecision:
@@ -286,25 +298,10 @@ class ReferenceEngine(ReferenceScoring, EngineState):
     def retention_stats(self) -> dict[str, int]:
         return self.retention.retention_stats()
 
-    # ---------------------------------------------------------------- live migration (self.migration)
+    # ------------------------------------------------------- live migration (self.migration, MigrationMethods)
 
     def migratable_requests(self) -> list[str]:
         return list(self._unfinished)
-
-    def export_running(self, request_id: str) -> MigrationState | None:
-        return self.migration.export(request_id)
-
-    def release_migrated(self, request_id: str) -> int:
-        return self.migration.release(request_id)
-
-    def stage_migration(self, state: MigrationState) -> int:
-        return self.migration.stage(state, self.cache)
-
-    def commit_migration(self, state: MigrationState) -> None:
-        self.migration.commit(state, self.cache)
-
-    def cancel_migration(self, request_id: str) -> None:
-        self.migration.cancel(request_id)
 
     # ---------------------------------------------------------------- LoRA adapters (self.adapters)
 

@@ -27,6 +27,16 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class _Suspended:
+    """A request handed over but not yet confirmed by the target: out of the batch and the waiting queue, its
+    samples' slots (with their KV) and generators kept, so the source resumes it as if nothing had been tried."""
+
+    seqs: list[Sequence]  # its running samples (their slots are held: neither running nor free)
+    waiting: GenerationRequest | None  # a request still waiting for admission
+    ahead: list[str]  # the requests queued ahead of a waiting one: it goes back behind those still waiting
+
+
+@dataclass
 class _Staged:
     slot: int
     context: list[int]  # the tokens whose KV the slot holds: prompt + the sample's tokens but its last
@@ -46,6 +56,7 @@ class Migration:
         self.resuming = resuming  # the engine's resumed pinned sessions (shared, not copied)
         self.add_request = add_request  # the engine's: a request still waiting on the source is queued anew
         self.staged: dict[str, dict[int, _Staged]] = {}  # request id -> sample index -> its slot
+        self.suspended: dict[str, _Suspended] = {}  # request id -> handed over, the target's commit not confirmed
 
     # ------------------------------------------------------------ on the source
 
@@ -55,10 +66,13 @@ class Migration:
         if self.model.capture_routing:
             raise ValueError(f"cannot migrate request {request_id!r}: a mixture-of-experts request's routing would "
                              "have to be recomputed with its KV (not supported); let it finish or abort it")
-        waiting = [r for r in self.scheduler.waiting if r.request_id == request_id]
+        held = self.suspended.get(request_id)
+        waiting = [r for r in self.scheduler.waiting if r.request_id == request_id] if held is None else \
+            [held.waiting] if held.waiting is not None else []
         if waiting:
             return MigrationState(waiting[0], [])
-        seqs = sorted((s for s in self.scheduler.running.values() if s.request.request_id == request_id),
+        seqs = sorted(held.seqs if held is not None else
+                      (s for s in self.scheduler.running.values() if s.request.request_id == request_id),
                       key=lambda s: s.index)
         samples = [MigratingSample(s.index, list(s.token_ids), list(s.logprobs), list(s.versions),
                                    [list(t) for t in s.top_logprobs], s.generator.get_state().numpy().tobytes(),
@@ -66,8 +80,41 @@ class Migration:
         session = self.kv_tiers.owners.get(request_id) if self.kv_tiers is not None else None
         return MigrationState(seqs[0].request, samples, session)
 
+    def suspend(self, request_id: str) -> MigrationState | None:
+        """The handover (rollwise.engine.migration._hand_over): the request's final state; it leaves the batch (or
+        the waiting queue) but keeps its slots, KV and generators until release() or resume()."""
+        state = self.export(request_id)
+        if state is None or request_id in self.suspended:
+            return state
+        waiting = next((r for r in self.scheduler.waiting if r.request_id == request_id), None)
+        ahead: list[str] = []
+        if waiting is not None:
+            ahead = [r.request_id for r in self.scheduler.waiting]
+            ahead = ahead[: ahead.index(request_id)]
+            self.scheduler.waiting.remove(waiting)
+        seqs = [s for s in self.scheduler.running.values() if s.request.request_id == request_id]
+        for seq in seqs:
+            self.scheduler.hold(seq.slot)  # out of the batch; the slot is neither running nor free
+        self.suspended[request_id] = _Suspended(seqs, waiting, ahead)
+        return state
+
+    def resume(self, request_id: str) -> None:
+        """The target refused it: it goes on here from the step it stopped at (its slots and KV were held), a
+        waiting one back in the queue behind the requests that were ahead of it."""
+        held = self.suspended.pop(request_id, None)
+        if held is None:  # not suspended (aborted by its client meanwhile): nothing to resume
+            return
+        for seq in held.seqs:
+            self.scheduler.start(seq)
+        if held.waiting is not None:
+            ahead = set(held.ahead)
+            queue = self.scheduler.waiting
+            at = max((i + 1 for i, r in enumerate(queue) if r.request_id in ahead), default=0)
+            queue.insert(at, held.waiting)
+
     def release(self, request_id: str) -> int:
         """Forget the request (it continues on another engine): its slots are freed, no sample is emitted."""
+        self.resume(request_id)  # a suspended one: back where the rest finds it (in one command: no step between)
         if self.unfinished.pop(request_id, None) is None:
             return 0
         dropped = 0
@@ -169,3 +216,32 @@ class Migration:
                 self.model.prefill(cache, context, [entry.slot])
         entry.context = context
         return len(context) - start
+
+
+class MigrationMethods:
+    """ReferenceEngine's Migratable methods (rollwise.engine.migration), over its Migration component and KV cache
+    (None while it sleeps)."""
+
+    migration: Migration
+    cache: KVCache | None
+
+    def export_running(self, request_id: str) -> MigrationState | None:
+        return self.migration.export(request_id)
+
+    def suspend_migrating(self, request_id: str) -> MigrationState | None:
+        return self.migration.suspend(request_id)
+
+    def resume_migrating(self, request_id: str) -> None:
+        self.migration.resume(request_id)
+
+    def release_migrated(self, request_id: str) -> int:
+        return self.migration.release(request_id)
+
+    def stage_migration(self, state: MigrationState) -> int:
+        return self.migration.stage(state, self.cache)
+
+    def commit_migration(self, state: MigrationState) -> None:
+        self.migration.commit(state, self.cache)
+
+    def cancel_migration(self, request_id: str) -> None:
+        self.migration.cancel(request_id)
