@@ -314,17 +314,17 @@ def test_migration_routes_refuse_bad_input_naming_the_field(servers):
 
 def test_switch_cost_projection_uses_the_pools_cost_model(capsys):
     from rollwise.sim.cli import main as sim_main
-    from rollwise.sim.switch_costs import Assumptions, load_goal, project
+    from rollwise.sim.switch_costs import Assumptions, flat_load_projection, project
 
     a = Assumptions()
     small, large = project([8, 4096], a)
     assert small["start_s"]["memory"] == pytest.approx(a.build_s + a.model_gb / a.memory_gbps)
     # the flat reader at 0.88 of the disk's 16 GB / 0.7 s, its GPU copy overlapped (PCIe faster than that)
     assert small["start_s"]["disk"] == pytest.approx(a.build_s + a.serverlessllm_s / a.flat_read_efficiency)
-    goal = load_goal(a)["vs_from_pretrained_gpu_projected"]
+    goal = flat_load_projection(a)["safetensors_over_flat"]
     assert goal == pytest.approx(a.safetensors_s * a.flat_read_efficiency / a.serverlessllm_s)
     slow_pcie = Assumptions(memory_gbps=10.0)  # the copy, not the read, bounds the load
-    assert load_goal(slow_pcie)["vs_from_pretrained_gpu_projected"] == pytest.approx(4.4 / (16 / 10))
+    assert flat_load_projection(slow_pcie)["safetensors_over_flat"] == pytest.approx(4.4 / (16 / 10))
     # the remote store is shared by every engine loading at once: 4096 engines get 100/4096 GB/s each
     assert large["start_s"]["remote"] == pytest.approx(a.build_s + a.model_gb / (a.store_gbps / 4096))
     assert small["drain_migrate_s"] < small["drain_wait_s"]

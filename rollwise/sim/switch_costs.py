@@ -12,8 +12,9 @@ Figures and their sources (each can be overridden by a flag; all are assumptions
   the disk's read limit. rollwise's flat reader reads at `flat_read_efficiency` of the raw parallel read limit
   (0.88: `goals.vs_limit` measured by `rollwise bench load` on this machine, docs/bench/load.json), and copies each
   verified chunk to the GPU while it reads the next (rollwise.model.flat_reader), so a disk-tier load costs the
-  slower of the read and the pinned PCIe copy. `goals.vs_from_pretrained_gpu_projected` = 4.4 s over that: issue
-  42's load goal where it applies (a GPU; no GPU here: a projection from these figures, not a measurement).
+  slower of the read and the pinned PCIe copy. `flat_load_projection` = 4.4 s over that. Measured on an H200 since
+  (docs/bench/load_gpu_h200.json): transformers 5's from_pretrained reads 6.2-6.4 GB/s from the page cache, not
+  ServerlessLLM's 3.6, and the flat load 12.5-13.5 GB/s: 2.0-2.2x, not this projection's 5.5x.
 - memory tier: pinned host memory to the GPU over PCIe Gen5 x16, 64 GB/s peak, ~40 GB/s assumed achieved.
 - remote tier: a shared store of `--store-gbps` (100 GB/s assumed) split among the engines loading at once (all of
   them, when every job's step ends together), at most 12.5 GB/s per node (100 Gb/s NIC, 8 GPUs).
@@ -88,11 +89,10 @@ def flat_disk_gbps(a: Assumptions) -> float:
     return min(a.flat_read_efficiency * a.model_gb / a.serverlessllm_s, a.memory_gbps)
 
 
-def load_goal(a: Assumptions) -> dict[str, Any]:
-    """Issue 42's `vs_from_pretrained` goal projected onto an H100 + NVMe: safetensors' load over the flat load."""
+def flat_load_projection(a: Assumptions) -> dict[str, Any]:
+    """ServerlessLLM's safetensors load over the projected flat load, onto an H100 + NVMe."""
     ratio = a.safetensors_s / (a.model_gb / flat_disk_gbps(a))
-    return {"vs_from_pretrained_gpu_projected": ratio, "targets": {"vs_from_pretrained_gpu_projected": 5.0},
-            "met": {"vs_from_pretrained_gpu_projected": ratio >= 5.0}}
+    return {"safetensors_over_flat": ratio, "flat_s": a.model_gb / flat_disk_gbps(a), "safetensors_s": a.safetensors_s}
 
 
 def project(sizes: list[int], a: Assumptions) -> list[dict[str, Any]]:
@@ -156,11 +156,12 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                       *(f"{k[key]:.0%}" for key in ("idle_switch_memory", "idle_switch_remote", "idle_switch_today",
                                                     "drain_wait_then_memory", "drain_migrate_then_memory")))
     console.print(table)
-    goals = load_goal(a)
-    console.print(f"A flat load onto the GPU from NVMe (projected): {a.model_gb / flat_disk_gbps(a):.2f} s against "
-                  f"safetensors' {a.safetensors_s:g} s = {goals['vs_from_pretrained_gpu_projected']:.2f}x (goal >= 5x)")
+    load = flat_load_projection(a)
+    console.print(f"A flat load onto the GPU from NVMe (projected): {load['flat_s']:.2f} s against ServerlessLLM's "
+                  f"safetensors {a.safetensors_s:g} s = {load['safetensors_over_flat']:.2f}x (measured on an H200: "
+                  "2.0-2.2x transformers 5's from_pretrained, docs/bench/load_gpu_h200.json)")
     console.print("Assumptions and sources: rollwise/sim/switch_costs.py (every figure is +-30% at best).")
-    write_json(args.json, {"assumptions": asdict(a), "rows": rows, "goals": goals}, console)
+    write_json(args.json, {"assumptions": asdict(a), "rows": rows, "flat_load_projection": load}, console)
     return 0
 
 
