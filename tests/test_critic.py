@@ -21,6 +21,7 @@ from rollwise.types.train_config import TrainConfig
 from rollwise.model.tiny import tiny_llama
 from rollwise.train.advantages import assign_advantages
 from rollwise.train.critic import EXPLAINED_VARIANCE, VALUE_LOSS
+from rollwise.train.step_batches import with_token_advantages
 from rollwise.train.token_advantages import compute_token_advantages, kl_estimate
 from rollwise.train.trainer import GRPOTrainer
 from rollwise.types.sample import Sample
@@ -130,9 +131,12 @@ def test_every_micro_batch_layout_trains_on_the_token_advantages(layout):
     cfg = TrainConfig(advantage="gae", micro_batch_size=2, **layout)
     trainer = GRPOTrainer(tiny_llama(seed=3), cfg, pad_token_id=0)
     assign_advantages(samples, "gae")
-    trainer._token_advantages(samples)
+    chunks, batches = trainer._step_plan(samples)  # the step's one collation, before the advantages are known
+    trainer._token_advantages(samples, chunks, batches)
     expected = torch.tensor([a for s in samples for a in s.token_advantages])
-    got = torch.cat([mb.advantages for mb in trainer._micro_batches(samples)])
+    got = torch.cat([mb.advantages for mb in with_token_advantages(batches, chunks)])
+    # filled in, they are what a collation after the plan reads off the samples
+    assert torch.equal(got, torch.cat([mb.advantages for mb in trainer._micro_batches(samples)]))
     # chunking may reorder samples (by group): compare as multisets, and per token where the order is kept
     assert torch.equal(got.sort().values, expected.sort().values)
     assert not torch.equal(got, torch.tensor([s.advantage for s in samples for _ in range(s.trained_tokens)]))

@@ -218,6 +218,10 @@ STEP_ARMS: dict[str, dict[str, Any]] = {
     "default_checkpointing": {"gradient_checkpointing": True},
     # a smaller micro-batch token budget (issue 41 item 7): less activation memory, more micro-batches per step
     "default_micro_batch_1024": {"micro_batch_tokens": 1024},
+    # LM-head chunk (issue 41 item 7; the default is 512): fewer [chunk, vocab] float32 temporaries in flight at
+    # the same FLOPs, but one more weight-gradient accumulation per chunk
+    "default_logprob_chunk_256": {"logprob_chunk_tokens": 256},
+    "default_logprob_chunk_1024": {"logprob_chunk_tokens": 1024},
 }
 
 

@@ -2,8 +2,10 @@
 
 The value model is a copy of the policy's decoder (its initial weights, as verl and OpenRLHF start a critic
 from the actor) with a scalar head, zero-initialised so the first values are 0 and the first advantages are
-the plain returns. V(s_t), the value before the response's token t, is read at the position that predicts
-token t, the same positions the policy's log-probs come from (rollwise.train.logprobs.sequence_logprobs).
+the plain returns (train.gae.critic_trainable_layers: only its top k decoder layers, norm and head train; the
+rest stays at the policy's initial weights: rollwise.train.critic_layers). V(s_t), the value before the response's
+token t, is read at the position that predicts token t, the same positions the policy's log-probs come from
+(rollwise.train.logprobs.sequence_logprobs).
 
 Each step: `values` (no grad) before the policy's update gives the advantages' baseline
 (rollwise.train.token_advantages), then `update` fits the values to the GAE returns with PPO's clipped value
@@ -37,6 +39,7 @@ from rollwise.config import RunError
 from rollwise.types.train_config import TrainConfig
 from rollwise.train.checkpoint import DCP_DIR, load_dcp_optimizer
 from rollwise.train.activation_checkpointing import CheckpointedForward
+from rollwise.train.critic_layers import check_marker, freeze_lower_layers, write_marker
 from rollwise.train.logprobs import backbone_of
 
 CRITIC_DIR = "critic"  # in a checkpoint folder
@@ -58,8 +61,6 @@ class PredictorBatch(Protocol):
     def hidden(self, backbone: nn.Module) -> tuple[Tensor, Tensor]:
         """(hidden states [N, H] that predict the trained tokens, in the loss's order; the tokens [N])."""
         ...
-
-
 
 
 class ValueModel(nn.Module):
@@ -113,14 +114,20 @@ class Critic:
         backbone = copy.deepcopy(backbone_of(policy))
         self.model = ValueModel(backbone, policy.config.hidden_size).to(next(policy.parameters()).device)
         self.model.train().requires_grad_(True)
+        # train.gae.critic_trainable_layers: the embedding and lower layers frozen before sharding (FSDP2 keeps each
+        # parameter's requires_grad), so nothing below the first trainable layer builds a graph or a gradient
+        freeze_lower_layers(backbone, cfg.gae.critic_trainable_layers)
         if cfg.gradient_checkpointing:  # as the policy's: the shared-prompt forwards keep their KV cache
-            for layer in backbone.layers:
-                if not isinstance(layer.forward, CheckpointedForward):
+            for layer in backbone.layers:  # a frozen layer has no backward: nothing to recompute
+                trains = any(p.requires_grad for p in layer.parameters())
+                if trains and not isinstance(layer.forward, CheckpointedForward):
                     layer.forward = CheckpointedForward(layer.forward)
         if prepare is not None:
             prepare(self.model)
         self.cfg = cfg
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.gae.critic_lr, betas=cfg.adam_betas,
+        # after `prepare`: a sharded rank's parameters are its shards
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=cfg.gae.critic_lr, betas=cfg.adam_betas,
                                            weight_decay=cfg.weight_decay, fused=cfg.fused_optimizer or None)
 
     @torch.no_grad()
@@ -198,7 +205,7 @@ class Critic:
 
     def _step(self) -> float:
         """Clip the accumulated gradient, step when it is finite; the gradient norm."""
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.grad_clip)
         # Sharded parameters (DTensor) give a DTensor norm: full_tensor() sums it over the ranks.
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if math.isfinite(grad_norm):
@@ -212,11 +219,12 @@ class Critic:
         folder.mkdir(parents=True, exist_ok=True)
         save_model(self.model, str(folder / VALUE_MODEL_FILE))
         torch.save({"optimizer": self.optimizer.state_dict()}, folder / CRITIC_OPTIMIZER_FILE)
+        write_marker(folder, self.cfg.gae.critic_trainable_layers)
 
     def load(self, ckpt: Path) -> None:
         """Weights and optimizer state from `ckpt/critic/`: the one-process trainer's (optimizer.pt) or the
         sharded trainer's (value_model.safetensors gathered by its rank 0, the optimizer's shards in dcp/)."""
-        folder = critic_folder(ckpt)
+        folder = critic_folder(ckpt, self.cfg.gae.critic_trainable_layers)
         missing, unexpected = load_model(self.model, str(folder / VALUE_MODEL_FILE), strict=False)
         if missing or unexpected:
             raise RunError(f"checkpoint {ckpt}: {CRITIC_DIR}/{VALUE_MODEL_FILE} does not match this run's critic "
@@ -229,11 +237,13 @@ class Critic:
             load_dcp_optimizer(ckpt, f"{CRITIC_DIR}/{DCP_DIR}", self.model, self.optimizer)
 
 
-def critic_folder(ckpt: Path) -> Path:
-    """`ckpt/critic/`, refused (naming what to do) when the checkpoint was written without a critic."""
+def critic_folder(ckpt: Path, trainable_layers: int | None) -> Path:
+    """`ckpt/critic/`, refused (naming what to do) when the checkpoint was written without a critic, or with another
+    train.gae.critic_trainable_layers (rollwise.train.critic_layers), before anything is loaded."""
     folder = ckpt / CRITIC_DIR
     if not (folder / VALUE_MODEL_FILE).exists():
         raise RunError(f"checkpoint {ckpt} has no {CRITIC_DIR}/ (it was written without train.advantage=gae), "
                        "so this run's critic cannot resume from it: resume with the advantage it was trained "
                        "with, or start the gae run from its model (model=" f"{ckpt / 'model'})")
+    check_marker(folder, trainable_layers)
     return folder

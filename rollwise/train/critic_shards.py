@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from rollwise.train.checkpoint import DCP_DIR, optimizer_state_by_name
 from rollwise.train.critic import CRITIC_DIR, CRITIC_OPTIMIZER_FILE, VALUE_MODEL_FILE, Critic, critic_folder
+from rollwise.train.critic_layers import write_marker
 
 
 def save_critic_shards(critic: Critic, tmp: Path, rank: int) -> None:
@@ -39,11 +40,12 @@ def save_critic_shards(critic: Critic, tmp: Path, rank: int) -> None:
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
         save_file({name: t.contiguous() for name, t in full.items()}, str(folder / VALUE_MODEL_FILE))
+        write_marker(folder, critic.cfg.gae.critic_trainable_layers)
 
 
 def load_critic_shards(critic: Critic, ckpt: Path) -> None:
     """Every rank calls it: this rank's shard of the critic's weights and optimizer state from `ckpt/critic/`."""
-    folder = critic_folder(ckpt)
+    folder = critic_folder(ckpt, critic.cfg.gae.critic_trainable_layers)
     if (folder / DCP_DIR).exists():
         model_sd, optim_sd = get_state_dict(critic.model, critic.optimizer)
         dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder / DCP_DIR)

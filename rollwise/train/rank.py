@@ -51,6 +51,7 @@ from rollwise.train.distributed import RankSpec, gathered_buckets, init_rank, sh
 from rollwise.train.trainer import GRPOTrainer, MicroBatch, to_device
 from rollwise.train.logprobs import LogprobOptions
 from rollwise.train.packing import GroupMicroBatch
+from rollwise.train.step_batches import KeptBatches, chunks_key, with_token_advantages, with_weights
 from rollwise.train.token_forwards import in_order
 from rollwise.types.sample import Sample
 
@@ -66,6 +67,10 @@ class RankWork:
     idle: bool = False  # the chunks are not this rank's either: every micro-batch is padding
     critic: CriticTargets | None = None  # train.advantage=gae, updates_per_step > 1: the critic's update after the policy's
     batch_tokens: int = 0  # the whole batch's trained tokens (over all ranks): the critic's value loss denominator
+
+    def key(self) -> tuple:
+        """The same for the step's two commands (token_inputs, train): their micro-batches are the same."""
+        return chunks_key(self.chunks, self.padding, self.idle)
 
 
 @dataclass
@@ -110,6 +115,7 @@ class RankTrainer(GRPOTrainer):
         super().__init__(model.to(device), cfg, pad_token_id=pad_token_id, temperature=temperature)
         self.grad_bytes = 0
         self.before_step = self._record_grad_bytes
+        self.kept: KeptBatches | None = None  # token_inputs' micro-batches, for the step's train (one collation)
 
     def _prepare_model(self) -> None:
         self.policy = PolicyLogprobs(self.model, LogprobOptions.of(self.cfg, self.temperature))
@@ -133,15 +139,13 @@ class RankTrainer(GRPOTrainer):
     # ------------------------------------------------------------ commands
 
     def train(self, work: RankWork) -> dict[str, Any]:
-        batches = self.collate_chunks(work.share, work.chunks, work.weights, work.padding)
-        if work.idle:
-            batches = [replace(mb, padding=True) for mb in batches]
+        batches = self._step_batches(work)
         proximal: list[Tensor] = []
         metrics: dict[str, float] = {}
         for update in range(self.cfg.updates_per_step):
             metrics = self._update(batches, record_mismatch=update == 0, proximal=proximal)
         if work.critic is not None and self.critic is not None:
-            metrics.update(self._update_critic(work, work.critic))
+            metrics.update(self._update_critic(work, work.critic, batches))
         metrics.update(self.forwards.times.take())  # this step's, token_inputs' included
         return {"metrics": metrics, "version": self.version}
 
@@ -152,6 +156,7 @@ class RankTrainer(GRPOTrainer):
         as the others); at train.updates_per_step=1 the critic's update runs here too (its metrics: this rank's
         share). An idle rank's chunks are another rank's: no KL and no values."""
         batches = self._work_batches(work)
+        self.kept = KeptBatches(work.key(), batches)
         inputs = self.forwards.run(work.chunks, batches, work.batch_tokens)
         if work.idle:
             return TokenReply(None, None, inputs.critic_metrics, inputs.critic_updated)
@@ -159,14 +164,22 @@ class RankTrainer(GRPOTrainer):
         return TokenReply(in_order(mine, inputs.kl), in_order(mine, inputs.values), inputs.critic_metrics,
                           inputs.critic_updated)
 
-    def _work_batches(self, work: RankWork) -> list[MicroBatch | GroupMicroBatch]:
-        batches = self.forward_batches(work.share, work.chunks, work.padding)
+    def _work_batches(self, work: RankWork, weights: Tensor | None = None) -> list[MicroBatch | GroupMicroBatch]:
+        batches = self.forward_batches(work.share, work.chunks, work.padding, weights)
         return [replace(mb, padding=True) for mb in batches] if work.idle else batches
 
-    def _update_critic(self, work: RankWork, targets: CriticTargets) -> dict[str, float]:
+    def _step_batches(self, work: RankWork) -> list[MicroBatch | GroupMicroBatch]:
+        """The step's micro-batches: token_inputs' (the same work) with the loss weights and the per-token advantages
+        the controller sent with `work` filled in (rollwise.train.step_batches), else collated here, once."""
+        kept, self.kept = self.kept, None
+        if kept is None or kept.key != work.key():
+            return self._work_batches(work, work.weights)
+        return with_token_advantages(with_weights(kept.batches, work.chunks, work.weights), work.chunks)
+
+    def _update_critic(self, work: RankWork, targets: CriticTargets,
+                       batches: list[MicroBatch | GroupMicroBatch]) -> dict[str, float]:
         """Critic.update (updates_per_step > 1) on the same micro-batches its values came from (token_inputs_of);
         the filler repeats the first at weight 0."""
-        batches = self._work_batches(work)
         sizes = [mb.n_tokens for mb in batches[: len(work.chunks)]]
         old, returns = list(torch.split(targets.old, sizes)), list(torch.split(targets.returns, sizes))
         old += old[:1] * work.padding

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from rollwise.types.train_config import TrainConfig, TrainerConfig
 from rollwise.train.checkpoint import load_rng_and_state, write_checkpoint
 from rollwise.train.critic import SUMMED_OVER_RANKS
+from rollwise.train.critic_layers import check_trainable_layers
 from rollwise.train.grpo import token_weights
 from rollwise.train.policy_loss import resolve_policy_loss
 from rollwise.train.rank import RankWork
@@ -114,6 +115,8 @@ class ShardedTrainer:
                  bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
         refuse_torchrun(os.environ)
         resolve_policy_loss(cfg)  # a custom train.policy_loss is checked here, once, before any rank starts
+        if cfg.advantage == "gae":  # the critic's layers against the model's, as a rank would refuse them
+            check_trainable_layers(cfg.gae.critic_trainable_layers, model.config.num_hidden_layers)
         group = ProcessRankGroup(model, cfg, trainer_cfg, pad_token_id=pad_token_id, temperature=temperature,
                                  threads=threads or len(os.sched_getaffinity(0)))
         self._attach(group, cfg, tokenizer, bucket_mb)

@@ -15,7 +15,8 @@ results split back per sample by the samples' trained-token counts.
   per sample, so each micro-batch's values give its own returns and its value loss is backpropagated at once);
   with more updates a step, `values` now and `update` after the policy's (its several epochs re-run forwards).
 
-The sharded trainer's ranks (rollwise.train.rank) run this same class on their own micro-batches.
+The sharded trainer's ranks (rollwise.train.rank) run this same class on their own micro-batches. Those are the
+step's one collation: the policy's update runs the same batches, the advantages filled in (rollwise.train.step_batches).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from rollwise.train.policy_loss import PolicyLossInputs, resolve_policy_loss
 from rollwise.train.logprobs import LogprobOptions, sequence_hidden, sequence_logprobs
 from rollwise.train.activation_checkpointing import enable_activation_checkpointing
 from rollwise.train.routing_replay import ReplayBatch, RoutingReplay, find_routers, rows_batch
+from rollwise.train.step_batches import token_advantages_of, with_token_advantages
 from rollwise.train.critic import Critic
 from rollwise.train.token_advantages import TokenAdvantages, plan_token_advantages
 from rollwise.train.token_forwards import TokenForwards, in_order, keep_linears_in, per_batch
@@ -111,10 +112,9 @@ def token_owners(chunk: list[Sample]) -> dict[str, Any]:
     versions = [v for s in chunk for v, m in zip(s.versions, s.trained_mask) if m]
     owners = {"seq_index": torch.repeat_interleave(torch.arange(len(chunk)), counts),
               "versions": torch.tensor(versions, dtype=torch.long), "num_seqs": len(chunk)}
-    if any(s.token_advantages is not None for s in chunk):  # per-token advantages (rollwise.train.token_advantages)
-        owners["advantages"] = torch.tensor([a for s in chunk for a in (
-            s.token_advantages if s.token_advantages is not None else [s.advantage] * s.trained_tokens)],
-            dtype=torch.float32)
+    advantages = token_advantages_of(chunk)  # per-token advantages already set (rollwise.train.token_advantages)
+    if advantages is not None:
+        owners["advantages"] = advantages
     return owners
 
 
@@ -266,9 +266,13 @@ class GRPOTrainer:
         return loss if aux is None else loss + self.cfg.router_aux_loss_coef * aux * mb.weights.sum()
 
     def _micro_batches(self, samples: list[Sample]) -> list[MicroBatch | GroupMicroBatch]:
+        return self._step_plan(samples)[1]
+
+    def _step_plan(self, samples: list[Sample]) -> tuple[list[list[Sample]], list[MicroBatch | GroupMicroBatch]]:
+        """The step's chunks and their micro-batches with the batch's loss weights, collated once (forward_batches)."""
         share, chunks = chunk_samples(samples, self.cfg)
         weights = token_weights([s.trained_tokens for chunk in chunks for s in chunk], self.cfg.loss_agg)
-        return self.collate_chunks(share, chunks, weights)
+        return chunks, self.forward_batches(share, chunks, weights=weights)
 
     def collate_chunks(self, share: bool, chunks: list[list[Sample]], weights: Tensor,
                        padding: int = 0) -> list[MicroBatch | GroupMicroBatch]:
@@ -313,8 +317,13 @@ class GRPOTrainer:
                     "trained_samples": 0.0, "clip_fraction": 0.0, "kl": 0.0,
                     "lr": self.scheduler.get_last_lr()[0], **self._measure(self._micro_batches(samples)[:1]),
                     **(self.routing.take_metrics() if self.routing is not None else {}), **self.forwards.times.take()}
-        planned = self._token_advantages(informative) if self.token_advantages else None
-        batches = self._micro_batches(informative)
+        # One plan, one collation (rollwise.train.step_batches): the reference's and the critic's forwards run on
+        # the policy's micro-batches, and the per-token advantages they give are filled into those same batches.
+        chunks, batches = self._step_plan(informative)
+        planned = None
+        if self.token_advantages:
+            planned = self._token_advantages(informative, chunks, batches)
+            batches = with_token_advantages(batches, chunks)
         metrics: dict[str, float] = {}
         # The proximal policy of decoupled PPO is the trainer's policy before this step's first
         # update. Its log-probs come free from the first update's forward (the weights only change
@@ -331,19 +340,23 @@ class GRPOTrainer:
         metrics.update(self.forwards.times.take())  # time_ref_s, time_critic_s
         return metrics
 
-    def forward_batches(self, share: bool, chunks: list[list[Sample]], padding: int = 0) -> list[MicroBatch | GroupMicroBatch]:
-        """The micro-batches the policy's update runs (collate_chunks), on the model's device, for the reference's
-        and the critic's forwards before it (their loss weights unused: zeros)."""
+    def forward_batches(self, share: bool, chunks: list[list[Sample]], padding: int = 0,
+                        weights: Tensor | None = None) -> list[MicroBatch | GroupMicroBatch]:
+        """The micro-batches of `chunks` (collate_chunks), on the model's device: the step's one collation, which
+        the reference's and the critic's forwards and the policy's update all run. `weights`: the loss weights
+        (None: zeros, for the forwards alone; a sharded rank fills its in later: rollwise.train.step_batches)."""
         device = next(self.model.parameters()).device
-        weights = torch.zeros(sum(s.trained_tokens for chunk in chunks for s in chunk))
+        if weights is None:
+            weights = torch.zeros(sum(s.trained_tokens for chunk in chunks for s in chunk))
         return [to_device(mb, device) for mb in self.collate_chunks(share, chunks, weights, padding)]
 
-    def _token_advantages(self, samples: list[Sample]) -> tuple[PendingCritic | None, TokenAdvantages, dict[str, float]]:
+    def _token_advantages(self, samples: list[Sample], chunks: list[list[Sample]],
+                          batches: list[MicroBatch | GroupMicroBatch]) -> tuple[PendingCritic | None, TokenAdvantages,
+                                                                              dict[str, float]]:
         """train.advantage=gae / train.kl_penalty=reward: each sample's per-token advantages, set on it
         (rollwise.train.token_advantages), from the reference's and the critic's forwards on the policy's own
-        micro-batches (rollwise.train.token_forwards; at updates_per_step=1 the critic's update runs there too)."""
-        share, chunks = chunk_samples(samples, self.cfg)
-        batches = self.forward_batches(share, chunks) if self.forwards.needed else []
+        micro-batches `batches` of `chunks` (rollwise.train.token_forwards; at updates_per_step=1 the critic's
+        update runs there too)."""
         inputs = self.forwards.run(chunks, batches, sum(s.trained_tokens for s in samples))
         plan, metrics = plan_token_advantages(samples, self.cfg, in_order(samples, inputs.kl),
                                               in_order(samples, inputs.values))

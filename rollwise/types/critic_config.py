@@ -28,6 +28,11 @@ class GaeConfig(ConfigSection):
                                      "unclipped squared errors); null: no clipping")
     whiten: bool = Field(True, description="normalise the advantages over the batch's trained tokens (mean 0, "
                          "variance 1), as PPO implementations do")
+    critic_trainable_layers: int | None = Field(
+        None, ge=1, description="the critic trains only its top k decoder layers, the final norm and the value head "
+        "(the embedding and the layers below stay at the policy's initial weights and cost a forward only, as trlx's "
+        "num_layers_unfrozen); null: every layer trains. At most the model's layer count (checked when the critic "
+        "is built, before any step)")
 
 
 def token_advantage_reason(advantage: str, kl_penalty: str, kl_coef: float, teacher: bool = False) -> str | None:
@@ -50,6 +55,16 @@ def check_teacher(advantage: str) -> None:
         raise ValueError(f"train.teacher gives a reward on every token (the per-token reverse KL), which "
                          f"train.advantage={advantage!r} (one reward per sample, group-relative) cannot take: set "
                          f"train.advantage to one of {', '.join(TOKEN_REWARD_ESTIMATORS)}")
+
+
+def check_critic_layers(advantage: str, gae: GaeConfig) -> None:
+    """train.gae.critic_trainable_layers sizes the critic, which only train.advantage=gae has: a ValueError naming
+    the field otherwise (the other train.gae fields have defaults and are simply unused; this one, set, asks for
+    a cheaper critic that would not exist)."""
+    if gae.critic_trainable_layers is not None and advantage != "gae":
+        raise ValueError(f"train.gae.critic_trainable_layers={gae.critic_trainable_layers} sizes the critic of "
+                         f"train.advantage=gae, which train.advantage={advantage!r} has none of: unset "
+                         "train.gae.critic_trainable_layers, or set train.advantage=gae")
 
 
 def check_kl_penalty(advantage: str, kl_penalty: str) -> str:

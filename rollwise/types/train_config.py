@@ -16,7 +16,7 @@ from rollwise.types.algorithms import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, KL_P
                                        OFF_POLICY_CORRECTIONS, check_choice, check_policy_loss_name,
                                        is_custom_loss)
 from rollwise.types.config_section import ConfigSection
-from rollwise.types.critic_config import GaeConfig, check_kl_penalty, check_teacher
+from rollwise.types.critic_config import GaeConfig, check_critic_layers, check_kl_penalty, check_teacher
 from rollwise.types.sft_config import TeacherConfig
 
 # Each of AdamW's betas: a decay rate, in [0, 1) (torch refuses others only once the optimizer is built).
@@ -58,7 +58,7 @@ class TrainConfig(ConfigSection):
               "(rollwise.train.advantages); gae: PPO with a learned critic, GAE per token (train.gae, "
               "rollwise.train.critic)")
     gae: GaeConfig = Field(default_factory=GaeConfig, description="train.advantage=gae: gamma, lam, critic_lr, "
-                           "value_clip, whiten")
+                           "value_clip, whiten, critic_trainable_layers")
     policy_loss: Annotated[str, AfterValidator(check_policy_loss_name)] = Field(
         "ppo_clip", description="ppo_clip: token-level PPO clip (clip_low/clip_high, DAPO clip-higher); dual_clip: "
         "plus dual_clip_c bound for negative advantages; gspo: sequence-level length-normalised ratio and clip; cispo: "
@@ -79,7 +79,9 @@ class TrainConfig(ConfigSection):
         "k1", description="kl_penalty=reward: the per-token estimate of KL(pi || ref) folded into the reward: k1 "
         "log(pi/ref), k2 log(pi/ref)^2 / 2, k3 ref/pi - 1 - log(ref/pi)")
     loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
-    logprob_chunk_tokens: int = Field(1024, ge=1, description="LM-head rows computed at once (bounds fp32 logits)")
+    # 512, not 1024: a default-shaped step peaks 0.22 GiB lower at the same LM-head time (256 saves no more
+    # and its per-chunk weight-gradient adds cost ~25% of the LM head; docs/benchmarks/default-run.md)
+    logprob_chunk_tokens: int = Field(512, ge=1, description="LM-head rows computed at once (bounds fp32 logits)")
     fused_logprobs: bool = Field(True, description="LM head + log-softmax + entropy as one autograd function with a "
                                  "hand-written backward (rollwise.train.logprobs.FusedLogprobs); false: autograd "
                                  "through log_softmax under activation checkpointing")
@@ -146,6 +148,7 @@ class TrainConfig(ConfigSection):
     @model_validator(mode="after")
     def _resolve_kl_penalty(self) -> TrainConfig:
         self.kl_penalty = check_kl_penalty(self.advantage, self.kl_penalty)  # type: ignore[assignment]
+        check_critic_layers(self.advantage, self.gae)
         if self.teacher is not None:
             check_teacher(self.advantage)
         return self
