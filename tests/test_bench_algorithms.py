@@ -37,7 +37,8 @@ def test_quick_runs_end_to_end(tmp_path):
     assert goals["ppo_gae_step_ratio_vs_grpo"] == result["recipes"]["ppo_gae"]["step_ratio_vs_grpo"]
     assert goals["step_ratio_vs_grpo_worst"] is None  # no recipe without a critic besides GRPO in --quick
     assert result["markdown"].startswith("| recipe |") and "| ppo_gae |" in result["markdown"]
-    assert (Path(run["run_dir"]) / "checkpoints").is_dir()
+    assert (Path(run["run_dir"]) / "metrics.jsonl").is_file()
+    assert not (Path(run["run_dir"]) / "checkpoints").exists()  # read by no one: dropped (they filled a disk)
 
 
 def test_unknown_recipe_refused_before_any_run(tmp_path):

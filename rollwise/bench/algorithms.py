@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import shutil
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -73,6 +74,8 @@ def run_arm(overrides: list[str]) -> dict[str, Any]:
     run_dir = Path(summary["run_dir"])
     evals = [json.loads(line) for line in (run_dir / "evals.jsonl").read_text().splitlines() if line.strip()]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    # the run's final checkpoint (1 GB, 2 with a critic) is not read: 24 runs of them filled this VM's disk
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     before = next((e["strict_accuracy"] for e in evals if e["label"] == "before"), None)
     early = next((e["strict_accuracy"] for e in evals if e["step"] == min(EARLY_STEP, cfg.train.steps)
                   and e["label"] != "before"), None)
