@@ -5,7 +5,8 @@ The advantages of a sample depend on the whole batch (whitened over all its trai
 reward), so a step runs in two rounds over the same dealt work (rollwise.train.sharded.split_work):
 
 1. every rank runs the critic's and the reference's forwards on its own micro-batches, before any update
-   (command token_inputs: RankTrainer.token_inputs_of, which calls the one-process GRPOTrainer.token_inputs);
+   (command token_inputs: RankTrainer.token_inputs_of, with the one-process trainer's TokenForwards; the rank keeps
+   those micro-batches for round 2's update: one collation a step, rollwise.train.step_batches);
    the critic is FSDP2-sharded like the policy, the reference is the rank's frozen copy of the initial policy;
 2. the controller gathers them per sample and computes the advantages over the whole batch with the
    one-process trainer's function (rollwise.train.token_advantages.plan_token_advantages) and sets them on the
