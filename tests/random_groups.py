@@ -33,3 +33,17 @@ def random_groups(seed: int, score: Literal["advantage", "reward"], groups: int 
                               response_ids=response, behaviour_logprobs=behaviour,
                               versions=[0] * len(response), finish_reason="stop", **{score: value}))
     return out
+
+
+def fixed_groups() -> list[Sample]:
+    """Three groups (prompts of different lengths), responses of unequal lengths, rewards in [0, 1]: the same
+    samples every call, written out (no draws)."""
+    out = []
+    for g, prompt in enumerate([(5, 6, 7, 8, 9), (10, 11, 12), (13, 14, 15, 16)]):
+        for i in range(3):
+            n = 2 + (g + 2 * i) % 4
+            out.append(Sample(sample_id=f"{g}/{i}", group_id=f"g{g}", problem_id="p", prompt_ids=list(prompt),
+                              response_ids=[(7 * g + 3 * i + t) % 50 + 3 for t in range(n)],
+                              behaviour_logprobs=[-1.5 - 0.2 * t for t in range(n)], versions=[0] * n,
+                              finish_reason="stop", reward=[1.0, 0.0, 0.4][(g + i) % 3]))
+    return out

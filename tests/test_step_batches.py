@@ -20,6 +20,8 @@ from rollwise.types.microbatch import chunk_samples
 from rollwise.types.sample import Sample
 from rollwise.types.train_config import TrainConfig
 
+from random_groups import fixed_groups
+
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 RECIPES = {
@@ -43,15 +45,8 @@ class CountingTrainer(GRPOTrainer):
 
 
 def _batch(advantage: str) -> list[Sample]:
-    """Three groups (prompts of different lengths), responses of unequal lengths, rewards in [0, 1]."""
-    out = []
-    for g, prompt in enumerate([(5, 6, 7, 8, 9), (10, 11, 12), (13, 14, 15, 16)]):
-        for i in range(3):
-            n = 2 + (g + 2 * i) % 4
-            out.append(Sample(sample_id=f"{g}/{i}", group_id=f"g{g}", problem_id="p", prompt_ids=list(prompt),
-                              response_ids=[(7 * g + 3 * i + t) % 50 + 3 for t in range(n)],
-                              behaviour_logprobs=[-1.5 - 0.2 * t for t in range(n)], versions=[0] * n,
-                              finish_reason="stop", reward=[1.0, 0.0, 0.4][(g + i) % 3]))
+    """tests/random_groups.fixed_groups with the estimator's advantages."""
+    out = fixed_groups()
     assign_advantages(out, advantage)
     return out
 

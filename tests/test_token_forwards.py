@@ -22,24 +22,13 @@ from rollwise.types.microbatch import chunk_samples
 from rollwise.types.sample import Sample
 from rollwise.types.train_config import TrainConfig
 
+from random_groups import fixed_groups
+
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 LAYOUTS = {"padded": {"share_prompt_prefix": False}, "group": {"pack_responses": False},
            "packed": {"pack_responses": True, "pack_groups": False},
            "packed_groups": {"pack_responses": True, "pack_groups": True}}
-
-
-def _batch() -> list[Sample]:
-    """Three groups (prompts of different lengths), responses of unequal lengths, rewards in [0, 1]."""
-    out = []
-    for g, prompt in enumerate([(5, 6, 7, 8, 9), (10, 11, 12), (13, 14, 15, 16)]):
-        for i in range(3):
-            n = 2 + (g + 2 * i) % 4
-            out.append(Sample(sample_id=f"{g}/{i}", group_id=f"g{g}", problem_id="p", prompt_ids=list(prompt),
-                              response_ids=[(7 * g + 3 * i + t) % 50 + 3 for t in range(n)],
-                              behaviour_logprobs=[-1.5 - 0.2 * t for t in range(n)], versions=[0] * n,
-                              finish_reason="stop", reward=[1.0, 0.0, 0.4][(g + i) % 3]))
-    return out
 
 
 def _predictors(backbone, s: Sample) -> torch.Tensor:
@@ -60,7 +49,7 @@ def test_reference_kl_and_critic_values_on_every_layout_equal_a_per_sample_forwa
     with torch.no_grad():  # a critic whose head is not zero, so the values are the trunk's
         trainer.critic.model.head.weight.normal_(0, 0.5)
         trainer.critic.model.head.bias.fill_(0.1)
-    samples = _batch()
+    samples = fixed_groups()
     share, chunks = chunk_samples(samples, cfg)
     assert share == (layout != "padded")
     inputs = trainer.forwards.run(chunks, trainer.forward_batches(share, chunks), sum(s.trained_tokens for s in samples))
@@ -92,7 +81,7 @@ def test_one_critic_forward_a_step_equals_values_then_update(layout, checkpointi
     critic = trainer.critic
     twin = copy.deepcopy(critic)
     for step in range(2):
-        samples = _batch()
+        samples = fixed_groups()
         share, chunks = chunk_samples(samples, cfg)
         batches = trainer.forward_batches(share, chunks)
         n_tokens = sum(s.trained_tokens for s in samples)
@@ -128,7 +117,7 @@ def test_the_reference_in_the_compute_dtype_computes_what_autocast_does():
     assert ref.get_input_embeddings().weight.dtype == torch.float32
     assert ref.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
     assert next(model.parameters()).dtype == torch.float32  # the policy untouched
-    samples = _batch()
+    samples = fixed_groups()
     share, chunks = chunk_samples(samples, cfg)
     for mb in trainer.forward_batches(share, chunks):
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -145,7 +134,7 @@ def test_the_reference_in_the_compute_dtype_computes_what_autocast_does():
 def test_the_step_metrics_time_the_reference_and_the_critic(overrides, ref, critic):
     cfg = TrainConfig(micro_batch_size=4, **overrides)
     trainer = GRPOTrainer(tiny_llama(seed=14), cfg, pad_token_id=0)
-    samples = _batch()
+    samples = fixed_groups()
     assign_advantages(samples, cfg.advantage)
     metrics = trainer.train_step(samples)
     assert (metrics["time_ref_s"] > 0) == ref and (metrics["time_critic_s"] > 0) == critic

@@ -214,10 +214,7 @@ def check_update(state_dict: Mapping[str, Tensor], version: int, current: int, e
     or values (NaN, inf) do not fit its model, by the rules every path shares (rollwise.types.weight_checks).
     A subset of the weights is fine here (buckets streamed in)."""
     check_version(version, current)
-    problems = state_problems(state_dict, expected, complete=False)
-    if problems:
-        more = f"; ... ({len(problems)} problems in all)" if len(problems) > 5 else ""
-        raise ValueError("; ".join(problems[:5]) + more)
+    _refuse(state_problems(state_dict, expected, complete=False))
 
 
 def check_replacement(state_dict: Mapping[str, Tensor], expected: ExpectedWeights, *, busy: bool) -> None:
@@ -227,7 +224,11 @@ def check_replacement(state_dict: Mapping[str, Tensor], expected: ExpectedWeight
     path shares: rollwise.types.weight_checks). No version check: the new owner numbers its own versions."""
     if busy:
         raise ValueError("replace_weights needs an idle engine: finish or abort its requests first")
-    problems = state_problems(state_dict, expected, complete=True)
+    _refuse(state_problems(state_dict, expected, complete=True), "replace_weights: ")
+
+
+def _refuse(problems: list[str], prefix: str = "") -> None:
+    """A state's problems as one ValueError (the first five, and how many in all); nothing when there are none."""
     if problems:
         more = f"; ... ({len(problems)} problems in all)" if len(problems) > 5 else ""
-        raise ValueError("replace_weights: " + "; ".join(problems[:5]) + more)
+        raise ValueError(prefix + "; ".join(problems[:5]) + more)

@@ -435,6 +435,20 @@ class VLLMEngine(VllmMigration, VllmScoring, EngineState):
 
     def apply_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         check_version(version, self._version)
+        self._reload(state_dict, version)
+        if self.drafter is not None:  # old versions' rollouts age out; the rest stay (they are verified)
+            self.drafter.on_policy_version(version)
+
+    def replace_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        """Engine.replace_weights: apply_weights' reload (prefix cache reset, pinned KV released) at the new owner's
+        version, which may be lower, and the drafter's history dropped."""
+        check_replacement(state_dict, self.expected_weights, busy=self.has_unfinished())
+        self._reload(state_dict, version)
+        if self.drafter is not None:
+            self.drafter.clear()
+
+    def _reload(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        """Every weight reloaded in place at `version` (checked whole first); the KV of the old weights dropped."""
         check_weights(state_dict, self._shapes, require_all=False)
         missing = sorted(self._required - set(state_dict))
         if missing:
@@ -455,21 +469,6 @@ class VLLMEngine(VllmMigration, VllmScoring, EngineState):
         # KV computed by the old weights must not be reused by new requests; running ones re-prefill.
         self._llm.reset_prefix_cache(reset_running_requests=True)
         self._version = version
-        if self.drafter is not None:  # old versions' rollouts age out; the rest stay (they are verified)
-            self.drafter.on_policy_version(version)
-
-    def replace_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
-        """Engine.replace_weights: apply_weights' reload (prefix cache reset, pinned KV released), at the new owner's
-        version (it may be lower: its forward-only check is against that version), and the drafter's history dropped."""
-        check_replacement(state_dict, self.expected_weights, busy=self.has_unfinished())
-        previous, self._version = self._version, version
-        try:
-            self.apply_weights(state_dict, version)
-        except BaseException:
-            self._version = previous
-            raise
-        if self.drafter is not None:
-            self.drafter.clear()
 
     # ---------------------------------------------------------------- LoRA adapters (issue 22)
 

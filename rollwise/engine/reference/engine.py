@@ -266,25 +266,25 @@ class ReferenceEngine(ReferenceScoring, MigrationMethods, EngineState):
         in-flight sequences keep their KV cache (computed by the old weights) and continue with the new
         ones; each token records the version sampling it."""
         check_update(state_dict, version, self._version, self.expected_weights)
-        self.model.load_weights(state_dict)
-        self._version = version
+        self._load_weights(state_dict, version)
         if self.drafter is not None:  # old versions' rollouts age out; the rest stay (they are verified)
             self.drafter.on_policy_version(version)
-        if self.prefix_cache is not None:  # cached KV was computed by the old weights
-            self.prefix_cache.clear()
-        self.retention.release("weight_update")  # so was held session KV: the promise is released, explicitly
 
     def replace_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         """Engine.replace_weights: another owner's complete weights (check_replacement first), its version as given
         (it may be lower); the prefix cache, held session KV and the drafter's history were the old weights'."""
         check_replacement(state_dict, self.expected_weights, busy=self.has_unfinished())
-        self.model.load_weights(state_dict)
-        self._version = version
+        self._load_weights(state_dict, version)
         if self.drafter is not None:
             self.drafter.clear()
-        if self.prefix_cache is not None:
+
+    def _load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        """Checked weights copied in at `version`; what the old weights computed and is kept goes."""
+        self.model.load_weights(state_dict)
+        self._version = version
+        if self.prefix_cache is not None:  # cached KV was computed by the old weights
             self.prefix_cache.clear()
-        self.retention.release("weight_update")
+        self.retention.release("weight_update")  # so was held session KV: the promise is released, explicitly
 
     # ---------------------------------------------------------------- session KV retention (self.retention)
 
