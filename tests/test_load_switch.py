@@ -11,7 +11,6 @@ served by the tier it is named after.
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch

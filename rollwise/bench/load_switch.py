@@ -145,7 +145,7 @@ def _median_parts(rig: SwitchRig, hf_dir: Path, dtype: torch.dtype, repeats: int
 
     for _ in range(repeats):
         engine: Any = timed(names[0], lambda: rig.pool.engines.new(job))
-        timed(names[1], lambda: engine.apply_weights(job.weights, job.version))
+        timed(names[1], lambda e=engine: e.apply_weights(job.weights, job.version))
         del engine
         gc.collect()
         for name, fn in ((names[2], lambda: read_flat(flat).state),
