@@ -36,6 +36,14 @@ def test_quick_runs_end_to_end(tmp_path):
     assert goals["gain_end_worst"] == min(r["gain_end"] for r in result["recipes"].values())
     assert goals["ppo_gae_step_ratio_vs_grpo"] == result["recipes"]["ppo_gae"]["step_ratio_vs_grpo"]
     assert goals["step_ratio_vs_grpo_worst"] is None  # no recipe without a critic besides GRPO in --quick
+    # the measured trainer work, simulated on GPU rollouts: nothing to scale when the tiny model's GRPO trained no
+    # sample (every group's rewards equal)
+    projected, fraction = result["gpu_projection"], result["recipes"]["grpo"]["trained_fraction"]
+    assert 0 <= fraction <= 1
+    if fraction:
+        assert projected["modes"]["sync"]["grpo"]["ratio_vs_baseline"] == 1.0
+    else:
+        assert projected == {} and "step_ratio_vs_grpo_worst_projected_sync" not in goals
     assert result["markdown"].startswith("| recipe |") and "| ppo_gae |" in result["markdown"]
     assert (Path(run["run_dir"]) / "metrics.jsonl").is_file()
     assert not (Path(run["run_dir"]) / "checkpoints").exists()  # read by no one: dropped (they filled a disk)
@@ -71,3 +79,27 @@ def test_resume_from_a_file_that_is_not_a_bench_json_is_refused(tmp_path):
     out = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode == 2 and "--resume" in out and "runs" in out and "Traceback" not in out
     assert not (tmp_path / "runs").exists()
+
+
+def test_trainer_work_scales_grpo_fraction_by_measured_train_time():
+    from rollwise.bench.algorithms_projection import trainer_work
+
+    recipes = {"grpo": {"trained_fraction": 0.5, "train_s": 4.0}, "reinforce_pp": {"train_s": 10.0},
+               "dapo": {"train_s": None}}
+    work = trainer_work(recipes, "grpo")
+    assert work == {"grpo": 0.5, "reinforce_pp": 1.25}  # 0.5 x 10 / 4; a recipe without a train time is left out
+    assert trainer_work({"grpo": {"trained_fraction": None, "train_s": 4.0}}, "grpo") == {}  # older JSON: no input
+
+
+def test_projection_runs_the_gpu_scenario_and_more_work_costs_more():
+    from rollwise.bench.algorithms_projection import MODES, project
+
+    out = project({"grpo": {"trained_fraction": 0.6, "train_s": 6.0}, "heavy": {"train_s": 12.0}}, "grpo",
+                  updates=3)
+    assert out["trainer_work"] == {"grpo": 0.6, "heavy": 1.2}
+    assert set(out["modes"]) == set(MODES)
+    for by_recipe in out["modes"].values():
+        assert by_recipe["grpo"]["ratio_vs_baseline"] == 1.0
+        assert by_recipe["heavy"]["s_per_update"] > by_recipe["grpo"]["s_per_update"]
+        # twice the trainer work, the same rollouts: a step costs more, but less than twice as much
+        assert 1.0 < by_recipe["heavy"]["ratio_vs_baseline"] < 2.0

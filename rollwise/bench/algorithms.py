@@ -10,6 +10,10 @@ config (`rollwise train`: 15 steps, evaluations every 3) runs in a fresh process
     peak memory                the run's peak RSS, engine child processes included; on CUDA also the
                                trainer's peak allocated GPU memory
 
+At the end, each recipe's trainer work (its train seconds over GRPO's, times GRPO's trained fraction) is projected
+onto GPU rollouts with the cluster simulator (rollwise.bench.algorithms_projection): the step-time ratios where
+generation, not training, is most of a step.
+
 Goals (issue 41): every recipe learns, +40 points of held-out strict accuracy or more at the end (mean over
 seeds); none costs more than 1.2x GRPO's seconds per step, except PPO+GAE (a critic trained each step): 1.6x.
 
@@ -32,6 +36,7 @@ from typing import Any, Callable
 from rich.console import Console
 from rich.table import Table
 
+from rollwise.bench.algorithms_projection import project
 from rollwise.types.recipes import BASELINE, CRITIC_RECIPES, RECIPES
 
 GOAL_GAIN = 0.40
@@ -92,6 +97,8 @@ def run_arm(overrides: list[str]) -> dict[str, Any]:
         # where a recipe's extra train time goes: the reference's forwards (KL) and the critic's values + update
         "ref_s": statistics.mean(r.get("time_ref_s", 0.0) for r in timed) if timed else None,
         "critic_s": statistics.mean(r.get("time_critic_s", 0.0) for r in timed) if timed else None,
+        # the share of the batch's samples the update trained (GRPO skips zero-variance groups): the projection's input
+        "trained_fraction": trained_fraction(timed),
         "peak_memory_gb": summary.get("peak_rss_run_gb") or summary.get("peak_rss_gb"),
         "cuda_peak_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
         "critic_value_loss": last.get("critic/value_loss"),
@@ -100,18 +107,27 @@ def run_arm(overrides: list[str]) -> dict[str, Any]:
     }
 
 
+def trained_fraction(records: list[dict[str, Any]]) -> float | None:
+    """Trained samples over rolled-out samples, over the steps' metrics records (None: not recorded)."""
+    trained = sum(r.get("trained_samples", 0.0) for r in records)
+    batch = sum(r.get("batch_samples", 0.0) for r in records)
+    return trained / batch if batch else None
+
+
 def _mean(values: list[float | None]) -> float | None:
     kept = [v for v in values if v is not None]
     return statistics.mean(kept) if kept else None
 
 
-def summarise(arms: dict[str, list[dict[str, Any]]], quick: bool) -> dict[str, Any]:
-    """Per recipe: the means over seeds, the step-time ratio to GRPO, and the issue's goals checked."""
+def summarise(arms: dict[str, list[dict[str, Any]]], quick: bool, project_gpu: bool = False) -> dict[str, Any]:
+    """Per recipe: the means over seeds, the step-time ratio to GRPO, and the issue's goals checked; with
+    `project_gpu`, also each recipe's ratio projected onto GPU rollouts (rollwise.bench.algorithms_projection)."""
     recipes: dict[str, dict[str, Any]] = {}
     for name, runs in arms.items():
         recipes[name] = {key: _mean([r[key] for r in runs]) for key in
                          ("strict_before", "strict_early", "strict_after", "gain_early", "gain_end", "step_s",
                           "train_s", "ref_s", "critic_s", "peak_memory_gb", "cuda_peak_gb")}
+        recipes[name]["trained_fraction"] = _mean([r.get("trained_fraction") for r in runs])
         recipes[name]["seeds"] = len(runs)
     base = recipes.get(BASELINE, {}).get("step_s")
     checks: dict[str, bool | None] = {}
@@ -123,13 +139,15 @@ def summarise(arms: dict[str, list[dict[str, Any]]], quick: bool) -> dict[str, A
             bound = GOAL_STEP_RATIO_CRITIC if name in CRITIC_RECIPES else GOAL_STEP_RATIO
             checks[f"{name}: seconds per step <= {bound}x GRPO"] = (
                 None if r["step_ratio_vs_grpo"] is None else r["step_ratio_vs_grpo"] <= bound)
-    return {"quick": quick, "recipes": recipes, "goals": _goals(recipes), "checks": checks,
-            "recipe_overrides": {n: RECIPES[n] for n in arms}}
+    projection = project(recipes, BASELINE) if project_gpu else {}
+    return {"quick": quick, "recipes": recipes, "goals": _goals(recipes, projection), "checks": checks,
+            "recipe_overrides": {n: RECIPES[n] for n in arms}, "gpu_projection": projection}
 
 
-def _goals(recipes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _goals(recipes: dict[str, dict[str, Any]], projection: dict[str, Any]) -> dict[str, Any]:
     """The measured figures under stable keys (the benchmark index reads them): the worst recipe's gain, the
-    worst step-time ratio of a recipe without a critic, and each critic recipe's ratio."""
+    worst step-time ratio of a recipe without a critic, and each critic recipe's ratio; projected onto GPU
+    rollouts (when `projection` has them), the worst ratio of a recipe without a critic in each rollout mode."""
     gains = [r["gain_end"] for r in recipes.values() if r["gain_end"] is not None]
     plain = [r["step_ratio_vs_grpo"] for n, r in recipes.items()
              if n != BASELINE and n not in CRITIC_RECIPES and r["step_ratio_vs_grpo"] is not None]
@@ -140,6 +158,10 @@ def _goals(recipes: dict[str, dict[str, Any]]) -> dict[str, Any]:
         if name in recipes:
             values[f"{name}_step_ratio_vs_grpo"] = recipes[name]["step_ratio_vs_grpo"]
             targets[f"{name}_step_ratio_vs_grpo"] = GOAL_STEP_RATIO_CRITIC
+    for mode, by_recipe in projection.get("modes", {}).items():
+        ratios = [r["ratio_vs_baseline"] for n, r in by_recipe.items() if n != BASELINE and n not in CRITIC_RECIPES]
+        values[f"step_ratio_vs_grpo_worst_projected_{mode}"] = max(ratios) if ratios else None
+        targets[f"step_ratio_vs_grpo_worst_projected_{mode}"] = GOAL_STEP_RATIO
     met = {key: None if value is None else (value >= targets[key] if key.startswith("gain") else value <= targets[key])
            for key, value in values.items()}
     return {**values, "targets": targets, "met": met}
@@ -175,8 +197,9 @@ def run_algorithms_bench(quick: bool = False, steps: int | None = None, seeds: i
     arms: dict[str, list[dict[str, Any]]] = {name: list((done or {}).get(name, [])) for name in names}
     commit = _commit()
 
-    def summary() -> dict[str, Any]:
-        out = summarise({n: sorted(runs, key=lambda r: r["seed"]) for n, runs in arms.items() if runs}, quick)
+    def summary(final: bool = False) -> dict[str, Any]:
+        out = summarise({n: sorted(runs, key=lambda r: r["seed"]) for n, runs in arms.items() if runs}, quick,
+                        project_gpu=final)
         commits = sorted({str(r.get("commit")) for runs in arms.values() for r in runs})
         out.update({"steps": steps, "seeds": seeds, "early_step": min(EARLY_STEP, steps),
                     "model": model or ("tiny:0" if quick else "the default config's"), "runs": arms,
@@ -208,7 +231,7 @@ def run_algorithms_bench(quick: bool = False, steps: int | None = None, seeds: i
             arms[name].append({"seed": seed, "commit": commit, **result})
             if save is not None:
                 save(summary())
-    return summary()
+    return summary(final=True)
 
 
 def _commit() -> str | None:
@@ -248,19 +271,26 @@ def _num(x: float | None, fmt: str) -> str:
     return "—" if x is None else format(x, fmt)
 
 
+def _projected(result: dict[str, Any], name: str) -> list[str]:
+    """The recipe's projected ratio to GRPO per rollout mode (columns only when the projection ran)."""
+    modes = result.get("gpu_projection", {}).get("modes", {})
+    return [_num(modes[m].get(name, {}).get("ratio_vs_baseline"), ".2f") + "x" for m in modes]
+
+
 def _rows(result: dict[str, Any]) -> list[list[str]]:
     rows = []
     for name, r in result["recipes"].items():
         rows.append([name, str(r["seeds"]), _pct(r["strict_before"]), _pct(r["strict_early"]), _pct(r["strict_after"]),
                      _points(r["gain_end"]), _num(r["step_s"], ".1f"), _num(r["step_ratio_vs_grpo"], ".2f") + "x",
                      _num(r["train_s"], ".1f"), _num(r.get("ref_s"), ".1f"), _num(r.get("critic_s"), ".1f"),
-                     _num(r["peak_memory_gb"], ".1f")])
+                     _num(r["peak_memory_gb"], ".1f"), *_projected(result, name)])
     return rows
 
 
 def _header(result: dict[str, Any]) -> list[str]:
     return ["recipe", "seeds", "strict before", f"after {result['early_step']}", "end", "gain (points)", "s/step",
-            "vs GRPO", "train s/step", "ref s", "critic s", "peak GB"]
+            "vs GRPO", "train s/step", "ref s", "critic s", "peak GB",
+            *(f"vs GRPO, GPU {mode} (projected)" for mode in result.get("gpu_projection", {}).get("modes", {}))]
 
 
 def markdown_table(result: dict[str, Any]) -> str:

@@ -145,7 +145,7 @@ def simulate(run: SimRun, progress: Callable[[str], None] | None = None) -> dict
         if step_max > controller.eta:  # the bound every policy must keep (DESIGN.md invariant 2)
             raise RuntimeError(f"update {step}: a trained token has staleness {step_max} > eta={controller.eta}")
         controller.before_update()
-        tokens = trainer.batch_tokens(batch, controller.cfg.train)
+        tokens = round(trainer.batch_tokens(batch, controller.cfg.train) * s.workload.trainer_work)
         t_train = clock.now
         pump = (lambda: _pump_queued(cluster, controller)) if controller.pumps_while_training else None
         train_through_contention(cluster, clock, trainer.step_s(tokens, s.trainer_gpus()), trainer, cost, pump)

@@ -52,6 +52,12 @@ class WorkloadSpec(_Section):
     shared_prefix_tokens: int = Field(0, ge=0, description="system/few-shot prefix every prompt starts with")
     output: OutputLengths = OutputLengths()
     force_lengths: bool = Field(False, description="benchmark style: every sample its own request, lengths forced")
+    # An RL recipe's trainer work per update, relative to one policy update over every token of the batch: GRPO's
+    # skip of zero-variance groups makes it < 1, a reference model's forward (REINFORCE++'s KL in the reward) or a
+    # critic adds to it. `rollwise bench algorithms` measures each recipe's on the default task and projects
+    # its step time here (rollwise.bench.algorithms_projection).
+    trainer_work: float = Field(1.0, gt=0, description="trainer seconds per update relative to a policy update "
+                                "over the whole batch (a recipe's; measured by `rollwise bench algorithms`)")
 
 
 class RolloutSpec(_Section):
