@@ -33,6 +33,7 @@ samples come out of A's worker as always. Either way a request that finished on 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ from typing import Protocol, TypeVar, runtime_checkable
 from rollwise.types.generation import Completion, GenerationRequest, ModelInfo
 
 T = TypeVar("T")
+
+log = logging.getLogger("rollwise.engine")
 
 
 @dataclass(frozen=True)
@@ -247,10 +250,16 @@ def _per_request(ends: _Ends, rid: str, result: MigrationResult, staged: dict[st
 def _cancel_quietly(ends: _Ends, rid: str) -> None:
     """Free what the target staged (or took over, should its answer have been lost) for the request; a target
     that cannot be reached holds nothing it will act on, so its error is not the request's."""
+    _best_effort(rid, "the target's cancel_migration", lambda: ends.target(lambda e: e.cancel_migration(rid)))
+
+
+def _best_effort(rid: str, what: str, command: Callable[[], object]) -> None:
+    """Run a clean-up whose failure does not change the request's outcome (each caller says why): a failure is
+    logged, naming the request, the command and the error, and goes no further."""
     try:
-        ends.target(lambda e: e.cancel_migration(rid))
-    except Exception:  # noqa: BLE001 - best effort, see above
-        pass
+        command()
+    except Exception as exc:  # noqa: BLE001 - best effort, see above
+        log.warning("migration of request %r: %s failed, ignored (%s)", rid, what, _reason(exc))
 
 
 def _reason(exc: BaseException) -> str:
@@ -282,10 +291,7 @@ def _hand_over(ends: _Ends, rid: str, staged: MigrationState, result: MigrationR
     result.tokens_prefilled += final.tokens - staged.tokens
     # The target runs it now: what the source held for it goes. (Should that fail, the source's engine failed:
     # the request still moved, and is recorded so.)
-    try:
-        ends.source(lambda e: e.release_migrated(rid))
-    except Exception:  # noqa: BLE001 - see above
-        pass
+    _best_effort(rid, "the source's release_migrated", lambda: ends.source(lambda e: e.release_migrated(rid)))
 
 
 def _delta(staged: MigrationState, now: MigrationState) -> int:

