@@ -151,3 +151,25 @@ def test_a_tight_staleness_bound_trains_shorter_responses_and_says_so():
     assert tight.length_bias < loose.length_bias - 0.05, (tight.length_bias, loose.length_bias)
     assert tight.wasted_token_share > loose.wasted_token_share
     assert tight.response_mean == loose.response_mean > 0  # one workload, one yardstick
+
+
+def test_a_recipes_trainer_work_moves_the_balance_and_the_step():
+    """workload.trainer_work (a recipe's trainer seconds over a plain update's, rollwise bench algorithms): the
+    simulator's train time and the planner's balanced trainer share both follow it."""
+    from rollwise.sim.plan import balanced_trainer_share
+
+    light, heavy = _scenario(), _scenario()
+    heavy.workload.trainer_work = 2.0
+    cost, trainer = light.cost()
+    share = balanced_trainer_share(light, cost, trainer)
+    assert balanced_trainer_share(heavy, cost, trainer) > share
+    # the closed form: twice the trainer seconds per sample at the same engine rate
+    engine_over_trainer = share / (1 - share)
+    assert balanced_trainer_share(heavy, cost, trainer) == pytest.approx(2 * engine_over_trainer / (1 + 2 * engine_over_trainer))
+    # synchronous: the same batches in both runs, each trained at twice the tokens' worth, and nothing else changes
+    light, heavy = _scenario(mode="sync"), _scenario(mode="sync")
+    heavy.workload.trainer_work = 2.0
+    runs = [simulate(build(s)) for s in (light, heavy)]
+    for a, b in zip(runs[0]["per_step"], runs[1]["per_step"]):
+        assert abs(b["train_tokens"] - 2 * a["train_tokens"]) <= 1 and b["rollout_s"] == pytest.approx(a["rollout_s"])
+        assert b["train_s"] == pytest.approx(trainer.step_s(b["train_tokens"], 4))

@@ -4,30 +4,36 @@ recipes' trainer work is measured here, its cost in a step is projected with the
 Why a projection: on this 2-core CPU the trainer is over half of GRPO's step (train 6 of 11 s) and every phase runs
 at the same matmul rate, so a recipe that trains more tokens or adds a reference forward costs its FLOPs' ratio
 (REINFORCE++: every sample has an advantage, where GRPO skips zero-variance groups, plus the reference's forward).
-On GPUs generation is most of a step, and with rollwise's GPU rollout mode (`sorted`, staleness 1) the trainer's
-GPUs train beside the engines: the same extra trainer work is a smaller share of the step, or hidden behind it.
+On GPUs generation is most of a step, and the same extra trainer work is a smaller share of it.
 
 Measured (means over the seeds in the bench's JSON), per recipe r:
 - GRPO's trained fraction f: the share of the batch's samples its update trains;
 - r's train-phase seconds over GRPO's, t_r / t_grpo (the same trainer at the same matmul rate: their work's ratio).
 So r's trainer work relative to one update over the whole batch is f x t_r / t_grpo (GRPO's: f): the scenario's
 `workload.trainer_work`. Projected: each recipe's seconds per update in the bundled GPU scenario
-(rollwise/sim/configs/scenarios/grpo-7b.yaml: a 7B model on 64 H100 rollout GPUs, long-tailed outputs), in the
-synchronous mode the bench runs here and in the `sorted` mode rollwise runs on GPUs; the ratio to GRPO's.
+(rollwise/sim/configs/scenarios/grpo-7b.yaml: a 7B model on H100s, 256 prompts x 16, long-tailed outputs), on its
+96 GPUs (64 rollout + 32 trainer), in three ways:
+- `sync`: the scenario's split, synchronous rollout (as the bench runs here);
+- `sorted`: the scenario's split, rollwise's GPU mode (staleness 1: the engines generate the next batch while the
+  trainer trains);
+- `planned`: each recipe on its fastest split at the same 96 GPUs among those `rollwise sim plan` tries
+  (staleness 1, the flexible update batch): what a user does with a recipe whose trainer work differs (`placement:
+  ray` takes the plan). The planner tries a handful of splits around its closed-form balance point, each simulated
+  for a few updates: its choice moves in steps of a few GPUs, so ratios within ~5% of each other are not different.
 """
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from rollwise.sim.cost import CONFIG_DIR
+from rollwise.sim.plan import plan
 from rollwise.sim.run import build, simulate
-from rollwise.sim.scenario import load_scenario
+from rollwise.sim.scenario import Scenario, load_scenario
 
 SCENARIO = CONFIG_DIR / "scenarios" / "grpo-7b.yaml"
-MODES = ("sync", "sorted")
-UPDATES = 4  # the first update's interval includes the first rollout's ramp-up: the mean is over the others
+MODES = ("sync", "sorted", "planned")
+UPDATES = 4  # the first update's interval includes the first rollout's ramp-up: the rate is over the others
 
 
 def trainer_work(recipes: dict[str, dict[str, Any]], baseline: str) -> dict[str, float]:
@@ -40,23 +46,35 @@ def trainer_work(recipes: dict[str, dict[str, Any]], baseline: str) -> dict[str,
     return {name: fraction * r["train_s"] / base_train for name, r in recipes.items() if r.get("train_s")}
 
 
-def seconds_per_update(work: float, mode: str, updates: int = UPDATES) -> float:
-    """The scenario's mean seconds between trainer updates (after the first) at this trainer work and mode."""
-    scenario = load_scenario(SCENARIO, {"workload.trainer_work": work, "rollout.mode": mode,
-                                        "workload.updates": updates})
-    times = simulate(build(scenario))["_updates"]
-    return statistics.mean(b - a for a, b in zip(times, times[1:]))
+def scenario(work: float, overrides: dict[str, Any] | None = None) -> Scenario:
+    """The projection's scenario at one recipe's trainer work (`overrides`: dotted keys, e.g. a smaller cluster)."""
+    return load_scenario(SCENARIO, {"workload.updates": UPDATES, **(overrides or {}), "workload.trainer_work": work})
 
 
-def project(recipes: dict[str, dict[str, Any]], baseline: str, updates: int = UPDATES) -> dict[str, Any]:
-    """Per mode, each recipe's projected seconds per update and its ratio to the baseline's; {} without inputs."""
+def seconds_per_update(s: Scenario, mode: str) -> tuple[float, str]:
+    """Seconds per trained batch of the scenario's size, and the split it ran on (trainer / engine GPUs)."""
+    gpus = s.cluster.gpus + s.trainer_gpus()
+    if mode == "planned":
+        # the fastest split, whatever its engines' bubble (the planner's default prefers a small bubble over speed)
+        best = plan(s, gpus, etas=[1], bubble_target=1.0).best
+        split = f"{best.split.trainer_gpus} / {best.split.engine_gpus}"
+        return s.workload.prompts_per_step * s.workload.group_size / best.samples_per_s, split
+    run = simulate(build(s.model_copy(update={"rollout": s.rollout.model_copy(update={"mode": mode})})))
+    times = run["_updates"]
+    return (times[-1] - times[0]) / (len(times) - 1), f"{s.trainer_gpus()} / {s.cluster.gpus}"
+
+
+def project(recipes: dict[str, dict[str, Any]], baseline: str,
+            overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Per mode, each recipe's projected seconds per update, its ratio to the baseline's and its split; {} when
+    the inputs were not measured."""
     work = trainer_work(recipes, baseline)
     if not work:
         return {}
-    out: dict[str, Any] = {"scenario": str(SCENARIO.relative_to(CONFIG_DIR.parent.parent.parent)),
+    out: dict[str, Any] = {"scenario": "rollwise/sim/configs/scenarios/grpo-7b.yaml", "overrides": overrides or {},
                            "trainer_work": work, "modes": {}}
     for mode in MODES:
-        seconds = {name: seconds_per_update(w, mode, updates) for name, w in work.items()}
-        out["modes"][mode] = {name: {"s_per_update": s, "ratio_vs_baseline": s / seconds[baseline]}
-                              for name, s in seconds.items()}
+        rows = {name: seconds_per_update(scenario(w, overrides), mode) for name, w in work.items()}
+        out["modes"][mode] = {name: {"s_per_update": s, "ratio_vs_baseline": s / rows[baseline][0],
+                                     "trainer_engine_gpus": split} for name, (s, split) in rows.items()}
     return out

@@ -77,7 +77,9 @@ def balanced_trainer_share(s: Scenario, cost: CostModel, trainer: TrainerModel) 
     batch = cost.max_num_seqs
     context = batch * (s.workload.prompt_tokens + out / 2)  # half-way through the average sample
     engine_per_gpu = batch / (out * cost.decode_s(batch, context)) / cost.gpus_per_engine
-    trainer_per_gpu = 1.0 / (trainer.s_per_token_gpu * (s.workload.prompt_tokens + out)) if trainer.s_per_token_gpu else float("inf")
+    # a recipe's trainer work scales the trainer's seconds per sample (workload.trainer_work, as the simulator does)
+    per_sample_s = trainer.s_per_token_gpu * (s.workload.prompt_tokens + out) * s.workload.trainer_work
+    trainer_per_gpu = 1.0 / per_sample_s if per_sample_s else float("inf")
     return engine_per_gpu / (engine_per_gpu + trainer_per_gpu)
 
 
