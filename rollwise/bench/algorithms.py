@@ -45,6 +45,8 @@ GOAL_STEP_RATIO_CRITIC = 1.6
 EARLY_STEP = 3
 QUICK_RECIPES = ("grpo", "ppo_gae")
 QUICK_CRITIC = ["train.gae.critic_trainable_layers=1"]
+# --quick projects onto a small cluster (12 GPUs, 128 samples an update): seconds, where the full scenario takes minutes
+QUICK_PROJECTION = {"cluster.gpus": 8, "cluster.trainer_gpus": 4, "workload.prompts_per_step": 8, "workload.updates": 3}
 QUICK = ["model=tiny:0", "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_tokens=8",
          "engine.kind=reference", "engine.max_num_seqs=8", "engine.max_model_len=256", "eval.size=4",
          "train.micro_batch_size=8", "tensorboard=false", "threads=1"]
@@ -139,7 +141,7 @@ def summarise(arms: dict[str, list[dict[str, Any]]], quick: bool, project_gpu: b
             bound = GOAL_STEP_RATIO_CRITIC if name in CRITIC_RECIPES else GOAL_STEP_RATIO
             checks[f"{name}: seconds per step <= {bound}x GRPO"] = (
                 None if r["step_ratio_vs_grpo"] is None else r["step_ratio_vs_grpo"] <= bound)
-    projection = project(recipes, BASELINE) if project_gpu else {}
+    projection = project(recipes, BASELINE, QUICK_PROJECTION if quick else None) if project_gpu else {}
     return {"quick": quick, "recipes": recipes, "goals": _goals(recipes, projection), "checks": checks,
             "recipe_overrides": {n: RECIPES[n] for n in arms}, "gpu_projection": projection}
 
