@@ -211,6 +211,27 @@ def test_a_request_a_continuation_would_change_is_refused_and_keeps_running(vllm
     assert not vllm_engine.has_staging()
 
 
+def test_a_request_the_vllm_target_would_cut_off_stays_on_the_source(vllm_engine, model):
+    """A source with a longer max_model_len than the vLLM target: a request whose budget fits only the source stays
+    there (migration.check_context_limit), nothing staged on vLLM; vLLM's export carries its own limit."""
+    source = ReferenceEngine(model, max_num_seqs=8, max_model_len=2 * MAX_LEN, policy_version=0, seed=0,
+                             model_name=NAME, tokenizer_fingerprint=FINGERPRINT, eos_token_ids=config_eos(model))
+    long = GenerationRequest("long", PROMPTS[1], SamplingParams(max_tokens=MAX_LEN, temperature=0.0, ignore_eos=True))
+    source.add_request(long)
+    _run(source, 2)
+    with pytest.raises(MigrationRefused, match=rf"'long'.*max_model_len={MAX_LEN}.*max_model_len >= "
+                                              rf"{len(PROMPTS[1]) + MAX_LEN}") as refused:
+        migrate(source, vllm_engine)
+    assert list(refused.value.stayed) == ["long"] and not vllm_engine.has_unfinished()
+    assert not vllm_engine.has_staging()
+    [done] = _run(source)
+    assert len(done.token_ids) == MAX_LEN  # not cut off: it ran on where it was
+    vllm_engine.add_request(_requests("lim", 4)[0])
+    _run(vllm_engine, 1)
+    assert vllm_engine.export_running("lim0").max_model_len == MAX_LEN
+    _run(vllm_engine)
+
+
 def test_a_session_with_retained_kv_moves_to_vllm_and_is_retained_there(vllm_engine, model):
     """InferCept: a turn resumed from its session's retained KV on a reference engine moves to the vLLM engine, which
     binds no session at commit (vLLM binds one at retain(), from the finished turn): the turn ends as one engine's,

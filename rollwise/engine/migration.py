@@ -67,6 +67,9 @@ class MigrationState:
     request: GenerationRequest
     samples: list[MigratingSample]
     session_id: str | None = None
+    # The source's max_model_len: a target with less room would cut the request off earlier than the source (None:
+    # unknown, e.g. an older peer's state; check_context_limit then goes by the request's own budget).
+    max_model_len: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -136,6 +139,22 @@ def check_compatible(source: ModelInfo, target: ModelInfo) -> None:
             raise ValueError(f"cannot migrate: model_info.{name} differs between the engines "
                              f"({getattr(source, name)!r} vs {getattr(target, name)!r}); migrate to an engine "
                              "serving the same model and tokenizer")
+
+
+def check_context_limit(state: MigrationState, max_model_len: int) -> None:
+    """Refuse (ValueError, nothing staged) a request that could run further on its source than on this engine, whose
+    `max_model_len` is given: it would stop early here (finish reason "length") with tokens one engine would not
+    have produced. How far it can run: its prompt + max_tokens, capped by the source's limit when known."""
+    request = state.request
+    budget = len(request.prompt_ids) + request.params.max_tokens
+    reach = budget if state.max_model_len is None else min(budget, state.max_model_len)
+    if reach > max_model_len:
+        source = "unknown" if state.max_model_len is None else str(state.max_model_len)
+        raise ValueError(f"cannot migrate request {request.request_id!r} here: its prompt_ids has "
+                         f"{len(request.prompt_ids)} tokens and max_tokens={request.params.max_tokens}, so it may run "
+                         f"to {reach} tokens on its source (max_model_len={source}), but this engine's max_model_len="
+                         f"{max_model_len} would cut it off earlier; migrate it to an engine with max_model_len >= "
+                         f"{reach} or let it finish where it runs")
 
 
 class CommandRunner(Protocol):

@@ -98,12 +98,14 @@ class StateBody(_Strict):
     cache_salt: str | None = None
     samples: list[SampleBody]
     session_id: str | None = None
+    max_model_len: int | None = None  # the source's (MigrationState.max_model_len); an older peer sends none
 
     @classmethod
     def of(cls, state: MigrationState) -> StateBody:
         r = state.request
         return cls(request_id=r.request_id, prompt_ids=r.prompt_ids, params=r.params, adapter=r.adapter,
                    cache_salt=r.cache_salt, session_id=state.session_id,
+                   max_model_len=state.max_model_len,
                    samples=[SampleBody(**{**asdict(s), "rng_state": base64.b64encode(s.rng_state)})
                             for s in state.samples])
 
@@ -111,7 +113,7 @@ class StateBody(_Strict):
         request = GenerationRequest(self.request_id, list(self.prompt_ids), self.params, self.adapter, self.cache_salt)
         samples = [MigratingSample(s.index, s.token_ids, s.logprobs, s.versions, [list(t) for t in s.top_logprobs],
                                    s.rng_state, s.cached_prompt_tokens) for s in self.samples]
-        return MigrationState(request, samples, self.session_id)
+        return MigrationState(request, samples, self.session_id, self.max_model_len)
 
 
 class CommitBody(StateBody):

@@ -40,6 +40,8 @@ What a continuation changes, and what is therefore refused (ValueError naming th
   own) cannot be described as a MigrationState: it is not migratable. One none of whose samples finished and
   some of which wait moves as a waiting request: the target starts it anew (nothing was emitted yet).
 - MoE routing capture (GPU) would only cover the continuation: refused.
+- a request that could run further on its source than this engine's max_model_len allows (it would be cut off
+  early here): refused, as on every target (rollwise.engine.migration.check_context_limit).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from typing import Any
 
 import torch
 
-from rollwise.engine.migration import MigratingSample, MigrationState, fresh_stream_seed
+from rollwise.engine.migration import MigratingSample, MigrationState, check_context_limit, fresh_stream_seed
 from rollwise.engine.sampled_tokens import SampledTokens
 from rollwise.engine.vllm_requests import VllmSample, vllm_sampling_params
 from rollwise.types.generation import GenerationRequest, ModelInfo, SamplingParams
@@ -118,11 +120,11 @@ class VllmMigration:
         samples = [self._samples[vid] for vid in vids]
         request = samples[0].request
         if any(not s.sampled.token_ids for s in samples):  # none finished (else refused): it starts anew there
-            return MigrationState(request, [])
+            return MigrationState(request, [], max_model_len=self.max_model_len)
         return MigrationState(request, [
             MigratingSample(s.index, list(s.sampled.token_ids), list(s.sampled.logprobs), list(s.sampled.versions),
                             [list(t) for t in s.sampled.top_logprobs], b"", s.cached_prompt_tokens or 0)
-            for s in sorted(samples, key=lambda s: s.index)])
+            for s in sorted(samples, key=lambda s: s.index)], max_model_len=self.max_model_len)
 
     def suspend_migrating(self, request_id: str) -> MigrationState | None:
         """Export the request and stop its vLLM requests; its id and samples stay here until release or resume."""
@@ -262,6 +264,7 @@ class VllmMigration:
         why = migration_refusal(request)
         if why is not None:
             raise ValueError(why)
+        check_context_limit(state, self.max_model_len)
         for sample in state.samples:
             total = len(request.prompt_ids) + len(sample.token_ids)
             if total >= self.max_model_len:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rollwise.engine.migration import MigratingSample, MigrationState, fresh_stream_seed
+from rollwise.engine.migration import MigratingSample, MigrationState, check_context_limit, fresh_stream_seed
 from rollwise.engine.reference.prefix_cache import prefill_suffix, prefill_with_prefix
 from rollwise.engine.reference.scheduler import Sequence
 from rollwise.types.generation import GenerationRequest
@@ -70,7 +70,7 @@ class Migration:
         waiting = [r for r in self.scheduler.waiting if r.request_id == request_id] if held is None else \
             [held.waiting] if held.waiting is not None else []
         if waiting:
-            return MigrationState(waiting[0], [])
+            return MigrationState(waiting[0], [], max_model_len=self.max_model_len)
         seqs = sorted(held.seqs if held is not None else
                       (s for s in self.scheduler.running.values() if s.request.request_id == request_id),
                       key=lambda s: s.index)
@@ -78,7 +78,7 @@ class Migration:
                                    [list(t) for t in s.top_logprobs], s.generator.get_state().numpy().tobytes(),
                                    s.cached_prompt_tokens) for s in seqs]
         session = self.kv_tiers.owners.get(request_id) if self.kv_tiers is not None else None
-        return MigrationState(seqs[0].request, samples, session)
+        return MigrationState(seqs[0].request, samples, session, self.max_model_len)
 
     def suspend(self, request_id: str) -> MigrationState | None:
         """The handover (rollwise.engine.migration._hand_over): the request's final state; it leaves the batch (or
@@ -137,6 +137,7 @@ class Migration:
             raise ValueError(f"cannot migrate request {request.request_id!r} here: that id is already in flight")
         if cache is None:  # the engine sleeps: its KV cache is freed
             raise ValueError(f"cannot migrate request {request.request_id!r} here: the engine is sleeping; wake() it")
+        check_context_limit(state, self.max_model_len)
         self.adapters.resolve(request.adapter)  # an adapter this engine does not serve is refused, named
         first = request.request_id not in self.staged
         staged = self.staged.setdefault(request.request_id, {})
@@ -158,6 +159,7 @@ class Migration:
     def commit(self, state: MigrationState, cache: KVCache | None) -> None:
         request = state.request
         if not state.samples:  # still waiting on the source: queued here like any new request
+            check_context_limit(state, self.max_model_len)  # (stage, which checks it, is skipped)
             self.cancel(request.request_id)
             self.add_request(request)
             return
