@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -56,6 +56,12 @@ from rollwise.engine.migration import MigratingSample, MigrationState, check_con
 from rollwise.engine.sampled_tokens import SampledTokens
 from rollwise.engine.vllm_requests import VllmSample, vllm_sampling_params
 from rollwise.types.generation import GenerationRequest, ModelInfo, SamplingParams
+
+if TYPE_CHECKING:  # annotations only: importing vLLM, or the engine's other halves, is the engine's business
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from rollwise.engine.vllm_adapters import VllmAdapters
+    from rollwise.engine.vllm_retention import VllmSessionPins
 
 
 @dataclass
@@ -84,17 +90,17 @@ def continuation_params(params: SamplingParams, done: int) -> SamplingParams:
 class VllmMigration:
     """Mixed into VLLMEngine (which holds these attributes and methods): its Migratable half."""
 
-    _llm: Any  # vllm LLMEngine
+    _llm: LLMEngine
     _samples: dict[str, VllmSample]
     _children: dict[str, list[str]]
-    _adapters: Any  # VllmAdapters
+    _adapters: VllmAdapters
     _seed_source: torch.Generator
     eos_token_ids: set[int]
     max_model_len: int
     num_experts: int
     device: str
     sleeping: bool
-    session_pins: Any
+    session_pins: VllmSessionPins | None
     model_info: Callable[[], ModelInfo]
     add_request: Callable[[GenerationRequest], None]
     _scheduler: Callable[[], Any]

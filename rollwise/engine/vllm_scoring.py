@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rollwise.engine.scoring import check_score_request
 from rollwise.types.score import ScoreSequence
+
+if TYPE_CHECKING:  # an annotation only: the engine imports vLLM
+    from vllm.v1.engine.llm_engine import LLMEngine
 
 
 class VllmScoring:
     """Mixed into VLLMEngine (which holds these attributes)."""
 
-    _llm: Any  # vllm LLMEngine
+    _llm: LLMEngine
     max_model_len: int
     vocab_size: int
 
