@@ -33,7 +33,9 @@ from rollwise.sim.scenario import Scenario, load_scenario
 
 SCENARIO = CONFIG_DIR / "scenarios" / "grpo-7b.yaml"
 MODES = ("sync", "sorted", "planned")
-UPDATES = 4  # the first update's interval includes the first rollout's ramp-up: the rate is over the others
+# sync / sorted: the mean interval between updates, the first (which includes the first rollout's ramp-up) left out;
+# planned: the planner's samples/s over the whole simulated run, ramp-up included (the same for every recipe)
+UPDATES = 4
 
 
 def trainer_work(recipes: dict[str, dict[str, Any]], baseline: str) -> dict[str, float]:
@@ -71,8 +73,8 @@ def project(recipes: dict[str, dict[str, Any]], baseline: str,
     work = trainer_work(recipes, baseline)
     if not work:
         return {}
-    out: dict[str, Any] = {"scenario": "rollwise/sim/configs/scenarios/grpo-7b.yaml", "overrides": overrides or {},
-                           "trainer_work": work, "modes": {}}
+    out: dict[str, Any] = {"scenario": SCENARIO.relative_to(CONFIG_DIR.parents[2]).as_posix(),
+                           "overrides": overrides or {}, "trainer_work": work, "modes": {}}
     for mode in MODES:
         rows = {name: seconds_per_update(scenario(w, overrides), mode) for name, w in work.items()}
         out["modes"][mode] = {name: {"s_per_update": s, "ratio_vs_baseline": s / rows[baseline][0],
