@@ -129,18 +129,63 @@ def _step_grads(cfg: TrainConfig, samples: list[Sample], calls: list[int] | None
     return got, metrics, len(chunk_samples(samples, cfg)[1])
 
 
+class _OpCounts(TorchDispatchMode):
+    """How often each op ran while active, counted separately before and after `backward_started`."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_backward = False
+        self.forward: dict[str, int] = {}
+        self.backward: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        counts = self.backward if self.in_backward else self.forward
+        name = func.overloadpacket.__name__
+        counts[name] = counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_op_counts(mode) -> dict[str, int]:
+    """Ops run in one micro-batch's backward (one group, prompt shared) under train.gradient_checkpointing=`mode`."""
+    samples = _groups(seed=1, groups=1, size=3, lengths=(4, 9))
+    trainer = GRPOTrainer(tiny_llama(seed=3), TrainConfig(lr=1e-3, micro_batch_size=3, off_policy_correction="none",
+                                                          gradient_checkpointing=mode), pad_token_id=0)
+    counts = _OpCounts()
+    # the switch: the final norm's backward pre-hook (the LM head's gradient is computed from its weight, outside
+    # the module; the decoder layers' backward, recompute included, comes after the final norm's)
+    trainer.model.model.norm.register_full_backward_pre_hook(lambda *_: setattr(counts, "in_backward", True))
+    with counts:
+        trainer.train_step(samples)
+    return counts.backward
+
+
+def test_selective_checkpointing_recomputes_the_cheap_ops_and_not_the_matmuls():
+    """'selective' keeps the matmuls' and attention's outputs: its backward runs the matmuls a plain backward runs
+    (none recomputed, where full checkpointing reruns every forward one) and recomputes the norms."""
+    plain, full, selective = (_backward_op_counts(mode) for mode in (False, True, "selective"))
+    matmuls = ("mm", "addmm", "bmm")
+    count = lambda counts, ops: sum(counts.get(op, 0) for op in ops)  # noqa: E731
+    assert count(full, matmuls) > count(plain, matmuls)  # full recompute reruns the layers' projections
+    assert count(selective, matmuls) == count(plain, matmuls)
+    assert full.get("rsqrt", 0) > plain.get("rsqrt", 0) and selective.get("rsqrt", 0) == full.get("rsqrt", 0)
+    attention = [op for op in full if "scaled_dot_product" in op and "backward" not in op]
+    assert attention and all(selective.get(op, 0) == plain.get(op, 0) == 0 for op in attention)
+
+
+@pytest.mark.parametrize("mode", [True, "selective"])
 @pytest.mark.parametrize("layout", [dict(share_prompt_prefix=True, pack_responses=True, pack_groups=True),
                                     dict(share_prompt_prefix=True, pack_responses=False),
                                     dict(share_prompt_prefix=False)])
-def test_activation_checkpointing_recomputes_layers_and_gives_the_same_step(layout):
-    """Shared-prompt forwards keep the prompt's KV cache under checkpointing (Hugging Face's switch drops it;
-    the config used to refuse the combination): same gradients, loss and entropy, layers run twice."""
+def test_activation_checkpointing_recomputes_layers_and_gives_the_same_step(layout, mode):
+    """Shared-prompt forwards keep the prompt's KV cache under checkpointing, full or selective (Hugging Face's
+    switch drops it; the config used to refuse the combination): same gradients, loss and entropy, layers run
+    twice."""
     samples = _groups(seed=1, groups=3, size=3, lengths=(2, 11))
     base = dict(lr=1e-3, micro_batch_size=3, off_policy_correction="none", kl_coef=0.05, **layout)
     plain_calls: list[int] = []
     want, want_metrics, micro_batches = _step_grads(TrainConfig(**base), samples, plain_calls)
     calls: list[int] = []
-    got, got_metrics, _ = _step_grads(TrainConfig(**base, gradient_checkpointing=True), samples, calls)
+    got, got_metrics, _ = _step_grads(TrainConfig(**base, gradient_checkpointing=mode), samples, calls)
     assert len(plain_calls) == micro_batches * (2 if layout["share_prompt_prefix"] else 1)  # prompt + responses
     assert len(calls) == 2 * len(plain_calls)  # every layer forward recomputed once in the backward
     for name in want:

@@ -14,7 +14,7 @@ from rollwise.config import ConfigError, load_config
 from rollwise.control.train_loop import train
 from rollwise.model.tiny import tiny_llama, tiny_tokenizer
 from rollwise.tasks.chat_jsonl import ChatExample, load_chats, tokenize_chat
-from rollwise.train.sft import run_sft
+from rollwise.train.sft import SftTrainer, run_sft
 from rollwise.train.sft_packing import collate_rows, pack_rows, packed_logprobs
 from cli_run import run_rollwise
 from run_configs import tiny_run_config
@@ -84,6 +84,32 @@ def test_packed_rows_give_each_conversation_its_own_logprobs(tmp_path):
                 alone.append(picked[torch.tensor(c.loss_mask[1:], dtype=torch.bool)])
     torch.testing.assert_close(packed, torch.cat(alone), atol=2e-5, rtol=1e-5)
     assert batch.n_tokens == sum(sum(c.loss_mask[1:]) for c in chats)
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_sft_step_is_the_same_under_full_and_selective_checkpointing(tmp_path, compute_dtype):
+    """train.gradient_checkpointing in `rollwise sft` (the RL trainer's checkpointing): the same loss and gradients
+    as without it, also under bfloat16 autocast (selective's recompute replays every cast)."""
+    tokenizer = tiny_tokenizer()
+    chats = load_chats(tokenizer, _write_chats(tmp_path / "c.jsonl", 6))
+    batch = collate_rows(pack_rows(chats, pack_tokens=128), tokenizer.pad_token_id)
+    cfg = load_config(tiny_run_config(tmp_path), [f"train.compute_dtype={compute_dtype}"])
+    results = {}
+    for mode in (False, True, "selective"):
+        trainer = SftTrainer(tiny_llama(seed=3), tokenizer,
+                             cfg.model_copy(update={"train": cfg.train.model_copy(
+                                 update={"gradient_checkpointing": mode})}), total_steps=1)
+        logp, _ = trainer._logprobs(batch)
+        loss = -logp.mean()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+        results[mode] = (float(loss), grads)
+    want_loss, want = results[False]
+    for mode in (True, "selective"):
+        loss, got = results[mode]
+        assert loss == pytest.approx(want_loss, rel=1e-6), mode
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=f"{mode}: {name}")
 
 
 def test_sft_lowers_held_out_loss_and_its_checkpoint_starts_train(tmp_path):

@@ -59,6 +59,7 @@ def _rank_gradients(rank: int, port: int, cfg: TrainConfig, samples: list[Sample
     ("token_mean", True, False), ("seq_mean_token_mean", True, False), ("token_mean", False, False),
     ("seq_mean_token_mean", False, False),
     ("token_mean", False, True),  # activation checkpointing: the recompute re-gathers the layer's shards
+    ("token_mean", True, "selective"),  # selective: matmul outputs kept, the rest recomputed over gathered shards
 ])
 def test_two_ranks_compute_the_single_process_gradient(loss_agg, share, recompute):
     cfg = _cfg(loss_agg=loss_agg, share_prompt_prefix=share, gradient_checkpointing=recompute)

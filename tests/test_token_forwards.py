@@ -69,7 +69,7 @@ def test_reference_kl_and_critic_values_on_every_layout_equal_a_per_sample_forwa
 
 
 @pytest.mark.parametrize("layout,checkpointing", [("padded", False), ("group", False), ("packed_groups", False),
-                                                  ("packed_groups", True)])
+                                                  ("packed_groups", True), ("group", "selective")])
 def test_one_critic_forward_a_step_equals_values_then_update(layout, checkpointing):
     """train.updates_per_step=1: Critic.values_and_update (each micro-batch forwarded once, with grad) against the
     two passes it replaces, run here on a copy: Critic.values, the step's plan (compute_token_advantages over the

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from rollwise.config import RunError
 from rollwise.types.train_config import TrainConfig
 from rollwise.train.checkpoint import DCP_DIR, load_dcp_optimizer
-from rollwise.train.activation_checkpointing import CheckpointedForward
+from rollwise.train.activation_checkpointing import checkpoint_layer
 from rollwise.train.critic_layers import check_marker, freeze_lower_layers, write_marker
 from rollwise.train.logprobs import backbone_of
 
@@ -119,9 +119,8 @@ class Critic:
         freeze_lower_layers(backbone, cfg.gae.critic_trainable_layers)
         if cfg.gradient_checkpointing:  # as the policy's: the shared-prompt forwards keep their KV cache
             for layer in backbone.layers:  # a frozen layer has no backward: nothing to recompute
-                trains = any(p.requires_grad for p in layer.parameters())
-                if trains and not isinstance(layer.forward, CheckpointedForward):
-                    layer.forward = CheckpointedForward(layer.forward)
+                if any(p.requires_grad for p in layer.parameters()):
+                    checkpoint_layer(layer, cfg.gradient_checkpointing)
         if prepare is not None:
             prepare(self.model)
         self.cfg = cfg

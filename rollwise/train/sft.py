@@ -33,6 +33,7 @@ from rollwise.model.precision import resolve_dtype
 from rollwise.observe.metrics import MetricsLogger
 from rollwise.observe.run_logs import EVALS_LOG, METRICS_LOG
 from rollwise.tasks.chat_jsonl import TokenizedChat, load_chats, split_chats
+from rollwise.train.activation_checkpointing import enable_activation_checkpointing
 from rollwise.train.logprobs import LogprobOptions
 from rollwise.train.sft_packing import PackedRows, collate_rows, cut, pack_rows, packed_logprobs
 from rollwise.train.trainer import lr_factor
@@ -51,8 +52,7 @@ class SftTrainer:
         self.compute_dtype = resolve_dtype(cfg.train.compute_dtype, device)
         self.device = device
         model.config.use_cache = False
-        if cfg.train.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+        enable_activation_checkpointing(model, cfg.train.gradient_checkpointing)  # as the RL trainer's
         schedule = TrainConfig(steps=total_steps, lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps,
                                lr_schedule=cfg.sft.lr_schedule, min_lr_ratio=cfg.sft.min_lr_ratio)
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.sft.lr,
@@ -61,7 +61,9 @@ class SftTrainer:
 
     def _logprobs(self, batch: PackedRows) -> tuple[Tensor, Tensor]:
         autocast = self.compute_dtype != next(self.model.parameters()).dtype
-        with torch.autocast(self.device, dtype=self.compute_dtype, enabled=autocast):
+        # no cast cache under selective checkpointing: its recompute replays the forward's casts (GRPOTrainer._compute)
+        with torch.autocast(self.device, dtype=self.compute_dtype, enabled=autocast,
+                            cache_enabled=self.train_cfg.gradient_checkpointing != "selective"):
             # SFT's targets are data, not samples: the untempered distribution.
             logp, entropy = packed_logprobs(self.model, batch, LogprobOptions.of(self.train_cfg, temperature=1.0))
         return logp.float(), entropy.float()

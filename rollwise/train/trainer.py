@@ -179,7 +179,7 @@ class GRPOTrainer:
         self.before_step: Callable[[nn.Module], None] | None = None
         self.model.train()
         if cfg.gradient_checkpointing:  # decoder layers recomputed in the backward, KV cache kept (shared prompts)
-            enable_activation_checkpointing(self.model)
+            enable_activation_checkpointing(self.model, cfg.gradient_checkpointing)
         self.model.config.use_cache = False
         # train.compute_dtype, resolved once (auto reads the CPU's flags): autocast in it when it differs
         # from the parameters' dtype (_compute)
@@ -242,8 +242,13 @@ class GRPOTrainer:
 
     def _compute(self) -> torch.autocast:
         """train.compute_dtype: the forward's matmuls in that dtype (the backward follows the forward's
-        dtypes); parameters, gradients and optimizer state keep theirs (mixed precision)."""
-        return torch.autocast(self.autocast_device, dtype=self.compute_dtype, enabled=self.autocast)
+        dtypes); parameters, gradients and optimizer state keep theirs (mixed precision).
+
+        Under selective checkpointing autocast casts a weight at each use instead of once per region: the
+        recompute must replay the forward's ops one for one, and a cast the forward took from autocast's
+        cache (filled by the shared prompt's forward) would run again in the recompute."""
+        return torch.autocast(self.autocast_device, dtype=self.compute_dtype, enabled=self.autocast,
+                              cache_enabled=self.cfg.gradient_checkpointing != "selective")
 
     def _forward_logprobs(self, model: nn.Module, mb: MicroBatch | GroupMicroBatch) -> tuple[Tensor, Tensor]:
         with self._compute():
