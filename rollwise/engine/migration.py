@@ -144,7 +144,8 @@ def check_compatible(source: ModelInfo, target: ModelInfo) -> None:
 def check_context_limit(state: MigrationState, max_model_len: int) -> None:
     """Refuse (ValueError, nothing staged) a request that could run further on its source than on this engine, whose
     `max_model_len` is given: it would stop early here (finish reason "length") with tokens one engine would not
-    have produced. How far it can run: its prompt + max_tokens, capped by the source's limit when known."""
+    have produced. How far it can run: its prompt + max_tokens, capped by the source's limit when known. A sample
+    whose tokens already fill this engine's context is refused too (whatever the source's limit says)."""
     request = state.request
     budget = len(request.prompt_ids) + request.params.max_tokens
     reach = budget if state.max_model_len is None else min(budget, state.max_model_len)
@@ -155,6 +156,11 @@ def check_context_limit(state: MigrationState, max_model_len: int) -> None:
                          f"to {reach} tokens on its source (max_model_len={source}), but this engine's max_model_len="
                          f"{max_model_len} would cut it off earlier; migrate it to an engine with max_model_len >= "
                          f"{reach} or let it finish where it runs")
+    for sample in state.samples:  # a sample that already filled this engine's context has nothing left to run here
+        total = len(request.prompt_ids) + len(sample.token_ids)
+        if total >= max_model_len:
+            raise ValueError(f"cannot migrate request {request.request_id!r}: its {total} tokens leave no room to "
+                             f"generate within this engine's max_model_len={max_model_len}")
 
 
 class CommandRunner(Protocol):

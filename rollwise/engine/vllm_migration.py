@@ -272,10 +272,6 @@ class VllmMigration:
             raise ValueError(why)
         check_context_limit(state, self.max_model_len)
         for sample in state.samples:
-            total = len(request.prompt_ids) + len(sample.token_ids)
-            if total >= self.max_model_len:
-                raise ValueError(f"cannot migrate request {rid!r}: its {total} tokens leave no room to generate "
-                                 f"within this engine's max_model_len={self.max_model_len}")
             if len(sample.token_ids) >= request.params.max_tokens:
                 raise ValueError(f"cannot migrate request {rid!r}: sample {sample.index} already has "
                                  f"max_tokens={request.params.max_tokens} tokens (it finished)")

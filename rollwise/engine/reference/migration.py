@@ -145,9 +145,6 @@ class Migration:
         try:
             for sample in state.samples:
                 context = list(request.prompt_ids) + sample.token_ids[:-1]
-                if len(context) + 1 >= self.max_model_len:
-                    raise ValueError(f"cannot migrate request {request.request_id!r}: its {len(context) + 1} tokens "
-                                     f"exceed this engine's max_model_len={self.max_model_len}")
                 prefilled += self._stage_sample(cache, request.request_id, request.adapter, staged, sample.index,
                                                 context)
         except ValueError:
