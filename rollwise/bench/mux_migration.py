@@ -20,7 +20,8 @@ nothing duplicated, the same tokens as one engine) -- the run stops if they are 
 Goals (issue 42: "draining a slot by migration instead of abort and regenerate: tokens regenerated -> 0 and the
 drain's wall time cut by >= 2x"): `goals.migration_tokens_regenerated` (tokens, target 0) and
 `goals.drain_episode_abort_vs_migration` (abort's drain episode / migration's, target >= 2). The drain is started
-when A's requests are about DRAIN_AT of the way through (from a timed run of the same requests first), so what an
+when A's requests are about DRAIN_AT of the way through (from a timed run of the same requests first; both timed
+from when all of them run on the engines, not from their submission), so what an
 abort throws away is that share of their work; the JSON has the tokens actually sampled at the drain.
 Arms interleave over rounds; medians reported.
 """
@@ -74,6 +75,17 @@ class _Poller:
         return self.got
 
 
+def _wait_running(pool: EnginePool, job: str, count: int, timeout: float = 120.0) -> None:
+    """Until `count` of `job`'s requests run on the pool's engines. The drain is timed from here, in every arm and
+    in the run alone: on a loaded machine admission can take a varying share of the requests' time, and a drain
+    timed from their submission then found them still queued (nothing to abort or migrate) or already done."""
+    deadline = time.monotonic() + timeout
+    while sum(s["running_by_job"].get(job, 0) for s in pool.state()["slots"]) < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fewer than {count} of job {job!r}'s requests were running after {timeout:.0f} s")
+        time.sleep(0.005)
+
+
 def _one_run(arm: str, model_spec: str, requests: int, tokens: int, drain_after_s: float | None) -> dict[str, Any]:
     """One pool, one drain: the arm's measurements (drain_after_s None: time A's requests alone instead)."""
     model, tok = load_model(model_spec)
@@ -98,8 +110,9 @@ def _one_run(arm: str, model_spec: str, requests: int, tokens: int, drain_after_
                 raise RuntimeError("the pool never put job A on both slots")
             pa.got.clear()
             long = _requests("long", requests, tokens)
-            started = time.perf_counter()
             a.submit(long)
+            _wait_running(pool, "a", requests)
+            started = time.perf_counter()
             if drain_after_s is None:
                 done = pa.until(requests)
                 return {"alone_s": max(t for t, _ in done) - started}
