@@ -14,6 +14,7 @@ import threading
 import time
 
 import httpx
+import torch
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e \".[cpu]\")")
@@ -260,6 +261,49 @@ def test_a_session_with_retained_kv_moves_to_vllm_and_is_retained_there(vllm_eng
         vllm_engine.release_session("sess")
 
 
+def test_replace_weights_serves_the_new_owners_weights_and_refuses_a_partial_or_busy_swap(vllm_engine, model):
+    """Engine.replace_weights on vLLM (a pool recycling the engine for another job): the other owner's whole weights
+    at its version, which may be lower; the old weights' prefix cache is dropped (a repeat of a cached prompt is
+    recomputed); swapping the first weights back answers as before, token for token. A partial state or an engine
+    with requests in flight is refused and changes nothing. (It restores the engine's weights: the tests after it use them.)"""
+    def prompt(rid: str) -> GenerationRequest:  # the same greedy request, under a new id each time
+        return GenerationRequest(rid, PROMPTS[2], SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True))
+
+    original = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(5)
+    other = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in original.items()}
+    version = vllm_engine.policy_version
+    before = vllm_engine.generate([prompt("w0")])[0]
+    try:
+        with pytest.raises(ValueError, match="missing weight"):
+            vllm_engine.replace_weights({k: v for k, v in other.items() if k != "model.norm.weight"}, version + 5)
+        vllm_engine.add_request(prompt("busy"))
+        with pytest.raises(ValueError, match="idle engine"):
+            vllm_engine.replace_weights(other, version + 5)
+        vllm_engine.abort("busy")
+        _run(vllm_engine)
+        again = vllm_engine.generate([prompt("w1")])[0]
+        assert vllm_engine.policy_version == version and again.token_ids == before.token_ids  # unchanged
+        assert again.cached_prompt_tokens > 0  # the prompt's first KV block is in the prefix cache
+
+        vllm_engine.replace_weights(other, version + 5)
+        vllm_engine.replace_weights(original, version)  # a lower version: the first owner's, back
+        back = vllm_engine.generate([prompt("w2")])[0]
+        assert vllm_engine.policy_version == version and back.versions == [version] * TOKENS
+        assert back.cached_prompt_tokens == 0  # the cache of the weights before the swap was dropped
+        assert back.token_ids == before.token_ids and back.logprobs == pytest.approx(before.logprobs, abs=1e-4)
+
+        vllm_engine.replace_weights(other, version + 5)
+        swapped = vllm_engine.generate([prompt("w3")])[0]
+        assert swapped.versions == [version + 5] * TOKENS and swapped.cached_prompt_tokens == 0
+        assert swapped.logprobs != pytest.approx(before.logprobs, abs=1e-3)  # the other owner's weights answered
+    finally:
+        if vllm_engine.has_unfinished():
+            vllm_engine.abort("busy")
+            _run(vllm_engine)
+        vllm_engine.replace_weights(original, version)
+
+
 def _move_over_http(source: str, target: str, tag: str) -> tuple[httpx.Response, dict[str, dict]]:
     """Three long greedy requests on `source`'s /generate, moved to `target` by POST /migrate while they run;
     returns /migrate's answer and each client's answer."""
@@ -310,3 +354,4 @@ def test_migrate_route_moves_requests_out_of_and_into_a_vllm_server(vllm_engine,
             assert choice["token_ids"] == ref.token_ids and choice["versions"] == [0] * LONG
             assert choice["logprobs"] == pytest.approx(ref.logprobs, abs=2e-3)
             assert choice["migrations"] == [[source, target]]
+
