@@ -20,7 +20,7 @@ the norms (whose float32 copies are the largest saved tensors of a Llama layer u
 the autocast casts of inputs and weights, rotary, SiLU and the key/value head expansion. It is torch's
 selective activation checkpointing (create_selective_checkpoint_contexts, the same op policy torchtitan's
 "op" mode uses, without its every-other-matmul skip): the recompute is all elementwise. Measured on the
-default run (2-core CPU, bfloat16): 1.5 GiB off a step's peak for ~20% more train time (full: 2 GiB, ~1/3);
+default run (2-core CPU, bfloat16): 1.5 GiB off a step's peak for 12-23% more train time (full: 2 GiB, ~1/3);
 elementwise ops are a larger share of a CPU step than of a GPU one.
 """
 

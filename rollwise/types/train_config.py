@@ -100,7 +100,7 @@ class TrainConfig(ConfigSection):
         False, description="activation checkpointing of each decoder layer (rollwise.train.activation_checkpointing)"
         ": true recomputes the whole layer in the backward (a micro-batch holds ~1/20 of its activations, for ~1/3 "
         "more train-step compute); 'selective' keeps the matmuls' and attention's outputs and recomputes only the "
-        "elementwise ops between them (norms, casts, rotary, SiLU): 1.5 GiB less at a default step's peak, ~20% "
+        "elementwise ops between them (norms, casts, rotary, SiLU): 1.5 GiB less at a default step's peak, 12-23% "
         "more train time on a 2-core CPU (the default run's setting). Works with share_prompt_prefix")
     compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "float32", description="the trainer's matmuls (torch.autocast); weights, gradients and optimizer state "
