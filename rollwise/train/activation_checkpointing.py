@@ -34,8 +34,9 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from rollwise.train.logprobs import backbone_of
+from rollwise.types.train_config import CheckpointingMode
 
-__all__ = ["CheckpointedForward", "checkpoint_layer", "enable_activation_checkpointing"]
+__all__ = ["CheckpointedForward", "autocast_cache_enabled", "checkpoint_layer", "enable_activation_checkpointing"]
 
 _aten = torch.ops.aten
 # The ops whose outputs selective checkpointing keeps: every matmul a linear layer lowers to, and each
@@ -98,14 +99,22 @@ class CheckpointedForward:
         return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
 
-def checkpoint_layer(layer: nn.Module, mode: bool | str) -> None:
+def autocast_cache_enabled(mode: CheckpointingMode) -> bool:
+    """Whether the forward's torch.autocast may cache its weight casts (`cache_enabled`). Not under selective
+    checkpointing: its recompute must replay the forward's ops one for one, and a cast the forward took from
+    autocast's cache (filled by an earlier use of the weight, e.g. the shared prompt's forward) would run again
+    in the recompute. Each use then casts the weight itself."""
+    return mode != "selective"
+
+
+def checkpoint_layer(layer: nn.Module, mode: CheckpointingMode) -> None:
     """Put `layer`'s forward under checkpointing as train.gradient_checkpointing says (true: the whole
     layer recomputed; "selective"); idempotent, and a falsy mode leaves the layer alone."""
     if mode and not isinstance(layer.forward, CheckpointedForward):
         layer.forward = CheckpointedForward(layer.forward, selective=mode == "selective")
 
 
-def enable_activation_checkpointing(model: nn.Module, mode: bool | str = True) -> int:
+def enable_activation_checkpointing(model: nn.Module, mode: CheckpointingMode = True) -> int:
     """Checkpoint every decoder layer of `model` (idempotent); returns how many layers are checkpointed."""
     layers = backbone_of(model).layers
     for layer in layers:

@@ -33,7 +33,7 @@ from rollwise.model.precision import resolve_dtype
 from rollwise.observe.metrics import MetricsLogger
 from rollwise.observe.run_logs import EVALS_LOG, METRICS_LOG
 from rollwise.tasks.chat_jsonl import TokenizedChat, load_chats, split_chats
-from rollwise.train.activation_checkpointing import enable_activation_checkpointing
+from rollwise.train.activation_checkpointing import autocast_cache_enabled, enable_activation_checkpointing
 from rollwise.train.logprobs import LogprobOptions
 from rollwise.train.sft_packing import PackedRows, collate_rows, cut, pack_rows, packed_logprobs
 from rollwise.train.trainer import lr_factor
@@ -61,9 +61,8 @@ class SftTrainer:
 
     def _logprobs(self, batch: PackedRows) -> tuple[Tensor, Tensor]:
         autocast = self.compute_dtype != next(self.model.parameters()).dtype
-        # no cast cache under selective checkpointing: its recompute replays the forward's casts (GRPOTrainer._compute)
         with torch.autocast(self.device, dtype=self.compute_dtype, enabled=autocast,
-                            cache_enabled=self.train_cfg.gradient_checkpointing != "selective"):
+                            cache_enabled=autocast_cache_enabled(self.train_cfg.gradient_checkpointing)):
             # SFT's targets are data, not samples: the untempered distribution.
             logp, entropy = packed_logprobs(self.model, batch, LogprobOptions.of(self.train_cfg, temperature=1.0))
         return logp.float(), entropy.float()

@@ -30,7 +30,7 @@ from rollwise.train.lora import adapter_state, wrap_lora
 from rollwise.train.packing import GroupMicroBatch, collate_group, collate_packed_groups
 from rollwise.train.policy_loss import PolicyLossInputs, resolve_policy_loss
 from rollwise.train.logprobs import LogprobOptions, sequence_hidden, sequence_logprobs
-from rollwise.train.activation_checkpointing import enable_activation_checkpointing
+from rollwise.train.activation_checkpointing import autocast_cache_enabled, enable_activation_checkpointing
 from rollwise.train.routing_replay import ReplayBatch, RoutingReplay, find_routers, rows_batch
 from rollwise.train.step_batches import token_advantages_of, with_token_advantages
 from rollwise.train.critic import Critic
@@ -242,13 +242,9 @@ class GRPOTrainer:
 
     def _compute(self) -> torch.autocast:
         """train.compute_dtype: the forward's matmuls in that dtype (the backward follows the forward's
-        dtypes); parameters, gradients and optimizer state keep theirs (mixed precision).
-
-        Under selective checkpointing autocast casts a weight at each use instead of once per region: the
-        recompute must replay the forward's ops one for one, and a cast the forward took from autocast's
-        cache (filled by the shared prompt's forward) would run again in the recompute."""
+        dtypes); parameters, gradients and optimizer state keep theirs (mixed precision)."""
         return torch.autocast(self.autocast_device, dtype=self.compute_dtype, enabled=self.autocast,
-                              cache_enabled=self.cfg.gradient_checkpointing != "selective")
+                              cache_enabled=autocast_cache_enabled(self.cfg.gradient_checkpointing))
 
     def _forward_logprobs(self, model: nn.Module, mb: MicroBatch | GroupMicroBatch) -> tuple[Tensor, Tensor]:
         with self._compute():

@@ -19,6 +19,9 @@ from rollwise.types.config_section import ConfigSection
 from rollwise.types.critic_config import GaeConfig, check_critic_layers, check_kl_penalty, check_teacher
 from rollwise.types.sft_config import TeacherConfig
 
+# train.gradient_checkpointing: off, every decoder layer recomputed (true), or only its elementwise ops ("selective").
+CheckpointingMode = bool | Literal["selective"]
+
 # Each of AdamW's betas: a decay rate, in [0, 1) (torch refuses others only once the optimizer is built).
 AdamBeta = Annotated[float, Field(ge=0.0, lt=1.0)]
 
@@ -96,7 +99,7 @@ class TrainConfig(ConfigSection):
                                     "response rows): a group that would exceed it is cut into several micro-batches "
                                     "(a longer sample trains alone), pack_groups fills it with several groups; "
                                     "bounds activation memory whatever the response length")
-    gradient_checkpointing: bool | Literal["selective"] = Field(
+    gradient_checkpointing: CheckpointingMode = Field(
         False, description="activation checkpointing of each decoder layer (rollwise.train.activation_checkpointing)"
         ": true recomputes the whole layer in the backward (a micro-batch holds ~1/20 of its activations, for ~1/3 "
         "more train-step compute); 'selective' keeps the matmuls' and attention's outputs and recomputes only the "
