@@ -129,19 +129,18 @@ def _step_grads(cfg: TrainConfig, samples: list[Sample], calls: list[int] | None
     return got, metrics, len(chunk_samples(samples, cfg)[1])
 
 
-class _OpCounts(TorchDispatchMode):
-    """How often each op ran while active, counted separately before and after `backward_started`."""
+class _BackwardOpCounts(TorchDispatchMode):
+    """How often each op ran while active, once `in_backward` is set."""
 
     def __init__(self):
         super().__init__()
         self.in_backward = False
-        self.forward: dict[str, int] = {}
         self.backward: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        counts = self.backward if self.in_backward else self.forward
-        name = func.overloadpacket.__name__
-        counts[name] = counts.get(name, 0) + 1
+        if self.in_backward:
+            name = func.overloadpacket.__name__
+            self.backward[name] = self.backward.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
 
 
@@ -150,7 +149,7 @@ def _backward_op_counts(mode) -> dict[str, int]:
     samples = _groups(seed=1, groups=1, size=3, lengths=(4, 9))
     trainer = GRPOTrainer(tiny_llama(seed=3), TrainConfig(lr=1e-3, micro_batch_size=3, off_policy_correction="none",
                                                           gradient_checkpointing=mode), pad_token_id=0)
-    counts = _OpCounts()
+    counts = _BackwardOpCounts()
     # the switch: the final norm's backward pre-hook (the LM head's gradient is computed from its weight, outside
     # the module; the decoder layers' backward, recompute included, comes after the final norm's)
     trainer.model.model.norm.register_full_backward_pre_hook(lambda *_: setattr(counts, "in_backward", True))

@@ -93,12 +93,13 @@ def test_sft_step_is_the_same_under_full_and_selective_checkpointing(tmp_path, c
     tokenizer = tiny_tokenizer()
     chats = load_chats(tokenizer, _write_chats(tmp_path / "c.jsonl", 6))
     batch = collate_rows(pack_rows(chats, pack_tokens=128), tokenizer.pad_token_id)
-    cfg = load_config(tiny_run_config(tmp_path), [f"train.compute_dtype={compute_dtype}"])
+    config = tiny_run_config(tmp_path)
     results = {}
     for mode in (False, True, "selective"):
-        trainer = SftTrainer(tiny_llama(seed=3), tokenizer,
-                             cfg.model_copy(update={"train": cfg.train.model_copy(
-                                 update={"gradient_checkpointing": mode})}), total_steps=1)
+        cfg = load_config(config, [f"train.compute_dtype={compute_dtype}",
+                                   f"train.gradient_checkpointing={str(mode).lower()}"])
+        assert cfg.train.gradient_checkpointing == mode
+        trainer = SftTrainer(tiny_llama(seed=3), tokenizer, cfg, total_steps=1)
         logp, _ = trainer._logprobs(batch)
         loss = -logp.mean()
         loss.backward()
